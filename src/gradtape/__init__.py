@@ -1,0 +1,13 @@
+"""gradtape: an exact, replayable autograd tape for transformer training.
+
+``Tape`` records ops (eagerly evaluated with NumPy by default), ``Tape.backward`` derives
+gradients as more ops on the same tape, and ``Tape.compile`` turns any set of Vars into a
+``Program`` that replays on a backend.  Layers live in ``gradtape.nn``; the LLaMA
+fine-tuner in ``gradtape.llama``.
+"""
+
+from .compile import Program
+from .tape import Tape, Var
+
+__version__ = "0.1.0"
+__all__ = ["Tape", "Var", "Program", "__version__"]

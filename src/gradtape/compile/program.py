@@ -1,0 +1,72 @@
+"""``Program``: a compiled graph bound to a backend, replayed with new leaf values.
+
+The Program validates feeds (shared by every backend) and hands the backend arrays it can
+copy into its own leaf storage.  A leaf keeps its recorded value unless fed in that run
+(a leaf fed in the previous run and not in this one is put back to its recorded value);
+a leaf that is the target of an update holds state instead: it keeps whatever the last
+run wrote into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import build_graph
+from .memplan import plan_memory
+
+
+def compile_program(tape, outputs, backend="numpy", updates=None):
+    from ..backends import get_backend
+
+    backend_cls = get_backend(backend)
+    graph = build_graph(tape, outputs, updates)
+    return Program(graph, backend_cls(graph, plan_memory(graph)), backend)
+
+
+class Program:
+    def __init__(self, graph, executable, backend_name):
+        self.graph = graph
+        self.executable = executable
+        self.backend = backend_name
+        self._leaves = set(graph.leaves)
+        self._state = {leaf for leaf, _ in graph.updates}
+        self._fed_last = set()
+
+    @property
+    def memory(self):
+        """The MemoryPlan (n_buffers, nbytes) of intermediates."""
+        return self.executable.plan
+
+    def run(self, feeds=None) -> list:
+        """Replay with ``feeds`` ({leaf Var: array}); return the outputs as new arrays."""
+        feeds = dict(feeds or {})
+        arrays = {}
+        for leaf, value in feeds.items():
+            arrays[leaf] = self._check_feed(leaf, value)
+        # leaves fed last time and not now go back to their recorded values
+        for leaf in self._fed_last - arrays.keys() - self._state:
+            arrays[leaf] = leaf._value
+        self._fed_last = set(feeds) & self._leaves
+        return self.executable.run(arrays)
+
+    def _check_feed(self, leaf, value):
+        from ..tape import Var, _fmt_shape
+
+        if not isinstance(leaf, Var) or not leaf.is_leaf or leaf.tape is not self.graph.leaves[0].tape:
+            raise ValueError(f"run: feed key {leaf!r} is not a leaf (param or const) of "
+                             "this program's tape")
+        arr = np.asarray(value)
+        if arr.shape != leaf.shape:
+            raise ValueError(f"run: feed for {leaf.op} leaf #{leaf.index} {_fmt_shape(leaf.shape)}"
+                             f" got an array of shape {_fmt_shape(arr.shape)}")
+        if np.issubdtype(leaf.dtype, np.integer):
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"run: feed for integer leaf #{leaf.index} "
+                                f"{_fmt_shape(leaf.shape)} got dtype {arr.dtype}")
+        elif not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"run: feed for leaf #{leaf.index} got non-numeric dtype {arr.dtype}")
+        return arr.astype(leaf.dtype, copy=False)
+
+    def state(self, leaf):
+        """The current value of a state leaf (or any leaf) held by the program."""
+        return self.executable.leaf_value(leaf)

@@ -1,0 +1,428 @@
+"""The primitive table: every op the tape can record, declared once.
+
+Each primitive has a shape rule (checked when the op is recorded), a NumPy forward that
+writes into a preallocated ``out`` array (the same function runs eagerly and at replay, so
+a replay is bitwise equal to the eager values), and a vector-Jacobian rule written in tape
+ops, so that ``backward`` is just more graph.  A VJP rule is a pure function
+``(g, out, *inputs, **attrs) -> tuple`` with one entry per input: a thunk building that
+input's gradient, or ``None`` where the input is not differentiable (integer indices).
+Gradients of broadcast inputs are reduced by the engine (``tape.backward``), not here.
+
+This module also holds the builder functions (``add``, ``matmul``, ``softmax`` ...) that
+layers and VJP rules call; they are thin wrappers over ``Tape.record``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+class ShapeError(ValueError):
+    """Raised by a shape rule; the recorder prefixes the op and every input shape."""
+
+
+@dataclass(frozen=True)
+class Prim:
+    name: str
+    shape: Callable  # (in_shapes, **attrs) -> out shape; raises ShapeError
+    forward: Callable  # (out, *inputs, **attrs) -> None; writes into out
+    vjp: Callable | None  # (g, out, *inputs, **attrs) -> tuple of thunks / None
+    elementwise: bool = False  # out[i] depends only on inputs[i] (after broadcasting)
+    index_inputs: tuple = field(default_factory=tuple)  # positions holding integer ids
+
+
+PRIMS: dict[str, Prim] = {}
+
+
+def _prim(name, shape, forward, vjp, elementwise=False, index_inputs=()):
+    PRIMS[name] = Prim(name, shape, forward, vjp, elementwise, tuple(index_inputs))
+
+
+def _rec(op, *inputs, **attrs):
+    return inputs[0].tape.record(op, inputs, **attrs)
+
+
+# ---------------------------------------------------------------------------------------
+# shape rules
+
+def _same(shapes):
+    return shapes[0]
+
+
+def _broadcast(shapes):
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ShapeError("shapes do not broadcast (allowed: equal shapes, a [n] row over "
+                         "[T, n] rows, a [T, 1] column over columns, a scalar)") from None
+
+
+def _norm_axis(axis, ndim):
+    if not -ndim <= axis < ndim:
+        raise ShapeError(f"axis {axis} out of range for {ndim}-d input")
+    return axis % ndim
+
+
+def _reduce_shape(shape, axis, keepdims):
+    if axis is None:
+        return tuple(1 for _ in shape) if keepdims else ()
+    a = _norm_axis(axis, len(shape))
+    if keepdims:
+        return shape[:a] + (1,) + shape[a + 1:]
+    return shape[:a] + shape[a + 1:]
+
+
+def _softmax_shape(shapes, axis):
+    _norm_axis(axis, len(shapes[0]))
+    return shapes[0]
+
+
+def _matmul_shape(shapes, ta=False, tb=False):
+    a, b = shapes
+    if len(a) != 2 or len(b) != 2:
+        raise ShapeError("both operands must be 2-d")
+    m, k = (a[1], a[0]) if ta else a
+    k2, n = (b[1], b[0]) if tb else b
+    if k != k2:
+        raise ShapeError(f"inner dims {k} != {k2}")
+    return (m, n)
+
+
+def _slice_shape(shapes, axis, start, stop):
+    (s,) = shapes
+    a = _norm_axis(axis, len(s))
+    if not 0 <= start <= stop <= s[a]:
+        raise ShapeError(f"slice [{start}:{stop}] out of range for dim {a} of size {s[a]}")
+    return s[:a] + (stop - start,) + s[a + 1:]
+
+
+def _pad_shape(shapes, axis, before, after):
+    (s,) = shapes
+    a = _norm_axis(axis, len(s))
+    if before < 0 or after < 0:
+        raise ShapeError("pad widths must be >= 0")
+    return s[:a] + (s[a] + before + after,) + s[a + 1:]
+
+
+def _concat_shape(shapes, axis):
+    a = _norm_axis(axis, len(shapes[0]))
+    for s in shapes:
+        if len(s) != len(shapes[0]) or s[:a] + s[a + 1:] != shapes[0][:a] + shapes[0][a + 1:]:
+            raise ShapeError(f"all inputs must match except on axis {a}")
+    return shapes[0][:a] + (sum(s[a] for s in shapes),) + shapes[0][a + 1:]
+
+
+def _transpose_shape(shapes, perm):
+    (s,) = shapes
+    if sorted(perm) != list(range(len(s))):
+        raise ShapeError(f"perm {perm} is not a permutation of {len(s)} axes")
+    return tuple(s[p] for p in perm)
+
+
+def _reshape_shape(shapes, shape):
+    (s,) = shapes
+    if int(np.prod(s)) != int(np.prod(shape)) or any(d < 0 for d in shape):
+        raise ShapeError(f"cannot reshape {int(np.prod(s))} elements to {list(shape)}")
+    return tuple(shape)
+
+
+def _sum_to_shape(shapes, shape):
+    (s,) = shapes
+    shape = tuple(shape)
+    if len(shape) > len(s) or np.broadcast_shapes(shape, s) != tuple(s):
+        raise ShapeError(f"cannot sum {list(s)} down to {list(shape)}")
+    return shape
+
+
+def _broadcast_to_shape(shapes, shape):
+    (s,) = shapes
+    shape = tuple(shape)
+    try:
+        if np.broadcast_shapes(s, shape) != shape:
+            raise ValueError
+    except ValueError:
+        raise ShapeError(f"cannot broadcast {list(s)} to {list(shape)}") from None
+    return shape
+
+
+def _rows_index_shape(shapes):
+    x, ids = shapes
+    if len(x) != 2 or len(ids) != 1:
+        raise ShapeError("expects a 2-d table and 1-d ids")
+    return (ids[0], x[1])
+
+
+def _scatter_rows_shape(shapes, nrows):
+    src, ids = shapes
+    if len(src) != 2 or len(ids) != 1 or src[0] != ids[0]:
+        raise ShapeError("expects src [n, d] and ids [n]")
+    return (nrows, src[1])
+
+
+def _pick_shape(shapes):
+    x, idx = shapes
+    if len(x) != 2 or len(idx) != 1 or x[0] != idx[0]:
+        raise ShapeError("expects x [T, V] and idx [T]")
+    return (x[0], 1)
+
+
+def _put_shape(shapes, ncols):
+    src, idx = shapes
+    if len(src) != 2 or src[1] != 1 or len(idx) != 1 or src[0] != idx[0]:
+        raise ShapeError("expects src [T, 1] and idx [T]")
+    return (src[0], ncols)
+
+
+# ---------------------------------------------------------------------------------------
+# NumPy forwards: each writes into `out`.
+
+def _ufunc2(f):
+    return lambda out, a, b: f(a, b, out=out)
+
+
+def _ufunc1(f):
+    return lambda out, x: f(x, out=out)
+
+
+def _fwd_rsqrt(out, x):
+    np.sqrt(x, out=out)
+    np.divide(1.0, out, out=out)
+
+
+def _fwd_sigmoid(out, x):
+    # 1 / (1 + exp(-x)); exp overflows to inf for x << 0, which gives the right limit 0.
+    with np.errstate(over="ignore"):
+        np.negative(x, out=out)
+        np.exp(out, out=out)
+    np.add(out, 1.0, out=out)
+    np.divide(1.0, out, out=out)
+
+
+def _fwd_softmax(out, x, axis):
+    np.subtract(x, x.max(axis=axis, keepdims=True), out=out)
+    np.exp(out, out=out)
+    np.divide(out, out.sum(axis=axis, keepdims=True), out=out)
+
+
+def _fwd_logsumexp(out, x, axis):
+    m = x.max(axis=axis, keepdims=True)
+    np.log(np.exp(x - m).sum(axis=axis, keepdims=True), out=out)
+    np.add(out, m, out=out)
+
+
+def _fwd_matmul(out, a, b, ta=False, tb=False):
+    np.matmul(a.T if ta else a, b.T if tb else b, out=out)
+
+
+def _index(ndim, axis, start, stop):
+    idx = [slice(None)] * ndim
+    idx[axis % ndim] = slice(start, stop)
+    return tuple(idx)
+
+
+def _fwd_slice(out, x, axis, start, stop):
+    np.copyto(out, x[_index(x.ndim, axis, start, stop)])
+
+
+def _fwd_pad(out, x, axis, before, after):
+    out.fill(0)
+    out[_index(x.ndim, axis, before, before + x.shape[axis])] = x
+
+
+def _fwd_sum(out, x, axis=None, keepdims=False):
+    np.sum(x, axis=axis, keepdims=keepdims, out=out)
+
+
+def _fwd_sum_to(out, x, shape):
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1)
+    np.sum(x, axis=axes, keepdims=True, out=out.reshape((1,) * lead + tuple(shape)))
+
+
+def _fwd_scatter_rows(out, src, ids, nrows):
+    out.fill(0)
+    np.add.at(out, ids, src)
+
+
+def _fwd_pick(out, x, idx):
+    out[:, 0] = x[np.arange(x.shape[0]), idx]
+
+
+def _fwd_put(out, src, idx, ncols):
+    out.fill(0)
+    out[np.arange(src.shape[0]), idx] = src[:, 0]
+
+
+# ---------------------------------------------------------------------------------------
+# The table.  VJP rules use the builders defined below (late-bound names).
+
+_prim("add", _broadcast, _ufunc2(np.add),
+      lambda g, out, a, b: (lambda: g, lambda: g), elementwise=True)
+_prim("sub", _broadcast, _ufunc2(np.subtract),
+      lambda g, out, a, b: (lambda: g, lambda: neg(g)), elementwise=True)
+_prim("mul", _broadcast, _ufunc2(np.multiply),
+      lambda g, out, a, b: (lambda: mul(g, b), lambda: mul(g, a)), elementwise=True)
+# d(a/b)/db = -a/b^2 = -out/b
+_prim("div", _broadcast, _ufunc2(np.divide),
+      lambda g, out, a, b: (lambda: div(g, b), lambda: neg(div(mul(g, out), b))),
+      elementwise=True)
+_prim("neg", _same, _ufunc1(np.negative),
+      lambda g, out, x: (lambda: neg(g),), elementwise=True)
+_prim("scale", lambda s, c: s[0], lambda out, x, c: np.multiply(x, c, out=out),
+      lambda g, out, x, c: (lambda: scale(g, c),), elementwise=True)
+_prim("addc", lambda s, c: s[0], lambda out, x, c: np.add(x, c, out=out),
+      lambda g, out, x, c: (lambda: g,), elementwise=True)
+# d x^p = p x^(p-1)
+_prim("powc", lambda s, p: s[0], lambda out, x, p: np.power(x, p, out=out),
+      lambda g, out, x, p: (lambda: mul(g, scale(powc(x, p - 1), p)),), elementwise=True)
+_prim("exp", _same, _ufunc1(np.exp),
+      lambda g, out, x: (lambda: mul(g, out),), elementwise=True)
+_prim("log", _same, _ufunc1(np.log),
+      lambda g, out, x: (lambda: div(g, x),), elementwise=True)
+# d sqrt(x) = 1 / (2 sqrt(x))
+_prim("sqrt", _same, _ufunc1(np.sqrt),
+      lambda g, out, x: (lambda: scale(div(g, out), 0.5),), elementwise=True)
+# d x^(-1/2) = -1/2 x^(-3/2) = -1/2 out^3
+_prim("rsqrt", _same, _fwd_rsqrt,
+      lambda g, out, x: (lambda: mul(g, scale(mul(mul(out, out), out), -0.5)),),
+      elementwise=True)
+# d sigmoid = s (1 - s)
+_prim("sigmoid", _same, _fwd_sigmoid,
+      lambda g, out, x: (lambda: mul(g, sub(out, mul(out, out))),), elementwise=True)
+_prim("tanh", _same, _ufunc1(np.tanh),
+      lambda g, out, x: (lambda: mul(g, addc(neg(mul(out, out)), 1.0)),), elementwise=True)
+# softmax VJP: y * (g - sum(g * y))
+_prim("softmax", _softmax_shape, _fwd_softmax,
+      lambda g, out, x, axis: (
+          lambda: mul(out, sub(g, reduce_sum(mul(g, out), axis, keepdims=True))),))
+# logsumexp VJP: g * exp(x - lse) = g * softmax(x)
+_prim("logsumexp", lambda s, axis: _reduce_shape(s[0], axis, True), _fwd_logsumexp,
+      lambda g, out, x, axis: (lambda: mul(g, exp(sub(x, out))),))
+_prim("matmul", _matmul_shape, _fwd_matmul, lambda g, out, a, b, ta=False, tb=False: {
+    # C = op(A) op(B); each case is dA, dB written without materialised transposes.
+    (False, False): (lambda: matmul(g, b, tb=True), lambda: matmul(a, g, ta=True)),
+    (False, True): (lambda: matmul(g, b), lambda: matmul(g, a, ta=True)),
+    (True, False): (lambda: matmul(b, g, tb=True), lambda: matmul(a, g)),
+    (True, True): (lambda: matmul(b, g, ta=True, tb=True),
+                   lambda: matmul(g, a, ta=True, tb=True)),
+}[(ta, tb)])
+_prim("transpose", _transpose_shape,
+      lambda out, x, perm: np.copyto(out, x.transpose(perm)),
+      lambda g, out, x, perm: (lambda: transpose(g, tuple(np.argsort(perm).tolist())),))
+_prim("reshape", _reshape_shape, lambda out, x, shape: np.copyto(out, x.reshape(shape)),
+      lambda g, out, x, shape: (lambda: reshape(g, x.shape),))
+_prim("slice", _slice_shape, _fwd_slice,
+      lambda g, out, x, axis, start, stop: (
+          lambda: pad(g, axis, start, x.shape[axis] - stop),))
+_prim("pad", _pad_shape, _fwd_pad,
+      lambda g, out, x, axis, before, after: (
+          lambda: slice_(g, axis, before, before + x.shape[axis]),))
+
+
+def _concat_vjp(g, out, *xs, axis):
+    offsets = np.cumsum([0] + [x.shape[axis] for x in xs]).tolist()
+    return tuple((lambda s=s, e=e: slice_(g, axis, s, e)) for s, e in zip(offsets, offsets[1:]))
+
+
+_prim("concat", _concat_shape,
+      lambda out, *xs, axis: np.concatenate(xs, axis=axis, out=out), _concat_vjp)
+_prim("sum", lambda s, axis=None, keepdims=False: _reduce_shape(s[0], axis, keepdims),
+      _fwd_sum,
+      lambda g, out, x, axis=None, keepdims=False: (
+          lambda: broadcast_to(reshape(g, _reduce_shape(x.shape, axis, True)), x.shape),))
+_prim("sum_to", _sum_to_shape, _fwd_sum_to,
+      lambda g, out, x, shape: (lambda: broadcast_to(g, x.shape),))
+_prim("broadcast_to", _broadcast_to_shape, lambda out, x, shape: np.copyto(out, x),
+      lambda g, out, x, shape: (lambda: sum_to(g, x.shape),))
+_prim("take_rows", _rows_index_shape,
+      lambda out, table, ids: np.take(table, ids, axis=0, out=out),
+      lambda g, out, table, ids: (lambda: scatter_rows(g, ids, table.shape[0]), None),
+      index_inputs=(1,))
+_prim("scatter_rows", _scatter_rows_shape, _fwd_scatter_rows,
+      lambda g, out, src, ids, nrows: (lambda: take_rows(g, ids), None), index_inputs=(1,))
+_prim("pick", _pick_shape, _fwd_pick,
+      lambda g, out, x, idx: (lambda: put(g, idx, x.shape[1]), None), index_inputs=(1,))
+_prim("put", _put_shape, _fwd_put,
+      lambda g, out, src, idx, ncols: (lambda: pick(g, idx), None), index_inputs=(1,))
+
+
+# ---------------------------------------------------------------------------------------
+# Builders: the functions layers and VJP rules call.
+
+def add(a, b): return _rec("add", a, b)
+def sub(a, b): return _rec("sub", a, b)
+def mul(a, b): return _rec("mul", a, b)
+def div(a, b): return _rec("div", a, b)
+def neg(x): return _rec("neg", x)
+def scale(x, c): return _rec("scale", x, c=float(c))
+def addc(x, c): return _rec("addc", x, c=float(c))
+def powc(x, p): return _rec("powc", x, p=float(p))
+def exp(x): return _rec("exp", x)
+def log(x): return _rec("log", x)
+def sqrt(x): return _rec("sqrt", x)
+def rsqrt(x): return _rec("rsqrt", x)
+def sigmoid(x): return _rec("sigmoid", x)
+def tanh(x): return _rec("tanh", x)
+def softmax(x, axis): return _rec("softmax", x, axis=int(axis))
+def logsumexp(x, axis): return _rec("logsumexp", x, axis=int(axis))
+
+
+def matmul(a, b, ta=False, tb=False):
+    """op(a) @ op(b), where op transposes when ta / tb is set (no copy is made)."""
+    return _rec("matmul", a, b, ta=bool(ta), tb=bool(tb))
+
+
+def transpose(x, perm=None):
+    return _rec("transpose", x, perm=tuple(perm) if perm is not None else tuple(range(x.ndim))[::-1])
+
+
+def reshape(x, shape): return _rec("reshape", x, shape=tuple(int(d) for d in shape))
+
+
+def slice_(x, axis, start, stop):
+    """x[..., start:stop, ...] along `axis`."""
+    return _rec("slice", x, axis=int(axis), start=int(start), stop=int(stop))
+
+
+def pad(x, axis, before, after):
+    """Zero-pad `x` along `axis` with `before` and `after` entries."""
+    return _rec("pad", x, axis=int(axis), before=int(before), after=int(after))
+
+
+def concat(xs, axis):
+    xs = list(xs)
+    if not xs:
+        raise ValueError("concat: needs at least one input")
+    return _rec("concat", *xs, axis=int(axis))
+
+
+def reduce_sum(x, axis=None, keepdims=False):
+    return _rec("sum", x, axis=None if axis is None else int(axis), keepdims=bool(keepdims))
+
+
+def sum_to(x, shape): return _rec("sum_to", x, shape=tuple(shape))
+def broadcast_to(x, shape): return _rec("broadcast_to", x, shape=tuple(shape))
+
+
+def take_rows(table, ids):
+    """table[ids]: rows of a [V, D] table picked by integer ids [T] -> [T, D]."""
+    return _rec("take_rows", table, ids)
+
+
+def scatter_rows(src, ids, nrows):
+    """The transpose of take_rows: out[ids[i]] += src[i], out [nrows, D]."""
+    return _rec("scatter_rows", src, ids, nrows=int(nrows))
+
+
+def pick(x, idx):
+    """x[t, idx[t]] for every row t -> [T, 1]."""
+    return _rec("pick", x, idx)
+
+
+def put(src, idx, ncols):
+    """The transpose of pick: a [T, ncols] zero matrix with out[t, idx[t]] = src[t, 0]."""
+    return _rec("put", src, idx, ncols=int(ncols))

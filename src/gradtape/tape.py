@@ -1,0 +1,258 @@
+"""The tape: recording ops as Vars, and reverse-mode differentiation as more ops.
+
+A ``Tape`` holds Vars in recording order (which is a topological order).  Leaves are
+``param`` (trainable) or ``const``; every other Var is one application of a primitive
+from ``ops.PRIMS``.  Shapes and dtypes are checked when an op is recorded, never at replay.
+``backward`` walks the tape once in reverse, asks each primitive's VJP rule for its
+inputs' gradients, reduces broadcast gradients, and sums contributions — all by recording
+ops, so the gradients are graph that compiles and replays like any other op.
+
+This module does not execute compiled programs; see ``gradtape.compile``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from . import ops
+from .ops import PRIMS, ShapeError
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+LEAF_OPS = ("param", "const")
+
+
+def _fmt_shape(shape):
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+class Var:
+    """One value on a tape: a leaf or the output of one recorded op.
+
+    Hashable by identity; ``==`` is not overloaded.
+    """
+
+    __slots__ = ("tape", "index", "op", "inputs", "attrs", "shape", "dtype", "_value",
+                 "requires_grad", "__weakref__")
+    # numpy defers to our reflected operators (np_array + var -> Var.__radd__)
+    __array_ufunc__ = None
+
+    def __init__(self, tape, index, op, inputs, attrs, shape, dtype, value, requires_grad):
+        self.tape = tape
+        self.index = index
+        self.op = op
+        self.inputs = inputs
+        self.attrs = attrs
+        self.shape = shape
+        self.dtype = dtype
+        self._value = value
+        self.requires_grad = requires_grad
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+    @property
+    def is_leaf(self):
+        return self.op in LEAF_OPS
+
+    @property
+    def value(self) -> np.ndarray:
+        if self._value is None:
+            raise ValueError(f"{self.op} var {_fmt_shape(self.shape)} has no eager value: the "
+                             "tape was created with eager=False; compile and run it instead")
+        return self._value
+
+    def __array__(self, dtype=None, copy=None):
+        v = self.value
+        return v.astype(dtype) if dtype is not None else v
+
+    def __repr__(self):
+        return f"Var#{self.index}<{self.op} {_fmt_shape(self.shape)} {self.dtype}>"
+
+    # --- operator overloading: each records ops on the tape that owns the operand ---
+    def __add__(self, o):
+        return ops.addc(self, o) if _is_scalar(o) else ops.add(self, self.tape._lift(o, "add"))
+
+    def __radd__(self, o):
+        return ops.addc(self, o) if _is_scalar(o) else ops.add(self.tape._lift(o, "add"), self)
+
+    def __sub__(self, o):
+        return ops.addc(self, -o) if _is_scalar(o) else ops.sub(self, self.tape._lift(o, "sub"))
+
+    def __rsub__(self, o):
+        if _is_scalar(o):
+            return ops.addc(ops.neg(self), o)
+        return ops.sub(self.tape._lift(o, "sub"), self)
+
+    def __mul__(self, o):
+        return ops.scale(self, o) if _is_scalar(o) else ops.mul(self, self.tape._lift(o, "mul"))
+
+    def __rmul__(self, o):
+        return ops.scale(self, o) if _is_scalar(o) else ops.mul(self.tape._lift(o, "mul"), self)
+
+    def __truediv__(self, o):
+        if _is_scalar(o):
+            return ops.scale(self, 1.0 / o)
+        return ops.div(self, self.tape._lift(o, "div"))
+
+    def __rtruediv__(self, o):
+        return ops.div(self.tape._lift(o, "div"), self)
+
+    def __pow__(self, p):
+        if not _is_scalar(p):
+            raise TypeError("pow: only a constant scalar exponent is supported")
+        return ops.powc(self, p)
+
+    def __neg__(self):
+        return ops.neg(self)
+
+    def __matmul__(self, o):
+        return ops.matmul(self, self.tape._lift(o, "matmul"))
+
+    def __rmatmul__(self, o):
+        return ops.matmul(self.tape._lift(o, "matmul"), self)
+
+    @property
+    def T(self):
+        return ops.transpose(self)
+
+
+def _is_scalar(o):
+    return isinstance(o, numbers.Real) and not isinstance(o, bool) or (
+        isinstance(o, np.generic) and np.issubdtype(type(o), np.floating))
+
+
+class Tape:
+    """Records ops; differentiates them; compiles them into replayable programs.
+
+    ``dtype`` is the float dtype of every value on the tape (float64 or float32).  With
+    ``eager=True`` (the default) every recorded op is also evaluated with NumPy at once.
+    """
+
+    def __init__(self, dtype=np.float64, eager=True):
+        dtype = np.dtype(dtype)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"Tape: dtype must be float32 or float64, got {dtype}")
+        self.dtype = dtype
+        self.eager = eager
+        self.vars: list[Var] = []
+
+    # --- leaves ---
+    def param(self, value) -> Var:
+        """A trainable leaf: ``backward`` derives its gradient."""
+        arr = np.asarray(value)
+        if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"param: needs a numeric array, got dtype {arr.dtype}")
+        return self._leaf("param", np.array(arr, dtype=self.dtype), True)
+
+    def const(self, value) -> Var:
+        """A constant leaf.  Integer arrays stay integer (token ids, targets)."""
+        arr = np.asarray(value)
+        if np.issubdtype(arr.dtype, np.integer):
+            return self._leaf("const", np.array(arr, dtype=np.int64), False)
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(f"const: needs a numeric array, got dtype {arr.dtype}")
+        return self._leaf("const", np.array(arr, dtype=self.dtype), False)
+
+    def _leaf(self, op, arr, requires_grad):
+        v = Var(self, len(self.vars), op, (), {}, tuple(arr.shape), arr.dtype, arr, requires_grad)
+        self.vars.append(v)
+        return v
+
+    def _lift(self, o, opname):
+        """An operand of an overloaded operator: a Var of this tape, or an array -> const."""
+        if isinstance(o, Var):
+            return o
+        if isinstance(o, np.ndarray) or _is_scalar(o):
+            return self.const(np.asarray(o, dtype=self.dtype))
+        raise TypeError(f"{opname}: cannot combine a Var with {type(o).__name__}")
+
+    # --- recording ---
+    def record(self, op, inputs, **attrs) -> Var:
+        """Append one application of primitive ``op``; check shapes and dtypes now."""
+        prim = PRIMS.get(op)
+        if prim is None:
+            raise ValueError(f"record: unknown primitive {op!r}; known: {sorted(PRIMS)}")
+        shapes = [getattr(x, "shape", None) for x in inputs]
+
+        def where():
+            desc = ", ".join(_fmt_shape(s) if s is not None else type(x).__name__
+                             for x, s in zip(inputs, shapes))
+            extra = "".join(f", {k}={v}" for k, v in attrs.items())
+            return f"{op}({desc}{extra})"
+
+        for i, x in enumerate(inputs):
+            if not isinstance(x, Var):
+                raise TypeError(f"{where()}: input {i} is a {type(x).__name__}, not a Var")
+            if x.tape is not self:
+                raise ValueError(f"{where()}: input {i} belongs to another tape "
+                                 "(Vars of two tapes cannot be mixed)")
+            want_int = i in prim.index_inputs
+            if want_int != np.issubdtype(x.dtype, np.integer):
+                kind = "integer ids" if want_int else f"{self.dtype} values"
+                raise TypeError(f"{where()}: input {i} has dtype {x.dtype}, expected {kind}")
+        try:
+            shape = tuple(int(d) for d in prim.shape(shapes, **attrs))
+        except ShapeError as e:
+            raise ValueError(f"{where()}: {e}") from None
+        value = None
+        if self.eager:
+            value = np.empty(shape, self.dtype)
+            prim.forward(value, *(x.value for x in inputs), **attrs)
+        requires_grad = any(x.requires_grad for x in inputs)
+        v = Var(self, len(self.vars), op, tuple(inputs), attrs, shape, self.dtype, value,
+                requires_grad)
+        self.vars.append(v)
+        return v
+
+    # --- differentiation ---
+    def backward(self, loss: Var) -> dict:
+        """Record the gradient of the one-element ``loss`` w.r.t. every param it depends on.
+
+        Returns ``{param Var: gradient Var}``; the gradients are ops on this tape.
+        """
+        if not isinstance(loss, Var) or loss.tape is not self:
+            raise ValueError("backward: loss must be a Var of this tape")
+        if loss.size != 1:
+            raise ValueError(f"backward: loss must have exactly one element, got shape "
+                             f"{_fmt_shape(loss.shape)}")
+        grads = {loss: self.const(np.ones(loss.shape, self.dtype))}
+        out = {}
+        for v in reversed(self.vars[:loss.index + 1]):
+            g = grads.pop(v, None)
+            if g is None or not v.requires_grad:
+                continue
+            if v.op == "param":
+                out[v] = g
+                continue
+            rule = PRIMS[v.op].vjp
+            if rule is None:
+                raise ValueError(f"backward: primitive {v.op!r} has no gradient rule")
+            thunks = rule(g, v, *v.inputs, **v.attrs)
+            for i, (x, thunk) in enumerate(zip(v.inputs, thunks)):
+                if not x.requires_grad:
+                    continue
+                if thunk is None:
+                    raise ValueError(f"backward: {v.op} is not differentiable w.r.t. input {i}")
+                gx = thunk()
+                if gx.shape != x.shape:  # the input was broadcast: sum over those axes
+                    gx = ops.sum_to(gx, x.shape)
+                grads[x] = ops.add(grads[x], gx) if x in grads else gx
+        # keep the params' recording order, which callers find natural
+        return dict(sorted(out.items(), key=lambda kv: kv[0].index))
+
+    # --- compilation ---
+    def compile(self, outputs, backend="numpy", updates=None):
+        """Compile the ops ``outputs`` need into a replayable ``Program``.
+
+        ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
+        new value (parameters and optimizer moments in a replayed training step).
+        """
+        from .compile import compile_program
+        return compile_program(self, outputs, backend, updates)

@@ -152,13 +152,17 @@ class Tape:
         return self._leaf("param", np.array(arr, dtype=self.dtype), True)
 
     def const(self, value) -> Var:
-        """A constant leaf.  Integer arrays stay integer (token ids, targets)."""
+        """A constant leaf.  Integer arrays stay integer (token ids, targets).
+
+        An array already of the tape's dtype is shared, not copied (frozen model weights
+        are large): do not modify it afterwards.
+        """
         arr = np.asarray(value)
         if np.issubdtype(arr.dtype, np.integer):
-            return self._leaf("const", np.array(arr, dtype=np.int64), False)
+            return self._leaf("const", np.asarray(arr, dtype=np.int64), False)
         if not np.issubdtype(arr.dtype, np.floating):
             raise TypeError(f"const: needs a numeric array, got dtype {arr.dtype}")
-        return self._leaf("const", np.array(arr, dtype=self.dtype), False)
+        return self._leaf("const", np.asarray(arr, dtype=self.dtype), False)
 
     def _leaf(self, op, arr, requires_grad):
         v = Var(self, len(self.vars), op, (), {}, tuple(arr.shape), arr.dtype, arr, requires_grad)

@@ -1,0 +1,223 @@
+"""gradtape.nn: the transformer math as pure tape builders (SPEC.md section 2).
+
+Every function takes the tape and input Vars and returns a Var built from the primitives
+of ``gradtape.ops``; none defines a gradient, owns a parameter or knows a backend.  The
+``*_fill`` functions are host-side helpers that compute constant arrays (rope tables,
+the causal mask, cross-entropy targets) for the caller to feed.
+
+Conventions: activations are ``[T, cols]``; weights ``[in, out]`` (``x @ w``); a bias or
+norm weight is an ``[out]`` row broadcast over rows; row means use a ones column
+``[n, 1]`` made once with ``ones`` (the row mean of ``y`` is ``(y @ ones) / n``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+
+MASK_VALUE = -1e9
+
+
+# --- leaves -------------------------------------------------------------------------------
+
+def _shaped(tp, data, rows, cols):
+    shape = (cols,) if rows == 0 else (rows, cols)
+    arr = np.asarray(data, dtype=tp.dtype)
+    if arr.size != int(np.prod(shape)):
+        raise ValueError(f"nn: {arr.size} values do not fill shape {list(shape)}")
+    return arr.reshape(shape)
+
+
+def const(tp, data, rows, cols):
+    """A ``[rows, cols]`` const from flat ``data`` (``[cols]`` when ``rows == 0``)."""
+    return tp.const(_shaped(tp, data, rows, cols))
+
+
+def param(tp, data, rows, cols):
+    """Like ``const``, registered as a trainable param."""
+    return tp.param(_shaped(tp, data, rows, cols))
+
+
+def ones(tp, n):
+    """The ones column ``[n, 1]`` that row reductions multiply by."""
+    return tp.const(np.ones((n, 1), tp.dtype))
+
+
+# --- linear layers ------------------------------------------------------------------------
+
+def linear(tp, x, w):
+    """``x[T, in] @ w[in, out] -> [T, out]``."""
+    return ops.matmul(x, w)
+
+
+def linear_bias(tp, x, w, b):
+    """``x @ w + b`` with ``b[out]`` broadcast over rows."""
+    return ops.add(ops.matmul(x, w), b)
+
+
+def lora_linear(tp, x, w0, a, b, scale):
+    """``x @ w0 + scale * ((x @ a) @ b)``: a frozen ``w0[in, out]`` plus a rank-r update,
+    ``a[in, r]``, ``b[r, out]``, ``scale = alpha / r``."""
+    base = ops.matmul(x, w0)  # [T, out]
+    low = ops.matmul(ops.matmul(x, a), b)  # [T, r] -> [T, out]
+    return ops.add(base, ops.scale(low, scale))
+
+
+# --- norms and activations ----------------------------------------------------------------
+
+def rmsnorm(tp, x, w, ones, h, eps):
+    """``x * rsqrt(mean(x^2) + eps) * w`` over each row; ``x[T, h]``, ``w[h]``."""
+    ms = ops.scale(ops.matmul(ops.mul(x, x), ones), 1.0 / h)  # [T, 1]
+    return ops.mul(ops.mul(x, ops.rsqrt(ops.addc(ms, eps))), w)
+
+
+def layernorm(tp, x, w, b, ones, h, eps):
+    """``(x - m) / sqrt(var + eps) * w + b`` with the row mean ``m`` and the biased row
+    variance ``var``; ``x[T, h]``, ``w, b[h]``."""
+    m = ops.scale(ops.matmul(x, ones), 1.0 / h)  # [T, 1]
+    xc = ops.sub(x, m)
+    var = ops.scale(ops.matmul(ops.mul(xc, xc), ones), 1.0 / h)  # [T, 1]
+    return ops.add(ops.mul(ops.div(xc, ops.sqrt(ops.addc(var, eps))), w), b)
+
+
+def silu(tp, x):
+    """``x * sigmoid(x)``."""
+    return ops.mul(x, ops.sigmoid(x))
+
+
+def swiglu(tp, gate, up):
+    """``silu(gate) * up``: the LLaMA MLP's gated activation, ``[T, ffn]``."""
+    return ops.mul(silu(tp, gate), up)
+
+
+def softmax(tp, x, axis):
+    """Softmax over ``axis`` (NumPy meaning: ``axis=1`` normalises each row)."""
+    return ops.softmax(x, axis)
+
+
+# --- rope, heads, masks, attention --------------------------------------------------------
+
+def rope_fill(t, hd, base, cos_out=None, sin_out=None, start=0):
+    """Host-side rope tables ``[t, hd//2]``: ``cos[p, j] = cos(p * base**(-2j/hd))``.
+
+    Positions run from ``start`` (a KV-cache decode step uses its own offset).  Computed
+    in float64 and filled into ``cos_out``/``sin_out`` in place when given.
+    """
+    inv = float(base) ** (-2.0 * np.arange(hd // 2, dtype=np.float64) / hd)  # [hd/2]
+    ang = np.arange(start, start + t, dtype=np.float64)[:, None] * inv[None, :]  # [t, hd/2]
+    cos, sin = np.cos(ang), np.sin(ang)
+    if cos_out is not None:
+        cos_out[...] = cos
+        cos = cos_out
+    if sin_out is not None:
+        sin_out[...] = sin
+        sin = sin_out
+    return cos, sin
+
+
+def rope(tp, h, cosc, sinc, t, hd):
+    """NEOX half-split rotary embedding of one head ``h[t, hd]``:
+    ``[x1*cos - x2*sin, x2*cos + x1*sin]`` with ``x1, x2`` its two column halves."""
+    half = hd // 2
+    x1 = ops.slice_(h, 1, 0, half)  # [t, hd/2]
+    x2 = ops.slice_(h, 1, half, hd)
+    return ops.concat([ops.sub(ops.mul(x1, cosc), ops.mul(x2, sinc)),
+                       ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], 1)  # [t, hd]
+
+
+def head(tp, q, t, hi, hd):
+    """Columns ``[hi*hd, hi*hd + hd)`` of a ``[t, nh*hd]`` projection: head ``hi``."""
+    return ops.slice_(q, 1, hi * hd, hi * hd + hd)
+
+
+def causal_mask_fill(t, out=None, past=0):
+    """Host-side additive causal mask ``[t, past + t]``: 0 where query row ``i`` may see key
+    ``j`` (``j <= past + i``), -1e9 above.  ``past`` counts cached keys before the rows."""
+    m = np.triu(np.full((t, past + t), MASK_VALUE), k=past + 1)
+    if out is not None:
+        out[...] = m
+        return out
+    return m
+
+
+def _attend(tp, q_heads, k_heads, v_heads, mask, iscale):
+    """``softmax(q_h @ k_hᵀ * iscale + mask, axis=1) @ v_h`` for each query head, using kv
+    head ``qi // (nh // nkv)``; the heads concatenated ``[tq, nh*hd]``."""
+    group = len(q_heads) // len(k_heads)
+    outs = []
+    for qi, qh in enumerate(q_heads):
+        kv = qi // group
+        s = ops.add(ops.scale(ops.matmul(qh, k_heads[kv], tb=True), iscale), mask)  # [tq, tk]
+        outs.append(ops.matmul(ops.softmax(s, 1), v_heads[kv]))  # [tq, hd]
+    return ops.concat(outs, 1)
+
+
+def _check_heads(nh, nkv):
+    if nkv <= 0 or nh % nkv:
+        raise ValueError(f"attention: nh={nh} is not a multiple of nkv={nkv}")
+
+
+def gqa_attention(tp, q, k, v, cosc, sinc, mask, t, nh, nkv, hd, iscale):
+    """Grouped-query causal attention over pre-projected ``q[t, nh*hd]``, ``k, v[t,
+    nkv*hd]``: rope on each q and k head, query head ``qi`` attends with kv head
+    ``qi // (nh // nkv)``; returns the heads concatenated ``[t, nh*hd]``."""
+    _check_heads(nh, nkv)
+    qs = [rope(tp, head(tp, q, t, i, hd), cosc, sinc, t, hd) for i in range(nh)]
+    ks = [rope(tp, head(tp, k, t, i, hd), cosc, sinc, t, hd) for i in range(nkv)]
+    vs = [head(tp, v, t, i, hd) for i in range(nkv)]
+    return _attend(tp, qs, ks, vs, mask, iscale)
+
+
+def rope_heads(tp, x, cosc, sinc, t, n, hd):
+    """Rope on every head of ``x[t, n*hd]``, concatenated back to ``[t, n*hd]``."""
+    return ops.concat([rope(tp, head(tp, x, t, i, hd), cosc, sinc, t, hd) for i in range(n)], 1)
+
+
+def attention(tp, q, k, v, mask, nh, nkv, hd, iscale):
+    """The attention core of ``gqa_attention`` on already-roped ``q[tq, nh*hd]`` and
+    ``k, v[tk, nkv*hd]`` with a ``[tq, tk]`` mask: what a KV-cache decode step uses."""
+    _check_heads(nh, nkv)
+    tq, tk = q.shape[0], k.shape[0]
+    return _attend(tp, [head(tp, q, tq, i, hd) for i in range(nh)],
+                   [head(tp, k, tk, i, hd) for i in range(nkv)],
+                   [head(tp, v, tk, i, hd) for i in range(nkv)], mask, iscale)
+
+
+# --- losses -------------------------------------------------------------------------------
+
+def cross_entropy(tp, logits, onehot, onesV):
+    """``-mean(log(picked))`` with ``picked = (softmax(logits, 1) * onehot) @ onesV``:
+    the mean next-token loss over all rows of ``logits[T, V]`` (a one-element Var)."""
+    picked = ops.matmul(ops.mul(ops.softmax(logits, 1), onehot), onesV)  # [T, 1]
+    return ops.scale(ops.reduce_sum(ops.log(picked)), -1.0 / logits.shape[0])
+
+
+def cross_entropy_rows(tp, logits, onehot, onesV, keep):
+    """``cross_entropy`` over the first ``keep`` rows only."""
+    return cross_entropy(tp, ops.slice_(logits, 0, 0, keep), ops.slice_(onehot, 0, 0, keep),
+                         onesV)
+
+
+def cross_entropy_ids(tp, logits, ids, weights):
+    """``sum_t weights[t] * (logsumexp(logits[t]) - logits[t, ids[t]])``: the weighted
+    negative log-likelihood over target ids, with no ``[T, V]`` one-hot and a stable
+    log-softmax.  ``ids`` is an integer const ``[T]``, ``weights`` a const ``[T, 1]``;
+    ``ce_targets_fill`` makes both (weights ``1/n`` on the ``n`` counted rows gives the
+    mean; a token count shared by several micro-batches gives exact accumulation)."""
+    nll = ops.sub(ops.logsumexp(logits, 1), ops.pick(logits, ids))  # [T, 1]
+    return ops.reduce_sum(ops.mul(nll, weights))
+
+
+def ce_targets_fill(targets, ignore_index=-100, denominator=None):
+    """Host-side: ``(ids[T] int64, weights[T, 1])`` for ``cross_entropy_ids``.
+
+    Rows whose target is ``ignore_index`` (or negative) get weight 0 and a harmless id 0;
+    the others ``1 / denominator`` (default: the number of counted rows, giving the mean).
+    """
+    targets = np.asarray(targets, dtype=np.int64)
+    keep = (targets != ignore_index) & (targets >= 0)
+    n = int(keep.sum()) if denominator is None else denominator
+    ids = np.where(keep, targets, 0)
+    weights = (keep / max(n, 1)).astype(np.float64)[:, None]
+    return ids, weights

@@ -350,6 +350,19 @@ _prim("put", _put_shape, _fwd_put,
       lambda g, out, src, idx, ncols: (lambda: pick(g, idx), None), index_inputs=(1,))
 
 
+# select(c, a, b) = a where c != 0 else b; c is a 0/1 mask (a training step's "apply the
+# update now" flag), so g * c and g * (1 - c) route the gradient exactly.
+_prim("select", _broadcast, lambda out, c, a, b: np.copyto(out, np.where(c != 0, a, b)),
+      lambda g, out, c, a, b: (None, lambda: mul(g, c), lambda: mul(g, addc(neg(c), 1.0))),
+      elementwise=True)
+# max(x, c) for a constant c (gradient clipping: clip / max(norm, clip))
+_prim("maxc", lambda s, c: s[0], lambda out, x, c: np.maximum(x, c, out=out),
+      lambda g, out, x, c: (lambda: mul(g, gtc(x, c)),), elementwise=True)
+# the step function 1[x > c]: its derivative is zero wherever it is defined
+_prim("gtc", lambda s, c: s[0], lambda out, x, c: np.greater(x, c, out=out, casting="unsafe"),
+      lambda g, out, x, c: (lambda: scale(g, 0.0),), elementwise=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Builders: the functions layers and VJP rules call.
 
@@ -367,6 +380,9 @@ def sqrt(x): return _rec("sqrt", x)
 def rsqrt(x): return _rec("rsqrt", x)
 def sigmoid(x): return _rec("sigmoid", x)
 def tanh(x): return _rec("tanh", x)
+def select(c, a, b): return _rec("select", c, a, b)
+def maxc(x, c): return _rec("maxc", x, c=float(c))
+def gtc(x, c): return _rec("gtc", x, c=float(c))
 def softmax(x, axis): return _rec("softmax", x, axis=int(axis))
 def logsumexp(x, axis): return _rec("logsumexp", x, axis=int(axis))
 

@@ -42,17 +42,18 @@ class NumpyBackend:
     def leaf_value(self, leaf):
         return self._values[leaf].copy()
 
-    def run(self, arrays):
-        rebind = False
-        for leaf, arr in arrays.items():
-            if leaf not in self._values:
-                continue  # pruned: nothing reads this leaf
-            if leaf not in self._owned:
-                self._own(leaf)
-                rebind = True
-            np.copyto(self._values[leaf], arr)
-        if rebind:
+    def set_leaf(self, leaf, arr):
+        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared)."""
+        if leaf not in self._values:
+            return  # pruned: nothing reads this leaf
+        if leaf not in self._owned:
+            self._own(leaf)
             self._bind()
+        np.copyto(self._values[leaf], arr)
+
+    def run(self, arrays):
+        for leaf, arr in arrays.items():
+            self.set_leaf(leaf, arr)
         for forward, out, inputs, attrs in self._steps:
             forward(out, *inputs, **attrs)
         outs = [o.copy() for o in self._outputs]

@@ -67,6 +67,12 @@ class Program:
             raise TypeError(f"run: feed for leaf #{leaf.index} got non-numeric dtype {arr.dtype}")
         return arr.astype(leaf.dtype, copy=False)
 
+    def set_state(self, values):
+        """Overwrite leaves' held values ({leaf: array}) without running: restoring a
+        checkpoint into a training step's state."""
+        for leaf, value in values.items():
+            self.executable.set_leaf(leaf, self._check_feed(leaf, value))
+
     def state(self, leaf):
         """The current value of a state leaf (or any leaf) held by the program."""
         return self.executable.leaf_value(leaf)

@@ -132,7 +132,11 @@ def _reshape_shape(shapes, shape):
 def _sum_to_shape(shapes, shape):
     (s,) = shapes
     shape = tuple(shape)
-    if len(shape) > len(s) or np.broadcast_shapes(shape, s) != tuple(s):
+    try:
+        ok = len(shape) <= len(s) and np.broadcast_shapes(shape, s) == tuple(s)
+    except ValueError:  # numpy's own message would not name the op
+        ok = False
+    if not ok:
         raise ShapeError(f"cannot sum {list(s)} down to {list(shape)}")
     return shape
 

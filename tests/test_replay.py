@@ -1,0 +1,285 @@
+"""Compile and replay (SPEC.md section 1): graphs holding backward ops replayed with new
+leaf values against fresh eager tapes, bitwise equality on the recorded values, leaves
+that keep their values, state updates across runs, pruning, and the memory plan."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import gradtape as gt
+from gradtape import nn, ops
+
+from fd import BACKENDS, rel_err, replay_tol
+
+DTYPES = [np.float64, np.float32]
+
+
+def _build(tp, xa, wa, ba, ta):
+    """A small MLP with a softmax-cross-entropy-ish loss; returns (leaves, loss, grads)."""
+    x = tp.const(xa)
+    w = tp.param(wa)
+    b = tp.param(ba)
+    tgt = tp.const(ta)
+    h = ops.tanh(ops.add(ops.matmul(x, w), b))  # [T, n]
+    p = ops.softmax(ops.scale(h, 3.0), 1)
+    loss = ops.scale(ops.reduce_sum(ops.log(ops.pick(p, tgt))), -1.0 / xa.shape[0])
+    grads = tp.backward(loss)
+    return (x, w, b, tgt), loss, grads
+
+
+def _data(rng, T=6, d=5, n=4):
+    return (rng.standard_normal((T, d)), rng.standard_normal((d, n)) * 0.5,
+            rng.standard_normal(n), rng.integers(0, n, T))
+
+
+def _check(got, ref, backend, dtype):
+    tol = replay_tol(backend, dtype)
+    for g, r in zip(got, ref):
+        assert g.dtype == np.dtype(dtype) and g.shape == r.shape
+        if tol == 0.0:
+            np.testing.assert_array_equal(g, r)
+        else:
+            assert rel_err(g, r) <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_replay_same_values_is_bitwise_eager(backend, dtype):
+    rng = np.random.default_rng(0)
+    tp = gt.Tape(dtype)
+    _, loss, grads = _build(tp, *_data(rng))
+    # every intermediate too, not only the outputs: ask for all non-leaf Vars
+    everything = [v for v in tp.vars if not v.is_leaf]
+    prog = tp.compile(everything, backend=backend)
+    for _ in range(2):
+        _check(prog.run(), [v.value for v in everything], backend, dtype)
+    prog = tp.compile([loss, *grads.values()], backend=backend)
+    _check(prog.run(), [loss.value] + [g.value for g in grads.values()], backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_replay_new_leaves_matches_fresh_eager(backend, dtype):
+    rng = np.random.default_rng(1)
+    tp = gt.Tape(dtype)
+    leaves, loss, grads = _build(tp, *_data(rng))
+    prog = tp.compile([loss, *grads.values()], backend=backend)
+    for _ in range(3):
+        new = _data(rng)
+        got = prog.run(dict(zip(leaves, new)))
+        tp2 = gt.Tape(dtype)
+        _, loss2, grads2 = _build(tp2, *new)
+        _check(got, [loss2.value] + [g.value for g in grads2.values()], backend, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replay_second_order_graph(backend):
+    """A program whose outputs are second-order gradients replays like any other."""
+    rng = np.random.default_rng(2)
+
+    def build(tp, xa):
+        x = tp.param(xa)
+        loss = ops.reduce_sum(ops.mul(ops.sigmoid(x), ops.exp(ops.scale(x, 0.5))))
+        g = tp.backward(loss)[x]
+        h = tp.backward(ops.reduce_sum(ops.mul(g, g)))[x]
+        return x, [loss, g, h]
+
+    tp = gt.Tape()
+    x, outs = build(tp, rng.standard_normal((3, 4)))
+    prog = tp.compile(outs, backend=backend)
+    xa = rng.standard_normal((3, 4))
+    _, ref = build(gt.Tape(), xa)
+    _check(prog.run({x: xa}), [r.value for r in ref], backend, np.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unfed_leaves_keep_recorded_values(backend):
+    rng = np.random.default_rng(3)
+    data = _data(rng)
+    tp = gt.Tape()
+    (x, w, b, tgt), loss, grads = _build(tp, *data)
+    prog = tp.compile([loss, grads[w]], backend=backend)
+    rec = [loss.value, grads[w].value]
+    # feed only x: w, b, tgt keep their recorded values
+    xa = rng.standard_normal(x.shape)
+    got = prog.run({x: xa})
+    _, l2, g2 = _build(gt.Tape(), xa, *data[1:])
+    _check(got, [l2.value, list(g2.values())[0].value], backend, np.float64)
+    # a leaf fed last run and not now goes back to its recorded value
+    _check(prog.run(), rec, backend, np.float64)
+    _check(prog.run({}), rec, backend, np.float64)
+    # the tape's own eager values were never touched by the replays
+    np.testing.assert_array_equal(x.value, data[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_feeds_do_not_alias_caller_arrays(backend):
+    tp = gt.Tape()
+    x = tp.param(np.ones(3))
+    y = ops.scale(x, 2.0)
+    prog = tp.compile([y, x], backend=backend)
+    feed = np.array([1.0, 2.0, 3.0])
+    out = prog.run({x: feed})
+    feed[:] = 0.0
+    np.testing.assert_array_equal(out[0], [2.0, 4.0, 6.0])
+    np.testing.assert_array_equal(out[1], [1.0, 2.0, 3.0])
+    out[0][:] = -1  # returned arrays are the caller's own
+    np.testing.assert_array_equal(prog.run({x: [1.0, 2.0, 3.0]})[0], [2.0, 4.0, 6.0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_updates_make_state_across_runs(backend, dtype):
+    """SGD as part of the replayed step: w <- w - lr * grad, b likewise, for 4 runs."""
+    rng = np.random.default_rng(4)
+    data = _data(rng)
+    lr = 0.3
+    tp = gt.Tape(dtype)
+    (x, w, b, tgt), loss, grads = _build(tp, *data)
+    new_w = ops.sub(w, ops.scale(grads[w], lr))
+    new_b = ops.sub(b, ops.scale(grads[b], lr))
+    prog = tp.compile([loss], backend=backend, updates={w: new_w, b: new_b})
+    wa, ba = data[1], data[2]
+    for step in range(4):
+        xa = rng.standard_normal(x.shape)
+        (got,) = prog.run({x: xa})
+        tp2 = gt.Tape(dtype)
+        (_, w2, b2, _), l2, g2 = _build(tp2, xa, wa, ba, data[3])
+        _check([got], [l2.value], backend, dtype)
+        wa = (w2.value - np.asarray(lr, dtype) * g2[w2].value).astype(dtype)
+        ba = (b2.value - np.asarray(lr, dtype) * g2[b2].value).astype(dtype)
+        _check([prog.state(w), prog.state(b)], [wa, ba], backend, dtype)
+    # the recorded values are untouched; state is the program's
+    np.testing.assert_array_equal(w.value, data[1].astype(dtype))
+    # feeding a state leaf sets it
+    prog.run({w: data[1]})
+    assert not np.array_equal(prog.state(w), data[1].astype(dtype))  # updated after run
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pruning_drops_unneeded_ops(backend):
+    tp = gt.Tape()
+    x = tp.param(np.ones((2, 2)))
+    unused_leaf = tp.const(np.ones((2, 2)))
+    y = ops.exp(x)
+    dead = ops.log(ops.add(y, unused_leaf))  # noqa: F841 (not an output)
+    prog = tp.compile([y], backend=backend)
+    assert [v.op for v in prog.graph.ops] == ["exp"]
+    assert unused_leaf not in prog.graph.leaves
+    # feeding a leaf the outputs do not need is harmless
+    np.testing.assert_array_equal(prog.run({unused_leaf: np.zeros((2, 2))})[0], np.exp(1.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outputs_in_caller_order_with_repeats_and_leaves(backend):
+    tp = gt.Tape()
+    x = tp.param(np.array([1.0, 2.0]))
+    y = ops.scale(x, 3.0)
+    z = ops.neg(y)
+    out = tp.compile([z, x, y, z], backend=backend).run()
+    np.testing.assert_array_equal(out[0], [-3.0, -6.0])
+    np.testing.assert_array_equal(out[1], [1.0, 2.0])
+    np.testing.assert_array_equal(out[2], [3.0, 6.0])
+    np.testing.assert_array_equal(out[3], [-3.0, -6.0])
+
+
+def test_unknown_backend_lists_known_ones():
+    tp = gt.Tape()
+    x = tp.param(np.ones(2))
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'; known backends: .*numpy"):
+        tp.compile([x], backend="tpu")
+
+
+# --- the memory plan --------------------------------------------------------------------
+
+def _chain(tp, xa, n_ops):
+    """n_ops elementwise ops on a [64, 64] input (a long dependent chain)."""
+    x = tp.param(xa)
+    y = x
+    for i in range(n_ops):
+        y = [lambda v: ops.tanh(v), lambda v: ops.scale(v, 1.01),
+             lambda v: ops.addc(v, 0.01), lambda v: ops.mul(v, x)][i % 4](y)
+    return x, y
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_plan_reuses_buffers_on_a_long_chain(backend):
+    rng = np.random.default_rng(5)
+    tp = gt.Tape()
+    x, y = _chain(tp, rng.standard_normal((64, 64)) * 0.1, 200)
+    loss = ops.reduce_sum(y)
+    g = tp.backward(loss)[x]
+    prog = tp.compile([loss, g], backend=backend)
+    n_ops = len(prog.graph.ops)
+    assert n_ops > 400  # forward chain plus its backward
+    plan = prog.memory
+    # forward values live until backward reads them, so what can be reused are the
+    # backward's temporaries and the forward-only chain; still far below one per op
+    assert plan.n_buffers < n_ops / 2, (plan.n_buffers, n_ops)
+    # forward only: a dependent chain needs a handful of buffers, not 200
+    tp2 = gt.Tape()
+    x2, y2 = _chain(tp2, rng.standard_normal((64, 64)), 200)
+    prog2 = tp2.compile([ops.reduce_sum(y2)], backend=backend)
+    assert len(prog2.graph.ops) == 201
+    assert prog2.memory.n_buffers <= 4, prog2.memory.n_buffers
+    assert prog2.memory.nbytes <= 4 * 64 * 64 * 8
+
+
+def test_memory_plan_never_overwrites_a_live_value():
+    """Every op's output buffer differs from the buffers of the values it reads, and no two
+    simultaneously live values share a buffer (checked on a graph with backward ops)."""
+    rng = np.random.default_rng(6)
+    tp = gt.Tape()
+    (x, w, b, tgt), loss, grads = _build(tp, *_data(rng))
+    outs = [loss, *grads.values()]
+    prog = tp.compile(outs)
+    g, plan = prog.graph, prog.memory
+    pos = {v: i for i, v in enumerate(g.ops)}
+    last = {v: (len(g.ops) if v in outs else pos[v]) for v in g.ops}
+    for i, v in enumerate(g.ops):
+        for x_ in v.inputs:
+            if x_ in pos:
+                last[x_] = max(last[x_], i)
+    for a in g.ops:
+        for b_ in g.ops:
+            if a is b_ or plan.slot[a] != plan.slot[b_]:
+                continue
+            # same buffer: live ranges [pos, last] may touch only where one dies as the
+            # other is written... but then that op would read what it overwrites
+            lo, hi = (a, b_) if pos[a] < pos[b_] else (b_, a)
+            assert last[lo] < pos[hi], (lo, hi)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replays_allocate_nothing_new(backend):
+    rng = np.random.default_rng(8)
+    tp = gt.Tape()
+    x, y = _chain(tp, rng.standard_normal((64, 64)) * 0.1, 200)
+    loss = ops.reduce_sum(y)
+    g = tp.backward(loss)[x]
+    prog = tp.compile([loss, g], backend=backend)
+    buffers_before = prog.memory.buffer_sizes
+    xa = rng.standard_normal((64, 64)) * 0.1
+    prog.run({x: xa})  # first run: may own the fed leaf
+    gc.collect()
+    tracemalloc.start()
+    try:
+        prog.run({x: xa})
+        base, _ = tracemalloc.get_traced_memory()
+        for _ in range(5):
+            out = prog.run({x: xa})
+            del out
+        gc.collect()
+        cur, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    one = 64 * 64 * 8
+    assert cur - base < one, (cur - base)  # nothing retained across replays
+    # the peak holds the returned outputs and per-op temporaries, never the plan again
+    assert peak - base < 4 * one + 64 * 1024, (peak - base)
+    assert prog.memory.buffer_sizes == buffers_before
+    assert prog.memory.nbytes > 20 * one  # the buffers exist (allocated once, at compile)

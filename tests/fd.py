@@ -103,6 +103,16 @@ def _richardson(fn, h):
     return (4 * d2 - d1) / 3
 
 
+def _rms(a):
+    """The input's spread (its std; its rms when constant): a step that size is small
+    against the input's own variation, so a large common offset does not inflate it."""
+    a = np.asarray(a, np.float64)
+    if a.size == 0:
+        return 1.0
+    r = float(np.std(a)) or float(np.sqrt(np.mean(np.square(a))))
+    return r if r > 0 else 1.0
+
+
 def _dot(grads, dirs):
     return float(sum(np.vdot(g, d) for g, d in zip(grads, dirs)))
 
@@ -148,7 +158,9 @@ def check_fd(build, inputs, order=1, seed=0, h=FD_H):
     u = rng.standard_normal(out_shape)
     c = rng.standard_normal(out_shape)
     w = [rng.standard_normal(np.shape(inputs[i])) for i in pos]
-    v = [rng.standard_normal(np.shape(inputs[i])) for i in pos]
+    # directions scaled to each input's size: h is then a relative step, right for
+    # inputs of norm 1e-3 and 1e3 alike
+    v = [rng.standard_normal(np.shape(inputs[i])) * _rms(inputs[i]) for i in pos]
 
     def scalar(xs, analytic):
         """The checked scalar at xs, and (if analytic) its gradient wrt the float inputs."""

@@ -67,7 +67,7 @@ def run(args) -> int:
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
                          seq_len=64, batch_size=8, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          eval_every=20, save_every=20, backend=backend,
-                         resume=(out / "checkpoint" / "trainer.json").is_file())
+                         resume=(out / "checkpoint" / "state.safetensors").is_file())
     summary = finetune(cfg, model=model)
     adapter = llama.load_adapter(out / "adapter", model)
     after = _answers(model, prompts, adapter)

@@ -4,7 +4,7 @@
 its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
 
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
-    checkpoint/         state.safetensors (adapter, AdamW moments) + trainer.json (step, config)
+    checkpoint/         state.safetensors: adapter, AdamW moments; step and config as metadata
     log.jsonl           one JSON object per step (loss, lr, grad norm, tokens/s) and per eval
     loss.png            train (and eval) loss curves
     gradtape-run.json   marks the folder as ours (we never write into someone else's folder)
@@ -34,6 +34,7 @@ from . import data as data_mod
 from .lora import init_adapter, parse_targets
 
 MARKER = "gradtape-run.json"
+CHECKPOINT = "state.safetensors"
 
 
 def _opt(default, help, **kw):
@@ -76,6 +77,11 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
     from .train import Schedule, TrainStep
     from ..optim import AdamWConfig
 
+    from ..backends import BACKENDS
+
+    if cfg.backend not in BACKENDS:
+        raise GradtapeError(f"unknown backend {cfg.backend!r}; known backends: "
+                            f"{', '.join(sorted(BACKENDS))}")
     out = Path(cfg.out)
     _claim_folder(out, cfg.resume)
     model = model or llama.load(cfg.model)
@@ -173,7 +179,7 @@ def _claim_folder(out: Path, resume: bool):
     if out.exists() and not out.is_dir():
         raise GradtapeError(f"--out {out} exists and is not a folder")
     if resume:
-        if not (out / "checkpoint" / "trainer.json").is_file():
+        if not (out / "checkpoint" / CHECKPOINT).is_file():
             raise GradtapeError(f"--resume: no checkpoint in {out}")
         return
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
@@ -183,13 +189,14 @@ def _claim_folder(out: Path, resume: bool):
 
 
 def _save_checkpoint(out, step_prog, step, cfg):
+    """One file, written atomically: the state arrays, with the step and the run's config
+    in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
     from safetensors.numpy import save
 
     ck = out / "checkpoint"
     ck.mkdir(exist_ok=True)
-    atomic_write_bytes(ck / "state.safetensors", save(step_prog.state_arrays()))
-    # trainer.json is written last: it names the step the state file belongs to
-    atomic_write_json(ck / "trainer.json", {"step": step, "config": dataclasses.asdict(cfg)})
+    meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg))}
+    atomic_write_bytes(ck / CHECKPOINT, save(step_prog.state_arrays(), metadata=meta))
 
 
 _SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "alpha",
@@ -197,24 +204,30 @@ _SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "al
 
 
 def _load_checkpoint(out, step_prog, cfg):
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
 
-    ck = out / "checkpoint"
-    meta = json.loads((ck / "trainer.json").read_text())
-    old = meta.get("config", {})
+    path = out / "checkpoint" / CHECKPOINT
+    try:
+        with safe_open(str(path), "np") as f:
+            meta = f.metadata() or {}
+        step, old = int(meta["step"]), json.loads(meta["config"])
+        arrays = load_file(str(path))
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        raise GradtapeError(f"--resume: {path} is not a readable checkpoint ({e})") from None
     changed = [k for k in _SAME_RUN if k in old and old[k] != getattr(cfg, k)]
     if changed:
-        raise GradtapeError(f"--resume: options differ from the checkpoint's run: "
+        raise GradtapeError("--resume: options differ from the checkpoint's run: "
                             + ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {getattr(cfg, k)}"
                                         for k in changed))
     try:
-        step_prog.load_state_arrays(load_file(str(ck / "state.safetensors")))
+        step_prog.load_state_arrays(arrays)
     except ValueError as e:
-        raise GradtapeError(f"--resume: {ck}: {e}") from None
+        raise GradtapeError(f"--resume: {path}: {e}") from None
     # keep the log consistent with the checkpoint: drop steps after it
-    recs = [r for r in _read_log(out) if r["step"] <= meta["step"]]
+    recs = [r for r in _read_log(out) if r["step"] <= step]
     (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return int(meta["step"])
+    return step
 
 
 def _read_log(out):

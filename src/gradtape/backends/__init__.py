@@ -13,6 +13,7 @@ import importlib
 # name -> "module:Class"; imported lazily so optional backends cost nothing unless used
 BACKENDS = {
     "numpy": "gradtape.backends.numpy:NumpyBackend",
+    "cpu": "gradtape.backends.cpu:CpuBackend",
 }
 
 

@@ -1,0 +1,412 @@
+"""C code generation for fused groups (``compile/fuse.py``), and the compile cache.
+
+Each group becomes one ``static void kN(void **p)`` kernel: ``p`` holds the group's
+external inputs, then its escaping outputs, as pointers.  Shapes and constants are baked
+into the text, so structurally identical groups (every layer, every head) share one
+kernel.  ``gt_run(P, calls, n)`` runs ``n`` kernel calls from a table of
+``(kernel, offset into P)`` pairs: a stretch of groups between two matmuls costs one
+ctypes call.
+
+Float math follows the NumPy forwards of ``ops.py`` operation by operation (same
+formulas, the dtype's own precision, no reassociation: ``-ffp-contract=off``, no
+``-ffast-math``).  float64 uses libm (exp, log, sqrt, tanh).  float32 ``exp`` is an
+inlined Cephes-style polynomial (max error about 1 ulp, measured) that the compiler can
+vectorize; libm's ``expf`` is a call that stops vectorization.  Row sums accumulate in
+double for both dtypes.
+
+This module knows nothing of buffers or execution; ``cpu.py`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..compile.fuse import prefix_level
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
+
+PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+/* exp for float32: exp(x) = 2^n exp(r), r = x - n ln2 (Cephes expf coefficients);
+   branch-free so loops calling it vectorize; overflow gives inf, underflow 0, NaN stays. */
+static inline float gt_expf(float x) {
+    x = x > 89.0f ? 89.0f : x;
+    x = x < -104.0f ? -104.0f : x;
+    float fn = x * 1.44269504088896341f;
+    fn = (fn + 12582912.0f) - 12582912.0f;   /* round to nearest integer */
+    int32_t n = (int32_t)fn;
+    float r = x - fn * 0.693359375f;
+    r = r - fn * -2.12194440e-4f;
+    float z = r * r;
+    float y = ((((( 1.9875691500E-4f * r + 1.3981999507E-3f) * r + 8.3334519073E-3f) * r
+                 + 4.1665795894E-2f) * r + 1.6666665459E-1f) * r + 5.0000001201E-1f) * z
+              + r + 1.0f;
+    int32_t n1 = n >> 1, n2 = n - n1;        /* two factors: 2^n may not be a normal float */
+    int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    return y * s1 * s2;
+}
+typedef void (*gt_kernel)(void **);
+"""
+
+
+class CTypes:
+    """Per-dtype spellings: C type, math function names, literals."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        f32 = self.dtype == np.float32
+        self.t = "float" if f32 else "double"
+        self.exp = "gt_expf" if f32 else "exp"
+        self.log = "logf" if f32 else "log"
+        self.sqrt = "sqrtf" if f32 else "sqrt"
+        self.tanh = "tanhf" if f32 else "tanh"
+        self.pow = "powf" if f32 else "pow"
+        self.f32 = f32
+
+    def lit(self, c):
+        """An exact literal of ``c`` rounded to the dtype (as NumPy casts a Python float
+        scalar to the array's dtype)."""
+        c = float(self.dtype.type(c))
+        if c != c:
+            return "NAN" if not self.f32 else "((float)NAN)"
+        if c in (float("inf"), float("-inf")):
+            s = "INFINITY" if c > 0 else "(-INFINITY)"
+            return s if not self.f32 else f"((float){s})"
+        return f"({c.hex()}{'f' if self.f32 else ''})"
+
+
+def _expr(op, args, attrs, ct):
+    """C expression of one elementwise primitive over operand expressions ``args``,
+    mirroring its NumPy forward in ops.py."""
+    a = args[0]
+    b = args[1] if len(args) > 1 else None
+    one = ct.lit(1.0)
+    if op == "add":
+        return f"({a} + {b})"
+    if op == "sub":
+        return f"({a} - {b})"
+    if op == "mul":
+        return f"({a} * {b})"
+    if op == "div":
+        return f"({a} / {b})"
+    if op == "neg":
+        return f"(-{a})"
+    if op == "scale":
+        return f"({a} * {ct.lit(attrs['c'])})"
+    if op == "addc":
+        return f"({a} + {ct.lit(attrs['c'])})"
+    if op == "powc":
+        p = float(attrs["p"])
+        if p == 1.0:
+            return f"({a})"
+        if p == 2.0:
+            return f"({a} * {a})"
+        if p == 0.5:
+            return f"{ct.sqrt}({a})"
+        if p == -1.0:
+            return f"({one} / {a})"
+        return f"{ct.pow}({a}, {ct.lit(p)})"
+    if op == "exp":
+        return f"{ct.exp}({a})"
+    if op == "log":
+        return f"{ct.log}({a})"
+    if op == "sqrt":
+        return f"{ct.sqrt}({a})"
+    if op == "rsqrt":
+        return f"({one} / {ct.sqrt}({a}))"
+    if op == "sigmoid":
+        return f"({one} / ({one} + {ct.exp}(-{a})))"
+    if op == "tanh":
+        return f"{ct.tanh}({a})"
+    if op == "select":
+        return f"(({a} != {ct.lit(0.0)}) ? {b} : {args[2]})"
+    if op == "maxc":  # np.maximum propagates NaN
+        c = ct.lit(attrs["c"])
+        return f"((({a} >= {c}) || ({a} != {a})) ? {a} : {c})"
+    if op == "gtc":
+        return f"(({a} > {ct.lit(attrs['c'])}) ? {one} : {ct.lit(0.0)})"
+    raise KeyError(op)
+
+
+C_ELEMENTWISE = frozenset(("add", "sub", "mul", "div", "neg", "scale", "addc", "powc", "exp",
+                           "log", "sqrt", "rsqrt", "sigmoid", "tanh", "select", "maxc", "gtc"))
+
+
+def _contig_strides(shape):
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return st[::-1]
+
+
+def _bstrides(shape, domain):
+    """Element strides of a C-contiguous array of ``shape`` broadcast over ``domain``."""
+    k = len(domain)
+    padded = (1,) * (k - len(shape)) + tuple(shape)
+    st = _contig_strides(padded)
+    return [0 if padded[d] == 1 else st[d] for d in range(k)]
+
+
+def _index(strides, ivars):
+    terms = []
+    for s, i in zip(strides, ivars):
+        if s == 1:
+            terms.append(i)
+        elif s:
+            terms.append(f"{i}*{s}L")
+    return " + ".join(terms) if terms else "0"
+
+
+class _Lowering:
+    """Shared pieces: pointer declarations and member statements for one group."""
+
+    def __init__(self, group, ct):
+        self.g, self.ct = group, ct
+        self.member_id = {m: k for k, m in enumerate(group.ops)}
+        self.in_id = {x: k for k, x in enumerate(group.inputs)}
+        self.out_id = {m: k for k, m in enumerate(group.outputs)}
+        n_in = len(group.inputs)
+        t = ct.t
+        self.decls = [f"    const {t} *restrict a{k} = (const {t} *)p[{k}];"
+                      for k in range(n_in)]
+        self.decls += [f"    {t} *restrict o{k} = ({t} *)p[{n_in + k}];"
+                       for k in range(len(group.outputs))]
+
+    def operand(self, x, strides_of, ivars):
+        if x in self.member_id:
+            return f"v{self.member_id[x]}"
+        return f"a{self.in_id[x]}[{_index(strides_of[x], ivars)}]"
+
+    def stmt(self, m, strides_of, ivars, write=True):
+        args = [self.operand(x, strides_of, ivars) for x in m.inputs]
+        k = self.member_id[m]
+        s = f"const {self.ct.t} v{k} = {_expr(m.op, args, m.attrs, self.ct)};"
+        if write and m in self.out_id:
+            s += f" o{self.out_id[m]}[{_index(strides_of[m], ivars)}] = v{k};"
+        return s
+
+
+def lower_elementwise(group, ct):
+    """Loop nest over the (squeezed, collapsed) domain; each member computed at the depth
+    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row."""
+    low = _Lowering(group, ct)
+    dom = list(group.domain)
+    arrays = list(group.inputs) + list(group.ops)
+    strides = {x: _bstrides(x.shape, dom) for x in arrays}
+    # squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously
+    keep = [d for d in range(len(dom)) if dom[d] != 1]
+    dom = [dom[d] for d in keep]
+    strides = {x: [s[d] for d in keep] for x, s in strides.items()}
+    d = len(dom) - 2
+    while d >= 0:
+        if all(s[d] == s[d + 1] * dom[d + 1] for s in strides.values()):
+            dom[d] *= dom[d + 1]
+            del dom[d + 1]
+            for s in strides.values():
+                s[d] = s[d + 1]
+                del s[d + 1]
+        d -= 1
+    ivars = [f"i{d}" for d in range(len(dom))]
+
+    def level(m):
+        s = strides[m]
+        return max((d + 1 for d in range(len(dom)) if s[d]), default=0)
+
+    by_level = [[] for _ in range(len(dom) + 1)]
+    for m in group.ops:
+        by_level[level(m)].append(m)
+    lines = list(low.decls)
+    for depth in range(len(dom) + 1):
+        ind = "    " * (depth + 1)
+        if depth > 0:
+            ind0 = "    " * depth
+            if depth == len(dom):
+                lines.append(f"{ind0}#pragma GCC ivdep")
+            lines.append(f"{ind0}for (long {ivars[depth - 1]} = 0; {ivars[depth - 1]} < "
+                         f"{dom[depth - 1]}L; {ivars[depth - 1]}++) {{")
+        for m in by_level[depth]:
+            lines.append(ind + low.stmt(m, strides, ivars))
+    for depth in range(len(dom), 0, -1):
+        lines.append("    " * depth + "}")
+    return lines
+
+
+def lower_rowreduce(group, ct):
+    """Per row: hoisted [R, 1] members, then the reduction's passes over the row, each
+    recomputing the [R, C] members it needs (escaping members are written in pass 1)."""
+    low = _Lowering(group, ct)
+    red = group.ops[-1]
+    body = group.ops[:-1]
+    dom = tuple(group.domain)
+    if len(dom) == 1:
+        dom = (1,) + dom
+    R, C = dom
+    strides = {x: _bstrides(x.shape, dom) for x in list(group.inputs) + list(body)}
+    t = ct.t
+    iv = ["i", "j"]
+    lv = {m: prefix_level(m.shape, dom) for m in body}
+    lines = list(low.decls)
+    for m in body:
+        if lv[m] == 0:
+            lines.append("    " + low.stmt(m, strides, iv))
+    lines.append(f"    for (long i = 0; i < {R}L; i++) {{")
+    for m in body:
+        if lv[m] == 1:
+            lines.append("        " + low.stmt(m, strides, iv))
+    inner = [m for m in body if lv[m] == 2]
+    x = red.inputs[0]
+    xs = low.operand(x, strides, iv)
+    o = f"o{low.out_id[red]}"
+
+    def row_loop(extra, write, reduction=None):
+        out = []
+        if reduction:
+            out.append(f"        #pragma omp simd reduction({reduction})")
+        out.append(f"        for (long j = 0; j < {C}L; j++) {{")
+        out += ["            " + low.stmt(m, strides, iv, write) for m in inner]
+        out += ["            " + e for e in extra]
+        out.append("        }")
+        return out
+
+    if red.op == "sum":
+        lines.append("        double s = 0.0;")
+        lines += row_loop([f"s += (double){xs};"], True, "+:s")
+        lines.append(f"        {o}[i] = ({t})s;")
+    elif red.op == "softmax":
+        # y = exp(x - max) / sum(exp(x - max)); the output row doubles as scratch
+        lines.append(f"        {t} *restrict y = {o} + i*{C}L;")
+        lines.append(f"        {t} m = -INFINITY;")
+        lines += row_loop([f"const {t} xv = {xs};", "y[j] = xv;", "m = xv > m ? xv : m;"],
+                          True, "max:m")
+        lines.append("        double s = 0.0;")
+        lines.append("        #pragma omp simd reduction(+:s)")
+        lines.append(f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = "
+                     f"{ct.exp}(y[j] - m); y[j] = e; s += (double)e; }}")
+        lines.append(f"        const {t} st = ({t})s;")
+        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;")
+    elif red.op == "logsumexp":
+        # log(sum(exp(x - max))) + max; the row is evaluated twice (no scratch row)
+        lines.append(f"        {t} m = -INFINITY;")
+        lines += row_loop([f"const {t} xv = {xs};", "m = xv > m ? xv : m;"], True, "max:m")
+        lines.append("        double s = 0.0;")
+        lines += row_loop([f"s += (double){ct.exp}({xs} - m);"], False, "+:s")
+        lines.append(f"        {o}[i] = {ct.log}(({t})s) + m;")
+    else:
+        raise KeyError(red.op)
+    lines.append("    }")
+    return lines
+
+
+def group_kernel_body(group, dtype):
+    ct = CTypes(dtype)
+    if group.kind == "elementwise":
+        return "\n".join(lower_elementwise(group, ct))
+    return "\n".join(lower_rowreduce(group, ct))
+
+
+class ProgramSource:
+    """Collects unique kernels; ``source()`` is the translation unit of one program."""
+
+    def __init__(self):
+        self.bodies = {}  # body text -> kernel index
+
+    def kernel(self, group, dtype):
+        body = group_kernel_body(group, dtype)
+        if body not in self.bodies:
+            self.bodies[body] = len(self.bodies)
+        return self.bodies[body]
+
+    def source(self):
+        parts = [PRELUDE]
+        for body, k in self.bodies.items():
+            parts.append(f"static void k{k}(void **p) {{\n{body}\n}}\n")
+        table = ", ".join(f"k{k}" for k in range(len(self.bodies))) or "0"
+        parts.append(f"static const gt_kernel K[] = {{{table}}};\n")
+        parts.append("void gt_run(void **P, const int32_t *calls, int32_t n) {\n"
+                     "    for (int32_t c = 0; c < n; c++) K[calls[2*c]](P + calls[2*c+1]);\n"
+                     "}\n")
+        return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------
+# compiling and caching
+
+class CompilerMissing(RuntimeError):
+    pass
+
+
+_VERSIONS = {}
+
+
+def compiler():
+    """The C compiler command ($GRADTAPE_CC, default ``cc``) and its version line;
+    raises CompilerMissing when it cannot run."""
+    cc = os.environ.get("GRADTAPE_CC", "cc")
+    if cc not in _VERSIONS:
+        try:
+            r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise CompilerMissing(f"C compiler {cc!r} not usable: {e}") from None
+        if r.returncode != 0:
+            raise CompilerMissing(f"C compiler {cc!r} not usable: {r.stderr.strip()[:200]}")
+        _VERSIONS[cc] = (r.stdout.strip().splitlines() or [""])[0]
+    return cc, _VERSIONS[cc]
+
+
+def cache_dir():
+    d = os.environ.get("GRADTAPE_CACHE")
+    return Path(d) if d else Path.home() / ".cache" / "gradtape"
+
+
+def _cpu_signature():
+    # -march=native: a shared cache directory must not serve a build for another CPU
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(source):
+    """Compile ``source`` to a shared library, or reuse the cached one.
+
+    Returns ``(path, hit)``.  The cache key hashes the source, the flags, the compiler's
+    version line and the CPU's feature flags; the library is written under a temporary
+    name and renamed, so concurrent builders never see half a file.
+    """
+    cc, version = compiler()
+    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), cc, version,
+                                    _cpu_signature()]).encode()).hexdigest()[:32]
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"gt_{key}.so"
+    if path.exists():
+        return path, True
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src = Path(tmp) / "k.c"
+        src.write_text(source)
+        so = Path(tmp) / "k.so"
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"gradtape cpu backend: compiling generated C failed:\n"
+                               f"{r.stderr[-4000:]}")
+        (d / f"gt_{key}.c").write_text(source)  # kept beside the library for inspection
+        os.replace(so, path)
+    return path, False

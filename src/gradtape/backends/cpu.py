@@ -1,0 +1,173 @@
+"""The fast CPU backend: the compiled graph, fused and lowered to C and BLAS.
+
+Lowering: ``compile.fuse`` groups elementwise chains (and chains feeding a last-axis
+sum / softmax / logsumexp) into FusedGroups; each becomes a generated C kernel
+(``_cgen``), compiled once per distinct program source with the system C compiler and
+cached on disk.  Matmuls go through NumPy's BLAS straight into their planned buffers
+(``np.matmul(..., out=)``); the remaining ops (slices, concats, gathers ...) run their
+NumPy forwards from ``ops.py``.  Consecutive kernels between two such ops run as one
+ctypes call.  Buffers come from ``plan_schedule_memory`` and are allocated once here:
+a replay allocates no intermediates.
+
+Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) the backend
+falls back to the NumPy reference backend and says so once, as a RuntimeWarning.
+
+Leaves are handled as in the NumPy backend: shared with the tape until fed or updated,
+then copied into storage the backend owns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import numpy as np
+
+from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
+from ..ops import PRIMS
+from . import _cgen
+from .numpy import NumpyBackend
+
+_LIBS = {}  # path -> loaded CDLL (one load per process)
+
+
+def _fusible_for(dtype):
+    def fusible(v):
+        return v.op in _cgen.C_ELEMENTWISE and v.dtype == dtype
+    return fusible
+
+
+def _load(path):
+    lib = _LIBS.get(path)
+    if lib is None:
+        lib = ctypes.CDLL(str(path))
+        lib.gt_run.restype = None
+        lib.gt_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+        _LIBS[path] = lib
+    return lib
+
+
+def _mm_step(out, a, b, ta=False, tb=False):
+    return functools.partial(np.matmul, a.T if ta else a, b.T if tb else b, out=out)
+
+
+class CpuBackend:
+    def __init__(self, graph, plan=None):
+        self.graph = graph
+        self.fallback = None
+        float_dtypes = {v.dtype for v in graph.ops}
+        try:
+            _cgen.compiler()
+        except _cgen.CompilerMissing as e:
+            warnings.warn(f"gradtape: backend 'cpu' runs on the NumPy fallback ({e})",
+                          RuntimeWarning, stacklevel=4)
+            self.fallback = NumpyBackend(graph, plan)
+            self.plan = self.fallback.plan
+            return
+        dtype = next(iter(float_dtypes)) if len(float_dtypes) == 1 else None
+        self.schedule = fuse(graph, fusible=_fusible_for(dtype) if dtype else (lambda v: False),
+                             reductions=dtype is not None)
+        self.plan = plan_schedule_memory(self.schedule)
+        self.dtype = dtype
+        buffers = [np.empty(n, dt) for dt, n in self.plan.buffer_sizes]
+        self._values = {}
+        for leaf in graph.leaves:
+            self._values[leaf] = leaf._value
+        self._owned = set()
+        for leaf, _ in graph.updates:
+            self._own(leaf)
+        for v, b in self.plan.slot.items():
+            self._values[v] = buffers[b][:v.size].reshape(v.shape)
+        self._buffers = buffers
+        # kernels: one translation unit for the program
+        src = _cgen.ProgramSource()
+        self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
+        self.n_kernels = len(src.bodies)
+        self.lib = None
+        self.cache_hit = None
+        if self._kernel_of:
+            path, self.cache_hit = _cgen.build(src.source())
+            self.lib = _load(path)
+        self._bind()
+
+    # --- storage ---------------------------------------------------------------------
+    def _own(self, leaf):
+        self._values[leaf] = np.array(leaf._value, copy=True, order="C")
+        self._owned.add(leaf)
+
+    def _bind(self):
+        val = self._values
+        # C kernels read raw pointers: every float leaf they touch must be C-contiguous
+        for g in self.schedule.groups:
+            for x in g.inputs:
+                if x.is_leaf and not val[x].flags.c_contiguous:
+                    self._own(x)
+        ptrs, calls = [], []
+        steps = []  # python callables, in order
+        pending = []  # kernel calls not yet flushed into a gt_run step
+
+        def flush():
+            if pending:
+                steps.append(("c", len(calls) // 2, len(pending)))
+                calls.extend(pending_flat for c in pending for pending_flat in c)
+                pending.clear()
+
+        for s in self.schedule.steps:
+            if isinstance(s, FusedGroup):
+                off = len(ptrs)
+                ptrs.extend(val[x].ctypes.data for x in s.inputs)
+                ptrs.extend(val[m].ctypes.data for m in s.outputs)
+                pending.append((self._kernel_of[s], off))
+                continue
+            flush()
+            ins = tuple(val[x] for x in s.inputs)
+            if s.op == "matmul":
+                steps.append(("py", _mm_step(val[s], *ins, **s.attrs)))
+            else:
+                steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
+                                                      **s.attrs)))
+        flush()
+        self._ptrs = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
+        self._calls = np.array(calls or [0], dtype=np.int32)
+        base = self._calls.ctypes.data
+        out = []
+        for kind, *rest in steps:
+            if kind == "py":
+                out.append(rest[0])
+            else:
+                start, n = rest
+                out.append(functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
+                                             base + 8 * start, n))
+        self._steps = out
+        self._updates = [(val[leaf], val[src]) for leaf, src in self.graph.updates]
+        self._outputs = [val[v] for v in self.graph.outputs]
+
+    def leaf_value(self, leaf):
+        if self.fallback is not None:
+            return self.fallback.leaf_value(leaf)
+        return self._values[leaf].copy()
+
+    def set_leaf(self, leaf, arr):
+        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared)."""
+        if self.fallback is not None:
+            return self.fallback.set_leaf(leaf, arr)
+        if leaf not in self._values:
+            return  # pruned: nothing reads this leaf
+        if leaf not in self._owned:
+            self._own(leaf)
+            self._bind()
+        np.copyto(self._values[leaf], arr)
+
+    # --- replay ------------------------------------------------------------------------
+    def run(self, arrays):
+        if self.fallback is not None:
+            return self.fallback.run(arrays)
+        for leaf, arr in arrays.items():
+            self.set_leaf(leaf, arr)
+        for step in self._steps:
+            step()
+        outs = [o.copy() for o in self._outputs]
+        for dst, src in self._updates:
+            np.copyto(dst, src)
+        return outs

@@ -1,0 +1,256 @@
+"""Fusion: grouping a pruned Graph's elementwise ops into kernels, and planning memory
+around the groups.
+
+A ``FusedGroup`` is backend-independent IR: its member ops (in topological order), the
+external Vars it reads, the members whose values leave it (the only ones that need a
+buffer), and its iteration ``domain``.  Two kinds:
+
+* ``"elementwise"``: a connected DAG of elementwise ops.  Every member's shape is a
+  *prefix* of the domain (``domain[:L] + (1,) * rest``): a ``[T, 1]`` column inside a
+  ``[T, n]`` group is computed once per row (hoisted out of the inner loop), a scalar
+  once.  External inputs broadcast freely (``[n]`` rows, ``[T, 1]`` columns, scalars).
+* ``"rowreduce"``: an elementwise DAG (possibly empty) feeding one reduction over the
+  last axis of a 1-d or 2-d value: ``sum(axis=-1)``, ``softmax(axis=-1)`` or
+  ``logsumexp(axis=-1)``; the reduction is the last member, and the group is closed.
+
+Groups never contain a matmul or any other non-elementwise op.  A ``Schedule`` is the
+ordered list of steps (a single op Var or a FusedGroup) a backend executes.
+
+Grouping rule (what keeps the schedule acyclic): ops are visited in recording order; an
+op joins the group(s) of its producers only if no member of those groups has already
+been read by an op outside them.  A group then runs at the position of its last member,
+and every edge goes from an earlier step to a later one.
+
+This module does not generate code; backends lower the groups (``backends/cpu.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ops import PRIMS
+from .memplan import MemoryPlan
+
+REDUCE_OPS = ("sum", "softmax", "logsumexp")
+
+
+@dataclass(frozen=True, eq=False)
+class FusedGroup:
+    kind: str  # "elementwise" | "rowreduce"
+    ops: tuple  # member Vars, topological order (a rowreduce's last member is the reduction)
+    inputs: tuple  # external Vars read by members, first-use order
+    outputs: tuple  # members read outside the group (or returned / used by an update)
+    domain: tuple  # iteration shape: largest member shape, or the reduced input's shape
+
+    def __repr__(self):
+        ops = ",".join(f"{v.op}#{v.index}" for v in self.ops)
+        return f"FusedGroup<{self.kind} {list(self.domain)} [{ops}] -> {len(self.outputs)} out>"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps: tuple  # Var (one op, run on its own) or FusedGroup, in execution order
+    graph: object
+
+    @property
+    def groups(self):
+        return tuple(s for s in self.steps if isinstance(s, FusedGroup))
+
+
+def prefix_level(shape, domain):
+    """L such that ``shape`` (left-padded with 1s to the domain's rank) equals
+    ``domain[:L] + (1,) * (rank - L)``, the smallest such L; None when it is not a prefix
+    (e.g. an ``[n]`` row inside a ``[T, n]`` domain varies along the inner axis only)."""
+    k = len(domain)
+    if len(shape) > k:
+        return None
+    padded = (1,) * (k - len(shape)) + tuple(shape)
+    level = 0
+    for d in range(k):
+        if padded[d] != 1:
+            level = d + 1
+    return level if padded[:level] == tuple(domain[:level]) else None
+
+
+def merge_domains(a, b):
+    """The domain of a group holding both shapes, or None when neither is a prefix of
+    the other."""
+    if prefix_level(a, b) is not None and len(b) >= len(a):
+        return tuple(b)
+    if prefix_level(b, a) is not None and len(a) >= len(b):
+        return tuple(a)
+    return None
+
+
+def is_row_reduction(v):
+    """A reduction over the last axis of a 1-d or 2-d input that a rowreduce group ends in."""
+    if v.op not in REDUCE_OPS or not v.inputs:
+        return False
+    x = v.inputs[0]
+    if x.ndim not in (1, 2):
+        return False
+    axis = v.attrs.get("axis")
+    if v.op == "sum" and axis is None:
+        return x.ndim == 1
+    return axis is not None and axis % x.ndim == x.ndim - 1
+
+
+def default_fusible(v):
+    return PRIMS[v.op].elementwise
+
+
+class _Building:
+    __slots__ = ("members", "domain", "sealed", "closed", "kind", "pos")
+
+    def __init__(self, members, domain, kind="elementwise"):
+        self.members = list(members)
+        self.domain = tuple(domain)
+        self.sealed = False  # some member was read by an op outside the group
+        self.closed = kind == "rowreduce"
+        self.kind = kind
+        self.pos = members[-1].index
+
+
+def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
+    """Group ``graph.ops`` into FusedGroups; everything else stays a single-op step.
+
+    ``fusible(v)`` says whether an elementwise op may join a group (a backend passes a
+    narrower test when it lacks a kernel for some primitive); ``reductions`` allows
+    rowreduce groups.
+    """
+    group_of = {}  # Var -> _Building
+
+    def seal_inputs(v, own):
+        for x in v.inputs:
+            g = group_of.get(x)
+            if g is not None and g is not own:
+                g.sealed = True
+
+    for v in graph.ops:
+        if fusible(v) and PRIMS[v.op].elementwise:
+            cands = []
+            for x in v.inputs:
+                g = group_of.get(x)
+                if g is not None and not g.sealed and not g.closed and g not in cands:
+                    cands.append(g)
+            target = None
+            # all producer groups at once, else the largest compatible one alone
+            for choice in ([cands] if len(cands) > 1 else []) + [[g] for g in sorted(
+                    cands, key=lambda g: -len(g.members))]:
+                dom = tuple(v.shape)
+                for g in choice:
+                    dom = merge_domains(dom, g.domain) if dom is not None else None
+                if dom is not None:
+                    target = choice
+                    break
+            if target is None:
+                g = _Building([v], v.shape)
+            else:
+                g = target[0]
+                for other in target[1:]:
+                    g.members.extend(other.members)
+                    for m in other.members:
+                        group_of[m] = g
+                g.members.append(v)
+                g.members.sort(key=lambda m: m.index)
+                g.domain = dom
+                g.pos = v.index
+            group_of[v] = g
+            seal_inputs(v, g)
+        elif reductions and is_row_reduction(v):
+            x = v.inputs[0]
+            g = group_of.get(x)
+            if (g is not None and not g.sealed and not g.closed
+                    and tuple(g.domain) == tuple(x.shape)):
+                g.members.append(v)
+                g.kind, g.closed, g.pos = "rowreduce", True, v.index
+                g.domain = tuple(x.shape)
+            else:
+                g = _Building([v], x.shape, kind="rowreduce")
+            group_of[v] = g
+            seal_inputs(v, g)
+        else:
+            seal_inputs(v, None)
+
+    # consumers, to find which members escape their group
+    escapes = set(graph.outputs) | {src for _, src in graph.updates}
+    for v in graph.ops:
+        gv = group_of.get(v)
+        for x in v.inputs:
+            if x in group_of and group_of[x] is not gv:
+                escapes.add(x)
+
+    built = {}
+    steps = []
+    for v in graph.ops:  # each group lands at its last member's position
+        g = group_of.get(v)
+        if g is None:
+            steps.append((v.index, v))
+            continue
+        if g.pos != v.index:
+            continue
+        members = tuple(g.members)
+        mset = set(members)
+        inputs = []
+        for m in members:
+            for x in m.inputs:
+                if x not in mset and x not in inputs:
+                    inputs.append(x)
+        fg = FusedGroup(kind=g.kind, ops=members, inputs=tuple(inputs),
+                        outputs=tuple(m for m in members if m in escapes),
+                        domain=tuple(g.domain))
+        built[g] = fg
+        steps.append((v.index, fg))
+    return Schedule(steps=tuple(s for _, s in steps), graph=graph)
+
+
+def step_inputs(step):
+    return step.inputs if isinstance(step, FusedGroup) else step.inputs
+
+
+def step_outputs(step):
+    return step.outputs if isinstance(step, FusedGroup) else (step,)
+
+
+def plan_schedule_memory(schedule) -> MemoryPlan:
+    """Liveness planning over the schedule's steps, like ``plan_memory`` over ops, but
+    only values that leave a step get a buffer (group-internal values live in registers).
+
+    A step's outputs are placed before its inputs are released, so no step writes over
+    what it reads.  Outputs and update sources keep buffers of their own.
+    """
+    graph = schedule.graph
+    last_use = {}
+    for i, s in enumerate(schedule.steps):
+        for x in step_inputs(s):
+            last_use[x] = i
+    pinned = set(graph.outputs) | {src for _, src in graph.updates}
+    sizes, free, slot = [], [], {}
+    for i, s in enumerate(schedule.steps):
+        for v in step_outputs(s):
+            n = max(v.size, 1)
+            fits = [b for b in free if sizes[b][0] == v.dtype and sizes[b][1] >= n]
+            same = [b for b in free if sizes[b][0] == v.dtype]
+            if v in pinned:
+                b = None
+            elif fits:
+                b = min(fits, key=lambda b: sizes[b][1])
+            elif same:
+                b = max(same, key=lambda b: sizes[b][1])
+                sizes[b][1] = n
+            else:
+                b = None
+            if b is None:
+                sizes.append([v.dtype, n])
+                b = len(sizes) - 1
+            else:
+                free.remove(b)
+            slot[v] = b
+        for x in set(step_inputs(s)):
+            if x in slot and last_use[x] == i and x not in pinned:
+                free.append(slot[x])
+        # an output nobody reads (dead within the schedule) frees at once
+        for v in step_outputs(s):
+            if v not in last_use and v not in pinned:
+                free.append(slot[v])
+    return MemoryPlan(buffer_sizes=tuple((dt, n) for dt, n in sizes), slot=slot)

@@ -283,3 +283,40 @@ def test_replays_allocate_nothing_new(backend):
     assert peak - base < 4 * one + 64 * 1024, (peak - base)
     assert prog.memory.buffer_sizes == buffers_before
     assert prog.memory.nbytes > 20 * one  # the buffers exist (allocated once, at compile)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("order", ["prev_first", "cur_first"])
+def test_updates_are_simultaneous(backend, order):
+    """Every update reads the values from before the run's updates: {prev: cur, cur: new}
+    keeps the previous value whatever the dict order, and {a: b, b: a} swaps."""
+    tp = gt.Tape()
+    prev = tp.param(np.array([0.0]))
+    cur = tp.param(np.array([1.0]))
+    new = ops.addc(ops.scale(cur, 2.0), 1.0)  # cur <- 2 cur + 1
+    upd = {prev: cur, cur: new} if order == "prev_first" else {cur: new, prev: cur}
+    prog = tp.compile([new], backend=backend, updates=upd)
+    seq = [1.0]
+    for _ in range(3):
+        prog.run()
+        seq.append(2 * seq[-1] + 1)
+        np.testing.assert_array_equal(prog.state(cur), [seq[-1]])
+        np.testing.assert_array_equal(prog.state(prev), [seq[-2]])
+    tp = gt.Tape()
+    a, b = tp.param(np.array([1.0])), tp.param(np.array([2.0]))
+    prog = tp.compile([ops.add(a, b)], backend=backend, updates={a: b, b: a})
+    for i in range(3):
+        prog.run()
+        np.testing.assert_array_equal([prog.state(a), prog.state(b)],
+                                      [[1.0], [2.0]] if i % 2 else [[2.0], [1.0]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_program_without_outputs(backend):
+    tp = gt.Tape()
+    x = tp.param(np.ones(2))
+    prog = tp.compile([], backend=backend)
+    assert prog.run() == []
+    with pytest.raises(ValueError, match=r"run: feed key .* is not a leaf \(param or const\) "
+                                         r"of this program's tape"):
+        prog.run({x: np.ones(2)})

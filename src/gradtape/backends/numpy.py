@@ -36,7 +36,11 @@ class NumpyBackend:
         val = self._values
         self._steps = [(PRIMS[v.op].forward, val[v], tuple(val[x] for x in v.inputs), v.attrs)
                        for v in self.graph.ops]
-        self._updates = [(val[leaf], val[src]) for leaf, src in self.graph.updates]
+        # updates are simultaneous: a source that is itself an updated leaf is read
+        # before any update is written (snapshot flag), so {a: b, b: a} swaps
+        targets = {leaf for leaf, _ in self.graph.updates}
+        self._updates = [(val[leaf], val[src], src in targets)
+                         for leaf, src in self.graph.updates]
         self._outputs = [val[v] for v in self.graph.outputs]
 
     def leaf_value(self, leaf):
@@ -57,6 +61,7 @@ class NumpyBackend:
         for forward, out, inputs, attrs in self._steps:
             forward(out, *inputs, **attrs)
         outs = [o.copy() for o in self._outputs]
-        for dst, src in self._updates:
+        staged = [(dst, src.copy() if snap else src) for dst, src, snap in self._updates]
+        for dst, src in staged:
             np.copyto(dst, src)
         return outs

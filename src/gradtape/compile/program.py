@@ -52,7 +52,8 @@ class Program:
     def _check_feed(self, leaf, value):
         from ..tape import Var, _fmt_shape
 
-        if not isinstance(leaf, Var) or not leaf.is_leaf or leaf.tape is not self.graph.leaves[0].tape:
+        tape = self.graph.leaves[0].tape if self.graph.leaves else None  # None: no leaves
+        if not isinstance(leaf, Var) or not leaf.is_leaf or leaf.tape is not tape:
             raise ValueError(f"run: feed key {leaf!r} is not a leaf (param or const) of "
                              "this program's tape")
         arr = np.asarray(value)

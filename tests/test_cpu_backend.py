@@ -1,0 +1,449 @@
+"""The cpu backend against the NumPy reference: every primitive (forward and backward),
+random fused graphs, the nn layers; the fusion pass's group structure; the compile cache;
+the fallback without a C compiler.
+
+Tolerances (max |cpu - numpy| / max |numpy| per output):
+* float64: 1e-10.  The C kernels use the same formulas and libm functions as the NumPy
+  forwards; what differs is summation order (row sums accumulate in double, vectorized,
+  where NumPy sums pairwise) and division-free rewrites are not used, so the observed
+  error is ~1e-15; 1e-10 is the issue's bound.
+* float32: 2e-5.  float32 exp is our own vectorizable polynomial (<= 1 ulp, NumPy's is
+  <= 2.4 ulp measured), row sums accumulate in double instead of float32 pairwise, and a
+  backward graph chains ~10-30 rounding steps and cancellations (softmax VJP:
+  g - sum(g * y)); observed errors are ~1e-6.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import gradtape as gt
+from gradtape import nn, ops
+from gradtape.backends import _cgen
+from gradtape.compile.fuse import FusedGroup, fuse, plan_schedule_memory, prefix_level
+from gradtape.compile.graph import build_graph
+from gradtape.ops import PRIMS
+
+TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-5}
+DTYPES = [np.float64, np.float32]
+
+
+def rel_err(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    if got.size == 0:
+        return 0.0
+    d = np.max(np.abs(got - ref))
+    s = np.max(np.abs(ref))
+    return float(d / s) if s else float(d)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+
+
+def compare(tp, outputs, feeds_list=({},), updates=None, ref64=None):
+    """Compile on both backends, replay each feed, compare every output.
+
+    float32 also accepts an error up to 4x the reference's own rounding error, measured
+    against ``ref64`` (the same graph's float64 NumPy outputs) when given: a long backward
+    chain ending in a sum that cancels (a scalar param's gradient) is only as accurate as
+    float32 itself, on either backend.
+    """
+    p_np = tp.compile(outputs, backend="numpy", updates=updates)
+    p_cpu = tp.compile(outputs, backend="cpu", updates=updates)
+    assert p_cpu.executable.fallback is None
+    tol = TOL[tp.dtype]
+    worst = 0.0
+    for feeds in feeds_list:
+        r_np = p_np.run(feeds)
+        r_cpu = p_cpu.run(feeds)
+        for k, (a, b) in enumerate(zip(r_cpu, r_np)):
+            assert a.dtype == b.dtype
+            e = rel_err(a, b)
+            worst = max(worst, e)
+            bound = tol
+            if ref64 is not None and tp.dtype == np.float32:
+                bound = max(tol, 4 * rel_err(b, ref64[k]))
+            assert e <= bound, f"output {k} ({outputs[k]!r}): rel err {e:.3g} > {bound:.3g}"
+    return p_cpu, worst
+
+
+def check_built(build, dtype, **kw):
+    """``build(tp) -> outputs`` on a tape of ``dtype``, compared across backends; float32
+    also against the float64 evaluation of the same build."""
+    tp = gt.Tape(dtype)
+    outputs = build(tp)
+    ref64 = None
+    if np.dtype(dtype) == np.float32:
+        tp64 = gt.Tape(np.float64)
+        ref64 = tp64.compile(build(tp64), backend="numpy").run()
+    return compare(tp, outputs, ref64=ref64, **kw)
+
+
+# --- every primitive, forward and backward --------------------------------------------------
+
+T, N, V = 5, 7, 6
+
+
+def _pos(rng, *shape):
+    return rng.uniform(0.5, 2.0, shape)
+
+
+def _nrm(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+# name -> builder(tp, rng) returning the op's output Var (inputs are params, so backward
+# records that primitive's VJP ops too)
+PRIM_CASES = {
+    "add": lambda tp, r: ops.add(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N))),
+    "sub": lambda tp, r: ops.sub(tp.param(_nrm(r, T, 1)), tp.param(_nrm(r, T, N))),
+    "mul": lambda tp, r: ops.mul(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, T, 1))),
+    "div": lambda tp, r: ops.div(tp.param(_nrm(r, T, N)), tp.param(_pos(r, N))),
+    "neg": lambda tp, r: ops.neg(tp.param(_nrm(r, T, N))),
+    "scale": lambda tp, r: ops.scale(tp.param(_nrm(r, T, N)), 0.37),
+    "addc": lambda tp, r: ops.addc(tp.param(_nrm(r, T, N)), -1.25),
+    "powc": lambda tp, r: ops.powc(tp.param(_pos(r, T, N)), 1.7),
+    "exp": lambda tp, r: ops.exp(tp.param(_nrm(r, T, N))),
+    "log": lambda tp, r: ops.log(tp.param(_pos(r, T, N))),
+    "sqrt": lambda tp, r: ops.sqrt(tp.param(_pos(r, T, N))),
+    "rsqrt": lambda tp, r: ops.rsqrt(tp.param(_pos(r, T, N))),
+    "sigmoid": lambda tp, r: ops.sigmoid(tp.param(_nrm(r, T, N) * 3)),
+    "tanh": lambda tp, r: ops.tanh(tp.param(_nrm(r, T, N))),
+    "softmax": lambda tp, r: ops.softmax(tp.param(_nrm(r, T, N) * 3), 1),
+    "logsumexp": lambda tp, r: ops.logsumexp(tp.param(_nrm(r, T, N) * 3), 1),
+    "matmul": lambda tp, r: ops.matmul(tp.param(_nrm(r, N, T)), tp.param(_nrm(r, N, 4)),
+                                       ta=True),
+    "transpose": lambda tp, r: ops.transpose(tp.param(_nrm(r, T, N))),
+    "reshape": lambda tp, r: ops.reshape(tp.param(_nrm(r, T, N)), (N, T)),
+    "slice": lambda tp, r: ops.slice_(tp.param(_nrm(r, T, N)), 1, 2, 5),
+    "pad": lambda tp, r: ops.pad(tp.param(_nrm(r, T, N)), 0, 1, 2),
+    "concat": lambda tp, r: ops.concat([tp.param(_nrm(r, T, 3)), tp.param(_nrm(r, T, N))], 1),
+    "sum": lambda tp, r: ops.reduce_sum(tp.param(_nrm(r, T, N)), 1, keepdims=True),
+    "sum_to": lambda tp, r: ops.sum_to(tp.param(_nrm(r, T, N)), (N,)),
+    "broadcast_to": lambda tp, r: ops.broadcast_to(tp.param(_nrm(r, T, 1)), (T, N)),
+    "take_rows": lambda tp, r: ops.take_rows(tp.param(_nrm(r, V, N)),
+                                             tp.const(np.array([0, 3, 3, 5, 1]))),
+    "scatter_rows": lambda tp, r: ops.scatter_rows(tp.param(_nrm(r, T, N)),
+                                                   tp.const(np.array([0, 3, 3, 5, 1])), V),
+    "pick": lambda tp, r: ops.pick(tp.param(_nrm(r, T, N)), tp.const(np.array([0, 6, 2, 2, 4]))),
+    "put": lambda tp, r: ops.put(tp.param(_nrm(r, T, 1)), tp.const(np.array([0, 6, 2, 2, 4])), N),
+    "select": lambda tp, r: ops.select(tp.const((r.uniform(size=(T, N)) > 0.5) * 1.0),
+                                       tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N))),
+    "maxc": lambda tp, r: ops.maxc(tp.param(_nrm(r, T, N)), 0.2),
+    "gtc": lambda tp, r: ops.gtc(tp.param(_nrm(r, T, N)), 0.2),
+}
+
+
+def _loss_of(tp, out, rng):
+    """sum(u * out) + 1/2 sum(c * out^2): the gradient depends on out, so the VJP ops
+    run on non-trivial cotangents."""
+    u = tp.const(rng.standard_normal(out.shape))
+    c = tp.const(rng.standard_normal(out.shape))
+    return ops.add(ops.reduce_sum(ops.mul(out, u)),
+                   ops.scale(ops.reduce_sum(ops.mul(ops.mul(out, out), c)), 0.5))
+
+
+def test_every_primitive_has_a_case():
+    missing = sorted(set(PRIMS) - set(PRIM_CASES))
+    assert not missing, f"add cpu-backend parity cases for {missing}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(PRIM_CASES))
+def test_primitive_parity(name, dtype):
+    def build(tp):
+        rng = np.random.default_rng(sorted(PRIM_CASES).index(name))
+        out = PRIM_CASES[name](tp, rng)
+        assert out.op == name
+        loss = _loss_of(tp, out, rng)
+        return [out, loss, *tp.backward(loss).values()]
+
+    check_built(build, dtype)
+
+
+# --- random fused graphs ---------------------------------------------------------------------
+
+UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "scale", "addc", "powc",
+         "maxc", "gtc"]
+BINARY = ["add", "sub", "mul", "div"]
+
+
+def _random_graph(tp, rng, n_ops=25):
+    """A random DAG over [T, n] values with [n] rows, [T, 1] columns and scalars mixed in,
+    matmuls, and last-axis reductions (their results broadcast back as columns)."""
+    t, n = int(rng.integers(3, 9)), int(rng.integers(2, 40))
+    pool = [tp.param(rng.standard_normal((t, n))) for _ in range(3)]
+    pool += [tp.param(rng.standard_normal(n)), tp.param(rng.standard_normal((t, 1))),
+             tp.param(rng.standard_normal(()))]
+    w = tp.param(rng.standard_normal((n, n)) / np.sqrt(n))
+
+    def bounded(x):  # keep values O(1) so exp/log/div stay well conditioned
+        return ops.tanh(x)
+
+    for _ in range(n_ops):
+        r = rng.uniform()
+        a = pool[int(rng.integers(len(pool)))]
+        if r < 0.35:
+            op = UNARY[int(rng.integers(len(UNARY)))]
+            if op in ("log", "sqrt", "rsqrt"):
+                v = getattr(ops, op)(ops.addc(ops.mul(a, a), 0.5))
+            elif op == "exp":
+                v = ops.exp(bounded(a))
+            elif op == "powc":
+                v = ops.powc(ops.addc(ops.mul(a, a), 0.5), float(rng.choice([2.0, 1.5, -1.0, 0.5])))
+            elif op in ("scale", "addc", "maxc", "gtc"):
+                v = getattr(ops, op)(a, float(rng.standard_normal()))
+            else:
+                v = getattr(ops, op)(a)
+        elif r < 0.7:
+            b = pool[int(rng.integers(len(pool)))]
+            op = BINARY[int(rng.integers(len(BINARY)))]
+            if op == "div":
+                b = ops.addc(ops.mul(b, b), 1.0)
+            v = getattr(ops, op)(a, b)
+        elif r < 0.8:
+            full = [p for p in pool if p.shape == (t, n)]
+            v = ops.matmul(bounded(full[int(rng.integers(len(full)))]), w)
+        elif r < 0.9:
+            full = [p for p in pool if p.shape == (t, n)]
+            x = full[int(rng.integers(len(full)))]
+            kind = rng.integers(3)
+            if kind == 0:
+                v = ops.softmax(ops.scale(bounded(x), 3.0), 1)
+            elif kind == 1:
+                v = ops.logsumexp(bounded(x), 1)
+            else:
+                v = ops.reduce_sum(x, 1, keepdims=True)
+        else:
+            b = pool[int(rng.integers(len(pool)))]
+            c = tp.const((rng.uniform(size=(t, n)) > 0.5) * 1.0)
+            v = ops.select(c, a, b)
+        pool.append(bounded(v) if rng.uniform() < 0.3 else v)
+    outs = [p for p in pool[-8:] if p.requires_grad]
+    total = ops.reduce_sum(ops.mul(outs[0], outs[0]))
+    for o in outs[1:]:
+        total = ops.add(total, ops.reduce_sum(ops.mul(o, tp.const(rng.standard_normal(o.shape)))))
+    return total, outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_graph_parity(seed, dtype):
+    def build(tp):
+        loss, outs = _random_graph(tp, np.random.default_rng(seed))
+        return [loss, *outs, *tp.backward(loss).values()]
+
+    prog, _ = check_built(build, dtype)
+    assert prog.executable.schedule.groups  # something was fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_parity(dtype):
+    """rmsnorm, layernorm, swiglu, GQA attention with rope and mask, both cross-entropies."""
+    def build(tp):
+        rng = np.random.default_rng(1)
+        t, h, nh, nkv, hd, vocab = 6, 16, 4, 2, 4, 11
+        x = tp.param(rng.standard_normal((t, h)))
+        ones = nn.ones(tp, h)
+        xn = nn.rmsnorm(tp, x, tp.param(1 + 0.1 * rng.standard_normal(h)), ones, h, 1e-5)
+        xl = nn.layernorm(tp, x, tp.param(rng.standard_normal(h)), tp.param(rng.standard_normal(h)),
+                          ones, h, 1e-5)
+        wq = tp.param(rng.standard_normal((h, nh * hd)) / 4)
+        wk = tp.param(rng.standard_normal((h, nkv * hd)) / 4)
+        wv = tp.param(rng.standard_normal((h, nkv * hd)) / 4)
+        cos, sin = nn.rope_fill(t, hd, 10000.0)
+        mask = tp.const(nn.causal_mask_fill(t))
+        att = nn.gqa_attention(tp, nn.linear(tp, xn, wq), nn.linear(tp, xn, wk), nn.linear(tp, xl, wv),
+                               tp.const(cos), tp.const(sin), mask, t, nh, nkv, hd, hd ** -0.5)
+        wg = tp.param(rng.standard_normal((nh * hd, 24)) / 4)
+        wu = tp.param(rng.standard_normal((nh * hd, 24)) / 4)
+        mlp = nn.swiglu(tp, nn.linear(tp, att, wg), nn.linear(tp, att, wu))
+        logits = nn.linear(tp, mlp, tp.param(rng.standard_normal((24, vocab)) / 4))
+        targets = rng.integers(0, vocab, t)
+        onehot = np.eye(vocab)[targets]
+        l1 = nn.cross_entropy(tp, logits, tp.const(onehot), nn.ones(tp, vocab))
+        ids, wts = nn.ce_targets_fill(targets)
+        l2 = nn.cross_entropy_ids(tp, logits, tp.const(ids), tp.const(wts))
+        loss = ops.add(l1, l2)
+        grads = tp.backward(loss)
+        return [loss, att, mlp, *grads.values()]
+
+    check_built(build, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_replay_with_feeds_and_updates(dtype):
+    """A tiny SGD step as state updates: both backends track each other over replays,
+    with fed leaves changing every run and a non-contiguous leaf."""
+    rng = np.random.default_rng(3)
+    tp = gt.Tape(dtype)
+    x = tp.const(rng.standard_normal((6, 5)))
+    w = tp.param(rng.standard_normal((5, 5)))
+    b = tp.param(rng.standard_normal(5))
+    tcol = tp.const(np.asfortranarray(rng.standard_normal((6, 5))))  # non-contiguous
+    y = ops.softmax(ops.add(ops.matmul(x, w), b), 1)
+    loss = ops.reduce_sum(ops.mul(ops.sub(y, tcol), ops.sub(y, tcol)))
+    g = tp.backward(loss)
+    upd = {w: ops.sub(w, ops.scale(g[w], 0.1)), b: ops.sub(b, ops.scale(g[b], 0.1))}
+    feeds = [{x: rng.standard_normal((6, 5))} for _ in range(3)] + [{}]
+    prog, _ = compare(tp, [loss, g[w]], feeds, updates=upd)
+    assert prog.state(w).shape == (5, 5)
+
+
+# --- the fusion pass ------------------------------------------------------------------------
+
+def _schedule(outputs, **kw):
+    tp = outputs[0].tape
+    return fuse(build_graph(tp, outputs, None), **kw)
+
+
+def test_prefix_level():
+    assert prefix_level((4, 1), (4, 8)) == 1
+    assert prefix_level((4, 8), (4, 8)) == 2
+    assert prefix_level((), (4, 8)) == 0
+    assert prefix_level((8,), (4, 8)) is None  # a row varies along the inner axis only
+    assert prefix_level((8,), (1, 8)) == 2
+
+
+def test_chain_is_one_group_and_internals_need_no_buffer():
+    tp = gt.Tape()
+    x = tp.param(np.ones((4, 8)))
+    w = tp.param(np.ones(8))
+    y = ops.exp(ops.mul(ops.addc(ops.scale(x, 2.0), 1.0), w))
+    sched = _schedule([y])
+    (g,) = sched.steps
+    assert isinstance(g, FusedGroup) and g.kind == "elementwise"
+    assert [v.op for v in g.ops] == ["scale", "addc", "mul", "exp"]
+    assert set(g.inputs) == {x, w} and g.outputs == (y,)
+    assert g.domain == (4, 8)
+    plan = plan_schedule_memory(sched)
+    assert set(plan.slot) == {y}  # scale, addc, mul live in registers
+
+
+def test_no_fusion_across_matmul():
+    tp = gt.Tape()
+    x = tp.param(np.ones((4, 8)))
+    w = tp.param(np.ones((8, 8)))
+    y = ops.tanh(ops.matmul(ops.exp(x), w))
+    steps = _schedule([y]).steps
+    assert [type(s).__name__ for s in steps] == ["FusedGroup", "Var", "FusedGroup"]
+    assert steps[1].op == "matmul"
+    assert [v.op for v in steps[0].ops] == ["exp"] and [v.op for v in steps[2].ops] == ["tanh"]
+
+
+def test_column_chain_joins_wider_group_hoisted():
+    """rmsnorm: the [T, 1] chain scale -> addc -> rsqrt joins the [T, n] multiply."""
+    tp = gt.Tape()
+    x = tp.param(np.ones((4, 8)))
+    y = nn.rmsnorm(tp, x, tp.param(np.ones(8)), nn.ones(tp, 8), 8, 1e-5)
+    steps = _schedule([y]).steps
+    ops_ = [[v.op for v in s.ops] if isinstance(s, FusedGroup) else s.op for s in steps]
+    assert ops_ == [["mul"], "matmul", ["scale", "addc", "rsqrt", "mul", "mul"]]
+    assert steps[2].domain == (4, 8) and steps[2].outputs == (y,)
+
+
+def test_row_reduction_closes_group():
+    tp = gt.Tape()
+    x = tp.param(np.ones((4, 8)))
+    m = tp.const(np.zeros((4, 8)))
+    p = ops.softmax(ops.add(ops.scale(x, 0.5), m), 1)
+    z = ops.exp(p)
+    steps = _schedule([z]).steps
+    assert steps[0].kind == "rowreduce" and [v.op for v in steps[0].ops] == ["scale", "add",
+                                                                              "softmax"]
+    assert steps[0].outputs == (p,)
+    assert steps[1].kind == "elementwise" and steps[1].inputs == (p,)
+    # without reductions the softmax stays a single op
+    steps = _schedule([z], reductions=False).steps
+    assert [type(s).__name__ for s in steps] == ["FusedGroup", "Var", "FusedGroup"]
+
+
+def test_no_cycle_when_a_member_was_read_outside():
+    """x = exp(a) feeds a matmul; a later x-consumer cannot join x's group (the group
+    would have to run both before and after the matmul)."""
+    tp = gt.Tape()
+    a = tp.param(np.ones((4, 4)))
+    x = ops.exp(a)
+    mm = ops.matmul(x, a)
+    y = ops.add(x, mm)
+    steps = _schedule([y]).steps
+    assert [v.op for v in steps[0].ops] == ["exp"] and steps[0].outputs == (x,)
+    assert steps[1] is mm and [v.op for v in steps[2].ops] == ["add"]
+
+
+def test_row_broadcast_is_not_a_member_of_a_wider_group():
+    tp = gt.Tape()
+    r = tp.param(np.ones(8))
+    x = tp.param(np.ones((4, 8)))
+    y = ops.mul(x, ops.exp(r))  # exp over [8] runs once, not once per row
+    steps = _schedule([y]).steps
+    assert [(s.domain, [v.op for v in s.ops]) for s in steps] == [((8,), ["exp"]),
+                                                                  ((4, 8), ["mul"])]
+
+
+# --- compile cache and fallback --------------------------------------------------------------
+
+def test_compile_cache_hit_on_second_compile(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    tp = gt.Tape()
+    x = tp.param(np.ones((3, 5)))
+    y = ops.sigmoid(ops.scale(x, 1.2345))
+    p1 = tp.compile([y], backend="cpu")
+    assert p1.executable.cache_hit is False
+    assert list(tmp_path.glob("gt_*.so"))
+    p2 = tp.compile([y], backend="cpu")
+    assert p2.executable.cache_hit is True
+    np.testing.assert_array_equal(p1.run()[0], p2.run()[0])
+
+
+def test_fallback_without_compiler(monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CC", "/nonexistent/cc")
+    rng = np.random.default_rng(0)
+    tp = gt.Tape()
+    x = tp.param(rng.standard_normal((3, 5)))
+    loss = ops.reduce_sum(ops.softmax(ops.exp(x), 1))
+    g = tp.backward(loss)
+    with pytest.warns(RuntimeWarning, match="NumPy fallback"):
+        prog = tp.compile([loss, g[x]], backend="cpu")
+    assert prog.executable.fallback is not None
+    ref = tp.compile([loss, g[x]], backend="numpy").run()
+    for a, b in zip(prog.run(), ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_one_kernel_per_distinct_group():
+    """Identical groups (every head, every layer) share one generated kernel."""
+    tp = gt.Tape()
+    xs = [tp.param(np.ones((4, 6))) for _ in range(5)]
+    outs = [ops.softmax(ops.scale(x, 0.5), 1) for x in xs]
+    prog = tp.compile(outs, backend="cpu")
+    assert len(prog.executable.schedule.groups) == 5
+    assert prog.executable.n_kernels == 1
+
+
+def test_generated_source_compiles_without_warnings(tmp_path, monkeypatch):
+    """Every expression the generator knows, in both dtypes, through the real compiler."""
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    for dtype in DTYPES:
+        tp = gt.Tape(dtype)
+        x = tp.param(np.full((2, 3), 0.5))
+        c = tp.const(np.ones((2, 3)))
+        v = x
+        for op in sorted(_cgen.C_ELEMENTWISE):
+            if op == "select":
+                v = ops.select(c, v, x)
+            elif op in ("add", "sub", "mul", "div"):
+                v = getattr(ops, op)(v, x)
+            elif op in ("scale", "addc", "maxc", "gtc"):
+                v = getattr(ops, op)(v, 0.25)
+            elif op == "powc":
+                v = ops.powc(ops.addc(ops.mul(v, v), 1.0), 1.5)
+            else:
+                v = getattr(ops, op)(ops.addc(ops.mul(v, v), 1.0))
+        compare(tp, [v])

@@ -21,7 +21,7 @@ import gradtape as gt
 from gradtape import ops
 
 # Backends every compiling test runs on; another backend ("cpu", "cuda") joins by name.
-BACKENDS = ["numpy"]
+BACKENDS = ["numpy", "cpu"]
 
 # Finite-difference tolerances, float64 only (float32 differences are rounding noise).
 # h = 1e-3 with one Richardson step: truncation ~h^4 * f^(5) ~ 1e-12, rounding

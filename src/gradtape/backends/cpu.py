@@ -140,7 +140,14 @@ class CpuBackend:
                 out.append(functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
                                              base + 8 * start, n))
         self._steps = out
-        self._updates = [(val[leaf], val[src]) for leaf, src in self.graph.updates]
+        # updates are simultaneous (as in the NumPy backend): a source that is itself an
+        # updated leaf is first copied to a preallocated snapshot, then written
+        targets = {leaf for leaf, _ in self.graph.updates}
+        self._snaps = [(val[src], np.empty_like(val[src])) for leaf, src in self.graph.updates
+                       if src in targets]
+        snap_of = {id(a): b for a, b in self._snaps}
+        self._updates = [(val[leaf], snap_of.get(id(val[src]), val[src]) if src in targets
+                          else val[src]) for leaf, src in self.graph.updates]
         self._outputs = [val[v] for v in self.graph.outputs]
 
     def leaf_value(self, leaf):
@@ -168,6 +175,8 @@ class CpuBackend:
         for step in self._steps:
             step()
         outs = [o.copy() for o in self._outputs]
+        for src, snap in self._snaps:
+            np.copyto(snap, src)
         for dst, src in self._updates:
             np.copyto(dst, src)
         return outs

@@ -320,3 +320,56 @@ def test_program_without_outputs(backend):
     with pytest.raises(ValueError, match=r"run: feed key .* is not a leaf \(param or const\) "
                                          r"of this program's tape"):
         prog.run({x: np.ones(2)})
+
+
+# --- random graphs: replay and memory plan on arbitrary DAGs ------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_UNARY = [lambda v: ops.tanh(v), lambda v: ops.scale(v, 0.7), lambda v: ops.sigmoid(v),
+          lambda v: ops.exp(ops.scale(v, 0.1)), lambda v: ops.softmax(v, 1),
+          lambda v: ops.transpose(ops.transpose(v)),
+          lambda v: ops.add(v, ops.reduce_sum(v, 1, keepdims=True)),  # [4,1] column
+          lambda v: ops.mul(v, ops.reduce_sum(v, 0)),  # [5] row
+          lambda v: ops.concat([ops.slice_(v, 1, 2, 5), ops.slice_(v, 1, 0, 2)], 1)]
+_BINARY = [ops.add, ops.sub, ops.mul, lambda a, b: ops.matmul(ops.matmul(a, b, tb=True), a)]
+
+
+def _random_graph(tp, recipe, leaves):
+    vs = [tp.param(a) for a in leaves]
+    for kind, i, j in recipe:
+        a, b = vs[i % len(vs)], vs[j % len(vs)]
+        if kind < len(_UNARY):
+            vs.append(_UNARY[kind](a))
+        else:
+            vs.append(ops.scale(_BINARY[kind - len(_UNARY)](a, b), 0.5))
+    return vs
+
+
+@settings(max_examples=40, deadline=None)
+@given(recipe=st.lists(st.tuples(st.integers(0, len(_UNARY) + len(_BINARY) - 1),
+                                  st.integers(0, 10 ** 6), st.integers(0, 10 ** 6)),
+                       min_size=1, max_size=25),
+       outs=st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=4),
+       with_grad=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_random_graphs_replay_bitwise(recipe, outs, with_grad, seed):
+    rng = np.random.default_rng(seed)
+    leaves = [rng.standard_normal((4, 5)) * 0.5 for _ in range(2)]
+    tp = gt.Tape()
+    vs = _random_graph(tp, recipe, leaves)
+    chosen = [vs[2 + o % (len(vs) - 2)] for o in outs]
+    if with_grad:
+        loss = ops.reduce_sum(ops.mul(chosen[0], chosen[0]))
+        chosen += list(tp.backward(loss).values())
+    idx = [v.index for v in chosen]
+    for backend in BACKENDS:
+        prog = tp.compile(chosen, backend=backend)
+        _check(prog.run(), [v.value for v in chosen], backend, np.float64)
+        new = [rng.standard_normal((4, 5)) * 0.5 for _ in range(2)]
+        got = prog.run({vs[0]: new[0], vs[1]: new[1]})
+        tp2 = gt.Tape()
+        vs2 = _random_graph(tp2, recipe, new)
+        if with_grad:
+            c2 = [vs2[2 + o % (len(vs2) - 2)] for o in outs]
+            tp2.backward(ops.reduce_sum(ops.mul(c2[0], c2[0])))
+        _check(got, [tp2.vars[i].value for i in idx], backend, np.float64)

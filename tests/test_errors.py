@@ -278,3 +278,14 @@ def test_nn_errors(tp):
         nn.const(tp, np.ones(5), 2, 3)
     with pytest.raises(ValueError, match=M("nn: 4 values do not fill shape [3]")):
         nn.param(tp, np.ones(4), 0, 3)
+
+
+def test_missing_gradient_rule_names_the_op(tp, monkeypatch):
+    from gradtape.ops import PRIMS, Prim
+    monkeypatch.setitem(PRIMS, "floor", Prim("floor", lambda s: s[0],
+                                             lambda out, x: np.floor(x, out=out), None))
+    x = tp.param(np.array([1.5, 2.5]))
+    y = tp.record("floor", (x,))
+    np.testing.assert_array_equal(y.value, [1.0, 2.0])
+    with pytest.raises(ValueError, match=M("backward: primitive 'floor' has no gradient rule")):
+        tp.backward(ops.reduce_sum(y))

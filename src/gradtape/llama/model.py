@@ -1,0 +1,347 @@
+"""The LLaMA model graph, recorded from ``gradtape.nn`` layers, and inference on it.
+
+``record_forward`` records the whole forward pass (embedding, ``n_layers`` pre-norm
+blocks of GQA attention and a SwiGLU MLP, final RMSNorm, LM head) for ``n_seq`` equal-
+length sequences at once: the graph the trainer differentiates and replays.
+``Llama.logits`` / ``Llama.generate`` run the same block (``_block``) with a KV cache:
+each layer of each chunk of new rows is recorded on its own small eager tape, the keys
+(already roped) and values of past rows are fed back as consts, so a decoded token costs
+one row of work and memory stays bounded by one layer.  The math lives only in
+``gradtape.nn``; this module wires layers, it computes nothing itself besides picking
+the next token from the logits.
+
+Weights are a dict of float32 arrays in OUR names and ``[in, out]`` orientation:
+``tok_embd [V, D]``, ``layers.{i}.attn_norm [D]``, ``layers.{i}.{q,k,v,o,gate,up,down}``,
+``layers.{i}.ffn_norm [D]``, ``norm [D]`` and, for untied embeddings only, ``lm_head [V, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import nn, ops
+from ..errors import GradtapeError
+from ..tape import Tape
+from .config import LlamaConfig
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
+
+
+# --- the graph ----------------------------------------------------------------------------
+
+def weight_consts(tp, model) -> dict:
+    """``tp.const`` of every weight (a ``Llama`` or a weights dict); on a float32 tape the
+    consts share the float32 arrays without copying."""
+    weights = model.weights if hasattr(model, "weights") else model
+    return {name: tp.const(w) for name, w in weights.items()}
+
+
+def _linear_fn(tp, W, lora, lora_scale):
+    """``lin(i, target, x)``: ``x @ W[layers.i.target]``, plus the LoRA update where
+    ``lora`` has ``(i, target)``."""
+    def lin(i, target, x):
+        w0 = W[f"layers.{i}.{target}"]
+        ab = lora.get((i, target)) if lora else None
+        if ab is None:
+            return nn.linear(tp, x, w0)
+        return nn.lora_linear(tp, x, w0, ab[0], ab[1], lora_scale)
+    return lin
+
+
+def _block(tp, cfg, W, i, x, ones, lin, attend):
+    """One pre-norm decoder layer on rows ``x [N, D]``; ``attend(q, k, v)`` is the
+    attention over the projected rows (full-sequence or KV-cached)."""
+    p = f"layers.{i}."
+    h = nn.rmsnorm(tp, x, W[p + "attn_norm"], ones, cfg.dim, cfg.norm_eps)  # [N, D]
+    q, k, v = lin(i, "q", h), lin(i, "k", h), lin(i, "v", h)  # [N, nh*hd], [N, nkv*hd] x2
+    x = ops.add(x, lin(i, "o", attend(q, k, v)))  # [N, D]
+    h = nn.rmsnorm(tp, x, W[p + "ffn_norm"], ones, cfg.dim, cfg.norm_eps)
+    mlp = nn.swiglu(tp, lin(i, "gate", h), lin(i, "up", h))  # [N, F]
+    return ops.add(x, lin(i, "down", mlp))  # [N, D]
+
+
+def _head(tp, cfg, W, x, ones):
+    """Final RMSNorm and the LM head: ``[N, D] -> [N, V]``."""
+    h = nn.rmsnorm(tp, x, W["norm"], ones, cfg.dim, cfg.norm_eps)
+    table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
+    return ops.matmul(h, table, tb=True)  # [N, V]
+
+
+def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
+                   ones=None):
+    """Record the logits ``[n_seq*T, V]`` of ``n_seq`` sequences of length ``T``.
+
+    ``ids``: integer const ``[n_seq*T]`` (the sequences concatenated); ``W``: from
+    ``weight_consts``; ``lora``: ``None`` or ``{(layer, target): (A [in, r], B [r, out])}``
+    of Vars.  Linears, norms and the MLP run on all rows at once; attention per sequence.
+    """
+    n = ids.shape[0]
+    if n_seq < 1 or n % n_seq:
+        raise ValueError(f"record_forward: {n} ids do not split into {n_seq} equal sequences")
+    t = n // n_seq
+    hd = cfg.head_dim
+    if ones is None:
+        ones = nn.ones(tp, cfg.dim)  # [D, 1]
+    cos, sin = nn.rope_fill(t, hd, cfg.rope_base)  # [T, hd/2]
+    cosc, sinc = tp.const(cos), tp.const(sin)
+    mask = tp.const(nn.causal_mask_fill(t))  # [T, T]
+    iscale = 1.0 / math.sqrt(hd)
+    lin = _linear_fn(tp, W, lora, lora_scale)
+
+    def attend(q, k, v):
+        def one(qs, ks, vs):
+            return nn.gqa_attention(tp, qs, ks, vs, cosc, sinc, mask, t, cfg.n_heads,
+                                    cfg.n_kv_heads, hd, iscale)  # [T, nh*hd]
+        if n_seq == 1:
+            return one(q, k, v)
+        rows = [(s * t, (s + 1) * t) for s in range(n_seq)]
+        return ops.concat([one(*(ops.slice_(m, 0, a, b) for m in (q, k, v)))
+                           for a, b in rows], 0)  # [n_seq*T, nh*hd]
+
+    x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
+    for i in range(cfg.n_layers):
+        x = _block(tp, cfg, W, i, x, ones, lin, attend)
+    return _head(tp, cfg, W, x, ones)
+
+
+# --- KV-cached inference ------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Per layer, the roped keys and the values of every row seen so far ``[P, nkv*hd]``."""
+    k: list
+    v: list
+    length: int = 0
+
+    @classmethod
+    def empty(cls, cfg):
+        return cls([None] * cfg.n_layers, [None] * cfg.n_layers, 0)
+
+
+class _Consts(dict):
+    """Weights as consts of one tape, made on first use (a layer's tape needs only its
+    own weights)."""
+
+    def __init__(self, tp, arrays):
+        super().__init__()
+        self.tp, self.arrays = tp, arrays
+
+    def __missing__(self, name):
+        v = self[name] = self.tp.const(self.arrays[name])
+        return v
+
+
+def _rope_all(tp, x, cos, sin, n, hd):
+    """``nn.rope`` on every head of ``x [t, n*hd]`` in one call: the heads are stacked as
+    rows (``[t*n, hd]``, row ``p*n + h``) with the tables repeated per head.  Equal to
+    ``nn.rope_heads`` element for element, with n times fewer recorded ops (a decode
+    step is dominated by per-op overhead)."""
+    t = x.shape[0]
+    rows = ops.reshape(x, (t * n, hd))  # [t*n, hd]
+    cosc, sinc = tp.const(np.repeat(cos, n, axis=0)), tp.const(np.repeat(sin, n, axis=0))
+    return ops.reshape(nn.rope(tp, rows, cosc, sinc, t * n, hd), (t, n * hd))
+
+
+def _grouped_attention(tp, q, k, v, mask, nh, nkv, hd, iscale):
+    """``nn.attention`` with the ``g = nh/nkv`` query heads that share a kv head stacked
+    as extra query rows: ``q [tq, nh*hd]`` is regrouped to ``[g*tq, nkv*hd]`` (row
+    ``r*tq + p``, column block ``j`` = query head ``j*g + r`` at position ``p``), attended
+    with ``nkv`` heads and the mask tiled ``g`` times, and regrouped back.  Each output
+    row is the same softmax(q k^T * iscale + mask) v as ``nn.attention`` computes; GQA
+    costs nkv instead of nh head loops."""
+    tq, g = q.shape[0], nh // nkv
+    if g == 1:
+        return nn.attention(tp, q, k, v, tp.const(mask), nh, nkv, hd, iscale)
+    qg = ops.transpose(ops.reshape(q, (tq, nkv, g, hd)), (2, 0, 1, 3))  # [g, tq, nkv, hd]
+    qg = ops.reshape(qg, (g * tq, nkv * hd))
+    out = nn.attention(tp, qg, k, v, tp.const(np.tile(mask, (g, 1))), nkv, nkv, hd, iscale)
+    out = ops.transpose(ops.reshape(out, (g, tq, nkv, hd)), (1, 2, 0, 3))  # [tq, nkv, g, hd]
+    return ops.reshape(out, (tq, nh * hd))
+
+
+def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
+                   dtype=np.float32) -> np.ndarray:
+    """Logits ``[t, V]`` of ``t`` new rows after the ``cache.length`` rows in ``cache``
+    (which is extended).  ``weights``: arrays of ``dtype``; ``lora``: ``{(layer, target):
+    (A, B)}`` arrays.  Each layer is recorded on its own eager tape from ``_block``."""
+    ids = np.asarray(ids, dtype=np.int64)
+    t, start, hd = len(ids), cache.length, cfg.head_dim
+    cos, sin = nn.rope_fill(t, hd, cfg.rope_base, start=start)  # [t, hd/2], positions start..
+    mask = nn.causal_mask_fill(t, past=start)  # [t, start + t]
+    iscale = 1.0 / math.sqrt(hd)
+
+    tp = Tape(dtype)
+    x = ops.take_rows(tp.const(weights["tok_embd"]), tp.const(ids)).value  # [t, D]
+    for i in range(cfg.n_layers):
+        tp = Tape(dtype)
+        W = _Consts(tp, weights)
+        lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()
+              if key[0] == i}
+        kv = {}
+
+        def attend(q, k, v, i=i):
+            kr = _rope_all(tp, k, cos, sin, cfg.n_kv_heads, hd)  # [t, nkv*hd]
+            if start:
+                kr = ops.concat([tp.const(cache.k[i]), kr], 0)  # [start+t, nkv*hd]
+                v = ops.concat([tp.const(cache.v[i]), v], 0)
+            kv["k"], kv["v"] = kr, v
+            return _grouped_attention(tp, _rope_all(tp, q, cos, sin, cfg.n_heads, hd), kr, v,
+                                      mask, cfg.n_heads, cfg.n_kv_heads, hd, iscale)
+
+        out = _block(tp, cfg, W, i, tp.const(x), nn.ones(tp, cfg.dim),
+                     _linear_fn(tp, W, lw, lora_scale), attend)
+        x = out.value
+        cache.k[i], cache.v[i] = kv["k"].value, kv["v"].value
+    cache.length = start + t
+    tp = Tape(dtype)
+    return _head(tp, cfg, _Consts(tp, weights), tp.const(x), nn.ones(tp, cfg.dim)).value
+
+
+def target_dims(cfg, target):
+    """``(in, out)`` of the linear ``target`` in a model with config ``cfg``."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {"q": (cfg.dim, q), "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim),
+            "gate": (cfg.dim, cfg.ffn_dim), "up": (cfg.dim, cfg.ffn_dim),
+            "down": (cfg.ffn_dim, cfg.dim)}[target]
+
+
+# --- sampling -----------------------------------------------------------------------------
+
+def sample_next(logits_row, temperature, top_p, rng) -> int:
+    """Greedy (``temperature == 0``) or temperature / nucleus (top-p) sampling."""
+    if temperature <= 0.0:
+        return int(np.argmax(logits_row))
+    z = logits_row.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest set with mass >= top_p
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+# --- the model object ---------------------------------------------------------------------
+
+class Llama:
+    """A loaded LLaMA-family model: ``config``, ``tokenizer``, float32 ``weights``, ``name``."""
+
+    def __init__(self, config: LlamaConfig, weights: dict, tokenizer=None, name="",
+                 source=""):
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.name = name
+        self.source = source
+
+    def __repr__(self):
+        c = self.config
+        return (f"Llama({self.name!r}: {c.n_layers} layers, dim {c.dim}, {c.n_heads}/"
+                f"{c.n_kv_heads} heads, vocab {c.vocab_size})")
+
+    @property
+    def eos_id(self):
+        if self.tokenizer is not None and self.tokenizer.eos_id is not None:
+            return self.tokenizer.eos_id
+        return self.config.eos_id
+
+    @property
+    def stop_ids(self) -> frozenset:
+        if self.tokenizer is not None:
+            return self.tokenizer.stop_ids
+        return frozenset() if self.config.eos_id is None else frozenset({self.config.eos_id})
+
+    # --- helpers ---
+    def _weights_as(self, dtype):
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise GradtapeError(f"dtype must be float32 or float64, got {dtype}")
+        if all(w.dtype == dtype for w in self.weights.values()):
+            return self.weights
+        return {k: w.astype(dtype) for k, w in self.weights.items()}
+
+    def _lora(self, adapter, dtype):
+        """``(lora arrays {(layer, target): (A, B)}, scale)`` from an adapter object."""
+        if adapter is None:
+            return None, 1.0
+        cfg = self.config
+        out = {}
+        for (layer, target), (a, b) in adapter.weights.items():
+            if not 0 <= layer < cfg.n_layers or target not in TARGETS:
+                raise GradtapeError(f"adapter: ({layer}, {target!r}) does not exist in this "
+                                    f"model ({cfg.n_layers} layers)")
+            fin, fout = target_dims(cfg, target)
+            if a.shape != (fin, adapter.rank) or b.shape != (adapter.rank, fout):
+                raise GradtapeError(
+                    f"adapter: layer {layer} {target}: A {list(a.shape)} / B {list(b.shape)} "
+                    f"do not fit this model (needs A {[fin, adapter.rank]}, B "
+                    f"{[adapter.rank, fout]}): adapter made for another base model?")
+            out[(layer, target)] = (np.asarray(a, dtype), np.asarray(b, dtype))
+        return out, float(adapter.scale)
+
+    def _check_ids(self, ids):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) and ids.size:
+            raise GradtapeError(f"ids must be a flat list of integers, got shape "
+                                f"{list(ids.shape)} dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise GradtapeError(f"token id out of range [0, {self.config.vocab_size}): "
+                                f"{int(ids.min())}..{int(ids.max())}")
+        return ids
+
+    # --- inference ---
+    def logits(self, ids, adapter=None, dtype=np.float32) -> np.ndarray:
+        """Next-token logits ``[len(ids), vocab_size]`` (row ``t`` predicts token ``t+1``),
+        in ``dtype`` (float32 default, float64 on request)."""
+        ids = self._check_ids(ids)
+        if ids.size == 0:
+            raise GradtapeError("logits: needs at least one token")
+        W = self._weights_as(dtype)
+        lora, scale = self._lora(adapter, dtype)
+        cache = KVCache.empty(self.config)
+        rows = [forward_cached(self.config, W, ids[a:a + PREFILL_CHUNK], cache, lora, scale,
+                               dtype) for a in range(0, len(ids), PREFILL_CHUNK)]
+        return np.concatenate(rows, 0) if len(rows) > 1 else rows[0]
+
+    def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0,
+                 top_p=1.0, stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
+        """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
+        temperature / top-p sampling seeded by ``seed``; stops after an end-of-sequence
+        token (which is included) or ``max_new_tokens``.  ``stream(token_id)`` is called
+        for each new token as it is produced."""
+        ids = self._check_ids(ids)
+        if ids.size == 0:
+            raise GradtapeError("generate: needs a prompt of at least one token")
+        if max_new_tokens < 0:
+            raise GradtapeError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise GradtapeError(f"need temperature >= 0 and 0 < top_p <= 1, got "
+                                f"{temperature}, {top_p}")
+        stops = self.stop_ids if stop_ids is None else frozenset(stop_ids)
+        W = self._weights_as(dtype)
+        lora, scale = self._lora(adapter, dtype)
+        rng = np.random.default_rng(seed)
+        cache = KVCache.empty(self.config)
+        out = []
+        if max_new_tokens == 0:
+            return out
+        last = None
+        for a in range(0, len(ids), PREFILL_CHUNK):  # the prompt, in bounded chunks
+            last = forward_cached(self.config, W, ids[a:a + PREFILL_CHUNK], cache, lora,
+                                  scale, dtype)[-1]
+        while True:
+            tok = sample_next(last, temperature, top_p, rng)
+            out.append(tok)
+            if stream is not None:
+                stream(tok)
+            if tok in stops or len(out) >= max_new_tokens:
+                return out
+            last = forward_cached(self.config, W, [tok], cache, lora, scale, dtype)[-1]

@@ -310,6 +310,55 @@ def lower_rowreduce(group, ct):
     return lines
 
 
+def _split(shape, axis):
+    """(outer, n, inner) of a C-contiguous array around ``axis``."""
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1:], dtype=np.int64))
+    return outer, shape[axis], inner
+
+
+C_COPY = frozenset(("slice", "pad", "concat", "reshape"))
+
+
+def copy_kernel_body(v, dtype):
+    """slice / pad / concat / reshape as block copies (``p``: inputs, then the output):
+    they move data without arithmetic, so they run inside a kernel batch instead of
+    costing a Python call each."""
+    t = CTypes(dtype).t
+    sz = np.dtype(dtype).itemsize
+    ins = v.inputs
+    lines = [f"    const {t} *restrict a{k} = (const {t} *)p[{k}];" for k in range(len(ins))]
+    lines.append(f"    {t} *restrict o = ({t} *)p[{len(ins)}];")
+    if v.op == "reshape":
+        lines.append(f"    memcpy(o, a0, {v.size * sz}UL);")
+        return "\n".join(lines)
+    axis = v.attrs["axis"] % v.ndim
+    outer, n_out, inner = _split(v.shape, axis)
+    if v.op == "slice":
+        _, n_in, _ = _split(ins[0].shape, axis)
+        blk = (v.attrs["stop"] - v.attrs["start"]) * inner
+        lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*{n_out * inner}L, "
+                     f"a0 + q*{n_in * inner}L + {v.attrs['start'] * inner}L, {blk * sz}UL);")
+    elif v.op == "pad":
+        _, n_in, _ = _split(ins[0].shape, axis)
+        lines.append(f"    memset(o, 0, {v.size * sz}UL);")
+        lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*{n_out * inner}L + "
+                     f"{v.attrs['before'] * inner}L, a0 + q*{n_in * inner}L, "
+                     f"{n_in * inner * sz}UL);")
+    elif v.op == "concat":
+        off = 0
+        for k, x in enumerate(ins):
+            _, n_in, _ = _split(x.shape, axis)
+            if n_in:
+                lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*"
+                             f"{n_out * inner}L + {off * inner}L, a{k} + q*{n_in * inner}L, "
+                             f"{n_in * inner * sz}UL);")
+            off += n_in
+    else:
+        raise KeyError(v.op)
+    return "\n".join(lines)
+
+
 def group_kernel_body(group, dtype):
     ct = CTypes(dtype)
     if group.kind == "elementwise":
@@ -325,6 +374,12 @@ class ProgramSource:
 
     def kernel(self, group, dtype):
         body = group_kernel_body(group, dtype)
+        return self._add(body)
+
+    def copy_kernel(self, v, dtype):
+        return self._add(copy_kernel_body(v, dtype))
+
+    def _add(self, body):
         if body not in self.bodies:
             self.bodies[body] = len(self.bodies)
         return self.bodies[body]

@@ -83,6 +83,9 @@ class CpuBackend:
         # kernels: one translation unit for the program
         src = _cgen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
+        for s in self.schedule.steps:  # data movement: block copies in C as well
+            if not isinstance(s, FusedGroup) and s.op in _cgen.C_COPY and dtype is not None:
+                self._kernel_of[s] = src.copy_kernel(s, dtype)
         self.n_kernels = len(src.bodies)
         self.lib = None
         self.cache_hit = None
@@ -99,7 +102,7 @@ class CpuBackend:
     def _bind(self):
         val = self._values
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
-        for g in self.schedule.groups:
+        for g in self._kernel_of:
             for x in g.inputs:
                 if x.is_leaf and not val[x].flags.c_contiguous:
                     self._own(x)
@@ -114,10 +117,11 @@ class CpuBackend:
                 pending.clear()
 
         for s in self.schedule.steps:
-            if isinstance(s, FusedGroup):
+            if s in self._kernel_of:
                 off = len(ptrs)
                 ptrs.extend(val[x].ctypes.data for x in s.inputs)
-                ptrs.extend(val[m].ctypes.data for m in s.outputs)
+                outs = s.outputs if isinstance(s, FusedGroup) else (s,)
+                ptrs.extend(val[m].ctypes.data for m in outs)
                 pending.append((self._kernel_of[s], off))
                 continue
             flush()

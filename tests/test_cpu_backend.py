@@ -278,6 +278,17 @@ def test_layers_parity(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,to", [((5, 7), (7,)), ((5, 7), (1, 7)), ((5, 7), (5, 1)),
+                                      ((1, 7), (7,)), ((5, 1), (5, 1)), ((1, 1), (1,))])
+def test_sum_to_kernels(shape, to, dtype):
+    def build(tp):
+        x = tp.param(np.random.default_rng(0).standard_normal(shape))
+        return [ops.sum_to(ops.exp(x), to)]
+
+    check_built(build, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_replay_with_feeds_and_updates(dtype):
     """A tiny SGD step as state updates: both backends track each other over replays,
     with fed leaves changing every run and a non-contiguous leaf."""

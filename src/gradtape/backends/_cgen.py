@@ -317,7 +317,16 @@ def _split(shape, axis):
     return outer, shape[axis], inner
 
 
-C_COPY = frozenset(("slice", "pad", "concat", "reshape"))
+C_COPY = frozenset(("slice", "pad", "concat", "reshape", "sum_to"))
+
+
+def c_single_op(v):
+    """Whether a non-fused op has a C kernel (``copy_kernel_body``)."""
+    if v.op == "sum_to":  # the broadcast-gradient reductions of 2-d values
+        x = v.inputs[0]
+        return x.ndim == 2 and tuple(v.shape) in ((x.shape[1],), (1, x.shape[1]),
+                                                  (x.shape[0], 1))
+    return v.op in C_COPY
 
 
 def copy_kernel_body(v, dtype):
@@ -331,6 +340,18 @@ def copy_kernel_body(v, dtype):
     lines.append(f"    {t} *restrict o = ({t} *)p[{len(ins)}];")
     if v.op == "reshape":
         lines.append(f"    memcpy(o, a0, {v.size * sz}UL);")
+        return "\n".join(lines)
+    if v.op == "sum_to":
+        R, C = ins[0].shape
+        if tuple(v.shape) == (R, 1):  # row sums (double accumulator)
+            lines.append(f"    for (long i = 0; i < {R}L; i++) {{ double s = 0.0;")
+            lines.append("        #pragma omp simd reduction(+:s)")
+            lines.append(f"        for (long j = 0; j < {C}L; j++) s += (double)a0[i*{C}L + j];")
+            lines.append(f"        o[i] = ({t})s; }}")
+        else:  # column sums, row by row in the dtype, as NumPy adds them
+            lines.append(f"    memcpy(o, a0, {C * sz}UL);")
+            lines.append(f"    for (long i = 1; i < {R}L; i++)")
+            lines.append(f"        for (long j = 0; j < {C}L; j++) o[j] += a0[i*{C}L + j];")
         return "\n".join(lines)
     axis = v.attrs["axis"] % v.ndim
     outer, n_out, inner = _split(v.shape, axis)

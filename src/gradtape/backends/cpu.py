@@ -84,7 +84,7 @@ class CpuBackend:
         src = _cgen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
         for s in self.schedule.steps:  # data movement: block copies in C as well
-            if not isinstance(s, FusedGroup) and s.op in _cgen.C_COPY and dtype is not None:
+            if not isinstance(s, FusedGroup) and _cgen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
         self.n_kernels = len(src.bodies)
         self.lib = None

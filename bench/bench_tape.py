@@ -49,6 +49,22 @@ def build_block(tp, T, dim, nh, nkv, hd, ffn, rng):
     return [loss, *grads.values()]
 
 
+def profile_numpy(prog, reps):
+    """Seconds per replay of the NumPy backend in matmuls and in everything else."""
+    ex = prog.executable
+    mm = other = 0.0
+    for _ in range(reps):
+        for v, (f, o, i, a) in zip(prog.graph.ops, ex._steps):
+            t0 = time.perf_counter()
+            f(o, *i, **a)
+            dt = time.perf_counter() - t0
+            if v.op == "matmul":
+                mm += dt
+            else:
+                other += dt
+    return mm / reps, other / reps
+
+
 def profile(prog, reps):
     """Seconds per replay spent in each kind of cpu-backend step."""
     ex = prog.executable
@@ -111,8 +127,14 @@ def main(argv=None):
     print(f"T={a.T} {a.dtype}: numpy {med['numpy'] * 1e3:.1f} ms, cpu {med['cpu'] * 1e3:.1f} ms,"
           f" ratio numpy/cpu = {med['numpy'] / med['cpu']:.2f}x (max rel diff {err:.1e})")
     if a.profile:
-        for k, (s, n) in profile(p_cpu, a.reps).items():
-            print(f"  {k:28s} {s * 1e3:8.2f} ms  ({n} steps)")
+        prof = profile(p_cpu, a.reps)
+        for k, (s, n) in prof.items():
+            print(f"  cpu {k:28s} {s * 1e3:8.2f} ms  ({n} steps)")
+        mm, other = profile_numpy(p_np, a.reps)
+        cpu_other = sum(s for k, (s, n) in prof.items() if not k.startswith("matmul"))
+        print(f"  numpy matmul {mm * 1e3:.2f} ms, everything else {other * 1e3:.2f} ms")
+        print(f"  non-matmul work: numpy {other * 1e3:.2f} ms / cpu {cpu_other * 1e3:.2f} ms"
+              f" = {other / max(cpu_other, 1e-12):.1f}x")
     return med
 
 

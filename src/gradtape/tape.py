@@ -12,6 +12,7 @@ This module does not execute compiled programs; see ``gradtape.compile``.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -55,7 +56,7 @@ class Var:
 
     @property
     def size(self):
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     @property
     def is_leaf(self):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops import PRIMS
-from .memplan import MemoryPlan
+from .memplan import MemoryPlan, plan_liveness
 
 REDUCE_OPS = ("sum", "softmax", "logsumexp")
 
@@ -220,37 +220,5 @@ def plan_schedule_memory(schedule) -> MemoryPlan:
     what it reads.  Outputs and update sources keep buffers of their own.
     """
     graph = schedule.graph
-    last_use = {}
-    for i, s in enumerate(schedule.steps):
-        for x in step_inputs(s):
-            last_use[x] = i
     pinned = set(graph.outputs) | {src for _, src in graph.updates}
-    sizes, free, slot = [], [], {}
-    for i, s in enumerate(schedule.steps):
-        for v in step_outputs(s):
-            n = max(v.size, 1)
-            fits = [b for b in free if sizes[b][0] == v.dtype and sizes[b][1] >= n]
-            same = [b for b in free if sizes[b][0] == v.dtype]
-            if v in pinned:
-                b = None
-            elif fits:
-                b = min(fits, key=lambda b: sizes[b][1])
-            elif same:
-                b = max(same, key=lambda b: sizes[b][1])
-                sizes[b][1] = n
-            else:
-                b = None
-            if b is None:
-                sizes.append([v.dtype, n])
-                b = len(sizes) - 1
-            else:
-                free.remove(b)
-            slot[v] = b
-        for x in set(step_inputs(s)):
-            if x in slot and last_use[x] == i and x not in pinned:
-                free.append(slot[x])
-        # an output nobody reads (dead within the schedule) frees at once
-        for v in step_outputs(s):
-            if v not in last_use and v not in pinned:
-                free.append(slot[v])
-    return MemoryPlan(buffer_sizes=tuple((dt, n) for dt, n in sizes), slot=slot)
+    return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned)

@@ -10,6 +10,7 @@ allocated once, by the backend, at their final sizes: a replay allocates nothing
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -27,35 +28,56 @@ class MemoryPlan:
         return sum(dt.itemsize * n for dt, n in self.buffer_sizes)
 
 
-def plan_memory(graph) -> MemoryPlan:
+class _Pool:
+    """Free buffers per dtype, kept sorted by size: best fit in O(log n)."""
+
+    def __init__(self):
+        self.sizes = []  # [dtype, n] per buffer, grown while planning
+        self.free = {}  # dtype -> sorted list of (n, buffer index)
+
+    def take(self, dtype, n):
+        free = self.free.setdefault(dtype, [])
+        i = bisect.bisect_left(free, (n, -1))
+        if i < len(free):  # the smallest free buffer that fits
+            _, b = free.pop(i)
+        elif free:  # none fits: grow the largest free one
+            _, b = free.pop()
+            self.sizes[b][1] = n
+        else:
+            return self.new(dtype, n)
+        return b
+
+    def new(self, dtype, n):
+        self.sizes.append([dtype, n])
+        return len(self.sizes) - 1
+
+    def give_back(self, b):
+        dtype, n = self.sizes[b]
+        bisect.insort(self.free.setdefault(dtype, []), (n, b))
+
+
+def plan_liveness(steps, pinned) -> MemoryPlan:
+    """Plan buffers for ``steps``, a list of ``(inputs, outputs)`` Var tuples in execution
+    order; every output gets a buffer (``pinned`` ones a buffer of their own)."""
     last_use = {}
-    for i, v in enumerate(graph.ops):
-        for x in v.inputs:
+    for i, (inputs, _) in enumerate(steps):
+        for x in inputs:
             last_use[x] = i
-    pinned = set(graph.outputs) | {src for _, src in graph.updates}
-    sizes = []  # [dtype, n] per buffer, grown while planning
-    free = []  # buffer indices not holding a live value
-    slot = {}
-    for i, v in enumerate(graph.ops):
-        n = max(v.size, 1)
-        fits = [b for b in free if sizes[b][0] == v.dtype and sizes[b][1] >= n]
-        same_dtype = [b for b in free if sizes[b][0] == v.dtype]
-        if v in pinned:
-            b = None
-        elif fits:
-            b = min(fits, key=lambda b: sizes[b][1])
-        elif same_dtype:
-            b = max(same_dtype, key=lambda b: sizes[b][1])
-            sizes[b][1] = n
-        else:
-            b = None
-        if b is None:
-            sizes.append([v.dtype, n])
-            b = len(sizes) - 1
-        else:
-            free.remove(b)
-        slot[v] = b
-        for x in set(v.inputs):
+    pool, slot = _Pool(), {}
+    for i, (inputs, outputs) in enumerate(steps):
+        for v in outputs:
+            n = max(v.size, 1)
+            slot[v] = pool.new(v.dtype, n) if v in pinned else pool.take(v.dtype, n)
+        for x in set(inputs):
             if x in slot and last_use[x] == i and x not in pinned:
-                free.append(slot[x])
-    return MemoryPlan(buffer_sizes=tuple((dt, n) for dt, n in sizes), slot=slot)
+                pool.give_back(slot[x])
+        for v in outputs:  # an output nothing reads frees at once
+            if v not in last_use and v not in pinned:
+                pool.give_back(slot[v])
+    return MemoryPlan(buffer_sizes=tuple((dt, n) for dt, n in pool.sizes), slot=slot)
+
+
+def plan_memory(graph) -> MemoryPlan:
+    """One step per op of the graph."""
+    pinned = set(graph.outputs) | {src for _, src in graph.updates}
+    return plan_liveness([(v.inputs, (v,)) for v in graph.ops], pinned)

@@ -169,6 +169,44 @@ def gqa_attention(tp, q, k, v, cosc, sinc, mask, t, nh, nkv, hd, iscale):
     return _attend(tp, qs, ks, vs, mask, iscale)
 
 
+def _rope_last(tp, x, cosc, sinc, hd):
+    """NEOX rope on the last axis (``hd``) of a batch ``x[B, rows, hd]``."""
+    half = hd // 2
+    x1 = ops.slice_(x, 2, 0, half)  # [B, rows, hd/2]
+    x2 = ops.slice_(x, 2, half, hd)
+    return ops.concat([ops.sub(ops.mul(x1, cosc), ops.mul(x2, sinc)),
+                       ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], 2)
+
+
+def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, iscale):
+    """``gqa_attention`` of ``n_seq`` independent sequences of length ``t`` stacked as rows
+    (``q[n_seq*t, nh*hd]``, ``k, v[n_seq*t, nkv*hd]``), batched over (sequence, kv head):
+    a constant number of ops however many heads and sequences.
+
+    The ``g = nh/nkv`` query heads sharing kv head ``j`` become one ``[g*t, hd]`` matrix
+    (query head ``qi = j*g + i`` at rows ``i*t ...``), so each batch entry is one
+    ``[g*t, t]`` score matrix; ``cosc, sinc[t, hd/2]`` and ``mask[t, t]`` are tiled g times.
+    Equal to running ``gqa_attention`` on each sequence and stacking the results.
+    """
+    _check_heads(nh, nkv)
+    g = nh // nkv
+    b = n_seq * nkv
+    qb = ops.reshape(ops.transpose(ops.reshape(q, (n_seq, t, nkv, g, hd)), (0, 2, 3, 1, 4)),
+                     (b, g * t, hd))  # [n_seq*nkv, g*t, hd]
+
+    def kv_batch(x):
+        return ops.reshape(ops.transpose(ops.reshape(x, (n_seq, t, nkv, hd)), (0, 2, 1, 3)),
+                           (b, t, hd))  # [n_seq*nkv, t, hd]
+
+    tile = (lambda x: ops.concat([x] * g, 0)) if g > 1 else (lambda x: x)
+    qr = _rope_last(tp, qb, tile(cosc), tile(sinc), hd)
+    kr = _rope_last(tp, kv_batch(k), cosc, sinc, hd)
+    s = ops.add(ops.scale(ops.matmul(qr, kr, tb=True), iscale), tile(mask))  # [b, g*t, t]
+    o = ops.matmul(ops.softmax(s, 2), kv_batch(v))  # [b, g*t, hd]
+    o = ops.transpose(ops.reshape(o, (n_seq, nkv, g, t, hd)), (0, 3, 1, 2, 4))
+    return ops.reshape(o, (n_seq * t, nh * hd))  # [n_seq*t, nh*hd]
+
+
 def rope_heads(tp, x, cosc, sinc, t, n, hd):
     """Rope on every head of ``x[t, n*hd]``, concatenated back to ``[t, n*hd]``."""
     return ops.concat([rope(tp, head(tp, x, t, i, hd), cosc, sinc, t, hd) for i in range(n)], 1)

@@ -82,13 +82,15 @@ def _softmax_shape(shapes, axis):
 
 def _matmul_shape(shapes, ta=False, tb=False):
     a, b = shapes
-    if len(a) != 2 or len(b) != 2:
-        raise ShapeError("both operands must be 2-d")
-    m, k = (a[1], a[0]) if ta else a
-    k2, n = (b[1], b[0]) if tb else b
+    if len(a) not in (2, 3) or len(b) != len(a):
+        raise ShapeError("operands must both be 2-d, or both 3-d (a batch of matrices)")
+    if len(a) == 3 and a[0] != b[0]:
+        raise ShapeError(f"batch sizes {a[0]} != {b[0]}")
+    m, k = (a[-1], a[-2]) if ta else a[-2:]
+    k2, n = (b[-1], b[-2]) if tb else b[-2:]
     if k != k2:
         raise ShapeError(f"inner dims {k} != {k2}")
-    return (m, n)
+    return a[:-2] + (m, n)
 
 
 def _slice_shape(shapes, axis, start, stop):
@@ -217,8 +219,13 @@ def _fwd_logsumexp(out, x, axis):
     np.add(out, m, out=out)
 
 
+def _mT(x, t):
+    """x, or x with its last two axes swapped (a view): a matrix or a batch of them."""
+    return np.swapaxes(x, -1, -2) if t else x
+
+
 def _fwd_matmul(out, a, b, ta=False, tb=False):
-    np.matmul(a.T if ta else a, b.T if tb else b, out=out)
+    np.matmul(_mT(a, ta), _mT(b, tb), out=out)
 
 
 def _index(ndim, axis, start, stop):
@@ -392,7 +399,8 @@ def logsumexp(x, axis): return _rec("logsumexp", x, axis=int(axis))
 
 
 def matmul(a, b, ta=False, tb=False):
-    """op(a) @ op(b), where op transposes when ta / tb is set (no copy is made)."""
+    """op(a) @ op(b), where op transposes when ta / tb is set (no copy is made).  Both
+    2-d, or both 3-d ``[batch, m, k] @ [batch, k, n]`` (op swapping the last two axes)."""
     return _rec("matmul", a, b, ta=bool(ta), tb=bool(tb))
 
 

@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 
 from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
-from ..ops import PRIMS
+from ..ops import PRIMS, _mT
 from . import _cgen
 from .numpy import NumpyBackend
 
@@ -49,7 +49,7 @@ def _load(path):
 
 
 def _mm_step(out, a, b, ta=False, tb=False):
-    return functools.partial(np.matmul, a.T if ta else a, b.T if tb else b, out=out)
+    return functools.partial(np.matmul, _mT(a, ta), _mT(b, tb), out=out)
 
 
 class CpuBackend:

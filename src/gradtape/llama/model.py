@@ -92,15 +92,9 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     iscale = 1.0 / math.sqrt(hd)
     lin = _linear_fn(tp, W, lora, lora_scale)
 
-    def attend(q, k, v):
-        def one(qs, ks, vs):
-            return nn.gqa_attention(tp, qs, ks, vs, cosc, sinc, mask, t, cfg.n_heads,
-                                    cfg.n_kv_heads, hd, iscale)  # [T, nh*hd]
-        if n_seq == 1:
-            return one(q, k, v)
-        rows = [(s * t, (s + 1) * t) for s in range(n_seq)]
-        return ops.concat([one(*(ops.slice_(m, 0, a, b) for m in (q, k, v)))
-                           for a, b in rows], 0)  # [n_seq*T, nh*hd]
+    def attend(q, k, v):  # all sequences and heads at once: [n_seq*T, nh*hd]
+        return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
+                                     cfg.n_kv_heads, hd, iscale)
 
     x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
     for i in range(cfg.n_layers):
@@ -135,30 +129,35 @@ class _Consts(dict):
         return v
 
 
-def _rope_all(tp, x, cos, sin, n, hd):
+def _rope_tables(tp, cos, sin, n):
+    """The ``[t, hd/2]`` rope tables repeated per head (``[t*n, hd/2]``) as consts, for
+    ``_rope_all`` on ``n`` heads."""
+    return tp.const(np.repeat(cos, n, axis=0)), tp.const(np.repeat(sin, n, axis=0))
+
+
+def _rope_all(tp, x, cos_rep, sin_rep, n, hd):
     """``nn.rope`` on every head of ``x [t, n*hd]`` in one call: the heads are stacked as
-    rows (``[t*n, hd]``, row ``p*n + h``) with the tables repeated per head.  Equal to
-    ``nn.rope_heads`` element for element, with n times fewer recorded ops (a decode
-    step is dominated by per-op overhead)."""
+    rows (``[t*n, hd]``, row ``p*n + h``) with the tables repeated per head (from
+    ``_rope_tables``).  Equal to ``nn.rope_heads`` element for element, with n times
+    fewer recorded ops (a decode step is dominated by per-op overhead)."""
     t = x.shape[0]
     rows = ops.reshape(x, (t * n, hd))  # [t*n, hd]
-    cosc, sinc = tp.const(np.repeat(cos, n, axis=0)), tp.const(np.repeat(sin, n, axis=0))
-    return ops.reshape(nn.rope(tp, rows, cosc, sinc, t * n, hd), (t, n * hd))
+    return ops.reshape(nn.rope(tp, rows, cos_rep, sin_rep, t * n, hd), (t, n * hd))
 
 
-def _grouped_attention(tp, q, k, v, mask, nh, nkv, hd, iscale):
+def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale):
     """``nn.attention`` with the ``g = nh/nkv`` query heads that share a kv head stacked
     as extra query rows: ``q [tq, nh*hd]`` is regrouped to ``[g*tq, nkv*hd]`` (row
     ``r*tq + p``, column block ``j`` = query head ``j*g + r`` at position ``p``), attended
-    with ``nkv`` heads and the mask tiled ``g`` times, and regrouped back.  Each output
-    row is the same softmax(q k^T * iscale + mask) v as ``nn.attention`` computes; GQA
-    costs nkv instead of nh head loops."""
+    with ``nkv`` heads and the ``[tq, tk]`` mask tiled ``g`` times (``mask_tiled [g*tq,
+    tk]``), and regrouped back.  Each output row is the same softmax(q k^T * iscale +
+    mask) v that ``nn.attention`` computes; GQA costs nkv instead of nh head loops."""
     tq, g = q.shape[0], nh // nkv
     if g == 1:
-        return nn.attention(tp, q, k, v, tp.const(mask), nh, nkv, hd, iscale)
+        return nn.attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale)
     qg = ops.transpose(ops.reshape(q, (tq, nkv, g, hd)), (2, 0, 1, 3))  # [g, tq, nkv, hd]
     qg = ops.reshape(qg, (g * tq, nkv * hd))
-    out = nn.attention(tp, qg, k, v, tp.const(np.tile(mask, (g, 1))), nkv, nkv, hd, iscale)
+    out = nn.attention(tp, qg, k, v, mask_tiled, nkv, nkv, hd, iscale)  # [g*tq, nkv*hd]
     out = ops.transpose(ops.reshape(out, (g, tq, nkv, hd)), (1, 2, 0, 3))  # [tq, nkv, g, hd]
     return ops.reshape(out, (tq, nh * hd))
 
@@ -170,8 +169,9 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     (A, B)}`` arrays.  Each layer is recorded on its own eager tape from ``_block``."""
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
+    nh, nkv = cfg.n_heads, cfg.n_kv_heads
     cos, sin = nn.rope_fill(t, hd, cfg.rope_base, start=start)  # [t, hd/2], positions start..
-    mask = nn.causal_mask_fill(t, past=start)  # [t, start + t]
+    mask = np.tile(nn.causal_mask_fill(t, past=start), (nh // nkv, 1))  # [g*t, start+t]
     iscale = 1.0 / math.sqrt(hd)
 
     tp = Tape(dtype)
@@ -184,13 +184,13 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         kv = {}
 
         def attend(q, k, v, i=i):
-            kr = _rope_all(tp, k, cos, sin, cfg.n_kv_heads, hd)  # [t, nkv*hd]
+            kr = _rope_all(tp, k, *_rope_tables(tp, cos, sin, nkv), nkv, hd)  # [t, nkv*hd]
             if start:
                 kr = ops.concat([tp.const(cache.k[i]), kr], 0)  # [start+t, nkv*hd]
                 v = ops.concat([tp.const(cache.v[i]), v], 0)
             kv["k"], kv["v"] = kr, v
-            return _grouped_attention(tp, _rope_all(tp, q, cos, sin, cfg.n_heads, hd), kr, v,
-                                      mask, cfg.n_heads, cfg.n_kv_heads, hd, iscale)
+            qr = _rope_all(tp, q, *_rope_tables(tp, cos, sin, nh), nh, hd)  # [t, nh*hd]
+            return _grouped_attention(tp, qr, kr, v, tp.const(mask), nh, nkv, hd, iscale)
 
         out = _block(tp, cfg, W, i, tp.const(x), nn.ones(tp, cfg.dim),
                      _linear_fn(tp, W, lw, lora_scale), attend)
@@ -199,6 +199,90 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     cache.length = start + t
     tp = Tape(dtype)
     return _head(tp, cfg, _Consts(tp, weights), tp.const(x), nn.ones(tp, cfg.dim)).value
+
+
+class DecodeStep:
+    """One decode step (a single new token) recorded once and replayed per token.
+
+    The graph is ``_block`` x n_layers + the head for one row, attending over a cache of
+    fixed capacity ``cap``: per layer the cached roped keys / values ``[cap, nkv*hd]``
+    are leaves fed each step, the new row's key / value are appended in-graph
+    (``[cap+1, nkv*hd]``), and cache rows not yet written are masked out (-1e9, so their
+    softmax weight is exactly 0).  A step feeds the token id, its rope row, the mask and
+    the caches, and gets the logits and the new key / value rows back.  Replay skips the
+    per-op recording cost that dominates a one-row step on an eager tape.
+    """
+
+    def __init__(self, cfg, weights, lora, lora_scale, dtype, cap, backend="numpy"):
+        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.cfg, self.cap, self.g = cfg, cap, nh // nkv
+        tp = Tape(dtype, eager=False)
+        W = _Consts(tp, weights)
+        lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()}
+        lin = _linear_fn(tp, W, lw, lora_scale)
+        zeros = np.zeros
+        self.tok = tp.const(zeros(1, np.int64))
+        self.cq, self.sq = tp.const(zeros((nh, hd // 2))), tp.const(zeros((nh, hd // 2)))
+        self.ck, self.sk = tp.const(zeros((nkv, hd // 2))), tp.const(zeros((nkv, hd // 2)))
+        self.mask = tp.const(zeros((self.g, cap + 1)))  # [g*1, cap+1]
+        self.kc = [tp.const(zeros((cap, nkv * hd))) for _ in range(cfg.n_layers)]
+        self.vc = [tp.const(zeros((cap, nkv * hd))) for _ in range(cfg.n_layers)]
+        ones = nn.ones(tp, cfg.dim)
+        iscale = 1.0 / math.sqrt(hd)
+        new_k, new_v = [], []
+        x = ops.take_rows(W["tok_embd"], self.tok)  # [1, D]
+        for i in range(cfg.n_layers):
+            def attend(q, k, v, i=i):
+                kr = _rope_all(tp, k, self.ck, self.sk, nkv, hd)  # [1, nkv*hd]
+                new_k.append(kr)
+                new_v.append(v)
+                keys = ops.concat([self.kc[i], kr], 0)  # [cap+1, nkv*hd]
+                vals = ops.concat([self.vc[i], v], 0)
+                qr = _rope_all(tp, q, self.cq, self.sq, nh, hd)  # [1, nh*hd]
+                return _grouped_attention(tp, qr, keys, vals, self.mask, nh, nkv, hd, iscale)
+            x = _block(tp, cfg, W, i, x, ones, lin, attend)
+        logits = _head(tp, cfg, W, x, ones)  # [1, V]
+        self.prog = tp.compile([logits, *new_k, *new_v], backend=backend)
+        self.kbuf = [zeros((cap, nkv * hd), dtype) for _ in range(cfg.n_layers)]
+        self.vbuf = [zeros((cap, nkv * hd), dtype) for _ in range(cfg.n_layers)]
+        self.length = 0
+
+    def load(self, cache: KVCache):
+        """Take over the rows of an eager ``KVCache`` (e.g. after the prompt)."""
+        n = cache.length
+        if n >= self.cap:
+            raise ValueError(f"DecodeStep: {n} cached rows do not fit capacity {self.cap}")
+        for i in range(self.cfg.n_layers):
+            self.kbuf[i][:n], self.vbuf[i][:n] = cache.k[i], cache.v[i]
+        self.length = n
+
+    def take(self, other: "DecodeStep"):
+        """Take over the cache of a smaller step (growing the capacity)."""
+        n = other.length
+        for i in range(self.cfg.n_layers):
+            self.kbuf[i][:n], self.vbuf[i][:n] = other.kbuf[i][:n], other.vbuf[i][:n]
+        self.length = n
+
+    def __call__(self, token) -> np.ndarray:
+        """Logits ``[V]`` of ``token`` at position ``self.length``; the cache grows by one."""
+        cfg, p = self.cfg, self.length
+        if p >= self.cap:
+            raise ValueError(f"DecodeStep: the cache is full ({self.cap} rows)")
+        cos, sin = nn.rope_fill(1, cfg.head_dim, cfg.rope_base, start=p)  # [1, hd/2]
+        mask = np.zeros((self.g, self.cap + 1))
+        mask[:, p:self.cap] = nn.MASK_VALUE  # rows not yet written; the new row is last
+        feeds = {self.tok: np.array([token]), self.mask: mask,
+                 self.cq: np.repeat(cos, cfg.n_heads, 0), self.sq: np.repeat(sin, cfg.n_heads, 0),
+                 self.ck: np.repeat(cos, cfg.n_kv_heads, 0),
+                 self.sk: np.repeat(sin, cfg.n_kv_heads, 0)}
+        feeds.update(zip(self.kc, self.kbuf))
+        feeds.update(zip(self.vc, self.vbuf))
+        outs = self.prog.run(feeds)
+        n = cfg.n_layers
+        for i in range(n):
+            self.kbuf[i][p], self.vbuf[i][p] = outs[1 + i][0], outs[1 + n + i][0]
+        self.length = p + 1
+        return outs[0][0]
 
 
 def target_dims(cfg, target):
@@ -337,6 +421,7 @@ class Llama:
         for a in range(0, len(ids), PREFILL_CHUNK):  # the prompt, in bounded chunks
             last = forward_cached(self.config, W, ids[a:a + PREFILL_CHUNK], cache, lora,
                                   scale, dtype)[-1]
+        step = None
         while True:
             tok = sample_next(last, temperature, top_p, rng)
             out.append(tok)
@@ -344,4 +429,13 @@ class Llama:
                 stream(tok)
             if tok in stops or len(out) >= max_new_tokens:
                 return out
-            last = forward_cached(self.config, W, [tok], cache, lora, scale, dtype)[-1]
+            if step is None or step.length >= step.cap:  # (re)build with room to grow
+                need = len(ids) + max_new_tokens - 1
+                cap = min(need, max(2 * (step.cap if step else 0), len(ids) + 256))
+                grown = DecodeStep(self.config, W, lora, scale, dtype, cap)
+                if step is None:
+                    grown.load(cache)
+                else:
+                    grown.take(step)
+                step = grown
+            last = step(tok)

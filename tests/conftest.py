@@ -85,3 +85,54 @@ def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def hf_float64_reference(hf_model):
+    """Turn a float32 transformers LLaMA into a float64 reference, in place.
+
+    transformers' LLaMA computes two things in float32 whatever the model dtype (a guard
+    for bf16/fp16 models): RMSNorm upcasts to float32, and the rotary embedding builds its
+    angles from a float32 ``inv_freq`` and float32 positions.  In a float64 model those
+    casts cap agreement near 1e-7.  We fix the *reference*, not the tolerance: both
+    modules get a forward with the same math kept in float64 (rope angles from
+    ``base**(-2j/hd)`` as ``nn.rope_fill`` computes them), and attention uses SDPA, which
+    keeps the input dtype."""
+    import types
+
+    import numpy as np
+    import torch
+
+    cfg = hf_model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    base = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    inv = torch.tensor(float(base) ** (-2.0 * np.arange(hd // 2) / hd), dtype=torch.float64)
+
+    def rms_forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
+
+    def rope_forward(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv  # [B, T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    hf_model.double()
+    hf_model.config._attn_implementation = "sdpa"
+    n_norms = n_ropes = 0
+    for mod in hf_model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm"):
+            mod.forward = types.MethodType(rms_forward, mod)
+            n_norms += 1
+        elif name.endswith("RotaryEmbedding"):
+            mod.forward = types.MethodType(rope_forward, mod)
+            n_ropes += 1
+    assert n_norms == 2 * cfg.num_hidden_layers + 1 and n_ropes >= 1
+    return hf_model
+
+
+@pytest.fixture(scope="session")
+def hf_float64():
+    """``hf_float64(model)``: see ``hf_float64_reference``."""
+    _need_hf()
+    return hf_float64_reference

@@ -8,7 +8,6 @@ generation, and the KV-cached path against the full-sequence graph.  Errors are
 from __future__ import annotations
 
 import copy
-import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,41 +49,10 @@ def hf_ref32(hf_smollm2, ids):
 
 
 @pytest.fixture(scope="module")
-def hf_ref64(hf_smollm2, smollm2, ids):
-    """The reference in float64.  transformers' LLaMA deliberately computes two things in
-    float32 whatever the model dtype (a guard for bf16/fp16 models): RMSNorm upcasts to
-    float32 and the rotary embedding builds its angles from a float32 ``inv_freq`` and
-    float32 positions.  In a float64 model those casts cap agreement near 1e-7.  We fix
-    the *reference*, not the tolerance: both modules get a forward with the same math
-    kept in float64 (rope angles from ``base**(-2j/hd)`` as ``nn.rope_fill`` computes
-    them), and attention uses SDPA, which keeps the input dtype."""
-    import torch
-
-    hf = copy.deepcopy(hf_smollm2).double()
-    hf.config._attn_implementation = "sdpa"
-    cfg = smollm2.config
-    inv = torch.tensor(float(cfg.rope_base) ** (-2.0 * np.arange(cfg.head_dim // 2)
-                                                / cfg.head_dim), dtype=torch.float64)
-
-    def rms_forward(self, x):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
-
-    def rope_forward(self, x, position_ids):
-        freqs = position_ids[..., None].to(torch.float64) * inv  # [B, T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    n_norms = n_ropes = 0
-    for mod in hf.modules():
-        name = type(mod).__name__
-        if name.endswith("RMSNorm"):
-            mod.forward = types.MethodType(rms_forward, mod)
-            n_norms += 1
-        elif name.endswith("RotaryEmbedding"):
-            mod.forward = types.MethodType(rope_forward, mod)
-            n_ropes += 1
-    assert n_norms == 2 * cfg.n_layers + 1 and n_ropes >= 1
+def hf_ref64(hf_smollm2, hf_float64, ids):
+    """The reference in float64: a copy of the HF model with its float32 casts fixed
+    (see ``conftest.hf_float64_reference``)."""
+    hf = hf_float64(copy.deepcopy(hf_smollm2))
     out = hf_logits(hf, ids)
     del hf
     return out

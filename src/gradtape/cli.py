@@ -18,6 +18,10 @@ COMMANDS = {
     "demo": ("gradtape.demo", "run a small tape example (the fine-tuning demo when available)"),
     "generate": ("gradtape.llama.generate_cli", "generate text with a model (and an adapter)"),
     "finetune": ("gradtape.llama.finetune_cli", "LoRA-fine-tune a LLaMA-family model"),
+    "merge": ("gradtape.llama.merge_cli", "fold a LoRA adapter into its base model and "
+              "write a Hugging Face folder or a GGUF"),
+    "export-gguf-lora": ("gradtape.llama.export_lora_cli",
+                         "write a LoRA adapter as a llama.cpp LoRA GGUF"),
     "bench": ("gradtape.bench_cli", "benchmarks side by side with the peers"),
 }
 

@@ -98,6 +98,19 @@ class Tokenizer:
     def token_to_id(self, token):
         return self.backend.token_to_id(token)
 
+    def hf_files(self, model_max_length=None) -> dict:
+        """``{file name: text}`` of a Hugging Face tokenizer (``tokenizer.json`` and
+        ``tokenizer_config.json`` with the chat template and special tokens) that
+        ``from_hf_folder`` and transformers' ``AutoTokenizer`` read back."""
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              **self.special_tokens}
+        if self.chat_template:
+            tc["chat_template"] = self.chat_template
+        if model_max_length:
+            tc["model_max_length"] = int(model_max_length)
+        return {"tokenizer.json": self.backend.to_str(pretty=True),
+                "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False) + "\n"}
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = False,
                             **extra) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's

@@ -168,11 +168,14 @@ def _deferred_interrupt():
     if threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
-    old = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+    # SIGTERM (a scheduler stopping the job) is treated like Ctrl-C
+    old = {s: signal.signal(s, lambda *_: got.append(True))
+           for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield lambda: bool(got)
     finally:
-        signal.signal(signal.SIGINT, old)
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _claim_folder(out: Path, resume: bool):
@@ -194,9 +197,20 @@ def _save_checkpoint(out, step_prog, step, cfg):
     from safetensors.numpy import save
 
     ck = out / "checkpoint"
-    ck.mkdir(exist_ok=True)
+    arrays = step_prog.state_arrays()
+    bad = [k for k, a in arrays.items() if not np.isfinite(a).all()]
+    if bad:  # never replace a good checkpoint with a diverged state
+        raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "
+                            f"stopped, the last good checkpoint in {ck} is kept (lower --lr?)")
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg))}
-    atomic_write_bytes(ck / CHECKPOINT, save(step_prog.state_arrays(), metadata=meta))
+    try:
+        ck.mkdir(exist_ok=True)
+        for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write
+            stale.unlink()
+        atomic_write_bytes(ck / CHECKPOINT, save(arrays, metadata=meta))
+    except OSError as e:
+        raise GradtapeError(f"cannot write the checkpoint for step {step} ({e}); the "
+                            f"previous checkpoint in {ck} is kept") from None
 
 
 _SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "alpha",
@@ -204,16 +218,15 @@ _SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "al
 
 
 def _load_checkpoint(out, step_prog, cfg):
-    from safetensors import SafetensorError, safe_open
-    from safetensors.numpy import load_file
+    from .safetensors_check import read_safetensors
 
     path = out / "checkpoint" / CHECKPOINT
     try:
-        with safe_open(str(path), "np") as f:
-            meta = f.metadata() or {}
+        arrays, meta = read_safetensors(path, float32=False, floats_only=False)
         step, old = int(meta["step"]), json.loads(meta["config"])
-        arrays = load_file(str(path))
-    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        if not isinstance(old, dict):
+            raise ValueError("config is not an object")
+    except (GradtapeError, KeyError, ValueError) as e:
         raise GradtapeError(f"--resume: {path} is not a readable checkpoint ({e})") from None
     changed = [k for k in _SAME_RUN if k in old and old[k] != getattr(cfg, k)]
     if changed:

@@ -93,6 +93,13 @@ def run(args) -> int:
     ids = tok.encode(text)
     if not ids:
         raise GradtapeError("the prompt encodes to no tokens")
+    ctx = model.config.max_seq_len
+    if len(ids) + args.max_new_tokens > ctx:
+        raise GradtapeError(
+            f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} is "
+            f"longer than the model's context ({ctx} tokens)"
+            + ("; shorten the prompt" if len(ids) >= ctx else
+               f"; use --max-new-tokens {ctx - len(ids)} or less"))
     printer = StreamPrinter(tok, skip=model.stop_ids)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, adapter=adapter,
                    seed=args.seed, top_p=args.top_p, stream=printer,

@@ -11,13 +11,13 @@ serves), an untied one is kept as ``lm_head [V, D]``.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import FileFormatError
 from .config import LlamaConfig, from_hf_config
+from .safetensors_check import read_safetensors as _read_checked
 from .tokenizer import Tokenizer
 
 _HF_BLOCK = {
@@ -26,61 +26,23 @@ _HF_BLOCK = {
     "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
 }
 _LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
-_DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"),
-           "BF16": np.dtype("<u2")}
-_MAX_HEADER = 100 << 20
 
 
 def read_safetensors(path: Path) -> dict:
-    """``{name: float32 array}`` from one safetensors file (F32, F64, F16, BF16)."""
-    try:
-        buf = np.memmap(path, dtype=np.uint8, mode="r")
-    except (OSError, ValueError) as e:
-        raise FileFormatError(f"{path}: cannot read ({e})") from None
-    if len(buf) < 8:
-        raise FileFormatError(f"{path}: not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", bytes(buf[:8]))
-    if n > min(_MAX_HEADER, len(buf) - 8):
-        raise FileFormatError(f"{path}: header length {n} is corrupt (file has {len(buf)} "
-                              "bytes)")
-    try:
-        header = json.loads(bytes(buf[8:8 + n]))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FileFormatError(f"{path}: header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise FileFormatError(f"{path}: header is not a JSON object")
-    base, out = 8 + n, {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt, shape, (lo, hi) = info["dtype"], list(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise FileFormatError(f"{path}: tensor {name}: malformed header entry") from None
-        if dt not in _DTYPES:
-            raise FileFormatError(f"{path}: tensor {name} has dtype {dt}; only F32, F64, "
-                                  "F16 and BF16 are supported")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise FileFormatError(f"{path}: tensor {name} has a bad shape {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dt].itemsize
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi
-                and hi - lo == nbytes and base + hi <= len(buf)):
-            raise FileFormatError(f"{path}: tensor {name} {dt}{shape}: byte range "
-                                  f"[{lo}, {hi}) does not fit (truncated file?)")
-        raw = np.frombuffer(buf, _DTYPES[dt], nbytes // _DTYPES[dt].itemsize, base + lo)
-        if dt == "BF16":  # bfloat16 is the top half of a float32
-            arr = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            arr = raw.astype(np.float32)
-        out[name] = arr.reshape(shape)
-    return out
+    """``{name: float32 array}`` from one safetensors file (F32, F64, F16, BF16), every
+    dtype, shape and byte range checked first (``safetensors_check``)."""
+    return _read_checked(path, float32=True)[0]
 
 
 def _read_json(path: Path):
+    """A JSON object from ``path``; anything else is a ``FileFormatError``."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise FileFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise FileFormatError(f"{path}: not a JSON object")
+    return obj
 
 
 def _tensor_files(folder: Path) -> list[Path]:
@@ -92,9 +54,12 @@ def _tensor_files(folder: Path) -> list[Path]:
         if not isinstance(wm, dict) or not wm:
             raise FileFormatError(f"{index}: no weight_map")
         files = []
+        bad = [s for s in wm.values() if not isinstance(s, str) or Path(s).name != s]
+        if bad:
+            raise FileFormatError(f"{index}: shard {bad[0]!r} is not a file name")
         for shard in dict.fromkeys(wm.values()):
-            p = folder / str(shard)
-            if Path(shard).name != shard or not p.is_file():
+            p = folder / shard
+            if not p.is_file():
                 raise FileFormatError(f"{index}: shard {shard!r} is missing")
             files.append(p)
         return files
@@ -116,7 +81,8 @@ def _our_name(hf):
     if hf == "lm_head.weight":
         return "lm_head"
     parts = name.split(".")
-    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isdigit() and parts[-1] == "weight":
+    if (len(parts) >= 4 and parts[0] == "layers" and parts[1].isascii() and parts[1].isdigit()
+            and parts[-1] == "weight"):
         sub = ".".join(parts[2:-1])
         if sub in _HF_BLOCK:
             return f"layers.{int(parts[1])}.{_HF_BLOCK[sub]}"

@@ -123,8 +123,7 @@ def init_adapter(cfg, rank=8, alpha=16.0, targets=TARGETS, seed=0, base_model=""
 def load_adapter(folder, model=None) -> LoraAdapter:
     """Read a PEFT LoRA folder (ours or Hugging Face's).  With ``model``, check that every
     tensor fits that model's shapes and name the first that does not."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from .safetensors_check import read_safetensors
 
     folder = Path(folder)
     cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
@@ -132,23 +131,24 @@ def load_adapter(folder, model=None) -> LoraAdapter:
         if not p.is_file():
             raise GradtapeError(f"{folder}: not a LoRA adapter folder ({p.name} is missing)")
     try:
-        pcfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        pcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise FileFormatError(f"{cfg_path}: invalid JSON ({e})") from None
     if not isinstance(pcfg, dict) or pcfg.get("peft_type", "LORA") != "LORA":
         raise FileFormatError(f"{cfg_path}: not a LoRA adapter config")
     try:
-        rank, alpha = int(pcfg["r"]), float(pcfg.get("lora_alpha", pcfg["r"]))
-    except (KeyError, TypeError, ValueError):
+        rank, alpha = pcfg["r"], float(pcfg.get("lora_alpha", pcfg["r"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
         raise FileFormatError(f"{cfg_path}: needs integer 'r' and numeric 'lora_alpha'") from None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1 << 16:
+        raise FileFormatError(f"{cfg_path}: r = {rank!r} is not a LoRA rank (an integer >= 1)")
+    if not math.isfinite(alpha):
+        raise FileFormatError(f"{cfg_path}: lora_alpha = {alpha!r} is not a finite number")
     if pcfg.get("use_dora"):
         raise FileFormatError(f"{cfg_path}: DoRA adapters are not supported")
     if pcfg.get("rank_pattern") or pcfg.get("alpha_pattern"):
         raise FileFormatError(f"{cfg_path}: per-module rank/alpha patterns are not supported")
-    try:
-        tensors = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise FileFormatError(f"{w_path}: cannot read safetensors ({e})") from None
+    tensors, _ = read_safetensors(w_path)  # every size checked; FileFormatError if bad
 
     parts = {}
     for key, arr in tensors.items():

@@ -20,8 +20,8 @@ DATA = Path(__file__).resolve().parents[2] / "examples" / "records"
 
 def add_arguments(parser):
     parser.add_argument("--out", default="runs/demo", help="run folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps (default: %(default)s)")
-    parser.add_argument("--eval-n", type=int, default=40,
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default: %(default)s)")
+    parser.add_argument("--eval-n", type=int, default=30,
                         help="held-out records to score (default: %(default)s)")
     parser.add_argument("--backend", default="auto",
                         help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
@@ -65,7 +65,7 @@ def run(args) -> int:
 
     out = Path(args.out)
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
-                         seq_len=64, batch_size=8, rank=8, alpha=16.0, lr=2e-3, warmup=5,
+                         seq_len=88, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          eval_every=20, save_every=20, backend=backend,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
     summary = finetune(cfg, model=model)

@@ -103,7 +103,8 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     weights = {}
     for ours, (gname, t, np_shape) in chosen.items():
         try:
-            w = quants.dequantize(t.data, t.tensor_type)
+            with np.errstate(all="ignore"):  # non-finite results are refused just below
+                w = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
             raise FileFormatError(f"{path}: tensor {gname}: ggml type {t.tensor_type.name} "
                                   f"cannot be dequantized ({e})") from None

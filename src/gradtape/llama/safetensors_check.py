@@ -73,7 +73,7 @@ def read_header(path) -> tuple[dict, dict, int, object]:
         if not isinstance(info, dict):
             raise FileFormatError(f"{path}: tensor {name!r}: header entry is not an object")
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise FileFormatError(f"{path}: tensor {name!r} has dtype {dt!r}; supported: "
                                   f"{', '.join(DTYPES)}")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(

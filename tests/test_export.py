@@ -252,6 +252,33 @@ def test_gguf_lora_file_matches_the_adapter(tiny_setup, outtype):
         assert np.allclose(lb, b.T, rtol=tol, atol=tol)
 
 
+def test_tokenizer_metadata_rebuilt_from_tokenizer_json():
+    """A llama-3-style byte-level BPE (regex split, then byte level) survives
+    tokenizer -> GGUF metadata -> tokenizer, specials and merges included."""
+    from gradtape.llama.tokenizer import Tokenizer, _bytes_to_unicode
+
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + ["he", "ll", "hell", "Ġw", "<|end|>", "<|start|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
+            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": ["h e", "l l", "he ll", "Ġ w"],
+            "tokenizer.ggml.bos_token_id": len(tokens) - 1,
+            "tokenizer.ggml.eos_token_id": len(tokens) - 2,
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": "{{ x }}"}
+    tok = Tokenizer.from_gguf(meta, "test")
+    fields = export._derived_tokenizer_fields(tok)
+    back_meta = {k: v for k, v, *_ in fields}
+    assert back_meta["tokenizer.ggml.pre"] == "llama-bpe"
+    assert back_meta["tokenizer.ggml.tokens"] == tokens
+    assert back_meta["tokenizer.ggml.token_type"] == types
+    back = Tokenizer.from_gguf(back_meta, "rebuilt")
+    text = "hello world<|end|> héllo 12345"
+    assert back.encode(text) == tok.encode(text)
+    assert back.encode(text)[0] == len(tokens) - 1  # the BOS the model asks for
+    assert back.eos_id == tok.eos_id and back.chat_template == "{{ x }}"
+
+
 def test_gguf_lora_rslora_alpha(tmp_path):
     m = tiny_model(seed=4)
     ad = random_adapter(m.config, rank=4, alpha=6.0)
@@ -307,6 +334,15 @@ def test_smollm2_merged_hf_folder_and_gguf(smollm2, tmp_path):
     assert tk.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
     del hf
+
+    # the tokenizer metadata rebuilt from tokenizer.json (for a Hugging Face base) is
+    # what the base GGUF holds, the pre-tokenizer's name aside (both mean GPT-2's regex)
+    copied = {k: v for k, v, *_ in export._copied_tokenizer_fields(smollm2.source)}
+    derived = {k: v for k, v, *_ in export._derived_tokenizer_fields(smollm2.tokenizer)}
+    copied.pop("tokenizer.ggml.add_space_prefix")
+    assert (copied.pop("tokenizer.ggml.pre"), derived.pop("tokenizer.ggml.pre")) == \
+        ("smollm", "gpt2")
+    assert derived == copied
 
     path = export.save_gguf(merged, tmp_path / "merged.gguf")
     back = llama.load(path)

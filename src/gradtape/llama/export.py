@@ -64,8 +64,10 @@ def merge(weights: dict, adapter) -> dict:
             raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
                                 f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
                                 f"{list(want_a)}, B {list(want_b)})")
-        delta = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
-        out[name] = (w0.astype(np.float64) + scale * delta).astype(w0.dtype)
+        w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
+        w *= scale
+        w += w0  # in place: one float64 temporary per tensor
+        out[name] = w.astype(w0.dtype)
     return out
 
 
@@ -227,17 +229,37 @@ def _llama_metadata(writer, cfg, name):
 
 
 def _copied_tokenizer_fields(source):
-    """``[(key, value, type, sub_type)]`` of every ``tokenizer.*`` key of a GGUF file."""
-    from gguf import GGUFReader, GGUFValueType
+    """``[(key, value, type, sub_type)]`` of every ``tokenizer.*`` key of a GGUF file.
 
-    reader = GGUFReader(str(source))
+    Read with our numpy-backed header parser (``gguf.GGUFReader`` takes ~10 s on a 49k
+    vocabulary); value types follow llama.cpp's convention for each python kind (token
+    ids UINT32, token types INT32, scores FLOAT32, flags BOOL)."""
+    from gguf import GGUFValueType as T
+
+    from .gguf_load import GGUFFile
+
+    def kind(v):
+        if isinstance(v, bool):
+            return T.BOOL
+        if isinstance(v, int):
+            return T.UINT32 if 0 <= v < 2**32 else T.INT64
+        if isinstance(v, float):
+            return T.FLOAT32
+        return T.STRING
+
     out = []
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer.") or not field.types:
+    for key, value in GGUFFile(Path(source)).meta.items():
+        if not key.startswith("tokenizer."):
             continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        out.append((key, field.contents(), vtype, sub))
+        if isinstance(value, list):
+            if not value:
+                continue
+            sub = kind(value[0])
+            if sub == T.UINT32:
+                sub = T.INT32  # token_type and other int arrays: llama.cpp reads int32
+            out.append((key, value, T.ARRAY, sub))
+        else:
+            out.append((key, value, kind(value), None))
     return out
 
 

@@ -46,19 +46,20 @@ def _steps_logged(out):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_gives_the_same_adapter(tiny_dir, tmp_path):
-    ref = _run(_cmd(tiny_dir, tmp_path / "ref"))
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_sigkill_then_resume_gives_the_same_adapter(tiny_dir, tmp_path, backend):
+    ref = _run(_cmd(tiny_dir, tmp_path / "ref", "--backend", backend))
     assert ref.returncode == 0, ref.stderr
     for attempt, kill_after in enumerate(random.Random(7).sample(range(2, 12), 2)):
         out = tmp_path / f"killed{attempt}"
-        proc = subprocess.Popen(_cmd(tiny_dir, out), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(_cmd(tiny_dir, out, "--backend", backend),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 120
         while _steps_logged(out) < kill_after and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        res = _run(_cmd(tiny_dir, out, "--resume"))
+        res = _run(_cmd(tiny_dir, out, "--resume", "--backend", backend))
         assert res.returncode == 0, res.stderr
         a, b = load_adapter(tmp_path / "ref" / "adapter"), load_adapter(out / "adapter")
         for key in a.weights:  # bitwise, float64

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import numpy as np
 import pytest
@@ -157,6 +158,13 @@ def test_merged_hf_folder_float16(tiny_setup):
     from safetensors.numpy import load_file
     assert all(v.dtype == np.float16 for v in load_file(str(out / "model.safetensors")).values())
     assert rel(llama.load(out).logits(IDS), ref) < F16_REL
+    # written atomically, yet with the mode a plain open() gives (not mkstemp's 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    gg = export.save_gguf(export.merged_model(model, ad), tmp / "m.gguf")
+    for p in [*out.iterdir(), gg]:
+        assert p.stat().st_mode & 0o777 == 0o666 & ~umask, p.name
+    assert not [p for p in tmp.iterdir() if p.name.endswith(".tmp")]
 
 
 # --- merged GGUF --------------------------------------------------------------------------

@@ -20,12 +20,21 @@ def atomic_write_bytes(path, data: bytes):
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        chmod_as_new_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def chmod_as_new_file(path):
+    """Give ``path`` the mode ``open()`` would have (0666 less the umask): mkstemp's
+    files are 0600, which would leave written models and adapters unreadable to others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def atomic_write_json(path, obj):

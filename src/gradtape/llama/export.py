@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import GradtapeError
-from ..io import atomic_write_bytes, _fsync_dir
+from ..io import _fsync_dir, atomic_write_bytes, chmod_as_new_file
 from .gguf_load import permute_rope_rows
 from .lora import PEFT_MODULES
 
@@ -94,6 +94,7 @@ def _atomic_path(path):
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        chmod_as_new_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -297,3 +297,23 @@ def test_the_fuzz_inputs_load_when_unmutated(real):
     # every recorded field lies inside the header
     assert max(p for p, _ in real["gguf_fields"]) < len(real["gguf"])
     assert np.all(np.diff([p for p, _ in real["gguf_fields"]]) > 0)
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_hf_folder_json(real, data):
+    """config.json and tokenizer_config.json with one field replaced by any JSON value."""
+    folder = real["root"] / "hfjson"
+    if not folder.exists():
+        folder.mkdir()
+        for f in real["hf"].iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+    name = data.draw(st.sampled_from(["config.json", "tokenizer_config.json"]))
+    for n in ("config.json", "tokenizer_config.json"):
+        (folder / n).write_bytes((real["hf"] / n).read_bytes())
+    obj = json.loads((real["hf"] / name).read_text())
+    key = data.draw(st.sampled_from(sorted(obj) + ["rope_parameters", "rope_scaling",
+                                                   "head_dim", "bos_token_id"]))
+    obj[key] = data.draw(_JSON | st.sampled_from(INTERESTING))
+    (folder / name).write_text(json.dumps(obj))
+    load_outcome(lambda: llama.load(folder))

@@ -92,7 +92,11 @@ def _our_name(hf):
 def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     """``(config, weights, tokenizer or None, name)`` from a Hugging Face model folder."""
     folder = Path(folder)
-    cfg = from_hf_config(_read_json(folder / "config.json"), str(folder / "config.json"))
+    cj_path = folder / "config.json"
+    try:
+        cfg = from_hf_config(_read_json(cj_path), str(cj_path))
+    except (AttributeError, TypeError, OverflowError) as e:  # a field of the wrong JSON type
+        raise FileFormatError(f"{cj_path}: malformed ({type(e).__name__}: {e})") from None
     expected = cfg.weight_shapes()
     weights = {}
     lm_head = None
@@ -124,5 +128,11 @@ def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     if lm_head is not None and not np.array_equal(lm_head, weights["tok_embd"]):
         raise FileFormatError(f"{folder}: config.json says tie_word_embeddings but "
                               "lm_head.weight differs from embed_tokens.weight")
-    tok = Tokenizer.from_hf_folder(folder, eos_id=cfg.eos_id, bos_id=cfg.bos_id)
+    try:
+        tok = Tokenizer.from_hf_folder(folder, eos_id=cfg.eos_id, bos_id=cfg.bos_id)
+    except (FileFormatError, MemoryError, RecursionError):
+        raise
+    except Exception as e:  # tokenizers raises plain Exceptions; a JSON field of the wrong type
+        raise FileFormatError(f"{folder}: malformed tokenizer files ({type(e).__name__}: "
+                              f"{e})") from None
     return cfg, weights, tok, folder.resolve().name

@@ -16,6 +16,8 @@ import pytest
 from gradtape import Tape
 from gradtape.llama import model as M
 
+pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
+
 TEXT = ("The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean "
         "blue with 3 ships and about 90 men.\n  def square(x):\n      return x ** 2  # ok")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
+
 TEXTS = [
     "Hello world",
     " Hello world",

@@ -19,6 +19,8 @@ $(VENV)/.runtime: pyproject.toml
 $(VENV)/.test: $(VENV)/.runtime
 	# torch==2.13.0 takes the CPU build; transformers and peft are the test-only references
 	$(PIP) install -e '.[test]'
+	# mpi4py + MPICH (mpiexec) from PyPI: tests/test_mpi.py runs mpiexec -n 2 on loopback
+	$(PIP) install -e '.[mpi]'
 	touch $@
 
 setup: $(VENV)/.runtime

@@ -12,6 +12,11 @@ its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
 Checkpoints are written atomically; ``resume=True`` continues from the last one and, since
 batch order is a pure function of (seed, step), ends with the same adapter as a run that
 was never interrupted.
+
+Under ``mpiexec -n N`` (see ``distributed``) the N ranks train data-parallel: every step's
+global batch (N * batch_size * grad_accum sequences, the batch one process with batch
+N * batch_size would take) is split by rank, gradients are summed with one Allreduce, and
+only rank 0 writes files and prints.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
+from . import distributed
 from .lora import init_adapter, parse_targets
 
 MARKER = "gradtape-run.json"
@@ -72,7 +78,15 @@ class FinetuneConfig:
 
 
 def finetune(cfg: FinetuneConfig, model=None, log=print):
-    """Run (or resume) a fine-tuning job; returns a summary dict."""
+    """Run (or resume) a fine-tuning job; returns a summary dict (``rank`` tells which MPI
+    rank returned it: only rank 0's speaks for the run)."""
+    world = distributed.world()
+    with distributed.Together(world) as together:
+        return _finetune(cfg, model, log if world.is_root else (lambda *a, **k: None),
+                         world, together)
+
+
+def _finetune(cfg, model, log, world, together):
     from .. import llama
     from .train import Schedule, TrainStep
     from ..optim import AdamWConfig
@@ -83,7 +97,8 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
         raise GradtapeError(f"unknown backend {cfg.backend!r}; known backends: "
                             f"{', '.join(sorted(BACKENDS))}")
     out = Path(cfg.out)
-    _claim_folder(out, cfg.resume)
+    if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
+        _claim_folder(out, cfg.resume)
     model = model or llama.load(cfg.model)
     if cfg.seq_len > model.config.max_seq_len:
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
@@ -92,7 +107,8 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
     seqs = data_mod.load_sequences(cfg.data, model.tokenizer, cfg.seq_len,
                                    pad_id=model.tokenizer.eos_id)
     train, held = data_mod.split_eval(seqs, cfg.eval_frac, cfg.seed)
-    per_step = cfg.batch_size * cfg.grad_accum
+    micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
+    per_step = micro_size * cfg.grad_accum
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
     dtype = {"float32": np.float32, "float64": np.float64}.get(cfg.dtype)
     if dtype is None:
@@ -102,60 +118,75 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
                            base_model=model.name, dtype=dtype)
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
-                          grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype)
+                          grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
+                          world=world)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
-    start = _load_checkpoint(out, step_prog, cfg) if cfg.resume else 0
-    if not cfg.resume:
-        (out / "log.jsonl").write_text("")
-    atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
-                                     "config": dataclasses.asdict(cfg)})
+    start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
+    if world.is_root:
+        if not cfg.resume:
+            (out / "log.jsonl").write_text("")
+        atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
+                                         "config": dataclasses.asdict(cfg)})
+    together.sync()  # every rank is ready (or all stop with the first setup error)
     log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
         f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
-        f"from step {start}, backend {cfg.backend}")
+        f"from step {start}, backend {cfg.backend}"
+        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else ""))
 
-    records = _read_log(out) if cfg.resume else []
-    bar = _progress(steps, start, cfg.progress)
+    records = _read_log(out) if cfg.resume and world.is_root else []
+    bar = _progress(steps, start, cfg.progress and world.is_root)
     t0, tokens_done = time.perf_counter(), 0
     with _deferred_interrupt() as interrupted:
         for step in range(start, steps):
             idx = data_mod.batch_indices(len(train), per_step, step, cfg.seed)
-            micro = [(train.ids[idx[i:i + cfg.batch_size]], train.targets[idx[i:i + cfg.batch_size]])
-                     for i in range(0, per_step, cfg.batch_size)]
+            # this rank's rows of each global micro-batch
+            mine = [idx[i:i + micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
+                    for i in range(0, per_step, micro_size)]
+            micro = [(train.ids[m], train.targets[m]) for m in mine]
+            n_tokens = int((train.targets[idx] != data_mod.IGNORE).sum())  # whole global step
             lr = schedule(step)
-            loss, gnorm = step_prog.step(micro, step + 1, lr)
-            if not math.isfinite(loss):
+            loss, gnorm = step_prog.step(micro, step + 1, lr, n_tokens=n_tokens,
+                                         stop=interrupted())
+            if not math.isfinite(loss):  # the summed loss: every rank stops here
                 bar.close()
-                raise GradtapeError(f"loss became {loss} at step {step + 1}; stopped, the last "
-                                    f"good checkpoint in {out / 'checkpoint'} is kept")
-            tokens_done += sum(int((t != -100).sum()) for _, t in micro)
+                raise together.everywhere(
+                    f"loss became {loss} at step {step + 1}; stopped, the last good "
+                    f"checkpoint in {out / 'checkpoint'} is kept")
+            # ranks stop together, at the step where any of them got the signal
+            stopping = step_prog.stop_agreed if world.size > 1 else interrupted()
+            tokens_done += n_tokens
             elapsed = time.perf_counter() - t0
             rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm,
                    "tokens_per_s": tokens_done / elapsed, "elapsed_s": elapsed}
-            if len(held) and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                              or step + 1 == steps):
+            if world.is_root and len(held) and (
+                    (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == steps):
                 rec["eval_loss"] = step_prog.eval_loss(held)
             records.append(rec)
-            _append_log(out, rec)
+            if world.is_root:
+                _append_log(out, rec)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")
-            if (step + 1) % cfg.save_every == 0 or step + 1 == steps or interrupted():
-                _save_checkpoint(out, step_prog, step + 1, cfg)
-            if interrupted():
+            if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == steps
+                                  or stopping):
+                _save_checkpoint(out, step_prog, step + 1, cfg, world.size)
+            if stopping:
                 bar.close()
-                plot_losses(records, out / "loss.png")
+                if world.is_root:
+                    plot_losses(records, out / "loss.png")
                 log(f"interrupted: checkpoint at step {step + 1} saved in "
                     f"{out / 'checkpoint'}; continue with --resume")
                 raise KeyboardInterrupt
     bar.close()
-    adapter.weights = step_prog.adapter_weights()
-    adapter.save(out / "adapter")
-    plot_losses(records, out / "loss.png")
+    if world.is_root:
+        adapter.weights = step_prog.adapter_weights()
+        adapter.save(out / "adapter")
+        plot_losses(records, out / "loss.png")
     summary = {"steps": steps, "final_loss": records[-1]["loss"] if records else None,
                "eval_loss": next((r["eval_loss"] for r in reversed(records)
                                   if "eval_loss" in r), None),
                "tokens_per_s": records[-1]["tokens_per_s"] if records else None,
-               "out": str(out)}
+               "out": str(out), "rank": world.rank}
     log(f"done: adapter in {out / 'adapter'}, loss curve in {out / 'loss.png'}")
     return summary
 
@@ -191,7 +222,7 @@ def _claim_folder(out: Path, resume: bool):
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _save_checkpoint(out, step_prog, step, cfg):
+def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
     """One file, written atomically: the state arrays, with the step and the run's config
     in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
     from safetensors.numpy import save
@@ -202,7 +233,8 @@ def _save_checkpoint(out, step_prog, step, cfg):
     if bad:  # never replace a good checkpoint with a diverged state
         raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "
                             f"stopped, the last good checkpoint in {ck} is kept (lower --lr?)")
-    meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg))}
+    meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
+            "world_size": str(world_size)}
     try:
         ck.mkdir(exist_ok=True)
         for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write
@@ -217,17 +249,27 @@ _SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "al
              "targets", "seed", "dtype", "eval_frac")
 
 
-def _load_checkpoint(out, step_prog, cfg):
+def _load_checkpoint(out, step_prog, cfg, world=distributed.World()):
     from .safetensors_check import read_safetensors
 
     path = out / "checkpoint" / CHECKPOINT
     try:
         arrays, meta = read_safetensors(path, float32=False, floats_only=False)
         step, old = int(meta["step"]), json.loads(meta["config"])
+        old_world = int(meta.get("world_size", "1"))
         if not isinstance(old, dict):
             raise ValueError("config is not an object")
     except (GradtapeError, KeyError, ValueError) as e:
         raise GradtapeError(f"--resume: {path} is not a readable checkpoint ({e})") from None
+    # another number of MPI ranks is fine when the global batch stays the same
+    if isinstance(old.get("batch_size"), int) and old_world * old["batch_size"] == \
+            world.size * cfg.batch_size:
+        old = {**old, "batch_size": cfg.batch_size}
+    elif old_world != world.size:
+        raise GradtapeError(f"--resume: the checkpoint's run took {old_world} x "
+                            f"{old.get('batch_size')} sequences per micro-batch (ranks x "
+                            f"--batch-size), this one {world.size} x {cfg.batch_size}; keep "
+                            "their product")
     changed = [k for k in _SAME_RUN if k in old and old[k] != getattr(cfg, k)]
     if changed:
         raise GradtapeError("--resume: options differ from the checkpoint's run: "
@@ -237,9 +279,9 @@ def _load_checkpoint(out, step_prog, cfg):
         step_prog.load_state_arrays(arrays)
     except ValueError as e:
         raise GradtapeError(f"--resume: {path}: {e}") from None
-    # keep the log consistent with the checkpoint: drop steps after it
-    recs = [r for r in _read_log(out) if r["step"] <= step]
-    (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if world.is_root:  # keep the log consistent with the checkpoint: drop steps after it
+        recs = [r for r in _read_log(out) if r["step"] <= step]
+        (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return step
 
 

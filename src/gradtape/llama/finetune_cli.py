@@ -9,12 +9,17 @@ from it), log.jsonl (every step), loss.png (train and eval loss curves).
 
 Example:
   gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat --steps 200
+
+Data-parallel over N processes (pip install 'gradtape[mpi]'; each rank takes
+--batch-size sequences of every N x --batch-size micro-batch; rank 0 writes the files):
+  mpiexec -n 2 gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..errors import GradtapeError
 from .finetune import FinetuneConfig, finetune
 
 
@@ -37,7 +42,14 @@ def add_arguments(parser):
 def run(args) -> int:
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
-    summary = finetune(cfg)
+    try:
+        summary = finetune(cfg)
+    except GradtapeError as e:
+        if getattr(e, "quiet", False):  # another MPI rank reports it
+            return 1
+        raise
+    if summary["rank"] != 0:  # MPI: rank 0 speaks for the run
+        return 0
     print(f"final train loss {summary['final_loss']:.4f}"
           + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
           + f", {summary['tokens_per_s']:.0f} target tokens/s")

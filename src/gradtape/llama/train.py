@@ -10,6 +10,16 @@ Gradient accumulation: every micro-batch's loss weights are ``1 / N`` with ``N``
 target-token count of the whole step, so the summed gradient is that of the mean over all
 tokens (weighting by micro-batch would favour short ones).  Micro-batches add into an
 accumulator; the last one of a step (``apply`` = 1) clips, updates and clears it.
+
+Data-parallel (``world`` with more than one rank, see ``distributed``): the gradient must
+be summed over ranks between backward and the update, so the same tape compiles into two
+programs instead of one.  ``grads_program`` outputs ONE contiguous vector ``[P + 2]``:
+every adapter gradient flattened, the (weighted) loss and a stop flag, accumulated over
+micro-batches; one ``Allreduce`` sums it; ``update_program`` takes the sum as a fed leaf,
+slices it back into gradients, clips and applies AdamW.  Each rank weights its tokens by
+``1 / N`` with ``N`` the target-token count of the whole global step, so the sum is exactly
+the single-process gradient.  The params live as state in ``update_program`` and are
+copied into ``grads_program``'s leaves after every update.
 """
 
 from __future__ import annotations
@@ -46,8 +56,10 @@ class TrainStep:
     """The compiled training step (and an eval program on the same tape)."""
 
     def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
-                 grad_accum=1, backend="numpy", dtype=np.float32):
+                 grad_accum=1, backend="numpy", dtype=np.float32, world=None):
         self.model, self.adapter = model, adapter
+        self.world = world if world is not None and world.size > 1 else None
+        self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         tp = Tape(dtype, eager=False)
         self.tape = tp
@@ -63,6 +75,10 @@ class TrainStep:
         grads = tp.backward(self.loss)
         params = [p for pair in self.lora.values() for p in pair]
         g = [grads[p] for p in params]
+        self.eval_program = tp.compile([self.loss], backend=backend)
+        if self.world is not None:
+            self._compile_split(params, g, opt, clip, backend)
+            return
 
         updates = {}
         self.apply = None
@@ -86,20 +102,74 @@ class TrainStep:
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": self.accumulators}
         self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates)
-        self.eval_program = tp.compile([self.loss], backend=backend)
+
+    def _compile_split(self, params, g, opt, clip, backend):
+        """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""
+        tp, dtype = self.tape, self.tape.dtype
+        self.stop = tp.const(np.zeros(1, dtype))
+        flat = ops.concat([ops.reshape(gi, (gi.size,)) for gi in g]
+                          + [ops.reshape(self.loss, (1,)), self.stop], 0)  # [P + 2]
+        updates = {}
+        self.apply = None
+        self.accumulators = []
+        if self.grad_accum > 1:
+            self.apply = tp.const(np.ones((), dtype))
+            keep = ops.addc(ops.neg(self.apply), 1.0)
+            acc = tp.const(np.zeros(flat.shape, dtype))
+            flat = ops.add(acc, flat)
+            updates[acc] = ops.mul(flat, keep)
+        self.grads_program = tp.compile([flat], backend=backend, updates=updates)
+        # the summed vector, sliced back into per-param gradients
+        self.reduced = tp.const(np.zeros(flat.shape, dtype))
+        gs, off = [], 0
+        for p in params:
+            gs.append(ops.reshape(ops.slice_(self.reduced, 0, off, off + p.size), p.shape))
+            off += p.size
+        if clip and clip > 0:
+            gs, self.grad_norm = clip_by_global_norm(gs, clip)
+        else:
+            self.grad_norm = global_norm(gs)
+        new, self.scalars, moments = adamw(tp, params, gs, opt)
+        # checkpoints keep the single-process layout ("acc" is all zeros between steps), so
+        # a run can resume with another number of ranks
+        self.state_leaves = {"param": params, "m": [m for m, _ in moments],
+                             "v": [v for _, v in moments], "acc": []}
+        self.program = tp.compile([self.grad_norm], backend=backend, updates=new)
+
+    def _step_split(self, micro_batches, n_tokens, scalars, stop):
+        for i, (ids, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            feeds = {**self._feeds(ids, targets, max(n_tokens, 1)),
+                     self.stop: np.asarray([float(stop and last)])}
+            if self.apply is not None:
+                feeds[self.apply] = np.asarray(float(last))
+            (flat,) = self.grads_program.run(feeds)
+        self.world.allreduce_sum(flat)  # the one collective of the step
+        (norm,) = self.program.run({self.reduced: flat, **scalars})
+        self.grads_program.set_state(self.current_params())
+        self.stop_agreed = bool(flat[-1] > 0)
+        return float(flat[-2]), float(norm)
 
     def _feeds(self, ids, targets, denominator):
         tid, w = nn.ce_targets_fill(targets.reshape(-1), denominator=denominator)
         return {self.ids: ids.reshape(-1), self.targets: tid, self.weights: w}
 
-    def step(self, micro_batches, opt_step, lr):
+    def step(self, micro_batches, opt_step, lr, n_tokens=None, stop=False):
         """Run one optimizer step over ``micro_batches`` (a list of (ids [B, T], targets
-        [B, T])).  ``opt_step`` is 1-based.  Returns (mean loss, grad norm)."""
+        [B, T])).  ``opt_step`` is 1-based.  Returns (mean loss, grad norm).
+
+        Distributed: ``micro_batches`` is this rank's shard, ``n_tokens`` the target-token
+        count of the whole global step, ``stop`` this rank's wish to stop after the step;
+        afterwards ``stop_agreed`` tells whether any rank wished it."""
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
                              f"{len(micro_batches)}")
-        n_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
+        if n_tokens is None:
+            n_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
         scalars = self.scalars.values(opt_step, lr)
+        if self.world is not None:
+            return self._step_split(micro_batches, n_tokens, scalars, stop)
+        self.stop_agreed = stop
         total, norm = 0.0, float("nan")
         for i, (ids, targets) in enumerate(micro_batches):
             feeds = {**self._feeds(ids, targets, max(n_tokens, 1)), **scalars}
@@ -138,8 +208,12 @@ class TrainStep:
 
     def state_arrays(self):
         """Everything a checkpoint needs, as named arrays."""
-        return {f"{kind}.{i}": self.program.state(leaf)
-                for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
+        arrays = {f"{kind}.{i}": self.program.state(leaf)
+                  for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
+        if self.world is not None and self.grad_accum > 1:  # the single-process layout
+            arrays.update({f"acc.{i}": np.zeros(p.shape, self.tape.dtype)
+                           for i, p in enumerate(self.state_leaves["param"])})
+        return arrays
 
     def load_state_arrays(self, arrays):
         values = {}
@@ -150,3 +224,5 @@ class TrainStep:
                     raise ValueError(f"checkpoint: {kind}.{i} is missing or has the wrong shape")
                 values[leaf] = arr
         self.program.set_state(values)
+        if self.world is not None:
+            self.grads_program.set_state(self.current_params())

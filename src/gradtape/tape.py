@@ -143,6 +143,7 @@ class Tape:
         self.dtype = dtype
         self.eager = eager
         self.vars: list[Var] = []
+        self.backward_marks: list[int] = []  # where each backward call began recording
 
     # --- leaves ---
     def param(self, value) -> Var:
@@ -228,6 +229,7 @@ class Tape:
             raise ValueError(f"backward: loss must have exactly one element, got shape "
                              f"{_fmt_shape(loss.shape)}")
         grads = {loss: self.const(np.ones(loss.shape, self.dtype))}
+        self.backward_marks.append(len(self.vars))
         out = {}
         for v in reversed(self.vars[:loss.index + 1]):
             g = grads.pop(v, None)

@@ -13,13 +13,14 @@ import numpy as np
 
 from .graph import build_graph
 from .memplan import plan_memory
+from .remat import rematerialize
 
 
 def compile_program(tape, outputs, backend="numpy", updates=None):
     from ..backends import get_backend
 
     backend_cls = get_backend(backend)
-    graph = build_graph(tape, outputs, updates)
+    graph = rematerialize(build_graph(tape, outputs, updates), tape.backward_marks)
     return Program(graph, backend_cls(graph, plan_memory(graph)), backend)
 
 

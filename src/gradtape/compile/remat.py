@@ -1,0 +1,91 @@
+"""Rematerialization: recompute cheap forward values in backward instead of keeping them.
+
+A forward value that backward reads again (an activation) stays alive from its creation
+until the end of backward: for a transformer that is most of peak memory.  When the value
+is an elementwise op whose inputs are alive at that later point anyway (or are leaves),
+recomputing it there costs one cheap pass (which the fusion pass then folds into the
+backward kernels) and frees its memory between forward and backward.  Example: in SwiGLU
+``silu(gate) * up`` only ``gate`` and ``up`` need to survive the forward pass.
+
+"Late" uses are those by ops recorded after the value by a later ``Tape.backward`` call
+(the tape remembers where each backward began).  The pass returns a new Graph whose op
+list holds the clones; the tape is not modified.
+"""
+
+from __future__ import annotations
+
+from ..ops import PRIMS
+from .graph import Graph
+
+
+def rematerialize(graph: Graph, marks) -> Graph:
+    """Clone elementwise forward values at their first use after a backward mark."""
+    from ..tape import Var
+
+    ops = list(graph.ops)
+    if not marks or not ops:
+        return graph
+    marks = sorted(marks)
+    pos = {v: i for i, v in enumerate(ops)}
+    users = {}
+    for i, v in enumerate(ops):
+        for x in v.inputs:
+            users.setdefault(x, []).append(i)
+    last_use = {x: u[-1] for x, u in users.items()}
+    pinned = set(graph.outputs) | {src for _, src in graph.updates}
+
+    def boundary(v):  # the first backward mark after v was recorded, if any
+        return next((m for m in marks if m > v.index), None)
+
+    # 1. choose values and the point (op position) where their clone goes
+    at = {}  # value -> position of its first late use (the clone is placed before it)
+    for v in ops:
+        if v in pinned or not PRIMS[v.op].elementwise or v not in users:
+            continue
+        b = boundary(v)
+        if b is None:
+            continue
+        late = [i for i in users[v] if ops[i].index >= b]
+        if not late or len(late) == len(users[v]):
+            continue  # no late use, or nothing early: keeping it costs nothing extra
+        p = late[0]
+        if all(x.is_leaf or x in at or last_use.get(x, -1) >= p for x in v.inputs):
+            at[v] = p
+    if not at:
+        return graph
+    # 2. a clone's inputs that are clones themselves must be placed no later than it
+    for v in sorted(at, key=lambda v: pos[v], reverse=True):
+        for x in v.inputs:
+            if x in at and at[x] > at[v]:
+                at[x] = at[v]
+    # 3. the clones: same op and inputs (redirected when emitted, below)
+    clone = {v: Var(v.tape, v.index, v.op, v.inputs, v.attrs, v.shape, v.dtype, None,
+                    v.requires_grad) for v in at}
+    before = {}
+    for v in sorted(at, key=lambda v: pos[v]):
+        before.setdefault(at[v], []).append(v)
+    # 4. rewrite: ops from a clone's position on read the clone; every op whose inputs
+    #    changed becomes a new Var, and so (transitively) do its consumers
+    new_of = {}  # original Var -> the Var that replaces it in the new graph
+    active = {}  # value -> its clone, once the clone's position is reached
+
+    def emit(v):
+        ins = tuple(active.get(x, new_of.get(x, x)) for x in v.inputs)
+        if ins == v.inputs:
+            return v
+        return Var(v.tape, v.index, v.op, ins, v.attrs, v.shape, v.dtype, None,
+                   v.requires_grad)
+
+    new_ops = []
+    for i, v in enumerate(ops):
+        for orig in before.get(i, ()):
+            c = emit(clone[orig])
+            active[orig] = c
+            new_ops.append(c)
+        nv = emit(v)
+        if nv is not v:
+            new_of[v] = nv
+        new_ops.append(nv)
+    outputs = tuple(new_of.get(v, v) for v in graph.outputs)
+    updates = tuple((leaf, new_of.get(src, src)) for leaf, src in graph.updates)
+    return Graph(leaves=graph.leaves, ops=tuple(new_ops), outputs=outputs, updates=updates)

@@ -14,6 +14,8 @@ import importlib
 BACKENDS = {
     "numpy": "gradtape.backends.numpy:NumpyBackend",
     "cpu": "gradtape.backends.cpu:CpuBackend",
+    "cuda": "gradtape.backends.cuda:CudaBackend",  # needs CuPy: pip install 'gradtape[cuda]'
+    "cuda-bf16": "gradtape.backends.cuda:CudaBf16Backend",  # cuda, bfloat16 storage
 }
 
 

@@ -244,12 +244,15 @@ def test_memory_plan_never_overwrites_a_live_value():
         for x_ in v.inputs:
             if x_ in pos:
                 last[x_] = max(last[x_], i)
+    region = {v: (plan.slot[v], plan.offset.get(v, 0), plan.offset.get(v, 0) + v.size)
+              for v in g.ops}
     for a in g.ops:
         for b_ in g.ops:
-            if a is b_ or plan.slot[a] != plan.slot[b_]:
+            (sa, a0, a1), (sb, b0, b1) = region[a], region[b_]
+            if a is b_ or sa != sb or a1 <= b0 or b1 <= a0:
                 continue
-            # same buffer: live ranges [pos, last] may touch only where one dies as the
-            # other is written... but then that op would read what it overwrites
+            # overlapping memory: live ranges [pos, last] must not touch (an op that
+            # wrote where its input lives would read what it overwrites)
             lo, hi = (a, b_) if pos[a] < pos[b_] else (b_, a)
             assert last[lo] < pos[hi], (lo, hi)
 

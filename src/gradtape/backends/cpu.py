@@ -77,8 +77,8 @@ class CpuBackend:
         self._owned = set()
         for leaf, _ in graph.updates:
             self._own(leaf)
-        for v, b in self.plan.slot.items():
-            self._values[v] = buffers[b][:v.size].reshape(v.shape)
+        for v in self.plan.slot:
+            self._values[v] = self.plan.view(buffers, v)
         self._buffers = buffers
         # kernels: one translation unit for the program
         src = _cgen.ProgramSource()

@@ -25,7 +25,7 @@ class NumpyBackend:
         for leaf, _ in graph.updates:
             self._own(leaf)
         for v in graph.ops:
-            self._values[v] = buffers[plan.slot[v]][:v.size].reshape(v.shape)
+            self._values[v] = plan.view(buffers, v)
         self._bind()
 
     def _own(self, leaf):

@@ -1,23 +1,32 @@
 """Memory planning by liveness over the fixed op order.
 
-Every intermediate lives in one of a few reusable buffers.  Walking the ops in order, an op's output takes the smallest free
-buffer that fits (or grows the largest free one, or opens a new one); after the op, the
-buffers of inputs whose last use it was go back to the free list.  The output is placed
-before its inputs are released, so an op never writes over what it reads.  Outputs and
-update sources keep buffers of their own (they are read after the run).  Buffers are
-allocated once, by the backend, at their final sizes: a replay allocates nothing.
+Every value a program computes gets a region of one arena per dtype, allocated once by
+the backend at its final size: a replay allocates nothing.  A value is live from the step
+that writes it to the last step that reads it (outputs and update sources to the end:
+they are read after the run).  Regions of values whose lives overlap never overlap; a
+step's outputs are live while it reads its inputs, so no step writes over what it reads.
+
+Placement is greedy by size (as in TFLite's planner): largest values first, each at the
+lowest offset that does not collide with an already placed value it is live with.  On a
+transformer step this comes close to the peak of simultaneously live bytes, which simple
+buffer reuse (best fit among freed buffers) misses by a wide margin through
+fragmentation.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ALIGN = 16  # elements: 64-byte aligned regions for float32 SIMD
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    buffer_sizes: tuple  # (dtype, n_elements) per buffer
-    slot: dict  # op Var -> buffer index; the Var's value is buffer[:size].reshape(shape)
+    buffer_sizes: tuple  # (dtype, n_elements) per buffer (one arena per dtype)
+    slot: dict  # Var -> buffer index
+    offset: dict = field(default_factory=dict)  # Var -> element offset in its buffer
 
     @property
     def n_buffers(self):
@@ -27,54 +36,53 @@ class MemoryPlan:
     def nbytes(self):
         return sum(dt.itemsize * n for dt, n in self.buffer_sizes)
 
-
-class _Pool:
-    """Free buffers per dtype, kept sorted by size: best fit in O(log n)."""
-
-    def __init__(self):
-        self.sizes = []  # [dtype, n] per buffer, grown while planning
-        self.free = {}  # dtype -> sorted list of (n, buffer index)
-
-    def take(self, dtype, n):
-        free = self.free.setdefault(dtype, [])
-        i = bisect.bisect_left(free, (n, -1))
-        if i < len(free):  # the smallest free buffer that fits
-            _, b = free.pop(i)
-        elif free:  # none fits: grow the largest free one
-            _, b = free.pop()
-            self.sizes[b][1] = n
-        else:
-            return self.new(dtype, n)
-        return b
-
-    def new(self, dtype, n):
-        self.sizes.append([dtype, n])
-        return len(self.sizes) - 1
-
-    def give_back(self, b):
-        dtype, n = self.sizes[b]
-        bisect.insort(self.free.setdefault(dtype, []), (n, b))
+    def view(self, buffers, v):
+        """The array of ``v`` inside ``buffers`` (allocated from ``buffer_sizes``)."""
+        off = self.offset.get(v, 0)
+        return buffers[self.slot[v]][off:off + v.size].reshape(v.shape)
 
 
 def plan_liveness(steps, pinned) -> MemoryPlan:
-    """Plan buffers for ``steps``, a list of ``(inputs, outputs)`` Var tuples in execution
-    order; every output gets a buffer (``pinned`` ones a buffer of their own)."""
-    last_use = {}
-    for i, (inputs, _) in enumerate(steps):
-        for x in inputs:
-            last_use[x] = i
-    pool, slot = _Pool(), {}
+    """Plan regions for ``steps``, a list of ``(inputs, outputs)`` Var tuples in execution
+    order; every output gets a region, ``pinned`` ones live to the end."""
+    born, dies = {}, {}
     for i, (inputs, outputs) in enumerate(steps):
         for v in outputs:
-            n = max(v.size, 1)
-            slot[v] = pool.new(v.dtype, n) if v in pinned else pool.take(v.dtype, n)
-        for x in set(inputs):
-            if x in slot and last_use[x] == i and x not in pinned:
-                pool.give_back(slot[x])
-        for v in outputs:  # an output nothing reads frees at once
-            if v not in last_use and v not in pinned:
-                pool.give_back(slot[v])
-    return MemoryPlan(buffer_sizes=tuple((dt, n) for dt, n in pool.sizes), slot=slot)
+            born[v] = dies[v] = i
+        for x in inputs:
+            if x in born:
+                dies[x] = i
+    end = len(steps)
+    for v in pinned:
+        if v in born:
+            dies[v] = end
+    slot, offset, sizes = {}, {}, []
+    by_dtype = {}
+    for v in born:
+        by_dtype.setdefault(v.dtype, []).append(v)
+    for dtype, values in by_dtype.items():
+        values.sort(key=lambda v: (-v.size, born[v]))
+        n = len(values)
+        lo, hi = np.empty(n, np.int64), np.empty(n, np.int64)
+        start, stop = np.empty(n, np.int64), np.empty(n, np.int64)
+        total = 0
+        for k, v in enumerate(values):
+            size = -(-max(v.size, 1) // ALIGN) * ALIGN
+            b, d = born[v], dies[v]
+            # placed values whose lives overlap this one's, in offset order
+            hit = np.nonzero((start[:k] <= d) & (stop[:k] >= b))[0]
+            off = 0
+            if len(hit):
+                order = hit[np.argsort(lo[hit], kind="stable")]
+                for a, z in zip(lo[order].tolist(), hi[order].tolist()):
+                    if a - off >= size:
+                        break  # the gap before this region fits
+                    off = max(off, z)
+            lo[k], hi[k], start[k], stop[k] = off, off + size, b, d
+            total = max(total, off + size)
+            slot[v], offset[v] = len(sizes), off
+        sizes.append((dtype, total))
+    return MemoryPlan(buffer_sizes=tuple(sizes), slot=slot, offset=offset)
 
 
 def plan_memory(graph) -> MemoryPlan:

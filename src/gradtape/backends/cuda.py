@@ -160,7 +160,10 @@ def plan_arena(graph, schedule, codes, extra=()) -> Arena:
         buf_off[b] = off
         buffers.append((c, off, size))
         nbytes[c] = off + _align(size)
-    loc = {p.var: (codes[p.var], buf_off[b]) for p, b in plan.slot.items()}
+    # a planner may place several values in one buffer (element offsets in plan.offset)
+    offset = getattr(plan, "offset", None) or {}
+    loc = {p.var: (codes[p.var], buf_off[b] + offset.get(p, 0) * p.dtype.itemsize)
+           for p, b in plan.slot.items()}
     for leaf in graph.leaves:
         c = codes[leaf]
         off = nbytes.get(c, 0)

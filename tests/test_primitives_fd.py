@@ -101,6 +101,11 @@ def _cases():
          ids(r, 6, 5))
     case("pick", "rows", lambda tp, x, i: ops.pick(x, i), normal(r, T, 5), ids(r, T, 5))
     case("put", "rows", lambda tp, s, i: ops.put(s, i, 5), normal(r, T, 1), ids(r, T, 5))
+    case("nll_ids", "rows", lambda tp, x, i: ops.nll_ids(x, i), normal(r, T, 5), ids(r, T, 5))
+    case("nll_ids", "large", lambda tp, x, i: ops.nll_ids(x, i), 30.0 * normal(r, T, 5),
+         ids(r, T, 5))
+    case("nll_ids_grad", "rows", lambda tp, g, x, i: ops.nll_ids_grad(g, x, i),
+         normal(r, T, 1), normal(r, T, 5), ids(r, T, 5))
     return cases
 
 

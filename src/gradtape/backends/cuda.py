@@ -321,14 +321,18 @@ class CupyDevice:
     block_elem, block_row, max_grid = 256, 256, 65535 * 16
     WORKSPACE = 32 << 20  # cuBLAS workspace (NVIDIA's recommendation for Hopper)
 
+    _shared = None  # (stream, workspace, Cublas): one per process, shared by programs
+
     def __init__(self):
         cp = require_cupy()
         self.cp = cp
         self.rt = cp.cuda.runtime
-        self.stream = cp.cuda.Stream(non_blocking=True)
         self._mem = []
-        ws = self.alloc(self.WORKSPACE)
-        self.cublas = Cublas(self.stream.ptr, ws, self.WORKSPACE)
+        if CupyDevice._shared is None:
+            stream = cp.cuda.Stream(non_blocking=True)
+            ws = cp.cuda.alloc(self.WORKSPACE)
+            CupyDevice._shared = (stream, ws, Cublas(stream.ptr, ws.ptr, self.WORKSPACE))
+        self.stream, _, self.cublas = CupyDevice._shared
         self._funcs = None
 
     def alloc(self, nbytes):
@@ -346,10 +350,16 @@ class CupyDevice:
         self.stream.synchronize()
         return out
 
+    _modules = {}  # source hash -> RawModule: one NVRTC compile per distinct source
+
     def load(self, src: G.ProgramSource):
         text = src.cuda_source()
         self.source = text
-        mod = self.cp.RawModule(code=text, options=("--std=c++14",))
+        key = G.source_hash(text)
+        mod = CupyDevice._modules.get(key)
+        if mod is None:
+            mod = CupyDevice._modules[key] = self.cp.RawModule(code=text,
+                                                               options=("--std=c++14",))
         try:
             self._funcs = [mod.get_function(nm) for nm in src.names()]
         except Exception as e:  # NVRTC errors carry the log

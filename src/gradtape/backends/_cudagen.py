@@ -485,6 +485,50 @@ def reduce_kernel(v, storage) -> Kernel:
     return Kernel("\n".join(L), params, ("rows", K))
 
 
+def nll_kernel(v, storage) -> Kernel:
+    """nll_ids: out[t] = logsumexp(x[t]) - x[t, ids[t]]; nll_ids_grad: out[t, j] =
+    (softmax(x[t])_j - [j == ids[t]]) * g[t].  One block per row, as ops.py computes them
+    (max, sum of exp(x - max), then the row)."""
+    grad = v.op == "nll_ids_grad"
+    ins = list(v.inputs)
+    g, x, ids = ins if grad else (None, *ins)
+    ct = compute_types(x.dtype)
+    t = ct.t
+    R, V = x.shape
+    sig, params = _signature([storage[a] for a in ins], [storage[v]])
+    ax, ai = ("a1", "a2") if grad else ("a0", "a1")
+    sx = storage[x]
+    L = [f"GT_KERNEL void GT_NAME({sig}) {{",
+         f"    __shared__ {t} gt_sh[{MAX_BLOCK}];",
+         "    " + _ROW_LOOP.format(b="i", n=R),
+         f"        const long id = (long){ai}[i];"]
+
+    def row_pass(extra):
+        return ([f"        for (long j = threadIdx.x; j < {V}L; j += blockDim.x) {{",
+                 f"            const {t} xv = {load(sx, f'{ax}[i*{V}L + j]', t)};"]
+                + ["            " + e for e in extra] + ["        }"])
+
+    L.append(f"        {t} m = -GT_INF{'F' if ct.f32 else 'D'};")
+    L += row_pass([f"m = gt_max{ct.acc}(m, xv);"])
+    L.append(f"        m = gt_bmax{ct.acc}(m, gt_sh);")
+    L.append(f"        {t} s = {ct.lit(0.0)};")
+    L += row_pass([f"s += {ct.exp}(xv - m);"])
+    L.append(f"        s = gt_bsum{ct.acc}(s, gt_sh);")
+    so = storage[v]
+    if grad:
+        gv = load(storage[g], "a0[i]", t)
+        L.append(f"        const {t} gi = {gv};")
+        L += row_pass([f"{t} y = {ct.exp}(xv - m) / s;",
+                       f"if (j == id) y = y - {ct.lit(1.0)};",
+                       store(so, f"o0[i*{V}L + j]", "y * gi", t)])
+    else:
+        xi = load(sx, f"{ax}[i*{V}L + id]", t)
+        L.append(f"        if (threadIdx.x == 0) "
+                 f"{store(so, 'o0[i]', f'({ct.log}(s) + m) - {xi}', t)}")
+    L += ["    }", "}"]
+    return Kernel("\n".join(L), params, ("rows", R))
+
+
 # --- data movement ------------------------------------------------------------------------
 
 def _split(shape, axis):
@@ -605,6 +649,7 @@ def cast_kernel(src_code, dst_code, n) -> Kernel:
 GATHER_OPS = frozenset(("reshape", "transpose", "broadcast_to", "slice", "pad", "concat",
                         "take_rows", "pick", "put"))
 REDUCE_OPS = frozenset(("sum", "sum_to", "softmax", "logsumexp"))
+NLL_OPS = frozenset(("nll_ids", "nll_ids_grad"))
 
 
 # --- program source -----------------------------------------------------------------------

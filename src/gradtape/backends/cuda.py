@@ -611,6 +611,8 @@ class CudaBackend:
             return G.reduce_kernel(s, c)
         if s.op in G.GATHER_OPS:
             return G.gather_kernel(s, c)
+        if s.op in G.NLL_OPS:
+            return G.nll_kernel(s, c)
         if s.op == "scatter_rows":
             return G.scatter_add_kernel(s, c)
         raise ValueError(f"backend 'cuda': no kernel for primitive {s.op!r}")

@@ -35,8 +35,15 @@ def test_matmul_inner_dims(tp):
 def test_matmul_needs_2d(tp):
     x = tp.param(np.ones((7, 24)))
     with pytest.raises(ValueError, match=M("matmul([7, 24], [24], ta=False, tb=False): "
-                                           "both operands must be 2-d")):
+                                           "operands must both be 2-d, or both 3-d")):
         ops.matmul(x, tp.param(np.ones(24)))
+
+
+def test_batched_matmul_needs_equal_batches(tp):
+    a, b = tp.param(np.ones((3, 4, 5))), tp.param(np.ones((2, 5, 6)))
+    with pytest.raises(ValueError, match=M("matmul([3, 4, 5], [2, 5, 6], ta=False, tb=False): "
+                                           "batch sizes 3 != 2")):
+        ops.matmul(a, b)
 
 
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])

@@ -285,7 +285,9 @@ def test_replays_allocate_nothing_new(backend):
     # the peak holds the returned outputs and per-op temporaries, never the plan again
     assert peak - base < 4 * one + 64 * 1024, (peak - base)
     assert prog.memory.buffer_sizes == buffers_before
-    assert prog.memory.nbytes > 20 * one  # the buffers exist (allocated once, at compile)
+    # the buffers exist (allocated once, at compile): at least the [64, 64] gradient output
+    # (rematerialization keeps the 200-op chain itself from being stored for backward)
+    assert prog.memory.nbytes >= one
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -214,9 +214,17 @@ def _fwd_softmax(out, x, axis):
 
 
 def _fwd_logsumexp(out, x, axis):
-    m = x.max(axis=axis, keepdims=True)
-    np.log(np.exp(x - m).sum(axis=axis, keepdims=True), out=out)
-    np.add(out, m, out=out)
+    # in slabs along the other axis: the exp temporary stays small for [T, vocab] logits
+    step = max(1, (1 << 16) // max(1, x.shape[axis]))
+    other = 1 - axis % 2 if x.ndim == 2 else None
+    if other is None or x.shape[other] <= step:
+        m = x.max(axis=axis, keepdims=True)
+        np.log(np.exp(x - m).sum(axis=axis, keepdims=True), out=out)
+        np.add(out, m, out=out)
+        return
+    for s in range(0, x.shape[other], step):
+        idx = _index(2, other, s, s + step)
+        _fwd_logsumexp(out[idx], x[idx], axis)
 
 
 def _mT(x, t):
@@ -392,9 +400,7 @@ def _nll_ids_grad_shape(shapes):
 
 
 def _fwd_nll_ids(out, x, ids):
-    m = x.max(axis=1, keepdims=True)
-    np.log(np.exp(x - m).sum(axis=1, keepdims=True), out=out)
-    out += m
+    _fwd_logsumexp(out, x, 1)
     out[:, 0] -= x[np.arange(x.shape[0]), ids]
 
 

@@ -48,9 +48,10 @@ def rematerialize(graph: Graph, marks) -> Graph:
         late = [i for i in users[v] if ops[i].index >= b]
         if not late or len(late) == len(users[v]):
             continue  # no late use, or nothing early: keeping it costs nothing extra
-        p = late[0]
-        if all(x.is_leaf or x in at or last_use.get(x, -1) >= p for x in v.inputs):
-            at[v] = p
+        chain = _recomputable(v, late[0], at, last_use, pinned, depth=2)
+        if chain is not None:
+            for u in chain:  # v and the inputs it needs recomputed too
+                at[u] = min(at.get(u, late[0]), late[0])
     if not at:
         return graph
     # 2. a clone's inputs that are clones themselves must be placed no later than it
@@ -89,3 +90,20 @@ def rematerialize(graph: Graph, marks) -> Graph:
     outputs = tuple(new_of.get(v, v) for v in graph.outputs)
     updates = tuple((leaf, new_of.get(src, src)) for leaf, src in graph.updates)
     return Graph(leaves=graph.leaves, ops=tuple(new_ops), outputs=outputs, updates=updates)
+
+
+def _recomputable(v, p, at, last_use, pinned, depth):
+    """The values to clone so that ``v`` can be recomputed at position ``p``: ``v``, then
+    inputs that are not alive there but are recomputable themselves (up to ``depth``
+    levels), or None."""
+    chain = [v]
+    for x in v.inputs:
+        if x.is_leaf or x in at or last_use.get(x, -1) >= p:
+            continue
+        if depth == 0 or x in pinned or not PRIMS[x.op].elementwise:
+            return None
+        sub = _recomputable(x, p, at, last_use, pinned, depth - 1)
+        if sub is None:
+            return None
+        chain += sub
+    return chain

@@ -20,8 +20,6 @@ from .graph import Graph
 
 def rematerialize(graph: Graph, marks) -> Graph:
     """Clone elementwise forward values at their first use after a backward mark."""
-    from ..tape import Var
-
     ops = list(graph.ops)
     if not marks or not ops:
         return graph
@@ -59,37 +57,36 @@ def rematerialize(graph: Graph, marks) -> Graph:
         for x in v.inputs:
             if x in at and at[x] > at[v]:
                 at[x] = at[v]
-    # 3. the clones: same op and inputs (redirected when emitted, below)
-    clone = {v: Var(v.tape, v.index, v.op, v.inputs, v.attrs, v.shape, v.dtype, None,
-                    v.requires_grad) for v in at}
     before = {}
     for v in sorted(at, key=lambda v: pos[v]):
         before.setdefault(at[v], []).append(v)
-    # 4. rewrite: ops from a clone's position on read the clone; every op whose inputs
-    #    changed becomes a new Var, and so (transitively) do its consumers
+    # 3. rewrite: a clone (a new Var) is emitted at its position; ops from there on read
+    #    it; every op whose inputs changed becomes a new Var, and so do its consumers
     new_of = {}  # original Var -> the Var that replaces it in the new graph
     active = {}  # value -> its clone, once the clone's position is reached
 
-    def emit(v):
-        ins = tuple(active.get(x, new_of.get(x, x)) for x in v.inputs)
-        if ins == v.inputs:
-            return v
-        return Var(v.tape, v.index, v.op, ins, v.attrs, v.shape, v.dtype, None,
-                   v.requires_grad)
+    def inputs_now(v):
+        return tuple(active.get(x, new_of.get(x, x)) for x in v.inputs)
 
     new_ops = []
     for i, v in enumerate(ops):
         for orig in before.get(i, ()):
-            c = emit(clone[orig])
-            active[orig] = c
-            new_ops.append(c)
-        nv = emit(v)
-        if nv is not v:
-            new_of[v] = nv
-        new_ops.append(nv)
+            active[orig] = _with_inputs(orig, inputs_now(orig))
+            new_ops.append(active[orig])
+        ins = inputs_now(v)
+        if ins != v.inputs:
+            new_of[v] = _with_inputs(v, ins)
+        new_ops.append(new_of.get(v, v))
     outputs = tuple(new_of.get(v, v) for v in graph.outputs)
     updates = tuple((leaf, new_of.get(src, src)) for leaf, src in graph.updates)
     return Graph(leaves=graph.leaves, ops=tuple(new_ops), outputs=outputs, updates=updates)
+
+
+def _with_inputs(v, inputs):
+    """A new Var computing ``v``'s op on ``inputs`` (no eager value)."""
+    from ..tape import Var
+
+    return Var(v.tape, v.index, v.op, inputs, v.attrs, v.shape, v.dtype, None, v.requires_grad)
 
 
 def _recomputable(v, p, at, last_use, pinned, depth):

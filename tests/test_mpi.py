@@ -5,8 +5,10 @@ step equals the fused one in-process; launcher detection and its errors."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +56,17 @@ def _env():
     return env
 
 
-def _finetune(tiny_dir, out, batch, *extra, ranks=0):
+def _finetune(tiny_dir, out, batch, *extra, ranks=0, steps=STEPS, popen=False):
     cmd = [sys.executable, "-m", "gradtape.cli", "finetune", "--model", str(tiny_dir / "model"),
-           "--data", str(tiny_dir / "text.txt"), "--out", str(out), "--steps", str(STEPS),
+           "--data", str(tiny_dir / "text.txt"), "--out", str(out), "--steps", str(steps),
            "--seq-len", "32", "--batch-size", str(batch), "--grad-accum", "2", "--rank", "4",
            "--lr", "1e-2", "--warmup", "2", "--save-every", "2", "--eval-every", "3",
            "--dtype", "float64", *extra]
     if ranks:
         cmd = [MPIEXEC, "-n", str(ranks)] + cmd
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_env())
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
 
 
@@ -117,6 +122,36 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(tiny_dir, tmp_path):
                for k in sb if k.startswith("param.")) < 1e-12
     bad = _finetune(tiny_dir, tmp_path / "one", 2, *more)
     assert bad.returncode == 1 and "keep their product" in bad.stderr, bad.stderr
+
+
+@needs_mpi
+def test_ctrl_c_stops_every_rank_after_the_same_step_and_resumes(tiny_dir, tmp_path):
+    steps = 40
+    full = _finetune(tiny_dir, tmp_path / "full", 2, ranks=2, steps=steps)
+    assert full.returncode == 0, full.stderr
+    out = tmp_path / "cut"
+    proc = _finetune(tiny_dir, out, 2, ranks=2, steps=steps, popen=True)
+    deadline = time.time() + 60
+    while _lines(out / "log.jsonl") < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C on mpiexec does; it forwards it to the ranks
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout + stderr
+    done = _lines(out / "log.jsonl")
+    assert 3 <= done < steps and f"checkpoint at step {done} saved" in stdout
+    res = _finetune(tiny_dir, out, 2, "--resume", ranks=2, steps=steps)
+    assert res.returncode == 0, res.stderr
+    sa, sb = (load_file(tmp_path / run / "checkpoint" / "state.safetensors")
+              for run in ("cut", "full"))
+    for k in sb:  # same ranks, same shards: bitwise
+        assert np.array_equal(sa[k], sb[k]), k
+
+
+def _lines(path):
+    try:
+        return len(path.read_text().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 @needs_mpi

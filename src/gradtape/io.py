@@ -6,19 +6,24 @@ whenever the process is killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 
 
-def atomic_write_bytes(path, data: bytes):
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary path beside ``path`` for a writer (ours or another library's);
+    on success fsync it, give it a normal file mode and rename it over ``path``; on
+    failure remove it."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         chmod_as_new_file(tmp)
         os.replace(tmp, path)
@@ -27,6 +32,12 @@ def atomic_write_bytes(path, data: bytes):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path, data: bytes):
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
 
 
 def chmod_as_new_file(path):

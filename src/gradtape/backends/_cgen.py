@@ -199,14 +199,9 @@ class _Lowering:
         return s
 
 
-def lower_elementwise(group, ct):
-    """Loop nest over the (squeezed, collapsed) domain; each member computed at the depth
-    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row."""
-    low = _Lowering(group, ct)
-    dom = list(group.domain)
-    arrays = list(group.inputs) + list(group.ops)
-    strides = {x: _bstrides(x.shape, dom) for x in arrays}
-    # squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously
+def collapse_domain(dom, strides):
+    """Squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously:
+    fewer, longer loops.  ``strides``: array -> per-dim element strides (0 = broadcast)."""
     keep = [d for d in range(len(dom)) if dom[d] != 1]
     dom = [dom[d] for d in keep]
     strides = {x: [s[d] for d in keep] for x, s in strides.items()}
@@ -219,6 +214,17 @@ def lower_elementwise(group, ct):
                 s[d] = s[d + 1]
                 del s[d + 1]
         d -= 1
+    return dom, strides
+
+
+def lower_elementwise(group, ct):
+    """Loop nest over the (squeezed, collapsed) domain; each member computed at the depth
+    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row."""
+    low = _Lowering(group, ct)
+    dom = list(group.domain)
+    arrays = list(group.inputs) + list(group.ops)
+    strides = {x: _bstrides(x.shape, dom) for x in arrays}
+    dom, strides = collapse_domain(dom, strides)
     ivars = [f"i{d}" for d in range(len(dom))]
 
     def level(m):

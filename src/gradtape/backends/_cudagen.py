@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from ..compile.fuse import FusedGroup, prefix_level
-from ._cgen import C_ELEMENTWISE, CTypes, _bstrides, _contig_strides, _expr, _index
+from ._cgen import (C_ELEMENTWISE, CTypes, _bstrides, _contig_strides, _expr, _index,
+                    collapse_domain)
 
 STORAGE_CTYPE = {"float32": "float", "float64": "double", "bf16": "unsigned short",
                  "int64": "long long", "int32": "int"}
@@ -249,24 +250,6 @@ _ROW_LOOP = "for (long {b} = blockIdx.x; {b} < {n}L; {b} += gridDim.x) {{"
 
 # --- fused groups -------------------------------------------------------------------------
 
-def _collapse(dom, strides):
-    """Squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously
-    (as ``_cgen.lower_elementwise`` does)."""
-    keep = [d for d in range(len(dom)) if dom[d] != 1]
-    dom = [dom[d] for d in keep]
-    strides = {x: [s[d] for d in keep] for x, s in strides.items()}
-    d = len(dom) - 2
-    while d >= 0:
-        if all(s[d] == s[d + 1] * dom[d + 1] for s in strides.values()):
-            dom[d] *= dom[d + 1]
-            del dom[d + 1]
-            for s in strides.values():
-                s[d] = s[d + 1]
-                del s[d + 1]
-        d -= 1
-    return dom, strides
-
-
 class _GroupLowering:
     def __init__(self, group, storage):
         self.g = group
@@ -300,7 +283,7 @@ def elementwise_kernel(group, storage) -> Kernel:
     low = _GroupLowering(group, storage)
     dom = list(group.domain)
     arrays = list(group.inputs) + list(group.ops)
-    dom, strides = _collapse(dom, {x: _bstrides(x.shape, dom) for x in arrays})
+    dom, strides = collapse_domain(dom, {x: _bstrides(x.shape, dom) for x in arrays})
     if not dom:
         dom = [1]
         strides = {x: [0] for x in arrays}

@@ -14,17 +14,14 @@ run the model.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import GradtapeError
-from ..io import _fsync_dir, atomic_write_bytes, chmod_as_new_file
+from ..io import atomic_path, atomic_write_bytes
 from .gguf_load import permute_rope_rows
 from .lora import PEFT_MODULES
 
@@ -79,28 +76,6 @@ def merged_model(model, adapter):
     check_adapter_fits(adapter, model.config, "adapter")
     return Llama(model.config, merge(model.weights, adapter), model.tokenizer,
                  name=model.name, source=getattr(model, "source", ""))
-
-
-# --- atomic writes of files made by other libraries ---------------------------------------
-
-@contextlib.contextmanager
-def _atomic_path(path):
-    """Yield a temporary path beside ``path``; on success fsync it and rename it over
-    ``path``, on failure remove it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        chmod_as_new_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
 
 
 # --- Hugging Face folder ------------------------------------------------------------------
@@ -158,7 +133,7 @@ def save_hf_folder(model, folder, dtype="float32") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     tensors = hf_tensors(cfg, model.weights, dtype)
-    with _atomic_path(folder / "model.safetensors") as tmp:
+    with atomic_path(folder / "model.safetensors") as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "hf_files"):
@@ -347,7 +322,7 @@ def save_gguf(model, path, dtype="float32") -> Path:
             print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
                   f"{path.name} is written without one", file=sys.stderr)
     tensors = gguf_tensors(cfg, model.weights, dt)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, "llama")
         w.add_type(gguf.GGUFType.MODEL)
         _llama_metadata(w, cfg, getattr(model, "name", ""))
@@ -397,7 +372,7 @@ def save_gguf_lora(adapter, cfg, path, dtype="float32", name="") -> Path:
     check_adapter_fits(adapter, cfg, "adapter")
     path = Path(path)
     tensors = lora_gguf_tensors(adapter, cfg, dtype)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, "llama")
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")

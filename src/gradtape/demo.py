@@ -20,19 +20,19 @@ DATA = Path(__file__).resolve().parents[2] / "examples" / "records"
 
 def add_arguments(parser):
     parser.add_argument("--out", default="runs/demo", help="run folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
     parser.add_argument("--eval-n", type=int, default=30,
                         help="held-out records to score (default: %(default)s)")
     parser.add_argument("--backend", default="auto",
                         help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
 
 
-def _answers(model, prompts, adapter=None):
+def _answers(model, prompts, max_new, adapter=None):
     outs = []
     for p in prompts:
         text = model.tokenizer.apply_chat_template([{"role": "user", "content": p}],
                                                    add_generation_prompt=True)
-        ids = model.generate(model.tokenizer.encode(text), 48, adapter=adapter)
+        ids = model.generate(model.tokenizer.encode(text), max_new, adapter=adapter)
         outs.append(model.tokenizer.decode(ids).replace("<|im_end|>", "").strip())
     return outs
 
@@ -58,8 +58,10 @@ def run(args) -> int:
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
     model = llama.load("smollm2")
+    # an answer still going past the longest reference (+ its end token) cannot match
+    max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
     t = time.perf_counter()
-    before = _answers(model, prompts)
+    before = _answers(model, prompts, max_new)
     print(f"base model: {_score(before, refs):.0%} exact JSON on {len(refs)} held-out records "
           f"({time.perf_counter() - t:.0f} s)", flush=True)
 
@@ -70,7 +72,7 @@ def run(args) -> int:
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
     summary = finetune(cfg, model=model)
     adapter = llama.load_adapter(out / "adapter", model)
-    after = _answers(model, prompts, adapter)
+    after = _answers(model, prompts, max_new, adapter)
     b, a = _score(before, refs), _score(after, refs)
     print()
     print(f"held-out exact match: base {b:.0%} -> fine-tuned {a:.0%} "

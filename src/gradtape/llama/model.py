@@ -324,6 +324,7 @@ class Llama:
         self.tokenizer = tokenizer
         self.name = name
         self.source = source
+        self._decode_steps = {}  # (dtype, capacity) -> (adapter, DecodeStep): reused
 
     def __repr__(self):
         c = self.config
@@ -395,6 +396,20 @@ class Llama:
                                dtype) for a in range(0, len(ids), PREFILL_CHUNK)]
         return np.concatenate(rows, 0) if len(rows) > 1 else rows[0]
 
+    def _decode_step(self, adapter, W, lora, scale, dtype, cap):
+        """A DecodeStep of at least ``cap`` rows, reused across calls with the same adapter
+        (compiling one costs far more than a short answer); capacities are rounded up to
+        a multiple of 64 so that prompts of similar length share one."""
+        cap = -(-cap // 64) * 64
+        key = (np.dtype(dtype).str, cap)
+        hit = self._decode_steps.get(key)
+        if hit is None or hit[0] is not adapter:
+            if hit is not None and hit[0] is not adapter:
+                self._decode_steps.clear()  # another adapter: drop the old programs
+            hit = self._decode_steps[key] = (adapter, DecodeStep(self.config, W, lora, scale,
+                                                                 dtype, cap))
+        return hit[1]
+
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0,
                  top_p=1.0, stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
@@ -432,7 +447,7 @@ class Llama:
             if step is None or step.length >= step.cap:  # (re)build with room to grow
                 need = len(ids) + max_new_tokens - 1
                 cap = min(need, max(2 * (step.cap if step else 0), len(ids) + 256))
-                grown = DecodeStep(self.config, W, lora, scale, dtype, cap)
+                grown = self._decode_step(adapter, W, lora, scale, dtype, cap)
                 if step is None:
                     grown.load(cache)
                 else:

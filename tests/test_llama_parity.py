@@ -15,6 +15,7 @@ import pytest
 
 from gradtape import Tape
 from gradtape.llama import model as M
+from gradtape.llama.lora import target_dims
 
 pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
 
@@ -195,7 +196,7 @@ def _random_adapter(cfg, targets, layers, rank=4, alpha=8.0, seed=0):
     weights = {}
     for i in layers:
         for t in targets:
-            fin, fout = M.target_dims(cfg, t)
+            fin, fout = target_dims(cfg, t)
             weights[(i, t)] = (rng.normal(0, 0.05, (fin, rank)).astype(np.float32),
                                rng.normal(0, 0.05, (rank, fout)).astype(np.float32))
     return SimpleNamespace(rank=rank, alpha=alpha, scale=alpha / rank, targets=tuple(targets),

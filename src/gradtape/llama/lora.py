@@ -183,8 +183,10 @@ def load_adapter(folder, model=None) -> LoraAdapter:
 def check_adapter_fits(adapter, cfg, where="adapter"):
     """Raise a clear error when an adapter was made for another base model."""
     for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        if target not in PEFT_MODULES:
+            raise GradtapeError(f"{where}: unknown LoRA target {target!r} in layer {layer}")
         name = f"layers.{layer}.{PEFT_MODULES[target]}"
-        if layer >= cfg.n_layers:
+        if not 0 <= layer < cfg.n_layers:
             raise GradtapeError(f"{where}: tensor {name} is for layer {layer}, but the model "
                                 f"has {cfg.n_layers} layers (adapter made for another model?)")
         fan_in, fan_out = target_dims(cfg, target)

@@ -26,8 +26,8 @@ from .. import nn, ops
 from ..errors import GradtapeError
 from ..tape import Tape
 from .config import LlamaConfig
+from .lora import check_adapter_fits
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
 
 
@@ -285,14 +285,6 @@ class DecodeStep:
         return outs[0][0]
 
 
-def target_dims(cfg, target):
-    """``(in, out)`` of the linear ``target`` in a model with config ``cfg``."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {"q": (cfg.dim, q), "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim),
-            "gate": (cfg.dim, cfg.ffn_dim), "up": (cfg.dim, cfg.ffn_dim),
-            "down": (cfg.ffn_dim, cfg.dim)}[target]
-
-
 # --- sampling -----------------------------------------------------------------------------
 
 def sample_next(logits_row, temperature, top_p, rng) -> int:
@@ -356,19 +348,9 @@ class Llama:
         """``(lora arrays {(layer, target): (A, B)}, scale)`` from an adapter object."""
         if adapter is None:
             return None, 1.0
-        cfg = self.config
-        out = {}
-        for (layer, target), (a, b) in adapter.weights.items():
-            if not 0 <= layer < cfg.n_layers or target not in TARGETS:
-                raise GradtapeError(f"adapter: ({layer}, {target!r}) does not exist in this "
-                                    f"model ({cfg.n_layers} layers)")
-            fin, fout = target_dims(cfg, target)
-            if a.shape != (fin, adapter.rank) or b.shape != (adapter.rank, fout):
-                raise GradtapeError(
-                    f"adapter: layer {layer} {target}: A {list(a.shape)} / B {list(b.shape)} "
-                    f"do not fit this model (needs A {[fin, adapter.rank]}, B "
-                    f"{[adapter.rank, fout]}): adapter made for another base model?")
-            out[(layer, target)] = (np.asarray(a, dtype), np.asarray(b, dtype))
+        check_adapter_fits(adapter, self.config)
+        out = {key: (np.asarray(a, dtype), np.asarray(b, dtype))
+               for key, (a, b) in adapter.weights.items()}
         return out, float(adapter.scale)
 
     def _check_ids(self, ids):

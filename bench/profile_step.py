@@ -1,0 +1,64 @@
+"""Where a SmolLM2 LoRA training step's time goes: each step of the compiled program timed
+on its own (matmuls by shape, generated C kernel runs, NumPy ops by name).
+
+    python bench/profile_step.py [--batch 1] [--seq-len 256] [--backend cpu] [--reps 2]
+"""
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+from gradtape import llama
+from gradtape.llama.lora import init_adapter
+from gradtape.llama.train import TrainStep
+
+
+def _name(step):
+    f = getattr(step, "func", step)
+    if f is np.matmul:
+        return f"matmul {step.args[0].shape} x {step.args[1].shape}", "matmul"
+    name = getattr(f, "__name__", repr(f))
+    if name == "gt_run":  # a run of generated C kernels between two NumPy steps
+        return f"C kernels x{step.args[2]}", "C"
+    return name, "numpy"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    model = llama.load("smollm2")
+    st = TrainStep(model, init_adapter(model.config, 8, 16, seed=0), args.batch, args.seq_len,
+                   backend=args.backend)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq_len))
+    st.step([(ids, np.roll(ids, -1, 1))], 1, 1e-4)  # first run: binds fed leaves
+    ex = st.program.executable
+    steps = getattr(ex, "_steps", None)
+    if steps is None or not steps or not callable(steps[0]):
+        raise SystemExit(f"backend {args.backend!r} does not expose per-step callables")
+    per, kind_of, kinds = collections.Counter(), {}, collections.Counter()
+    for _ in range(args.reps):
+        for step in steps:
+            name, kind = _name(step)
+            t = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t
+            per[name] += dt / args.reps
+            kinds[kind] += dt / args.reps
+            kind_of[name] = kind
+    total = sum(kinds.values())
+    print(f"{len(steps)} program steps, {total:.3f} s per replay")
+    for kind, t in kinds.most_common():
+        print(f"  {kind:8s} {t:.3f} s  {100 * t / total:4.1f}%")
+    for name, t in per.most_common(args.top):
+        print(f"    {t:.4f} s  {name}")
+
+
+if __name__ == "__main__":
+    main()

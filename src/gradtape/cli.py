@@ -15,7 +15,7 @@ from .errors import GradtapeError
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("gradtape.demo", "run a small tape example (the fine-tuning demo when available)"),
+    "demo": ("gradtape.demo", "LoRA-fine-tune SmolLM2 on a small task and measure it before/after"),
     "generate": ("gradtape.llama.generate_cli", "generate text with a model (and an adapter)"),
     "finetune": ("gradtape.llama.finetune_cli", "LoRA-fine-tune a LLaMA-family model"),
     "merge": ("gradtape.llama.merge_cli", "fold a LoRA adapter into its base model and "

@@ -15,7 +15,7 @@ import pytest
 
 from gradtape import Tape
 from gradtape.llama import model as M
-from gradtape.llama.lora import target_dims
+from gradtape.llama.lora import TARGETS, target_dims
 
 pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
 
@@ -82,7 +82,7 @@ def test_weights_equal_hf(smollm2, hf_smollm2):
         else:
             _, i, t = name.split(".")
             ref = sd[f"model.layers.{i}.{HF_NAMES[t]}.weight"]
-            if t in M.TARGETS:
+            if t in TARGETS:
                 ref = ref.T  # HF [out, in] -> ours [in, out]
         np.testing.assert_array_equal(w, ref, err_msg=name)
 

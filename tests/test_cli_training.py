@@ -2,7 +2,6 @@
 user mistakes reported as one line with a non-zero exit code."""
 
 import json
-import os
 import random
 import signal
 import subprocess

@@ -15,7 +15,6 @@ Tolerances (max |cpu - numpy| / max |numpy| per output):
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest

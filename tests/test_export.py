@@ -22,7 +22,6 @@ from gradtape.errors import GradtapeError
 from gradtape.llama import export
 from gradtape.llama.gguf_load import unpermute_rope_rows
 from gradtape.llama.lora import init_adapter, load_adapter
-from gradtape.llama.model import Llama
 from tinymodel import tiny_model, write_hf_folder
 
 F32_REL = 1e-4  # the bound for merged vs unmerged, float32

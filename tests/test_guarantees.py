@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from gradtape.errors import GradtapeError
-from gradtape.llama import finetune as finetune_mod
 from gradtape.llama.finetune import CHECKPOINT, FinetuneConfig, finetune
 from gradtape.llama.lora import init_adapter, load_adapter
 from gradtape.llama.safetensors_check import read_safetensors

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from gradtape.errors import GradtapeError
 from gradtape.llama import distributed
 from gradtape.llama.lora import init_adapter, load_adapter, parse_targets
 from gradtape.llama.train import TrainStep

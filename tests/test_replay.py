@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gradtape as gt
-from gradtape import nn, ops
+from gradtape import ops
 
 from fd import BACKENDS, rel_err, replay_tol
 

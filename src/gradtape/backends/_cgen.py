@@ -465,30 +465,30 @@ def _cpu_signature():
     return os.uname().machine
 
 
-def build(source):
+def build(source, flags=FLAGS, prefix="gt", directory=None):
     """Compile ``source`` to a shared library, or reuse the cached one.
 
     Returns ``(path, hit)``.  The cache key hashes the source, the flags, the compiler's
     version line and the CPU's feature flags; the library is written under a temporary
-    name and renamed, so concurrent builders never see half a file.
+    name and renamed into place, so concurrent builds never see a torn file.
     """
     cc, version = compiler()
-    key = hashlib.sha256("\0".join([source, " ".join(FLAGS), cc, version,
+    key = hashlib.sha256("\0".join([source, " ".join(flags), cc, version,
                                     _cpu_signature()]).encode()).hexdigest()[:32]
-    d = cache_dir()
+    d = Path(directory) if directory else cache_dir()
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"gt_{key}.so"
+    path = d / f"{prefix}_{key}.so"
     if path.exists():
         return path, True
     with tempfile.TemporaryDirectory(dir=d) as tmp:
         src = Path(tmp) / "k.c"
         src.write_text(source)
         so = Path(tmp) / "k.so"
-        r = subprocess.run([cc, *FLAGS, str(src), "-o", str(so), "-lm"],
+        r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"gradtape cpu backend: compiling generated C failed:\n"
+            raise RuntimeError(f"gradtape: compiling generated C ({prefix}) failed:\n"
                                f"{r.stderr[-4000:]}")
-        (d / f"gt_{key}.c").write_text(source)  # kept beside the library for inspection
+        (d / f"{prefix}_{key}.c").write_text(source)  # kept beside the library to read
         os.replace(so, path)
     return path, False

@@ -34,11 +34,7 @@ This module knows nothing of devices or memory; ``cuda.py`` does.
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -576,12 +572,12 @@ def gather_kernel(v, storage) -> Kernel:
         table, ids = ins
         D = table.shape[1]
         L.append(f"        const long row = e / {D}L, d = e % {D}L;")
-        L.append(f"        const long id = (long)a1[row];")
+        L.append("        const long id = (long)a1[row];")
         L.append("        " + store(so, "o0[e]", ld(0, f"a0[id*{D}L + d]"), t))
     elif op == "pick":
         x, idx = ins
         Vn = x.shape[1]
-        L.append(f"        " + store(so, "o0[e]", ld(0, f"a0[e*{Vn}L + (long)a1[e]]"), t))
+        L.append("        " + store(so, "o0[e]", ld(0, f"a0[e*{Vn}L + (long)a1[e]]"), t))
     elif op == "put":
         ncols = v.attrs["ncols"]
         L.append(f"        const long row = e / {ncols}L, c = e % {ncols}L;")
@@ -685,24 +681,8 @@ HARNESS_FLAGS = ("-O1", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-cont
 
 def build_harness(source, directory=None):
     """Compile ``harness_source()`` text with the system C compiler (cached by hash)."""
-    from ._cgen import cache_dir, compiler
-    cc, _ = compiler()
-    d = Path(directory) if directory else cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"gtcuh_{source_hash(source + ' '.join(HARNESS_FLAGS))}.so"
-    if path.exists():
-        return path
-    with tempfile.TemporaryDirectory(dir=d) as tmp:
-        src = Path(tmp) / "k.c"
-        src.write_text(source)
-        so = Path(tmp) / "k.so"
-        r = subprocess.run([cc, *HARNESS_FLAGS, str(src), "-o", str(so), "-lm"],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"cuda harness: compiling generated kernels as C failed:\n"
-                               f"{r.stderr[-4000:]}")
-        os.replace(so, path)
-    return path
+    from ._cgen import build
+    return build(source, HARNESS_FLAGS, prefix="gtcuh", directory=directory)[0]
 
 
 def fusible(v):

@@ -240,7 +240,6 @@ def _render(template, **context):
     """Render a chat template the way transformers does (sandboxed jinja2, trim_blocks,
     lstrip_blocks, ``raise_exception``, a ``tojson`` that keeps non-ASCII)."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)

@@ -60,50 +60,23 @@ GT_DEV unsigned short gt_f2bf(float f) {
 GT_DEV float gt_maxf(float a, float b) { return (a > b || a != a) ? a : b; }
 GT_DEV double gt_maxd(double a, double b) { return (a > b || a != a) ? a : b; }
 /* block-wide reductions over sh[0 .. blockDim.x); every thread of the block calls them */
-GT_DEV float gt_bsumf(float v, float *sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (threadIdx.x < s) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + s];
-        __syncthreads();
-    }
-    const float r = sh[0];
-    __syncthreads();
-    return r;
+#define GT_BLOCK_REDUCE(NAME, T, COMBINE)                                          \
+GT_DEV T NAME(T v, T *sh) {                                                        \
+    sh[threadIdx.x] = v;                                                           \
+    __syncthreads();                                                               \
+    for (unsigned int s = blockDim.x >> 1; s > 0; s >>= 1) {                       \
+        if (threadIdx.x < s) sh[threadIdx.x] = COMBINE(sh[threadIdx.x], sh[threadIdx.x + s]); \
+        __syncthreads();                                                           \
+    }                                                                              \
+    const T r = sh[0];                                                             \
+    __syncthreads();                                                               \
+    return r;                                                                      \
 }
-GT_DEV float gt_bmaxf(float v, float *sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (threadIdx.x < s) sh[threadIdx.x] = gt_maxf(sh[threadIdx.x], sh[threadIdx.x + s]);
-        __syncthreads();
-    }
-    const float r = sh[0];
-    __syncthreads();
-    return r;
-}
-GT_DEV double gt_bsumd(double v, double *sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (threadIdx.x < s) sh[threadIdx.x] = sh[threadIdx.x] + sh[threadIdx.x + s];
-        __syncthreads();
-    }
-    const double r = sh[0];
-    __syncthreads();
-    return r;
-}
-GT_DEV double gt_bmaxd(double v, double *sh) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (threadIdx.x < s) sh[threadIdx.x] = gt_maxd(sh[threadIdx.x], sh[threadIdx.x + s]);
-        __syncthreads();
-    }
-    const double r = sh[0];
-    __syncthreads();
-    return r;
-}
+#define GT_ADD(a, b) ((a) + (b))
+GT_BLOCK_REDUCE(gt_bsumf, float, GT_ADD)
+GT_BLOCK_REDUCE(gt_bmaxf, float, gt_maxf)
+GT_BLOCK_REDUCE(gt_bsumd, double, GT_ADD)
+GT_BLOCK_REDUCE(gt_bmaxd, double, gt_maxd)
 """
 
 CUDA_PRELUDE = r"""

@@ -250,20 +250,25 @@ def lower_elementwise(group, ct):
     return lines
 
 
+def row_layout(group):
+    """A row-reduction group's pieces: ``(reduction, body ops, (R, C), strides, levels)``
+    over its ``[R, C]`` domain (a 1-d domain is one row); ``levels``: 1 for a body op
+    constant along the row, 2 for one that varies along it."""
+    red, body = group.ops[-1], group.ops[:-1]
+    dom = tuple(group.domain)
+    if len(dom) == 1:
+        dom = (1,) + dom
+    strides = {x: _bstrides(x.shape, dom) for x in list(group.inputs) + list(body)}
+    return red, body, dom, strides, {m: prefix_level(m.shape, dom) for m in body}
+
+
 def lower_rowreduce(group, ct):
     """Per row: hoisted [R, 1] members, then the reduction's passes over the row, each
     recomputing the [R, C] members it needs (escaping members are written in pass 1)."""
     low = _Lowering(group, ct)
-    red = group.ops[-1]
-    body = group.ops[:-1]
-    dom = tuple(group.domain)
-    if len(dom) == 1:
-        dom = (1,) + dom
-    R, C = dom
-    strides = {x: _bstrides(x.shape, dom) for x in list(group.inputs) + list(body)}
+    red, body, (R, C), strides, lv = row_layout(group)
     t = ct.t
     iv = ["i", "j"]
-    lv = {m: prefix_level(m.shape, dom) for m in body}
     lines = list(low.decls)
     for m in body:
         if lv[m] == 0:

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compile.fuse import FusedGroup, prefix_level
+from ..compile.fuse import FusedGroup
 from ._cgen import (C_ELEMENTWISE, CTypes, _bstrides, _contig_strides, _expr, _index,
-                    collapse_domain)
+                    collapse_domain, row_layout)
 
 STORAGE_CTYPE = {"float32": "float", "float64": "double", "bf16": "unsigned short",
                  "int64": "long long", "int32": "int"}
@@ -279,15 +279,8 @@ def rowreduce_kernel(group, storage) -> Kernel:
     that leave the group are written in the first pass)."""
     low = _GroupLowering(group, storage)
     ct, t = low.ct, low.ct.t
-    red = group.ops[-1]
-    body = group.ops[:-1]
-    dom = tuple(group.domain)
-    if len(dom) == 1:
-        dom = (1,) + dom
-    R, C = dom
-    strides = {x: _bstrides(x.shape, dom) for x in list(group.inputs) + list(body)}
+    red, body, (R, C), strides, lv = row_layout(group)
     iv = ["i", "j"]
-    lv = {m: prefix_level(m.shape, dom) for m in body}
     inner = [m for m in body if lv[m] == 2]
     L = [f"GT_KERNEL void GT_NAME({low.sig}) {{",
          f"    __shared__ {t} gt_sh[{MAX_BLOCK}];",

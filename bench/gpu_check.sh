@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared device check for the cuda backend (issue 7), one short call on a GPU machine:
-#   1. the cuda backend-parity tests (tests/test_cuda_backend.py) on the GPU;
+#   1. the cuda backend-parity tests (tests/backends/test_cuda_backend.py) on the GPU;
 #   2. the smollm2-lora benchmark (T=256, batch 8, bfloat16) against Hugging Face + PEFT,
 #      eager and torch.compile, on the same GPU, as `gradtape bench --json` lines.
 # Budget: under 8 minutes on one H200 (tests ~1-2 min, benchmark ~3-4 min incl. loading
@@ -54,8 +54,8 @@ fi
 status=0
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ]; then
     if $PY -c 'import pytest' 2>/dev/null; then
-        say "backend-parity tests on the GPU (tests/test_cuda_backend.py) ..."
-        timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_cuda_backend.py 2>&1 | tail -25
+        say "backend-parity tests on the GPU (tests/backends/test_cuda_backend.py) ..."
+        timeout 240 $PY -m pytest -q -x -p no:cacheprovider tests/backends/test_cuda_backend.py 2>&1 | tail -25
         rc=${PIPESTATUS[0]}
         say "tests exit status $rc"
         [ "$rc" = 0 ] || status=1

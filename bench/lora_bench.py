@@ -107,8 +107,8 @@ def _workload(name):
 
 class GradtapeSide:
     def __init__(self, model, t, backend, batch=1):
-        from gradtape.llama.lora import init_adapter
-        from gradtape.llama.train import TrainStep
+        from gradtape.models.lora import init_adapter
+        from gradtape.train.step import TrainStep
 
         ad = init_adapter(model.config, RANK, ALPHA, seed=0)
         self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0)

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/oracle_report.py
 
-Reuses the test suites' cases and helpers (tests/fd.py, tests/test_*_fd.py,
-tests/test_nn_oracle.py, tests/test_block_oracle.py): the LoRA LLaMA block vs torch
+Reuses the test suites' cases and helpers (tests/fd.py, tests/core/test_*_fd.py,
+tests/core/test_nn_oracle.py, tests/core/test_block_oracle.py): the LoRA LLaMA block vs torch
 float64 (loss and 14 adapter gradients, every configuration), each nn layer vs torch
 float64, and the finite-difference dot-product checks (first and second order) of every
 primitive and layer.  Needs torch (a test-only dependency).
@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path[:0] = [_TESTS, os.path.join(_TESTS, "core")]
 
 import fd  # noqa: E402
 import test_block_oracle as block  # noqa: E402

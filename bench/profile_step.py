@@ -11,8 +11,8 @@ import time
 import numpy as np
 
 from gradtape import llama
-from gradtape.llama.lora import init_adapter
-from gradtape.llama.train import TrainStep
+from gradtape.models.lora import init_adapter
+from gradtape.train.step import TrainStep
 
 
 def _name(step):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradtape.llama.gguf_load import permute_rope_rows
+from gradtape.models.load_gguf import permute_rope_rows
 
 from tinymodel import _bytes_to_unicode
 

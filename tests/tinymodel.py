@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from gradtape.llama.config import LlamaConfig
+from gradtape.models.config import LlamaConfig
 
 
 class ByteTokenizer:

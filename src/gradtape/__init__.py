@@ -3,7 +3,8 @@
 ``Tape`` records ops (eagerly evaluated with NumPy by default), ``Tape.backward`` derives
 gradients as more ops on the same tape, and ``Tape.compile`` turns any set of Vars into a
 ``Program`` that replays on a backend.  Layers live in ``gradtape.nn``; the LLaMA
-fine-tuner in ``gradtape.llama``.
+fine-tuner in ``gradtape.models`` and ``gradtape.train`` (``gradtape.llama`` re-exports
+the public names).
 """
 
 from .compile import Program

@@ -34,7 +34,7 @@ launching eagerly (``$GRADTAPE_CUDA_GRAPH=0`` turns capture off).
 The device layer (``CupyDevice``) is small: allocate, copy, launch a kernel, call a GEMM,
 capture.  ``HarnessDevice`` implements it on the CPU with the kernels compiled as C by the
 system compiler and a GEMM that follows cuBLAS's column-major contract, so the whole
-lowering is tested without a GPU (``tests/test_cuda_codegen.py``).
+lowering is tested without a GPU (``tests/backends/test_cuda_codegen.py``).
 """
 
 from __future__ import annotations

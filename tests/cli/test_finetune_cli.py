@@ -1,0 +1,97 @@
+"""The finetune CLI end to end on a tiny Hugging Face folder: SIGKILL and resume,
+user mistakes reported as one line with a non-zero exit code."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gradtape.models.lora import load_adapter
+
+from tinymodel import tiny_model, write_hf_folder
+
+TEXT = "pack my box with five dozen liquor jugs. " * 60
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    write_hf_folder(tiny_model(seed=4), root / "model")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def _cmd(tiny_dir, out, *extra):
+    return [sys.executable, "-m", "gradtape.cli", "finetune", "--model", str(tiny_dir / "model"),
+            "--data", str(tiny_dir / "text.txt"), "--out", str(out), "--steps", "14",
+            "--seq-len", "24", "--batch-size", "2", "--rank", "4", "--lr", "5e-3",
+            "--save-every", "2", "--eval-every", "5", "--dtype", "float64", *extra]
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
+
+
+def _steps_logged(out):
+    try:
+        return len((out / "log.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_sigkill_then_resume_gives_the_same_adapter(tiny_dir, tmp_path, backend):
+    ref = _run(_cmd(tiny_dir, tmp_path / "ref", "--backend", backend))
+    assert ref.returncode == 0, ref.stderr
+    for attempt, kill_after in enumerate(random.Random(7).sample(range(2, 12), 2)):
+        out = tmp_path / f"killed{attempt}"
+        proc = subprocess.Popen(_cmd(tiny_dir, out, "--backend", backend),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while _steps_logged(out) < kill_after and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        res = _run(_cmd(tiny_dir, out, "--resume", "--backend", backend))
+        assert res.returncode == 0, res.stderr
+        a, b = load_adapter(tmp_path / "ref" / "adapter"), load_adapter(out / "adapter")
+        for key in a.weights:  # bitwise, float64
+            assert np.array_equal(a.weights[key][0], b.weights[key][0]), key
+            assert np.array_equal(a.weights[key][1], b.weights[key][1]), key
+        log = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in log] == list(range(1, 15))
+
+
+@pytest.mark.parametrize("setup, args, message", [
+    (None, ["--data", "missing.txt"], "does not exist"),
+    ("empty", ["--data", "{d}/empty.txt"], "is empty"),
+    ("badjson", ["--data", "{d}/bad.jsonl"], "bad.jsonl:2: malformed JSON"),
+    (None, ["--targets", "q,zz"], "unknown LoRA target 'zz'"),
+    (None, ["--backend", "gpu9000"], "unknown backend 'gpu9000'"),
+    (None, ["--seq-len", "100000"], "longer than the model's context"),
+    ("foreign", ["--out", "{d}/foreign"], "not a gradtape run folder"),
+])
+def test_user_mistakes_are_one_clear_line(tiny_dir, tmp_path, setup, args, message):
+    d = tmp_path
+    (d / "empty.txt").write_text("")
+    (d / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n')
+    (d / "foreign").mkdir()
+    (d / "foreign" / "notes.txt").write_text("mine")
+    cmd = _cmd(tiny_dir, d / "out")
+    for i in range(0, len(args), 2):
+        j = cmd.index(args[i]) if args[i] in cmd else None
+        value = args[i + 1].format(d=d)
+        if j is None:
+            cmd += [args[i], value]
+        else:
+            cmd[j + 1] = value
+    res = _run(cmd)
+    assert res.returncode != 0
+    assert message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr

@@ -12,6 +12,8 @@ norm weight is an ``[out]`` row broadcast over rows; row means use a ones column
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import ops
@@ -91,6 +93,27 @@ def swiglu(tp, gate, up):
     return ops.mul(silu(tp, gate), up)
 
 
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_tanh(tp, x):
+    """GELU, tanh approximation: ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))``
+    (PyTorch's ``gelu(approximate="tanh")``, Gemma's ``gelu_pytorch_tanh``)."""
+    inner = ops.scale(ops.add(x, ops.scale(ops.mul(ops.mul(x, x), x), 0.044715)), _GELU_C)
+    return ops.mul(ops.scale(x, 0.5), ops.addc(ops.tanh(inner), 1.0))
+
+
+def geglu(tp, gate, up):
+    """``gelu_tanh(gate) * up``: Gemma's gated MLP activation, ``[T, ffn]``."""
+    return ops.mul(gelu_tanh(tp, gate), up)
+
+
+def softcap(tp, x, cap):
+    """``cap * tanh(x / cap)``: squashes ``x`` smoothly into ``(-cap, cap)`` (Gemma 2's
+    attention-score and final-logit soft-capping)."""
+    return ops.scale(ops.tanh(ops.scale(x, 1.0 / cap)), cap)
+
+
 def softmax(tp, x, axis):
     """Softmax over ``axis`` (NumPy meaning: ``axis=1`` normalises each row)."""
     return ops.softmax(x, axis)
@@ -98,13 +121,17 @@ def softmax(tp, x, axis):
 
 # --- rope, heads, masks, attention --------------------------------------------------------
 
-def rope_fill(t, hd, base, cos_out=None, sin_out=None, start=0):
+def rope_fill(t, hd, base, cos_out=None, sin_out=None, start=0, factors=None):
     """Host-side rope tables ``[t, hd//2]``: ``cos[p, j] = cos(p * base**(-2j/hd))``.
 
-    Positions run from ``start`` (a KV-cache decode step uses its own offset).  Computed
-    in float64 and filled into ``cos_out``/``sin_out`` in place when given.
+    Positions run from ``start`` (a KV-cache decode step uses its own offset).
+    ``factors [hd//2]`` (rope scaling, e.g. Llama 3.1's) divide each frequency:
+    ``cos(p * base**(-2j/hd) / factors[j])``.  Computed in float64 and filled into
+    ``cos_out``/``sin_out`` in place when given.
     """
     inv = float(base) ** (-2.0 * np.arange(hd // 2, dtype=np.float64) / hd)  # [hd/2]
+    if factors is not None and len(factors):
+        inv = inv / np.asarray(factors, dtype=np.float64)
     ang = np.arange(start, start + t, dtype=np.float64)[:, None] * inv[None, :]  # [t, hd/2]
     cos, sin = np.cos(ang), np.sin(ang)
     if cos_out is not None:
@@ -131,24 +158,37 @@ def head(tp, q, t, hi, hd):
     return ops.slice_(q, 1, hi * hd, hi * hd + hd)
 
 
-def causal_mask_fill(t, out=None, past=0):
+def causal_mask_fill(t, out=None, past=0, window=0):
     """Host-side additive causal mask ``[t, past + t]``: 0 where query row ``i`` may see key
-    ``j`` (``j <= past + i``), -1e9 above.  ``past`` counts cached keys before the rows."""
+    ``j`` (``j <= past + i``), -1e9 above.  ``past`` counts cached keys before the rows.
+    ``window > 0`` (sliding-window attention) also hides keys ``window`` or more positions
+    back: row ``i`` sees ``past + i - window < j <= past + i``."""
     m = np.triu(np.full((t, past + t), MASK_VALUE), k=past + 1)
+    if window:
+        m += np.tril(np.full((t, past + t), MASK_VALUE), k=past - window)
     if out is not None:
         out[...] = m
         return out
     return m
 
 
-def _attend(tp, q_heads, k_heads, v_heads, mask, iscale):
+def _scores(tp, s, iscale, mask, cap):
+    """``s * iscale`` soft-capped to ``cap * tanh(. / cap)`` when ``cap > 0``, plus the mask."""
+    s = ops.scale(s, iscale)
+    if cap:
+        s = softcap(tp, s, cap)
+    return ops.add(s, mask)
+
+
+def _attend(tp, q_heads, k_heads, v_heads, mask, iscale, cap=0.0):
     """``softmax(q_h @ k_hᵀ * iscale + mask, axis=1) @ v_h`` for each query head, using kv
-    head ``qi // (nh // nkv)``; the heads concatenated ``[tq, nh*hd]``."""
+    head ``qi // (nh // nkv)``; the heads concatenated ``[tq, nh*hd]``.  ``cap > 0``
+    soft-caps the scaled scores before the mask."""
     group = len(q_heads) // len(k_heads)
     outs = []
     for qi, qh in enumerate(q_heads):
         kv = qi // group
-        s = ops.add(ops.scale(ops.matmul(qh, k_heads[kv], tb=True), iscale), mask)  # [tq, tk]
+        s = _scores(tp, ops.matmul(qh, k_heads[kv], tb=True), iscale, mask, cap)  # [tq, tk]
         outs.append(ops.matmul(ops.softmax(s, 1), v_heads[kv]))  # [tq, hd]
     return ops.concat(outs, 1)
 
@@ -178,7 +218,8 @@ def _rope_last(tp, x, cosc, sinc, hd):
                        ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], 2)
 
 
-def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, iscale):
+def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, iscale,
+                       softcap=0.0):
     """``gqa_attention`` of ``n_seq`` independent sequences of length ``t`` stacked as rows
     (``q[n_seq*t, nh*hd]``, ``k, v[n_seq*t, nkv*hd]``), batched over (sequence, kv head):
     a constant number of ops however many heads and sequences.
@@ -187,6 +228,7 @@ def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, isc
     (query head ``qi = j*g + i`` at rows ``i*t ...``), so each batch entry is one
     ``[g*t, t]`` score matrix; ``cosc, sinc[t, hd/2]`` and ``mask[t, t]`` are tiled g times.
     Equal to running ``gqa_attention`` on each sequence and stacking the results.
+    ``softcap > 0`` soft-caps the scaled scores before the mask (Gemma 2).
     """
     _check_heads(nh, nkv)
     g = nh // nkv
@@ -201,7 +243,7 @@ def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, isc
     tile = (lambda x: ops.concat([x] * g, 0)) if g > 1 else (lambda x: x)
     qr = _rope_last(tp, qb, tile(cosc), tile(sinc), hd)
     kr = _rope_last(tp, kv_batch(k), cosc, sinc, hd)
-    s = ops.add(ops.scale(ops.matmul(qr, kr, tb=True), iscale), tile(mask))  # [b, g*t, t]
+    s = _scores(tp, ops.matmul(qr, kr, tb=True), iscale, tile(mask), softcap)  # [b, g*t, t]
     o = ops.matmul(ops.softmax(s, 2), kv_batch(v))  # [b, g*t, hd]
     o = ops.transpose(ops.reshape(o, (n_seq, nkv, g, t, hd)), (0, 3, 1, 2, 4))
     return ops.reshape(o, (n_seq * t, nh * hd))  # [n_seq*t, nh*hd]
@@ -212,14 +254,14 @@ def rope_heads(tp, x, cosc, sinc, t, n, hd):
     return ops.concat([rope(tp, head(tp, x, t, i, hd), cosc, sinc, t, hd) for i in range(n)], 1)
 
 
-def attention(tp, q, k, v, mask, nh, nkv, hd, iscale):
+def attention(tp, q, k, v, mask, nh, nkv, hd, iscale, softcap=0.0):
     """The attention core of ``gqa_attention`` on already-roped ``q[tq, nh*hd]`` and
     ``k, v[tk, nkv*hd]`` with a ``[tq, tk]`` mask: what a KV-cache decode step uses."""
     _check_heads(nh, nkv)
     tq, tk = q.shape[0], k.shape[0]
     return _attend(tp, [head(tp, q, tq, i, hd) for i in range(nh)],
                    [head(tp, k, tk, i, hd) for i in range(nkv)],
-                   [head(tp, v, tk, i, hd) for i in range(nkv)], mask, iscale)
+                   [head(tp, v, tk, i, hd) for i in range(nkv)], mask, iscale, softcap)
 
 
 # --- losses -------------------------------------------------------------------------------

@@ -291,8 +291,12 @@ def test_folder_errors(tiny, tmp_path):
     with pytest.raises(FileFormatError, match=r"model\.safetensors: .*truncated"):
         llama.load(d)
     d = copy_folder("scaled", lambda c: c.update(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}))
+    with pytest.raises(FileFormatError, match="rope scaling 'yarn' is not supported"):
+        llama.load(d)
+    d = copy_folder("llama3_incomplete", lambda c: c.update(
         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}))
-    with pytest.raises(FileFormatError, match="rope scaling 'llama3'"):
+    with pytest.raises(FileFormatError, match="llama3 rope scaling needs .*low_freq_factor"):
         llama.load(d)
 
 

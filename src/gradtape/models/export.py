@@ -22,14 +22,16 @@ import numpy as np
 
 from ..errors import GradtapeError
 from ..io import atomic_path, atomic_write_bytes
+from .arch import ARCHS, LINEARS
 from .load_gguf import permute_rope_rows
-from .lora import PEFT_MODULES
 
-# our target -> llama.cpp's tensor name inside "blk.{i}."
+# our target -> llama.cpp's tensor name inside "blk.{i}." (Phi-3's fused gate_up is ffn_up)
 GGUF_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
-_GGUF_NORMS = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-_HF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down", "qkv": "attn_qkv",
+                "gate_up": "ffn_up"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _DTYPES = {"float32": np.float32, "float16": np.float16, "f32": np.float32, "f16": np.float16}
 
 
@@ -81,41 +83,77 @@ def merged_model(model, adapter):
 # --- Hugging Face folder ------------------------------------------------------------------
 
 def hf_config(cfg, dtype="float32") -> dict:
-    """A transformers ``config.json`` (LlamaForCausalLM) for ``cfg``; rope settings in both
-    the 4.x (``rope_theta``) and 5.x (``rope_parameters``) spellings."""
+    """A transformers ``config.json`` of the model's family for ``cfg``; rope settings in
+    both the 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``)
+    spellings."""
+    arch = ARCHS[cfg.arch]
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling:
+        f, lo, hi, orig = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_base, "factor": f,
+                "low_freq_factor": lo, "high_freq_factor": hi,
+                "original_max_position_embeddings": int(orig)}
+    elif cfg.rope_factors:
+        raise GradtapeError("hf_config: this model's rope frequency factors came without "
+                            "their llama3 parameters (a GGUF rope_freqs tensor); a Hugging "
+                            "Face config cannot describe them")
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [_HF_CLASSES[cfg.arch]], "model_type": arch.hf_types[0],
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base, "rope_parameters": rope,
+        "hidden_act": "silu", "attention_dropout": 0.0,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
         "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "use_cache": True,
         "torch_dtype": str(_np_dtype(dtype)), "dtype": str(_np_dtype(dtype)),
     }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = rope
+    biases = set(cfg.biases)
+    if cfg.arch in ("llama", "qwen3", "gemma2"):
+        d["attention_bias"] = "o" in biases
+    if cfg.arch == "llama":
+        d["mlp_bias"] = "down" in biases
+    types = ["sliding_attention" if cfg.window(i) else "full_attention"
+             for i in range(cfg.n_layers)]
+    if cfg.arch in ("mistral", "phi3"):
+        d["sliding_window"] = cfg.sliding_window or None
+    elif cfg.arch in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=bool(cfg.sliding_window), layer_types=types,
+                 sliding_window=cfg.sliding_window or None, max_window_layers=cfg.n_layers)
+    if cfg.arch == "phi3":
+        d["original_max_position_embeddings"] = cfg.max_seq_len
+    if cfg.arch == "gemma2":
+        d.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
+                 query_pre_attn_scalar=cfg.query_scale or cfg.head_dim,
+                 attn_logit_softcapping=cfg.attn_softcap or None,
+                 final_logit_softcapping=cfg.final_softcap or None,
+                 sliding_window=cfg.sliding_window or None, layer_types=types)
     return d
 
 
 def hf_tensors(cfg, weights, dtype="float32") -> dict:
-    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
+    """Our weights under the family's Hugging Face names, linears transposed to
+    ``[out, in]`` (Gemma's norms back to ``w`` from our ``1 + w``)."""
     dt = _np_dtype(dtype)
-
-    def put(x):
-        return np.ascontiguousarray(x, dtype=dt)
-
-    out = {"model.embed_tokens.weight": put(weights["tok_embd"]),
-           "model.norm.weight": put(weights["norm"])}
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        for ours, theirs in _HF_NORMS.items():
-            out[p + theirs + ".weight"] = put(weights[f"layers.{i}.{ours}"])
-        for target, module in PEFT_MODULES.items():
-            out[p + module + ".weight"] = put(weights[f"layers.{i}.{target}"].T)  # [out, in]
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = put(weights["lm_head"])
+    arch = ARCHS[cfg.arch]
+    theirs = {ours: hf for hf, ours in arch.hf_block.items()}
+    top = {"tok_embd": "model.embed_tokens.weight", "norm": "model.norm.weight",
+           "lm_head": "lm_head.weight"}
+    out = {}
+    for name, w in weights.items():
+        if name.startswith("layers."):
+            _, i, ours = name.split(".", 2)
+            hf = f"model.layers.{i}.{theirs[ours]}"
+        else:
+            ours, hf = name, top[name]
+        if ours in LINEARS:
+            w = w.T  # [out, in]
+        if cfg.norm_plus_one and (ours == "norm" or ours.endswith("_norm")):
+            w = np.asarray(w, np.float64) - 1.0
+        out[hf] = np.ascontiguousarray(w, dtype=dt)
     return out
 
 
@@ -159,35 +197,34 @@ def _eos(model):
 
 def gguf_tensors(cfg, weights, dtype="float32") -> dict:
     """``{gguf name: numpy array}`` in llama.cpp's layout: linears ``[out, in]`` (ggml
-    ``[in, out]``) with q/k rows permuted into the interleaved rope order; 1-d norms stay
-    float32 (as llama.cpp's converter keeps them)."""
+    ``[in, out]``), with q/k rows (and biases) permuted into the interleaved rope order
+    for the llama architecture; 1-d norms and biases stay float32 (as llama.cpp's
+    converter keeps them); llama3 rope factors as ``rope_freqs``."""
     dt = _np_dtype(dtype)
-
-    def mat(x):
-        return np.ascontiguousarray(x, dtype=dt)
-
-    def vec(x):
-        return np.ascontiguousarray(x, dtype=np.float32)
-
-    out = {"token_embd.weight": mat(weights["tok_embd"])}
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        for ours, theirs in _GGUF_NORMS.items():
-            out[p + theirs + ".weight"] = vec(weights[f"layers.{i}.{ours}"])
-        for target, gname in GGUF_TARGETS.items():
-            w = weights[f"layers.{i}.{target}"].T  # [out, in]
-            if target == "q":
-                w = permute_rope_rows(w, cfg.n_heads)
-            elif target == "k":
-                w = permute_rope_rows(w, cfg.n_kv_heads)
-            out[p + gname + ".weight"] = mat(w)
-    out["output_norm.weight"] = vec(weights["norm"])
-    if not cfg.tie_embeddings:
-        out["output.weight"] = mat(weights["lm_head"])
+    arch = ARCHS[cfg.arch]
+    theirs = {ours: g for g, ours in arch.gguf_block.items()}
+    top = {"tok_embd": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    out = {}
+    for name, w in weights.items():
+        if name.startswith("layers."):
+            _, i, ours = name.split(".", 2)
+            base, kind = (ours[:-5], "bias") if ours.endswith("_bias") else (ours, "weight")
+            gname = f"blk.{i}.{theirs[base]}.{kind}"
+        else:
+            base, kind, gname = name, "weight", top[name] + ".weight"
+        if base in LINEARS and kind == "weight":
+            w = w.T  # [out, in]
+        if arch.permute_qk and base in ("q", "k"):
+            n = cfg.n_heads if base == "q" else cfg.n_kv_heads
+            w = permute_rope_rows(np.asarray(w).reshape(w.shape[0], -1), n).reshape(w.shape)
+        out[gname] = np.ascontiguousarray(w, dtype=dt if w.ndim == 2 else np.float32)
+    if cfg.rope_factors:
+        out["rope_freqs.weight"] = np.asarray(cfg.rope_factors, dtype=np.float32)
     return out
 
 
 def _llama_metadata(writer, cfg, name):
+    """The model's hyper-parameters under the family's GGUF keys (the writer's arch)."""
     writer.add_name(name or "gradtape-merged")
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.dim)
@@ -202,6 +239,12 @@ def _llama_metadata(writer, cfg, name):
     writer.add_rope_freq_base(float(cfg.rope_base))
     writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
     writer.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
+    if cfg.attn_softcap:
+        writer.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.final_softcap:
+        writer.add_final_logit_softcapping(cfg.final_softcap)
 
 
 def _copied_tokenizer_fields(source):
@@ -302,7 +345,7 @@ def _derived_tokenizer_fields(tok):
 
 
 def save_gguf(model, path, dtype="float32") -> Path:
-    """Write ``model`` as a llama-architecture GGUF (float32 or float16 matrices) that
+    """Write ``model`` as a GGUF of its family (float32 or float16 matrices) that
     ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
     is copied from the base GGUF when the model came from one, else rebuilt from a
     byte-level BPE ``tokenizer.json``; a tokenizer that fits neither is left out (with a
@@ -323,7 +366,7 @@ def save_gguf(model, path, dtype="float32") -> Path:
                   f"{path.name} is written without one", file=sys.stderr)
     tensors = gguf_tensors(cfg, model.weights, dt)
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, "llama")
+        w = gguf.GGUFWriter(tmp, ARCHS[cfg.arch].gguf)
         w.add_type(gguf.GGUFType.MODEL)
         _llama_metadata(w, cfg, getattr(model, "name", ""))
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if dt == np.float32
@@ -350,9 +393,9 @@ def lora_gguf_tensors(adapter, cfg, dtype="float32") -> dict:
     out = {}
     for (layer, target), (a, b) in sorted(adapter.weights.items()):
         la, lb = np.asarray(a).T, np.asarray(b).T  # [r, in], [out, r]
-        if target == "q":
+        if ARCHS[cfg.arch].permute_qk and target == "q":
             lb = permute_rope_rows(lb, cfg.n_heads)
-        elif target == "k":
+        elif ARCHS[cfg.arch].permute_qk and target == "k":
             lb = permute_rope_rows(lb, cfg.n_kv_heads)
         stem = f"blk.{layer}.{GGUF_TARGETS[target]}.weight"
         out[stem + ".lora_a"] = np.ascontiguousarray(la, dtype=dt)
@@ -373,7 +416,7 @@ def save_gguf_lora(adapter, cfg, path, dtype="float32", name="") -> Path:
     path = Path(path)
     tensors = lora_gguf_tensors(adapter, cfg, dtype)
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, "llama")
+        w = gguf.GGUFWriter(tmp, ARCHS[cfg.arch].gguf)
         w.add_type(gguf.GGUFType.ADAPTER)
         w.add_string(gguf.Keys.Adapter.TYPE, "lora")
         w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.scale) * adapter.rank)

@@ -16,19 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FileFormatError
+from .arch import BY_GGUF, LINEARS
 from .config import LlamaConfig, from_gguf_metadata
 from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
 from .tokenizer import Tokenizer
 
-# GGUF tensor name (per block "blk.{i}.") -> our name ("layers.{i}.")
-_BLOCK_NAMES = {
-    "attn_norm": "attn_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v",
-    "attn_output": "o", "ffn_norm": "ffn_norm", "ffn_gate": "gate", "ffn_up": "up",
-    "ffn_down": "down",
-}
 _TOP_NAMES = {"token_embd": "tok_embd", "output_norm": "norm", "output": "lm_head"}
 # Linear layers are stored [out, in] (numpy order of ggml's [in, out]); we keep [in, out].
-_LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
+_LINEARS = set(LINEARS)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -50,7 +45,6 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     """``(config, weights, tokenizer, name)`` from a llama GGUF file."""
-    from gguf import quants
 
     path = Path(path)
     if not path.is_file():
@@ -60,27 +54,35 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     gtype = meta.get("general.type", "model")
     if gtype != "model":
         raise FileFormatError(f"{path}: general.type is {gtype!r} (an adapter?), not a model")
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise FileFormatError(f"{path}: architecture {arch!r} is not supported (only 'llama' "
-                              "GGUF models)")
+    arch_name = meta.get("general.architecture")
+    arch = BY_GGUF.get(arch_name) if isinstance(arch_name, str) else None
+    if arch is None:
+        raise FileFormatError(f"{path}: architecture {arch_name!r} is not supported "
+                              f"(supported GGUF architectures: {', '.join(sorted(BY_GGUF))})")
     tensors = gf.tensors
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise FileFormatError(f"{path}: no token_embd.weight tensor")
     vocab = int(emb.shape[1]) if len(emb.shape) == 2 else 0
-    cfg = from_gguf_metadata(meta, str(path), vocab, tied="output.weight" not in tensors)
+    factors = ()
+    rf = tensors.get("rope_freqs.weight")
+    if rf is not None:  # llama3 rope scaling: one divisor per frequency
+        factors = _dequantized(path, "rope_freqs.weight", rf).reshape(-1)
+    cfg = from_gguf_metadata(meta, str(path), vocab, tied="output.weight" not in tensors,
+                             names=tuple(tensors), rope_factors=factors)
     expected = cfg.weight_shapes()
+    block = arch.gguf_block
 
     # names and shapes first, so a wrong or incomplete file fails before any dequantizing
     chosen = {}
     for gname, t in tensors.items():
-        ours = _our_name(gname)
+        if gname == "rope_freqs.weight":
+            continue  # read into the config above
+        ours = _our_name(gname, block)
         if ours is None:
-            if gname == "rope_freqs.weight":
-                raise FileFormatError(f"{path}: rope frequency factors (rope_freqs.weight, "
-                                      "llama 3.1 rope scaling) are not supported")
-            continue  # e.g. an unused rope cache; nothing we compute depends on it
+            # a tensor we would not use changes the model's function: refuse it by name
+            raise FileFormatError(f"{path}: tensor {gname} is not part of a {cfg.arch} model "
+                                  "as gradtape implements it")
         if ours not in expected:
             raise FileFormatError(f"{path}: tensor {gname} does not fit the config "
                                   f"({cfg.n_layers} layers)")
@@ -102,21 +104,13 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
 
     weights = {}
     for ours, (gname, t, np_shape) in chosen.items():
-        try:
-            with np.errstate(all="ignore"):  # non-finite results are refused just below
-                w = quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise FileFormatError(f"{path}: tensor {gname}: ggml type {t.tensor_type.name} "
-                                  f"cannot be dequantized ({e})") from None
-        except (ValueError, TypeError, IndexError, ArithmeticError) as e:
-            raise FileFormatError(f"{path}: tensor {gname} is truncated or corrupt "
-                                  f"({type(e).__name__}: {e})") from None
-        w = np.asarray(w, dtype=np.float32).reshape(np_shape)
+        w = _dequantized(path, gname, t).reshape(np_shape)
         base = _base(ours)
-        if base == "q":
-            w = unpermute_rope_rows(w, cfg.n_heads)
-        elif base == "k":
-            w = unpermute_rope_rows(w, cfg.n_kv_heads)
+        # only llama.cpp's llama architecture permutes q/k rows (and their biases)
+        if arch.permute_qk and base in ("q", "q_bias"):
+            w = unpermute_rope_rows(w.reshape(np_shape[0], -1), cfg.n_heads).reshape(np_shape)
+        elif arch.permute_qk and base in ("k", "k_bias"):
+            w = unpermute_rope_rows(w.reshape(np_shape[0], -1), cfg.n_kv_heads).reshape(np_shape)
         if base in _LINEARS:
             w = w.T  # [out, in] -> [in, out]
         w = np.ascontiguousarray(w, dtype=np.float32)
@@ -129,6 +123,22 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     tok = _tokenizer(meta, path) if "tokenizer.ggml.model" in meta else None
     name = meta.get("general.name") or path.stem
     return cfg, weights, tok, str(name)
+
+
+def _dequantized(path, gname, t):
+    """A tensor of the file as float32 (any ggml type ``gguf`` implements)."""
+    from gguf import quants
+
+    try:
+        with np.errstate(all="ignore"):  # non-finite results are refused by the caller
+            w = quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:
+        raise FileFormatError(f"{path}: tensor {gname}: ggml type {t.tensor_type.name} "
+                              f"cannot be dequantized ({e})") from None
+    except (ValueError, TypeError, IndexError, ArithmeticError) as e:
+        raise FileFormatError(f"{path}: tensor {gname} is truncated or corrupt "
+                              f"({type(e).__name__}: {e})") from None
+    return np.asarray(w, dtype=np.float32)
 
 
 def _tokenizer(meta, path):
@@ -148,14 +158,20 @@ def _base(ours):
     return ours.rsplit(".", 1)[-1] if ours.startswith("layers.") else ours
 
 
-def _our_name(gname):
-    if not gname.endswith(".weight"):
+def _our_name(gname, block):
+    """Our name of GGUF tensor ``gname``; ``block``: the family's per-layer map."""
+    stem, _, kind = gname.rpartition(".")
+    if kind not in ("weight", "bias"):
         return None
-    stem = gname[: -len(".weight")]
-    if stem in _TOP_NAMES:
+    if stem in _TOP_NAMES and kind == "weight":
         return _TOP_NAMES[stem]
     parts = stem.split(".")
     if (len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit()
-            and parts[2] in _BLOCK_NAMES):
-        return f"layers.{int(parts[1])}.{_BLOCK_NAMES[parts[2]]}"
+            and parts[2] in block):
+        ours = block[parts[2]]
+        if kind == "bias":
+            if ours not in _LINEARS:
+                return None
+            ours += "_bias"
+        return f"layers.{int(parts[1])}.{ours}"
     return None

@@ -16,16 +16,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import FileFormatError
+from .arch import ARCHS, LINEARS
 from .config import LlamaConfig, from_hf_config
 from ..formats.safetensors_reader import read_safetensors as _read_checked
 from .tokenizer import Tokenizer
 
-_HF_BLOCK = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "q", "self_attn.k_proj": "k",
-    "self_attn.v_proj": "v", "self_attn.o_proj": "o", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "gate", "mlp.up_proj": "up", "mlp.down_proj": "down",
-}
-_LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
+_LINEARS = set(LINEARS)
 
 
 def read_safetensors(path: Path) -> dict:
@@ -72,7 +68,9 @@ def _tensor_files(folder: Path) -> list[Path]:
     raise FileFormatError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _our_name(hf):
+def _our_name(hf, block):
+    """Our name of the Hugging Face tensor ``hf``; ``block``: the family's per-layer map
+    (``models.arch``).  ``None`` for a tensor we do not know."""
     name = hf[len("model."):] if hf.startswith("model.") else hf
     if name == "embed_tokens.weight":
         return "tok_embd"
@@ -81,12 +79,15 @@ def _our_name(hf):
     if hf == "lm_head.weight":
         return "lm_head"
     parts = name.split(".")
-    if (len(parts) >= 4 and parts[0] == "layers" and parts[1].isascii() and parts[1].isdigit()
-            and parts[-1] == "weight"):
-        sub = ".".join(parts[2:-1])
-        if sub in _HF_BLOCK:
-            return f"layers.{int(parts[1])}.{_HF_BLOCK[sub]}"
+    if len(parts) >= 4 and parts[0] == "layers" and parts[1].isascii() and parts[1].isdigit():
+        sub = ".".join(parts[2:])
+        if sub in block:
+            return f"layers.{int(parts[1])}.{block[sub]}"
     return None
+
+
+def _is_norm(ours):
+    return ours == "norm" or ours.endswith("_norm")
 
 
 def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
@@ -98,27 +99,35 @@ def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     except (AttributeError, TypeError, OverflowError) as e:  # a field of the wrong JSON type
         raise FileFormatError(f"{cj_path}: malformed ({type(e).__name__}: {e})") from None
     expected = cfg.weight_shapes()
+    arch = ARCHS[cfg.arch]
+    block = arch.hf_block
     weights = {}
     lm_head = None
     for f in _tensor_files(folder):
         for hf, arr in read_safetensors(f).items():
-            ours = _our_name(hf)
+            ours = _our_name(hf, block)
             if ours is None:
                 if hf.endswith("rotary_emb.inv_freq"):
                     continue  # a cache some old checkpoints saved; we compute rope ourselves
-                raise FileFormatError(f"{f}: unexpected tensor {hf} for a llama model")
+                raise FileFormatError(f"{f}: unexpected tensor {hf} for a {cfg.arch} model "
+                                      "(a part gradtape does not implement)")
             if ours == "lm_head" and cfg.tie_embeddings:
                 lm_head = arr  # a tied head saved anyway: must equal the embedding
                 continue
             if ours not in expected:
                 raise FileFormatError(f"{f}: tensor {hf} does not fit the config "
-                                      f"({cfg.n_layers} layers, tied={cfg.tie_embeddings})")
+                                      f"({cfg.arch}, {cfg.n_layers} layers, "
+                                      f"tied={cfg.tie_embeddings})")
             want = expected[ours]
             base = ours.rsplit(".", 1)[-1]
             stored = tuple(reversed(want)) if base in _LINEARS else want
             if tuple(arr.shape) != stored:
                 raise FileFormatError(f"{f}: tensor {hf} has shape {list(arr.shape)}, "
                                       f"expected {list(stored)} from config.json")
+            if cfg.norm_plus_one and _is_norm(base):
+                # Gemma's RMSNorm scales by (1 + w): we keep the effective scale, as
+                # llama.cpp's converter does (in float32, like transformers' forward)
+                arr = np.asarray(arr, np.float32) + np.float32(1.0)
             weights[ours] = np.ascontiguousarray(arr.T if base in _LINEARS else arr,
                                                  dtype=np.float32)
     missing = sorted(set(expected) - set(weights))

@@ -22,10 +22,14 @@ from ..errors import FileFormatError, GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# families with fused projections (Phi-3) adapt the fused modules, as PEFT does
+FUSED_TARGETS = ("qkv", "o", "gate_up", "down")
 # our target name -> PEFT / Hugging Face module path inside a decoder layer
 PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-                "down": "mlp.down_proj"}
+                "down": "mlp.down_proj", "qkv": "self_attn.qkv_proj",
+                "gate_up": "mlp.gate_up_proj"}
+_ORDER = TARGETS + ("qkv", "gate_up")
 _MODULE_TO_TARGET = {m.split(".")[1]: t for t, m in PEFT_MODULES.items()}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -38,25 +42,38 @@ def target_dims(cfg, target):
     q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     return {"q": (cfg.dim, q_out), "k": (cfg.dim, kv_out), "v": (cfg.dim, kv_out),
             "o": (q_out, cfg.dim), "gate": (cfg.dim, cfg.ffn_dim),
-            "up": (cfg.dim, cfg.ffn_dim), "down": (cfg.ffn_dim, cfg.dim)}[target]
+            "up": (cfg.dim, cfg.ffn_dim), "down": (cfg.ffn_dim, cfg.dim),
+            "qkv": (cfg.dim, q_out + 2 * kv_out),
+            "gate_up": (cfg.dim, 2 * cfg.ffn_dim)}[target]
 
 
-def parse_targets(spec):
-    """'q,v' or ['q', 'v'] or 'all' -> a tuple in canonical order; PEFT names accepted."""
+def model_targets(cfg=None) -> tuple:
+    """The linears a model with config ``cfg`` can adapt (the fused ones for Phi-3)."""
+    return FUSED_TARGETS if cfg is not None and getattr(cfg, "fused", False) else TARGETS
+
+
+def parse_targets(spec, cfg=None):
+    """'q,v' or ['q', 'v'] or 'all' -> a tuple in canonical order; PEFT names accepted.
+    With ``cfg``, the names are checked against that model's linears (Phi-3's fused
+    ``qkv`` / ``gate_up``); 'all' means all of them."""
+    valid = model_targets(cfg)
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     names = set()
     for item in (i.strip() for i in items):
         if item == "all":
-            names.update(TARGETS)
+            names.update(valid)
             continue
         name = _MODULE_TO_TARGET.get(item, item)
-        if name not in TARGETS:
-            raise GradtapeError(f"unknown LoRA target {item!r}; choose from "
-                                f"{', '.join(TARGETS)} (or all)")
+        if name not in valid:
+            why = ""
+            if name in PEFT_MODULES:
+                why = f" (this model's projections are {'fused' if cfg.fused else 'separate'})"
+            raise GradtapeError(f"unknown LoRA target {item!r}{why}; choose from "
+                                f"{', '.join(valid)} (or all)")
         names.add(name)
     if not names:
         raise GradtapeError("no LoRA targets given")
-    return tuple(t for t in TARGETS if t in names)
+    return tuple(t for t in _ORDER if t in names)
 
 
 @dataclass
@@ -101,14 +118,14 @@ class LoraAdapter:
         return {**self.extra_config, **cfg}
 
 
-def init_adapter(cfg, rank=8, alpha=16.0, targets=TARGETS, seed=0, base_model="",
+def init_adapter(cfg, rank=8, alpha=16.0, targets="all", seed=0, base_model="",
                  dtype=np.float32):
     """A fresh adapter as PEFT initialises one: ``A`` kaiming-uniform (a = sqrt(5), so
     ``U(-1/sqrt(in), 1/sqrt(in))``), ``B`` zero, so the adapted model starts equal to the
     base model.  Seeded: the same seed gives the same adapter."""
     if rank < 1:
         raise GradtapeError(f"LoRA rank must be >= 1, got {rank}")
-    targets = parse_targets(targets)
+    targets = parse_targets(targets, cfg)
     rng = np.random.default_rng(seed)
     weights = {}
     for layer in range(cfg.n_layers):
@@ -171,7 +188,7 @@ def load_adapter(folder, model=None) -> LoraAdapter:
         weights[(layer, target)] = (np.ascontiguousarray(a), np.ascontiguousarray(b))
     if not weights:
         raise FileFormatError(f"{w_path}: holds no LoRA tensors")
-    targets = tuple(t for t in TARGETS if any(k[1] == t for k in weights))
+    targets = tuple(t for t in _ORDER if any(k[1] == t for k in weights))
     scale = alpha / math.sqrt(rank) if pcfg.get("use_rslora") else None
     adapter = LoraAdapter(rank, alpha, targets, weights, str(pcfg.get("base_model_name_or_path")
                                                              or ""), dict(pcfg), scale)
@@ -183,8 +200,10 @@ def load_adapter(folder, model=None) -> LoraAdapter:
 def check_adapter_fits(adapter, cfg, where="adapter"):
     """Raise a clear error when an adapter was made for another base model."""
     for (layer, target), (a, b) in sorted(adapter.weights.items()):
-        if target not in PEFT_MODULES:
-            raise GradtapeError(f"{where}: unknown LoRA target {target!r} in layer {layer}")
+        if target not in model_targets(cfg):
+            raise GradtapeError(f"{where}: LoRA target {PEFT_MODULES.get(target, target)!r} "
+                                f"in layer {layer} is not a linear of this {cfg.arch} model "
+                                "(adapter made for another model?)")
         name = f"layers.{layer}.{PEFT_MODULES[target]}"
         if not 0 <= layer < cfg.n_layers:
             raise GradtapeError(f"{where}: tensor {name} is for layer {layer}, but the model "

@@ -52,23 +52,78 @@ def _linear_fn(tp, W, lora, lora_scale):
     return lin
 
 
+def _head_norm(tp, cfg, x, w, n):
+    """RMSNorm over each of the ``n`` heads of ``x [N, n*hd]`` with one ``w [hd]`` (Qwen3's
+    q/k norm): the heads become rows ``[N*n, hd]`` and back."""
+    rows, hd = x.shape[0], cfg.head_dim
+    h = ops.reshape(x, (rows * n, hd))  # [N*n, hd]
+    h = nn.rmsnorm(tp, h, w, nn.ones(tp, hd), hd, cfg.norm_eps)
+    return ops.reshape(h, (rows, n * hd))  # [N, n*hd]
+
+
 def _block(tp, cfg, W, i, x, ones, lin, attend):
     """One pre-norm decoder layer on rows ``x [N, D]``; ``attend(q, k, v)`` is the
-    attention over the projected rows (full-sequence or KV-cached)."""
+    attention over the projected rows (full-sequence or KV-cached).  The family's
+    features (``cfg``): biases, fused qkv / gate_up (split by columns: q | k | v and
+    gate | up), per-head q/k norm, norms after attention and MLP, GeGLU."""
     p = f"layers.{i}."
-    h = nn.rmsnorm(tp, x, W[p + "attn_norm"], ones, cfg.dim, cfg.norm_eps)  # [N, D]
-    q, k, v = lin(i, "q", h), lin(i, "k", h), lin(i, "v", h)  # [N, nh*hd], [N, nkv*hd] x2
-    x = ops.add(x, lin(i, "o", attend(q, k, v)))  # [N, D]
-    h = nn.rmsnorm(tp, x, W[p + "ffn_norm"], ones, cfg.dim, cfg.norm_eps)
-    mlp = nn.swiglu(tp, lin(i, "gate", h), lin(i, "up", h))  # [N, F]
-    return ops.add(x, lin(i, "down", mlp))  # [N, D]
+    hd, F = cfg.head_dim, cfg.ffn_dim
+
+    def proj(target, h):
+        y = lin(i, target, h)
+        return ops.add(y, W[p + target + "_bias"]) if target in cfg.biases else y
+
+    def norm(name, h):
+        return nn.rmsnorm(tp, h, W[p + name], ones, cfg.dim, cfg.norm_eps)
+
+    h = norm("attn_norm", x)  # [N, D]
+    if cfg.fused:
+        nq, nk = cfg.n_heads * hd, cfg.n_kv_heads * hd
+        qkv = proj("qkv", h)  # [N, nq + 2*nk]
+        q, k, v = (ops.slice_(qkv, 1, 0, nq), ops.slice_(qkv, 1, nq, nq + nk),
+                   ops.slice_(qkv, 1, nq + nk, nq + 2 * nk))
+    else:
+        q, k, v = proj("q", h), proj("k", h), proj("v", h)  # [N, nh*hd], [N, nkv*hd] x2
+    if cfg.qk_norm:
+        q = _head_norm(tp, cfg, q, W[p + "q_norm"], cfg.n_heads)
+        k = _head_norm(tp, cfg, k, W[p + "k_norm"], cfg.n_kv_heads)
+    a = proj("o", attend(q, k, v))  # [N, D]
+    if cfg.post_norms:
+        a = norm("post_attn_norm", a)
+    x = ops.add(x, a)
+    h = norm("ffn_norm", x)
+    if cfg.fused:
+        gu = proj("gate_up", h)  # [N, 2F]
+        gate, up = ops.slice_(gu, 1, 0, F), ops.slice_(gu, 1, F, 2 * F)
+    else:
+        gate, up = proj("gate", h), proj("up", h)
+    act = nn.geglu if cfg.act == "gelu_tanh" else nn.swiglu
+    m = proj("down", act(tp, gate, up))  # [N, F] -> [N, D]
+    if cfg.post_norms:
+        m = norm("post_ffn_norm", m)
+    return ops.add(x, m)  # [N, D]
+
+
+def _embed(tp, cfg, W, ids):
+    """Token embeddings ``[N, D]``, times sqrt(D) where the family scales them (Gemma)."""
+    x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
+    return ops.scale(x, math.sqrt(cfg.dim)) if cfg.embed_scale else x
 
 
 def _head(tp, cfg, W, x, ones):
-    """Final RMSNorm and the LM head: ``[N, D] -> [N, V]``."""
+    """Final RMSNorm and the LM head: ``[N, D] -> [N, V]`` (soft-capped where the family
+    caps its logits)."""
     h = nn.rmsnorm(tp, x, W["norm"], ones, cfg.dim, cfg.norm_eps)
     table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
-    return ops.matmul(h, table, tb=True)  # [N, V]
+    logits = ops.matmul(h, table, tb=True)  # [N, V]
+    return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits
+
+
+def rope_tables(cfg, t, start=0):
+    """Host-side ``(cos, sin) [t, hd/2]`` of positions ``start..start+t`` with the model's
+    rope base and frequency factors."""
+    return nn.rope_fill(t, cfg.head_dim, cfg.rope_base, start=start,
+                        factors=cfg.rope_factors or None)
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
@@ -86,18 +141,19 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     hd = cfg.head_dim
     if ones is None:
         ones = nn.ones(tp, cfg.dim)  # [D, 1]
-    cos, sin = nn.rope_fill(t, hd, cfg.rope_base)  # [T, hd/2]
+    cos, sin = rope_tables(cfg, t)  # [T, hd/2]
     cosc, sinc = tp.const(cos), tp.const(sin)
-    mask = tp.const(nn.causal_mask_fill(t))  # [T, T]
-    iscale = 1.0 / math.sqrt(hd)
+    windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
+    masks = {w: tp.const(nn.causal_mask_fill(t, window=w)) for w in windows}  # [T, T] each
+    iscale = cfg.attn_iscale
     lin = _linear_fn(tp, W, lora, lora_scale)
 
-    def attend(q, k, v):  # all sequences and heads at once: [n_seq*T, nh*hd]
-        return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
-                                     cfg.n_kv_heads, hd, iscale)
-
-    x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
+    x = _embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
+        def attend(q, k, v, mask=masks[cfg.window(i)]):  # all sequences and heads at once
+            return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
+                                         cfg.n_kv_heads, hd, iscale, cfg.attn_softcap)
+
         x = _block(tp, cfg, W, i, x, ones, lin, attend)
     return _head(tp, cfg, W, x, ones)
 
@@ -145,7 +201,7 @@ def _rope_all(tp, x, cos_rep, sin_rep, n, hd):
     return ops.reshape(nn.rope(tp, rows, cos_rep, sin_rep, t * n, hd), (t, n * hd))
 
 
-def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale):
+def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale, softcap=0.0):
     """``nn.attention`` with the ``g = nh/nkv`` query heads that share a kv head stacked
     as extra query rows: ``q [tq, nh*hd]`` is regrouped to ``[g*tq, nkv*hd]`` (row
     ``r*tq + p``, column block ``j`` = query head ``j*g + r`` at position ``p``), attended
@@ -154,10 +210,10 @@ def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale):
     mask) v that ``nn.attention`` computes; GQA costs nkv instead of nh head loops."""
     tq, g = q.shape[0], nh // nkv
     if g == 1:
-        return nn.attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale)
+        return nn.attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale, softcap)
     qg = ops.transpose(ops.reshape(q, (tq, nkv, g, hd)), (2, 0, 1, 3))  # [g, tq, nkv, hd]
     qg = ops.reshape(qg, (g * tq, nkv * hd))
-    out = nn.attention(tp, qg, k, v, mask_tiled, nkv, nkv, hd, iscale)  # [g*tq, nkv*hd]
+    out = nn.attention(tp, qg, k, v, mask_tiled, nkv, nkv, hd, iscale, softcap)  # [g*tq, nkv*hd]
     out = ops.transpose(ops.reshape(out, (g, tq, nkv, hd)), (1, 2, 0, 3))  # [tq, nkv, g, hd]
     return ops.reshape(out, (tq, nh * hd))
 
@@ -170,27 +226,29 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
     nh, nkv = cfg.n_heads, cfg.n_kv_heads
-    cos, sin = nn.rope_fill(t, hd, cfg.rope_base, start=start)  # [t, hd/2], positions start..
-    mask = np.tile(nn.causal_mask_fill(t, past=start), (nh // nkv, 1))  # [g*t, start+t]
-    iscale = 1.0 / math.sqrt(hd)
+    cos, sin = rope_tables(cfg, t, start)  # [t, hd/2], positions start..
+    iscale = cfg.attn_iscale
 
     tp = Tape(dtype)
-    x = ops.take_rows(tp.const(weights["tok_embd"]), tp.const(ids)).value  # [t, D]
+    x = _embed(tp, cfg, _Consts(tp, weights), tp.const(ids)).value  # [t, D]
     for i in range(cfg.n_layers):
+        # [g*t, start+t]: the g query heads of a kv head stacked as rows
+        mask = np.tile(nn.causal_mask_fill(t, past=start, window=cfg.window(i)), (nh // nkv, 1))
         tp = Tape(dtype)
         W = _Consts(tp, weights)
         lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()
               if key[0] == i}
         kv = {}
 
-        def attend(q, k, v, i=i):
+        def attend(q, k, v, i=i, mask=mask):
             kr = _rope_all(tp, k, *_rope_tables(tp, cos, sin, nkv), nkv, hd)  # [t, nkv*hd]
             if start:
                 kr = ops.concat([tp.const(cache.k[i]), kr], 0)  # [start+t, nkv*hd]
                 v = ops.concat([tp.const(cache.v[i]), v], 0)
             kv["k"], kv["v"] = kr, v
             qr = _rope_all(tp, q, *_rope_tables(tp, cos, sin, nh), nh, hd)  # [t, nh*hd]
-            return _grouped_attention(tp, qr, kr, v, tp.const(mask), nh, nkv, hd, iscale)
+            return _grouped_attention(tp, qr, kr, v, tp.const(mask), nh, nkv, hd, iscale,
+                                      cfg.attn_softcap)
 
         out = _block(tp, cfg, W, i, tp.const(x), nn.ones(tp, cfg.dim),
                      _linear_fn(tp, W, lw, lora_scale), attend)
@@ -224,22 +282,25 @@ class DecodeStep:
         self.tok = tp.const(zeros(1, np.int64))
         self.cq, self.sq = tp.const(zeros((nh, hd // 2))), tp.const(zeros((nh, hd // 2)))
         self.ck, self.sk = tp.const(zeros((nkv, hd // 2))), tp.const(zeros((nkv, hd // 2)))
-        self.mask = tp.const(zeros((self.g, cap + 1)))  # [g*1, cap+1]
+        # one mask per distinct sliding window (0: full), [g*1, cap+1]
+        self.masks = {w: tp.const(zeros((self.g, cap + 1)))
+                      for w in sorted({cfg.window(i) for i in range(cfg.n_layers)})}
         self.kc = [tp.const(zeros((cap, nkv * hd))) for _ in range(cfg.n_layers)]
         self.vc = [tp.const(zeros((cap, nkv * hd))) for _ in range(cfg.n_layers)]
         ones = nn.ones(tp, cfg.dim)
-        iscale = 1.0 / math.sqrt(hd)
+        iscale = cfg.attn_iscale
         new_k, new_v = [], []
-        x = ops.take_rows(W["tok_embd"], self.tok)  # [1, D]
+        x = _embed(tp, cfg, W, self.tok)  # [1, D]
         for i in range(cfg.n_layers):
-            def attend(q, k, v, i=i):
+            def attend(q, k, v, i=i, mask=self.masks[cfg.window(i)]):
                 kr = _rope_all(tp, k, self.ck, self.sk, nkv, hd)  # [1, nkv*hd]
                 new_k.append(kr)
                 new_v.append(v)
                 keys = ops.concat([self.kc[i], kr], 0)  # [cap+1, nkv*hd]
                 vals = ops.concat([self.vc[i], v], 0)
                 qr = _rope_all(tp, q, self.cq, self.sq, nh, hd)  # [1, nh*hd]
-                return _grouped_attention(tp, qr, keys, vals, self.mask, nh, nkv, hd, iscale)
+                return _grouped_attention(tp, qr, keys, vals, mask, nh, nkv, hd, iscale,
+                                          cfg.attn_softcap)
             x = _block(tp, cfg, W, i, x, ones, lin, attend)
         logits = _head(tp, cfg, W, x, ones)  # [1, V]
         self.prog = tp.compile([logits, *new_k, *new_v], backend=backend)
@@ -268,13 +329,17 @@ class DecodeStep:
         cfg, p = self.cfg, self.length
         if p >= self.cap:
             raise ValueError(f"DecodeStep: the cache is full ({self.cap} rows)")
-        cos, sin = nn.rope_fill(1, cfg.head_dim, cfg.rope_base, start=p)  # [1, hd/2]
-        mask = np.zeros((self.g, self.cap + 1))
-        mask[:, p:self.cap] = nn.MASK_VALUE  # rows not yet written; the new row is last
-        feeds = {self.tok: np.array([token]), self.mask: mask,
+        cos, sin = rope_tables(cfg, 1, p)  # [1, hd/2]
+        feeds = {self.tok: np.array([token]),
                  self.cq: np.repeat(cos, cfg.n_heads, 0), self.sq: np.repeat(sin, cfg.n_heads, 0),
                  self.ck: np.repeat(cos, cfg.n_kv_heads, 0),
                  self.sk: np.repeat(sin, cfg.n_kv_heads, 0)}
+        for w, var in self.masks.items():
+            mask = np.zeros((self.g, self.cap + 1))
+            mask[:, p:self.cap] = nn.MASK_VALUE  # rows not yet written; the new row is last
+            if w:
+                mask[:, :max(0, p - w + 1)] = nn.MASK_VALUE  # key j is seen iff j > p - w
+            feeds[var] = mask
         feeds.update(zip(self.kc, self.kbuf))
         feeds.update(zip(self.vc, self.vbuf))
         outs = self.prog.run(feeds)

@@ -62,7 +62,8 @@ class FinetuneConfig:
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)")
     rank: int = _opt(8, "LoRA rank r")
     alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)")
-    targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down")
+    targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
+                        "(Phi-3: qkv,o,gate_up,down)")
     lr: float = _opt(1e-3, "peak learning rate")
     warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)")
     weight_decay: float = _opt(0.0, "AdamW decoupled weight decay")
@@ -103,7 +104,7 @@ def _finetune(cfg, model, log, world, together):
     if cfg.seq_len > model.config.max_seq_len:
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
-    targets = parse_targets(cfg.targets)
+    targets = parse_targets(cfg.targets, model.config)
     seqs = data_mod.load_sequences(cfg.data, model.tokenizer, cfg.seq_len,
                                    pad_id=model.tokenizer.eos_id)
     train, held = data_mod.split_eval(seqs, cfg.eval_frac, cfg.seed)

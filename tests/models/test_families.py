@@ -1,0 +1,386 @@
+"""Every family of ``models.arch`` against its reference implementations.
+
+For each family a two-layer random model made with ``transformers`` (``families.py``,
+non-default options on) is saved as a Hugging Face folder, once per session.  Then:
+gradtape's logits equal transformers' (float32 and float64), its tokenizer and chat
+template equal transformers'; the GGUF llama.cpp's own converter makes of the folder
+loads with the same logits and tokens; one LoRA step's adapter gradients equal PEFT's
+in float64; a short fine-tune writes an adapter PEFT loads with gradtape's logits; the
+merged model (in memory, as a Hugging Face folder read by transformers, as a GGUF) keeps
+those logits; and the llama.cpp LoRA GGUF we export equals, tensor for tensor, what
+llama.cpp's ``convert_lora_to_gguf.py`` makes of the same adapter.  Each test prints its
+worst relative error (``FAMILY <family> <check> <error>``).
+
+Tolerances: float32 logits 1e-5 relative to the largest logit (two float32
+implementations of the same math in different orders: about 1e-6 measured); float64
+1e-10 (the same math, float64 rounding only: about 1e-15 measured, against a reference
+with transformers' float32 casts in RMSNorm / rope removed); adapter round trips 1e-4
+(float32 adapter files).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from families import (FAMILIES, SEQ_LEN, TEXT, convert_gguf, convert_lora_gguf, converter_dir,
+                      make_folder, rel)
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+NAMES = list(FAMILIES)
+
+
+def _report(family, check, err):
+    print(f"FAMILY {family} {check} {err:.2e}")
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """family -> its Hugging Face folder (made on first use)."""
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = make_folder(family, root / family)
+        return made[family]
+    return get
+
+
+@pytest.fixture(scope="session")
+def ggufs(folders, tmp_path_factory):
+    """family -> the float32 GGUF llama.cpp's converter makes of its folder (cached)."""
+    if converter_dir() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (make test extracts it into "
+                    ".venv/llama.cpp-convert; or set GRADTAPE_LLAMA_CPP_CONVERT)")
+    root = tmp_path_factory.mktemp("families_gguf")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = convert_gguf(folders(family), root / f"{family}.gguf",
+                                        FAMILIES[family][2])
+        return made[family]
+    return get
+
+
+def _hf(folder, attn="eager"):
+    """transformers' float32 model of ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                attn_implementation=attn).eval()
+
+
+def _ids(model):
+    ids = model.tokenizer.encode(TEXT)
+    return (ids * (SEQ_LEN // len(ids) + 1))[:SEQ_LEN]
+
+
+def _logits(hf, ids):
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def _float64_reference(hf, cfg):
+    """transformers' model in float64 with its float32 casts removed: RMSNorm computed in
+    the input dtype, rope angles from float64 frequencies; ``hf`` must use SDPA attention
+    (the eager path's softmax is float32).  The frequencies are gradtape's
+    formula (``rope_tables``), checked first against transformers' own float32 ``inv_freq``
+    (llama3 scaling included) so the reference keeps transformers' rope."""
+    import types
+
+    import torch
+
+    inv = cfg.rope_base ** (-2.0 * np.arange(cfg.head_dim // 2) / cfg.head_dim)
+    if cfg.rope_factors:
+        inv = inv / np.asarray(cfg.rope_factors)
+    inv = torch.tensor(inv, dtype=torch.float64)
+
+    def rms_forward(self, x):
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y * (1.0 + self.weight) if cfg.norm_plus_one else self.weight * y
+
+    def rope_forward(self, x, position_ids):
+        freqs = position_ids[..., None].to(torch.float64) * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    n_rope = 0
+    for mod in hf.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm"):
+            mod.forward = types.MethodType(rms_forward, mod)
+        elif name.endswith("RotaryEmbedding"):
+            theirs = mod.inv_freq.double()
+            assert float((theirs - inv).abs().max() / inv.abs().max()) < 1e-6
+            assert getattr(mod, "attention_scaling", 1.0) == 1.0
+            mod.forward = types.MethodType(rope_forward, mod)
+            n_rope += 1
+    assert n_rope >= 1
+    return hf.double()
+
+
+# --- HF folders -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", NAMES)
+def test_hf_folder_logits_equal_transformers(family, folders):
+    from gradtape import llama
+
+    folder = folders(family)
+    model = llama.load(folder)
+    ids = _ids(model)
+    ref = _logits(_hf(folder), ids)
+    err = rel(model.logits(ids), ref)
+    _report(family, "hf-logits-f32", err)
+    assert err <= 1e-5
+    # the family's options matter: the same weights as plain llama give other logits
+    plain = copy.copy(model)
+    import dataclasses
+    plain.config = dataclasses.replace(model.config, rope_factors=(), sliding_window=0,
+                                       qk_norm=False, biases=(), attn_softcap=0.0,
+                                       final_softcap=0.0)
+    plain.weights = model.weights
+    if plain.config != model.config:
+        assert rel(plain.logits(ids), ref) > 1e-3
+
+    ref64 = _logits(_float64_reference(_hf(folder, "sdpa"), model.config), ids)
+    err64 = rel(model.logits(ids, dtype=np.float64), ref64)
+    _report(family, "hf-logits-f64", err64)
+    assert err64 <= 1e-10
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_tokenizer_and_chat_template_equal_transformers(family, folders):
+    from transformers import AutoTokenizer
+
+    from gradtape import llama
+
+    folder = folders(family)
+    ours, theirs = llama.load(folder).tokenizer, AutoTokenizer.from_pretrained(str(folder))
+    assert ours.encode(TEXT) == theirs(TEXT)["input_ids"]
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    assert ours.apply_chat_template(msgs, add_generation_prompt=False) == \
+        theirs.apply_chat_template(msgs, tokenize=False)
+
+
+def test_kv_cached_decoding_equals_the_full_forward(folders):
+    """Generation (prompt through the KV cache, then the compiled decode step) picks the
+    tokens the full forward pass's argmax picks, on the windowed, biased, normed families."""
+    from gradtape import llama
+
+    for family in ("mistral", "qwen3", "phi3"):
+        model = llama.load(folders(family))
+        prompt = _ids(model)[:4]
+        new = model.generate(prompt, 9, stop_ids=())
+        full = model.logits(prompt + new[:-1])
+        assert [int(t) for t in full[len(prompt) - 1:].argmax(1)] == new, family
+
+
+# --- GGUF via llama.cpp's converter -----------------------------------------------------------
+
+@pytest.mark.parametrize("family", NAMES)
+def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folders, ggufs):
+    from gradtape import llama
+
+    folder = folders(family)
+    model = llama.load(ggufs(family))
+    ids = _ids(llama.load(folder))
+    assert model.tokenizer.encode(TEXT) == llama.load(folder).tokenizer.encode(TEXT)
+    ref = _logits(_hf(folder), ids)
+    rows = len(ids)
+    if family == "mistral":
+        # llama.cpp converts Mistral as the llama architecture and keeps no sliding window
+        # (llama.cpp itself attends to every key); rows before the window are unaffected
+        assert model.config.sliding_window == 0
+        rows = FAMILIES[family][1]["sliding_window"]
+    err = rel(model.logits(ids)[:rows], ref[:rows])
+    _report(family, "gguf-logits-f32", err)
+    assert err <= 1e-5
+
+
+# --- LoRA: gradients, PEFT round trip, merge, GGUF-LoRA export --------------------------------
+
+def _peft_targets(cfg):
+    from gradtape.models.lora import PEFT_MODULES, model_targets
+    return [PEFT_MODULES[t].split(".")[1] for t in model_targets(cfg)]
+
+
+def _random_adapter(model, rank=2, alpha=4.0, seed=3, scale_b=0.05):
+    from gradtape.models.lora import init_adapter
+    ad = init_adapter(model.config, rank=rank, alpha=alpha, seed=seed, base_model=model.name)
+    rng = np.random.default_rng(seed)
+    ad.weights = {k: (a, (scale_b * rng.standard_normal(b.shape)).astype(np.float32))
+                  for k, (a, b) in ad.weights.items()}
+    return ad
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_lora_step_gradients_equal_peft_float64(family, folders):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    import gradtape as gt
+    from gradtape import llama, nn
+    from gradtape.models.lora import PEFT_MODULES
+    from gradtape.models.model import record_forward, weight_consts
+
+    folder = folders(family)
+    model = llama.load(folder)
+    ids = _ids(model)
+    ad = _random_adapter(model)
+    hf = _float64_reference(_hf(folder, "sdpa"), model.config)
+    peft_model = get_peft_model(hf, LoraConfig(r=ad.rank, lora_alpha=ad.alpha, lora_dropout=0.0,
+                                               target_modules=_peft_targets(model.config),
+                                               task_type="CAUSAL_LM")).double()
+    mods = dict(peft_model.named_modules())
+
+    def mod(layer, target):
+        return mods[f"base_model.model.model.layers.{layer}.{PEFT_MODULES[target]}"]
+
+    with torch.no_grad():
+        for (layer, target), (a, b) in ad.weights.items():
+            mod(layer, target).lora_A["default"].weight.copy_(torch.tensor(a.T, dtype=torch.float64))
+            mod(layer, target).lora_B["default"].weight.copy_(torch.tensor(b.T, dtype=torch.float64))
+    x = torch.tensor([ids])
+    loss_ref = torch.nn.functional.cross_entropy(peft_model(input_ids=x).logits[0][:-1], x[0, 1:])
+    loss_ref.backward()
+
+    tp = gt.Tape(np.float64, eager=False)
+    W = weight_consts(tp, {k: w.astype(np.float64) for k, w in model.weights.items()})
+    lora = {k: (tp.param(a.astype(np.float64)), tp.param(b.astype(np.float64)))
+            for k, (a, b) in ad.weights.items()}
+    logits = record_forward(tp, model.config, W, tp.const(np.asarray(ids)), 1, lora, ad.scale)
+    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
+    grads = tp.backward(loss)
+    keys = list(lora)
+    outs = tp.compile([loss] + [grads[p] for k in keys for p in lora[k]]).run()
+    assert float(outs[0]) == pytest.approx(loss_ref.item(), rel=1e-12)
+    worst = 0.0
+    for i, (layer, target) in enumerate(keys):
+        m = mod(layer, target)
+        worst = max(worst, rel(outs[1 + 2 * i], m.lora_A["default"].weight.grad.numpy().T),
+                    rel(outs[2 + 2 * i], m.lora_B["default"].weight.grad.numpy().T))
+    _report(family, "grad-vs-peft-f64", worst)
+    assert worst <= 1e-9
+
+
+@pytest.fixture(scope="session")
+def finetuned(folders, tmp_path_factory):
+    """family -> (model, adapter folder) after a short ``finetune`` on the family's folder."""
+    from gradtape import llama
+    from gradtape.train.finetune import FinetuneConfig, finetune
+
+    root = tmp_path_factory.mktemp("families_ft")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Say {w}"}, {"role": "assistant", "content": f"{w} {w}."}]})
+        + "\n" for w in ("fox", "dog", "code", "café", "JSON", "LoRA")))
+    made = {}
+
+    def get(family):
+        if family not in made:
+            model = llama.load(folders(family))
+            out = root / family
+            finetune(FinetuneConfig(model=str(folders(family)), data=str(data), out=str(out),
+                                    steps=3, seq_len=32, batch_size=2, rank=4, alpha=8.0,
+                                    lr=5e-2, warmup=0, eval_frac=0.0, progress=False),
+                     model=model, log=lambda *a, **k: None)
+            made[family] = (model, out / "adapter")
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, tmp_path):
+    from peft import PeftModel
+
+    from gradtape import llama
+    from gradtape.models.export import merged_model, save_gguf, save_hf_folder
+
+    model, adapter_dir = finetuned(family)
+    ad = llama.load_adapter(adapter_dir, model)
+    assert set(ad.targets) == set(__import__("gradtape.models.lora", fromlist=["x"])
+                                  .model_targets(model.config))
+    ids = _ids(model)
+    ours = model.logits(ids, adapter=ad)
+    assert rel(ours, model.logits(ids)) > 1e-3  # training moved the model
+    peft_model = PeftModel.from_pretrained(_hf(folders(family)), str(adapter_dir)).eval()
+    err = rel(ours, _logits(peft_model, ids))
+    _report(family, "peft-roundtrip", err)
+    assert err <= 1e-4
+
+    merged = merged_model(model, ad)
+    err_mem = rel(merged.logits(ids), ours)
+    save_hf_folder(merged, tmp_path / "merged")
+    err_hf = rel(_logits(_hf(tmp_path / "merged"), ids), ours)
+    err_ours = rel(llama.load(tmp_path / "merged").logits(ids), ours)
+    save_gguf(merged, tmp_path / "merged.gguf")
+    err_gguf = rel(llama.load(tmp_path / "merged.gguf").logits(ids), ours)
+    _report(family, "merge", max(err_mem, err_hf, err_ours, err_gguf))
+    assert max(err_mem, err_hf, err_ours, err_gguf) <= 1e-4
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_gguf_lora_export_equals_llama_cpp_converter(family, folders, finetuned, ggufs,
+                                                      tmp_path):
+    """Our llama.cpp LoRA GGUF holds the tensors (names, shapes, values) and alpha that
+    llama.cpp's own ``convert_lora_to_gguf.py`` writes for the same PEFT adapter."""
+    from gradtape import llama
+    from gradtape.formats.gguf_reader import GGUFFile
+    from gradtape.models.export import save_gguf_lora
+
+    ggufs(family)  # skips without the converter
+    model, adapter_dir = finetuned(family)
+    ad = llama.load_adapter(adapter_dir, model)
+    ours_path = save_gguf_lora(ad, model.config, tmp_path / "ours.gguf")
+    theirs_path = convert_lora_gguf(adapter_dir, folders(family), tmp_path / "theirs.gguf",
+                                    FAMILIES[family][2])
+    ours, theirs = GGUFFile(ours_path), GGUFFile(theirs_path)
+    assert ours.meta["general.architecture"] == theirs.meta["general.architecture"]
+    assert ours.meta["adapter.lora.alpha"] == pytest.approx(theirs.meta["adapter.lora.alpha"])
+    assert set(ours.tensors) == set(theirs.tensors)
+    worst = 0.0
+    for name, t in theirs.tensors.items():
+        a, b = np.asarray(ours.tensors[name].data), np.asarray(t.data)
+        assert a.shape == b.shape, name
+        worst = max(worst, rel(a, b))
+    _report(family, "gguf-lora-export", worst)
+    assert worst <= 1e-7  # float32 both sides: the same numbers, reordered
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("edit, match", [
+    ({"model_type": "mixtral", "num_local_experts": 8}, "model_type 'mixtral'"),
+    ({"num_experts": 8}, "num_experts = 8: mixture-of-experts"),
+    ({"vision_config": {"hidden_size": 8}}, "vision_config: multimodal"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope scaling 'longrope'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"hidden_act": "gelu"}, "hidden activation 'gelu'"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer type 'chunked_attention'"),
+    ({"attention_bias": True}, "attention_bias = true is not supported for qwen2"),
+])
+def test_unsupported_options_are_one_clear_error(edit, match, folders, tmp_path):
+    import shutil
+
+    from gradtape import llama
+    from gradtape.errors import FileFormatError
+
+    d = tmp_path / "m"
+    shutil.copytree(folders("qwen2"), d)
+    cj = json.loads((d / "config.json").read_text())
+    cj.pop("rope_parameters", None) if "rope_scaling" in edit else None
+    cj.update(edit)
+    (d / "config.json").write_text(json.dumps(cj))
+    with pytest.raises(FileFormatError, match=match):
+        llama.load(d)

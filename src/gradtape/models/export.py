@@ -123,8 +123,8 @@ def hf_config(cfg, dtype="float32") -> dict:
     elif cfg.arch in ("qwen2", "qwen3"):
         d.update(use_sliding_window=bool(cfg.sliding_window), layer_types=types,
                  sliding_window=cfg.sliding_window or None, max_window_layers=cfg.n_layers)
-    if cfg.arch == "phi3":
-        d["original_max_position_embeddings"] = cfg.max_seq_len
+    if cfg.arch == "phi3":  # (Phi3Config's default pad id 32000 may exceed the vocabulary)
+        d.update(original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
     if cfg.arch == "gemma2":
         d.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
                  query_pre_attn_scalar=cfg.query_scale or cfg.head_dim,

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip -q --disable-pip-version-check
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_SDIST ?= $(VENV)/cache/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
 
 .PHONY: demo test test-fast bench setup clean
 
@@ -21,6 +23,14 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(PIP) install -e '.[test]'
 	# mpi4py + MPICH (mpiexec) from PyPI: tests/test_mpi.py runs mpiexec -n 2 on loopback
 	$(PIP) install -e '.[mpi]'
+	# llama.cpp's own HF -> GGUF converters (tests/models/test_families.py), from the
+	# llama-cpp-python source package: only the two scripts, conversion/ and gguf-py/
+	test -f $(LLAMA_SDIST) || $(PIP) download --no-deps --no-binary :all: \
+	    llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(dir $(LLAMA_SDIST))
+	rm -rf $(VENV)/llama.cpp-convert && mkdir -p $(VENV)/llama.cpp-convert
+	tar -xzf $(LLAMA_SDIST) -C $(VENV)/llama.cpp-convert --strip-components=3 \
+	    $(addprefix llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp/,convert_hf_to_gguf.py \
+	    convert_lora_to_gguf.py conversion gguf-py)
 	touch $@
 
 setup: $(VENV)/.runtime

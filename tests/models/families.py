@@ -6,8 +6,9 @@ explicit head_dim, a sliding window shorter than the test sequence, fused projec
 Gemma 2's soft-capping and alternating windows), randomises every weight (norms and
 biases included, so none is a no-op), and saves it with a small byte-level BPE tokenizer
 (the family's pre-tokenizer split and chat template) as a Hugging Face folder.
-``convert_gguf`` runs llama.cpp's own ``convert_hf_to_gguf.py`` on such a folder in a
-subprocess, with the pre-tokenizer check pinned (``convert_pinned.py``).
+``run_converters`` runs llama.cpp's own ``convert_hf_to_gguf.py`` / ``convert_lora_to_gguf.py``
+on such folders in one subprocess, with the pre-tokenizer check pinned
+(``convert_pinned.py``).
 """
 
 from __future__ import annotations
@@ -151,27 +152,28 @@ def converter_dir():
     return None
 
 
-def run_converter(script, pre_kind, *args):
-    """Run llama.cpp's ``script`` (``convert_hf_to_gguf.py`` / ``convert_lora_to_gguf.py``)
-    with ``args``, the pre-tokenizer pinned to ``pre_kind``, in a subprocess of this Python."""
+def run_converters(jobs, workdir):
+    """Run llama.cpp's converters on ``jobs`` (``[script, pre_kind, *args]``, script
+    ``convert_hf_to_gguf.py`` or ``convert_lora_to_gguf.py``), each with the pre-tokenizer
+    pinned to ``pre_kind``, in one subprocess of this Python."""
     wrapper = Path(__file__).with_name("convert_pinned.py")
-    r = subprocess.run([sys.executable, str(wrapper), str(converter_dir()), pre_kind, script,
-                        *map(str, args)], capture_output=True, text=True, timeout=300)
+    spec = Path(workdir) / "convert_jobs.json"
+    spec.write_text(json.dumps([[str(x) for x in job] for job in jobs]))
+    r = subprocess.run([sys.executable, str(wrapper), str(converter_dir()), str(spec)],
+                       capture_output=True, text=True, timeout=600)
     if r.returncode:
-        raise RuntimeError(f"{script} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"llama.cpp's converter failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
-def convert_gguf(folder, out, pre_kind):
-    """The float32 GGUF llama.cpp's converter makes of a model folder."""
-    run_converter("convert_hf_to_gguf.py", pre_kind, folder, "--outfile", out, "--outtype", "f32")
-    return Path(out)
+def model_job(folder, out, pre_kind):
+    """A job: the float32 GGUF llama.cpp's converter makes of a model folder."""
+    return ["convert_hf_to_gguf.py", pre_kind, folder, "--outfile", out, "--outtype", "f32"]
 
 
-def convert_lora_gguf(adapter_dir, base_folder, out, pre_kind):
-    """The float32 LoRA GGUF llama.cpp's converter makes of a PEFT adapter folder."""
-    run_converter("convert_lora_to_gguf.py", pre_kind, "--base", base_folder, "--outfile", out,
-                  "--outtype", "f32", adapter_dir)
-    return Path(out)
+def lora_job(adapter_dir, base_folder, out, pre_kind):
+    """A job: the float32 LoRA GGUF llama.cpp's converter makes of a PEFT adapter folder."""
+    return ["convert_lora_to_gguf.py", pre_kind, "--base", base_folder, "--outfile", out,
+            "--outtype", "f32", adapter_dir]
 
 
 def rel(ours, ref):

@@ -26,8 +26,8 @@ import json
 import numpy as np
 import pytest
 
-from families import (FAMILIES, SEQ_LEN, TEXT, convert_gguf, convert_lora_gguf, converter_dir,
-                      make_folder, rel)
+from families import (FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job, make_folder, model_job,
+                      rel, run_converters)
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -52,21 +52,21 @@ def folders(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
-def ggufs(folders, tmp_path_factory):
-    """family -> the float32 GGUF llama.cpp's converter makes of its folder (cached)."""
+def _need_converter():
     if converter_dir() is None:
         pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (make test extracts it into "
                     ".venv/llama.cpp-convert; or set GRADTAPE_LLAMA_CPP_CONVERT)")
-    root = tmp_path_factory.mktemp("families_gguf")
-    made = {}
 
-    def get(family):
-        if family not in made:
-            made[family] = convert_gguf(folders(family), root / f"{family}.gguf",
-                                        FAMILIES[family][2])
-        return made[family]
-    return get
+
+@pytest.fixture(scope="session")
+def ggufs(folders, tmp_path_factory):
+    """family -> the float32 GGUF llama.cpp's converter makes of its folder (all families
+    converted at once, on first use)."""
+    _need_converter()
+    root = tmp_path_factory.mktemp("families_gguf")
+    out = {f: root / f"{f}.gguf" for f in NAMES}
+    run_converters([model_job(folders(f), out[f], FAMILIES[f][2]) for f in NAMES], root)
+    return out
 
 
 def _hf(folder, attn="eager"):
@@ -191,7 +191,7 @@ def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folder
     from gradtape import llama
 
     folder = folders(family)
-    model = llama.load(ggufs(family))
+    model = llama.load(ggufs[family])
     ids = _ids(llama.load(folder))
     assert model.tokenizer.encode(TEXT) == llama.load(folder).tokenizer.encode(TEXT)
     ref = _logits(_hf(folder), ids)
@@ -329,22 +329,30 @@ def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, 
     assert max(err_mem, err_hf, err_ours, err_gguf) <= 1e-4
 
 
+@pytest.fixture(scope="session")
+def lora_ggufs(folders, finetuned, tmp_path_factory):
+    """family -> the LoRA GGUF llama.cpp's ``convert_lora_to_gguf.py`` makes of the
+    family's fine-tuned adapter (all families at once, on first use)."""
+    _need_converter()
+    root = tmp_path_factory.mktemp("families_lora_gguf")
+    out = {f: root / f"{f}-lora.gguf" for f in NAMES}
+    run_converters([lora_job(finetuned(f)[1], folders(f), out[f], FAMILIES[f][2])
+                    for f in NAMES], root)
+    return out
+
+
 @pytest.mark.parametrize("family", NAMES)
-def test_gguf_lora_export_equals_llama_cpp_converter(family, folders, finetuned, ggufs,
-                                                      tmp_path):
+def test_gguf_lora_export_equals_llama_cpp_converter(family, finetuned, lora_ggufs, tmp_path):
     """Our llama.cpp LoRA GGUF holds the tensors (names, shapes, values) and alpha that
     llama.cpp's own ``convert_lora_to_gguf.py`` writes for the same PEFT adapter."""
     from gradtape import llama
     from gradtape.formats.gguf_reader import GGUFFile
     from gradtape.models.export import save_gguf_lora
 
-    ggufs(family)  # skips without the converter
     model, adapter_dir = finetuned(family)
     ad = llama.load_adapter(adapter_dir, model)
-    ours_path = save_gguf_lora(ad, model.config, tmp_path / "ours.gguf")
-    theirs_path = convert_lora_gguf(adapter_dir, folders(family), tmp_path / "theirs.gguf",
-                                    FAMILIES[family][2])
-    ours, theirs = GGUFFile(ours_path), GGUFFile(theirs_path)
+    ours = GGUFFile(save_gguf_lora(ad, model.config, tmp_path / "ours.gguf"))
+    theirs = GGUFFile(lora_ggufs[family])
     assert ours.meta["general.architecture"] == theirs.meta["general.architecture"]
     assert ours.meta["adapter.lora.alpha"] == pytest.approx(theirs.meta["adapter.lora.alpha"])
     assert set(ours.tensors) == set(theirs.tensors)
@@ -354,7 +362,7 @@ def test_gguf_lora_export_equals_llama_cpp_converter(family, folders, finetuned,
         assert a.shape == b.shape, name
         worst = max(worst, rel(a, b))
     _report(family, "gguf-lora-export", worst)
-    assert worst <= 1e-7  # float32 both sides: the same numbers, reordered
+    assert worst <= 1e-7  # float32 both sides: the same numbers (q/k rows permuted alike)
 
 
 # --- bad input --------------------------------------------------------------------------------

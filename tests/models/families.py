@@ -36,7 +36,8 @@ _PHI3_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
 _MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
                      "[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}"
                      "{{ eos_token }}{% endif %}{% endfor %}")
-_GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+_GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                   "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
                    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
                    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
@@ -64,7 +65,16 @@ FAMILIES = {
                                 tie_word_embeddings=False, pad_token_id=None),
              "llama-bpe", ("<s>", "<|end|>", ["<|user|>", "<|assistant|>", "<|endoftext|>"]),
              _PHI3_TEMPLATE),
+    "gemma2": ("Gemma2Config", dict(_COMMON, head_dim=16, query_pre_attn_scalar=24,
+                                    sliding_window=4, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0, rope_theta=10000.0,
+                                    hidden_activation="gelu_pytorch_tanh",
+                                    tie_word_embeddings=True, pad_token_id=None),
+               "llama-bpe", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
+               _GEMMA_TEMPLATE),
 }
+# Gemma 2's GGUF converter reads only a sentencepiece tokenizer.model (no byte-level BPE)
+GGUF_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
 
 _CORPUS = ["The quick brown fox jumps over the lazy dog.",
            "Fine-tuning small models with LoRA adapters: q, k, v, o, gate, up, down.",

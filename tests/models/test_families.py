@@ -26,8 +26,8 @@ import json
 import numpy as np
 import pytest
 
-from families import (FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job, make_folder, model_job,
-                      rel, run_converters)
+from families import (FAMILIES, GGUF_FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job,
+                      make_folder, model_job, rel, run_converters)
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -64,8 +64,8 @@ def ggufs(folders, tmp_path_factory):
     converted at once, on first use)."""
     _need_converter()
     root = tmp_path_factory.mktemp("families_gguf")
-    out = {f: root / f"{f}.gguf" for f in NAMES}
-    run_converters([model_job(folders(f), out[f], FAMILIES[f][2]) for f in NAMES], root)
+    out = {f: root / f"{f}.gguf" for f in GGUF_FAMILIES}
+    run_converters([model_job(folders(f), out[f], FAMILIES[f][2]) for f in GGUF_FAMILIES], root)
     return out
 
 
@@ -75,6 +75,34 @@ def _hf(folder, attn="eager"):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                 attn_implementation=attn).eval()
+
+
+def _eager_float64(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   softcap=None, **kwargs):
+    """transformers' eager attention (soft-capping included) with the softmax kept in the
+    input dtype: the float64 reference for Gemma 2, whose SDPA path cannot soft-cap and
+    whose eager path computes the softmax in float32."""
+    import torch
+    g = module.num_key_value_groups
+    k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    w = torch.matmul(query, k.transpose(2, 3)) * (scaling or module.head_dim ** -0.5)
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if attention_mask is not None:
+        w = w + attention_mask
+    w = torch.softmax(w, dim=-1)
+    return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+
+
+def _hf64(folder, cfg):
+    """transformers' float64 reference of ``folder`` (see ``_float64_reference``)."""
+    if not cfg.attn_softcap:
+        return _float64_reference(_hf(folder, "sdpa"), cfg)
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+    AttentionInterface.register("gradtape_eager64", _eager_float64)
+    AttentionMaskInterface.register("gradtape_eager64", eager_mask)  # additive masks
+    return _float64_reference(_hf(folder, "gradtape_eager64"), cfg)
 
 
 def _ids(model):
@@ -90,8 +118,9 @@ def _logits(hf, ids):
 
 def _float64_reference(hf, cfg):
     """transformers' model in float64 with its float32 casts removed: RMSNorm computed in
-    the input dtype, rope angles from float64 frequencies; ``hf`` must use SDPA attention
-    (the eager path's softmax is float32).  The frequencies are gradtape's
+    the input dtype, rope angles from float64 frequencies, Gemma's embedding scale in
+    float64; ``hf`` must use SDPA attention
+    or ``_eager_float64`` attention (the eager path's softmax is float32).  The frequencies are gradtape's
     formula (``rope_tables``), checked first against transformers' own float32 ``inv_freq``
     (llama3 scaling included) so the reference keeps transformers' rope."""
     import types
@@ -114,8 +143,11 @@ def _float64_reference(hf, cfg):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     n_rope = 0
+    hf = hf.double()
     for mod in hf.modules():
         name = type(mod).__name__
+        if hasattr(mod, "scalar_embed_scale"):  # Gemma's sqrt(D), a float32 buffer
+            mod.embed_scale = torch.tensor(mod.scalar_embed_scale, dtype=torch.float64)
         if name.endswith("RMSNorm"):
             mod.forward = types.MethodType(rms_forward, mod)
         elif name.endswith("RotaryEmbedding"):
@@ -125,7 +157,7 @@ def _float64_reference(hf, cfg):
             mod.forward = types.MethodType(rope_forward, mod)
             n_rope += 1
     assert n_rope >= 1
-    return hf.double()
+    return hf
 
 
 # --- HF folders -------------------------------------------------------------------------------
@@ -151,7 +183,7 @@ def test_hf_folder_logits_equal_transformers(family, folders):
     if plain.config != model.config:
         assert rel(plain.logits(ids), ref) > 1e-3
 
-    ref64 = _logits(_float64_reference(_hf(folder, "sdpa"), model.config), ids)
+    ref64 = _logits(_hf64(folder, model.config), ids)
     err64 = rel(model.logits(ids, dtype=np.float64), ref64)
     _report(family, "hf-logits-f64", err64)
     assert err64 <= 1e-10
@@ -173,10 +205,11 @@ def test_tokenizer_and_chat_template_equal_transformers(family, folders):
 
 def test_kv_cached_decoding_equals_the_full_forward(folders):
     """Generation (prompt through the KV cache, then the compiled decode step) picks the
-    tokens the full forward pass's argmax picks, on the windowed, biased, normed families."""
+    tokens the full forward pass's argmax picks, on the windowed, normed, fused, soft-capped
+    families."""
     from gradtape import llama
 
-    for family in ("mistral", "qwen3", "phi3"):
+    for family in ("mistral", "qwen3", "phi3", "gemma2"):
         model = llama.load(folders(family))
         prompt = _ids(model)[:4]
         new = model.generate(prompt, 9, stop_ids=())
@@ -186,7 +219,7 @@ def test_kv_cached_decoding_equals_the_full_forward(folders):
 
 # --- GGUF via llama.cpp's converter -----------------------------------------------------------
 
-@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folders, ggufs):
     from gradtape import llama
 
@@ -236,7 +269,7 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
     model = llama.load(folder)
     ids = _ids(model)
     ad = _random_adapter(model)
-    hf = _float64_reference(_hf(folder, "sdpa"), model.config)
+    hf = _hf64(folder, model.config)
     peft_model = get_peft_model(hf, LoraConfig(r=ad.rank, lora_alpha=ad.alpha, lora_dropout=0.0,
                                                target_modules=_peft_targets(model.config),
                                                task_type="CAUSAL_LM")).double()
@@ -323,8 +356,14 @@ def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, 
     save_hf_folder(merged, tmp_path / "merged")
     err_hf = rel(_logits(_hf(tmp_path / "merged"), ids), ours)
     err_ours = rel(llama.load(tmp_path / "merged").logits(ids), ours)
-    save_gguf(merged, tmp_path / "merged.gguf")
-    err_gguf = rel(llama.load(tmp_path / "merged.gguf").logits(ids), ours)
+    err_gguf = 0.0
+    if family == "gemma2":  # its query_pre_attn_scalar != head_dim: llama.cpp has no key
+        from gradtape.errors import GradtapeError
+        with pytest.raises(GradtapeError, match="query_pre_attn_scalar 24 != head_dim 16"):
+            save_gguf(merged, tmp_path / "merged.gguf")
+    else:
+        save_gguf(merged, tmp_path / "merged.gguf")
+        err_gguf = rel(llama.load(tmp_path / "merged.gguf").logits(ids), ours)
     _report(family, "merge", max(err_mem, err_hf, err_ours, err_gguf))
     assert max(err_mem, err_hf, err_ours, err_gguf) <= 1e-4
 
@@ -335,13 +374,13 @@ def lora_ggufs(folders, finetuned, tmp_path_factory):
     family's fine-tuned adapter (all families at once, on first use)."""
     _need_converter()
     root = tmp_path_factory.mktemp("families_lora_gguf")
-    out = {f: root / f"{f}-lora.gguf" for f in NAMES}
+    out = {f: root / f"{f}-lora.gguf" for f in GGUF_FAMILIES}
     run_converters([lora_job(finetuned(f)[1], folders(f), out[f], FAMILIES[f][2])
-                    for f in NAMES], root)
+                    for f in GGUF_FAMILIES], root)
     return out
 
 
-@pytest.mark.parametrize("family", NAMES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_gguf_lora_export_equals_llama_cpp_converter(family, finetuned, lora_ggufs, tmp_path):
     """Our llama.cpp LoRA GGUF holds the tensors (names, shapes, values) and alpha that
     llama.cpp's own ``convert_lora_to_gguf.py`` writes for the same PEFT adapter."""

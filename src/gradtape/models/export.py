@@ -127,16 +127,20 @@ def hf_config(cfg, dtype="float32") -> dict:
         d.update(original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
     if cfg.arch == "gemma2":
         d.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
-                 query_pre_attn_scalar=cfg.query_scale or cfg.head_dim,
+                 query_pre_attn_scalar=_int_if_whole(cfg.query_scale or cfg.head_dim),
                  attn_logit_softcapping=cfg.attn_softcap or None,
                  final_logit_softcapping=cfg.final_softcap or None,
                  sliding_window=cfg.sliding_window or None, layer_types=types)
     return d
 
 
+def _int_if_whole(x):
+    return int(x) if float(x).is_integer() else x  # transformers types some fields int
+
+
 def hf_tensors(cfg, weights, dtype="float32") -> dict:
     """Our weights under the family's Hugging Face names, linears transposed to
-    ``[out, in]`` (Gemma's norms back to ``w`` from our ``1 + w``)."""
+    ``[out, in]``."""
     dt = _np_dtype(dtype)
     arch = ARCHS[cfg.arch]
     theirs = {ours: hf for hf, ours in arch.hf_block.items()}
@@ -151,8 +155,6 @@ def hf_tensors(cfg, weights, dtype="float32") -> dict:
             ours, hf = name, top[name]
         if ours in LINEARS:
             w = w.T  # [out, in]
-        if cfg.norm_plus_one and (ours == "norm" or ours.endswith("_norm")):
-            w = np.asarray(w, np.float64) - 1.0
         out[hf] = np.ascontiguousarray(w, dtype=dt)
     return out
 
@@ -214,6 +216,8 @@ def gguf_tensors(cfg, weights, dtype="float32") -> dict:
             base, kind, gname = name, "weight", top[name] + ".weight"
         if base in LINEARS and kind == "weight":
             w = w.T  # [out, in]
+        if cfg.norm_plus_one and (base == "norm" or base.endswith("_norm")):
+            w = np.asarray(w, np.float32) + np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
         if arch.permute_qk and base in ("q", "k"):
             n = cfg.n_heads if base == "q" else cfg.n_kv_heads
             w = permute_rope_rows(np.asarray(w).reshape(w.shape[0], -1), n).reshape(w.shape)
@@ -344,6 +348,20 @@ def _derived_tokenizer_fields(tok):
     return fields
 
 
+def _check_gguf_can_describe(cfg):
+    """llama.cpp's Gemma 2 takes the attention scale from head_dim and alternates local and
+    global layers (local first), with no metadata for either: refuse a model that differs
+    rather than write a file that runs wrongly."""
+    if cfg.arch != "gemma2":
+        return
+    if cfg.query_scale and cfg.query_scale != cfg.head_dim:
+        raise GradtapeError(f"save_gguf: query_pre_attn_scalar {cfg.query_scale:g} != head_dim "
+                            f"{cfg.head_dim}: llama.cpp's gemma2 GGUF cannot describe it")
+    if cfg.sliding_window and cfg.sliding_layers != tuple(range(0, cfg.n_layers, 2)):
+        raise GradtapeError("save_gguf: llama.cpp's gemma2 GGUF alternates sliding and global "
+                            f"layers; this model slides on layers {list(cfg.sliding_layers)}")
+
+
 def save_gguf(model, path, dtype="float32") -> Path:
     """Write ``model`` as a GGUF of its family (float32 or float16 matrices) that
     ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
@@ -364,6 +382,7 @@ def save_gguf(model, path, dtype="float32") -> Path:
         if tok is not None and tok_fields is None:
             print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
                   f"{path.name} is written without one", file=sys.stderr)
+    _check_gguf_can_describe(cfg)
     tensors = gguf_tensors(cfg, model.weights, dt)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, ARCHS[cfg.arch].gguf)

@@ -113,6 +113,10 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
             w = unpermute_rope_rows(w.reshape(np_shape[0], -1), cfg.n_kv_heads).reshape(np_shape)
         if base in _LINEARS:
             w = w.T  # [out, in] -> [in, out]
+        if cfg.norm_plus_one and (base == "norm" or base.endswith("_norm")):
+            # llama.cpp's converter stored Gemma's norm scale 1 + w; we keep w (HF's), and
+            # s - 1 is exact in float32 for s in [0.5, 2]
+            w = w - np.float32(1.0)
         w = np.ascontiguousarray(w, dtype=np.float32)
         if np.may_share_memory(w, t.data):  # an F32 tensor is a view of the mapped file:
             w = w.copy()  # copy it, so the mapping is released once loading is done

@@ -86,9 +86,6 @@ def _our_name(hf, block):
     return None
 
 
-def _is_norm(ours):
-    return ours == "norm" or ours.endswith("_norm")
-
 
 def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     """``(config, weights, tokenizer or None, name)`` from a Hugging Face model folder."""
@@ -124,10 +121,6 @@ def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
             if tuple(arr.shape) != stored:
                 raise FileFormatError(f"{f}: tensor {hf} has shape {list(arr.shape)}, "
                                       f"expected {list(stored)} from config.json")
-            if cfg.norm_plus_one and _is_norm(base):
-                # Gemma's RMSNorm scales by (1 + w): we keep the effective scale, as
-                # llama.cpp's converter does (in float32, like transformers' forward)
-                arr = np.asarray(arr, np.float32) + np.float32(1.0)
             weights[ours] = np.ascontiguousarray(arr.T if base in _LINEARS else arr,
                                                  dtype=np.float32)
     missing = sorted(set(expected) - set(weights))

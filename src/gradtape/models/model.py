@@ -52,12 +52,20 @@ def _linear_fn(tp, W, lora, lora_scale):
     return lin
 
 
+def _rmsnorm(tp, cfg, x, w, ones, h=None):
+    """RMSNorm of the rows of ``x``, scaled by ``w``, or by ``1 + w`` where the family
+    stores its norms that way (Gemma)."""
+    if cfg.norm_plus_one:
+        w = ops.addc(w, 1.0)
+    return nn.rmsnorm(tp, x, w, ones, h or cfg.dim, cfg.norm_eps)
+
+
 def _head_norm(tp, cfg, x, w, n):
     """RMSNorm over each of the ``n`` heads of ``x [N, n*hd]`` with one ``w [hd]`` (Qwen3's
     q/k norm): the heads become rows ``[N*n, hd]`` and back."""
     rows, hd = x.shape[0], cfg.head_dim
     h = ops.reshape(x, (rows * n, hd))  # [N*n, hd]
-    h = nn.rmsnorm(tp, h, w, nn.ones(tp, hd), hd, cfg.norm_eps)
+    h = _rmsnorm(tp, cfg, h, w, nn.ones(tp, hd), hd)
     return ops.reshape(h, (rows, n * hd))  # [N, n*hd]
 
 
@@ -74,7 +82,7 @@ def _block(tp, cfg, W, i, x, ones, lin, attend):
         return ops.add(y, W[p + target + "_bias"]) if target in cfg.biases else y
 
     def norm(name, h):
-        return nn.rmsnorm(tp, h, W[p + name], ones, cfg.dim, cfg.norm_eps)
+        return _rmsnorm(tp, cfg, h, W[p + name], ones)
 
     h = norm("attn_norm", x)  # [N, D]
     if cfg.fused:
@@ -113,7 +121,7 @@ def _embed(tp, cfg, W, ids):
 def _head(tp, cfg, W, x, ones):
     """Final RMSNorm and the LM head: ``[N, D] -> [N, V]`` (soft-capped where the family
     caps its logits)."""
-    h = nn.rmsnorm(tp, x, W["norm"], ones, cfg.dim, cfg.norm_eps)
+    h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
     logits = ops.matmul(h, table, tb=True)  # [N, V]
     return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits

@@ -66,6 +66,10 @@ def layer_cases():
     case("silu", lambda tp, x: nn.silu(tp, x), r.standard_normal((T, H)) * 3)
     case("swiglu", lambda tp, g, u: nn.swiglu(tp, g, u), r.standard_normal((T, H)) * 3,
          r.standard_normal((T, H)))
+    case("gelu_tanh", lambda tp, x: nn.gelu_tanh(tp, x), r.standard_normal((T, H)) * 3)
+    case("geglu", lambda tp, g, u: nn.geglu(tp, g, u), r.standard_normal((T, H)) * 3,
+         r.standard_normal((T, H)))
+    case("softcap", lambda tp, x: nn.softcap(tp, x, 2.5), r.standard_normal((T, H)) * 4)
     for ax in (0, 1):
         case(f"softmax_axis{ax}", lambda tp, x, ax=ax: nn.softmax(tp, x, ax),
              r.standard_normal((T, H)) * 2)
@@ -77,6 +81,13 @@ def layer_cases():
     for nh, nkv in GQA:
         build, inputs = _gqa_case(r, nh, nkv)
         case(f"gqa_{nh}_{nkv}", build, *inputs)
+    # the attention core with soft-capped scores and a sliding-window mask (Gemma 2)
+    hd, nh, nkv = 4, 4, 2
+    win = Const(np.tile(nn.causal_mask_fill(T, window=2), (1, 1)))
+    case("attention_softcap_window",
+         lambda tp, q, k, v, m: nn.attention(tp, q, k, v, m, nh, nkv, hd, 0.5, softcap=3.0),
+         r.standard_normal((T, nh * hd)) * 2, r.standard_normal((T, nkv * hd)) * 2,
+         r.standard_normal((T, nkv * hd)), win)
     V = 7
     case("cross_entropy",
          lambda tp, lg, oh: nn.cross_entropy(tp, lg, oh, ones_col(tp, V)),
@@ -106,7 +117,8 @@ SECOND_ORDER = {c for c in IDS if not c.startswith("gqa_")} | {"gqa_2_1", "gqa_6
 
 def test_every_layer_is_covered():
     layers = {"linear", "linear_bias", "lora_linear", "rmsnorm", "layernorm", "silu",
-              "swiglu", "softmax", "rope", "head", "gqa", "cross_entropy",
+              "swiglu", "gelu_tanh", "geglu", "softcap", "softmax", "rope", "head", "gqa",
+              "attention", "cross_entropy",
               "cross_entropy_rows", "cross_entropy_ids"}
     covered = {c.split("_axis")[0].split("_hd")[0].split("_keep")[0] for c in IDS}
     covered |= {c.rsplit("_", 1)[0] for c in IDS} | {c.split("_")[0] for c in IDS}

@@ -140,6 +140,12 @@ def layer_cases():
     case("silu", lambda tp, x: nn.silu(tp, x), F.silu, _n(T, H, scale=4))
     case("swiglu", lambda tp, g, u: nn.swiglu(tp, g, u), lambda g, u: F.silu(g) * u,
          _n(T, H, scale=3), _n(T, H))
+    case("gelu_tanh", lambda tp, x: nn.gelu_tanh(tp, x),
+         lambda x: F.gelu(x, approximate="tanh"), _n(T, H, scale=4))
+    case("geglu", lambda tp, g, u: nn.geglu(tp, g, u),
+         lambda g, u: F.gelu(g, approximate="tanh") * u, _n(T, H, scale=3), _n(T, H))
+    case("softcap", lambda tp, x: nn.softcap(tp, x, 5.0), lambda x: torch.tanh(x / 5.0) * 5.0,
+         _n(T, H, scale=10))
     for ax in (0, 1):
         case(f"softmax_axis{ax}", lambda tp, x, ax=ax: nn.softmax(tp, x, ax),
              lambda x, ax=ax: torch.softmax(x, ax), _n(T, H, scale=3))
@@ -215,6 +221,29 @@ def test_causal_mask_fill():
     out = np.empty((3, 5))
     assert nn.causal_mask_fill(3, out=out, past=2) is out
     np.testing.assert_array_equal(out, np.triu(np.full((3, 5), -1e9), k=3))
+
+
+def test_causal_mask_fill_sliding_window():
+    """Row i (at position past + i) sees keys j with past + i - window < j <= past + i:
+    transformers' sliding-window rule (kv_idx > q_idx - window, and causal)."""
+    for t, past, window in ((6, 0, 2), (3, 5, 4), (4, 2, 1), (5, 0, 9)):
+        q = np.arange(past, past + t)[:, None]
+        k = np.arange(past + t)[None, :]
+        seen = (k <= q) & (k > q - window)
+        np.testing.assert_array_equal(nn.causal_mask_fill(t, past=past, window=window),
+                                      np.where(seen, 0.0, -1e9))
+
+
+def test_rope_fill_frequency_factors():
+    """Factors divide each frequency (Llama 3.1 scaling): the angle table of base**(-2j/hd)
+    / f_j, as transformers applies its scaled inv_freq."""
+    t, hd, base = 9, 8, 10000.0
+    f = np.array([1.0, 1.7, 4.0, 8.0])
+    cos, sin = nn.rope_fill(t, hd, base, factors=f)
+    inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)) / torch.tensor(f)
+    ang = torch.outer(torch.arange(t, dtype=torch.float64), inv)
+    assert rel_err(cos, ang.cos().numpy()) <= ORACLE_TOL
+    assert rel_err(sin, ang.sin().numpy()) <= ORACLE_TOL
 
 
 def test_leaf_helpers():

@@ -1,9 +1,10 @@
-"""The LLaMA hyper-parameters, read from GGUF metadata or a Hugging Face config.json.
+"""The model hyper-parameters, read from GGUF metadata or a Hugging Face config.json.
 
-``LlamaConfig`` is a frozen dataclass: the numbers the model graph needs and nothing
+``LlamaConfig`` is a frozen dataclass: the numbers and switches the model graph needs
+(sizes, rope, and the features the families of ``models.arch`` differ by) and nothing
 else.  The readers here validate every value (positive sizes, heads that divide, rope
-settings we implement) and raise ``FileFormatError`` naming the file and the field; they
-do not read tensors (see ``load_gguf`` and ``load_hf``).
+settings and options we implement) and raise ``FileFormatError`` naming the file and the
+field or option; they do not read tensors (see ``load_gguf`` and ``load_hf``).
 """
 
 from __future__ import annotations

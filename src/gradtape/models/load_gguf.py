@@ -1,12 +1,14 @@
-"""Loading a llama-architecture GGUF file: config, float32 weights, tokenizer.
+"""Loading a GGUF file of a family in ``models.arch``: config, float32 weights, tokenizer.
 
 The header is read by ``formats.gguf_reader.GGUFFile``, which validates every count, offset and
 size against the file before use; tensors are dequantized by llama.cpp's own ``gguf``
 package (``gguf.quants.dequantize``: every ggml type it implements).  Weights come out in OUR names and orientation (see
 ``model``): linears ``[in, out]``, the token embedding ``[V, D]``.  llama.cpp's converter
 permuted the rows of ``attn_q``/``attn_k`` from Hugging Face's half-split rope layout into
-its interleaved one; we undo that (DESIGN.md section 2) because our rope is NEOX
-half-split.  Every tensor's shape is checked against the config before it is used.
+its interleaved one for the llama architecture only (not for qwen2, qwen3, phi3, gemma2,
+whose llama.cpp rope is NEOX already); we undo that (DESIGN.md section 2) because our
+rope is NEOX half-split.  Every tensor's name and shape is checked against the config
+before it is used; a tensor the family does not have is refused by name.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
-    """``(config, weights, tokenizer, name)`` from a llama GGUF file."""
+    """``(config, weights, tokenizer, name)`` from a GGUF model file."""
 
     path = Path(path)
     if not path.is_file():

@@ -1,11 +1,13 @@
-"""Loading a Hugging Face LLaMA folder: config.json, safetensors weights, tokenizer.json.
+"""Loading a Hugging Face model folder of any family in ``models.arch``: config.json,
+safetensors weights, tokenizer.json.
 
 Weights come from ``model.safetensors`` or the shards a ``model.safetensors.index.json``
 lists, read by a small safetensors parser (header JSON + memory map) that checks every
 dtype, shape and byte range before use and understands bfloat16 (which NumPy lacks).
 Nothing is unpickled: a folder with only ``pytorch_model.bin`` is refused.  Tensors are
-renamed to ours and transposed to ``[in, out]``; a tied LM head is left out (``tok_embd``
-serves), an untied one is kept as ``lm_head [V, D]``.
+renamed to ours by the family's name map and linears transposed to ``[in, out]``; a
+tensor the family does not have is refused by name; a tied LM head is left out
+(``tok_embd`` serves), an untied one is kept as ``lm_head [V, D]``.
 """
 
 from __future__ import annotations

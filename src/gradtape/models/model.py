@@ -1,8 +1,11 @@
 """The LLaMA model graph, recorded from ``gradtape.nn`` layers, and inference on it.
 
 ``record_forward`` records the whole forward pass (embedding, ``n_layers`` pre-norm
-blocks of GQA attention and a SwiGLU MLP, final RMSNorm, LM head) for ``n_seq`` equal-
-length sequences at once: the graph the trainer differentiates and replays.
+blocks of GQA attention and a gated MLP, final RMSNorm, LM head) for ``n_seq`` equal-
+length sequences at once: the graph the trainer differentiates and replays.  One graph
+serves every family of ``models.arch``; the config switches its features (biases, fused
+projections, q/k norms, sliding windows, rope factors, Gemma 2's norms, GeGLU and
+soft-capping).
 ``Llama.logits`` / ``Llama.generate`` run the same block (``_block``) with a KV cache:
 each layer of each chunk of new rows is recorded on its own small eager tape, the keys
 (already roped) and values of past rows are fed back as consts, so a decoded token costs
@@ -12,7 +15,11 @@ the next token from the logits.
 
 Weights are a dict of float32 arrays in OUR names and ``[in, out]`` orientation:
 ``tok_embd [V, D]``, ``layers.{i}.attn_norm [D]``, ``layers.{i}.{q,k,v,o,gate,up,down}``,
-``layers.{i}.ffn_norm [D]``, ``norm [D]`` and, for untied embeddings only, ``lm_head [V, D]``.
+``layers.{i}.ffn_norm [D]``, ``norm [D]`` and, for untied embeddings only, ``lm_head [V, D]``;
+by family also ``layers.{i}.{q,k,v,o}_bias [out]``, ``layers.{i}.{q,k}_norm [hd]``,
+``layers.{i}.qkv [D, (nh+2nkv)*hd]`` / ``layers.{i}.gate_up [D, 2F]`` in place of the
+separate projections, ``layers.{i}.post_attn_norm`` / ``post_ffn_norm [D]``
+(``LlamaConfig.weight_shapes`` lists them).
 """
 
 from __future__ import annotations

@@ -119,10 +119,10 @@ def _logits(hf, ids):
 def _float64_reference(hf, cfg):
     """transformers' model in float64 with its float32 casts removed: RMSNorm computed in
     the input dtype, rope angles from float64 frequencies, Gemma's embedding scale in
-    float64; ``hf`` must use SDPA attention
-    or ``_eager_float64`` attention (the eager path's softmax is float32).  The frequencies are gradtape's
-    formula (``rope_tables``), checked first against transformers' own float32 ``inv_freq``
-    (llama3 scaling included) so the reference keeps transformers' rope."""
+    float64; ``hf`` must use SDPA or ``_eager_float64`` attention (the eager path's
+    softmax is float32).  The frequencies are gradtape's formula (``rope_tables``),
+    checked first against transformers' own float32 ``inv_freq`` (llama3 scaling
+    included) so the reference keeps transformers' rope."""
     import types
 
     import torch
@@ -280,8 +280,9 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
 
     with torch.no_grad():
         for (layer, target), (a, b) in ad.weights.items():
-            mod(layer, target).lora_A["default"].weight.copy_(torch.tensor(a.T, dtype=torch.float64))
-            mod(layer, target).lora_B["default"].weight.copy_(torch.tensor(b.T, dtype=torch.float64))
+            m = mod(layer, target)
+            m.lora_A["default"].weight.copy_(torch.tensor(a.T, dtype=torch.float64))
+            m.lora_B["default"].weight.copy_(torch.tensor(b.T, dtype=torch.float64))
     x = torch.tensor([ids])
     loss_ref = torch.nn.functional.cross_entropy(peft_model(input_ids=x).logits[0][:-1], x[0, 1:])
     loss_ref.backward()
@@ -304,6 +305,33 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
                     rel(outs[2 + 2 * i], m.lora_B["default"].weight.grad.numpy().T))
     _report(family, "grad-vs-peft-f64", worst)
     assert worst <= 1e-9
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2"])
+def test_training_step_on_the_cpu_backend_equals_numpy(family, folders):
+    """The compiled training step of each family's graph (biases, q/k norms, fused
+    projections, GeGLU, soft-capping, windows) gives the same loss and adapter gradients
+    on the generated-C ``cpu`` backend as on the NumPy reference (float64)."""
+    import gradtape as gt
+    from gradtape import llama, nn
+    from gradtape.models.model import record_forward, weight_consts
+
+    model = llama.load(folders(family))
+    ids = _ids(model)
+    ad = _random_adapter(model)
+    tp = gt.Tape(np.float64, eager=False)
+    W = weight_consts(tp, {k: w.astype(np.float64) for k, w in model.weights.items()})
+    lora = {k: (tp.param(a.astype(np.float64)), tp.param(b.astype(np.float64)))
+            for k, (a, b) in ad.weights.items()}
+    logits = record_forward(tp, model.config, W, tp.const(np.asarray(ids)), 1, lora, ad.scale)
+    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
+    grads = tp.backward(loss)
+    outs = [loss] + [grads[p] for ab in lora.values() for p in ab]
+    ref = tp.compile(outs, backend="numpy").run()
+    got = tp.compile(outs, backend="cpu").run()
+    worst = max(rel(g, r) for g, r in zip(got, ref))
+    assert worst <= 1e-12, worst  # float64: the same math, summation order aside
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """Loading a GGUF file of a family in ``models.arch``: config, float32 weights, tokenizer.
 
-The header is read by ``formats.gguf_reader.GGUFFile``, which validates every count, offset and
-size against the file before use; tensors are dequantized by llama.cpp's own ``gguf``
-package (``gguf.quants.dequantize``: every ggml type it implements).  Weights come out in OUR names and orientation (see
+The header is read by ``formats.gguf_reader.GGUFFile``, which validates every count,
+offset and size against the file before use; tensors are dequantized by llama.cpp's own
+``gguf`` package (``gguf.quants.dequantize``: every ggml type it implements).  Weights
+come out in OUR names and orientation (see
 ``model``): linears ``[in, out]``, the token embedding ``[V, D]``.  llama.cpp's converter
 permuted the rows of ``attn_q``/``attn_k`` from Hugging Face's half-split rope layout into
 its interleaved one for the llama architecture only (not for qwen2, qwen3, phi3, gemma2,

@@ -73,7 +73,9 @@ FAMILIES = {
                "llama-bpe", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
                _GEMMA_TEMPLATE),
 }
-# Gemma 2's GGUF converter reads only a sentencepiece tokenizer.model (no byte-level BPE)
+# Gemma 2's GGUF converter reads only a sentencepiece tokenizer.model (which gradtape does
+# not read from GGUF yet), and llama.cpp's gemma2 has no query_pre_attn_scalar (it uses
+# head_dim): its GGUF test uses a variant folder (make_gemma2_spm_folder)
 GGUF_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
 
 _CORPUS = ["The quick brown fox jumps over the lazy dog.",
@@ -146,6 +148,37 @@ def make_folder(family, path, seed=0):
     if bos:
         tc["bos_token"] = bos
     (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+    return path
+
+
+def make_gemma2_spm_folder(path, seed=0):
+    """The Gemma 2 test model as llama.cpp's converter can take it: the same options but
+    query_pre_attn_scalar = head_dim (llama.cpp's rule), and a sentencepiece
+    ``tokenizer.model`` trained on the test corpus instead of tokenizer.json."""
+    import io
+
+    import sentencepiece as spm
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kw = dict(FAMILIES["gemma2"][1], query_pre_attn_scalar=16)
+    cfg = transformers.Gemma2Config(vocab_size=family_vocab_size(), bos_token_id=2,
+                                    eos_token_id=1, **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(path), safe_serialization=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_CORPUS * 8), model_writer=buf,
+                                   vocab_size=200, model_type="bpe", minloglevel=2,
+                                   hard_vocab_limit=False)
+    (path / "tokenizer.model").write_bytes(buf.getvalue())
     return path
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from families import (FAMILIES, GGUF_FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job,
-                      make_folder, model_job, rel, run_converters)
+                      make_folder, make_gemma2_spm_folder, model_job, rel, run_converters)
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -65,7 +65,12 @@ def ggufs(folders, tmp_path_factory):
     _need_converter()
     root = tmp_path_factory.mktemp("families_gguf")
     out = {f: root / f"{f}.gguf" for f in GGUF_FAMILIES}
-    run_converters([model_job(folders(f), out[f], FAMILIES[f][2]) for f in GGUF_FAMILIES], root)
+    jobs = [model_job(folders(f), out[f], FAMILIES[f][2]) for f in GGUF_FAMILIES]
+    spm_folder = make_gemma2_spm_folder(root / "gemma2-spm")
+    out["gemma2"] = root / "gemma2.gguf"
+    jobs.append(model_job(spm_folder, out["gemma2"], "default"))
+    run_converters(jobs, root)
+    out["gemma2-folder"] = spm_folder
     return out
 
 
@@ -239,6 +244,34 @@ def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folder
     assert err <= 1e-5
 
 
+def test_gemma2_gguf_from_llama_cpp_converter_loads_with_the_same_logits(ggufs, tmp_path):
+    """Gemma 2 through llama.cpp's converter (norms stored as 1 + w, soft-capping and the
+    window in metadata, alternating layers implied).  Its vocabulary is sentencepiece,
+    which gradtape does not read from GGUF: a clear error, or the model on token ids."""
+    from gradtape import llama
+    from gradtape.errors import FileFormatError
+    from gradtape.models.load_gguf import load_gguf
+    from gradtape.models.model import Llama
+
+    with pytest.raises(FileFormatError, match="tokenizer model 'llama' is not supported"):
+        llama.load(ggufs["gemma2"])
+    cfg, weights, tok, name = load_gguf(ggufs["gemma2"], tokenizer=False)
+    assert tok is None and cfg.arch == "gemma2" and cfg.sliding_layers == (0,)
+    model = Llama(cfg, weights)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, SEQ_LEN)]
+    ref = _logits(_hf(ggufs["gemma2-folder"]), ids)
+    ours_hf = llama.load(ggufs["gemma2-folder"]).logits(ids)
+    err = max(rel(model.logits(ids), ref), rel(ours_hf, ref))
+    _report("gemma2", "gguf-logits-f32", err)
+    assert err <= 1e-5
+    # our GGUF writer keeps what llama.cpp's converter wrote (1 + w norms, caps, window)
+    from gradtape.models.export import save_gguf
+    again = load_gguf(save_gguf(model, tmp_path / "again.gguf"), tokenizer=False)
+    import dataclasses
+    assert again[0] == dataclasses.replace(cfg, bos_id=None, eos_id=None)  # (no vocabulary)
+    assert all(np.array_equal(again[1][k], weights[k]) for k in weights)
+
+
 # --- LoRA: gradients, PEFT round trip, merge, GGUF-LoRA export --------------------------------
 
 def _peft_targets(cfg):
@@ -402,13 +435,13 @@ def lora_ggufs(folders, finetuned, tmp_path_factory):
     family's fine-tuned adapter (all families at once, on first use)."""
     _need_converter()
     root = tmp_path_factory.mktemp("families_lora_gguf")
-    out = {f: root / f"{f}-lora.gguf" for f in GGUF_FAMILIES}
+    out = {f: root / f"{f}-lora.gguf" for f in NAMES}
     run_converters([lora_job(finetuned(f)[1], folders(f), out[f], FAMILIES[f][2])
-                    for f in GGUF_FAMILIES], root)
+                    for f in NAMES], root)
     return out
 
 
-@pytest.mark.parametrize("family", GGUF_FAMILIES)
+@pytest.mark.parametrize("family", NAMES)
 def test_gguf_lora_export_equals_llama_cpp_converter(family, finetuned, lora_ggufs, tmp_path):
     """Our llama.cpp LoRA GGUF holds the tensors (names, shapes, values) and alpha that
     llama.cpp's own ``convert_lora_to_gguf.py`` writes for the same PEFT adapter."""

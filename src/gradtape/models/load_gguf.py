@@ -46,8 +46,10 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, out // n_head // 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
-    """``(config, weights, tokenizer, name)`` from a GGUF model file."""
+def load_gguf(path, tokenizer=True) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
+    """``(config, weights, tokenizer, name)`` from a GGUF model file; ``tokenizer=False``
+    skips the vocabulary (``None``): the model then runs on token ids, e.g. with a
+    tokenizer from elsewhere when the file's kind is one we do not read (sentencepiece)."""
 
     path = Path(path)
     if not path.is_file():
@@ -127,7 +129,7 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
         if not np.isfinite(weights[ours]).all():
             raise FileFormatError(f"{path}: tensor {gname} holds non-finite values")
     # a GGUF without a vocabulary still runs on token ids
-    tok = _tokenizer(meta, path) if "tokenizer.ggml.model" in meta else None
+    tok = _tokenizer(meta, path) if tokenizer and "tokenizer.ggml.model" in meta else None
     name = meta.get("general.name") or path.stem
     return cfg, weights, tok, str(name)
 

@@ -492,3 +492,48 @@ def test_unsupported_options_are_one_clear_error(edit, match, folders, tmp_path)
     (d / "config.json").write_text(json.dumps(cj))
     with pytest.raises(FileFormatError, match=match):
         llama.load(d)
+
+
+def _meta(arch="qwen2", **extra):
+    m = {"general.architecture": arch, f"{arch}.embedding_length": 32, f"{arch}.block_count": 2,
+         f"{arch}.attention.head_count": 4, f"{arch}.attention.head_count_kv": 2,
+         f"{arch}.feed_forward_length": 48, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6}
+    m.update({f"{arch}.{k}": v for k, v in extra.items()})
+    return m
+
+
+@pytest.mark.parametrize("meta, match", [
+    (_meta("qwen2moe"), "architecture 'qwen2moe' is not supported"),
+    (_meta("qwen2", expert_count=8), "qwen2.expert_count = 8: mixture-of-experts"),
+    (_meta("llama", **{"rope.scaling.type": "yarn"}), "rope scaling 'yarn'"),
+    (_meta("phi3", **{"rope.dimension_count": 4}), "partial rope"),
+    ({k: v for k, v in _meta("qwen3").items() if "epsilon" not in k},
+     "missing GGUF metadata key 'qwen3.attention.layer_norm_rms_epsilon'"),
+])
+def test_unsupported_gguf_metadata_is_one_clear_error(meta, match):
+    from gradtape.errors import FileFormatError
+    from gradtape.models.config import from_gguf_metadata
+    with pytest.raises(FileFormatError, match=match):
+        from_gguf_metadata(meta, "x.gguf", 100, tied=True)
+
+
+def test_gguf_metadata_of_each_family():
+    """Features come from the family, the metadata and the tensor names."""
+    from gradtape.models.config import from_gguf_metadata
+    names = ["blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias", "blk.0.attn_q.weight"]
+    c = from_gguf_metadata(_meta("qwen2"), "x", 100, True, names=names)
+    assert (c.arch, c.biases, c.qk_norm, c.fused) == ("qwen2", ("q", "k", "v"), False, False)
+    c = from_gguf_metadata(_meta("qwen3", **{"attention.key_length": 16,
+                                              "attention.value_length": 16}), "x", 100, False,
+                           names=["blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"])
+    assert (c.arch, c.head_dim, c.qk_norm, c.biases) == ("qwen3", 16, True, ())
+    c = from_gguf_metadata(_meta("phi3", **{"attention.sliding_window": 7}), "x", 100, False)
+    assert (c.arch, c.fused, c.window(0), c.window(1)) == ("phi3", True, 7, 7)
+    c = from_gguf_metadata(_meta("gemma2", **{"attention.sliding_window": 5,
+                                               "attn_logit_softcapping": 50.0,
+                                               "final_logit_softcapping": 30.0}), "x", 100, True)
+    assert (c.window(0), c.window(1), c.attn_softcap, c.final_softcap, c.act) == \
+        (5, 0, 50.0, 30.0, "gelu_tanh")
+    f = (1.0, 2.0, 4.0, 8.0)
+    c = from_gguf_metadata(_meta("llama"), "x", 100, True, rope_factors=f)
+    assert c.rope_factors == f and c.arch == "llama"

@@ -194,10 +194,13 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
                               f"(supported GGUF architectures: {', '.join(sorted(BY_GGUF))})")
     a = arch.gguf
 
-    def need(key):
+    def need_raw(key):
         if f"{a}.{key}" not in meta:
-            raise FileFormatError(f"{where}: missing GGUF metadata key {a}.{key!r}")
-        return _int(meta[f"{a}.{key}"], where, f"{a}.{key}")
+            raise FileFormatError(f"{where}: missing GGUF metadata key '{a}.{key}'")
+        return meta[f"{a}.{key}"]
+
+    def need(key):
+        return _int(need_raw(key), where, f"{a}.{key}")
 
     def opt(key, default, conv=_int):
         return conv(meta.get(f"{a}.{key}", default), where, f"{a}.{key}")
@@ -243,7 +246,7 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
                     head_dim=head_dim, ffn_dim=need("feed_forward_length"),
                     vocab_size=vocab_size,
                     rope_base=opt("rope.freq_base", 10000.0, _float),
-                    norm_eps=_float(meta.get(f"{a}.attention.layer_norm_rms_epsilon"), where,
+                    norm_eps=_float(need_raw("attention.layer_norm_rms_epsilon"), where,
                                     f"{a}.attention.layer_norm_rms_epsilon"),
                     tie_embeddings=tied,
                     max_seq_len=opt("context_length", 2048),

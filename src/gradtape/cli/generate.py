@@ -16,29 +16,33 @@ import sys
 
 import numpy as np
 
+from .. import checks
 from ..errors import GradtapeError
+from .options import adapter_folder, option
 
 
 def add_arguments(p):
     p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
                    help="'smollm2' (the embedded SmolLM2-135M-Instruct, default), a .gguf "
                         "file, or a Hugging Face model folder (config.json + safetensors)")
-    p.add_argument("--prompt", required=True, metavar="TEXT",
-                   help="the text to continue (with --chat: the user's message)")
+    option(p, "--prompt", checks.utf8_text, required=True, metavar="TEXT",
+           help="the text to continue (with --chat: the user's message)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template, "
                         "with the assistant's turn opened")
     p.add_argument("--adapter", metavar="DIR", default=None,
                    help="a LoRA adapter folder (PEFT format: adapter_config.json + "
                         "adapter_model.safetensors), e.g. from 'gradtape finetune'")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                   help="the most tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="X",
-                   help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling: keep the smallest set of tokens with total "
-                        "probability >= P (default 1.0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    option(p, "--max-new-tokens", checks.count(1), type=int, default=64, metavar="N",
+           help="the most tokens to generate (default 64)")
+    option(p, "--temperature", checks.nonnegative(), type=float, default=0.0, metavar="X",
+           help="sampling temperature; 0 = greedy (default 0)")
+    option(p, "--top-p", checks.Check(float, lo=0, hi=1, lo_open=True), type=float,
+           default=1.0, metavar="P",
+           help="nucleus sampling: keep the smallest set of tokens with total "
+                "probability >= P (default 1.0 = off)")
+    option(p, "--seed", checks.count(0), type=int, default=0,
+           help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="arithmetic precision (default float32)")
 
@@ -72,20 +76,16 @@ class StreamPrinter:
 def run(args) -> int:
     from ..models import load
 
-    if args.max_new_tokens < 1:
-        raise GradtapeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise GradtapeError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise GradtapeError(f"--top-p must be in (0, 1], got {args.top_p}")
+    # the adapter's files before the model is loaded (their contents after)
+    adapter_dir = adapter_folder(args.adapter) if args.adapter else None
     model = load(args.model)
     tok = model.tokenizer
     if tok is None:
         raise GradtapeError(f"{args.model}: the model has no tokenizer (no tokenizer.json)")
     adapter = None
-    if args.adapter:
+    if adapter_dir is not None:
         from ..models.lora import load_adapter
-        adapter = load_adapter(args.adapter, model)
+        adapter = load_adapter(adapter_dir, model)
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}],

@@ -39,16 +39,17 @@ def run(args) -> int:
     for w in args.workloads.split(","):
         if w not in known:
             raise GradtapeError(f"--workloads: unknown workload {w!r}; known: {', '.join(known)}")
-    for mod in ("torch", "transformers", "peft", "threadpoolctl"):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
     argv = ["--workloads", args.workloads, "--backend", args.backend, "--reps", str(args.reps)]
     argv += ["--json"] * args.json + ["--with-compile"] * args.with_compile
     return _benchmark(script, argv)
 
 
 def _benchmark(script, argv):
+    """The benchmark itself, with the peers it needs (importing torch takes seconds)."""
+    for mod in ("torch", "transformers", "peft", "threadpoolctl"):
+        try:
+            __import__(mod)
+        except ImportError:
+            raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
     sys.argv = [str(SCRIPT)] + argv
     return script["main"](argv)

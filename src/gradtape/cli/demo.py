@@ -18,7 +18,7 @@ from ..backends import BACKENDS
 from ..errors import GradtapeError
 from .options import option
 
-DATA = Path(__file__).resolve().parents[2] / "examples" / "records"
+DATA = Path(__file__).resolve().parents[3] / "examples" / "records"
 
 
 def add_arguments(parser):

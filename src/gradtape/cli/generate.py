@@ -18,31 +18,29 @@ import numpy as np
 
 from .. import checks
 from ..errors import GradtapeError
-from .options import adapter_folder, option
+from .options import adapter_folder
 
 
 def add_arguments(p):
     p.add_argument("--model", default="smollm2", metavar="NAME|PATH",
                    help="'smollm2' (the embedded SmolLM2-135M-Instruct, default), a .gguf "
                         "file, or a Hugging Face model folder (config.json + safetensors)")
-    option(p, "--prompt", checks.utf8_text, required=True, metavar="TEXT",
-           help="the text to continue (with --chat: the user's message)")
+    p.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="the text to continue (with --chat: the user's message)")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template, "
                         "with the assistant's turn opened")
     p.add_argument("--adapter", metavar="DIR", default=None,
                    help="a LoRA adapter folder (PEFT format: adapter_config.json + "
                         "adapter_model.safetensors), e.g. from 'gradtape finetune'")
-    option(p, "--max-new-tokens", checks.count(1), type=int, default=64, metavar="N",
-           help="the most tokens to generate (default 64)")
-    option(p, "--temperature", checks.nonnegative(), type=float, default=0.0, metavar="X",
-           help="sampling temperature; 0 = greedy (default 0)")
-    option(p, "--top-p", checks.Check(float, lo=0, hi=1, lo_open=True), type=float,
-           default=1.0, metavar="P",
-           help="nucleus sampling: keep the smallest set of tokens with total "
-                "probability >= P (default 1.0 = off)")
-    option(p, "--seed", checks.count(0), type=int, default=0,
-           help="random seed for sampling (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="the most tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                   help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the smallest set of tokens with total "
+                        "probability >= P (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="arithmetic precision (default float32)")
 
@@ -76,6 +74,11 @@ class StreamPrinter:
 def run(args) -> int:
     from ..models import load
 
+    checks.count(1)("--max-new-tokens", args.max_new_tokens)
+    checks.nonnegative()("--temperature", args.temperature)
+    checks.Check(float, lo=0, hi=1, lo_open=True)("--top-p", args.top_p)
+    checks.count(0)("--seed", args.seed)
+    checks.utf8_text("--prompt", args.prompt)
     # the adapter's files before the model is loaded (their contents after)
     adapter_dir = adapter_folder(args.adapter) if args.adapter else None
     model = load(args.model)

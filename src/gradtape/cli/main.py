@@ -57,10 +57,14 @@ def main(argv=None) -> int:
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
         modules[name], parsers[name] = mod, p
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         parser.print_help()
         return 2
+    if unknown:  # said by the command's parser: its usage, its name in the message
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     cmd = f"gradtape {args.command}"
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:

@@ -124,7 +124,9 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
     """Run (or resume) a fine-tuning job; returns a summary dict (``rank`` tells which MPI
     rank returned it: only rank 0's speaks for the run)."""
     world = distributed.world()
-    with distributed.Together(world) as together:
+    # an overflow or a NaN is caught by the loop itself (a non-finite loss or state stops
+    # the run, naming the step); NumPy's warnings about it would only add noise
+    with distributed.Together(world) as together, np.errstate(all="ignore"):
         return _finetune(cfg, model, log if world.is_root else (lambda *a, **k: None),
                          world, together)
 
@@ -175,7 +177,8 @@ def _finetune(cfg, model, log, world, together):
     records = _read_log(out) if cfg.resume and world.is_root else []
     bar = _progress(steps, start, cfg.progress and world.is_root)
     t0, tokens_done = time.perf_counter(), 0
-    with _deferred_interrupt() as interrupted:
+    # closing: the bar ends its line before an error message is printed
+    with _deferred_interrupt() as interrupted, contextlib.closing(bar):
         for step in range(start, steps):
             idx = data_mod.batch_indices(len(train), per_step, step, cfg.seed)
             # this rank's rows of each global micro-batch
@@ -188,9 +191,11 @@ def _finetune(cfg, model, log, world, together):
                                          stop=interrupted())
             if not math.isfinite(loss):  # the summed loss: every rank stops here
                 bar.close()
-                raise together.everywhere(
-                    f"loss became {loss} at step {step + 1}; stopped, the last good "
-                    f"checkpoint in {out / 'checkpoint'} is kept")
+                kept = (f"the last good checkpoint in {out / 'checkpoint'} is kept"
+                        if (out / "checkpoint" / CHECKPOINT).is_file() else
+                        "no checkpoint was written yet")
+                raise together.everywhere(f"loss became {loss} at step {step + 1}; stopped, "
+                                          f"{kept} (lower --lr or --alpha?)")
             # ranks stop together, at the step where any of them got the signal
             stopping = step_prog.stop_agreed if world.size > 1 else interrupted()
             tokens_done += n_tokens

@@ -124,7 +124,7 @@ def utf8_text(name, value):
 def input_path(path, name, kind="file") -> Path:
     """An input: it exists, is a ``kind`` ("file", "folder" or "file or folder"; a file
     is a regular file, not a device or a pipe) and is readable."""
-    p = Path(path).expanduser()
+    p = as_path(path, name)
     try:
         st = p.stat()
     except FileNotFoundError:
@@ -149,7 +149,7 @@ def output_folder(path, name) -> Path:
     """A folder to write into: an existing folder we can write in, or one we can create
     (its nearest existing ancestor is a folder we can create folders in).  Creates
     nothing: the probe is a temporary folder or file, removed at once."""
-    p = Path(path).expanduser()
+    p = as_path(path, name)
     if p.exists():
         if not p.is_dir():
             raise GradtapeError(f"{name} {p}: exists and is not a folder")
@@ -165,7 +165,7 @@ def output_folder(path, name) -> Path:
 def output_file(path, name) -> Path:
     """A file to write (replace atomically): not a folder, not a device or another special
     file, in an existing folder we can write in."""
-    p = Path(path).expanduser()
+    p = as_path(path, name)
     if p.is_dir():
         raise GradtapeError(f"{name} {p}: is a folder; give a file name")
     if p.exists() and not p.is_file():  # never replace /dev/null and the like
@@ -177,6 +177,14 @@ def output_file(path, name) -> Path:
         raise GradtapeError(f"{name} {p}: {parent} is not a folder")
     _probe(p, name, parent, f"cannot write in {parent}", folder=False)
     return p
+
+
+def as_path(path, name) -> Path:
+    """``path`` as a ``Path`` (``~`` expanded), refusing an empty one: ``Path("")`` is
+    ".", and an empty argument would quietly mean the current folder."""
+    if not str(path):
+        raise GradtapeError(f"{name}: the path is empty")
+    return Path(path).expanduser()
 
 
 def _existing_ancestor(p: Path) -> Path:

@@ -38,7 +38,6 @@ MAX_SECONDS = 20  # one command; a timer stops one that would hang
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
-UNWRITABLE = "/proc/gradtape-fuzz"  # even root cannot create files in /proc
 
 
 class Reached(BaseException):
@@ -84,6 +83,9 @@ class Paths:
         (root / "foreign" / "notes.txt").write_text("not a run")
         self.missing = str(root / "missing" / "nothing.txt")
         self.under_file = str(root / "text.txt" / "sub")
+        # even root cannot create files in /proc; elsewhere: under a file
+        self.unwritable = ("/proc/gradtape-fuzz" if Path("/proc/self").is_dir() else
+                           str(root / "text.txt" / "unwritable"))
 
     def p(self, name):
         return str(self.root / name)
@@ -103,22 +105,24 @@ class Paths:
                 st.sampled_from([self.p("bad.jsonl"), self.p("odd.jsonl"), self.p("some.bin"),
                                  self.p("nul.txt"), self.p("latin1.txt"), self.p("empty.txt"),
                                  self.p("empty-dir"), self.missing, self.under_file,
-                                 "/dev/null"]))
+                                 "/dev/null", ""]))
 
     def adapters(self):
         return (st.just(self.p("adapter")),
                 st.sampled_from([self.p("other-adapter"), self.p("bad-adapter"),
-                                 self.p("model"), self.p("text.txt"), self.missing]))
+                                 self.p("model"), self.p("text.txt"), self.missing, ""]))
 
     def out_folders(self):
         return (st.one_of(st.builds(self.fresh), st.just(self.p("run"))),
                 st.sampled_from([self.p("foreign"), self.p("text.txt"), self.under_file,
-                                 UNWRITABLE, UNWRITABLE + "/deeper", "/dev/null"]))
+                                 self.unwritable, self.unwritable + "/deeper", "/dev/null",
+                                 ""]))
 
     def out_files(self):
         return (st.builds(self.fresh, st.just(".gguf")),
                 st.sampled_from([self.p("empty-dir"), self.under_file + ".gguf",
-                                 UNWRITABLE + ".gguf", "/dev/null", self.missing + ".gguf"]))
+                                 self.unwritable + ".gguf", "/dev/null", self.missing + ".gguf",
+                                 ""]))
 
 
 # --- values: (good, bad) pairs; a bad value is out of range or of the wrong type ---------
@@ -344,7 +348,7 @@ def test_the_fuzzer_reaches_success_and_every_kind_of_error(paths, stand_ins):
         (["finetune", "--model", P.p("model"), "--data", P.p("some.bin"), "--out",
           P.fresh()], 1),
         (["finetune", "--model", P.p("model"), "--data", P.p("text.txt"), "--out",
-          UNWRITABLE], 1),
+          P.unwritable], 1),
         (["finetune", "--data", P.p("text.txt"), "--out", P.fresh(), "--seq-len", "x"], 2),
     ]
     for argv, expected in cases:

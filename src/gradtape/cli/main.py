@@ -78,11 +78,23 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{cmd}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gradtape generate ... | head`: the reader has gone
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, as a shell reports a process a closed pipe ended
     except Exception as e:  # not a mistake we foresaw: one line, the traceback on request
         if debug:
             traceback.print_exc()
         print(f"{cmd}: error: {_describe(e)} ({DEBUG_HINT})", file=sys.stderr)
         return 1
+
+
+def _silence_stdout():
+    # Python flushes stdout again at exit, into the same closed pipe; point it elsewhere
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file (captured): nothing will be flushed into a pipe
 
 
 def _describe(e):

@@ -14,8 +14,6 @@ examples:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .. import checks
 from ..errors import GradtapeError
 from .options import adapter_folder
@@ -41,7 +39,7 @@ def run(args) -> int:
     from ..models.export import merged_model, save_gguf, save_hf_folder
     from ..models.lora import load_adapter
 
-    out = Path(args.out).expanduser()
+    out = checks.as_path(args.out, "--out")
     fmt = args.format or ("gguf" if out.suffix.lower() == ".gguf" else "hf")
     # every path before the model is loaded: a mistake costs seconds
     if fmt == "hf" and out.suffix.lower() == ".gguf":

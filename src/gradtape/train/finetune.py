@@ -139,7 +139,7 @@ def _finetune(cfg, model, log, world, together):
     # the paths first (the config's values were checked when it was made): a mistake
     # costs seconds, before a model is loaded or a step is run
     out = Path(cfg.out).expanduser()
-    text = data_mod.read_data(cfg.data, name="--data")  # UTF-8, JSONL records checked
+    data_file = data_mod.read_data(cfg.data, name="--data")  # UTF-8, JSONL records checked
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
     model = model or models.load(cfg.model)
@@ -147,7 +147,7 @@ def _finetune(cfg, model, log, world, together):
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
     targets = parse_targets(cfg.targets)
-    seqs = data_mod.tokenize_data(text, model.tokenizer, cfg.seq_len,
+    seqs = data_mod.tokenize_data(data_file, model.tokenizer, cfg.seq_len,
                                   pad_id=model.tokenizer.eos_id)
     train, held = data_mod.split_eval(seqs, cfg.eval_frac, cfg.seed)
     micro_size = world.size * cfg.batch_size  # sequences per global micro-batch

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradtape.cli import main
-from gradtape.cli.main import DEBUG_HINT
+from gradtape.cli.main import COMMANDS, DEBUG_HINT
 from gradtape.models.lora import init_adapter
 
 from filebuilders import write_tiny_gguf
@@ -46,7 +46,7 @@ class Reached(BaseException):
 
 
 class Hang(BaseException):
-    pass
+    """A command ran past ``MAX_SECONDS`` (a failure: raised through the guard)."""
 
 
 class Paths:
@@ -215,8 +215,8 @@ BAD_PATH = 25
 @st.composite
 def argvs(draw, command, paths):
     """An argument vector.  Every choice is drawn so that hypothesis's simplest draw (0)
-    is the ordinary one (present, good, once), which keeps the mix near the percentages
-    below rather than near the corner cases."""
+    is the ordinary one (present, good, given once), which keeps the mix near
+    ``BAD_VALUE`` / ``BAD_PATH`` rather than at the corner cases."""
     spec = SPECS[command](paths)
     argv = [command]
     for name, values in draw(st.permutations(list(spec.items()))):
@@ -332,7 +332,8 @@ def test_fuzz_command_line(command, paths, stand_ins):
 
 def test_the_fuzzer_reaches_success_and_every_kind_of_error(paths, stand_ins):
     """The generators can produce a valid run of each command and the errors the issue
-    lists (a sanity check of the fuzzer, not of the commands)."""
+    lists (a sanity check of the fuzzer, not of the commands); every command is fuzzed."""
+    assert set(SPECS) == set(COMMANDS)
     P = paths
     cases = [
         (["finetune", "--model", P.p("model"), "--data", P.p("text.txt"), "--out",

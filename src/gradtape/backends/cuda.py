@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import GradtapeError
 from ..compile.fuse import FusedGroup, fuse, step_inputs, step_outputs
 from ..compile.memplan import plan_liveness
 from . import _cudagen as G
@@ -57,8 +58,9 @@ BF16_MIN_SIZE = 65536
 INSTALL_HINT = "pip install 'gradtape[cuda]'  (installs CuPy: cupy-cuda12x)"
 
 
-class CudaUnavailable(RuntimeError):
-    """The cuda backend cannot run here: CuPy is missing or there is no CUDA device."""
+class CudaUnavailable(GradtapeError, RuntimeError):
+    """The cuda backend cannot run here: CuPy is missing or there is no CUDA device (a
+    ``GradtapeError``: the CLI says it in one line)."""
 
 
 def require_cupy():

@@ -13,18 +13,32 @@ import json
 import time
 from pathlib import Path
 
+from .. import checks
+from ..backends import BACKENDS
 from ..errors import GradtapeError
+from .options import option
 
-DATA = Path(__file__).resolve().parents[2] / "examples" / "records"
+DATA = Path(__file__).resolve().parents[3] / "examples" / "records"
 
 
 def add_arguments(parser):
-    parser.add_argument("--out", default="runs/demo", help="run folder (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
-    parser.add_argument("--eval-n", type=int, default=30,
-                        help="held-out records to score (default: %(default)s)")
-    parser.add_argument("--backend", default="auto",
-                        help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
+    option(parser, "--out", _run_folder, default="runs/demo",
+           help="run folder (default: %(default)s)")
+    option(parser, "--steps", checks.count(1), type=int, default=30,
+           help="training steps (default: %(default)s)")
+    option(parser, "--eval-n", checks.count(1), type=int, default=30,
+           help="held-out records to score (default: %(default)s)")
+    option(parser, "--backend", checks.one_of("auto", *BACKENDS), default="auto",
+           help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
+
+
+def _run_folder(name, value):
+    """--out: a new, empty or earlier demo folder we can write in (checked before the
+    model is loaded; a demo run continues an earlier one)."""
+    from ..train.finetune import check_out_folder
+
+    out = Path(value).expanduser()
+    check_out_folder(out, resume=(out / "checkpoint" / "state.safetensors").is_file())
 
 
 def _answers(model, prompts, max_new, adapter=None):
@@ -43,7 +57,6 @@ def _score(answers, references):
 
 def run(args) -> int:
     from .. import models
-    from ..backends import BACKENDS
     from ..train.finetune import FinetuneConfig, finetune
 
     if not (DATA / "train.jsonl").is_file():
@@ -56,6 +69,12 @@ def run(args) -> int:
     prompts = [t["messages"][0]["content"] for t in test]
     refs = [t["messages"][1]["content"] for t in test]
 
+    out = Path(args.out).expanduser()
+    cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
+                         seq_len=88, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
+                         eval_every=20, save_every=20, backend=backend,
+                         resume=(out / "checkpoint" / "state.safetensors").is_file())
+
     print("loading SmolLM2-135M-Instruct ...", flush=True)
     model = models.load("smollm2")
     # an answer still going past the longest reference (+ its end token) cannot match
@@ -65,11 +84,6 @@ def run(args) -> int:
     print(f"base model: {_score(before, refs):.0%} exact JSON on {len(refs)} held-out records "
           f"({time.perf_counter() - t:.0f} s)", flush=True)
 
-    out = Path(args.out)
-    cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
-                         seq_len=88, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
-                         eval_every=20, save_every=20, backend=backend,
-                         resume=(out / "checkpoint" / "state.safetensors").is_file())
     summary = finetune(cfg, model=model)
     adapter = models.load_adapter(out / "adapter", model)
     after = _answers(model, prompts, max_new, adapter)

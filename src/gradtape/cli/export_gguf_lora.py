@@ -12,9 +12,8 @@ example:
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ..errors import GradtapeError
+from .. import checks
+from .options import adapter_folder
 
 
 def add_arguments(p):
@@ -33,15 +32,13 @@ def run(args) -> int:
     from ..models.export import save_gguf_lora
     from ..models.lora import load_adapter
 
-    out = Path(args.out).expanduser()
-    if out.is_dir():
-        raise GradtapeError(f"--out {out}: is a folder; give a .gguf file name")
-    if not out.parent.is_dir():
-        raise GradtapeError(f"--out {out}: folder {out.parent} does not exist")
+    # the paths before the model is loaded: a mistake costs seconds
+    out = checks.output_file(args.out, "--out")
+    adapter_dir = adapter_folder(args.adapter)
     model = load(args.model)
-    adapter = load_adapter(args.adapter, model)
+    adapter = load_adapter(adapter_dir, model)
     save_gguf_lora(adapter, model.config, out, args.outtype,
-                   name=Path(args.adapter).resolve().name)
+                   name=adapter_dir.resolve().name)
     print(f"wrote {out} (llama.cpp LoRA, rank {adapter.rank}, alpha "
           f"{adapter.scale * adapter.rank:g}, {len(adapter.weights)} adapted linears)")
     return 0

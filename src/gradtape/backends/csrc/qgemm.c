@@ -147,18 +147,22 @@ static void deq_q5_k(const uint8_t *b, float *restrict y, long nb) {
 
 static void deq_q6_k(const uint8_t *b, float *restrict y, long nb) {
     for (long i = 0; i < nb; i++, b += 210, y += QK) {
-        const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = h2f(b + 208);
-        for (int h = 0; h < 2; h++) {  /* halves of 128: ql bytes 64h.., qh bytes 32h.. */
-            for (int s = 0; s < 8; s++) {  /* 16-element scale groups of the half */
-                const float D = d * (float)sc[8 * h + s];
-                for (int j = 0; j < 16; j++) {
-                    const int r = 16 * s + j;
-                    const int lo = (ql[64 * h + (r & 63)] >> (4 * (r >> 6))) & 0xF;
-                    const int hi = (qh[32 * h + (r & 31)] >> (2 * (r >> 5))) & 3;
-                    y[128 * h + r] = D * (float)((lo | (hi << 4)) - 32);
-                }
+        float D[16];
+        for (int s = 0; s < 16; s++) D[s] = d * (float)sc[s];
+        for (int h = 0; h < 2; h++) {  /* halves of 128 values: ql bytes 64h.., qh 32h.. */
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            const float *Dh = D + 8 * h;
+            float *yh = y + 128 * h;
+            /* value r of the half: low 4 bits from ql[r % 64] >> 4 (r / 64), high 2 bits
+               from qh[r % 32] >> 2 (r / 32); scale r / 16 */
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                yh[l] = Dh[is] * (float)(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+                yh[l + 32] = Dh[is + 2] * (float)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                yh[l + 64] = Dh[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                yh[l + 96] = Dh[is + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
         }
     }

@@ -53,7 +53,8 @@ def lib():
             getattr(so, name).argtypes = [_i, _p, _l, _p, _l, _l, _p]
             getattr(so, name).restype = _i
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
-            getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i]
+            getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
+                                          _i, _p]
             getattr(so, name).restype = _i
         _LIB = so
     return _LIB
@@ -101,15 +102,23 @@ def tile_shape(qtype, rows, k):
     return r, c
 
 
+def transposed_layout():
+    """Whether the GEMM drivers compute each product block transposed and transpose it
+    into place (1, the default: faster with OpenBLAS here, see csrc/qgemm.c) or write it
+    directly (0).  ``$GRADTAPE_QGEMM_LAYOUT=direct`` chooses the latter."""
+    return 0 if os.environ.get("GRADTAPE_QGEMM_LAYOUT", "transposed") == "direct" else 1
+
+
 def scratch_elems(ops):
-    """Scratch values the block ops ``ops`` need: one tile (float64 tiles also hold the
-    float32 row they are widened from, which fits inside the tile's own bytes)."""
+    """Scratch values the block ops ``ops`` need: one tile, and the transposed product
+    block of the transposed layout (float64 tiles also hold the float32 row they are
+    widened from, which fits inside the tile's own bytes)."""
     need = 0
     for v in ops:
         if v.op in ("qmatmul", "qmatmul_t"):
             a = v.attrs
             r, c = tile_shape(a["qtype"], a["rows"], a["k"])
-            need = max(need, r * c)
+            need = max(need, r * c + max(r, c) * v.shape[0])
     return need
 
 
@@ -168,8 +177,12 @@ def _gemm_call(transposed, qtype, w, rows, k, a, out, tile):
     f64 = out.dtype == np.float64
     fn = {(False, False): L.gt_qgemm_f32, (True, False): L.gt_qgemm_t_f32,
           (False, True): L.gt_qgemm_f64, (True, True): L.gt_qgemm_t_f64}[(transposed, f64)]
+    T = a.shape[0]
+    if tile.size < R * C + max(R, C) * T:
+        raise RuntimeError(f"qmatmul: scratch of {tile.size} values < {R * C + max(R, C) * T}")
     args = (_type_id(qtype), w.ctypes.data, w.strides[0], rows, k, a.ctypes.data,
-            a.shape[0], out.ctypes.data, tile.ctypes.data, R, C, dg if f64 else sg, ilp64)
+            T, out.ctypes.data, tile.ctypes.data, R, C, dg if f64 else sg, ilp64,
+            transposed_layout(), tile.ctypes.data + R * C * tile.itemsize)
 
     def run():
         _check(fn(*args), "qmatmul")

@@ -157,12 +157,15 @@ static void deq_q6_k(const uint8_t *b, float *restrict y, long nb) {
             float *yh = y + 128 * h;
             /* value r of the half: low 4 bits from ql[r % 64] >> 4 (r / 64), high 2 bits
                from qh[r % 32] >> 2 (r / 32); scale r / 16 */
-            for (int l = 0; l < 32; l++) {
-                const int is = l / 16;
-                yh[l] = Dh[is] * (float)(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
-                yh[l + 32] = Dh[is + 2] * (float)(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                yh[l + 64] = Dh[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                yh[l + 96] = Dh[is + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            for (int is = 0; is < 2; is++) {  /* 16 values per scale */
+                const float d0 = Dh[is], d1 = Dh[is + 2], d2 = Dh[is + 4], d3 = Dh[is + 6];
+                for (int l = 16 * is; l < 16 * is + 16; l++) {
+                    const int a = ql[l], c = ql[l + 32], h = qh[l];
+                    yh[l] = d0 * (float)(((a & 0xF) | ((h & 3) << 4)) - 32);
+                    yh[l + 32] = d1 * (float)(((c & 0xF) | (((h >> 2) & 3) << 4)) - 32);
+                    yh[l + 64] = d2 * (float)(((a >> 4) | (((h >> 4) & 3) << 4)) - 32);
+                    yh[l + 96] = d3 * (float)(((c >> 4) | (((h >> 6) & 3) << 4)) - 32);
+                }
             }
         }
     }

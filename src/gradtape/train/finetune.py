@@ -79,7 +79,8 @@ class FinetuneConfig:
     weights: str = _opt("auto", "frozen weights: float32 (dequantized at load), stored (kept "
                                 "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
                                 "mapped, dequantized tile by tile in the matmuls) or auto "
-                                "(stored when the float32 copy would not fit in memory)")
+                                "(stored when the float32 copy would leave less than a "
+                                "fifth of the available memory)")
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64")
@@ -224,8 +225,9 @@ def _keep_quantized(cfg, path, available, log) -> bool:
     if cfg.weights == "stored":
         return True
     f32 = weight_bytes(path, keep_quantized=False)
-    if available is None or f32 + OVERHEAD <= available // 2:
-        return False  # float32 fits with room to spare: today's default
+    # float32 (today's default) unless it leaves under a fifth of the memory for the rest
+    if available is None or f32 + OVERHEAD <= 0.8 * available:
+        return False
     if cfg.weights == "auto":
         log(f"weights: the float32 copy would take {f32 / GiB:.1f} GiB of the "
             f"{available / GiB:.1f} GiB available; keeping them in their stored type")

@@ -1,6 +1,7 @@
 """Benchmarks side by side with the peers (Hugging Face transformers + PEFT), reported as
 ratios: one LoRA training step on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32),
-plus the peak memory of each.  Needs the test extras (torch, transformers, peft) and a
+plus the peak memory of each; on request an 8B-shaped Q4_K_M model kept quantized
+(``llama8b-q4km-lora``, bench/quant_bench.py).  Needs the test extras (torch, transformers, peft) and a
 source checkout (the peer code lives in bench/, not in the package).
 """
 
@@ -16,6 +17,8 @@ from ..errors import GradtapeError
 from .options import option
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
+# workloads with a script of their own (the rest go to lora_bench.py)
+SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py")}
 
 
 def add_arguments(parser):
@@ -24,7 +27,10 @@ def add_arguments(parser):
     parser.add_argument("--with-compile", action="store_true",
                         help="also compare with the peer under torch.compile (takes minutes)")
     parser.add_argument("--workloads", default="smollm2-lora,tiny-lora",
-                        help="comma-separated (default: %(default)s)")
+                        help="comma-separated (default: %(default)s); llama8b-q4km-lora: "
+                             "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "
+                             "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
+                             "4.2 GiB file once, needs about 20 GB of memory for the peer)")
     option(parser, "--backend", checks.one_of(*BACKENDS), default="cpu",
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,
@@ -34,22 +40,33 @@ def add_arguments(parser):
 def run(args) -> int:
     if not SCRIPT.is_file():
         raise GradtapeError(f"{SCRIPT} not found: gradtape bench runs from a source checkout")
-    script = runpy.run_path(str(SCRIPT))  # defines the workloads; imports only numpy
-    known = script["WORKLOADS"]
-    for w in args.workloads.split(","):
+    # lora_bench.py defines its workloads and imports only numpy at the top
+    known = tuple(runpy.run_path(str(SCRIPT))["WORKLOADS"]) + tuple(SCRIPTS)
+    names = [w for w in args.workloads.split(",") if w]
+    for w in names or [""]:
         if w not in known:
             raise GradtapeError(f"--workloads: unknown workload {w!r}; known: {', '.join(known)}")
-    argv = ["--workloads", args.workloads, "--backend", args.backend, "--reps", str(args.reps)]
-    argv += ["--json"] * args.json + ["--with-compile"] * args.with_compile
-    return _benchmark(script, argv)
+    return _benchmark(names, args)
 
 
-def _benchmark(script, argv):
-    """The benchmark itself, with the peers it needs (importing torch takes seconds)."""
+def _benchmark(names, args):
+    """Run each workload's script with the peers it needs (importing torch takes seconds)."""
     for mod in ("torch", "transformers", "peft", "threadpoolctl"):
         try:
             __import__(mod)
         except ImportError:
             raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
-    sys.argv = [str(SCRIPT)] + argv
-    return script["main"](argv)
+    rc = 0
+    for script in dict.fromkeys(SCRIPTS.get(w, SCRIPT) for w in names):
+        mine = [w for w in names if SCRIPTS.get(w, SCRIPT) == script]
+        argv = ["--workloads", ",".join(mine), "--backend", args.backend]
+        argv += ["--reps", str(args.reps)] if args.reps else []
+        argv += ["--json"] * args.json
+        if script == SCRIPT:
+            argv += ["--with-compile"] * args.with_compile
+        if not script.is_file():
+            raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
+                                "checkout")
+        sys.argv = [str(script)] + argv
+        rc = rc or runpy.run_path(str(script))["main"](argv)
+    return rc

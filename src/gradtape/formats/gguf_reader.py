@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import ggml_type
 from ..errors import FileFormatError
 
 # GGUF value types (gguf's GGUFValueType) -> struct format; 8 = string, 9 = array
@@ -109,6 +110,26 @@ class GGUFFile:
         self.data_start = start
         self.tensors = self._place(infos, start)
 
+    def release(self, tensor: "TensorInfo"):
+        """Drop this process's mapping of ``tensor``'s whole pages (``MADV_DONTNEED``;
+        the file's page cache keeps them): for data that was copied and will not be read
+        again through the map, so that it stops counting in the resident set.  Best
+        effort: a no-op where the platform cannot."""
+        import mmap
+
+        mm = getattr(self._buf, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None:
+            return
+        page = mmap.PAGESIZE
+        lo = -(-tensor.offset // page) * page
+        hi = (tensor.offset + tensor.nbytes) // page * page
+        if hi > lo:
+            try:
+                mm.madvise(advice, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
+
     # --- the primitive readers: each checks the bytes are there first ------------------
     def _need(self, n, what):
         if n > self.size - self._pos:
@@ -187,18 +208,18 @@ class GGUFFile:
 
     def _place(self, infos, start):
         """Check each tensor's type, size and byte range; return name -> TensorInfo."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGMLQuantizationType
 
         tensors, ranges = {}, []
         for name, dims, ttype, offset in infos:
             if name in tensors:
                 raise FileFormatError(f"{self.path}: tensor {name!r} appears twice")
-            try:
-                qtype = GGMLQuantizationType(ttype)
-                block, tsize = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
+            layout = ggml_type(ttype)  # block size and bytes per block (blocks.py's table)
+            if layout is None:
                 raise FileFormatError(f"{self.path}: tensor {name!r} has unknown ggml type "
-                                      f"{ttype}") from None
+                                      f"{ttype}")
+            qtype = GGMLQuantizationType(ttype)
+            block, tsize = layout.block, layout.nbytes
             n = 1
             for d in dims:  # python ints: 2^60-element tensors must not wrap around
                 n *= d

@@ -14,12 +14,14 @@ run the model.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..io import atomic_path, atomic_write_bytes
 from .arch import ARCHS, LINEARS
@@ -51,23 +53,47 @@ def merge(weights: dict, adapter) -> dict:
     once to the weight's dtype.  Neither ``weights`` nor ``adapter`` is modified; tensors
     the adapter does not touch are shared with ``weights``, not copied."""
     out = dict(weights)
-    scale = float(adapter.scale)
-    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+    for (layer, target), _ in sorted(adapter.weights.items()):
         name = f"layers.{layer}.{target}"
-        w0 = weights.get(name)
-        if w0 is None:
+        if name not in weights:
             raise GradtapeError(f"merge: the adapter adapts {name}, which the model lacks "
                                 "(adapter made for another base model?)")
-        want_a, want_b = (w0.shape[0], adapter.rank), (adapter.rank, w0.shape[1])
-        if a.shape != want_a or b.shape != want_b:
-            raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
-                                f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
-                                f"{list(want_a)}, B {list(want_b)})")
-        w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
-        w *= scale
-        w += w0  # in place: one float64 temporary per tensor
-        out[name] = w.astype(w0.dtype)
+        out[name] = merged_tensor(weights, adapter, name)
     return out
+
+
+def dense(weights, name):
+    """``weights[name]`` as a float array in our orientation; a block matrix (a weight kept
+    in its stored type, ``[out, in]``) is dequantized to float32 here, one tensor."""
+    w = weights[name]
+    if not is_block_matrix(w):
+        return w
+    d = w.dequantize()
+    return d.T if name.rsplit(".", 1)[-1] in LINEARS else d
+
+
+def merged_tensor(weights, adapter, name):
+    """``weights[name]`` with the adapter folded in when it adapts ``name`` (else as
+    ``dense`` gives it): ``w0 + scale * A @ B`` formed in float64 and rounded once to
+    float32 (the base's dtype, or float32 for a base kept in its stored type: merging
+    back into quantized blocks is not done)."""
+    w0 = dense(weights, name)
+    key = None
+    if name.startswith("layers."):
+        _, i, target = name.split(".")
+        key = (int(i), target)
+    if adapter is None or key not in adapter.weights:
+        return w0
+    a, b = adapter.weights[key]
+    want_a, want_b = (w0.shape[0], adapter.rank), (adapter.rank, w0.shape[1])
+    if a.shape != want_a or b.shape != want_b:
+        raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
+                            f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
+                            f"{list(want_a)}, B {list(want_b)})")
+    w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
+    w *= float(adapter.scale)
+    w += w0  # in place: one float64 temporary per tensor
+    return w.astype(w0.dtype)
 
 
 def merged_model(model, adapter):
@@ -138,43 +164,76 @@ def _int_if_whole(x):
     return int(x) if float(x).is_integer() else x  # transformers types some fields int
 
 
-def hf_tensors(cfg, weights, dtype="float32") -> dict:
-    """Our weights under the family's Hugging Face names, linears transposed to
-    ``[out, in]``."""
+def hf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
+    """``[(hf name, shape, make)]``: our weights under the family's Hugging Face names,
+    linears ``[out, in]``; ``make()`` builds one tensor (dequantizing a block matrix,
+    folding in ``adapter`` when given), so a writer holds one tensor at a time."""
     dt = _np_dtype(dtype)
-    arch = ARCHS[cfg.arch]
-    theirs = {ours: hf for hf, ours in arch.hf_block.items()}
+    theirs = {ours: hf for hf, ours in ARCHS[cfg.arch].hf_block.items()}
     top = {"tok_embd": "model.embed_tokens.weight", "norm": "model.norm.weight",
            "lm_head": "lm_head.weight"}
-    out = {}
-    for name, w in weights.items():
+    shapes = cfg.weight_shapes()
+
+    def make(name, linear):
+        x = merged_tensor(weights, adapter, name)
+        return np.ascontiguousarray(x.T if linear else x, dtype=dt)
+
+    out = []
+    for name in weights:
         if name.startswith("layers."):
             _, i, ours = name.split(".", 2)
             hf = f"model.layers.{i}.{theirs[ours]}"
         else:
             ours, hf = name, top[name]
-        if ours in LINEARS:
-            w = w.T  # [out, in]
-        out[hf] = np.ascontiguousarray(w, dtype=dt)
+        linear = ours in LINEARS  # [out, in]
+        shape = tuple(reversed(shapes[name])) if linear else tuple(shapes[name])
+        out.append((hf, shape, functools.partial(make, name, linear)))
     return out
 
 
-def save_hf_folder(model, folder, dtype="float32") -> Path:
+def hf_tensors(cfg, weights, dtype="float32") -> dict:
+    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
+    return {name: make() for name, _, make in hf_plan(cfg, weights, dtype)}
+
+
+def _write_safetensors(path, plan, dtype, metadata):
+    """A safetensors file written one tensor at a time from ``plan`` (``[(name, shape,
+    make)]``, every tensor of ``dtype``): the header is known from the shapes alone."""
+    dt = np.dtype(dtype)
+    code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[dt]
+    header, off = {"__metadata__": metadata}, 0
+    for name, shape, _ in plan:
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, make in plan:
+            arr = make()
+            assert arr.shape == tuple(shape) and arr.dtype == dt, (name, arr.shape, shape)
+            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+def save_hf_folder(model, folder, dtype="float32", adapter=None) -> Path:
     """Write ``model`` (config, weights, tokenizer) as a Hugging Face folder that
     transformers' ``AutoModelForCausalLM.from_pretrained`` and ``llama.load`` read:
     ``config.json``, ``generation_config.json``, ``model.safetensors`` and, when the
     model has a tokenizers-backed tokenizer, ``tokenizer.json`` + ``tokenizer_config.json``
-    (with the chat template)."""
-    from safetensors.numpy import save_file
-
+    (with the chat template).  ``adapter``: folded in tensor by tensor while writing
+    (``merged_tensor``), so a base kept in its stored type is never expanded whole."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise GradtapeError(f"{folder}: exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    tensors = hf_tensors(cfg, model.weights, dtype)
-    with atomic_path(folder / "model.safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+    if adapter is not None:
+        from .lora import check_adapter_fits
+        check_adapter_fits(adapter, cfg, "adapter")
+    _write_safetensors(folder / "model.safetensors", hf_plan(cfg, model.weights, dtype, adapter),
+                       _np_dtype(dtype), {"format": "pt"})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "hf_files"):
         for fname, text in tok.hf_files(model_max_length=cfg.max_seq_len).items():
@@ -197,34 +256,50 @@ def _eos(model):
 
 # --- GGUF model ---------------------------------------------------------------------------
 
-def gguf_tensors(cfg, weights, dtype="float32") -> dict:
-    """``{gguf name: numpy array}`` in llama.cpp's layout: linears ``[out, in]`` (ggml
-    ``[in, out]``), with q/k rows (and biases) permuted into the interleaved rope order
-    for the llama architecture; 1-d norms and biases stay float32 (as llama.cpp's
-    converter keeps them); llama3 rope factors as ``rope_freqs``."""
+def gguf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
+    """``[(gguf name, numpy shape, dtype, make)]`` in llama.cpp's layout: linears ``[out,
+    in]`` (ggml ``[in, out]``), with q/k rows (and biases) permuted into the interleaved
+    rope order for the llama architecture; 1-d norms and biases stay float32 (as
+    llama.cpp's converter keeps them); llama3 rope factors as ``rope_freqs``.  ``make()``
+    builds one tensor (see ``hf_plan``)."""
     dt = _np_dtype(dtype)
     arch = ARCHS[cfg.arch]
     theirs = {ours: g for g, ours in arch.gguf_block.items()}
     top = {"tok_embd": "token_embd", "norm": "output_norm", "lm_head": "output"}
-    out = {}
-    for name, w in weights.items():
-        if name.startswith("layers."):
-            _, i, ours = name.split(".", 2)
-            base, kind = (ours[:-5], "bias") if ours.endswith("_bias") else (ours, "weight")
-            gname = f"blk.{i}.{theirs[base]}.{kind}"
-        else:
-            base, kind, gname = name, "weight", top[name] + ".weight"
-        if base in LINEARS and kind == "weight":
+    shapes = cfg.weight_shapes()
+
+    def make(name, base, linear, tdt):
+        w = merged_tensor(weights, adapter, name)
+        if linear:
             w = w.T  # [out, in]
         if cfg.norm_plus_one and (base == "norm" or base.endswith("_norm")):
             w = np.asarray(w, np.float32) + np.float32(1.0)  # llama.cpp stores Gemma's 1 + w
         if arch.permute_qk and base in ("q", "k"):
             n = cfg.n_heads if base == "q" else cfg.n_kv_heads
             w = permute_rope_rows(np.asarray(w).reshape(w.shape[0], -1), n).reshape(w.shape)
-        out[gname] = np.ascontiguousarray(w, dtype=dt if w.ndim == 2 else np.float32)
+        return np.ascontiguousarray(w, dtype=tdt)
+
+    out = []
+    for name in weights:
+        if name.startswith("layers."):
+            _, i, ours = name.split(".", 2)
+            base, kind = (ours[:-5], "bias") if ours.endswith("_bias") else (ours, "weight")
+            gname = f"blk.{i}.{theirs[base]}.{kind}"
+        else:
+            base, kind, gname = name, "weight", top[name] + ".weight"
+        linear = base in LINEARS and kind == "weight"
+        shape = tuple(reversed(shapes[name])) if linear else tuple(shapes[name])
+        tdt = dt if len(shape) == 2 else np.dtype(np.float32)
+        out.append((gname, shape, tdt, functools.partial(make, name, base, linear, tdt)))
     if cfg.rope_factors:
-        out["rope_freqs.weight"] = np.asarray(cfg.rope_factors, dtype=np.float32)
+        factors = np.asarray(cfg.rope_factors, dtype=np.float32)
+        out.append(("rope_freqs.weight", factors.shape, factors.dtype, lambda: factors))
     return out
+
+
+def gguf_tensors(cfg, weights, dtype="float32") -> dict:
+    """``{gguf name: numpy array}`` (``gguf_plan``'s tensors, all built)."""
+    return {name: make() for name, _, _, make in gguf_plan(cfg, weights, dtype)}
 
 
 def _llama_metadata(writer, cfg, name):
@@ -362,12 +437,14 @@ def _check_gguf_can_describe(cfg):
                             f"layers; this model slides on layers {list(cfg.sliding_layers)}")
 
 
-def save_gguf(model, path, dtype="float32") -> Path:
+def save_gguf(model, path, dtype="float32", adapter=None) -> Path:
     """Write ``model`` as a GGUF of its family (float32 or float16 matrices) that
     ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
     is copied from the base GGUF when the model came from one, else rebuilt from a
     byte-level BPE ``tokenizer.json``; a tokenizer that fits neither is left out (with a
-    warning on stderr: the file then runs on token ids only)."""
+    warning on stderr: the file then runs on token ids only).  ``adapter``: folded in
+    tensor by tensor while writing (``merged_tensor``); tensors are written one at a
+    time."""
     import gguf
 
     path = Path(path)
@@ -383,7 +460,10 @@ def save_gguf(model, path, dtype="float32") -> Path:
             print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
                   f"{path.name} is written without one", file=sys.stderr)
     _check_gguf_can_describe(cfg)
-    tensors = gguf_tensors(cfg, model.weights, dt)
+    if adapter is not None:
+        from .lora import check_adapter_fits
+        check_adapter_fits(adapter, cfg, "adapter")
+    plan = gguf_plan(cfg, model.weights, dt, adapter)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, ARCHS[cfg.arch].gguf)
         w.add_type(gguf.GGUFType.MODEL)
@@ -392,11 +472,13 @@ def save_gguf(model, path, dtype="float32") -> Path:
                         else gguf.LlamaFileType.MOSTLY_F16)
         for key, value, vtype, sub in tok_fields or []:
             w.add_key_value(key, value, vtype, sub_type=sub)
-        for name, arr in tensors.items():
-            w.add_tensor(name, arr)
+        for name, shape, tdt, _ in plan:
+            w.add_tensor_info(name, shape, tdt, int(np.prod(shape, dtype=np.int64)) * tdt.itemsize)
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for name, shape, tdt, make in plan:  # one tensor in memory at a time
+            w.write_tensor_data(make())
         w.close()
     return path
 

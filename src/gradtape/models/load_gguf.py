@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import BLOCK_TYPES, BlockMatrix
 from ..errors import FileFormatError
+from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
 from .arch import BY_GGUF, LINEARS
 from .config import LlamaConfig, from_gguf_metadata
-from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
 from .tokenizer import Tokenizer
 
 _TOP_NAMES = {"token_embd": "tok_embd", "output_norm": "norm", "output": "lm_head"}
@@ -46,10 +47,17 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, out // n_head // 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path, tokenizer=True) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
+def load_gguf(path, tokenizer=True, keep_quantized=False) -> tuple[LlamaConfig, dict,
+                                                                  Tokenizer | None, str]:
     """``(config, weights, tokenizer, name)`` from a GGUF model file; ``tokenizer=False``
     skips the vocabulary (``None``): the model then runs on token ids, e.g. with a
-    tokenizer from elsewhere when the file's kind is one we do not read (sentencepiece)."""
+    tokenizer from elsewhere when the file's kind is one we do not read (sentencepiece).
+
+    ``keep_quantized``: the matrices (linears, embedding, LM head) stay in their stored
+    ggml type as ``BlockMatrix`` views of the memory-mapped file (``[out, in]``, as
+    stored; llama q/k rows un-permuted into a copy), never expanded; F32 matrices and the
+    norms load as float32.  A matrix of a ggml type we cannot run is an error naming it.
+    """
 
     path = Path(path)
     if not path.is_file():
@@ -109,6 +117,11 @@ def load_gguf(path, tokenizer=True) -> tuple[LlamaConfig, dict, Tokenizer | None
 
     weights = {}
     for ours, (gname, t, np_shape) in chosen.items():
+        if keep_quantized and len(np_shape) == 2 and t.tensor_type.name not in ("F32", "F64"):
+            weights[ours] = _blocks(path, cfg, arch, ours, gname, t, np_shape)
+            if not np.may_share_memory(weights[ours].data, t.data):  # a permuted copy:
+                gf.release(t)  # the mapped pages it was made from are not read again
+            continue
         w = _dequantized(path, gname, t).reshape(np_shape)
         base = _base(ours)
         # only llama.cpp's llama architecture permutes q/k rows (and their biases)
@@ -148,6 +161,25 @@ def _dequantized(path, gname, t):
         raise FileFormatError(f"{path}: tensor {gname} is truncated or corrupt "
                               f"({type(e).__name__}: {e})") from None
     return np.asarray(w, dtype=np.float32)
+
+
+def _blocks(path, cfg, arch, ours, gname, t, np_shape):
+    """The stored blocks of one matrix as a ``BlockMatrix [rows, k]`` (the file's ``[out,
+    in]``): a view of the mapped file (the reader checked its byte range), or for the
+    llama architecture's q/k a copy of the blocks with rows in Hugging Face's half-split
+    rope order (a row is whole blocks, so permuting rows is exact)."""
+    qtype = t.tensor_type.name
+    if qtype not in BLOCK_TYPES:
+        raise FileFormatError(f"{path}: tensor {gname} has ggml type {qtype}, which gradtape "
+                              "cannot keep quantized (it runs "
+                              f"{', '.join(sorted(BLOCK_TYPES))}); load it dequantized to "
+                              "float32 instead (keep_quantized=False, --weights float32)")
+    data = t.data
+    base = _base(ours)
+    if arch.permute_qk and base in ("q", "k"):
+        data = np.ascontiguousarray(
+            unpermute_rope_rows(data, cfg.n_heads if base == "q" else cfg.n_kv_heads))
+    return BlockMatrix(qtype, np_shape, data)
 
 
 def _tokenizer(meta, path):

@@ -20,6 +20,9 @@ by family also ``layers.{i}.{q,k,v,o}_bias [out]``, ``layers.{i}.{q,k}_norm [hd]
 ``layers.{i}.qkv [D, (nh+2nkv)*hd]`` / ``layers.{i}.gate_up [D, 2F]`` in place of the
 separate projections, ``layers.{i}.post_attn_norm`` / ``post_ffn_norm [D]``
 (``LlamaConfig.weight_shapes`` lists them).
+A matrix may instead be a ``blocks.BlockMatrix`` (a frozen weight in its stored type,
+``[out, in]`` as stored: ``load(..., keep_quantized=True)``); the ``nn`` layers dispatch
+on it (``linear``, ``embedding``, ``linear_rows``), so the graph code is the same.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import nn, ops
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..tape import Tape
 from .config import LlamaConfig
@@ -121,7 +125,7 @@ def _block(tp, cfg, W, i, x, ones, lin, attend):
 
 def _embed(tp, cfg, W, ids):
     """Token embeddings ``[N, D]``, times sqrt(D) where the family scales them (Gemma)."""
-    x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
+    x = nn.embedding(tp, W["tok_embd"], ids)  # [N, D]
     return ops.scale(x, math.sqrt(cfg.dim)) if cfg.embed_scale else x
 
 
@@ -130,7 +134,7 @@ def _head(tp, cfg, W, x, ones):
     caps its logits)."""
     h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
-    logits = ops.matmul(h, table, tb=True)  # [N, V]
+    logits = nn.linear_rows(tp, h, table)  # [N, V]
     return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits
 
 
@@ -420,9 +424,11 @@ class Llama:
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise GradtapeError(f"dtype must be float32 or float64, got {dtype}")
-        if all(w.dtype == dtype for w in self.weights.values()):
+        if all(is_block_matrix(w) or w.dtype == dtype for w in self.weights.values()):
             return self.weights
-        return {k: w.astype(dtype) for k, w in self.weights.items()}
+        # block matrices stay as they are: the block primitives compute in the tape's dtype
+        return {k: w if is_block_matrix(w) else w.astype(dtype)
+                for k, w in self.weights.items()}
 
     def _lora(self, adapter, dtype):
         """``(lora arrays {(layer, target): (A, B)}, scale)`` from an adapter object."""

@@ -26,6 +26,7 @@ from .. import nn, ops
 from ..errors import GradtapeError
 from ..tape import Tape
 from .config import LlamaConfig
+from .generate import Sampling, check_length, check_stop_strings, run_loop
 from .lora import check_adapter_fits
 
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
@@ -285,25 +286,6 @@ class DecodeStep:
         return outs[0][0]
 
 
-# --- sampling -----------------------------------------------------------------------------
-
-def sample_next(logits_row, temperature, top_p, rng) -> int:
-    """Greedy (``temperature == 0``) or temperature / nucleus (top-p) sampling."""
-    if temperature <= 0.0:
-        return int(np.argmax(logits_row))
-    z = logits_row.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest set with mass >= top_p
-        q = np.zeros_like(p)
-        q[keep] = p[keep]
-        p = q / q.sum()
-    return int(rng.choice(len(p), p=p))
-
-
 # --- the model object ---------------------------------------------------------------------
 
 class Llama:
@@ -392,40 +374,38 @@ class Llama:
                                                                  dtype, cap))
         return hit[1]
 
-    def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0,
-                 top_p=1.0, stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
+    def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,
+                 top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=None,
+                 stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
-        temperature / top-p sampling seeded by ``seed``; stops after an end-of-sequence
-        token (which is included) or ``max_new_tokens``.  ``stream(token_id)`` is called
-        for each new token as it is produced."""
+        sampled (``generate.Sampling`` gives the steps: repetition penalty, temperature,
+        top-k, top-p, min-p) from a generator seeded by ``seed``.  Stops after an
+        end-of-sequence token (``stop_ids``, default the tokenizer's), after the token that
+        completes one of the ``stop`` strings (both included), or after
+        ``max_new_tokens``; the prompt plus ``max_new_tokens`` must fit the context.
+        ``stream(token_id)`` is called for each new token as it is produced."""
+        s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        stop = check_stop_strings(stop)
+        if stop and self.tokenizer is None:
+            raise GradtapeError("stop strings need a tokenizer, and this model has none")
         ids = self._check_ids(ids)
         if ids.size == 0:
             raise GradtapeError("generate: needs a prompt of at least one token")
-        if max_new_tokens < 0:
-            raise GradtapeError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise GradtapeError(f"need temperature >= 0 and 0 < top_p <= 1, got "
-                                f"{temperature}, {top_p}")
+        check_length(len(ids), max_new_tokens, self.config.max_seq_len)
         stops = self.stop_ids if stop_ids is None else frozenset(stop_ids)
         W = self._weights_as(dtype)
         lora, scale = self._lora(adapter, dtype)
-        rng = np.random.default_rng(seed)
         cache = KVCache.empty(self.config)
-        out = []
-        if max_new_tokens == 0:
-            return out
-        last = None
-        for a in range(0, len(ids), PREFILL_CHUNK):  # the prompt, in bounded chunks
-            last = forward_cached(self.config, W, ids[a:a + PREFILL_CHUNK], cache, lora,
-                                  scale, dtype)[-1]
-        step = None
-        while True:
-            tok = sample_next(last, temperature, top_p, rng)
-            out.append(tok)
-            if stream is not None:
-                stream(tok)
-            if tok in stops or len(out) >= max_new_tokens:
-                return out
+        state = {}
+
+        def prefill(prompt):  # the prompt, in bounded chunks
+            for a in range(0, len(prompt), PREFILL_CHUNK):
+                last = forward_cached(self.config, W, prompt[a:a + PREFILL_CHUNK], cache,
+                                      lora, scale, dtype)[-1]
+            return last
+
+        def decode(tok):
+            step = state.get("step")
             if step is None or step.length >= step.cap:  # (re)build with room to grow
                 need = len(ids) + max_new_tokens - 1
                 cap = min(need, max(2 * (step.cap if step else 0), len(ids) + 256))
@@ -434,5 +414,8 @@ class Llama:
                     grown.load(cache)
                 else:
                     grown.take(step)
-                step = grown
-            last = step(tok)
+                step = state["step"] = grown
+            return step(tok)
+
+        return run_loop(ids, max_new_tokens, s, prefill, decode, stops, stop,
+                        self.tokenizer.decode if stop else None, stream)

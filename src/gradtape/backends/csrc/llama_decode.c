@@ -1,0 +1,191 @@
+/* One LLaMA decode step (a single new token) in one call, from the weights as stored.
+
+   Compiled after ggml_vec.c (same translation unit).  The whole step runs in one OpenMP
+   parallel region: the matrix-vector products (the bytes of every weight are read once
+   per token, and that decides the speed) split their rows over the threads; the small
+   row operations (RMSNorm, rope, the LoRA down-projections x @ A) run on one thread
+   between barriers; attention splits over query heads.  The math is model.py's _block
+   for one row, in float32, with sums of squares and softmax sums in double:
+     h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B);  rope(q), rope(k)
+     (NEOX half-split, the caller's cos/sin rows);  append k, v to the cache at pos;
+     per query head: softmax(q k^T / sqrt(hd)) v over the pos + 1 cached rows (GQA: query
+     head i reads kv head i / (nh / nkv));  x += attn Wo;  h = rmsnorm(x) * w;
+     x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
+   Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
+   unmerged LoRA pair A [in, r], B [r, out] (float32) with its scale. */
+
+typedef struct {
+    const uint8_t *w;       /* blocks, rows = out, row_bytes apart */
+    int64_t type, rows, k, row_bytes;
+    const float *a, *b;     /* LoRA A [k, r], B [r, rows]; NULL: none */
+    int64_t r;
+    float scale;
+} gd_lin;
+
+enum { GD_Q, GD_K, GD_V, GD_O, GD_GATE, GD_UP, GD_DOWN, GD_NLIN };
+
+typedef struct {
+    int64_t dim, n_layers, nh, nkv, hd, ffn, vocab, cap, nthreads;
+    float eps;
+    const gd_lin *lin;        /* [n_layers * GD_NLIN] */
+    gd_lin embd, head;        /* token table [vocab, dim] and LM head [vocab, dim] */
+    const float *attn_norm, *ffn_norm, *norm;   /* [n_layers, dim], ..., [dim] */
+    float *kc, *vc;           /* caches [n_layers, cap, nkv*hd] (roped keys, values) */
+    const float *cos, *sin;   /* rope tables [cap, hd/2] */
+    float *scratch;           /* gd_scratch_floats(m) floats */
+} gd_model;
+
+int64_t gd_scratch_floats(const gd_model *m) {
+    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head */
+    return 2 * m->dim + 2 * m->nh * m->hd + 2 * m->nkv * m->hd + 2 * m->ffn + 256
+           + m->nh * (m->cap + 1);
+}
+
+static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* t[j] = sum_i x[i] A[i, j]: the LoRA down-projection (r <= 64) */
+static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
+    for (int64_t j = 0; j < L->r; j++) t[j] = 0.0f;
+    for (int64_t i = 0; i < L->k; i++)
+        for (int64_t j = 0; j < L->r; j++) t[j] += x[i] * L->a[i * L->r + j];
+}
+
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows */
+static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
+#ifdef _OPENMP
+    #pragma omp for schedule(static, 16) nowait
+#endif
+    for (int64_t c = 0; c < L->rows; c += 16) {
+        int64_t e = c + 16 < L->rows ? c + 16 : L->rows;
+        gv_rows(L->type, L->w, L->row_bytes, L->k, c, e, x, 1, L->k, y, L->rows, acc);
+        if (L->a)
+            for (int64_t r = c; r < e; r++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < L->r; j++) s += t[j] * L->b[j * L->rows + r];
+                y[r] += L->scale * s;
+            }
+    }
+}
+
+static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
+    const int64_t h2 = hd / 2;
+    for (int64_t h = 0; h < nheads; h++) {
+        float *p = v + h * hd;
+        for (int64_t j = 0; j < h2; j++) {
+            float x1 = p[j], x2 = p[j + h2];
+            p[j] = x1 * c[j] - x2 * s[j];
+            p[j + h2] = x2 * c[j] + x1 * s[j];
+        }
+    }
+}
+
+/* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
+static inline float gd_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
+
+/* logits[vocab] of `token` at position `pos` (< cap); the caches get row pos. */
+void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
+    const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
+    const int64_t kvw = nkv * hd, g = nh / nkv, n = pos + 1;
+    float *x = m->scratch, *h = x + D, *q = h + D, *k = q + nh * hd, *v = k + kvw;
+    float *att = v + kvw, *mlp = att + nh * hd, *up = mlp + F, *t = up + F;
+    float *sc = t + 256;
+    float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
+    const float *cs = m->cos + pos * (hd / 2), *sn = m->sin + pos * (hd / 2);
+    const float iscale = (float)(1.0 / sqrt((double)hd));
+    gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)m->nthreads)
+#endif
+    {
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gd_lin *L = m->lin + i * GD_NLIN;
+        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        {
+            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
+            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h, tq);
+            if (L[GD_K].a) gd_lora_t(&L[GD_K], h, tk);
+            if (L[GD_V].a) gd_lora_t(&L[GD_V], h, tv);
+        }  /* implicit barrier */
+        gd_linear(&L[GD_Q], h, tq, q, 0);
+        gd_linear(&L[GD_K], h, tk, k, 0);
+        gd_linear(&L[GD_V], h, tv, v, 0);
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp single
+#endif
+        {
+            gd_rope(q, nh, hd, cs, sn);
+            gd_rope(k, nkv, hd, cs, sn);
+            memcpy(kc + pos * kvw, k, kvw * sizeof(float));
+            memcpy(vc + pos * kvw, v, kvw * sizeof(float));
+        }
+#ifdef _OPENMP
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t qh = 0; qh < nh; qh++) {
+            const int64_t kh = qh / g;
+            const float *qv = q + qh * hd;
+            float *s = sc + qh * (m->cap + 1), mx = -INFINITY;
+            for (int64_t p = 0; p < n; p++) {
+                const float *kp = kc + p * kvw + kh * hd;
+                float a[16] = {0};
+                for (int64_t j = 0; j < hd; j += 16)
+                    for (int l = 0; l < 16 && j + l < hd; l++) a[l] += qv[j + l] * kp[j + l];
+                s[p] = gv_hsum(a) * iscale;
+                mx = s[p] > mx ? s[p] : mx;
+            }
+            double den = 0.0;
+            for (int64_t p = 0; p < n; p++) { s[p] = expf(s[p] - mx); den += s[p]; }
+            const float inv = (float)(1.0 / den);
+            float *o = att + qh * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+            for (int64_t p = 0; p < n; p++) {
+                const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+            }
+        }  /* implicit barrier */
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        if (L[GD_O].a) gd_lora_t(&L[GD_O], att, tq);
+        gd_linear(&L[GD_O], att, tq, x, 1);  /* x += attn Wo: each row owned by one thread */
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp single
+#endif
+        {
+            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h, tk);
+            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h, tu);
+        }
+        gd_linear(&L[GD_GATE], h, tk, mlp, 0);
+        gd_linear(&L[GD_UP], h, tu, up, 0);
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t j = 0; j < F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        if (L[GD_DOWN].a) gd_lora_t(&L[GD_DOWN], mlp, tv);
+        gd_linear(&L[GD_DOWN], mlp, tv, x, 1);
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+    }
+#ifdef _OPENMP
+    #pragma omp single
+#endif
+    gd_rmsnorm(x, m->norm, h, D, m->eps);
+    gd_linear(&m->head, h, 0, logits, 0);
+    }
+}

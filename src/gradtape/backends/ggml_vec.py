@@ -1,0 +1,129 @@
+"""Matrix-vector products and row lookups straight from ggml blocks, and the one-call
+LLaMA decode step built on them (``csrc/ggml_vec.c``, ``csrc/llama_decode.c``).
+
+A block matrix here is ``(qtype, data)``: a ggml type name and a ``uint8`` array
+``[rows, row_bytes]`` (a view of a memory-mapped GGUF file: never copied or expanded);
+its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
+``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
+exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
+threads.  This module does not quantize activations, run training GEMMs (the cpu
+backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
+the decode step).
+
+The C sources are compiled once with OpenMP by ``_cgen.build`` and cached; without a C
+compiler ``available()`` is False and callers use the NumPy reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from . import _cgen
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("ggml_vec.c", "llama_decode.c")
+FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
+
+# ggml type name -> (ggml id, elements per block, bytes per block)
+QTYPES = {
+    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
+
+_LIB = []
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def threads() -> int:
+    """Threads for the kernels: $GRADTAPE_THREADS, else the CPUs this process may use."""
+    env = os.environ.get("GRADTAPE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def lib():
+    """The compiled library (built on first use, cached on disk by source hash)."""
+    if not _LIB:
+        src = "\n".join((CSRC / name).read_text() for name in SOURCES)
+        path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
+        so = ctypes.CDLL(str(path))
+        so.gv_block_elems.restype = _i64
+        so.gv_block_elems.argtypes = [_i64]
+        so.gv_matvec.restype = None
+        so.gv_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
+        so.gv_take_rows.restype = None
+        so.gv_take_rows.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr]
+        so.gd_scratch_floats.restype = _i64
+        so.gd_step.restype = None
+        so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
+        _LIB.append(so)
+    return _LIB[0]
+
+
+def available() -> bool:
+    try:
+        lib()
+    except (_cgen.CompilerMissing, RuntimeError, OSError):
+        return False
+    return True
+
+
+def row_elems(qtype: str, data: np.ndarray) -> int:
+    """``k``: the logical row length of blocks ``data [rows, row_bytes]``."""
+    if qtype not in QTYPES:
+        raise ValueError(f"ggml_vec: type {qtype} is not supported (supported: "
+                         f"{', '.join(QTYPES)})")
+    _, qk, bs = QTYPES[qtype]
+    if data.ndim != 2 or data.dtype != np.uint8 or data.shape[1] % bs:
+        raise ValueError(f"ggml_vec: {qtype} blocks must be uint8 [rows, n*{bs}], got "
+                         f"{data.dtype} {list(data.shape)}")
+    return data.shape[1] // bs * qk
+
+
+def _check(qtype, data):
+    k = row_elems(qtype, data)
+    if not data.flags.c_contiguous:
+        raise ValueError("ggml_vec: block rows must be C-contiguous")
+    min_k = 16 if QTYPES[qtype][1] == 1 else QTYPES[qtype][1]
+    if k % min_k:
+        raise ValueError(f"ggml_vec: {qtype} rows of {k} elements: the kernel needs a "
+                         f"multiple of {min_k}")
+    return k
+
+
+def matvec(qtype: str, data: np.ndarray, x: np.ndarray, out=None, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` (float32), ``W`` = ``(qtype, data)``."""
+    k = _check(qtype, data)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"ggml_vec.matvec: x{list(x.shape)} against W[{data.shape[0]}, {k}]: "
+                         f"need [T <= {MAX_ROWS}, {k}]")
+    rows, T = data.shape[0], x.shape[0]
+    if out is None:
+        out = np.empty((T, rows), np.float32)
+    lib().gv_matvec(QTYPES[qtype][0], data.ctypes.data, rows, k, data.shape[1],
+                    x.ctypes.data, T, out.ctypes.data, nthreads or threads())
+    return out
+
+
+def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
+    """Rows ``ids`` of a block table, dequantized: ``[len(ids), k]`` float32."""
+    k = _check(qtype, data)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= data.shape[0]):
+        raise ValueError(f"ggml_vec.take_rows: ids out of range [0, {data.shape[0]})")
+    out = np.empty((ids.size, k), np.float32)
+    lib().gv_take_rows(QTYPES[qtype][0], data.ctypes.data, k, data.shape[1],
+                       ids.ctypes.data, ids.size, out.ctypes.data)
+    return out

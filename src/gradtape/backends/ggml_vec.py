@@ -10,7 +10,7 @@ threads.  This module does not quantize activations, run training GEMMs (the cpu
 backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
 the decode step).
 
-The C sources are compiled once with OpenMP by ``_cgen.build`` and cached; without a C
+The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``) are compiled once with OpenMP by ``_cgen.build`` and cached; without a C
 compiler ``available()`` is False and callers use the NumPy reference.
 """
 
@@ -55,7 +55,7 @@ def threads() -> int:
 def lib():
     """The compiled library (built on first use, cached on disk by source hash)."""
     if not _LIB:
-        src = "\n".join((CSRC / name).read_text() for name in SOURCES)
+        src = "\n".join([_cgen.PRELUDE] + [(CSRC / name).read_text() for name in SOURCES])
         path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
         so = ctypes.CDLL(str(path))
         so.gv_block_elems.restype = _i64

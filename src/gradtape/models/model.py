@@ -164,9 +164,9 @@ def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale):
 
 
 def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
-                   dtype=np.float32) -> np.ndarray:
+                   dtype=np.float32, last_only=False) -> np.ndarray:
     """Logits ``[t, V]`` of ``t`` new rows after the ``cache.length`` rows in ``cache``
-    (which is extended).  ``weights``: arrays of ``dtype``; ``lora``: ``{(layer, target):
+    (which is extended); ``[1, V]`` of the last row only with ``last_only``.  ``weights``: arrays of ``dtype``; ``lora``: ``{(layer, target):
     (A, B)}`` arrays.  Each layer is recorded on its own eager tape from ``_block``."""
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
@@ -198,6 +198,8 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         x = out.value
         cache.k[i], cache.v[i] = kv["k"].value, kv["v"].value
     cache.length = start + t
+    if last_only:
+        x = x[-1:]  # [1, D]
     tp = Tape(dtype)
     return _head(tp, cfg, _Consts(tp, weights), tp.const(x), nn.ones(tp, cfg.dim)).value
 
@@ -374,16 +376,47 @@ class Llama:
                                                                  dtype, cap))
         return hit[1]
 
+    def _use_blocks(self, decoder, dtype, lora):
+        if decoder not in ("auto", "blocks", "graph"):
+            raise GradtapeError(f"decoder must be 'auto', 'blocks' or 'graph', got {decoder!r}")
+        if decoder == "graph":
+            return False
+        from . import decode_engine
+        ok = (np.dtype(dtype) == np.float32 and decode_engine.supported(self)
+              and all(a.shape[1] <= decode_engine.MAX_RANK for a, _ in (lora or {}).values()))
+        if decoder == "blocks" and not ok:
+            raise GradtapeError("decoder 'blocks' needs float32, a C compiler, row lengths "
+                                "that are multiples of 16 and a LoRA rank <= "
+                                f"{decode_engine.MAX_RANK}")
+        return ok
+
+    def _block_decoder(self, adapter, lora, scale, need):
+        """A ``decode_engine.BlockDecoder`` with room for ``need`` rows, reused across
+        calls with the same adapter (capacity rounded up to a multiple of 256)."""
+        from . import decode_engine
+        if getattr(self, "_blocks", None) is None:
+            self._blocks = decode_engine.block_weights(self)
+        hit = getattr(self, "_block_dec", None)
+        if hit is None or hit[0] is not adapter or hit[1].cap < need:
+            cap = min(-(-need // 256) * 256, max(need, self.config.max_seq_len))
+            hit = self._block_dec = (adapter, decode_engine.BlockDecoder(
+                self, self._blocks, lora, scale, cap))
+        return hit[1]
+
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,
                  top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=None,
-                 stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
+                 stream=None, dtype=np.float32, stop_ids=None, decoder="auto") -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
         sampled (``generate.Sampling`` gives the steps: repetition penalty, temperature,
         top-k, top-p, min-p) from a generator seeded by ``seed``.  Stops after an
         end-of-sequence token (``stop_ids``, default the tokenizer's), after the token that
         completes one of the ``stop`` strings (both included), or after
         ``max_new_tokens``; the prompt plus ``max_new_tokens`` must fit the context.
-        ``stream(token_id)`` is called for each new token as it is produced."""
+        ``stream(token_id)`` is called for each new token as it is produced.
+
+        ``decoder``: ``"blocks"`` decodes with the one-call C step over the weights as
+        stored (``decode_engine``; float32 only), ``"graph"`` replays the recorded graph
+        (``DecodeStep``), ``"auto"`` (default) takes ``"blocks"`` where it can run."""
         s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         stop = check_stop_strings(stop)
         if stop and self.tokenizer is None:
@@ -397,14 +430,21 @@ class Llama:
         lora, scale = self._lora(adapter, dtype)
         cache = KVCache.empty(self.config)
         state = {}
+        fast = self._use_blocks(decoder, dtype, lora)
 
-        def prefill(prompt):  # the prompt, in bounded chunks
+        def prefill(prompt):  # the prompt, in bounded chunks, through the batched graph
             for a in range(0, len(prompt), PREFILL_CHUNK):
                 last = forward_cached(self.config, W, prompt[a:a + PREFILL_CHUNK], cache,
-                                      lora, scale, dtype)[-1]
+                                      lora, scale, dtype, last_only=True)[-1]
+            if fast:
+                state["fast"] = self._block_decoder(adapter, lora, scale,
+                                                    len(prompt) + max_new_tokens)
+                state["fast"].load(cache)
             return last
 
         def decode(tok):
+            if fast:
+                return state["fast"].step(tok)
             step = state.get("step")
             if step is None or step.length >= step.cap:  # (re)build with room to grow
                 need = len(ids) + max_new_tokens - 1

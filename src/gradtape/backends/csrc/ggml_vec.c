@@ -207,6 +207,91 @@ GV_DOT(dot_f16, 16, 32, deq_f16)
 GV_DOT(dot_bf16, 16, 32, deq_bf16)
 GV_DOT(dot_f32, 16, 64, deq_f32)
 
+/* --- AVX-512 single-row dots for the common 32-element types ---------------------------
+   The block scale is factored out of the block's sum: for Q4_1,
+     sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * xs_b,   xs_b = sum_j x_j of block b
+   (xs precomputed once per x for all rows), so a block costs two int->float converts,
+   two multiply-adds and one scaled accumulate.  Same weights, float32 sums; only the
+   rounding order differs from dequantizing first. */
+#ifdef __AVX512F__
+#define GV_FAST 1
+static inline __m512 gv_nib(__m128i q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+}
+static inline __m512 gv_q4_sum(const uint8_t *qs, const float *xb) {
+    /* sum over a 32-element block of nib_j * x_j, in 16 lanes */
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m512 lo = gv_nib(_mm_and_si128(q, m4));
+    const __m512 hi = gv_nib(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+/* two blocks per iteration into two accumulators: the multiply-add chains overlap */
+static float dot1_q4_1(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 20 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 20)), gv_q4_sum(p + 24, x + 32 * b + 32), a1);
+        m0 += gv_h2f(p + 2) * xs[b];
+        m1 += gv_h2f(p + 22) * xs[b + 1];
+    }
+    if (b < nb) {
+        const uint8_t *p = row + 20 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        m0 += gv_h2f(p + 2) * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+}
+static float dot1_q4_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    /* d * sum (q - 8) x = d * (sum q x - 8 xs_b) */
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 18 * b;
+        const float d0 = gv_h2f(p), d1 = gv_h2f(p + 18);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), gv_q4_sum(p + 20, x + 32 * b + 32), a1);
+        m0 -= 8.0f * d0 * xs[b];
+        m1 -= 8.0f * d1 * xs[b + 1];
+    }
+    if (b < nb) {
+        const uint8_t *p = row + 18 * b;
+        const float d0 = gv_h2f(p);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
+        m0 -= 8.0f * d0 * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+}
+static inline __m512 gv_q8_sum(const uint8_t *qs, const float *xb) {
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+    return _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f0, _mm512_loadu_ps(xb)));
+}
+static float dot1_q8_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    (void)xs;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 34 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q8_sum(p + 2, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 34)), gv_q8_sum(p + 36, x + 32 * b + 32), a1);
+    }
+    if (b < nb)
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(row + 34 * b)),
+                             gv_q8_sum(row + 34 * b + 2, x + 32 * b), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+typedef float (*gv_dot1_fn)(const uint8_t *, int64_t, const float *, const float *);
+static gv_dot1_fn gv_fast1(int64_t type) {
+    return type == T_Q4_1 ? dot1_q4_1 : type == T_Q4_0 ? dot1_q4_0
+         : type == T_Q8_0 ? dot1_q8_0 : 0;
+}
+#endif
+
 typedef void (*gv_dot_fn)(const uint8_t *, int64_t, const float *, int64_t, int64_t, float *);
 
 /* block size in elements (0: unsupported) and the row kernel of a ggml type */
@@ -238,6 +323,21 @@ static void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k
     gv_dot_fn fn;
     const int64_t qk = gv_qk(type, &fn), nb = k / qk;
     float o[4];
+#ifdef GV_FAST
+    gv_dot1_fn f1 = gv_fast1(type);
+    if (T == 1 && f1 && nb <= 4096) {
+        float xs[4096];  /* block sums of x */
+        for (int64_t b = 0; b < nb; b++)
+            xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + 32 * b),
+                                                       _mm512_loadu_ps(x + 32 * b + 16)));
+        for (int64_t r = r0; r < r1; r++) {
+            const float v = f1(W + r * row_bytes, nb, x, xs);
+            if (accumulate) y[r] += v;
+            else y[r] = v;
+        }
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         fn(W + r * row_bytes, nb, x, T, ldx, o);
         for (int64_t t = 0; t < T; t++) {
@@ -248,16 +348,30 @@ static void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k
 }
 
 /* y[T, rows] = x[T, k] @ deq(W)[rows, k]^T, T <= 4, rows split over nthreads threads. */
+/* The share of rows [r0, r1) of thread `tid` of `nt`: contiguous, in multiples of 16
+   rows (one pass over x per thread). */
+static void gv_share(int64_t rows, int64_t tid, int64_t nt, int64_t *r0, int64_t *r1) {
+    const int64_t chunks = (rows + 15) / 16;
+    *r0 = chunks * tid / nt * 16;
+    *r1 = chunks * (tid + 1) / nt * 16;
+    if (*r1 > rows) *r1 = rows;
+    if (*r0 > rows) *r0 = rows;
+}
+
+/* y[T, rows] = x[T, k] @ deq(W)[rows, k]^T, T <= 4, rows split over nthreads threads. */
 void gv_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
                const float *x, int64_t T, float *y, int64_t nthreads) {
-    (void)nthreads;
+    if (nthreads < 1) nthreads = 1;
 #ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads((int)nthreads) if (nthreads > 1)
-#endif
-    for (int64_t c = 0; c < rows; c += 16) {
-        int64_t e = c + 16 < rows ? c + 16 : rows;
-        gv_rows(type, W, row_bytes, k, c, e, x, T, k, y, rows, 0);
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1;
+        gv_share(rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+        gv_rows(type, W, row_bytes, k, r0, r1, x, T, k, y, rows, 0);
     }
+#else
+    gv_rows(type, W, row_bytes, k, 0, rows, x, T, k, y, rows, 0);
+#endif
 }
 
 /* Rows r0..r1 of a table (e.g. the token embedding) dequantized into out[n, k]. */

@@ -1,6 +1,7 @@
 /* One LLaMA decode step (a single new token) in one call, from the weights as stored.
 
-   Compiled after ggml_vec.c (same translation unit).  The whole step runs in one OpenMP
+   Compiled after _cgen's prelude (gt_expf: float32 exp within about 1 ulp, vectorizable)
+   and ggml_vec.c, as one translation unit.  The whole step runs in one OpenMP
    parallel region: the matrix-vector products (the bytes of every weight are read once
    per token, and that decides the speed) split their rows over the threads; the small
    row operations (RMSNorm, rope, the LoRA down-projections x @ A) run on one thread
@@ -55,21 +56,19 @@ static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
         for (int64_t j = 0; j < L->r; j++) t[j] += x[i] * L->a[i * L->r + j];
 }
 
-/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows */
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier) */
 static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
+    int64_t r0 = 0, r1 = L->rows;
 #ifdef _OPENMP
-    #pragma omp for schedule(static, 16) nowait
+    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
-    for (int64_t c = 0; c < L->rows; c += 16) {
-        int64_t e = c + 16 < L->rows ? c + 16 : L->rows;
-        gv_rows(L->type, L->w, L->row_bytes, L->k, c, e, x, 1, L->k, y, L->rows, acc);
-        if (L->a)
-            for (int64_t r = c; r < e; r++) {
-                float s = 0.0f;
-                for (int64_t j = 0; j < L->r; j++) s += t[j] * L->b[j * L->rows + r];
-                y[r] += L->scale * s;
-            }
-    }
+    gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
+    if (L->a)
+        for (int64_t r = r0; r < r1; r++) {
+            float s = 0.0f;
+            for (int64_t j = 0; j < L->r; j++) s += t[j] * L->b[j * L->rows + r];
+            y[r] += L->scale * s;
+        }
 }
 
 static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
@@ -85,7 +84,7 @@ static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const 
 }
 
 /* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
-static inline float gd_silu(float g) { return g * (1.0f / (1.0f + expf(-g))); }
+static inline float gd_silu(float g) { return g * (1.0f / (1.0f + gt_expf(-g))); }
 
 /* logits[vocab] of `token` at position `pos` (< cap); the caches get row pos. */
 void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
@@ -134,16 +133,24 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
             const int64_t kh = qh / g;
             const float *qv = q + qh * hd;
             float *s = sc + qh * (m->cap + 1), mx = -INFINITY;
-            for (int64_t p = 0; p < n; p++) {
+            for (int64_t p = 0; p < n; p++) {  /* hd is a multiple of 16 */
                 const float *kp = kc + p * kvw + kh * hd;
+#ifdef __AVX512F__
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t j = 0; j < hd; j += 16)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
+                s[p] = _mm512_reduce_add_ps(a) * iscale;
+#else
                 float a[16] = {0};
                 for (int64_t j = 0; j < hd; j += 16)
-                    for (int l = 0; l < 16 && j + l < hd; l++) a[l] += qv[j + l] * kp[j + l];
+                    for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
                 s[p] = gv_hsum(a) * iscale;
+#endif
                 mx = s[p] > mx ? s[p] : mx;
             }
+            for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
             double den = 0.0;
-            for (int64_t p = 0; p < n; p++) { s[p] = expf(s[p] - mx); den += s[p]; }
+            for (int64_t p = 0; p < n; p++) den += s[p];
             const float inv = (float)(1.0 / den);
             float *o = att + qh * hd;
             for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;

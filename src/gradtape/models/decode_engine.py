@@ -1,0 +1,183 @@
+"""The fast decode step: one token through the whole model in one C call, reading the
+weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
+
+``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
+row_bytes])``: the mapped GGUF tensors themselves (only attn_q / attn_k rows are
+reordered, into our half-split rope layout, which copies those two), or, for a model
+without a GGUF file, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
+preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables and the C struct that
+points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
+and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
+``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
+float32 sums differs from the graph replay.  Prompts are prefilled elsewhere (the
+batched graph) and handed over with ``load``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from .. import nn
+from ..backends import ggml_vec
+from .load_gguf import _BLOCK_NAMES, unpermute_rope_rows
+
+_LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
+_GGUF_OF = {ours: g for g, ours in _BLOCK_NAMES.items()}
+MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("dim", "n_layers", "nh", "nkv", "hd", "ffn",
+                                              "vocab", "cap", "nthreads")] + [
+        ("eps", ctypes.c_float), ("lin", ctypes.c_void_p), ("embd", _Lin), ("head", _Lin),
+        ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+def _gguf_blocks(model):
+    """``{our name: (qtype, data)}`` of the linears and tables in the model's GGUF file,
+    or None when the model has no GGUF file or a type the kernels lack."""
+    src = Path(getattr(model, "source", "") or "")
+    if src.suffix.lower() != ".gguf" or not src.is_file():
+        return None
+    from ..formats.gguf_reader import GGUFFile
+    gf = GGUFFile(src)
+    cfg, out = model.config, {}
+    names = {"tok_embd": "token_embd.weight", "lm_head": "output.weight"}
+    for i in range(cfg.n_layers):
+        for t in _LINS:
+            names[f"layers.{i}.{t}"] = f"blk.{i}.{_GGUF_OF[t]}.weight"
+    for ours, gname in names.items():
+        t = gf.tensors.get(gname)
+        if t is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in ggml_vec.QTYPES:
+            return None
+        data = t.data
+        if data.ndim == 1:
+            data = data.reshape(1, -1)
+        if qtype == "F32" and data.dtype != np.uint8:
+            data = np.ascontiguousarray(data).view(np.uint8)
+        if ours.endswith(".q"):
+            data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_heads))
+        elif ours.endswith(".k"):
+            data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_kv_heads))
+        out[ours] = (qtype, data)
+    return out
+
+
+def block_weights(model) -> dict:
+    """``{name: (qtype, data [out, row_bytes])}`` for every linear, the token table and
+    (untied models) the LM head."""
+    cfg = model.config
+    W = model.weights
+    got = _gguf_blocks(model) or {}
+    need = [f"layers.{i}.{t}" for i in range(cfg.n_layers) for t in _LINS] + ["tok_embd"]
+    if not cfg.tie_embeddings:
+        need.append("lm_head")
+    for name in need:
+        if name in got:
+            continue
+        w = np.asarray(W[name], np.float32)
+        if name.startswith("layers."):
+            w = w.T  # ours [in, out] -> ggml's [out, in]
+        got[name] = ("F32", np.ascontiguousarray(w).view(np.uint8))
+    return {n: got[n] for n in need}
+
+
+def supported(model) -> bool:
+    """Whether the C step can run this model: a compiler, row lengths the kernels take."""
+    cfg = model.config
+    if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
+        return False
+    return cfg.dim % 16 == 0 and cfg.ffn_dim % 16 == 0 and cfg.n_heads * cfg.head_dim % 16 == 0
+
+
+class BlockDecoder:
+    """One decode step from block weights, with a preallocated KV cache of ``cap`` rows.
+
+    ``load(cache)`` takes over an eager ``KVCache`` (the prefilled prompt);
+    ``step(token)`` returns the logits ``[V]`` (a buffer reused by the next step) and
+    appends the token's key and value rows."""
+
+    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None):
+        cfg = model.config
+        self.cfg, self.cap = cfg, int(cap)
+        self.keep = []  # every array the C struct points at
+        lins = (_Lin * (cfg.n_layers * len(_LINS)))()
+        for i in range(cfg.n_layers):
+            for j, t in enumerate(_LINS):
+                ab = (lora or {}).get((i, t))
+                lins[i * len(_LINS) + j] = self._lin(blocks[f"layers.{i}.{t}"], ab, lora_scale)
+        self.lins = lins
+        W = model.weights
+        norms = [np.ascontiguousarray(np.stack([W[f"layers.{i}.{n}"] for i in
+                                                range(cfg.n_layers)]), np.float32)
+                 for n in ("attn_norm", "ffn_norm")] + [np.ascontiguousarray(W["norm"],
+                                                                             np.float32)]
+        self.keep += norms
+        kvw = cfg.n_kv_heads * cfg.head_dim
+        self.kc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
+        self.vc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
+        cos, sin = nn.rope_fill(self.cap, cfg.head_dim, cfg.rope_base)
+        self.cos, self.sin = cos.astype(np.float32), sin.astype(np.float32)
+        m = _Model(dim=cfg.dim, n_layers=cfg.n_layers, nh=cfg.n_heads, nkv=cfg.n_kv_heads,
+                   hd=cfg.head_dim, ffn=cfg.ffn_dim, vocab=cfg.vocab_size, cap=self.cap,
+                   nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps)
+        m.lin = ctypes.addressof(lins)
+        m.embd = self._lin(blocks["tok_embd"], None, 1.0)
+        m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"], None, 1.0)
+        m.attn_norm, m.ffn_norm, m.norm = (a.ctypes.data for a in norms)
+        m.kc, m.vc = self.kc.ctypes.data, self.vc.ctypes.data
+        m.cos, m.sin = self.cos.ctypes.data, self.sin.ctypes.data
+        lib = ggml_vec.lib()
+        self.scratch = np.zeros(lib.gd_scratch_floats(ctypes.byref(m)), np.float32)
+        m.scratch = self.scratch.ctypes.data
+        self.m = m
+        self.logits = np.zeros(cfg.vocab_size, np.float32)
+        self._call = lib.gd_step
+        self._args = (ctypes.addressof(m), self.logits.ctypes.data)
+        self.length = 0
+
+    def _lin(self, block, ab, scale):
+        qtype, data = block
+        k = ggml_vec.row_elems(qtype, data)
+        lin = _Lin(w=data.ctypes.data, type=ggml_vec.QTYPES[qtype][0], rows=data.shape[0],
+                   k=k, row_bytes=data.shape[1])
+        self.keep.append(data)
+        if ab is not None:
+            a = np.ascontiguousarray(ab[0], np.float32)  # [in, r]
+            b = np.ascontiguousarray(ab[1], np.float32)  # [r, out]
+            if a.shape[1] > MAX_RANK:
+                raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
+            self.keep += [a, b]
+            lin.a, lin.b, lin.r, lin.scale = a.ctypes.data, b.ctypes.data, a.shape[1], scale
+        return lin
+
+    def load(self, cache):
+        n = cache.length
+        if n >= self.cap:
+            raise ValueError(f"BlockDecoder: {n} cached rows do not fit capacity {self.cap}")
+        for i in range(self.cfg.n_layers):
+            self.kc[i, :n], self.vc[i, :n] = cache.k[i], cache.v[i]
+        self.length = n
+
+    def step(self, token) -> np.ndarray:
+        p = self.length
+        if p >= self.cap:
+            raise ValueError(f"BlockDecoder: the cache is full ({self.cap} rows)")
+        self._call(self._args[0], int(token), p, self._args[1])
+        self.length = p + 1
+        return self.logits

@@ -81,3 +81,17 @@ def test_bad_shapes_are_refused():
         ggml_vec.matvec("IQ2_XS", data, np.zeros((1, 64), np.float32))
     with pytest.raises(ValueError, match="out of range"):
         ggml_vec.take_rows("Q4_1", data, [4])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "BF16", "F32"])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_matmul_against_dequantize(qtype, T):
+    rows, k = 70, 512
+    data = random_blocks(qtype, rows, k, seed=T + 5)
+    x = np.random.default_rng(T).standard_normal((T, k)).astype(np.float32)
+    w = deq(qtype, data).astype(np.float64)
+    got = ggml_vec.matmul(qtype, data, x)
+    ref = x.astype(np.float64) @ w.T
+    bound = (k / 16 + 5) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+    assert got.shape == (T, rows) and np.all(np.abs(got - ref) <= bound)
+    np.testing.assert_array_equal(ggml_vec.matmul(qtype, data, x, nthreads=3), got)

@@ -109,3 +109,22 @@ def test_full_cache_is_refused():
     dec.step(2)
     with pytest.raises(ValueError, match="the cache is full"):
         dec.step(3)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
+    """A prompt of 70 rows (two C calls of 64 + 6 rows): the last row's logits and the
+    cached keys / values equal the graph's up to float32 summation order."""
+    lora = random_lora(smollm2.config, rank=4, seed=2) if with_lora else None
+    ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
+    dec = E.BlockDecoder(smollm2, E.block_weights(smollm2), lora, 2.0, cap=80)
+    z = dec.prefill(ids).copy()
+    cache = M.KVCache.empty(smollm2.config)
+    ref = M.forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
+    assert dec.length == 70 and rel(z, ref) < 2e-5
+    for i in (0, 29):
+        assert rel(dec.kc[i, :70], cache.k[i]) < 2e-5 and rel(dec.vc[i, :70], cache.v[i]) < 2e-5
+    # decoding continues from the C-filled cache as from the graph's
+    nxt = int(np.argmax(ref))
+    assert rel(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
+                                               lora, 2.0)[-1]) < 2e-4

@@ -6,7 +6,8 @@ A block matrix here is ``(qtype, data)``: a ggml type name and a ``uint8`` array
 its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 ``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
-threads.  This module does not quantize activations, run training GEMMs (the cpu
+threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
+weight rows.  This module does not quantize activations, run training GEMMs (the cpu
 backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
 the decode step).
 
@@ -64,7 +65,13 @@ def lib():
         so.gv_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
         so.gv_take_rows.restype = None
         so.gv_take_rows.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr]
+        so.gv_matmul.restype = None
+        so.gv_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr]
         so.gd_scratch_floats.restype = _i64
+        so.gd_prefill_floats.restype = _i64
+        so.gd_prefill_floats.argtypes = [_ptr, _i64]
+        so.gd_prefill.restype = None
+        so.gd_prefill.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
         so.gd_step.restype = None
         so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
         _LIB.append(so)
@@ -114,6 +121,21 @@ def matvec(qtype: str, data: np.ndarray, x: np.ndarray, out=None, nthreads=None)
         out = np.empty((T, rows), np.float32)
     lib().gv_matvec(QTYPES[qtype][0], data.ctypes.data, rows, k, data.shape[1],
                     x.ctypes.data, T, out.ctypes.data, nthreads or threads())
+    return out
+
+
+def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): four weight rows are
+    dequantized at a time and used by every row of x; float32 accumulation."""
+    k = _check(qtype, data)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"ggml_vec.matmul: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+    nt = nthreads or threads()
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    tile = np.empty(nt * 4 * k, np.float32)
+    lib().gv_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
+                    x.ctypes.data, x.shape[0], out.ctypes.data, nt, tile.ctypes.data)
     return out
 
 

@@ -9,8 +9,9 @@ preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables and the C struc
 points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
 and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
 ``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
-float32 sums differs from the graph replay.  Prompts are prefilled elsewhere (the
-batched graph) and handed over with ``load``.
+float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
+layers many rows per call (GEMMs from four dequantized weight rows at a time);
+``load`` takes over a cache filled by the graph instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .load_gguf import _BLOCK_NAMES, unpermute_rope_rows
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 _GGUF_OF = {ours: g for g, ours in _BLOCK_NAMES.items()}
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
+PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L2)
 
 
 class _Lin(ctypes.Structure):
@@ -149,6 +151,7 @@ class BlockDecoder:
         self.logits = np.zeros(cfg.vocab_size, np.float32)
         self._call = lib.gd_step
         self._args = (ctypes.addressof(m), self.logits.ctypes.data)
+        self._pbuf = None
         self.length = 0
 
     def _lin(self, block, ab, scale):
@@ -173,6 +176,24 @@ class BlockDecoder:
         for i in range(self.cfg.n_layers):
             self.kc[i, :n], self.vc[i, :n] = cache.k[i], cache.v[i]
         self.length = n
+
+    def prefill(self, ids) -> np.ndarray:
+        """Logits ``[V]`` after the rows ``ids`` (appended to the cache), computed
+        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self.length + len(ids) > self.cap:
+            raise ValueError(f"BlockDecoder: {self.length} + {len(ids)} rows do not fit "
+                             f"capacity {self.cap}")
+        lib = ggml_vec.lib()
+        if self._pbuf is None:
+            n = lib.gd_prefill_floats(ctypes.addressof(self.m), PREFILL_ROWS)
+            self._pbuf = np.zeros(n, np.float32)
+        for a in range(0, len(ids), PREFILL_ROWS):
+            chunk = ids[a:a + PREFILL_ROWS]
+            lib.gd_prefill(self._args[0], chunk.ctypes.data, len(chunk), self.length,
+                           self._args[1], self._pbuf.ctypes.data)
+            self.length += len(chunk)
+        return self.logits
 
     def step(self, token) -> np.ndarray:
         p = self.length

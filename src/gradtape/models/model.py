@@ -432,14 +432,15 @@ class Llama:
         state = {}
         fast = self._use_blocks(decoder, dtype, lora)
 
-        def prefill(prompt):  # the prompt, in bounded chunks, through the batched graph
-            for a in range(0, len(prompt), PREFILL_CHUNK):
+        def prefill(prompt):
+            if fast:  # many rows per C call, GEMMs from the stored blocks
+                dec = state["fast"] = self._block_decoder(adapter, lora, scale,
+                                                          len(prompt) + max_new_tokens)
+                dec.length = 0
+                return dec.prefill(prompt)
+            for a in range(0, len(prompt), PREFILL_CHUNK):  # the batched graph, in chunks
                 last = forward_cached(self.config, W, prompt[a:a + PREFILL_CHUNK], cache,
                                       lora, scale, dtype, last_only=True)[-1]
-            if fast:
-                state["fast"] = self._block_decoder(adapter, lora, scale,
-                                                    len(prompt) + max_new_tokens)
-                state["fast"].load(cache)
             return last
 
         def decode(tok):

@@ -374,29 +374,106 @@ void gv_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t 
 #endif
 }
 
-/* Rows r0..r1 of a table (e.g. the token embedding) dequantized into out[n, k]. */
-void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
-                  const int64_t *ids, int64_t n, float *out) {
+/* Rows r0 .. r0 + n of W dequantized into out[n, k] (bit-identical to gguf). */
+static void gv_deq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                        int64_t r0, int64_t n, float *out) {
     gv_dot_fn fn;
     const int64_t qk = gv_qk(type, &fn), nb = k / qk;
-    float w[256];
     for (int64_t i = 0; i < n; i++) {
-        const uint8_t *row = W + ids[i] * row_bytes;
+        const uint8_t *row = W + (r0 + i) * row_bytes;
+        float *o = out + i * k;
         for (int64_t b = 0; b < nb; b++) {
             switch (type) {
-            case T_Q4_0: deq_q4_0(row + b * 18, w); break;
-            case T_Q4_1: deq_q4_1(row + b * 20, w); break;
-            case T_Q5_0: deq_q5_0(row + b * 22, w); break;
-            case T_Q5_1: deq_q5_1(row + b * 24, w); break;
-            case T_Q8_0: deq_q8_0(row + b * 34, w); break;
-            case T_Q4_K: deq_q4_k(row + b * 144, w); break;
-            case T_Q5_K: deq_q5_k(row + b * 176, w); break;
-            case T_Q6_K: deq_q6_k(row + b * 210, w); break;
-            case T_F16: deq_f16(row + b * 32, w); break;
-            case T_BF16: deq_bf16(row + b * 32, w); break;
-            default: deq_f32(row + b * 64, w); break;
+            case T_Q4_0: deq_q4_0(row + b * 18, o + b * 32); break;
+            case T_Q4_1: deq_q4_1(row + b * 20, o + b * 32); break;
+            case T_Q5_0: deq_q5_0(row + b * 22, o + b * 32); break;
+            case T_Q5_1: deq_q5_1(row + b * 24, o + b * 32); break;
+            case T_Q8_0: deq_q8_0(row + b * 34, o + b * 32); break;
+            case T_Q4_K: deq_q4_k(row + b * 144, o + b * 256); break;
+            case T_Q5_K: deq_q5_k(row + b * 176, o + b * 256); break;
+            case T_Q6_K: deq_q6_k(row + b * 210, o + b * 256); break;
+            case T_F16: deq_f16(row + b * 32, o + b * 16); break;
+            case T_BF16: deq_bf16(row + b * 32, o + b * 16); break;
+            default: deq_f32(row + b * 64, o + b * 16); break;
             }
-            memcpy(out + i * k + b * qk, w, qk * sizeof(float));
         }
     }
+}
+
+/* Rows `ids` of a table (e.g. the token embedding) dequantized into out[n, k]. */
+void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
+                  const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) gv_deq_rows(type, W, row_bytes, k, ids[i], 1, out + i * k);
+}
+
+/* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
+   Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then a
+   4 x 4 register block: 4 W rows x 4 X rows, 16 lane accumulators each, over k. */
+static void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                         int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
+                         int64_t ldy, int accumulate, float *tile) {
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t nr = r + 4 <= r1 ? 4 : r1 - r;
+        gv_deq_rows(type, W, row_bytes, k, r, nr, tile);
+        for (int64_t i = nr; i < 4; i++) memset(tile + i * k, 0, k * sizeof(float));
+        for (int64_t t = 0; t < T; t += 4) {
+            const int64_t nt = t + 4 <= T ? 4 : T - t;
+            float out[4][4];
+#ifdef __AVX512F__
+            if (k % 16 == 0) {
+                __m512 a[4][4];
+                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++) a[i][u] = _mm512_setzero_ps();
+                const float *x0 = X + t * k, *x1 = X + (t + (nt > 1)) * k;
+                const float *x2 = X + (t + (nt > 2) * 2) * k, *x3 = X + (t + (nt > 3) * 3) * k;
+                for (int64_t j = 0; j < k; j += 16) {
+                    const __m512 xv0 = _mm512_loadu_ps(x0 + j), xv1 = _mm512_loadu_ps(x1 + j);
+                    const __m512 xv2 = _mm512_loadu_ps(x2 + j), xv3 = _mm512_loadu_ps(x3 + j);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 w = _mm512_loadu_ps(tile + i * k + j);
+                        a[i][0] = _mm512_fmadd_ps(w, xv0, a[i][0]);
+                        a[i][1] = _mm512_fmadd_ps(w, xv1, a[i][1]);
+                        a[i][2] = _mm512_fmadd_ps(w, xv2, a[i][2]);
+                        a[i][3] = _mm512_fmadd_ps(w, xv3, a[i][3]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++)
+                    out[i][u] = _mm512_reduce_add_ps(a[i][u]);
+            } else
+#endif
+            {
+                for (int i = 0; i < 4; i++)
+                    for (int u = 0; u < nt; u++) {
+                        float a16[16] = {0};
+                        const float *w = tile + i * k, *x = X + (t + u) * k;
+                        int64_t j = 0;
+                        for (; j + 16 <= k; j += 16)
+                            for (int l = 0; l < 16; l++) a16[l] += w[j + l] * x[j + l];
+                        for (; j < k; j++) a16[j & 15] += w[j] * x[j];
+                        out[i][u] = gv_hsum(a16);
+                    }
+            }
+            for (int64_t i = 0; i < nr; i++)
+                for (int64_t u = 0; u < nt; u++) {
+                    float *y = Y + (t + u) * ldy + r + i;
+                    *y = accumulate ? *y + out[i][u] : out[i][u];
+                }
+        }
+    }
+}
+
+/* Y[T, rows] = X[T, k] @ deq(W)^T, any T, rows split over nthreads threads; `tile`
+   holds nthreads * 4 * k floats. */
+void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
+               const float *X, int64_t T, float *Y, int64_t nthreads, float *tile) {
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1, tid = omp_get_thread_num();
+        gv_share(rows, tid, omp_get_num_threads(), &r0, &r1);
+        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * 4 * k);
+    }
+#else
+    gv_gemm_rows(type, W, row_bytes, k, 0, rows, X, T, Y, rows, 0, tile);
+#endif
 }

@@ -196,3 +196,156 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     gd_linear(&m->head, h, 0, logits, 0);
     }
 }
+
+/* --- prefill: T new rows at positions start .. start+T-1 in one call -------------------
+   The same layer math as gd_step on T rows at once: the linears are GEMMs from the
+   blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
+   rows), row operations split over rows, attention (causal: row t sees positions
+   <= start + t) split over query heads.  Only the last row's logits are computed. */
+
+static int64_t gd_kmax(const gd_model *m) {
+    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
+    return k > m->nh * m->hd ? k : m->nh * m->hd;
+}
+
+int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
+    const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
+    return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
+           + m->nthreads * 4 * gd_kmax(m);
+}
+
+/* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64). */
+static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float *lt,
+                        int slot, float *Y, int acc, float *tile) {
+    int64_t r0 = 0, r1 = L->rows;
+#ifdef _OPENMP
+    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+#endif
+    gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
+    if (L->a)
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t t = 0; t < T; t++) {
+                const float *tt = lt + t * 256 + slot * 64;
+                float s = 0.0f;
+                for (int64_t j = 0; j < L->r; j++) s += tt[j] * L->b[j * L->rows + r];
+                Y[t * L->rows + r] += L->scale * s;
+            }
+}
+
+#ifdef _OPENMP
+#define GD_FOR _Pragma("omp for schedule(static)")
+#define GD_BARRIER _Pragma("omp barrier")
+#define GD_SINGLE _Pragma("omp single")
+#else
+#define GD_FOR
+#define GD_BARRIER
+#define GD_SINGLE
+#endif
+
+/* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
+   rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
+void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
+                float *logits, float *buf) {
+    const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
+    const int64_t qw = nh * hd, kvw = nkv * hd, g = nh / nkv, h2 = hd / 2;
+    float *x = buf, *h = x + T * D, *q = h + T * D, *k = q + T * qw, *v = k + T * kvw;
+    float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
+    float *sc = lt + T * 256, *tiles = sc + nh * (m->cap + 1);
+    const int64_t kmax = gd_kmax(m);
+    const float iscale = (float)(1.0 / sqrt((double)hd));
+    gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)m->nthreads)
+#endif
+    {
+#ifdef _OPENMP
+    float *tile = tiles + omp_get_thread_num() * 4 * kmax;
+#else
+    float *tile = tiles;
+#endif
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gd_lin *L = m->lin + i * GD_NLIN;
+        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            gd_rmsnorm(x + t * D, m->attn_norm + i * D, h + t * D, D, m->eps);
+            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h + t * D, lt + t * 256);
+            if (L[GD_K].a) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
+            if (L[GD_V].a) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
+        }
+        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile);
+        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile);
+        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t p = start + t;
+            gd_rope(q + t * qw, nh, hd, m->cos + p * h2, m->sin + p * h2);
+            gd_rope(k + t * kvw, nkv, hd, m->cos + p * h2, m->sin + p * h2);
+            memcpy(kc + p * kvw, k + t * kvw, kvw * sizeof(float));
+            memcpy(vc + p * kvw, v + t * kvw, kvw * sizeof(float));
+        }
+        GD_FOR
+        for (int64_t qh = 0; qh < nh; qh++) {
+            const int64_t kh = qh / g;
+            float *s = sc + qh * (m->cap + 1);
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t n = start + t + 1;
+                const float *qv = q + t * qw + qh * hd;
+                float mx = -INFINITY;
+                for (int64_t p = 0; p < n; p++) {
+                    const float *kp = kc + p * kvw + kh * hd;
+#ifdef __AVX512F__
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < hd; j += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
+                    s[p] = _mm512_reduce_add_ps(a) * iscale;
+#else
+                    float a[16] = {0};
+                    for (int64_t j = 0; j < hd; j += 16)
+                        for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
+                    s[p] = gv_hsum(a) * iscale;
+#endif
+                    mx = s[p] > mx ? s[p] : mx;
+                }
+                for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);
+                double den = 0.0;
+                for (int64_t p = 0; p < n; p++) den += s[p];
+                const float inv = (float)(1.0 / den);
+                float *o = att + t * qw + qh * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+                for (int64_t p = 0; p < n; p++) {
+                    const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
+                    for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+                }
+            }
+        }
+        if (L[GD_O].a) {
+            GD_FOR
+            for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
+        }
+        gd_linear_T(&L[GD_O], att, T, lt, 0, x, 1, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
+            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
+            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
+        }
+        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile);
+        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        if (L[GD_DOWN].a) {
+            GD_FOR
+            for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
+        }
+        gd_linear_T(&L[GD_DOWN], mlp, T, lt, 2, x, 1, tile);
+        GD_BARRIER
+    }
+    GD_SINGLE
+    gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
+    gd_linear(&m->head, h, 0, logits, 0);
+    }
+}

@@ -89,7 +89,8 @@ def test_generate_checks_the_context(tiny):
     assert len(tiny.generate([5] * (ctx - 3), 3, stop_ids=())) == 3  # exactly fits
     with pytest.raises(GradtapeError, match=r"the prompt \(509 tokens\) plus max_new_tokens 4 "
                                             r"is longer than the model's context \(512 tokens\); "
-                                            r"use max_new_tokens \(--max-new-tokens\) 3 or less"):
+                                            r"allow at most 3 new tokens "
+                                            r"\(--max-new-tokens 3 or less\)"):
         tiny.generate([5] * (ctx - 3), 4, stop_ids=())
     with pytest.raises(GradtapeError, match="shorten the prompt"):
         tiny.generate([5] * ctx, 1, stop_ids=())

@@ -149,7 +149,8 @@ def check_length(n_prompt, max_new_tokens, context):
                             f"{max_new_tokens}")
     if n_prompt + max_new_tokens > context:
         hint = ("shorten the prompt" if n_prompt >= context else
-                f"use max_new_tokens (--max-new-tokens) {context - n_prompt} or less")
+                f"allow at most {context - n_prompt} new tokens (--max-new-tokens "
+                f"{context - n_prompt} or less)")
         raise GradtapeError(f"the prompt ({n_prompt} tokens) plus max_new_tokens "
                             f"{max_new_tokens} is longer than the model's context "
                             f"({context} tokens); {hint}")

@@ -128,3 +128,21 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
     nxt = int(np.argmax(ref))
     assert rel(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
                                                lora, 2.0)[-1]) < 2e-4
+
+
+def test_changed_weights_do_not_decode_from_the_file(smollm2):
+    """A merged model keeps the base file as its source; its adapted linears must come
+    from its own weights, not the file's blocks."""
+    from gradtape.models.export import merged_model
+    from gradtape.models.lora import init_adapter
+    ad = init_adapter(smollm2.config, rank=2, targets=("q", "down"), base_model=smollm2.name)
+    rng = np.random.default_rng(0)
+    for key, (a, b) in ad.weights.items():
+        b[...] = rng.normal(0, 0.05, b.shape)
+    merged = merged_model(smollm2, ad)
+    blocks = E.block_weights(merged)
+    assert blocks["layers.4.q"][0] == "F32" and blocks["layers.4.down"][0] == "F32"
+    assert blocks["layers.4.k"][0] == "Q4_1" and blocks["tok_embd"][0] == "Q8_0"
+    ids = smollm2.tokenizer.encode("Merged weights are new weights")
+    ours, ref = steps_vs_graph(merged, ids[:3], ids[3:])
+    assert rel(ours, ref) < 2e-4

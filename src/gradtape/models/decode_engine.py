@@ -2,9 +2,9 @@
 weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
 
 ``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
-row_bytes])``: the mapped GGUF tensors themselves (only attn_q / attn_k rows are
-reordered, into our half-split rope layout, which copies those two), or, for a model
-without a GGUF file, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
+row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
+attn_q / attn_k rows are reordered, into our half-split rope layout, which copies those
+two), or, for weights that are not the file's, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
 preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables and the C struct that
 points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
 and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
@@ -80,23 +80,46 @@ def _gguf_blocks(model):
     return out
 
 
+def _same_rows(qtype, data, w, linear) -> bool:
+    """Whether float weights ``w`` (ours: ``[in, out]`` for a linear, ``[V, D]`` for a
+    table) are the blocks' dequantized values, checked bitwise on three rows.  A model
+    built from changed weights (``export.merged_model`` keeps the base file as its
+    source) then does not decode from the file's unchanged blocks."""
+    rows = data.shape[0]
+    pick = sorted({0, rows // 2, rows - 1})
+    got = ggml_vec.take_rows(qtype, data, pick)
+    want = np.asarray(w[:, pick].T if linear else w[pick], np.float32)
+    return got.shape == want.shape and np.array_equal(got.view(np.uint32),
+                                                      want.view(np.uint32))
+
+
 def block_weights(model) -> dict:
     """``{name: (qtype, data [out, row_bytes])}`` for every linear, the token table and
-    (untied models) the LM head."""
+    (untied models) the LM head: block matrices kept by the loader as they are
+    (``blocks.BlockMatrix``, issue 14), else the GGUF file's blocks where they hold the
+    model's float weights, else float32 rows ``[out, in]`` copied from the weights."""
     cfg = model.config
     W = model.weights
-    got = _gguf_blocks(model) or {}
     need = [f"layers.{i}.{t}" for i in range(cfg.n_layers) for t in _LINS] + ["tok_embd"]
     if not cfg.tie_embeddings:
         need.append("lm_head")
+    stored = None
+    got = {}
     for name in need:
-        if name in got:
+        w = W[name]
+        if hasattr(w, "qtype") and hasattr(w, "data"):  # a BlockMatrix: [out, in] as stored
+            got[name] = (w.qtype, w.data)
             continue
-        w = np.asarray(W[name], np.float32)
-        if name.startswith("layers."):
-            w = w.T  # ours [in, out] -> ggml's [out, in]
-        got[name] = ("F32", np.ascontiguousarray(w).view(np.uint8))
-    return {n: got[n] for n in need}
+        linear = name.startswith("layers.")
+        if stored is None:
+            stored = _gguf_blocks(model) or {}
+        blk = stored.get(name)
+        if blk is not None and _same_rows(*blk, w, linear):
+            got[name] = blk
+            continue
+        w = np.asarray(w, np.float32)
+        got[name] = ("F32", np.ascontiguousarray(w.T if linear else w).view(np.uint8))
+    return got
 
 
 def supported(model) -> bool:

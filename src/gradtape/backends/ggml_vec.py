@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import GradtapeError
 from . import _cgen
 
 CSRC = Path(__file__).with_name("csrc")
@@ -42,22 +43,33 @@ _LIB = []
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+MAX_THREADS = 16  # a decode step is memory-bound: more threads only add barrier time
+
+
 def threads() -> int:
-    """Threads for the kernels: $GRADTAPE_THREADS, else the CPUs this process may use."""
+    """Threads for the kernels: $GRADTAPE_THREADS, else the CPUs this process may use
+    (at most MAX_THREADS)."""
     env = os.environ.get("GRADTAPE_THREADS")
     if env:
-        return max(1, int(env))
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise GradtapeError(f"$GRADTAPE_THREADS must be a whole number, got {env!r}") from None
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_THREADS))
 
 
 def lib():
     """The compiled library (built on first use, cached on disk by source hash)."""
     if not _LIB:
         src = "\n".join([_cgen.PRELUDE] + [(CSRC / name).read_text() for name in SOURCES])
-        path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
+        try:
+            path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
+        except RuntimeError:  # a compiler without OpenMP: the same code on one thread
+            path, _ = _cgen.build(src, flags=_cgen.FLAGS, prefix="ggml_vec")
         so = ctypes.CDLL(str(path))
         so.gv_block_elems.restype = _i64
         so.gv_block_elems.argtypes = [_i64]

@@ -63,11 +63,20 @@ class Const:
         self.value = np.asarray(value)
 
 
+class Blocks:
+    """Marks a frozen block-matrix input (``blocks.BlockMatrix``): a block const leaf."""
+
+    def __init__(self, bm):
+        self.bm = bm
+
+
 def _leaves(tp, inputs):
-    """params for float arrays, consts for integer arrays and ``Const``s."""
+    """params for float arrays, consts for integer arrays, ``Const``s and ``Blocks``."""
     vs = []
     for a in inputs:
-        if isinstance(a, Const):
+        if isinstance(a, Blocks):
+            vs.append(tp.const_blocks(a.bm))
+        elif isinstance(a, Const):
             vs.append(tp.const(a.value))
         elif np.issubdtype(np.asarray(a).dtype, np.integer):
             vs.append(tp.const(np.asarray(a)))
@@ -78,7 +87,8 @@ def _leaves(tp, inputs):
 
 def _float_positions(inputs):
     return [i for i, a in enumerate(inputs)
-            if not isinstance(a, Const) and not np.issubdtype(np.asarray(a).dtype, np.integer)]
+            if not isinstance(a, (Const, Blocks))
+            and not np.issubdtype(np.asarray(a).dtype, np.integer)]
 
 
 def _loss1(out, u, c):

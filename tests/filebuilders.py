@@ -20,12 +20,14 @@ _GGUF_BLOCK = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "att
 _LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
 
 
-def write_tiny_gguf(model, path, arch="llama", with_tokenizer=True, skip=(), f16=False):
+def write_tiny_gguf(model, path, arch="llama", with_tokenizer=True, skip=(), f16=False,
+                    qtype=None):
     """``model`` (tinymodel's) as a llama GGUF: F32 (or F16) tensors in llama.cpp's layout
     (linears ``[out, in]``, q/k rows permuted to the interleaved rope), llama metadata and
     a byte-level BPE vocabulary (bytes 0..255, ``<eos>``, ``Ġt`` when the vocabulary
     has room).  ``skip``: our tensor
-    names to leave out."""
+    names to leave out.  ``qtype`` (a ggml type name gguf can quantize, e.g. "Q8_0"):
+    the matrices are stored in that type instead (llama.cpp's own quantizer)."""
     from gguf import GGUFWriter
 
     path = Path(path)
@@ -68,6 +70,12 @@ def write_tiny_gguf(model, path, arch="llama", with_tokenizer=True, skip=(), f16
                 a = permute_rope_rows(a, c.n_heads)
             elif base == "k":
                 a = permute_rope_rows(a, c.n_kv_heads)
+        if qtype is not None and a.ndim == 2:
+            from gguf import GGMLQuantizationType, quants
+            q = GGMLQuantizationType[qtype]
+            w.add_tensor(name, quants.quantize(np.ascontiguousarray(a, np.float32), q),
+                         raw_dtype=q)
+            continue
         w.add_tensor(name, np.ascontiguousarray(a, dtype=dt if a.ndim == 2 else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
+from .tape import is_blocks
 
 MASK_VALUE = -1e9
 
@@ -46,20 +47,38 @@ def ones(tp, n):
 
 # --- linear layers ------------------------------------------------------------------------
 
+def _frozen_matmul(x, w):
+    """``x @ w`` for a float ``w[in, out]``; for a block-matrix const (a frozen weight in
+    its stored type, ``[out, in]`` as ggml and torch store it) the same product is
+    ``qmatmul(x, w)`` = ``x @ deq(w)^T``."""
+    return ops.qmatmul(x, w) if is_blocks(w) else ops.matmul(x, w)
+
+
 def linear(tp, x, w):
-    """``x[T, in] @ w[in, out] -> [T, out]``."""
-    return ops.matmul(x, w)
+    """``x[T, in] @ w[in, out] -> [T, out]`` (``w`` may be a block-matrix const)."""
+    return _frozen_matmul(x, w)
 
 
 def linear_bias(tp, x, w, b):
     """``x @ w + b`` with ``b[out]`` broadcast over rows."""
-    return ops.add(ops.matmul(x, w), b)
+    return ops.add(_frozen_matmul(x, w), b)
+
+
+def linear_rows(tp, x, table):
+    """``x[T, D] @ table[V, D]^T -> [T, V]``: a weight stored ``[out, in]`` (a tied LM
+    head reading the embedding table), float or block matrix."""
+    return ops.qmatmul(x, table) if is_blocks(table) else ops.matmul(x, table, tb=True)
+
+
+def embedding(tp, table, ids):
+    """Rows ``table[ids]`` of a ``[V, D]`` table (float or block matrix) -> ``[T, D]``."""
+    return ops.qtake_rows(table, ids) if is_blocks(table) else ops.take_rows(table, ids)
 
 
 def lora_linear(tp, x, w0, a, b, scale):
     """``x @ w0 + scale * ((x @ a) @ b)``: a frozen ``w0[in, out]`` plus a rank-r update,
     ``a[in, r]``, ``b[r, out]``, ``scale = alpha / r``."""
-    base = ops.matmul(x, w0)  # [T, out]
+    base = _frozen_matmul(x, w0)  # [T, out]
     low = ops.matmul(ops.matmul(x, a), b)  # [T, r] -> [T, out]
     return ops.add(base, ops.scale(low, scale))
 

@@ -18,6 +18,7 @@ import numbers
 import numpy as np
 
 from . import ops
+from .blocks import BlockMatrix
 from .ops import PRIMS, ShapeError
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -124,6 +125,11 @@ class Var:
         return ops.transpose(self)
 
 
+def is_blocks(v) -> bool:
+    """Whether ``v`` is a block-matrix const (``Tape.const_blocks``)."""
+    return isinstance(v, Var) and v.dtype == np.uint8 and "qtype" in v.attrs
+
+
 def _is_scalar(o):
     return isinstance(o, numbers.Real) and not isinstance(o, bool) or (
         isinstance(o, np.generic) and np.issubdtype(type(o), np.floating))
@@ -159,6 +165,8 @@ class Tape:
         An array already of the tape's dtype is shared, not copied (frozen model weights
         are large): do not modify it afterwards.
         """
+        if isinstance(value, BlockMatrix):
+            return self.const_blocks(value)
         arr = np.asarray(value)
         if np.issubdtype(arr.dtype, np.integer):
             return self._leaf("const", np.asarray(arr, dtype=np.int64), False)
@@ -166,8 +174,18 @@ class Tape:
             raise TypeError(f"const: needs a numeric array, got dtype {arr.dtype}")
         return self._leaf("const", np.asarray(arr, dtype=self.dtype), False)
 
-    def _leaf(self, op, arr, requires_grad):
-        v = Var(self, len(self.vars), op, (), {}, tuple(arr.shape), arr.dtype, arr, requires_grad)
+    def const_blocks(self, bm: BlockMatrix) -> Var:
+        """A frozen weight kept in its stored type: a const leaf of dtype uint8 holding
+        the raw blocks ``[rows, row_bytes]`` (shared, never copied), with the ggml type
+        and the logical ``[rows, k]`` shape in its attrs.  Only the block primitives
+        (``ops.qmatmul``, ``qmatmul_t``, ``qtake_rows``) read it."""
+        if not isinstance(bm, BlockMatrix):
+            raise TypeError(f"const_blocks: needs a BlockMatrix, got {type(bm).__name__}")
+        return self._leaf("const", bm.data, False, {"qtype": bm.qtype, "logical": bm.shape})
+
+    def _leaf(self, op, arr, requires_grad, attrs=None):
+        v = Var(self, len(self.vars), op, (), attrs or {}, tuple(arr.shape), arr.dtype, arr,
+                requires_grad)
         self.vars.append(v)
         return v
 
@@ -199,6 +217,15 @@ class Tape:
             if x.tape is not self:
                 raise ValueError(f"{where()}: input {i} belongs to another tape "
                                  "(Vars of two tapes cannot be mixed)")
+            if i in prim.block_inputs:
+                if not is_blocks(x):
+                    raise TypeError(f"{where()}: input {i} must be a block matrix const "
+                                    f"(Tape.const_blocks), got a {x.op} of dtype {x.dtype}")
+                continue
+            if is_blocks(x):
+                raise TypeError(f"{where()}: input {i} is a block matrix ({x.attrs['qtype']} "
+                                f"{_fmt_shape(x.attrs['logical'])}); only qmatmul, qmatmul_t "
+                                "and qtake_rows read one")
             want_int = i in prim.index_inputs
             if want_int != np.issubdtype(x.dtype, np.integer):
                 kind = "integer ids" if want_int else f"{self.dtype} values"

@@ -24,6 +24,7 @@ from gradtape import nn, ops
 from gradtape.backends import _cgen
 from gradtape.compile.fuse import FusedGroup, fuse, plan_schedule_memory, prefix_level
 from gradtape.compile.graph import build_graph
+from gradtape.blocks import random_blocks
 from gradtape.ops import PRIMS
 
 TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-5}
@@ -139,6 +140,13 @@ PRIM_CASES = {
                                        tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N))),
     "maxc": lambda tp, r: ops.maxc(tp.param(_nrm(r, T, N)), 0.2),
     "gtc": lambda tp, r: ops.gtc(tp.param(_nrm(r, T, N)), 0.2),
+    # frozen weights in their stored type (every ggml type: tests/backends/test_qgemm.py)
+    "qmatmul": lambda tp, r: ops.qmatmul(tp.param(_nrm(r, T, 64)),
+                                         tp.const(random_blocks("Q4_0", N, 64, r))),
+    "qmatmul_t": lambda tp, r: ops.qmatmul_t(tp.param(_nrm(r, T, N)),
+                                             tp.const(random_blocks("Q8_0", N, 64, r))),
+    "qtake_rows": lambda tp, r: ops.qtake_rows(tp.const(random_blocks("Q4_K", V, 256, r)),
+                                               tp.const(np.array([0, 3, 3, 5, 1]))),
 }
 
 

@@ -85,8 +85,13 @@ def check_built(build, dtype, **kw):
 
 # --- every primitive, forward and backward ------------------------------------------------
 
+# frozen weights kept in their stored type have no cuda kernels (yet): the backend refuses
+# them by name (tests/core/test_blocks.py)
+NO_CUDA = {"qmatmul", "qmatmul_t", "qtake_rows"}
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("name", sorted(PRIM_CASES))
+@pytest.mark.parametrize("name", sorted(set(PRIM_CASES) - NO_CUDA))
 def test_primitive_parity(name, dtype):
     def build(tp):
         rng = np.random.default_rng(sorted(PRIM_CASES).index(name))

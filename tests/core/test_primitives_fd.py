@@ -12,7 +12,9 @@ import gradtape as gt
 from gradtape import ops
 from gradtape.ops import PRIMS
 
-from fd import (F32_VS_F64_TOL, FD_TOL, Const, away_from_zero, check_fd, first_order, ids, normal,
+from gradtape.blocks import random_blocks
+
+from fd import (F32_VS_F64_TOL, FD_TOL, Blocks, Const, away_from_zero, check_fd, first_order, ids, normal,
                 positive, rel_err)
 
 T, N = 3, 4
@@ -106,16 +108,25 @@ def _cases():
          ids(r, T, 5))
     case("nll_ids_grad", "rows", lambda tp, g, x, i: ops.nll_ids_grad(g, x, i),
          normal(r, T, 1), normal(r, T, 5), ids(r, T, 5))
+    # frozen weights in their stored type: differentiable in x only (w is frozen)
+    for qt in ("Q4_K", "Q8_0", "BF16"):
+        bm = random_blocks(qt, 5, 256, r, std=0.5)
+        case("qmatmul", qt, lambda tp, x, w: ops.qmatmul(x, w), normal(r, T, 256), Blocks(bm))
+        case("qmatmul_t", qt, lambda tp, g, w: ops.qmatmul_t(g, w), normal(r, T, 5),
+             Blocks(bm))
     return cases
 
 
+# primitives with no float input to differentiate (their own tests live elsewhere):
+# qtake_rows reads a frozen block table by integer ids (tests/core/test_blocks.py)
+NO_FLOAT_INPUT = {"qtake_rows"}
 CASES = _cases()
 CASE_IDS = [f"{name}-{cid}" for name, cid, _, _ in CASES]
 
 
 def test_every_primitive_has_cases():
     covered = {name for name, _, _, _ in CASES}
-    missing = sorted(set(PRIMS) - covered)
+    missing = sorted(set(PRIMS) - covered - NO_FLOAT_INPUT)
     assert not missing, f"primitives without a finite-difference case: {missing}"
     assert not covered - set(PRIMS), sorted(covered - set(PRIMS))
 

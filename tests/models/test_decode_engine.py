@@ -146,3 +146,15 @@ def test_changed_weights_do_not_decode_from_the_file(smollm2):
     ids = smollm2.tokenizer.encode("Merged weights are new weights")
     ours, ref = steps_vs_graph(merged, ids[:3], ids[3:])
     assert rel(ours, ref) < 2e-4
+
+
+def test_kept_block_matrices_decode_as_loaded(smollm2, smollm2_gguf):
+    """A model loaded with its matrices kept quantized (BlockMatrix) decodes from those
+    very blocks and generates what the float32 model generates."""
+    from gradtape import llama
+    kept = llama.load(str(smollm2_gguf), keep_quantized=True)
+    blocks = E.block_weights(kept)
+    assert blocks["layers.7.up"][1] is kept.weights["layers.7.up"].data
+    np.testing.assert_array_equal(blocks["layers.7.q"][1], E.block_weights(smollm2)["layers.7.q"][1])
+    prompt = smollm2.tokenizer.encode("The three primary colours are")
+    assert kept.generate(prompt, 8) == smollm2.generate(prompt, 8)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
 from ..ops import PRIMS, _mT
-from . import _cgen
+from . import _cgen, qgemm
 from .numpy import NumpyBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
@@ -80,6 +80,11 @@ class CpuBackend:
         for v in self.plan.slot:
             self._values[v] = self.plan.view(buffers, v)
         self._buffers = buffers
+        # frozen weights in their stored type: one scratch tile, allocated once here
+        qops = [s for s in self.schedule.steps if not isinstance(s, FusedGroup)
+                and s.op in qgemm.QOPS]
+        self._qscratch = np.empty(max(1, qgemm.scratch_elems(qops)),
+                                  dtype or np.float32) if qops else None
         # kernels: one translation unit for the program
         src = _cgen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
@@ -128,6 +133,8 @@ class CpuBackend:
             ins = tuple(val[x] for x in s.inputs)
             if s.op == "matmul":
                 steps.append(("py", _mm_step(val[s], *ins, **s.attrs)))
+            elif s.op in qgemm.QOPS:
+                steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             else:
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       **s.attrs)))

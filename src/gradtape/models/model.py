@@ -13,6 +13,9 @@ the next token from the logits.
 Weights are a dict of float32 arrays in OUR names and ``[in, out]`` orientation:
 ``tok_embd [V, D]``, ``layers.{i}.attn_norm [D]``, ``layers.{i}.{q,k,v,o,gate,up,down}``,
 ``layers.{i}.ffn_norm [D]``, ``norm [D]`` and, for untied embeddings only, ``lm_head [V, D]``.
+A matrix may instead be a ``blocks.BlockMatrix`` (a frozen weight in its stored type,
+``[out, in]`` as stored: ``load(..., keep_quantized=True)``); the ``nn`` layers dispatch
+on it (``linear``, ``embedding``, ``linear_rows``), so the graph code is the same.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import nn, ops
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..tape import Tape
 from .config import LlamaConfig
@@ -69,7 +73,7 @@ def _head(tp, cfg, W, x, ones):
     """Final RMSNorm and the LM head: ``[N, D] -> [N, V]``."""
     h = nn.rmsnorm(tp, x, W["norm"], ones, cfg.dim, cfg.norm_eps)
     table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
-    return ops.matmul(h, table, tb=True)  # [N, V]
+    return nn.linear_rows(tp, h, table)  # [N, V]
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
@@ -97,7 +101,7 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
         return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
                                      cfg.n_kv_heads, hd, iscale)
 
-    x = ops.take_rows(W["tok_embd"], ids)  # [N, D]
+    x = nn.embedding(tp, W["tok_embd"], ids)  # [N, D]
     for i in range(cfg.n_layers):
         x = _block(tp, cfg, W, i, x, ones, lin, attend)
     return _head(tp, cfg, W, x, ones)
@@ -176,7 +180,7 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     iscale = 1.0 / math.sqrt(hd)
 
     tp = Tape(dtype)
-    x = ops.take_rows(tp.const(weights["tok_embd"]), tp.const(ids)).value  # [t, D]
+    x = nn.embedding(tp, tp.const(weights["tok_embd"]), tp.const(ids)).value  # [t, D]
     for i in range(cfg.n_layers):
         tp = Tape(dtype)
         W = _Consts(tp, weights)
@@ -233,7 +237,7 @@ class DecodeStep:
         ones = nn.ones(tp, cfg.dim)
         iscale = 1.0 / math.sqrt(hd)
         new_k, new_v = [], []
-        x = ops.take_rows(W["tok_embd"], self.tok)  # [1, D]
+        x = nn.embedding(tp, W["tok_embd"], self.tok)  # [1, D]
         for i in range(cfg.n_layers):
             def attend(q, k, v, i=i):
                 kr = _rope_all(tp, k, self.ck, self.sk, nkv, hd)  # [1, nkv*hd]
@@ -324,9 +328,11 @@ class Llama:
         dtype = np.dtype(dtype)
         if dtype not in (np.float32, np.float64):
             raise GradtapeError(f"dtype must be float32 or float64, got {dtype}")
-        if all(w.dtype == dtype for w in self.weights.values()):
+        if all(is_block_matrix(w) or w.dtype == dtype for w in self.weights.values()):
             return self.weights
-        return {k: w.astype(dtype) for k, w in self.weights.items()}
+        # block matrices stay as they are: the block primitives compute in the tape's dtype
+        return {k: w if is_block_matrix(w) else w.astype(dtype)
+                for k, w in self.weights.items()}
 
     def _lora(self, adapter, dtype):
         """``(lora arrays {(layer, target): (A, B)}, scale)`` from an adapter object."""

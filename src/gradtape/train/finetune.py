@@ -37,9 +37,13 @@ from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
 from . import distributed
+from ..blocks import is_block_matrix
 from ..models.lora import init_adapter, parse_targets
+from ..models.memory import GiB, mem_available, resident_bytes, weight_bytes
+from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
 
 MARKER = "gradtape-run.json"
+WEIGHT_MODES = ("auto", "float32", "stored")
 CHECKPOINT = "state.safetensors"
 
 
@@ -72,6 +76,13 @@ class FinetuneConfig:
     save_every: int = _opt(50, "write a checkpoint every N steps")
     seed: int = _opt(0, "seed for the adapter init, the split and the batch order")
     backend: str = _opt("numpy", "execution backend: numpy (reference) or cpu (fast)")
+    weights: str = _opt("auto", "frozen weights: float32 (dequantized at load), stored (kept "
+                                "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
+                                "mapped, dequantized tile by tile in the matmuls) or auto "
+                                "(stored when the float32 copy would leave less than a "
+                                "fifth of the available memory)")
+    ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
+                                      "available")
     dtype: str = _opt("float32", "float32 or float64")
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
@@ -99,7 +110,16 @@ def _finetune(cfg, model, log, world, together):
     out = Path(cfg.out)
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
-    model = model or models.load(cfg.model)
+    if cfg.weights not in WEIGHT_MODES:
+        raise GradtapeError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got "
+                            f"{cfg.weights!r}")
+    if model is None:
+        available = mem_available()  # before the weights take their share
+        keep = _keep_quantized(cfg, models.model_source(cfg.model)[0], available, log)
+        model = models.load(cfg.model, keep_quantized=keep)
+    else:  # a model loaded by the caller: its weights are already resident
+        available = mem_available()
+        available = None if available is None else available + resident_bytes(model.weights)
     if cfg.seq_len > model.config.max_seq_len:
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
@@ -120,6 +140,14 @@ def _finetune(cfg, model, log, world, together):
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
                           world=world)
+    est = estimate_memory(model, step_prog)
+    log(f"memory: this run needs {est.describe()}"
+        + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
+    if not cfg.ignore_memory:
+        check_memory(est, available, hint=": use a shorter --seq-len or a smaller "
+                     "--batch-size" + ("" if any(is_block_matrix(w) for w in model.weights.values())
+                                       else ", or --weights stored")
+                     + " (or --ignore-memory to try anyway)")
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
@@ -189,6 +217,28 @@ def _finetune(cfg, model, log, world, together):
                "out": str(out), "rank": world.rank}
     log(f"done: adapter in {out / 'adapter'}, loss curve in {out / 'loss.png'}")
     return summary
+
+
+def _keep_quantized(cfg, path, available, log) -> bool:
+    """Whether to keep the frozen weights in their stored type (``--weights``); refuses
+    float32 weights that alone exceed the memory available, before loading them."""
+    if cfg.weights == "stored":
+        return True
+    f32 = weight_bytes(path, keep_quantized=False)
+    # float32 (today's default) unless it leaves under a fifth of the memory for the rest
+    if available is None or f32 + OVERHEAD <= 0.8 * available:
+        return False
+    if cfg.weights == "auto":
+        log(f"weights: the float32 copy would take {f32 / GiB:.1f} GiB of the "
+            f"{available / GiB:.1f} GiB available; keeping them in their stored type")
+        return True
+    if f32 + OVERHEAD > available and not cfg.ignore_memory:
+        kept = weight_bytes(path, keep_quantized=True)
+        raise GradtapeError(f"not enough memory: the float32 weights of {cfg.model} take "
+                            f"{f32 / GiB:.1f} GiB, more than the {available / GiB:.1f} GiB "
+                            f"available; --weights stored keeps them in the file's type "
+                            f"({kept / GiB:.1f} GiB)")
+    return False
 
 
 @contextlib.contextmanager

@@ -1,0 +1,325 @@
+"""LoRA on a quantized GGUF as it is: an 8B-shaped Q4_K_M model, gradtape vs Hugging
+Face transformers + PEFT in bf16.
+
+Workload ``llama8b-q4km-lora``: Llama-3-8B's blocks (32 layers, dim 4096, 32 heads, 8 KV
+heads, head_dim 128, ffn 14336, rope base 500000) with SmolLM2's tokenizer (vocab 49152,
+untied output) and random weights, one LoRA training step of r=16 (alpha 32) on all 7
+targets, one sequence of T=256 (batch 1), AdamW.
+
+The model file is written once and cached (``~/.cache/gradtape/bench/``, or
+``$GRADTAPE_CACHE/bench``; about 4.2 GiB for 32 layers).  Its blocks are random but valid:
+random quant bytes with float16 scales of sane size (``blocks.random_blocks``), laid out
+as llama.cpp's Q4_K_M scheme lays them out: Q4_K everywhere except Q6_K for the output
+matrix and for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits (the
+first and last eighth of the layers and every third one between: its ``use_more_bits``).
+No quantizer runs; writing takes about a minute, mostly disk.
+
+gradtape loads it with ``keep_quantized=True`` (blocks memory-mapped, dequantized tile by
+tile in the matmuls) on the ``cpu`` backend.  The peer is ``LlamaForCausalLM`` of the
+same shape in bfloat16, built on the ``meta`` device, then ``to_empty`` and a random
+uniform fill (a normal init of 8B weights takes minutes), LoRA by PEFT, torch's AdamW.
+
+The two sides cannot share one process here (the peer alone holds about 16 GB), so each
+runs alone in a fresh subprocess, one after the other: ``--warmup`` steps, then ``--reps``
+timed steps; reported are the median step time, tokens/s and the peak RSS (VmHWM) of
+each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).
+
+    python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
+    gradtape bench --workloads llama8b-q4km-lora
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+WORKLOAD = "llama8b-q4km-lora"
+SHAPE = dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336, vocab=49152,
+             rope_base=500000.0, eps=1e-5)
+RANK, ALPHA, LR, T = 16, 32.0, 1e-4, 256
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cache_dir():
+    d = os.environ.get("GRADTAPE_CACHE")
+    return (Path(d) if d else Path.home() / ".cache" / "gradtape") / "bench"
+
+
+def use_more_bits(i, n):
+    """llama.cpp's choice of the layers whose attn_v / ffn_down get Q6_K in Q4_K_M."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_plan(layers):
+    """``[(gguf name, qtype, rows, k)]`` of the model, in file order (matrices) and
+    ``[(name, "F32", 0, n)]`` for norms."""
+    s = SHAPE
+    q_out, kv_out = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
+    out = [("token_embd.weight", "Q4_K", s["vocab"], s["dim"])]
+    for i in range(layers):
+        more = "Q6_K" if use_more_bits(i, layers) else "Q4_K"
+        p = f"blk.{i}."
+        out += [(p + "attn_norm.weight", "F32", 0, s["dim"]),
+                (p + "attn_q.weight", "Q4_K", q_out, s["dim"]),
+                (p + "attn_k.weight", "Q4_K", kv_out, s["dim"]),
+                (p + "attn_v.weight", more, kv_out, s["dim"]),
+                (p + "attn_output.weight", "Q4_K", s["dim"], q_out),
+                (p + "ffn_norm.weight", "F32", 0, s["dim"]),
+                (p + "ffn_gate.weight", "Q4_K", s["ffn"], s["dim"]),
+                (p + "ffn_up.weight", "Q4_K", s["ffn"], s["dim"]),
+                (p + "ffn_down.weight", more, s["dim"], s["ffn"])]
+    out += [("output_norm.weight", "F32", 0, s["dim"]),
+            ("output.weight", "Q6_K", s["vocab"], s["dim"])]
+    return out
+
+
+def model_file(layers, log=print):
+    """The cached 8B-shaped Q4_K_M GGUF with ``layers`` layers (written on first use)."""
+    import gguf
+
+    from gradtape.blocks import BLOCK_TYPES, random_blocks, row_bytes
+    from gradtape.llama import default_model_path
+    from gradtape.models.export import _copied_tokenizer_fields
+
+    path = cache_dir() / f"{WORKLOAD}-{layers}l.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    log(f"writing {path} (random valid Q4_K / Q6_K blocks, once) ...")
+    s = SHAPE
+    plan = tensor_plan(layers)
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(f"{WORKLOAD} ({layers} layers, random)")
+    w.add_context_length(8192)
+    w.add_embedding_length(s["dim"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["n_heads"])
+    w.add_head_count_kv(s["n_kv_heads"])
+    w.add_rope_dimension_count(s["head_dim"])
+    w.add_rope_freq_base(s["rope_base"])
+    w.add_layer_norm_rms_eps(s["eps"])
+    w.add_vocab_size(s["vocab"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for key, value, vtype, sub in _copied_tokenizer_fields(default_model_path()):
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for name, qtype, rows, k in plan:
+        if qtype == "F32":
+            w.add_tensor_info(name, (k,), np.dtype(np.float32), 4 * k)
+        else:
+            rb = row_bytes(qtype, k)
+            w.add_tensor_info(name, (rows, rb), np.dtype(np.uint8), rows * rb,
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, qtype, rows, k in plan:
+        if qtype == "F32":
+            w.write_tensor_data((1.0 + 0.05 * rng.standard_normal(k)).astype(np.float32))
+        else:
+            assert qtype in BLOCK_TYPES
+            w.write_tensor_data(random_blocks(qtype, rows, k, rng, std=0.02).data)
+    w.close()
+    os.replace(tmp, path)
+    log(f"  {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s")
+    return path
+
+
+# --- the two sides, each alone in a subprocess ----------------------------------------------
+
+def _peak_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _batch(vocab, rng_seed=0):
+    rng = np.random.default_rng(rng_seed)
+    ids = rng.integers(0, vocab, (1, T))
+    targets = np.roll(ids, -1, axis=1)
+    targets[:, -1] = -100
+    return ids, targets
+
+
+def run_gradtape(path, warmup, reps, backend):
+    from gradtape import llama
+    from gradtape.models.lora import init_adapter
+    from gradtape.train.memory import estimate
+    from gradtape.train.step import TrainStep
+
+    t0 = time.perf_counter()
+    model = llama.load(str(path), keep_quantized=True)
+    ad = init_adapter(model.config, RANK, ALPHA, seed=0)
+    step = TrainStep(model, ad, 1, T, backend=backend, clip=0.0)
+    build_s = time.perf_counter() - t0
+    est = estimate(model, step)
+    batch = [_batch(model.config.vocab_size)]
+    times = []
+    for i in range(warmup + reps):
+        t = time.perf_counter()
+        step.step(batch, i + 1, LR)
+        times.append(time.perf_counter() - t)
+    return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
+            "estimate_gb": est.total / 1e9}
+
+
+def run_peer(layers, warmup, reps):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    s = SHAPE
+    t0 = time.perf_counter()
+    cfg = LlamaConfig(hidden_size=s["dim"], num_hidden_layers=layers,
+                      num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
+                      head_dim=s["head_dim"], intermediate_size=s["ffn"],
+                      vocab_size=s["vocab"], rope_theta=s["rope_base"], rms_norm_eps=s["eps"],
+                      max_position_embeddings=8192, tie_word_embeddings=False,
+                      torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.uniform_(-0.035, 0.035)  # std 0.02, like the quantized side
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=cfg)  # to_empty left its buffer empty
+    lcfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(model, lcfg)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    ids = torch.tensor(_batch(s["vocab"])[0])
+    build_s = time.perf_counter() - t0
+    times = []
+    for _ in range(warmup + reps):
+        t = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+    return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
+            "torch_threads": torch.get_num_threads()}
+
+
+def worker(side, layers, warmup, reps, backend):
+    if side == "gradtape":
+        res = run_gradtape(model_file(layers, log=lambda *a: None), warmup, reps, backend)
+    else:
+        res = run_peer(layers, warmup, reps)
+    res["peak_mb"] = _peak_mb()
+    print(json.dumps(res), flush=True)
+
+
+def _side(side, layers, warmup, reps, backend, timeout):
+    cmd = [sys.executable, __file__, "--worker", side, "--layers", str(layers), "--warmup",
+           str(warmup), "--reps", str(reps), "--backend", backend]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        return {"error": res.stderr.strip()[-1500:] or f"exit status {res.returncode}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def cpu_info():
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": name, "cores": os.cpu_count(), "amx_bf16": "amx_bf16" in flags,
+            "avx512_bf16": "avx512_bf16" in flags,
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--workloads", default=WORKLOAD, help=f"only {WORKLOAD}")
+    ap.add_argument("--layers", type=int, default=32,
+                    help="decoder layers (32: the 8B shape; fewer to check the benchmark)")
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
+    ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.worker:
+        worker(args.worker, args.layers, args.warmup, args.reps, args.backend)
+        return 0
+    for w in args.workloads.split(","):
+        if w != WORKLOAD:
+            raise SystemExit(f"unknown workload {w!r}; this script runs {WORKLOAD}")
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+    path = model_file(args.layers, log)
+    row = {"workload": WORKLOAD, "layers": args.layers, "T": T, "batch": 1, "rank": RANK,
+           "targets": 7, "file_gib": path.stat().st_size / 2**30, "backend": args.backend,
+           **cpu_info()}
+    try:
+        from threadpoolctl import threadpool_info
+        row["blas"] = [f"{i['internal_api']} {i['version']} ({i['architecture']}, "
+                       f"{i['num_threads']} threads)" for i in threadpool_info()
+                       if i["user_api"] == "blas"]
+    except ImportError:
+        pass
+    for side in args.sides.split(","):
+        log(f"[{WORKLOAD}] {side}: {args.warmup} warm-up + {args.reps} timed steps, alone "
+            "in a subprocess ...")
+        r = _side(side, args.layers, args.warmup, args.reps, args.backend, args.timeout)
+        if "error" in r:
+            log(f"[{WORKLOAD}] {side} failed: {r['error']}")
+            row[f"{side}_error"] = r["error"]
+            continue
+        med = statistics.median(r["step_times"])
+        row.update({f"{side}_s": med, f"{side}_tokens_per_s": T / med,
+                    f"{side}_peak_mb": r["peak_mb"], f"{side}_build_s": r["build_s"],
+                    f"{side}_first_step_s": r["first_step_s"]})
+        if "estimate_gb" in r:
+            row["gradtape_estimate_gb"] = r["estimate_gb"]
+        log(f"[{WORKLOAD}] {side}: step {med:.2f} s ({T / med:.1f} tokens/s), peak RSS "
+            f"{r['peak_mb'] / 1024:.2f} GiB")
+    if "gradtape_s" in row and "peer_s" in row:
+        row["ratio"] = row["peer_s"] / row["gradtape_s"]
+    if args.json:
+        print(json.dumps(row), flush=True)
+    else:
+        def fmt(side):
+            if f"{side}_s" not in row:
+                return f"{side}: {'failed' if f'{side}_error' in row else 'not run'}"
+            return (f"{side} {row[f'{side}_s']:.2f} s/step ({row[f'{side}_tokens_per_s']:.1f} "
+                    f"tok/s), peak RSS {row[f'{side}_peak_mb'] / 1024:.2f} GiB")
+        ratio = f" -> {row['ratio']:.2f}x" if "ratio" in row else ""
+        print(f"{WORKLOAD} ({args.layers} layers, {row['file_gib']:.2f} GiB file, CPU "
+              f"{row['cpu']}, AMX {row['amx_bf16']}): {fmt('gradtape')}; "
+              f"{fmt('peer')} (transformers + PEFT, bf16){ratio}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The cpu backend's kernels for frozen weights in their stored type (``qmatmul``,
+``qmatmul_t``, ``qtake_rows``).
+
+The C source (``csrc/qgemm.c``: per-type dequantization bit for bit as
+``gguf.quants.dequantize``, and tiled GEMM drivers) is built once with ``_cgen.build``
+and cached like the generated kernels.  A product dequantizes one tile of W at a time
+(at most ``TILE_ELEMS`` values, a scratch buffer allocated once per program) and hands
+it to BLAS: NumPy's own OpenBLAS, whose ``cblas_sgemm`` / ``cblas_dgemm`` are found in
+the loaded library and called from C, so the whole float matrix never exists.  Where
+that symbol cannot be found, the same tiles go through ``np.matmul`` from Python.
+
+``lower(v, out, ins, scratch)`` is the one place that picks the kernel for a block op;
+a matrix-vector kernel for a few rows (decoding) hooks in there.  This module does not
+decide fusion or memory; ``cpu.py`` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..blocks import BLOCK_TYPES
+from . import _cgen
+
+QOPS = ("qmatmul", "qmatmul_t", "qtake_rows")
+# A tile of W is at most this many values (16 MB in float32) and this many rows: BLAS
+# reaches its full-matrix rate on [T, k] @ tile^T only from about 512 rows up (measured
+# with OpenBLAS at T=256, k=4096: 128-256-row tiles cost up to 2x the whole product), and
+# the scratch stays small next to the weights.
+TILE_ELEMS = 1 << 22
+TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
+
+_SRC = Path(__file__).with_name("csrc") / "qgemm.c"
+_LIB = None
+_BLAS = "unset"
+
+_p = ctypes.c_void_p
+_l = ctypes.c_long
+_i = ctypes.c_int
+
+
+def lib():
+    """The compiled ``csrc/qgemm.c`` (built and cached on first use)."""
+    global _LIB
+    if _LIB is None:
+        path, _ = _cgen.build(_SRC.read_text(), prefix="gtq")
+        so = ctypes.CDLL(str(path))
+        for name in ("gt_deq_rows", "gt_deq_rows_f64"):
+            getattr(so, name).argtypes = [_i, _p, _l, _p, _l, _l, _p]
+            getattr(so, name).restype = _i
+        for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
+            getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
+                                          _i, _p]
+            getattr(so, name).restype = _i
+        _LIB = so
+    return _LIB
+
+
+def blas():
+    """``(sgemm address, dgemm address, ilp64)`` of the CBLAS NumPy's BLAS library
+    exports, or None.  The library is found among the process's mapped files (NumPy
+    loaded it); ``$GRADTAPE_BLAS`` names another library."""
+    global _BLAS
+    if _BLAS != "unset":
+        return _BLAS
+    _BLAS = None
+    candidates = [os.environ["GRADTAPE_BLAS"]] if os.environ.get("GRADTAPE_BLAS") else []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if "/" in line else ""
+                if "blas" in Path(path).name.lower() and path not in candidates:
+                    candidates.append(path)
+    except OSError:
+        pass
+    names = [("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_", 1),
+             ("cblas_sgemm64_", "cblas_dgemm64_", 1), ("cblas_sgemm", "cblas_dgemm", 0)]
+    for path in candidates:
+        try:
+            so = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for s, d, ilp64 in names:
+            try:
+                fs, fd = getattr(so, s), getattr(so, d)
+            except AttributeError:
+                continue
+            _BLAS = (ctypes.cast(fs, _p).value, ctypes.cast(fd, _p).value, ilp64, so)
+            return _BLAS
+    return _BLAS
+
+
+def tile_shape(qtype, rows, k):
+    """``(R, C)``: rows and block-aligned columns of W per tile (``R * C <= TILE_ELEMS``)."""
+    block = BLOCK_TYPES[qtype].block
+    c = max(block, min(k, TILE_ELEMS // TILE_ROWS) // block * block)
+    r = max(1, min(rows, TILE_ELEMS // c))
+    return r, c
+
+
+def transposed_layout():
+    """Whether the GEMM drivers compute each product block transposed and transpose it
+    into place (1, the default: faster with OpenBLAS here, see csrc/qgemm.c) or write it
+    directly (0).  ``$GRADTAPE_QGEMM_LAYOUT=direct`` chooses the latter."""
+    return 0 if os.environ.get("GRADTAPE_QGEMM_LAYOUT", "transposed") == "direct" else 1
+
+
+def scratch_elems(ops):
+    """Scratch values the block ops ``ops`` need: one tile, and the transposed product
+    block of the transposed layout (float64 tiles also hold the float32 row they are
+    widened from, which fits inside the tile's own bytes)."""
+    need = 0
+    for v in ops:
+        if v.op in ("qmatmul", "qmatmul_t"):
+            a = v.attrs
+            r, c = tile_shape(a["qtype"], a["rows"], a["k"])
+            need = max(need, r * c + max(r, c) * v.shape[0])
+    return need
+
+
+def _type_id(qtype):
+    return BLOCK_TYPES[qtype].id
+
+
+def _check(rc, what):
+    if rc != 0:
+        raise RuntimeError(f"gradtape: {what} failed in the C kernel (status {rc})")
+
+
+def deq_rows(w, qtype, k, ids=None, dtype=np.float32, out=None):
+    """Rows ``ids`` (all when None) of the block data ``w [rows, row_bytes]`` dequantized
+    by the C kernels into ``out [n, k]`` of ``dtype``."""
+    L = lib()
+    w = np.ascontiguousarray(w)
+    n = w.shape[0] if ids is None else len(ids)
+    if out is None:
+        out = np.empty((n, k), dtype)
+    idp = None
+    if ids is not None:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if n and (ids.min() < 0 or ids.max() >= w.shape[0]):
+            raise IndexError(f"qtake_rows: ids out of range [0, {w.shape[0]})")
+        idp = ids.ctypes.data
+    fn = L.gt_deq_rows if out.dtype == np.float32 else L.gt_deq_rows_f64
+    if n and k:
+        _check(fn(_type_id(qtype), w.ctypes.data, w.shape[1], idp, n, k, out.ctypes.data),
+               "dequantize")
+    return out
+
+
+def _tiles_numpy(transposed, qtype, w, rows, k, a, out, tile):
+    """The tiled product without a CBLAS pointer: each tile through ``np.matmul``."""
+    R, C = tile_shape(qtype, rows, k)
+    out.fill(0)
+    bt = BLOCK_TYPES[qtype]
+    for r0 in range(0, rows, R):
+        r1 = min(rows, r0 + R)
+        for c0 in range(0, k, C):
+            c1 = min(k, c0 + C)
+            b0, b1 = c0 // bt.block * bt.nbytes, c1 // bt.block * bt.nbytes
+            t = deq_rows(w[r0:r1, b0:b1], qtype, c1 - c0, dtype=out.dtype,
+                         out=tile[:(r1 - r0) * (c1 - c0)].reshape(r1 - r0, c1 - c0))
+            if transposed:
+                out[:, c0:c1] += a[:, r0:r1] @ t
+            else:
+                out[:, r0:r1] += a[:, c0:c1] @ t.T
+
+
+def _gemm_call(transposed, qtype, w, rows, k, a, out, tile):
+    L = lib()
+    R, C = tile_shape(qtype, rows, k)
+    sg, dg, ilp64, _ = blas()
+    f64 = out.dtype == np.float64
+    fn = {(False, False): L.gt_qgemm_f32, (True, False): L.gt_qgemm_t_f32,
+          (False, True): L.gt_qgemm_f64, (True, True): L.gt_qgemm_t_f64}[(transposed, f64)]
+    T = a.shape[0]
+    if tile.size < R * C + max(R, C) * T:
+        raise RuntimeError(f"qmatmul: scratch of {tile.size} values < {R * C + max(R, C) * T}")
+    args = (_type_id(qtype), w.ctypes.data, w.strides[0], rows, k, a.ctypes.data,
+            T, out.ctypes.data, tile.ctypes.data, R, C, dg if f64 else sg, ilp64,
+            transposed_layout(), tile.ctypes.data + R * C * tile.itemsize)
+
+    def run():
+        _check(fn(*args), "qmatmul")
+    return run
+
+
+def lower(v, out, ins, scratch):
+    """A callable computing block op ``v`` into ``out`` from input arrays ``ins``.
+
+    The kernel is chosen here: the tiled dequantize + BLAS GEMM for every row count
+    (a matrix-vector kernel for a few rows belongs here too)."""
+    a = v.attrs
+    qtype, rows, k = a["qtype"], a["rows"], a["k"]
+    if v.op == "qtake_rows":
+        w, ids = ins
+        return functools.partial(deq_rows, w, qtype, k, ids, out.dtype, out)
+    x, w = ins
+    transposed = v.op == "qmatmul_t"
+    tile = scratch
+    if out.size == 0 or x.shape[0] == 0:
+        return lambda: None
+    if (k if not transposed else rows) == 0 or (rows if not transposed else k) == 0:
+        return functools.partial(out.fill, 0)
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
+        raise RuntimeError(f"{v.op}: operands must be C-contiguous")
+    if blas() is None:
+        return functools.partial(_tiles_numpy, transposed, qtype, w, rows, k, x, out, tile)
+    return _gemm_call(transposed, qtype, w, rows, k, x, out, tile)

@@ -1,0 +1,80 @@
+"""How much memory a model's weights take, read from the file's header before loading,
+and how much the machine has free (``/proc/meminfo``'s MemAvailable).
+
+``weight_bytes(path)`` sums, per tensor, what loading makes resident: float32 copies
+(``n_elements * 4``), or with ``keep_quantized`` the stored bytes of every matrix a
+``BlockMatrix`` keeps (the mapped file's pages; q/k also as a permuted copy) and float32
+for the rest.  Nothing is dequantized or allocated here; the headers are read with the
+validating readers.  What a training step adds on top is ``train.memory``'s business.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..blocks import BLOCK_TYPES
+from ..errors import FileFormatError
+
+GiB = float(1 << 30)
+
+
+def mem_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None
+    where unknown.  ``$GRADTAPE_MEM_AVAILABLE`` (bytes) overrides it (tests)."""
+    env = os.environ.get("GRADTAPE_MEM_AVAILABLE")
+    if env:
+        return int(env)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def weight_bytes(path, keep_quantized=False) -> int:
+    """Resident bytes of the weights ``models.load(path, keep_quantized=...)`` makes."""
+    path = Path(path)
+    if path.is_dir():
+        return _hf_bytes(path, keep_quantized)
+    if path.is_file():
+        return _gguf_bytes(path, keep_quantized)
+    raise FileFormatError(f"{path}: no such file or folder")
+
+
+def _gguf_bytes(path, keep):
+    from ..formats.gguf_reader import GGUFFile
+
+    total = 0
+    for name, t in GGUFFile(path).tensors.items():
+        n = t.n_elements
+        if keep and len(t.shape) == 2 and t.tensor_type.name in BLOCK_TYPES:
+            total += t.nbytes
+            if name.endswith(("attn_q.weight", "attn_k.weight")):
+                total += t.nbytes  # rows permuted into a copy
+        else:
+            total += 4 * n
+    return total
+
+
+def _hf_bytes(folder, keep):
+    from ..formats.safetensors_reader import read_header
+    from .load_hf import _tensor_files
+
+    total = 0
+    for f in _tensor_files(folder):
+        entries = read_header(f)[0]
+        for dt, shape, (lo, hi) in entries.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += (hi - lo) if keep and dt in ("BF16", "F16") and len(shape) == 2 else 4 * n
+    return total
+
+
+def resident_bytes(weights) -> int:
+    """Bytes of a loaded weights dict (float arrays and block matrices)."""
+    return sum(int(w.nbytes) for w in weights.values())

@@ -1,0 +1,126 @@
+"""The cpu backend's kernels for frozen weights in their stored type, against the NumPy
+reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we run.
+
+* Dequantization: bit for bit (the C follows the reference's float32 operations one by
+  one), on random blocks including non-finite scales.
+* ``qmatmul`` / ``qmatmul_t`` / ``qtake_rows``, forward and backward through a tape, on
+  several tiles (tile sizes shrunk so that rows, columns and the last partial tile are
+  all exercised).  Tolerance (max |cpu - numpy| / max |numpy|): float32 2e-6 -- the same
+  products summed in another order (tile by tile, BLAS's blocking), k <= 768 terms of
+  float32 rounding (observed about 5e-7); float64 1e-13 (observed about 1e-15).
+* bf16 tiles (``--compute bf16``) are not implemented here (issue 13 owns bf16 compute).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradtape as gt
+from gradtape import ops
+from gradtape.backends import qgemm
+from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
+
+TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}
+TYPES = sorted(BLOCK_TYPES)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of at most 64 rows x 256 columns: a [70, 768] weight takes 2 x 3 tiles."""
+    monkeypatch.setattr(qgemm, "TILE_ELEMS", 64 * 256)
+    monkeypatch.setattr(qgemm, "TILE_ROWS", 64)
+
+
+def rel_err(got, ref):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_is_bitwise_the_reference(qtype):
+    """Random bytes everywhere (scales too: inf, NaN and subnormal halves included)."""
+    r = np.random.default_rng(TYPES.index(qtype))
+    t = BLOCK_TYPES[qtype]
+    k = 2 * max(t.block, 32)
+    data = r.integers(0, 256, (41, k // t.block * t.nbytes), dtype=np.uint8)
+    bm = BlockMatrix(qtype, (41, k), data)
+    ref = bm.dequantize()
+    got = qgemm.deq_rows(data, qtype, k)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    ids = np.array([40, 0, 7, 7], np.int64)
+    got64 = qgemm.deq_rows(data, qtype, k, ids=ids, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # signalling NaNs quieten when widened
+        np.testing.assert_array_equal(got64, ref[ids].astype(np.float64))
+
+
+def _program_outputs(tp, outs):
+    a = tp.compile(outs, backend="numpy").run()
+    p = tp.compile(outs, backend="cpu")
+    assert p.executable.fallback is None
+    return a, p.run()
+
+
+@pytest.mark.parametrize("layout", ["transposed", "direct"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_qmatmul_forward_backward_matches_reference(qtype, dtype, layout, small_tiles,
+                                                    monkeypatch):
+    monkeypatch.setenv("GRADTAPE_QGEMM_LAYOUT", layout)
+    r = np.random.default_rng(100 + TYPES.index(qtype))
+    rows, k = 70, 768
+    bm = random_blocks(qtype, rows, k, r)
+    assert qgemm.tile_shape(qtype, rows, k) == (64, 256)
+    tp = gt.Tape(dtype)
+    x = tp.param(r.standard_normal((9, k)))
+    w = tp.const(bm)
+    y = ops.qmatmul(x, w)  # [9, rows]
+    u = tp.const(r.standard_normal((9, rows)))
+    loss = ops.reduce_sum(ops.mul(ops.mul(y, y), u))
+    gx = tp.backward(loss)[x]  # 2 u y @ deq(w): through qmatmul_t
+    assert gx.op == "qmatmul_t" or any(v.op == "qmatmul_t" for v in tp.vars)
+    emb = ops.qtake_rows(w, tp.const(np.array([69, 0, 5, 5, 64])))
+    ref, got = _program_outputs(tp, [y, gx, emb])
+    # the reference itself: dequantize, then the matmul
+    deq = bm.dequantize().astype(dtype)
+    np.testing.assert_array_equal(ref[0], x.value @ deq.T)
+    np.testing.assert_array_equal(ref[2], deq[[69, 0, 5, 5, 64]])
+    for a, b in zip(got[:2], ref[:2]):
+        assert rel_err(a, b) <= TOL[np.dtype(dtype)]
+    np.testing.assert_array_equal(got[2], ref[2])  # a gather of dequantized rows: exact
+
+
+def test_tiled_path_without_cblas(monkeypatch, small_tiles):
+    """Where NumPy's BLAS exports no CBLAS symbol we can find, tiles go through np.matmul."""
+    monkeypatch.setattr(qgemm, "_BLAS", None)
+    r = np.random.default_rng(7)
+    bm = random_blocks("Q4_K", 70, 768, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((5, 768)))
+    y = ops.qmatmul(x, tp.const(bm))
+    gx = ops.qmatmul_t(y, tp.const(bm))
+    ref, got = _program_outputs(tp, [y, gx])
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) <= TOL[np.dtype(np.float32)]
+
+
+def test_one_scratch_tile_per_program():
+    """The scratch is allocated once at compile, sized for the largest tile."""
+    r = np.random.default_rng(3)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((4, 512)))
+    a, b = random_blocks("Q8_0", 96, 512, r), random_blocks("Q6_K", 40, 512, r)
+    h = ops.qmatmul(x, tp.const(a))  # [4, 96]
+    out = ops.qmatmul(ops.qmatmul_t(h, tp.const(a)), tp.const(b))
+    p = tp.compile([out], backend="cpu")
+    s = p.executable._qscratch
+    assert s.dtype == np.float32 and s.size == max(96 * 512 + 512 * 4, 40 * 512 + 512 * 4)
+    first = p.run()[0]
+    np.testing.assert_array_equal(p.run()[0], first)  # replay: same buffers, same result

@@ -1,0 +1,103 @@
+"""SmolLM2 kept in its stored type (``llama.load(..., keep_quantized=True)``: the Q4_1 /
+Q8_0 blocks of the embedded GGUF, memory-mapped, never expanded) against the same model
+dequantized to float32 at load: logits, one LoRA step's adapter gradients, generation.
+
+Tolerance 1e-5 relative (max |a - b| / max |b|), float32 compute: on the numpy backend
+the block primitives are dequantize-then-matmul with the very same float32 values, so
+logits agree exactly; on the cpu backend the tiled GEMMs sum the same products in
+another order (float32 rounding, about 1e-6 observed on a 30-layer gradient)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradtape import llama, nn
+from gradtape.blocks import BlockMatrix
+from gradtape.models.lora import init_adapter
+from gradtape.models.model import record_forward, weight_consts
+from gradtape.tape import Tape
+
+pytestmark = pytest.mark.model
+TOL = 1e-5
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _maps_file(a):
+    """Whether array ``a`` is a view of a memory-mapped file."""
+    import mmap
+    while isinstance(a, np.ndarray):
+        if isinstance(a, np.memmap):
+            return True
+        a = a.base
+    return isinstance(a, mmap.mmap)
+
+
+@pytest.fixture(scope="module")
+def smollm2_q(smollm2_gguf):
+    return llama.load("smollm2", keep_quantized=True)
+
+
+def test_matrices_stay_blocks_mapped_from_the_file(smollm2_q, smollm2):
+    w = smollm2_q.weights
+    cfg = smollm2_q.config
+    mats = [k for k, v in smollm2.weights.items() if v.ndim == 2]
+    assert all(isinstance(w[k], BlockMatrix) for k in mats)
+    assert w["tok_embd"].qtype == "Q8_0" and w["layers.0.up"].qtype == "Q4_1"
+    assert w["layers.3.down"].shape == (cfg.dim, cfg.ffn_dim)  # [out, in] as stored
+    # a view of the file's memory map (no copy); q / k rows were permuted into a copy
+    assert _maps_file(w["layers.0.up"].data) and _maps_file(w["tok_embd"].data)
+    assert not _maps_file(w["layers.0.q"].data)
+    kept = sum(v.nbytes for v in w.values())
+    f32 = sum(v.nbytes for v in smollm2.weights.values())
+    assert kept < f32 / 4  # Q4_1 / Q8_0 against float32
+    # the blocks dequantize to exactly the float32 model's weights
+    np.testing.assert_array_equal(w["layers.2.q"].dequantize().T, smollm2.weights["layers.2.q"])
+    np.testing.assert_array_equal(w["tok_embd"].dequantize(), smollm2.weights["tok_embd"])
+
+
+def test_logits_equal_the_dequantized_model(smollm2_q, smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is Paris, and the capital of")
+    a, b = smollm2_q.logits(ids), smollm2.logits(ids)
+    assert rel_err(a, b) <= TOL
+
+
+def _grads(model, adapter, ids, targets, backend):
+    tp = Tape(np.float32, eager=False)
+    lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
+    idc = tp.const(ids)
+    logits = record_forward(tp, model.config, weight_consts(tp, model), idc, 1, lora,
+                            adapter.scale)
+    tid, wts = nn.ce_targets_fill(targets)
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(np.float32)))
+    g = tp.backward(loss)
+    params = [p for pair in lora.values() for p in pair]
+    return tp.compile([loss, *(g[p] for p in params)], backend=backend).run()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_lora_gradients_equal_the_dequantized_model(smollm2_q, smollm2, backend,
+                                                    tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+    cfg = smollm2.config
+    adapter = init_adapter(cfg, rank=4, alpha=8.0, seed=1, base_model="smollm2")
+    r = np.random.default_rng(0)
+    for key, (a, b) in adapter.weights.items():  # B != 0: A gets a gradient too
+        b[...] = r.standard_normal(b.shape).astype(np.float32) * 0.02
+    ids = np.asarray(smollm2.tokenizer.encode("Hello there! How are you today? I am fine,"
+                                              " thank you very much."), np.int64)[:24]
+    targets = np.concatenate([ids[1:], [-100]])
+    got = _grads(smollm2_q, adapter, ids, targets, backend)
+    ref = _grads(smollm2, adapter, ids, targets, backend)
+    assert len(got) == 1 + 2 * 7 * cfg.n_layers
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) <= TOL
+
+
+def test_generate_on_the_quantized_base(smollm2_q, smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    assert smollm2_q.generate(ids, 2) == smollm2.generate(ids, 2)  # prefill + one decode step

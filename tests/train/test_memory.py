@@ -1,0 +1,119 @@
+"""The memory estimate of a fine-tuning run and its check before training starts; the
+choice of keeping frozen weights in their stored type (``--weights``).  The machine's
+MemAvailable is replaced by ``$GRADTAPE_MEM_AVAILABLE`` so that the tests do not depend
+on it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gradtape import llama
+from gradtape.blocks import BlockMatrix
+from gradtape.errors import GradtapeError
+from gradtape.models.memory import weight_bytes
+from gradtape.train.finetune import FinetuneConfig, finetune
+from gradtape.train.memory import OVERHEAD, estimate
+from gradtape.train.step import TrainStep
+from gradtape.models.lora import init_adapter
+
+from filebuilders import write_tiny_gguf
+from tinymodel import tiny_model
+
+TEXT = "pack my box with five dozen liquor jugs. " * 40
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mem")
+    m = tiny_model(seed=3, dim=64, ffn_dim=128, vocab=258)
+    write_tiny_gguf(m, root / "tiny-q8.gguf", qtype="Q8_0")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+
+
+def _cfg(files, out, **kw):
+    base = dict(model=str(files / "tiny-q8.gguf"), data=str(files / "text.txt"), out=str(out),
+                steps=2, seq_len=16, batch_size=2, rank=2, eval_every=0, save_every=10,
+                progress=False, backend="cpu")
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+def test_weight_bytes_from_the_header(files):
+    path = files / "tiny-q8.gguf"
+    f32 = llama.load(path)
+    q8 = llama.load(path, keep_quantized=True)
+    assert weight_bytes(path) == sum(w.nbytes for w in f32.weights.values())
+    assert weight_bytes(path, keep_quantized=True) == sum(w.nbytes for w in q8.weights.values()) \
+        + sum(w.nbytes for k, w in q8.weights.items() if k.endswith((".q", ".k")))
+
+
+def test_estimate_counts_plans_weights_and_scratch(files):
+    model = llama.load(files / "tiny-q8.gguf", keep_quantized=True)
+    adapter = init_adapter(model.config, 2, 4.0, seed=0)
+    step = TrainStep(model, adapter, 2, 16, backend="cpu")
+    est = estimate(model, step)
+    assert est.weights == sum(w.nbytes for w in model.weights.values())
+    assert est.activations == step.program.memory.nbytes + step.eval_program.memory.nbytes
+    assert est.scratch == step.program.executable._qscratch.nbytes > 0
+    assert est.total == est.weights + est.activations + est.scratch + est.state + OVERHEAD
+    assert "GiB (weights" in est.describe()
+
+
+def test_not_enough_memory_is_one_clear_error_before_training(files, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(200 << 20))  # less than the runtime
+    logs = []
+    with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
+                                            r"[\d.]+ GiB \(weights .*runtime 0\.39\), but "
+                                            r"only 0\.2 GiB is available: use a shorter "
+                                            r"--seq-len"):
+        finetune(_cfg(files, tmp_path / "run"), log=logs.append)
+    assert not (tmp_path / "run" / "log.jsonl").exists()  # nothing ran
+    # --ignore-memory starts anyway
+    s = finetune(_cfg(files, tmp_path / "run2", ignore_memory=True), log=logs.append)
+    assert s["steps"] == 2
+
+
+def test_float32_that_does_not_fit_is_refused_before_loading(files, tmp_path, monkeypatch):
+    path = files / "tiny-q8.gguf"
+    f32 = weight_bytes(path)
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(f32 + OVERHEAD - 1))
+    with pytest.raises(GradtapeError, match=r"the float32 weights of .*tiny-q8.gguf take .* "
+                                            r"--weights stored keeps them in the file's type"):
+        finetune(_cfg(files, tmp_path / "run", weights="float32"), log=lambda *a: None)
+
+
+def test_auto_keeps_stored_weights_when_float32_would_not_fit(files, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(1.1 * OVERHEAD)))
+    logs = []
+    s = finetune(_cfg(files, tmp_path / "auto"), log=logs.append)
+    assert any("keeping them in their stored type" in line for line in logs)
+    assert any(line.startswith("memory: this run needs about") for line in logs)
+    # the same run with float32 weights ends with (nearly) the same adapter
+    monkeypatch.delenv("GRADTAPE_MEM_AVAILABLE")
+    r = finetune(_cfg(files, tmp_path / "f32", weights="float32"), log=lambda *a: None)
+    a = llama.load_adapter(tmp_path / "auto" / "adapter")
+    b = llama.load_adapter(tmp_path / "f32" / "adapter")
+    for key in a.weights:
+        for x, y in zip(a.weights[key], b.weights[key]):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    assert abs(s["final_loss"] - r["final_loss"]) <= 1e-5 * abs(r["final_loss"])
+    cfgs = json.loads((tmp_path / "auto" / "gradtape-run.json").read_text())["config"]
+    assert cfgs["weights"] == "auto"
+
+
+def test_keep_quantized_refuses_a_type_we_do_not_run(tmp_path):
+    m = tiny_model(seed=1, dim=256, ffn_dim=256, vocab=258)
+    write_tiny_gguf(m, tmp_path / "tq.gguf", qtype="TQ2_0")
+    with pytest.raises(GradtapeError, match=r"tensor \S+ has ggml type TQ2_0, which gradtape "
+                                            r"cannot keep quantized"):
+        llama.load(tmp_path / "tq.gguf", keep_quantized=True)
+    assert not isinstance(llama.load(tmp_path / "tq.gguf").weights["layers.0.q"], BlockMatrix)

@@ -95,3 +95,27 @@ def test_matmul_against_dequantize(qtype, T):
     bound = (k / 16 + 5) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
     assert got.shape == (T, rows) and np.all(np.abs(got - ref) <= bound)
     np.testing.assert_array_equal(ggml_vec.matmul(qtype, data, x, nthreads=3), got)
+
+
+@pytest.mark.parametrize("qtype", sorted(q for q in ggml_vec.QTYPES if q != "F32"))
+@pytest.mark.parametrize("T", [1, 4])
+def test_cpu_backend_qmatmul_of_few_rows_uses_the_matvec(qtype, T, monkeypatch):
+    """The cpu backend lowers a float32 qmatmul of <= 4 rows to this kernel; its result is
+    the NumPy reference's up to float32 summation order (2e-6 of the largest value, as
+    the tiled GEMM's tests allow)."""
+    import gradtape as gt
+    from gradtape import ops
+    from gradtape.backends import qgemm
+    from gradtape.blocks import random_blocks
+
+    calls = []
+    real = ggml_vec.matvec_call
+    monkeypatch.setattr(ggml_vec, "matvec_call", lambda *a: calls.append(a) or real(*a))
+    bm = random_blocks(qtype, 70, 512, np.random.default_rng(T))
+    tp = gt.Tape(np.float32)
+    x = tp.const(np.random.default_rng(1).standard_normal((T, 512)).astype(np.float32))
+    y = ops.qmatmul(x, tp.const(bm))
+    ref = tp.compile([y], backend="numpy").run()[0]
+    got = tp.compile([y], backend="cpu").run()[0]
+    assert len(calls) == 1 and qgemm.ggml_vec is ggml_vec
+    assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max()

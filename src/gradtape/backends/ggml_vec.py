@@ -132,6 +132,23 @@ def matvec(qtype: str, data: np.ndarray, x: np.ndarray, out=None, nthreads=None)
     return out
 
 
+def matvec_call(qtype: str, w: np.ndarray, rows: int, k: int, x: np.ndarray,
+                out: np.ndarray):
+    """A zero-argument callable computing ``out[T, rows] = x[T, k] @ deq(w).T`` in place
+    (the cpu backend's ``qmatmul`` for ``T <= MAX_ROWS``); ``w [rows, row_bytes]`` may have
+    a row stride larger than its row (a view); x and out must be C-contiguous float32."""
+    if not (x.dtype == out.dtype == np.float32 and x.flags.c_contiguous
+            and out.flags.c_contiguous and w.strides[1] == 1 and 1 <= x.shape[0] <= MAX_ROWS):
+        raise ValueError("ggml_vec.matvec_call: needs C-contiguous float32 x [T <= 4, k] "
+                         "and out, and contiguous block rows")
+    if k % (16 if QTYPES[qtype][1] == 1 else QTYPES[qtype][1]):
+        raise ValueError(f"ggml_vec.matvec_call: {qtype} rows of {k} elements")
+    import functools
+    return functools.partial(lib().gv_matvec, QTYPES[qtype][0], w.ctypes.data, rows, k,
+                             w.strides[0], x.ctypes.data, x.shape[0], out.ctypes.data,
+                             threads())
+
+
 def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
     """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): four weight rows are
     dequantized at a time and used by every row of x; float32 accumulation."""

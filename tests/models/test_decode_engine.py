@@ -28,16 +28,36 @@ def random_lora(cfg, rank=4, seed=0):
     return out
 
 
+_BLOCKS = {}
+
+
+def blocks_of(model):
+    """``E.block_weights`` once per model object (it maps the file and checks rows)."""
+    if id(model) not in _BLOCKS:
+        _BLOCKS[id(model)] = (model, E.block_weights(model))
+    return _BLOCKS[id(model)][1]
+
+
 def steps_vs_graph(model, prompt, tokens, lora=None, scale=1.0, cap=64):
     """Logits of each of ``tokens`` after ``prompt``: (C step, float32 graph)."""
     W = model.weights
     cache = M.KVCache.empty(model.config)
     M.forward_cached(model.config, W, prompt, cache, lora, scale)
-    dec = E.BlockDecoder(model, E.block_weights(model), lora, scale, cap=cap)
+    dec = E.BlockDecoder(model, blocks_of(model), lora, scale, cap=cap)
     dec.load(cache)
     ours = np.stack([dec.step(t).copy() for t in tokens])
     ref = M.forward_cached(model.config, W, tokens, cache, lora, scale)
     return ours, ref
+
+
+def graph_argmax(model, prompt, out, lora=None, scale=1.0):
+    """The float32 graph's greedy choice after ``prompt + out[:i]`` for every i, from one
+    batched pass (teacher forcing): equal to ``out`` iff ``out`` is the graph's greedy
+    continuation."""
+    ids = list(prompt) + list(out[:-1])
+    z = M.forward_cached(model.config, model.weights, ids, M.KVCache.empty(model.config),
+                         lora, scale)
+    return [int(i) for i in z[len(prompt) - 1:].argmax(1)]
 
 
 def rel(a, b):
@@ -45,7 +65,7 @@ def rel(a, b):
 
 
 def test_smollm2_blocks_are_the_mapped_file(smollm2):
-    blocks = E.block_weights(smollm2)
+    blocks = blocks_of(smollm2)
     qtype, data = blocks["layers.3.gate"]
     assert qtype == "Q4_1" and data.shape == (1536, 360) and not data.flags.owndata
     assert blocks["tok_embd"][0] == "Q8_0"
@@ -79,12 +99,7 @@ def test_greedy_generation_equals_the_graph(smollm2):
     tok = smollm2.tokenizer
     prompt = tok.encode("A short poem about the sea:")
     a = smollm2.generate(prompt, 12, decoder="blocks", stop_ids=())
-    cache, ref = M.KVCache.empty(smollm2.config), []  # greedy on the eager float32 graph
-    z = M.forward_cached(smollm2.config, smollm2.weights, prompt, cache)[-1]
-    for _ in range(12):
-        ref.append(int(np.argmax(z)))
-        z = M.forward_cached(smollm2.config, smollm2.weights, ref[-1:], cache)[-1]
-    assert a == ref
+    assert a == graph_argmax(smollm2, prompt, a)
     # reused across calls (same adapter, enough room)
     dec = smollm2._block_dec[1]
     assert smollm2.generate(prompt, 12, stop_ids=()) == a and smollm2._block_dec[1] is dec
@@ -117,7 +132,7 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
     cached keys / values equal the graph's up to float32 summation order."""
     lora = random_lora(smollm2.config, rank=4, seed=2) if with_lora else None
     ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
-    dec = E.BlockDecoder(smollm2, E.block_weights(smollm2), lora, 2.0, cap=80)
+    dec = E.BlockDecoder(smollm2, blocks_of(smollm2), lora, 2.0, cap=80)
     z = dec.prefill(ids).copy()
     cache = M.KVCache.empty(smollm2.config)
     ref = M.forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
@@ -155,6 +170,25 @@ def test_kept_block_matrices_decode_as_loaded(smollm2, smollm2_gguf):
     kept = llama.load(str(smollm2_gguf), keep_quantized=True)
     blocks = E.block_weights(kept)
     assert blocks["layers.7.up"][1] is kept.weights["layers.7.up"].data
-    np.testing.assert_array_equal(blocks["layers.7.q"][1], E.block_weights(smollm2)["layers.7.q"][1])
+    np.testing.assert_array_equal(blocks["layers.7.q"][1], blocks_of(smollm2)["layers.7.q"][1])
     prompt = smollm2.tokenizer.encode("The three primary colours are")
     assert kept.generate(prompt, 8) == smollm2.generate(prompt, 8)
+
+
+def test_adapter_changes_between_calls_are_seen(smollm2):
+    """The reused decoder takes the adapter afresh each call: new B values, or another
+    adapter, change the output; no adapter gives the base output again."""
+    from gradtape.models.lora import init_adapter
+    prompt = smollm2.tokenizer.encode("Once upon a time")
+    base = smollm2.generate(prompt, 6, stop_ids=())
+    ad = init_adapter(smollm2.config, rank=4, targets=("q", "v", "down"),
+                      base_model=smollm2.name)
+    assert smollm2.generate(prompt, 6, adapter=ad, stop_ids=()) == base  # B = 0
+    rng = np.random.default_rng(1)
+    for key, (a, b) in ad.weights.items():
+        b[...] = rng.normal(0, 0.3, b.shape)  # in place, as a training step does
+    changed = smollm2.generate(prompt, 6, adapter=ad, stop_ids=())
+    assert changed != base
+    lora, scale = smollm2._lora(ad, np.float32)
+    assert changed == graph_argmax(smollm2, prompt, changed, lora, scale)
+    assert smollm2.generate(prompt, 6, stop_ids=()) == base

@@ -144,9 +144,9 @@ class BlockDecoder:
         lins = (_Lin * (cfg.n_layers * len(_LINS)))()
         for i in range(cfg.n_layers):
             for j, t in enumerate(_LINS):
-                ab = (lora or {}).get((i, t))
-                lins[i * len(_LINS) + j] = self._lin(blocks[f"layers.{i}.{t}"], ab, lora_scale)
+                lins[i * len(_LINS) + j] = self._lin(blocks[f"layers.{i}.{t}"])
         self.lins = lins
+        self.set_lora(lora, lora_scale)
         W = model.weights
         norms = [np.ascontiguousarray(np.stack([W[f"layers.{i}.{n}"] for i in
                                                 range(cfg.n_layers)]), np.float32)
@@ -162,8 +162,8 @@ class BlockDecoder:
                    hd=cfg.head_dim, ffn=cfg.ffn_dim, vocab=cfg.vocab_size, cap=self.cap,
                    nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps)
         m.lin = ctypes.addressof(lins)
-        m.embd = self._lin(blocks["tok_embd"], None, 1.0)
-        m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"], None, 1.0)
+        m.embd = self._lin(blocks["tok_embd"])
+        m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"])
         m.attn_norm, m.ffn_norm, m.norm = (a.ctypes.data for a in norms)
         m.kc, m.vc = self.kc.ctypes.data, self.vc.ctypes.data
         m.cos, m.sin = self.cos.ctypes.data, self.sin.ctypes.data
@@ -177,20 +177,35 @@ class BlockDecoder:
         self._pbuf = None
         self.length = 0
 
-    def _lin(self, block, ab, scale):
+    def _lin(self, block):
         qtype, data = block
         k = ggml_vec.row_elems(qtype, data)
-        lin = _Lin(w=data.ctypes.data, type=ggml_vec.QTYPES[qtype][0], rows=data.shape[0],
-                   k=k, row_bytes=data.shape[1])
         self.keep.append(data)
-        if ab is not None:
-            a = np.ascontiguousarray(ab[0], np.float32)  # [in, r]
-            b = np.ascontiguousarray(ab[1], np.float32)  # [r, out]
-            if a.shape[1] > MAX_RANK:
-                raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
-            self.keep += [a, b]
-            lin.a, lin.b, lin.r, lin.scale = a.ctypes.data, b.ctypes.data, a.shape[1], scale
-        return lin
+        return _Lin(w=data.ctypes.data, type=ggml_vec.QTYPES[qtype][0], rows=data.shape[0],
+                    k=k, row_bytes=data.shape[1])
+
+    def set_lora(self, lora, scale=1.0):
+        """Point the linears at an adapter's ``{(layer, target): (A [in, r], B [r, out])}``
+        (None: no adapter); the arrays are used where they are, not copied, when they
+        are float32 and C-contiguous."""
+        self.lora_keep = []
+        for i in range(self.cfg.n_layers):
+            for j, t in enumerate(_LINS):
+                lin = self.lins[i * len(_LINS) + j]
+                ab = (lora or {}).get((i, t))
+                if ab is None:
+                    lin.a = lin.b = None
+                    lin.r, lin.scale = 0, 0.0
+                    continue
+                a = np.ascontiguousarray(ab[0], np.float32)  # [in, r]
+                b = np.ascontiguousarray(ab[1], np.float32)  # [r, out]
+                if a.shape != (lin.k, a.shape[1]) or b.shape != (a.shape[1], lin.rows):
+                    raise ValueError(f"BlockDecoder: LoRA ({i}, {t}) A{list(a.shape)} "
+                                     f"B{list(b.shape)} do not fit [{lin.rows}, {lin.k}]")
+                if a.shape[1] > MAX_RANK:
+                    raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
+                self.lora_keep += [a, b]
+                lin.a, lin.b, lin.r, lin.scale = a.ctypes.data, b.ctypes.data, a.shape[1], scale
 
     def load(self, cache):
         n = cache.length

@@ -170,8 +170,9 @@ def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale):
 def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
                    dtype=np.float32, last_only=False) -> np.ndarray:
     """Logits ``[t, V]`` of ``t`` new rows after the ``cache.length`` rows in ``cache``
-    (which is extended); ``[1, V]`` of the last row only with ``last_only``.  ``weights``: arrays of ``dtype``; ``lora``: ``{(layer, target):
-    (A, B)}`` arrays.  Each layer is recorded on its own eager tape from ``_block``."""
+    (which is extended); ``[1, V]`` of the last row only with ``last_only``.  ``weights``:
+    arrays of ``dtype``; ``lora``: ``{(layer, target): (A, B)}`` arrays.  Each layer is
+    recorded on its own eager tape from ``_block``."""
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
     nh, nkv = cfg.n_heads, cfg.n_kv_heads
@@ -397,16 +398,18 @@ class Llama:
         return ok
 
     def _block_decoder(self, adapter, lora, scale, need):
-        """A ``decode_engine.BlockDecoder`` with room for ``need`` rows, reused across
-        calls with the same adapter (capacity rounded up to a multiple of 256)."""
+        """A ``decode_engine.BlockDecoder`` with room for ``need`` rows (capacity rounded
+        up to a multiple of 256), reused across calls (its KV cache and the block views
+        of the weights, taken once per model); the adapter is set afresh every call."""
         from . import decode_engine
         if getattr(self, "_blocks", None) is None:
             self._blocks = decode_engine.block_weights(self)
         hit = getattr(self, "_block_dec", None)
-        if hit is None or hit[0] is not adapter or hit[1].cap < need:
+        if hit is None or hit[1].cap < need:
             cap = min(-(-need // 256) * 256, max(need, self.config.max_seq_len))
-            hit = self._block_dec = (adapter, decode_engine.BlockDecoder(
-                self, self._blocks, lora, scale, cap))
+            hit = self._block_dec = (None, decode_engine.BlockDecoder(self, self._blocks,
+                                                                      cap=cap))
+        hit[1].set_lora(lora, scale)
         return hit[1]
 
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,

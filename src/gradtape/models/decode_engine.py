@@ -123,9 +123,13 @@ def block_weights(model) -> dict:
 
 
 def supported(model) -> bool:
-    """Whether the C step can run this model: a compiler, row lengths the kernels take."""
+    """Whether the C step can run this model: a compiler, row lengths the kernels take,
+    and the plain LLaMA block only (a model with weights beyond it -- biases, q/k norms
+    -- or a sliding attention window decodes through the graph instead)."""
     cfg = model.config
     if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
+        return False
+    if set(model.weights) != set(cfg.weight_shapes()) or getattr(cfg, "sliding_window", None):
         return False
     return cfg.dim % 16 == 0 and cfg.ffn_dim % 16 == 0 and cfg.n_heads * cfg.head_dim % 16 == 0
 

@@ -8,7 +8,8 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
   all exercised).  Tolerance (max |cpu - numpy| / max |numpy|): float32 2e-6 -- the same
   products summed in another order (tile by tile, BLAS's blocking), k <= 768 terms of
   float32 rounding (observed about 5e-7); float64 1e-13 (observed about 1e-15).
-* bf16 tiles (``--compute bf16``) are not implemented here (issue 13 owns bf16 compute).
+* bf16 tiles: dequantized and rounded to bfloat16 bit for bit as gguf rounds; the bf16
+  GEMMs that take them (``--compute bf16``) are issue 13's.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def test_dequantize_is_bitwise_the_reference(qtype):
     got64 = qgemm.deq_rows(data, qtype, k, ids=ids, dtype=np.float64)
     with np.errstate(invalid="ignore"):  # signalling NaNs quieten when widened
         np.testing.assert_array_equal(got64, ref[ids].astype(np.float64))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_bf16_tiles_are_the_rounded_reference(qtype):
+    """Tiles for bf16 compute: the reference dequantized, then rounded to bfloat16 as
+    gguf (ggml) rounds float32 (nearest even), bit for bit.  The bf16 GEMMs that would
+    consume them belong to issue 13 (``--compute bf16``)."""
+    from gguf import GGMLQuantizationType, quants
+    r = np.random.default_rng(50 + TYPES.index(qtype))
+    bm = random_blocks(qtype, 33, 512, r)
+    ref = quants.quantize(bm.dequantize(), GGMLQuantizationType.BF16).view(np.uint16)
+    np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512), ref)
+    ids = np.array([32, 0, 4])
+    np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
 def _program_outputs(tp, outs):

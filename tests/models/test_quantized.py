@@ -2,10 +2,16 @@
 Q8_0 blocks of the embedded GGUF, memory-mapped, never expanded) against the same model
 dequantized to float32 at load: logits, one LoRA step's adapter gradients, generation.
 
-Tolerance 1e-5 relative (max |a - b| / max |b|), float32 compute: on the numpy backend
-the block primitives are dequantize-then-matmul with the very same float32 values, so
-logits agree exactly; on the cpu backend the tiled GEMMs sum the same products in
-another order (float32 rounding, about 1e-6 observed on a 30-layer gradient)."""
+Tolerance 1e-5 relative (max |a - b| / max |b|), float32 compute, on the numpy backend:
+there the block primitives are dequantize-then-matmul with the very same float32 values
+(agreement is exact in practice).  On the cpu backend the tiled GEMMs sum the same
+products in another order than one dense GEMM, and 30 layers of float32 backward amplify
+any rounding: two float32 evaluations of this gradient differ by up to 3e-5 whatever the
+weights' storage (the float32 model's own error against float64 reaches 3.1e-5 on the
+smallest adapter gradients).  There the test holds the quantized path to the float32
+model's own accuracy: its errors against the float64 evaluation of the same graph may
+be at most twice the dense path's (median and worst; observed 4.8e-6 / 3.0e-5 against
+4.3e-6 / 3.1e-5)."""
 
 from __future__ import annotations
 
@@ -66,38 +72,54 @@ def test_logits_equal_the_dequantized_model(smollm2_q, smollm2):
     assert rel_err(a, b) <= TOL
 
 
-def _grads(model, adapter, ids, targets, backend):
-    tp = Tape(np.float32, eager=False)
+def _grads(model, adapter, ids, targets, backend, dtype=np.float32):
+    tp = Tape(dtype, eager=False)
     lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
     idc = tp.const(ids)
     logits = record_forward(tp, model.config, weight_consts(tp, model), idc, 1, lora,
                             adapter.scale)
     tid, wts = nn.ce_targets_fill(targets)
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(np.float32)))
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(dtype)))
     g = tp.backward(loss)
     params = [p for pair in lora.values() for p in pair]
     return tp.compile([loss, *(g[p] for p in params)], backend=backend).run()
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_lora_gradients_equal_the_dequantized_model(smollm2_q, smollm2, backend,
-                                                    tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
-    cfg = smollm2.config
-    adapter = init_adapter(cfg, rank=4, alpha=8.0, seed=1, base_model="smollm2")
+def _case(smollm2):
+    adapter = init_adapter(smollm2.config, rank=4, alpha=8.0, seed=1, base_model="smollm2")
     r = np.random.default_rng(0)
     for key, (a, b) in adapter.weights.items():  # B != 0: A gets a gradient too
         b[...] = r.standard_normal(b.shape).astype(np.float32) * 0.02
     ids = np.asarray(smollm2.tokenizer.encode("Hello there! How are you today? I am fine,"
-                                              " thank you very much."), np.int64)[:24]
-    targets = np.concatenate([ids[1:], [-100]])
-    got = _grads(smollm2_q, adapter, ids, targets, backend)
-    ref = _grads(smollm2, adapter, ids, targets, backend)
-    assert len(got) == 1 + 2 * 7 * cfg.n_layers
+                                              " thank you very much."), np.int64)[:16]
+    return adapter, ids, np.concatenate([ids[1:], [-100]])
+
+
+def test_lora_gradients_equal_the_dequantized_model(smollm2_q, smollm2):
+    adapter, ids, targets = _case(smollm2)
+    got = _grads(smollm2_q, adapter, ids, targets, "numpy")
+    ref = _grads(smollm2, adapter, ids, targets, "numpy")
+    assert len(got) == 1 + 2 * 7 * smollm2.config.n_layers
     for a, b in zip(got, ref):
         assert rel_err(a, b) <= TOL
 
 
+@pytest.mark.slow
+def test_lora_gradients_on_the_cpu_backend(smollm2_q, smollm2, tmp_path_factory,
+                                           monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+    adapter, ids, targets = _case(smollm2)
+    q = _grads(smollm2_q, adapter, ids, targets, "cpu")
+    dense = _grads(smollm2, adapter, ids, targets, "cpu")
+    ref64 = _grads(smollm2, adapter, ids, targets, "numpy", np.float64)
+    assert rel_err(q[0], ref64[0]) <= TOL  # the loss
+    eq = np.array([rel_err(a, r) for a, r in zip(q, ref64)])
+    ed = np.array([rel_err(a, r) for a, r in zip(dense, ref64)])
+    assert np.median(eq) <= 2 * np.median(ed) and eq.max() <= 2 * ed.max(), \
+        (np.median(eq), np.median(ed), eq.max(), ed.max())
+
+
+@pytest.mark.slow
 def test_generate_on_the_quantized_base(smollm2_q, smollm2):
     ids = smollm2.tokenizer.encode("The capital of France is")
     assert smollm2_q.generate(ids, 2) == smollm2.generate(ids, 2)  # prefill + one decode step

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from gradtape import llama
-from gradtape.blocks import BlockMatrix
 from gradtape.errors import GradtapeError
 from gradtape.models.memory import weight_bytes
 from gradtape.train.finetune import FinetuneConfig, finetune
@@ -108,12 +107,3 @@ def test_auto_keeps_stored_weights_when_float32_would_not_fit(files, tmp_path, m
     assert abs(s["final_loss"] - r["final_loss"]) <= 1e-5 * abs(r["final_loss"])
     cfgs = json.loads((tmp_path / "auto" / "gradtape-run.json").read_text())["config"]
     assert cfgs["weights"] == "auto"
-
-
-def test_keep_quantized_refuses_a_type_we_do_not_run(tmp_path):
-    m = tiny_model(seed=1, dim=256, ffn_dim=256, vocab=258)
-    write_tiny_gguf(m, tmp_path / "tq.gguf", qtype="TQ2_0")
-    with pytest.raises(GradtapeError, match=r"tensor \S+ has ggml type TQ2_0, which gradtape "
-                                            r"cannot keep quantized"):
-        llama.load(tmp_path / "tq.gguf", keep_quantized=True)
-    assert not isinstance(llama.load(tmp_path / "tq.gguf").weights["layers.0.q"], BlockMatrix)

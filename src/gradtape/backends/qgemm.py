@@ -53,6 +53,8 @@ def lib():
         for name in ("gt_deq_rows", "gt_deq_rows_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _p, _l, _l, _p]
             getattr(so, name).restype = _i
+        so.gt_deq_rows_bf16.argtypes = [_i, _p, _l, _p, _l, _l, _p, _p]
+        so.gt_deq_rows_bf16.restype = _i
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
                                           _i, _p]
@@ -150,6 +152,24 @@ def deq_rows(w, qtype, k, ids=None, dtype=np.float32, out=None):
     if n and k:
         _check(fn(_type_id(qtype), w.ctypes.data, w.shape[1], idp, n, k, out.ctypes.data),
                "dequantize")
+    return out
+
+
+def deq_rows_bf16(w, qtype, k, ids=None):
+    """Rows of ``w`` dequantized and rounded to bfloat16 (the bits, uint16 ``[n, k]``):
+    the tile format of bf16 compute (``--compute bf16``, issue 13's GEMMs)."""
+    L = lib()
+    w = np.ascontiguousarray(w)
+    n = w.shape[0] if ids is None else len(ids)
+    out = np.empty((n, k), np.uint16)
+    tmp = np.empty(max(k, 1), np.float32)
+    idp = None
+    if ids is not None:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        idp = ids.ctypes.data
+    if n and k:
+        _check(L.gt_deq_rows_bf16(_type_id(qtype), w.ctypes.data, w.shape[1], idp, n, k,
+                                  out.ctypes.data, tmp.ctypes.data), "dequantize")
     return out
 
 

@@ -110,6 +110,26 @@ class GGUFFile:
         self.data_start = start
         self.tensors = self._place(infos, start)
 
+    def release(self, tensor: "TensorInfo"):
+        """Drop this process's mapping of ``tensor``'s whole pages (``MADV_DONTNEED``;
+        the file's page cache keeps them): for data that was copied and will not be read
+        again through the map, so that it stops counting in the resident set.  Best
+        effort: a no-op where the platform cannot."""
+        import mmap
+
+        mm = getattr(self._buf, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mm is None or advice is None:
+            return
+        page = mmap.PAGESIZE
+        lo = -(-tensor.offset // page) * page
+        hi = (tensor.offset + tensor.nbytes) // page * page
+        if hi > lo:
+            try:
+                mm.madvise(advice, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
+
     # --- the primitive readers: each checks the bytes are there first ------------------
     def _need(self, n, what):
         if n > self.size - self._pos:

@@ -111,6 +111,8 @@ def load_gguf(path, keep_quantized=False) -> tuple[LlamaConfig, dict, Tokenizer 
     for ours, (gname, t, np_shape) in chosen.items():
         if keep_quantized and len(np_shape) == 2 and t.tensor_type.name not in ("F32", "F64"):
             weights[ours] = _blocks(path, cfg, ours, gname, t, np_shape)
+            if not np.may_share_memory(weights[ours].data, t.data):  # a permuted copy:
+                gf.release(t)  # the mapped pages it was made from are not read again
             continue
         try:
             with np.errstate(all="ignore"):  # non-finite results are refused just below

@@ -217,6 +217,27 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
     return 0;
 }
 
+/* the same rounded to bfloat16 (round to nearest even, NaN kept quiet; as ggml's
+   fp32 -> bf16): the tile format of bf16 compute (``tmp``: k floats of scratch). */
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
+    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+}
+
+int gt_deq_rows_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long n, long k,
+                     uint16_t *out, float *tmp) {
+    deq_fn f; int bl, by;
+    if (layout(t, &f, &bl, &by)) return -1;
+    for (long i = 0; i < n; i++) {
+        f(w + (ids ? ids[i] : i) * rb, tmp, k / bl);
+        uint16_t *o = out + i * k;
+        for (long j = 0; j < k; j++) o[j] = f2bf(tmp[j]);
+    }
+    return 0;
+}
+
 /* --- tiled GEMMs -------------------------------------------------------------------- */
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };

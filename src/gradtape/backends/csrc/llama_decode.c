@@ -51,9 +51,23 @@ static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, fl
 
 /* t[j] = sum_i x[i] A[i, j]: the LoRA down-projection (r <= 64) */
 static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
-    for (int64_t j = 0; j < L->r; j++) t[j] = 0.0f;
-    for (int64_t i = 0; i < L->k; i++)
-        for (int64_t j = 0; j < L->r; j++) t[j] += x[i] * L->a[i * L->r + j];
+    float acc[64] = {0};  /* r <= 64; a local array: the inner loop vectorizes over j */
+    const int64_t r = L->r;
+    const float *restrict a = L->a;
+    for (int64_t i = 0; i < L->k; i++) {
+        const float xi = x[i];
+        for (int64_t j = 0; j < r; j++) acc[j] += xi * a[i * r + j];
+    }
+    for (int64_t j = 0; j < r; j++) t[j] = acc[j];
+}
+
+/* y[r] += scale * sum_j t[j] B[j, r] for rows [r0, r1): one pass over each row of B
+   (contiguous in r, so the inner loop is a vector multiply-add) */
+static void gd_lora_b(const gd_lin *L, const float *t, float *y, int64_t r0, int64_t r1) {
+    for (int64_t j = 0; j < L->r; j++) {
+        const float c = L->scale * t[j], *b = L->b + j * L->rows;
+        for (int64_t r = r0; r < r1; r++) y[r] += c * b[r];
+    }
 }
 
 /* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier) */
@@ -63,12 +77,7 @@ static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y,
     gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
     gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
-    if (L->a)
-        for (int64_t r = r0; r < r1; r++) {
-            float s = 0.0f;
-            for (int64_t j = 0; j < L->r; j++) s += t[j] * L->b[j * L->rows + r];
-            y[r] += L->scale * s;
-        }
+    if (L->a) gd_lora_b(L, t, y, r0, r1);
 }
 
 static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
@@ -223,13 +232,7 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
 #endif
     gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
     if (L->a)
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t t = 0; t < T; t++) {
-                const float *tt = lt + t * 256 + slot * 64;
-                float s = 0.0f;
-                for (int64_t j = 0; j < L->r; j++) s += tt[j] * L->b[j * L->rows + r];
-                Y[t * L->rows + r] += L->scale * s;
-            }
+        for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
 }
 
 #ifdef _OPENMP

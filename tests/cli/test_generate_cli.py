@@ -27,7 +27,8 @@ def test_help(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     for opt in ("--model", "--prompt", "--chat", "--adapter", "--max-new-tokens",
-                "--temperature", "--top-p", "--seed", "smollm2"):
+                "--temperature", "--top-p", "--seed", "smollm2", "--top-k", "--min-p",
+                "--repetition-penalty", "--stop", "--system", "Ctrl-D"):
         assert opt in out
 
 
@@ -71,12 +72,103 @@ def test_sampling_is_seeded(use_session_model, capsys):
     (["--top-p", "0"], "--top-p"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "top_p (--top-p) must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k (--top-k) must be >= 0"),
+    (["--min-p", "1"], "min_p (--min-p) must be in [0, 1)"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--stop", ""], "--stop"),
+    (["--system", "be brief"], "--system needs --chat"),
 ])
 def test_errors_are_one_line(capsys, args, msg):
     assert main(["generate", "--prompt", "hi", *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("gradtape generate: error:") and msg in err
     assert "Traceback" not in err
+
+
+def test_prompt_or_chat_is_required(capsys):
+    assert main(["generate"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gradtape generate: error: --prompt is required")
+
+
+def test_context_error_from_the_api(use_session_model, capsys):
+    assert main(["generate", "--prompt", "hi there", "--max-new-tokens", "8191"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gradtape generate: error: the prompt (2 tokens) plus "
+                          "max_new_tokens 8191 is longer than the model's context (8192")
+
+
+def test_stop_string_is_not_printed(use_session_model, capsys):
+    args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "12"]
+    assert main(args) == 0
+    full = capsys.readouterr().out
+    word = full.split()[1]
+    assert main(args + ["--stop", word]) == 0
+    out = capsys.readouterr().out
+    assert out == full[:full.index(word)] + "\n"
+
+
+def test_chat_repl_keeps_history(use_session_model, capsys, monkeypatch):
+    """Piped lines: one answer per line, each prompt holding the earlier turns."""
+    prompts = []
+    real = type(use_session_model).generate
+
+    def spy(self, ids, *a, **kw):
+        prompts.append(self.tokenizer.decode(ids))
+        return real(self, ids, *a, **kw)
+
+    monkeypatch.setattr(type(use_session_model), "generate", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2+2?\n\nAnd 3+3?\n"))
+    assert main(["generate", "--chat", "--max-new-tokens", "12", "--system", "Be brief."]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(prompts) == 2 and len(out) == 2  # the blank line is skipped
+    assert "Be brief." in prompts[0] and "What is 2+2?" in prompts[0]
+    # the second turn carries the first question and the model's first answer
+    assert prompts[1].startswith(prompts[0]) and out[0].strip() in prompts[1]
+    assert prompts[1].endswith("And 3+3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_repl_under_a_terminal(smollm2_gguf, tmp_path):
+    """In a pseudo-terminal: a banner, the '> ' prompt, an answer, and Ctrl-D leaves."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    main_fd, sub_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "gradtape.cli", "generate", "--chat",
+                             "--max-new-tokens", "6"], stdin=sub_fd, stdout=sub_fd,
+                            stderr=sub_fd, close_fds=True)
+    os.close(sub_fd)
+    seen = b""
+
+    def read_until(marker, timeout=120, start=0):
+        nonlocal seen
+        end = time.time() + timeout
+        while marker not in seen[start:] and time.time() < end:
+            if select.select([main_fd], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(main_fd, 4096)
+                except OSError:
+                    break
+        return marker in seen[start:]
+
+    try:
+        assert read_until(b"Ctrl-D leaves"), seen
+        assert read_until(b"> "), seen
+        n = len(seen)
+        os.write(main_fd, b"Say hello.\n")
+        assert read_until(b"\n> ", 120, start=n), seen
+        assert b"Say hello." in seen[n:]  # echoed by the terminal, then the answer
+        os.write(main_fd, b"\x04")  # Ctrl-D at the prompt
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(main_fd)
 
 
 def test_stream_printer_holds_back_partial_characters(smollm2):
@@ -94,3 +186,14 @@ def test_stream_printer_holds_back_partial_characters(smollm2):
     p.finish()
     assert out.getvalue() == text + "\n"
     assert all("\ufffd" not in w for w in writes)
+
+
+def test_stream_printer_never_prints_a_stop_string(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("one two three four")
+    out = io.StringIO()
+    p = StreamPrinter(tok, out, stop=[" three"])
+    for t in ids:
+        p(t)
+        assert "thr" not in out.getvalue()
+    assert p.finish() == "one two" and out.getvalue() == "one two\n"

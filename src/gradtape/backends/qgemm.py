@@ -9,8 +9,9 @@ it to BLAS: NumPy's own OpenBLAS, whose ``cblas_sgemm`` / ``cblas_dgemm`` are fo
 the loaded library and called from C, so the whole float matrix never exists.  Where
 that symbol cannot be found, the same tiles go through ``np.matmul`` from Python.
 
-``lower(v, out, ins, scratch)`` is the one place that picks the kernel for a block op;
-a matrix-vector kernel for a few rows (decoding) hooks in there.  This module does not
+``lower(v, out, ins, scratch)`` is the one place that picks the kernel for a block op:
+a float32 ``qmatmul`` of a few rows (decoding) goes to ``ggml_vec``'s matrix-vector
+kernel.  This module does not
 decide fusion or memory; ``cpu.py`` does.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..blocks import BLOCK_TYPES
-from . import _cgen
+from . import _cgen, ggml_vec
 
 QOPS = ("qmatmul", "qmatmul_t", "qtake_rows")
 # A tile of W is at most this many values (16 MB in float32) and this many rows: BLAS
@@ -212,8 +213,8 @@ def _gemm_call(transposed, qtype, w, rows, k, a, out, tile):
 def lower(v, out, ins, scratch):
     """A callable computing block op ``v`` into ``out`` from input arrays ``ins``.
 
-    The kernel is chosen here: the tiled dequantize + BLAS GEMM for every row count
-    (a matrix-vector kernel for a few rows belongs here too)."""
+    The kernel is chosen here: ``ggml_vec``'s matrix-vector kernel for a float32
+    ``qmatmul`` of at most four rows, the tiled dequantize + BLAS GEMM otherwise."""
     a = v.attrs
     qtype, rows, k = a["qtype"], a["rows"], a["k"]
     if v.op == "qtake_rows":
@@ -228,6 +229,10 @@ def lower(v, out, ins, scratch):
         return functools.partial(out.fill, 0)
     if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
         raise RuntimeError(f"{v.op}: operands must be C-contiguous")
+    if (not transposed and out.dtype == np.float32 and x.shape[0] <= ggml_vec.MAX_ROWS
+            and k % 16 == 0 and ggml_vec.available()):
+        # a few rows (decoding): read the blocks once, dequantized in registers
+        return ggml_vec.matvec_call(qtype, w, rows, k, x, out)
     if blas() is None:
         return functools.partial(_tiles_numpy, transposed, qtype, w, rows, k, x, out, tile)
     return _gemm_call(transposed, qtype, w, rows, k, x, out, tile)

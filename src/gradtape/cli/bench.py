@@ -1,8 +1,11 @@
-"""Benchmarks side by side with the peers (Hugging Face transformers + PEFT), reported as
-ratios: one LoRA training step on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32),
-plus the peak memory of each; on request an 8B-shaped Q4_K_M model kept quantized
-(``llama8b-q4km-lora``, bench/quant_bench.py).  Needs the test extras (torch, transformers, peft) and a
-source checkout (the peer code lives in bench/, not in the package).
+"""Benchmarks side by side with the peers, reported as ratios: one LoRA training step
+on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32) against Hugging Face transformers
++ PEFT, plus the peak memory of each (``bench/lora_bench.py``); generation on SmolLM2
+Q4_1 against llama.cpp on the same file (``smollm2-generate``, bench/generate_bench.py);
+on request an 8B-shaped Q4_K_M model kept quantized (``llama8b-q4km-lora``,
+bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
+the package); the training workloads need the test extras (torch, transformers, peft),
+the generation peer needs llama-cpp-python (skipped with a note without it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from .options import option
 
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 # workloads with a script of their own (the rest go to lora_bench.py)
-SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py")}
+SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
+           "smollm2-generate": SCRIPT.with_name("generate_bench.py")}
+NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"]}
 
 
 def add_arguments(parser):
@@ -26,8 +31,10 @@ def add_arguments(parser):
                         help="one JSON object per workload and peer, one per line")
     parser.add_argument("--with-compile", action="store_true",
                         help="also compare with the peer under torch.compile (takes minutes)")
-    parser.add_argument("--workloads", default="smollm2-lora,tiny-lora",
-                        help="comma-separated (default: %(default)s); llama8b-q4km-lora: "
+    parser.add_argument("--workloads", default="smollm2-lora,tiny-lora,smollm2-generate",
+                        help="comma-separated (default: %(default)s); smollm2-generate: "
+                             "prefill and decode vs llama.cpp on the same Q4_1 file; "
+                             "llama8b-q4km-lora: "
                              "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "
                              "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
                              "4.2 GiB file once, needs about 20 GB of memory for the peer)")
@@ -51,13 +58,15 @@ def run(args) -> int:
 
 def _benchmark(names, args):
     """Run each workload's script with the peers it needs (importing torch takes seconds)."""
-    for mod in ("torch", "transformers", "peft", "threadpoolctl"):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
+    scripts = list(dict.fromkeys(SCRIPTS.get(w, SCRIPT) for w in names))
+    if any(s in NEEDS_TORCH for s in scripts):
+        for mod in ("torch", "transformers", "peft", "threadpoolctl"):
+            try:
+                __import__(mod)
+            except ImportError:
+                raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
     rc = 0
-    for script in dict.fromkeys(SCRIPTS.get(w, SCRIPT) for w in names):
+    for script in scripts:
         mine = [w for w in names if SCRIPTS.get(w, SCRIPT) == script]
         argv = ["--workloads", ",".join(mine), "--backend", args.backend]
         argv += ["--reps", str(args.reps)] if args.reps else []

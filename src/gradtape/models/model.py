@@ -37,6 +37,7 @@ from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..tape import Tape
 from .config import LlamaConfig
+from .generate import Sampling, check_length, check_stop_strings, run_loop
 from .lora import check_adapter_fits
 
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
@@ -238,10 +239,11 @@ def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale, softcap=0.0
 
 
 def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
-                   dtype=np.float32) -> np.ndarray:
+                   dtype=np.float32, last_only=False) -> np.ndarray:
     """Logits ``[t, V]`` of ``t`` new rows after the ``cache.length`` rows in ``cache``
-    (which is extended).  ``weights``: arrays of ``dtype``; ``lora``: ``{(layer, target):
-    (A, B)}`` arrays.  Each layer is recorded on its own eager tape from ``_block``."""
+    (which is extended); ``[1, V]`` of the last row only with ``last_only``.  ``weights``:
+    arrays of ``dtype``; ``lora``: ``{(layer, target): (A, B)}`` arrays.  Each layer is
+    recorded on its own eager tape from ``_block``."""
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
     nh, nkv = cfg.n_heads, cfg.n_kv_heads
@@ -274,6 +276,8 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         x = out.value
         cache.k[i], cache.v[i] = kv["k"].value, kv["v"].value
     cache.length = start + t
+    if last_only:
+        x = x[-1:]  # [1, D]
     tp = Tape(dtype)
     return _head(tp, cfg, _Consts(tp, weights), tp.const(x), nn.ones(tp, cfg.dim)).value
 
@@ -369,25 +373,6 @@ class DecodeStep:
         return outs[0][0]
 
 
-# --- sampling -----------------------------------------------------------------------------
-
-def sample_next(logits_row, temperature, top_p, rng) -> int:
-    """Greedy (``temperature == 0``) or temperature / nucleus (top-p) sampling."""
-    if temperature <= 0.0:
-        return int(np.argmax(logits_row))
-    z = logits_row.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # smallest set with mass >= top_p
-        q = np.zeros_like(p)
-        q[keep] = p[keep]
-        p = q / q.sum()
-    return int(rng.choice(len(p), p=p))
-
-
 # --- the model object ---------------------------------------------------------------------
 
 class Llama:
@@ -478,40 +463,79 @@ class Llama:
                                                                  dtype, cap))
         return hit[1]
 
-    def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0,
-                 top_p=1.0, stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
+    def _use_blocks(self, decoder, dtype, lora):
+        if decoder not in ("auto", "blocks", "graph"):
+            raise GradtapeError(f"decoder must be 'auto', 'blocks' or 'graph', got {decoder!r}")
+        if decoder == "graph":
+            return False
+        from . import decode_engine
+        ok = (np.dtype(dtype) == np.float32 and decode_engine.supported(self)
+              and all(a.shape[1] <= decode_engine.MAX_RANK for a, _ in (lora or {}).values()))
+        if decoder == "blocks" and not ok:
+            raise GradtapeError("decoder 'blocks' needs float32, a C compiler, row lengths "
+                                "that are multiples of 16 and a LoRA rank <= "
+                                f"{decode_engine.MAX_RANK}")
+        return ok
+
+    def _block_decoder(self, adapter, lora, scale, need):
+        """A ``decode_engine.BlockDecoder`` with room for ``need`` rows (capacity rounded
+        up to a multiple of 256), reused across calls (its KV cache and the block views
+        of the weights, taken once per model); the adapter is set afresh every call."""
+        from . import decode_engine
+        if getattr(self, "_blocks", None) is None:
+            self._blocks = decode_engine.block_weights(self)
+        hit = getattr(self, "_block_dec", None)
+        if hit is None or hit[1].cap < need:
+            cap = min(-(-need // 256) * 256, max(need, self.config.max_seq_len))
+            hit = self._block_dec = (None, decode_engine.BlockDecoder(self, self._blocks,
+                                                                      cap=cap))
+        hit[1].set_lora(lora, scale)
+        return hit[1]
+
+    def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,
+                 top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=None,
+                 stream=None, dtype=np.float32, stop_ids=None, decoder="auto") -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
-        temperature / top-p sampling seeded by ``seed``; stops after an end-of-sequence
-        token (which is included) or ``max_new_tokens``.  ``stream(token_id)`` is called
-        for each new token as it is produced."""
+        sampled (``generate.Sampling`` gives the steps: repetition penalty, temperature,
+        top-k, top-p, min-p) from a generator seeded by ``seed``.  Stops after an
+        end-of-sequence token (``stop_ids``, default the tokenizer's), after the token that
+        completes one of the ``stop`` strings (both included), or after
+        ``max_new_tokens``; the prompt plus ``max_new_tokens`` must fit the context.
+        ``stream(token_id)`` is called for each new token as it is produced.
+
+        ``decoder``: ``"blocks"`` decodes with the one-call C step over the weights as
+        stored (``decode_engine``; float32 only), ``"graph"`` replays the recorded graph
+        (``DecodeStep``), ``"auto"`` (default) takes ``"blocks"`` where it can run."""
+        s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        stop = check_stop_strings(stop)
+        if stop and self.tokenizer is None:
+            raise GradtapeError("stop strings need a tokenizer, and this model has none")
         ids = self._check_ids(ids)
         if ids.size == 0:
             raise GradtapeError("generate: needs a prompt of at least one token")
-        if max_new_tokens < 0:
-            raise GradtapeError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0 or not 0.0 < top_p <= 1.0:
-            raise GradtapeError(f"need temperature >= 0 and 0 < top_p <= 1, got "
-                                f"{temperature}, {top_p}")
+        check_length(len(ids), max_new_tokens, self.config.max_seq_len)
         stops = self.stop_ids if stop_ids is None else frozenset(stop_ids)
         W = self._weights_as(dtype)
         lora, scale = self._lora(adapter, dtype)
-        rng = np.random.default_rng(seed)
         cache = KVCache.empty(self.config)
-        out = []
-        if max_new_tokens == 0:
-            return out
-        last = None
-        for a in range(0, len(ids), PREFILL_CHUNK):  # the prompt, in bounded chunks
-            last = forward_cached(self.config, W, ids[a:a + PREFILL_CHUNK], cache, lora,
-                                  scale, dtype)[-1]
-        step = None
-        while True:
-            tok = sample_next(last, temperature, top_p, rng)
-            out.append(tok)
-            if stream is not None:
-                stream(tok)
-            if tok in stops or len(out) >= max_new_tokens:
-                return out
+        state = {}
+        fast = self._use_blocks(decoder, dtype, lora)
+
+        def prefill(prompt):
+            if fast:  # many rows per C call, GEMMs from the stored blocks
+                dec = state["fast"] = self._block_decoder(adapter, lora, scale,
+                                                          len(prompt) + max_new_tokens)
+                dec.length = 0
+                return dec.prefill(prompt)
+            for a in range(0, len(prompt), PREFILL_CHUNK):  # the batched graph, in chunks
+                last = forward_cached(self.config, W, prompt[a:a + PREFILL_CHUNK], cache,
+                                      lora, scale, dtype, last_only=True)[-1]
+            return last
+
+        def decode(tok):
+            if fast:
+                return state["fast"].step(tok)
+            step = state.get("step")
             if step is None or step.length >= step.cap:  # (re)build with room to grow
                 need = len(ids) + max_new_tokens - 1
                 cap = min(need, max(2 * (step.cap if step else 0), len(ids) + 256))
@@ -520,5 +544,8 @@ class Llama:
                     grown.load(cache)
                 else:
                     grown.take(step)
-                step = grown
-            last = step(tok)
+                step = state["step"] = grown
+            return step(tok)
+
+        return run_loop(ids, max_new_tokens, s, prefill, decode, stops, stop,
+                        self.tokenizer.decode if stop else None, stream)

@@ -1,0 +1,479 @@
+/* Matrix-vector products straight from ggml quantized blocks (decode, issue 15).
+
+   y[t, r] = sum_j deq(W)[r, j] * x[t, j] for T <= 4 rows x, W [rows, k] stored as ggml
+   blocks (each row a whole number of blocks, row_bytes apart).  A block is dequantized
+   into registers / a 256-float scratch exactly as gguf.quants.dequantize does it (the
+   same float32 operations in the same order, so the weights are bit-identical), then
+   multiplied into 16 float32 lane accumulators per x row; the lanes are summed at the
+   end of the row.  Only the summation order differs from a float32 BLAS dot product.
+   Nothing here quantizes the activations.
+
+   Block layouts (ggml, little-endian, f16 = IEEE half):
+     Q4_0  18 B / 32: f16 d, u8 qs[16]           w = d * (nib - 8)
+     Q4_1  20 B / 32: f16 d, f16 m, u8 qs[16]    w = d * nib + m
+     Q5_0  22 B / 32: f16 d, u32 qh, u8 qs[16]   w = d * ((nib | hbit << 4) - 16)
+     Q5_1  24 B / 32: f16 d, f16 m, u32 qh, qs   w = d * (nib | hbit << 4) + m
+     Q8_0  34 B / 32: f16 d, i8 qs[32]           w = q * d
+     (element j < 16 is the low nibble of qs[j], element j + 16 its high nibble; hbit of
+      element j is bit j of qh)
+     Q4_K 144 B / 256: f16 d, f16 dmin, u8 scales[12] (8 x (6-bit sc, 6-bit m)), qs[128]
+                       w = (d * sc) * nib - (dmin * m), 8 sub-blocks of 32
+     Q5_K 176 B / 256: as Q4_K plus qh[32] (bit s of qh[l]: 5th bit of sub-block s, l)
+     Q6_K 210 B / 256: ql[128], qh[64], i8 scales[16], f16 d
+                       w = (d * scale) * ((4 low | 2 high bits) - 32), 16 sub-blocks of 16
+     F16 / BF16 / F32: plain rows.
+   Type ids are ggml's (GGMLQuantizationType). */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+static inline float gv_h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    /* IEEE half -> float: sign, exponent rebias 15 -> 127, subnormals normalised */
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0x1f) u = s | 0x7f800000u | (m << 13);
+    else if (e) u = s | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = s;
+    else { e = 113; while (!(m & 0x400)) { m <<= 1; e--; } u = s | (e << 23) | ((m & 0x3ff) << 13); }
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+
+/* --- one block -> float32 (bit-identical to gguf.quants.dequantize) ------------------- */
+
+static inline void deq_q4_0(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b); const uint8_t *q = b + 2;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((int)(q[l] & 15) - 8);
+        o[l + 16] = d * (float)((int)(q[l] >> 4) - 8);
+    }
+}
+static inline void deq_q4_1(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b), m = gv_h2f(b + 2); const uint8_t *q = b + 4;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)(q[l] & 15) + m;
+        o[l + 16] = d * (float)(q[l] >> 4) + m;
+    }
+}
+static inline void deq_q5_0(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4); const uint8_t *q = b + 6;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((int)((q[l] & 15) | (((qh >> l) & 1) << 4)) - 16);
+        o[l + 16] = d * (float)((int)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
+    }
+}
+static inline void deq_q5_1(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b), m = gv_h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
+    const uint8_t *q = b + 8;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((q[l] & 15) | (((qh >> l) & 1) << 4)) + m;
+        o[l + 16] = d * (float)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) + m;
+    }
+}
+static inline void deq_q8_0(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b); const int8_t *q = (const int8_t *)(b + 2);
+    for (int l = 0; l < 32; l++) o[l] = (float)q[l] * d;
+}
+/* the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
+    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+           *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
+}
+static inline void deq_q4_k(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b), dmin = gv_h2f(b + 2); const uint8_t *s = b + 4, *q = b + 16;
+    for (int c = 0; c < 4; c++) {
+        int sc0, m0, sc1, m1;
+        k_scale_min(s, 2 * c, &sc0, &m0);
+        k_scale_min(s, 2 * c + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+        for (int l = 0; l < 32; l++) {
+            o[64 * c + l] = d0 * (float)(q[32 * c + l] & 15) - dm0;
+            o[64 * c + 32 + l] = d1 * (float)(q[32 * c + l] >> 4) - dm1;
+        }
+    }
+}
+static inline void deq_q5_k(const uint8_t *b, float *o) {
+    const float d = gv_h2f(b), dmin = gv_h2f(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *q = b + 48;
+    for (int c = 0; c < 4; c++) {
+        int sc0, m0, sc1, m1;
+        k_scale_min(s, 2 * c, &sc0, &m0);
+        k_scale_min(s, 2 * c + 1, &sc1, &m1);
+        const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
+        const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
+        for (int l = 0; l < 32; l++) {
+            int lo = (q[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+            int hi = (q[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+            o[64 * c + l] = d0 * (float)lo - dm0;
+            o[64 * c + 32 + l] = d1 * (float)hi - dm1;
+        }
+    }
+}
+static inline void deq_q6_k(const uint8_t *b, float *o) {
+    const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = gv_h2f(b + 208);
+    float ds[16];
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+    for (int h = 0; h < 2; h++) {
+        for (int l = 0; l < 64; l++) {  /* element h*128 + l (low) and h*128 + 64 + l (high) */
+            int lo = ql[64 * h + l] & 15, hi = ql[64 * h + l] >> 4;
+            int s0 = l >> 5, ll = l & 31;  /* qh shift pair: elements 32*s + ll */
+            int b0 = (qh[32 * h + ll] >> (2 * s0)) & 3, b1 = (qh[32 * h + ll] >> (2 * s0 + 4)) & 3;
+            int e0 = 128 * h + l, e1 = 128 * h + 64 + l;
+            o[e0] = ds[e0 >> 4] * (float)((lo | (b0 << 4)) - 32);
+            o[e1] = ds[e1 >> 4] * (float)((hi | (b1 << 4)) - 32);
+        }
+    }
+}
+static inline void deq_f16(const uint8_t *b, float *o) {
+#ifdef __AVX512F__
+    _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)));
+#else
+    for (int l = 0; l < 16; l++) o[l] = gv_h2f(b + 2 * l);
+#endif
+}
+static inline void deq_bf16(const uint8_t *b, float *o) {
+    for (int l = 0; l < 16; l++) {
+        uint16_t h; memcpy(&h, b + 2 * l, 2);
+        uint32_t u = (uint32_t)h << 16; memcpy(o + l, &u, 4);
+    }
+}
+static inline void deq_f32(const uint8_t *b, float *o) { memcpy(o, b, 64); }
+
+/* --- dot products of one weight row with T <= 4 rows of x ---------------------------- */
+
+/* Lane accumulators: acc[t][l] sums the products of elements j = l (mod 16), so the inner
+   loop is one 16-wide multiply and add per x row (vectorized without reassociation). */
+#define GV_DOT(NAME, QK, BS, DEQ)                                                          \
+static void NAME(const uint8_t *row, int64_t nb, const float *x, int64_t T, int64_t ldx,   \
+                 float *out) {                                                             \
+    float w[QK];                                                                           \
+    if (T == 1) {                                                                          \
+        float a[16] = {0};                                                                 \
+        for (int64_t b = 0; b < nb; b++) {                                                 \
+            DEQ(row + b * BS, w);                                                          \
+            const float *xb = x + b * QK;                                                  \
+            for (int j = 0; j < QK; j += 16)                                               \
+                for (int l = 0; l < 16; l++) a[l] += w[j + l] * xb[j + l];                 \
+        }                                                                                  \
+        out[0] = gv_hsum(a);                                                               \
+        return;                                                                            \
+    }                                                                                      \
+    float a[4][16];                                                                        \
+    memset(a, 0, sizeof a);                                                                \
+    for (int64_t b = 0; b < nb; b++) {                                                     \
+        DEQ(row + b * BS, w);                                                              \
+        for (int64_t t = 0; t < T; t++) {                                                  \
+            const float *xb = x + t * ldx + b * QK;                                        \
+            for (int j = 0; j < QK; j += 16)                                               \
+                for (int l = 0; l < 16; l++) a[t][l] += w[j + l] * xb[j + l];              \
+        }                                                                                  \
+    }                                                                                      \
+    for (int64_t t = 0; t < T; t++) out[t] = gv_hsum(a[t]);                                \
+}
+
+static inline float gv_hsum(const float *a) {
+    /* pairwise: (((a0+a8)+(a4+a12)) + ...) fixed order, independent of the CPU */
+    float s8[8], s4[4];
+    for (int l = 0; l < 8; l++) s8[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+GV_DOT(dot_q4_0, 32, 18, deq_q4_0)
+GV_DOT(dot_q4_1, 32, 20, deq_q4_1)
+GV_DOT(dot_q5_0, 32, 22, deq_q5_0)
+GV_DOT(dot_q5_1, 32, 24, deq_q5_1)
+GV_DOT(dot_q8_0, 32, 34, deq_q8_0)
+GV_DOT(dot_q4_k, 256, 144, deq_q4_k)
+GV_DOT(dot_q5_k, 256, 176, deq_q5_k)
+GV_DOT(dot_q6_k, 256, 210, deq_q6_k)
+GV_DOT(dot_f16, 16, 32, deq_f16)
+GV_DOT(dot_bf16, 16, 32, deq_bf16)
+GV_DOT(dot_f32, 16, 64, deq_f32)
+
+/* --- AVX-512 single-row dots for the common 32-element types ---------------------------
+   The block scale is factored out of the block's sum: for Q4_1,
+     sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * xs_b,   xs_b = sum_j x_j of block b
+   (xs precomputed once per x for all rows), so a block costs two int->float converts,
+   two multiply-adds and one scaled accumulate.  Same weights, float32 sums; only the
+   rounding order differs from dequantizing first. */
+#ifdef __AVX512F__
+#define GV_FAST 1
+static inline __m512 gv_nib(__m128i q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+}
+static inline __m512 gv_q4_sum(const uint8_t *qs, const float *xb) {
+    /* sum over a 32-element block of nib_j * x_j, in 16 lanes */
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    const __m512 lo = gv_nib(_mm_and_si128(q, m4));
+    const __m512 hi = gv_nib(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+}
+/* two blocks per iteration into two accumulators: the multiply-add chains overlap */
+static float dot1_q4_1(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 20 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 20)), gv_q4_sum(p + 24, x + 32 * b + 32), a1);
+        m0 += gv_h2f(p + 2) * xs[b];
+        m1 += gv_h2f(p + 22) * xs[b + 1];
+    }
+    if (b < nb) {
+        const uint8_t *p = row + 20 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        m0 += gv_h2f(p + 2) * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+}
+static float dot1_q4_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    /* d * sum (q - 8) x = d * (sum q x - 8 xs_b) */
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    float m0 = 0.0f, m1 = 0.0f;
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 18 * b;
+        const float d0 = gv_h2f(p), d1 = gv_h2f(p + 18);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), gv_q4_sum(p + 20, x + 32 * b + 32), a1);
+        m0 -= 8.0f * d0 * xs[b];
+        m1 -= 8.0f * d1 * xs[b + 1];
+    }
+    if (b < nb) {
+        const uint8_t *p = row + 18 * b;
+        const float d0 = gv_h2f(p);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
+        m0 -= 8.0f * d0 * xs[b];
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+}
+static inline __m512 gv_q8_sum(const uint8_t *qs, const float *xb) {
+    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
+    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
+    return _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f0, _mm512_loadu_ps(xb)));
+}
+static float dot1_q8_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    (void)xs;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+        const uint8_t *p = row + 34 * b;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q8_sum(p + 2, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 34)), gv_q8_sum(p + 36, x + 32 * b + 32), a1);
+    }
+    if (b < nb)
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(row + 34 * b)),
+                             gv_q8_sum(row + 34 * b + 2, x + 32 * b), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+typedef float (*gv_dot1_fn)(const uint8_t *, int64_t, const float *, const float *);
+static gv_dot1_fn gv_fast1(int64_t type) {
+    return type == T_Q4_1 ? dot1_q4_1 : type == T_Q4_0 ? dot1_q4_0
+         : type == T_Q8_0 ? dot1_q8_0 : 0;
+}
+#endif
+
+typedef void (*gv_dot_fn)(const uint8_t *, int64_t, const float *, int64_t, int64_t, float *);
+
+/* block size in elements (0: unsupported) and the row kernel of a ggml type */
+static int gv_qk(int64_t type, gv_dot_fn *fn) {
+    switch (type) {
+    case T_Q4_0: *fn = dot_q4_0; return 32;
+    case T_Q4_1: *fn = dot_q4_1; return 32;
+    case T_Q5_0: *fn = dot_q5_0; return 32;
+    case T_Q5_1: *fn = dot_q5_1; return 32;
+    case T_Q8_0: *fn = dot_q8_0; return 32;
+    case T_Q4_K: *fn = dot_q4_k; return 256;
+    case T_Q5_K: *fn = dot_q5_k; return 256;
+    case T_Q6_K: *fn = dot_q6_k; return 256;
+    case T_F16: *fn = dot_f16; return 16;
+    case T_BF16: *fn = dot_bf16; return 16;
+    case T_F32: *fn = dot_f32; return 16;
+    }
+    *fn = 0;
+    return 0;
+}
+
+/* Block size of a type, 0 when unsupported (the Python wrapper asks before calling). */
+int64_t gv_block_elems(int64_t type) { gv_dot_fn f; return gv_qk(type, &f); }
+
+/* y[t * ldy + r] (+)= row r of W . x[t], rows [r0, r1); k a multiple of the block size. */
+static void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                    int64_t r0, int64_t r1, const float *x, int64_t T, int64_t ldx,
+                    float *y, int64_t ldy, int accumulate) {
+    gv_dot_fn fn;
+    const int64_t qk = gv_qk(type, &fn), nb = k / qk;
+    float o[4];
+#ifdef GV_FAST
+    gv_dot1_fn f1 = gv_fast1(type);
+    if (T == 1 && f1 && nb <= 4096) {
+        float xs[4096];  /* block sums of x */
+        for (int64_t b = 0; b < nb; b++)
+            xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + 32 * b),
+                                                       _mm512_loadu_ps(x + 32 * b + 16)));
+        for (int64_t r = r0; r < r1; r++) {
+            const float v = f1(W + r * row_bytes, nb, x, xs);
+            if (accumulate) y[r] += v;
+            else y[r] = v;
+        }
+        return;
+    }
+#endif
+    for (int64_t r = r0; r < r1; r++) {
+        fn(W + r * row_bytes, nb, x, T, ldx, o);
+        for (int64_t t = 0; t < T; t++) {
+            if (accumulate) y[t * ldy + r] += o[t];
+            else y[t * ldy + r] = o[t];
+        }
+    }
+}
+
+/* y[T, rows] = x[T, k] @ deq(W)[rows, k]^T, T <= 4, rows split over nthreads threads. */
+/* The share of rows [r0, r1) of thread `tid` of `nt`: contiguous, in multiples of 16
+   rows (one pass over x per thread). */
+static void gv_share(int64_t rows, int64_t tid, int64_t nt, int64_t *r0, int64_t *r1) {
+    const int64_t chunks = (rows + 15) / 16;
+    *r0 = chunks * tid / nt * 16;
+    *r1 = chunks * (tid + 1) / nt * 16;
+    if (*r1 > rows) *r1 = rows;
+    if (*r0 > rows) *r0 = rows;
+}
+
+/* y[T, rows] = x[T, k] @ deq(W)[rows, k]^T, T <= 4, rows split over nthreads threads. */
+void gv_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
+               const float *x, int64_t T, float *y, int64_t nthreads) {
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1;
+        gv_share(rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+        gv_rows(type, W, row_bytes, k, r0, r1, x, T, k, y, rows, 0);
+    }
+#else
+    gv_rows(type, W, row_bytes, k, 0, rows, x, T, k, y, rows, 0);
+#endif
+}
+
+/* Rows r0 .. r0 + n of W dequantized into out[n, k] (bit-identical to gguf). */
+static void gv_deq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                        int64_t r0, int64_t n, float *out) {
+    gv_dot_fn fn;
+    const int64_t qk = gv_qk(type, &fn), nb = k / qk;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = W + (r0 + i) * row_bytes;
+        float *o = out + i * k;
+        for (int64_t b = 0; b < nb; b++) {
+            switch (type) {
+            case T_Q4_0: deq_q4_0(row + b * 18, o + b * 32); break;
+            case T_Q4_1: deq_q4_1(row + b * 20, o + b * 32); break;
+            case T_Q5_0: deq_q5_0(row + b * 22, o + b * 32); break;
+            case T_Q5_1: deq_q5_1(row + b * 24, o + b * 32); break;
+            case T_Q8_0: deq_q8_0(row + b * 34, o + b * 32); break;
+            case T_Q4_K: deq_q4_k(row + b * 144, o + b * 256); break;
+            case T_Q5_K: deq_q5_k(row + b * 176, o + b * 256); break;
+            case T_Q6_K: deq_q6_k(row + b * 210, o + b * 256); break;
+            case T_F16: deq_f16(row + b * 32, o + b * 16); break;
+            case T_BF16: deq_bf16(row + b * 32, o + b * 16); break;
+            default: deq_f32(row + b * 64, o + b * 16); break;
+            }
+        }
+    }
+}
+
+/* Rows `ids` of a table (e.g. the token embedding) dequantized into out[n, k]. */
+void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
+                  const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) gv_deq_rows(type, W, row_bytes, k, ids[i], 1, out + i * k);
+}
+
+/* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
+   Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then a
+   4 x 4 register block: 4 W rows x 4 X rows, 16 lane accumulators each, over k. */
+static void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                         int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
+                         int64_t ldy, int accumulate, float *tile) {
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t nr = r + 4 <= r1 ? 4 : r1 - r;
+        gv_deq_rows(type, W, row_bytes, k, r, nr, tile);
+        for (int64_t i = nr; i < 4; i++) memset(tile + i * k, 0, k * sizeof(float));
+        for (int64_t t = 0; t < T; t += 4) {
+            const int64_t nt = t + 4 <= T ? 4 : T - t;
+            float out[4][4];
+#ifdef __AVX512F__
+            if (k % 16 == 0) {
+                __m512 a[4][4];
+                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++) a[i][u] = _mm512_setzero_ps();
+                const float *x0 = X + t * k, *x1 = X + (t + (nt > 1)) * k;
+                const float *x2 = X + (t + (nt > 2) * 2) * k, *x3 = X + (t + (nt > 3) * 3) * k;
+                for (int64_t j = 0; j < k; j += 16) {
+                    const __m512 xv0 = _mm512_loadu_ps(x0 + j), xv1 = _mm512_loadu_ps(x1 + j);
+                    const __m512 xv2 = _mm512_loadu_ps(x2 + j), xv3 = _mm512_loadu_ps(x3 + j);
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 w = _mm512_loadu_ps(tile + i * k + j);
+                        a[i][0] = _mm512_fmadd_ps(w, xv0, a[i][0]);
+                        a[i][1] = _mm512_fmadd_ps(w, xv1, a[i][1]);
+                        a[i][2] = _mm512_fmadd_ps(w, xv2, a[i][2]);
+                        a[i][3] = _mm512_fmadd_ps(w, xv3, a[i][3]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++)
+                    out[i][u] = _mm512_reduce_add_ps(a[i][u]);
+            } else
+#endif
+            {
+                for (int i = 0; i < 4; i++)
+                    for (int u = 0; u < nt; u++) {
+                        float a16[16] = {0};
+                        const float *w = tile + i * k, *x = X + (t + u) * k;
+                        int64_t j = 0;
+                        for (; j + 16 <= k; j += 16)
+                            for (int l = 0; l < 16; l++) a16[l] += w[j + l] * x[j + l];
+                        for (; j < k; j++) a16[j & 15] += w[j] * x[j];
+                        out[i][u] = gv_hsum(a16);
+                    }
+            }
+            for (int64_t i = 0; i < nr; i++)
+                for (int64_t u = 0; u < nt; u++) {
+                    float *y = Y + (t + u) * ldy + r + i;
+                    *y = accumulate ? *y + out[i][u] : out[i][u];
+                }
+        }
+    }
+}
+
+/* Y[T, rows] = X[T, k] @ deq(W)^T, any T, rows split over nthreads threads; `tile`
+   holds nthreads * 4 * k floats. */
+void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
+               const float *X, int64_t T, float *Y, int64_t nthreads, float *tile) {
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        int64_t r0, r1, tid = omp_get_thread_num();
+        gv_share(rows, tid, omp_get_num_threads(), &r0, &r1);
+        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * 4 * k);
+    }
+#else
+    gv_gemm_rows(type, W, row_bytes, k, 0, rows, X, T, Y, rows, 0, tile);
+#endif
+}

@@ -1,0 +1,354 @@
+/* One LLaMA decode step (a single new token) in one call, from the weights as stored.
+
+   Compiled after _cgen's prelude (gt_expf: float32 exp within about 1 ulp, vectorizable)
+   and ggml_vec.c, as one translation unit.  The whole step runs in one OpenMP
+   parallel region: the matrix-vector products (the bytes of every weight are read once
+   per token, and that decides the speed) split their rows over the threads; the small
+   row operations (RMSNorm, rope, the LoRA down-projections x @ A) run on one thread
+   between barriers; attention splits over query heads.  The math is model.py's _block
+   for one row, in float32, with sums of squares and softmax sums in double:
+     h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B);  rope(q), rope(k)
+     (NEOX half-split, the caller's cos/sin rows);  append k, v to the cache at pos;
+     per query head: softmax(q k^T / sqrt(hd)) v over the pos + 1 cached rows (GQA: query
+     head i reads kv head i / (nh / nkv));  x += attn Wo;  h = rmsnorm(x) * w;
+     x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
+   Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
+   unmerged LoRA pair A [in, r], B [r, out] (float32) with its scale. */
+
+typedef struct {
+    const uint8_t *w;       /* blocks, rows = out, row_bytes apart */
+    int64_t type, rows, k, row_bytes;
+    const float *a, *b;     /* LoRA A [k, r], B [r, rows]; NULL: none */
+    int64_t r;
+    float scale;
+} gd_lin;
+
+enum { GD_Q, GD_K, GD_V, GD_O, GD_GATE, GD_UP, GD_DOWN, GD_NLIN };
+
+typedef struct {
+    int64_t dim, n_layers, nh, nkv, hd, ffn, vocab, cap, nthreads;
+    float eps;
+    const gd_lin *lin;        /* [n_layers * GD_NLIN] */
+    gd_lin embd, head;        /* token table [vocab, dim] and LM head [vocab, dim] */
+    const float *attn_norm, *ffn_norm, *norm;   /* [n_layers, dim], ..., [dim] */
+    float *kc, *vc;           /* caches [n_layers, cap, nkv*hd] (roped keys, values) */
+    const float *cos, *sin;   /* rope tables [cap, hd/2] */
+    float *scratch;           /* gd_scratch_floats(m) floats */
+} gd_model;
+
+int64_t gd_scratch_floats(const gd_model *m) {
+    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head */
+    return 2 * m->dim + 2 * m->nh * m->hd + 2 * m->nkv * m->hd + 2 * m->ffn + 256
+           + m->nh * (m->cap + 1);
+}
+
+static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* t[j] = sum_i x[i] A[i, j]: the LoRA down-projection (r <= 64) */
+static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
+    float acc[64] = {0};  /* r <= 64; a local array: the inner loop vectorizes over j */
+    const int64_t r = L->r;
+    const float *restrict a = L->a;
+    for (int64_t i = 0; i < L->k; i++) {
+        const float xi = x[i];
+        for (int64_t j = 0; j < r; j++) acc[j] += xi * a[i * r + j];
+    }
+    for (int64_t j = 0; j < r; j++) t[j] = acc[j];
+}
+
+/* y[r] += scale * sum_j t[j] B[j, r] for rows [r0, r1): one pass over each row of B
+   (contiguous in r, so the inner loop is a vector multiply-add) */
+static void gd_lora_b(const gd_lin *L, const float *t, float *y, int64_t r0, int64_t r1) {
+    for (int64_t j = 0; j < L->r; j++) {
+        const float c = L->scale * t[j], *b = L->b + j * L->rows;
+        for (int64_t r = r0; r < r1; r++) y[r] += c * b[r];
+    }
+}
+
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier) */
+static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
+    int64_t r0 = 0, r1 = L->rows;
+#ifdef _OPENMP
+    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+#endif
+    gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
+    if (L->a) gd_lora_b(L, t, y, r0, r1);
+}
+
+static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
+    const int64_t h2 = hd / 2;
+    for (int64_t h = 0; h < nheads; h++) {
+        float *p = v + h * hd;
+        for (int64_t j = 0; j < h2; j++) {
+            float x1 = p[j], x2 = p[j + h2];
+            p[j] = x1 * c[j] - x2 * s[j];
+            p[j + h2] = x2 * c[j] + x1 * s[j];
+        }
+    }
+}
+
+/* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
+static inline float gd_silu(float g) { return g * (1.0f / (1.0f + gt_expf(-g))); }
+
+/* logits[vocab] of `token` at position `pos` (< cap); the caches get row pos. */
+void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
+    const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
+    const int64_t kvw = nkv * hd, g = nh / nkv, n = pos + 1;
+    float *x = m->scratch, *h = x + D, *q = h + D, *k = q + nh * hd, *v = k + kvw;
+    float *att = v + kvw, *mlp = att + nh * hd, *up = mlp + F, *t = up + F;
+    float *sc = t + 256;
+    float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
+    const float *cs = m->cos + pos * (hd / 2), *sn = m->sin + pos * (hd / 2);
+    const float iscale = (float)(1.0 / sqrt((double)hd));
+    gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)m->nthreads)
+#endif
+    {
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gd_lin *L = m->lin + i * GD_NLIN;
+        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        {
+            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
+            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h, tq);
+            if (L[GD_K].a) gd_lora_t(&L[GD_K], h, tk);
+            if (L[GD_V].a) gd_lora_t(&L[GD_V], h, tv);
+        }  /* implicit barrier */
+        gd_linear(&L[GD_Q], h, tq, q, 0);
+        gd_linear(&L[GD_K], h, tk, k, 0);
+        gd_linear(&L[GD_V], h, tv, v, 0);
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp single
+#endif
+        {
+            gd_rope(q, nh, hd, cs, sn);
+            gd_rope(k, nkv, hd, cs, sn);
+            memcpy(kc + pos * kvw, k, kvw * sizeof(float));
+            memcpy(vc + pos * kvw, v, kvw * sizeof(float));
+        }
+#ifdef _OPENMP
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t qh = 0; qh < nh; qh++) {
+            const int64_t kh = qh / g;
+            const float *qv = q + qh * hd;
+            float *s = sc + qh * (m->cap + 1), mx = -INFINITY;
+            for (int64_t p = 0; p < n; p++) {  /* hd is a multiple of 16 */
+                const float *kp = kc + p * kvw + kh * hd;
+#ifdef __AVX512F__
+                __m512 a = _mm512_setzero_ps();
+                for (int64_t j = 0; j < hd; j += 16)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
+                s[p] = _mm512_reduce_add_ps(a) * iscale;
+#else
+                float a[16] = {0};
+                for (int64_t j = 0; j < hd; j += 16)
+                    for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
+                s[p] = gv_hsum(a) * iscale;
+#endif
+                mx = s[p] > mx ? s[p] : mx;
+            }
+            for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
+            double den = 0.0;
+            for (int64_t p = 0; p < n; p++) den += s[p];
+            const float inv = (float)(1.0 / den);
+            float *o = att + qh * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+            for (int64_t p = 0; p < n; p++) {
+                const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+            }
+        }  /* implicit barrier */
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        if (L[GD_O].a) gd_lora_t(&L[GD_O], att, tq);
+        gd_linear(&L[GD_O], att, tq, x, 1);  /* x += attn Wo: each row owned by one thread */
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp single
+#endif
+        {
+            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h, tk);
+            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h, tu);
+        }
+        gd_linear(&L[GD_GATE], h, tk, mlp, 0);
+        gd_linear(&L[GD_UP], h, tu, up, 0);
+#ifdef _OPENMP
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t j = 0; j < F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+#ifdef _OPENMP
+        #pragma omp single
+#endif
+        if (L[GD_DOWN].a) gd_lora_t(&L[GD_DOWN], mlp, tv);
+        gd_linear(&L[GD_DOWN], mlp, tv, x, 1);
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+    }
+#ifdef _OPENMP
+    #pragma omp single
+#endif
+    gd_rmsnorm(x, m->norm, h, D, m->eps);
+    gd_linear(&m->head, h, 0, logits, 0);
+    }
+}
+
+/* --- prefill: T new rows at positions start .. start+T-1 in one call -------------------
+   The same layer math as gd_step on T rows at once: the linears are GEMMs from the
+   blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
+   rows), row operations split over rows, attention (causal: row t sees positions
+   <= start + t) split over query heads.  Only the last row's logits are computed. */
+
+static int64_t gd_kmax(const gd_model *m) {
+    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
+    return k > m->nh * m->hd ? k : m->nh * m->hd;
+}
+
+int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
+    const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
+    return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
+           + m->nthreads * 4 * gd_kmax(m);
+}
+
+/* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64). */
+static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float *lt,
+                        int slot, float *Y, int acc, float *tile) {
+    int64_t r0 = 0, r1 = L->rows;
+#ifdef _OPENMP
+    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+#endif
+    gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
+    if (L->a)
+        for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
+}
+
+#ifdef _OPENMP
+#define GD_FOR _Pragma("omp for schedule(static)")
+#define GD_BARRIER _Pragma("omp barrier")
+#define GD_SINGLE _Pragma("omp single")
+#else
+#define GD_FOR
+#define GD_BARRIER
+#define GD_SINGLE
+#endif
+
+/* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
+   rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
+void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
+                float *logits, float *buf) {
+    const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
+    const int64_t qw = nh * hd, kvw = nkv * hd, g = nh / nkv, h2 = hd / 2;
+    float *x = buf, *h = x + T * D, *q = h + T * D, *k = q + T * qw, *v = k + T * kvw;
+    float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
+    float *sc = lt + T * 256, *tiles = sc + nh * (m->cap + 1);
+    const int64_t kmax = gd_kmax(m);
+    const float iscale = (float)(1.0 / sqrt((double)hd));
+    gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)m->nthreads)
+#endif
+    {
+#ifdef _OPENMP
+    float *tile = tiles + omp_get_thread_num() * 4 * kmax;
+#else
+    float *tile = tiles;
+#endif
+    for (int64_t i = 0; i < m->n_layers; i++) {
+        const gd_lin *L = m->lin + i * GD_NLIN;
+        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            gd_rmsnorm(x + t * D, m->attn_norm + i * D, h + t * D, D, m->eps);
+            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h + t * D, lt + t * 256);
+            if (L[GD_K].a) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
+            if (L[GD_V].a) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
+        }
+        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile);
+        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile);
+        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t p = start + t;
+            gd_rope(q + t * qw, nh, hd, m->cos + p * h2, m->sin + p * h2);
+            gd_rope(k + t * kvw, nkv, hd, m->cos + p * h2, m->sin + p * h2);
+            memcpy(kc + p * kvw, k + t * kvw, kvw * sizeof(float));
+            memcpy(vc + p * kvw, v + t * kvw, kvw * sizeof(float));
+        }
+        GD_FOR
+        for (int64_t qh = 0; qh < nh; qh++) {
+            const int64_t kh = qh / g;
+            float *s = sc + qh * (m->cap + 1);
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t n = start + t + 1;
+                const float *qv = q + t * qw + qh * hd;
+                float mx = -INFINITY;
+                for (int64_t p = 0; p < n; p++) {
+                    const float *kp = kc + p * kvw + kh * hd;
+#ifdef __AVX512F__
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < hd; j += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
+                    s[p] = _mm512_reduce_add_ps(a) * iscale;
+#else
+                    float a[16] = {0};
+                    for (int64_t j = 0; j < hd; j += 16)
+                        for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
+                    s[p] = gv_hsum(a) * iscale;
+#endif
+                    mx = s[p] > mx ? s[p] : mx;
+                }
+                for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);
+                double den = 0.0;
+                for (int64_t p = 0; p < n; p++) den += s[p];
+                const float inv = (float)(1.0 / den);
+                float *o = att + t * qw + qh * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+                for (int64_t p = 0; p < n; p++) {
+                    const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
+                    for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+                }
+            }
+        }
+        if (L[GD_O].a) {
+            GD_FOR
+            for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
+        }
+        gd_linear_T(&L[GD_O], att, T, lt, 0, x, 1, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t t = 0; t < T; t++) {
+            gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
+            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
+            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
+        }
+        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile);
+        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile);
+        GD_BARRIER
+        GD_FOR
+        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        if (L[GD_DOWN].a) {
+            GD_FOR
+            for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
+        }
+        gd_linear_T(&L[GD_DOWN], mlp, T, lt, 2, x, 1, tile);
+        GD_BARRIER
+    }
+    GD_SINGLE
+    gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
+    gd_linear(&m->head, h, 0, logits, 0);
+    }
+}

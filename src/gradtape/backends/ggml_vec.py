@@ -1,0 +1,176 @@
+"""Matrix-vector products and row lookups straight from ggml blocks, and the one-call
+LLaMA decode step built on them (``csrc/ggml_vec.c``, ``csrc/llama_decode.c``).
+
+A block matrix here is ``(qtype, data)``: a ggml type name and a ``uint8`` array
+``[rows, row_bytes]`` (a view of a memory-mapped GGUF file: never copied or expanded);
+its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
+``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
+exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
+threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
+weight rows.  This module does not quantize activations, run training GEMMs (the cpu
+backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
+the decode step).
+
+The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``) are compiled once with OpenMP by ``_cgen.build`` and cached; without a C
+compiler ``available()`` is False and callers use the NumPy reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..blocks import BLOCK_TYPES, F32
+from ..errors import GradtapeError
+from . import _cgen
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("ggml_vec.c", "llama_decode.c")
+FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
+
+# ggml type name -> (ggml id, elements per block, bytes per block), from the one table
+QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
+MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
+
+_LIB = []
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+MAX_THREADS = 16  # a decode step is memory-bound: more threads only add barrier time
+
+
+def threads() -> int:
+    """Threads for the kernels: $GRADTAPE_THREADS, else the CPUs this process may use
+    (at most MAX_THREADS)."""
+    env = os.environ.get("GRADTAPE_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise GradtapeError(f"$GRADTAPE_THREADS must be a whole number, got {env!r}") from None
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_THREADS))
+
+
+def lib():
+    """The compiled library (built on first use, cached on disk by source hash)."""
+    if not _LIB:
+        src = "\n".join([_cgen.PRELUDE] + [(CSRC / name).read_text() for name in SOURCES])
+        try:
+            path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
+        except RuntimeError:  # a compiler without OpenMP: the same code on one thread
+            path, _ = _cgen.build(src, flags=_cgen.FLAGS, prefix="ggml_vec")
+        so = ctypes.CDLL(str(path))
+        so.gv_block_elems.restype = _i64
+        so.gv_block_elems.argtypes = [_i64]
+        so.gv_matvec.restype = None
+        so.gv_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64]
+        so.gv_take_rows.restype = None
+        so.gv_take_rows.argtypes = [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr]
+        so.gv_matmul.restype = None
+        so.gv_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr]
+        so.gd_scratch_floats.restype = _i64
+        so.gd_prefill_floats.restype = _i64
+        so.gd_prefill_floats.argtypes = [_ptr, _i64]
+        so.gd_prefill.restype = None
+        so.gd_prefill.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
+        so.gd_step.restype = None
+        so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
+        _LIB.append(so)
+    return _LIB[0]
+
+
+def available() -> bool:
+    try:
+        lib()
+    except (_cgen.CompilerMissing, RuntimeError, OSError):
+        return False
+    return True
+
+
+def row_elems(qtype: str, data: np.ndarray) -> int:
+    """``k``: the logical row length of blocks ``data [rows, row_bytes]``."""
+    if qtype not in QTYPES:
+        raise ValueError(f"ggml_vec: type {qtype} is not supported (supported: "
+                         f"{', '.join(QTYPES)})")
+    _, qk, bs = QTYPES[qtype]
+    if data.ndim != 2 or data.dtype != np.uint8 or data.shape[1] % bs:
+        raise ValueError(f"ggml_vec: {qtype} blocks must be uint8 [rows, n*{bs}], got "
+                         f"{data.dtype} {list(data.shape)}")
+    return data.shape[1] // bs * qk
+
+
+def _check(qtype, data):
+    k = row_elems(qtype, data)
+    if not data.flags.c_contiguous:
+        raise ValueError("ggml_vec: block rows must be C-contiguous")
+    min_k = 16 if QTYPES[qtype][1] == 1 else QTYPES[qtype][1]
+    if k % min_k:
+        raise ValueError(f"ggml_vec: {qtype} rows of {k} elements: the kernel needs a "
+                         f"multiple of {min_k}")
+    return k
+
+
+def matvec(qtype: str, data: np.ndarray, x: np.ndarray, out=None, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` (float32), ``W`` = ``(qtype, data)``."""
+    k = _check(qtype, data)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"ggml_vec.matvec: x{list(x.shape)} against W[{data.shape[0]}, {k}]: "
+                         f"need [T <= {MAX_ROWS}, {k}]")
+    rows, T = data.shape[0], x.shape[0]
+    if out is None:
+        out = np.empty((T, rows), np.float32)
+    lib().gv_matvec(QTYPES[qtype][0], data.ctypes.data, rows, k, data.shape[1],
+                    x.ctypes.data, T, out.ctypes.data, nthreads or threads())
+    return out
+
+
+def matvec_call(qtype: str, w: np.ndarray, rows: int, k: int, x: np.ndarray,
+                out: np.ndarray):
+    """A zero-argument callable computing ``out[T, rows] = x[T, k] @ deq(w).T`` in place
+    (the cpu backend's ``qmatmul`` for ``T <= MAX_ROWS``); ``w [rows, row_bytes]`` may have
+    a row stride larger than its row (a view); x and out must be C-contiguous float32."""
+    if not (x.dtype == out.dtype == np.float32 and x.flags.c_contiguous
+            and out.flags.c_contiguous and w.strides[1] == 1 and 1 <= x.shape[0] <= MAX_ROWS):
+        raise ValueError("ggml_vec.matvec_call: needs C-contiguous float32 x [T <= 4, k] "
+                         "and out, and contiguous block rows")
+    if k % (16 if QTYPES[qtype][1] == 1 else QTYPES[qtype][1]):
+        raise ValueError(f"ggml_vec.matvec_call: {qtype} rows of {k} elements")
+    import functools
+    return functools.partial(lib().gv_matvec, QTYPES[qtype][0], w.ctypes.data, rows, k,
+                             w.strides[0], x.ctypes.data, x.shape[0], out.ctypes.data,
+                             threads())
+
+
+def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): four weight rows are
+    dequantized at a time and used by every row of x; float32 accumulation."""
+    k = _check(qtype, data)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"ggml_vec.matmul: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+    nt = nthreads or threads()
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    tile = np.empty(nt * 4 * k, np.float32)
+    lib().gv_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
+                    x.ctypes.data, x.shape[0], out.ctypes.data, nt, tile.ctypes.data)
+    return out
+
+
+def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
+    """Rows ``ids`` of a block table, dequantized: ``[len(ids), k]`` float32."""
+    k = _check(qtype, data)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= data.shape[0]):
+        raise ValueError(f"ggml_vec.take_rows: ids out of range [0, {data.shape[0]})")
+    out = np.empty((ids.size, k), np.float32)
+    lib().gv_take_rows(QTYPES[qtype][0], data.ctypes.data, k, data.shape[1],
+                       ids.ctypes.data, ids.size, out.ctypes.data)
+    return out

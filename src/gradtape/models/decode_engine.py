@@ -1,0 +1,262 @@
+"""The fast decode step: one token through the whole model in one C call, reading the
+weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
+
+``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
+row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
+attn_q / attn_k rows are reordered, into our half-split rope layout, which copies those
+two), or, for weights that are not the file's, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
+preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables and the C struct that
+points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
+and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
+``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
+float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
+layers many rows per call (GEMMs from four dequantized weight rows at a time);
+``load`` takes over a cache filled by the graph instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from .. import nn
+from ..backends import ggml_vec
+from .config import LlamaConfig
+from .arch import ARCHS
+from .load_gguf import unpermute_rope_rows
+
+_LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
+_GGUF_OF = {ours: g for g, ours in ARCHS["llama"].gguf_block.items()}
+MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
+PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L2)
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("dim", "n_layers", "nh", "nkv", "hd", "ffn",
+                                              "vocab", "cap", "nthreads")] + [
+        ("eps", ctypes.c_float), ("lin", ctypes.c_void_p), ("embd", _Lin), ("head", _Lin),
+        ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+def _gguf_blocks(model):
+    """``{our name: (qtype, data)}`` of the linears and tables in the model's GGUF file,
+    or None when the model has no GGUF file or a type the kernels lack."""
+    src = Path(getattr(model, "source", "") or "")
+    if src.suffix.lower() != ".gguf" or not src.is_file():
+        return None
+    from ..formats.gguf_reader import GGUFFile
+    gf = GGUFFile(src)
+    cfg, out = model.config, {}
+    names = {"tok_embd": "token_embd.weight", "lm_head": "output.weight"}
+    for i in range(cfg.n_layers):
+        for t in _LINS:
+            names[f"layers.{i}.{t}"] = f"blk.{i}.{_GGUF_OF[t]}.weight"
+    for ours, gname in names.items():
+        t = gf.tensors.get(gname)
+        if t is None:
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in ggml_vec.QTYPES:
+            return None
+        data = t.data
+        if data.ndim == 1:
+            data = data.reshape(1, -1)
+        if qtype == "F32" and data.dtype != np.uint8:
+            data = np.ascontiguousarray(data).view(np.uint8)
+        if ours.endswith(".q"):
+            data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_heads))
+        elif ours.endswith(".k"):
+            data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_kv_heads))
+        out[ours] = (qtype, data)
+    return out
+
+
+def _same_rows(qtype, data, w, linear) -> bool:
+    """Whether float weights ``w`` (ours: ``[in, out]`` for a linear, ``[V, D]`` for a
+    table) are the blocks' dequantized values, checked bitwise on three rows.  A model
+    built from changed weights (``export.merged_model`` keeps the base file as its
+    source) then does not decode from the file's unchanged blocks."""
+    rows = data.shape[0]
+    pick = sorted({0, rows // 2, rows - 1})
+    got = ggml_vec.take_rows(qtype, data, pick)
+    want = np.asarray(w[:, pick].T if linear else w[pick], np.float32)
+    return got.shape == want.shape and np.array_equal(got.view(np.uint32),
+                                                      want.view(np.uint32))
+
+
+def block_weights(model) -> dict:
+    """``{name: (qtype, data [out, row_bytes])}`` for every linear, the token table and
+    (untied models) the LM head: block matrices kept by the loader as they are
+    (``blocks.BlockMatrix``, issue 14), else the GGUF file's blocks where they hold the
+    model's float weights, else float32 rows ``[out, in]`` copied from the weights."""
+    cfg = model.config
+    W = model.weights
+    need = [f"layers.{i}.{t}" for i in range(cfg.n_layers) for t in _LINS] + ["tok_embd"]
+    if not cfg.tie_embeddings:
+        need.append("lm_head")
+    stored = None
+    got = {}
+    for name in need:
+        w = W[name]
+        if hasattr(w, "qtype") and hasattr(w, "data"):  # a BlockMatrix: [out, in] as stored
+            got[name] = (w.qtype, w.data)
+            continue
+        linear = name.startswith("layers.")
+        if stored is None:
+            stored = _gguf_blocks(model) or {}
+        blk = stored.get(name)
+        if blk is not None and _same_rows(*blk, w, linear):
+            got[name] = blk
+            continue
+        w = np.asarray(w, np.float32)
+        got[name] = ("F32", np.ascontiguousarray(w.T if linear else w).view(np.uint8))
+    return got
+
+
+# the family features (models.arch) at the values of the plain LLaMA block, the only block
+# the C step implements: any other value (biases, q/k norms, fused projections, rope
+# frequency factors, a sliding window, Gemma's norms, activations and soft-caps) decodes
+# through the graph instead
+_PLAIN_BLOCK = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
+                if f.name in ("biases", "qk_norm", "fused", "rope_scaling", "rope_factors",
+                              "sliding_window", "act", "norm_plus_one", "embed_scale",
+                              "post_norms", "attn_softcap", "final_softcap", "query_scale")}
+
+
+def supported(model) -> bool:
+    """Whether the C step can run this model: a compiler, row lengths the kernels take,
+    and the plain LLaMA block only (``_PLAIN_BLOCK``)."""
+    cfg = model.config
+    if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
+        return False
+    if any(getattr(cfg, name) != plain for name, plain in _PLAIN_BLOCK.items()):
+        return False
+    if ARCHS[cfg.arch].gguf != "llama":  # its GGUF names and q/k row order are llama's
+        return False
+    if set(model.weights) != set(cfg.weight_shapes()):
+        return False
+    return cfg.dim % 16 == 0 and cfg.ffn_dim % 16 == 0 and cfg.n_heads * cfg.head_dim % 16 == 0
+
+
+class BlockDecoder:
+    """One decode step from block weights, with a preallocated KV cache of ``cap`` rows.
+
+    ``load(cache)`` takes over an eager ``KVCache`` (the prefilled prompt);
+    ``step(token)`` returns the logits ``[V]`` (a buffer reused by the next step) and
+    appends the token's key and value rows."""
+
+    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None):
+        cfg = model.config
+        self.cfg, self.cap = cfg, int(cap)
+        self.keep = []  # every array the C struct points at
+        lins = (_Lin * (cfg.n_layers * len(_LINS)))()
+        for i in range(cfg.n_layers):
+            for j, t in enumerate(_LINS):
+                lins[i * len(_LINS) + j] = self._lin(blocks[f"layers.{i}.{t}"])
+        self.lins = lins
+        self.set_lora(lora, lora_scale)
+        W = model.weights
+        norms = [np.ascontiguousarray(np.stack([W[f"layers.{i}.{n}"] for i in
+                                                range(cfg.n_layers)]), np.float32)
+                 for n in ("attn_norm", "ffn_norm")] + [np.ascontiguousarray(W["norm"],
+                                                                             np.float32)]
+        self.keep += norms
+        kvw = cfg.n_kv_heads * cfg.head_dim
+        self.kc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
+        self.vc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
+        cos, sin = nn.rope_fill(self.cap, cfg.head_dim, cfg.rope_base)
+        self.cos, self.sin = cos.astype(np.float32), sin.astype(np.float32)
+        m = _Model(dim=cfg.dim, n_layers=cfg.n_layers, nh=cfg.n_heads, nkv=cfg.n_kv_heads,
+                   hd=cfg.head_dim, ffn=cfg.ffn_dim, vocab=cfg.vocab_size, cap=self.cap,
+                   nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps)
+        m.lin = ctypes.addressof(lins)
+        m.embd = self._lin(blocks["tok_embd"])
+        m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"])
+        m.attn_norm, m.ffn_norm, m.norm = (a.ctypes.data for a in norms)
+        m.kc, m.vc = self.kc.ctypes.data, self.vc.ctypes.data
+        m.cos, m.sin = self.cos.ctypes.data, self.sin.ctypes.data
+        lib = ggml_vec.lib()
+        self.scratch = np.zeros(lib.gd_scratch_floats(ctypes.byref(m)), np.float32)
+        m.scratch = self.scratch.ctypes.data
+        self.m = m
+        self.logits = np.zeros(cfg.vocab_size, np.float32)
+        self._call = lib.gd_step
+        self._args = (ctypes.addressof(m), self.logits.ctypes.data)
+        self._pbuf = None
+        self.length = 0
+
+    def _lin(self, block):
+        qtype, data = block
+        k = ggml_vec.row_elems(qtype, data)
+        self.keep.append(data)
+        return _Lin(w=data.ctypes.data, type=ggml_vec.QTYPES[qtype][0], rows=data.shape[0],
+                    k=k, row_bytes=data.shape[1])
+
+    def set_lora(self, lora, scale=1.0):
+        """Point the linears at an adapter's ``{(layer, target): (A [in, r], B [r, out])}``
+        (None: no adapter); the arrays are used where they are, not copied, when they
+        are float32 and C-contiguous."""
+        self.lora_keep = []
+        for i in range(self.cfg.n_layers):
+            for j, t in enumerate(_LINS):
+                lin = self.lins[i * len(_LINS) + j]
+                ab = (lora or {}).get((i, t))
+                if ab is None:
+                    lin.a = lin.b = None
+                    lin.r, lin.scale = 0, 0.0
+                    continue
+                a = np.ascontiguousarray(ab[0], np.float32)  # [in, r]
+                b = np.ascontiguousarray(ab[1], np.float32)  # [r, out]
+                if a.shape != (lin.k, a.shape[1]) or b.shape != (a.shape[1], lin.rows):
+                    raise ValueError(f"BlockDecoder: LoRA ({i}, {t}) A{list(a.shape)} "
+                                     f"B{list(b.shape)} do not fit [{lin.rows}, {lin.k}]")
+                if a.shape[1] > MAX_RANK:
+                    raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
+                self.lora_keep += [a, b]
+                lin.a, lin.b, lin.r, lin.scale = a.ctypes.data, b.ctypes.data, a.shape[1], scale
+
+    def load(self, cache):
+        n = cache.length
+        if n >= self.cap:
+            raise ValueError(f"BlockDecoder: {n} cached rows do not fit capacity {self.cap}")
+        for i in range(self.cfg.n_layers):
+            self.kc[i, :n], self.vc[i, :n] = cache.k[i], cache.v[i]
+        self.length = n
+
+    def prefill(self, ids) -> np.ndarray:
+        """Logits ``[V]`` after the rows ``ids`` (appended to the cache), computed
+        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self.length + len(ids) > self.cap:
+            raise ValueError(f"BlockDecoder: {self.length} + {len(ids)} rows do not fit "
+                             f"capacity {self.cap}")
+        lib = ggml_vec.lib()
+        if self._pbuf is None:
+            n = lib.gd_prefill_floats(ctypes.addressof(self.m), PREFILL_ROWS)
+            self._pbuf = np.zeros(n, np.float32)
+        for a in range(0, len(ids), PREFILL_ROWS):
+            chunk = ids[a:a + PREFILL_ROWS]
+            lib.gd_prefill(self._args[0], chunk.ctypes.data, len(chunk), self.length,
+                           self._args[1], self._pbuf.ctypes.data)
+            self.length += len(chunk)
+        return self.logits
+
+    def step(self, token) -> np.ndarray:
+        p = self.length
+        if p >= self.cap:
+            raise ValueError(f"BlockDecoder: the cache is full ({self.cap} rows)")
+        self._call(self._args[0], int(token), p, self._args[1])
+        self.length = p + 1
+        return self.logits

@@ -1,0 +1,194 @@
+"""The one-call C decode step (``decode_engine``) against the float32 graph: logits per
+token, greedy output, an unmerged adapter; the GGUF blocks are read as stored."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradtape.models import decode_engine as E
+from gradtape.models import model as M
+from gradtape.models.lora import target_dims
+from tinymodel import tiny_model
+
+if not E.ggml_vec.available():
+    pytest.skip("no C compiler", allow_module_level=True)
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def random_lora(cfg, rank=4, seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in range(cfg.n_layers):
+        for t in TARGETS:
+            fin, fout = target_dims(cfg, t)
+            out[(i, t)] = (rng.normal(0, 0.05, (fin, rank)).astype(np.float32),
+                           rng.normal(0, 0.05, (rank, fout)).astype(np.float32))
+    return out
+
+
+_BLOCKS = {}
+
+
+def blocks_of(model):
+    """``E.block_weights`` once per model object (it maps the file and checks rows)."""
+    if id(model) not in _BLOCKS:
+        _BLOCKS[id(model)] = (model, E.block_weights(model))
+    return _BLOCKS[id(model)][1]
+
+
+def steps_vs_graph(model, prompt, tokens, lora=None, scale=1.0, cap=64):
+    """Logits of each of ``tokens`` after ``prompt``: (C step, float32 graph)."""
+    W = model.weights
+    cache = M.KVCache.empty(model.config)
+    M.forward_cached(model.config, W, prompt, cache, lora, scale)
+    dec = E.BlockDecoder(model, blocks_of(model), lora, scale, cap=cap)
+    dec.load(cache)
+    ours = np.stack([dec.step(t).copy() for t in tokens])
+    ref = M.forward_cached(model.config, W, tokens, cache, lora, scale)
+    return ours, ref
+
+
+def graph_argmax(model, prompt, out, lora=None, scale=1.0):
+    """The float32 graph's greedy choice after ``prompt + out[:i]`` for every i, from one
+    batched pass (teacher forcing): equal to ``out`` iff ``out`` is the graph's greedy
+    continuation."""
+    ids = list(prompt) + list(out[:-1])
+    z = M.forward_cached(model.config, model.weights, ids, M.KVCache.empty(model.config),
+                         lora, scale)
+    return [int(i) for i in z[len(prompt) - 1:].argmax(1)]
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_smollm2_blocks_are_the_mapped_file(smollm2):
+    blocks = blocks_of(smollm2)
+    qtype, data = blocks["layers.3.gate"]
+    assert qtype == "Q4_1" and data.shape == (1536, 360) and not data.flags.owndata
+    assert blocks["tok_embd"][0] == "Q8_0"
+    import gguf
+    for name in ("layers.3.gate", "layers.0.q", "layers.2.k", "tok_embd"):
+        qtype, data = blocks[name]
+        w = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
+        ours = smollm2.weights[name]
+        # the very weights the graph uses (q / k rows in our half-split order)
+        np.testing.assert_array_equal(w, ours if name == "tok_embd" else ours.T)
+
+
+def test_smollm2_step_logits_match_the_graph(smollm2):
+    tok = smollm2.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog because it wanted to")
+    ours, ref = steps_vs_graph(smollm2, ids[:9], ids[9:])
+    # float32 both ways, same weights; only the order of sums differs (30 layers)
+    assert rel(ours, ref) < 2e-4
+    assert (ours.argmax(1) == ref.argmax(1)).all()
+
+
+def test_smollm2_unmerged_adapter(smollm2):
+    lora = random_lora(smollm2.config, rank=8)
+    ids = smollm2.tokenizer.encode("Adapters change the answer of a model")
+    ours, ref = steps_vs_graph(smollm2, ids[:4], ids[4:], lora, scale=2.0)
+    base, _ = steps_vs_graph(smollm2, ids[:4], ids[4:])
+    assert rel(ours, ref) < 2e-4 and rel(base, ref) > 1e-2  # the adapter matters
+
+
+def test_greedy_generation_equals_the_graph(smollm2):
+    tok = smollm2.tokenizer
+    prompt = tok.encode("A short poem about the sea:")
+    a = smollm2.generate(prompt, 12, decoder="blocks", stop_ids=())
+    assert a == graph_argmax(smollm2, prompt, a)
+    # reused across calls (same adapter, enough room)
+    dec = smollm2._block_dec[1]
+    assert smollm2.generate(prompt, 12, stop_ids=()) == a and smollm2._block_dec[1] is dec
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_float_model_without_gguf(tied):
+    """A model without a GGUF file decodes from float32 rows (type F32)."""
+    m = tiny_model(seed=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=tied)
+    model = M.Llama(m.config, m.weights, None, name="tiny")
+    lora = random_lora(m.config, rank=2, seed=3)
+    ours, ref = steps_vs_graph(model, [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], lora, 0.5)
+    assert rel(ours, ref) < 1e-5
+    assert E.block_weights(model)["layers.0.q"][0] == "F32"
+
+
+def test_full_cache_is_refused():
+    m = tiny_model()
+    model = M.Llama(m.config, m.weights, None)
+    dec = E.BlockDecoder(model, E.block_weights(model), cap=2)
+    dec.step(1)
+    dec.step(2)
+    with pytest.raises(ValueError, match="the cache is full"):
+        dec.step(3)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
+    """A prompt of 70 rows (two C calls of 64 + 6 rows): the last row's logits and the
+    cached keys / values equal the graph's up to float32 summation order."""
+    lora = random_lora(smollm2.config, rank=4, seed=2) if with_lora else None
+    ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
+    dec = E.BlockDecoder(smollm2, blocks_of(smollm2), lora, 2.0, cap=80)
+    z = dec.prefill(ids).copy()
+    cache = M.KVCache.empty(smollm2.config)
+    ref = M.forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
+    assert dec.length == 70 and rel(z, ref) < 2e-5
+    for i in (0, 29):
+        assert rel(dec.kc[i, :70], cache.k[i]) < 2e-5 and rel(dec.vc[i, :70], cache.v[i]) < 2e-5
+    # decoding continues from the C-filled cache as from the graph's
+    nxt = int(np.argmax(ref))
+    assert rel(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
+                                               lora, 2.0)[-1]) < 2e-4
+
+
+def test_changed_weights_do_not_decode_from_the_file(smollm2):
+    """A merged model keeps the base file as its source; its adapted linears must come
+    from its own weights, not the file's blocks."""
+    from gradtape.models.export import merged_model
+    from gradtape.models.lora import init_adapter
+    ad = init_adapter(smollm2.config, rank=2, targets=("q", "down"), base_model=smollm2.name)
+    rng = np.random.default_rng(0)
+    for key, (a, b) in ad.weights.items():
+        b[...] = rng.normal(0, 0.05, b.shape)
+    merged = merged_model(smollm2, ad)
+    blocks = E.block_weights(merged)
+    assert blocks["layers.4.q"][0] == "F32" and blocks["layers.4.down"][0] == "F32"
+    assert blocks["layers.4.k"][0] == "Q4_1" and blocks["tok_embd"][0] == "Q8_0"
+    ids = smollm2.tokenizer.encode("Merged weights are new weights")
+    ours, ref = steps_vs_graph(merged, ids[:3], ids[3:])
+    assert rel(ours, ref) < 2e-4
+
+
+def test_kept_block_matrices_decode_as_loaded(smollm2, smollm2_gguf):
+    """A model loaded with its matrices kept quantized (BlockMatrix) decodes from those
+    very blocks and generates what the float32 model generates."""
+    from gradtape import llama
+    kept = llama.load(str(smollm2_gguf), keep_quantized=True)
+    blocks = E.block_weights(kept)
+    assert blocks["layers.7.up"][1] is kept.weights["layers.7.up"].data
+    np.testing.assert_array_equal(blocks["layers.7.q"][1], blocks_of(smollm2)["layers.7.q"][1])
+    prompt = smollm2.tokenizer.encode("The three primary colours are")
+    assert kept.generate(prompt, 8) == smollm2.generate(prompt, 8)
+
+
+def test_adapter_changes_between_calls_are_seen(smollm2):
+    """The reused decoder takes the adapter afresh each call: new B values, or another
+    adapter, change the output; no adapter gives the base output again."""
+    from gradtape.models.lora import init_adapter
+    prompt = smollm2.tokenizer.encode("Once upon a time")
+    base = smollm2.generate(prompt, 6, stop_ids=())
+    ad = init_adapter(smollm2.config, rank=4, targets=("q", "v", "down"),
+                      base_model=smollm2.name)
+    assert smollm2.generate(prompt, 6, adapter=ad, stop_ids=()) == base  # B = 0
+    rng = np.random.default_rng(1)
+    for key, (a, b) in ad.weights.items():
+        b[...] = rng.normal(0, 0.3, b.shape)  # in place, as a training step does
+    changed = smollm2.generate(prompt, 6, adapter=ad, stop_ids=())
+    assert changed != base
+    lora, scale = smollm2._lora(ad, np.float32)
+    assert changed == graph_argmax(smollm2, prompt, changed, lora, scale)
+    assert smollm2.generate(prompt, 6, stop_ids=()) == base

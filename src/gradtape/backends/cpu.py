@@ -90,7 +90,7 @@ class CpuBackend:
         self.lib = None
         self.cache_hit = None
         if self._kernel_of:
-            path, self.cache_hit = _cgen.build(src.source())
+            path, self.cache_hit = _cgen.build(src.source(), flags=_cgen.threads_flags())
             self.lib = _load(path)
         self._bind()
 

@@ -71,7 +71,9 @@ class FinetuneConfig:
     eval_every: int = _opt(20, "evaluate the held-out loss every N steps (0: only at the end)")
     save_every: int = _opt(50, "write a checkpoint every N steps")
     seed: int = _opt(0, "seed for the adapter init, the split and the batch order")
-    backend: str = _opt("numpy", "execution backend: numpy (reference) or cpu (fast)")
+    backend: str = _opt("cpu", "execution backend: cpu (generated C + BLAS; falls back to "
+                               "numpy, with a warning, without a C compiler) or numpy "
+                               "(the reference)")
     dtype: str = _opt("float32", "float32 or float64")
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)

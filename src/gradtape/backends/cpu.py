@@ -25,6 +25,7 @@ import warnings
 import numpy as np
 
 from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
+from ..compile.merge_matmuls import merge_matmuls
 from ..ops import PRIMS, _mT
 from . import _cgen
 from .numpy import NumpyBackend
@@ -66,6 +67,7 @@ class CpuBackend:
             self.plan = self.fallback.plan
             return
         dtype = next(iter(float_dtypes)) if len(float_dtypes) == 1 else None
+        graph = self.graph = merge_matmuls(graph)
         self.schedule = fuse(graph, fusible=_fusible_for(dtype) if dtype else (lambda v: False),
                              reductions=dtype is not None)
         self.plan = plan_schedule_memory(self.schedule)

@@ -57,6 +57,14 @@ static inline float gt_expf(float x) {
     memcpy(&s2, &b2, 4);
     return y * s1 * s2;
 }
+/* float32 -> bf16 bits, round to nearest even (the carry of 0x7FFF plus the lowest kept
+   bit); NaN stays a quiet NaN instead of rounding into infinity. */
+static inline uint16_t gt_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? ((u >> 16) | 0x40u) : r);
+}
 typedef void (*gt_kernel)(void **);
 """
 
@@ -556,6 +564,17 @@ class ProgramSource:
             return self._add(row_kernel_body(v, dtype))
         return self._add(copy_kernel_body(v, dtype))
 
+    def bf16_kernel(self, n):
+        """A kernel converting ``n`` float32 values (``p[0]``) to bf16 bits (``p[1]``): the
+        activation operand of a bf16-compute GEMM, converted inside the kernel batch."""
+        par = _omp_for(n)
+        body = ["    const float *restrict x = (const float *)p[0];",
+                "    uint16_t *restrict o = (uint16_t *)p[1];",
+                "    #pragma omp parallel for simd schedule(static)" if par else
+                "    #pragma GCC ivdep",
+                f"    for (long i = 0; i < {n}L; i++) o[i] = gt_bf16(x[i]);"]
+        return self._add("\n".join(body))
+
     def _add(self, body):
         if body not in self.bodies:
             self.bodies[body] = len(self.bodies)
@@ -569,6 +588,11 @@ class ProgramSource:
         parts.append(f"static const gt_kernel K[] = {{{table}}};\n")
         parts.append("void gt_run(void **P, const int32_t *calls, int32_t n) {\n"
                      "    for (int32_t c = 0; c < n; c++) K[calls[2*c]](P + calls[2*c+1]);\n"
+                     "}\n")
+        # weights are converted to bf16 once, when a bf16-compute program is bound
+        parts.append("void gt_to_bf16(const float *restrict x, uint16_t *restrict o, long n) {\n"
+                     "    #pragma omp parallel for simd schedule(static)\n"
+                     "    for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);\n"
                      "}\n")
         return "\n".join(parts)
 
@@ -590,10 +614,12 @@ def threads_flags(flags=FLAGS):
     """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
     row and elementwise loops then split over the cores), else ``flags`` unchanged.
 
-    Before the first OpenMP library is loaded, a short spin is asked of libgomp's idle
-    threads (``GOMP_SPINCOUNT``, unless the user set it or ``OMP_WAIT_POLICY``): its
-    default spins for milliseconds after each parallel loop, taking a core from the
-    OpenBLAS threads of the GEMM that follows."""
+    Before the first OpenMP library is loaded, libgomp's idle threads are asked to sleep
+    at once (``OMP_WAIT_POLICY=passive``, unless the user set it or ``GOMP_SPINCOUNT``):
+    by default they spin for milliseconds after each parallel loop, taking a core from
+    the OpenBLAS threads of the GEMM that follows, and with other processes on the cores
+    a spinning team made steps 4x slower (measured); a sleeping one costs a wake-up of
+    microseconds per loop."""
     cc, version = compiler()
     if (cc, version) not in _THREADS:
         probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
@@ -606,9 +632,15 @@ def threads_flags(flags=FLAGS):
         _THREADS[(cc, version)] = ok
     if not _THREADS[(cc, version)]:
         return tuple(flags)
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    quiet_openmp()
     return tuple(flags) + ("-fopenmp",)
+
+
+def quiet_openmp():
+    """Ask libgomp's idle threads to sleep (see ``threads_flags``); call before loading
+    anything that loads libgomp (our kernels, oneDNN), as it reads this once."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
 
 
 def compiler():

@@ -53,10 +53,24 @@ def _mm_step(out, a, b, ta=False, tb=False):
     return functools.partial(np.matmul, _mT(a, ta), _mT(b, tb), out=out)
 
 
+def _bf16_matmul(v):
+    """A matmul whose right operand is a big frozen weight (a float const leaf): the
+    GEMMs that ``compute="bf16"`` runs with bf16 inputs (``x @ W0``, ``dY @ W0^T``, the LM
+    head and its transpose)."""
+    if v.op != "matmul" or v.ndim != 2 or v.attrs.get("ta"):
+        return False
+    b = v.inputs[1]
+    return b.op == "const" and b.size >= BF16_MIN_WEIGHT and v.dtype == np.float32
+
+
+BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
+
+
 class CpuBackend:
-    def __init__(self, graph, plan=None):
+    def __init__(self, graph, plan=None, compute="float32"):
         self.graph = graph
         self.fallback = None
+        self.compute = "float32"
         float_dtypes = {v.dtype for v in graph.ops}
         try:
             _cgen.compiler()
@@ -88,13 +102,39 @@ class CpuBackend:
         for s in self.schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and _cgen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
+        # bf16 compute: the activation operand is converted by a kernel in the batch
+        # before its GEMM into one shared scratch (GEMMs run one at a time); the weights
+        # are converted once, below
+        self._bf16 = {}
+        if compute == "bf16" and dtype == np.float32:
+            from . import onednn
+            self._dnnl = onednn.dnnl()
+            steps = [s for s in self.schedule.steps
+                     if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+            if steps:
+                self.compute = "bf16"
+                self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
+                self._scratch16 = np.empty(max(s.inputs[0].size for s in steps), np.uint16)
         self.n_kernels = len(src.bodies)
         self.lib = None
         self.cache_hit = None
-        if self._kernel_of:
+        if self._kernel_of or self._bf16:
             path, self.cache_hit = _cgen.build(src.source(), flags=_cgen.threads_flags())
             self.lib = _load(path)
+        self._w16 = {}  # weight leaf -> its bf16 copy (uint16 bits)
+        self._gemm16 = {}  # step -> bound oneDNN call
+        for s in self._bf16:
+            w = s.inputs[1]
+            if w not in self._w16:
+                self._w16[w] = np.empty(w.shape, np.uint16)
+                self._convert(w)
         self._bind()
+
+    def _convert(self, leaf):
+        x = np.ascontiguousarray(self._values[leaf], np.float32)
+        self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data),
+                            ctypes.c_void_p(self._w16[leaf].ctypes.data),
+                            ctypes.c_long(x.size))
 
     # --- storage ---------------------------------------------------------------------
     def _own(self, leaf):
@@ -104,7 +144,7 @@ class CpuBackend:
     def _bind(self):
         val = self._values
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
-        for g in self._kernel_of:
+        for g in list(self._kernel_of) + list(self._bf16):
             for x in g.inputs:
                 if x.is_leaf and not val[x].flags.c_contiguous:
                     self._own(x)
@@ -119,6 +159,18 @@ class CpuBackend:
                 pending.clear()
 
         for s in self.schedule.steps:
+            if s in self._bf16:  # convert op(a) in the batch, then one oneDNN call
+                a = s.inputs[0]
+                off = len(ptrs)
+                ptrs.extend((val[a].ctypes.data, self._scratch16.ctypes.data))
+                pending.append((self._bf16[s], off))
+                flush()
+                if s not in self._gemm16:
+                    a16 = self._scratch16[:a.size].reshape(a.shape)
+                    self._gemm16[s] = self._dnnl.bind(val[s], a16, self._w16[s.inputs[1]],
+                                                      bool(s.attrs.get("tb")))
+                steps.append(("py", self._gemm16[s]))
+                continue
             if s in self._kernel_of:
                 off = len(ptrs)
                 ptrs.extend(val[x].ctypes.data for x in s.inputs)
@@ -171,6 +223,8 @@ class CpuBackend:
             self._own(leaf)
             self._bind()
         np.copyto(self._values[leaf], arr)
+        if leaf in self._w16:  # a fed weight: its bf16 copy follows
+            self._convert(leaf)
 
     # --- replay ------------------------------------------------------------------------
     def run(self, arrays):

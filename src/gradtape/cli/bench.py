@@ -1,6 +1,7 @@
-"""Benchmarks side by side with the peers (Hugging Face transformers + PEFT), reported as
-ratios: one LoRA training step on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32),
-plus the peak memory of each.  Needs the test extras (torch, transformers, peft) and a
+"""Benchmarks side by side with the peers (Hugging Face transformers + PEFT, eager float32
+and under bf16 autocast), reported as ratios: one LoRA training step on SmolLM2 (T=256)
+and on a tiny 2-layer LLaMA (T=32) in each --compute precision, the step's GEMM floor
+(measured in a clean process), the peak memory of each, the CPU and the GEMM paths.  Needs the test extras (torch, transformers, peft) and a
 source checkout (the peer code lives in bench/, not in the package).
 """
 
@@ -24,6 +25,12 @@ def add_arguments(parser):
                         help="comma-separated (default: %(default)s)")
     parser.add_argument("--backend", default="cpu", help="gradtape backend (default: %(default)s)")
     parser.add_argument("--reps", type=int, default=0, help="timed steps per side")
+    parser.add_argument("--compute", default="float32,bf16",
+                        help="gradtape GEMM precisions to time, comma-separated among float32, "
+                             "bf16, auto (default: %(default)s; bf16 runs float32 where the CPU "
+                             "has no fast bf16, and the rows say so)")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="leave out the peer under torch.autocast(cpu, bfloat16)")
 
 
 def run(args) -> int:
@@ -34,8 +41,10 @@ def run(args) -> int:
             __import__(mod)
         except ImportError:
             raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
-    argv = ["--workloads", args.workloads, "--backend", args.backend, "--reps", str(args.reps)]
-    argv += ["--json"] * args.json + ["--with-compile"] * args.with_compile
+    argv = ["--workloads", args.workloads, "--backend", args.backend, "--reps", str(args.reps),
+            "--compute", args.compute]
+    argv += (["--json"] * args.json + ["--with-compile"] * args.with_compile
+             + ["--no-autocast"] * args.no_autocast)
     sys.argv = [str(SCRIPT)] + argv
     mod = runpy.run_path(str(SCRIPT))
     return mod["main"](argv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from ..errors import GradtapeError
 
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
         mod.add_arguments(p)
         modules[name] = mod
     args = parser.parse_args(argv)
+    # gradtape's notices (a fallback to float32 or to NumPy) read as one line here
+    warnings.formatwarning = lambda msg, *a, **k: f"{msg}\n"
     if args.command is None:
         parser.print_help()
         return 2

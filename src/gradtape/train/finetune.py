@@ -75,6 +75,9 @@ class FinetuneConfig:
                                "numpy, with a warning, without a C compiler) or numpy "
                                "(the reference)")
     dtype: str = _opt("float32", "float32 or float64")
+    compute: str = _opt("float32", "precision of the frozen-weight GEMMs: float32, bf16 (bf16 "
+                                   "inputs, float32 accumulation; where the CPU runs it "
+                                   "faster, else a notice and float32) or auto")
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
 
@@ -115,13 +118,15 @@ def _finetune(cfg, model, log, world, together):
     dtype = {"float32": np.float32, "float64": np.float64}.get(cfg.dtype)
     if dtype is None:
         raise GradtapeError(f"--dtype must be float32 or float64, got {cfg.dtype!r}")
+    if cfg.compute not in ("float32", "bf16", "auto"):
+        raise GradtapeError(f"--compute must be float32, bf16 or auto, got {cfg.compute!r}")
 
     adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
                            base_model=model.name, dtype=dtype)
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
-                          world=world)
+                          world=world, compute=cfg.compute)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
@@ -133,6 +138,7 @@ def _finetune(cfg, model, log, world, together):
     log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
         f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
         f"from step {start}, backend {cfg.backend}"
+        + (f", compute {step_prog.compute}" if cfg.compute != "float32" else "")
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else ""))
 
     records = _read_log(out) if cfg.resume and world.is_root else []

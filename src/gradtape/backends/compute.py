@@ -103,18 +103,19 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
 def resolve(requested: str, applies=True) -> str:
     """The precision that will run for ``requested`` (one of COMPUTE_CHOICES): "float32"
     or "bf16".  ``bf16`` where it is not fast (or oneDNN is missing) warns once and gives
-    "float32"; ``auto`` gives bf16 only where it is fast, silently.  ``applies=False``:
-    the caller runs no bf16 path at all (another backend, a float64 step)."""
+    "float32"; ``auto`` gives bf16 only where it is fast, silently.  ``applies``: False,
+    or a string saying why, where the caller has no bf16 path at all (another backend,
+    a float64 step, generation)."""
     if requested not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
                          f"got {requested!r}")
     if requested == "float32":
         return "float32"
-    if applies:
+    if applies is True:
         fast, why = bf16_fast()
     else:
-        fast, why = False, ("bf16 compute applies to float32 steps on the cpu backend "
-                            "only")
+        fast, why = False, applies or ("bf16 compute applies to float32 steps on the cpu "
+                                       "backend only")
     if fast:
         return "bf16"
     if requested == "bf16" and why not in _WARNED:

@@ -1,13 +1,23 @@
 """The fast CPU backend: the compiled graph, fused and lowered to C and BLAS.
 
-Lowering: ``compile.fuse`` groups elementwise chains (and chains feeding a last-axis
-sum / softmax / logsumexp) into FusedGroups; each becomes a generated C kernel
-(``_cgen``), compiled once per distinct program source with the system C compiler and
-cached on disk.  Matmuls go through NumPy's BLAS straight into their planned buffers
-(``np.matmul(..., out=)``); the remaining ops (slices, concats, gathers ...) run their
-NumPy forwards from ``ops.py``.  Consecutive kernels between two such ops run as one
-ctypes call.  Buffers come from ``plan_schedule_memory`` and are allocated once here:
-a replay allocates no intermediates.
+Lowering: ``compile.merge_matmuls`` first turns narrow matmuls that share an operand (the
+LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one GEMM each, and k=1
+outer products into fused multiplies.  ``compile.fuse`` groups elementwise chains (and
+chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups; each becomes a
+generated C kernel (``_cgen``), compiled once per distinct program source with the system
+C compiler and cached on disk.  Softmax and sums over the last axis of any rank, the fused
+loss (``nll_ids``) and its gradient, transposes, broadcasts and the data movement ops are
+C kernels too; row and elementwise loops split over the cores (OpenMP) when big enough.
+Matmuls go through NumPy's BLAS straight into their planned buffers (``np.matmul(...,
+out=)``); the remaining ops (gathers ...) run their NumPy forwards from ``ops.py``.
+Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``plan_schedule_memory`` and are allocated once here: a replay allocates no
+intermediates.
+
+``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
+leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
+is converted to bf16 once, the activation operand by a C kernel in the batch before each
+such GEMM.  Everything else stays float32.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) the backend
 falls back to the NumPy reference backend and says so once, as a RuntimeWarning.

@@ -25,6 +25,9 @@ def add_arguments(parser):
                         help="held-out records to score (default: %(default)s)")
     parser.add_argument("--backend", default="auto",
                         help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
+    parser.add_argument("--compute", default="float32", choices=("float32", "bf16", "auto"),
+                        help="precision of the training step's frozen-weight GEMMs "
+                             "(default: %(default)s)")
 
 
 def _answers(model, prompts, max_new, adapter=None):
@@ -68,7 +71,7 @@ def run(args) -> int:
     out = Path(args.out)
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
                          seq_len=88, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
-                         eval_every=20, save_every=20, backend=backend,
+                         eval_every=20, save_every=20, backend=backend, compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
     summary = finetune(cfg, model=model)
     adapter = models.load_adapter(out / "adapter", model)

@@ -41,6 +41,9 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="arithmetic precision (default float32)")
+    p.add_argument("--compute", choices=("float32", "bf16", "auto"), default="float32",
+                   help="precision of the frozen-weight GEMMs (default float32; generation "
+                        "runs float32 for now: bf16 says so and runs float32)")
 
 
 class StreamPrinter:
@@ -103,6 +106,6 @@ def run(args) -> int:
     printer = StreamPrinter(tok, skip=model.stop_ids)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, adapter=adapter,
                    seed=args.seed, top_p=args.top_p, stream=printer,
-                   dtype=np.dtype(args.dtype))
+                   dtype=np.dtype(args.dtype), compute=args.compute)
     printer.finish()
     return 0

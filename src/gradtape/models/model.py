@@ -393,11 +393,17 @@ class Llama:
         return hit[1]
 
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0,
-                 top_p=1.0, stream=None, dtype=np.float32, stop_ids=None) -> list[int]:
+                 top_p=1.0, stream=None, dtype=np.float32, stop_ids=None,
+                 compute="float32") -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
         temperature / top-p sampling seeded by ``seed``; stops after an end-of-sequence
         token (which is included) or ``max_new_tokens``.  ``stream(token_id)`` is called
-        for each new token as it is produced."""
+        for each new token as it is produced.  ``compute`` (float32, bf16, auto): the
+        frozen-weight GEMMs' precision; generation runs on the NumPy path, which computes
+        in ``dtype``, so bf16 says so once and runs float32."""
+        from ..backends.compute import resolve
+
+        resolve(compute, applies="generation runs on the NumPy path, in --dtype")
         ids = self._check_ids(ids)
         if ids.size == 0:
             raise GradtapeError("generate: needs a prompt of at least one token")

@@ -82,6 +82,8 @@ class TrainStep:
         params = [p for pair in self.lora.values() for p in pair]
         g = [grads[p] for p in params]
         self.eval_program = tp.compile([self.loss], backend=backend, compute=self.compute)
+        # what runs: a model with no weight big enough for a bf16 GEMM stays float32
+        self.compute = getattr(self.eval_program.executable, "compute", "float32")
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return

@@ -163,6 +163,22 @@ def test_fed_weight_is_converted_again():
     assert _rel(got, _bf16_exact(x._value) @ _bf16_exact(w2)) < 1e-5
 
 
+def test_programs_share_a_weight_copy_until_one_is_fed():
+    _need_onednn()
+    rng = np.random.default_rng(4)
+    tp = gt.Tape(np.float32, eager=False)
+    x = tp.const(rng.standard_normal((8, 256)))
+    w = tp.const(rng.standard_normal((256, 256)))
+    y = ops.matmul(x, w)
+    p1 = tp.compile([y], backend="cpu", compute="bf16")
+    p2 = tp.compile([ops.scale(y, 2.0)], backend="cpu", compute="bf16")
+    assert p1.executable._w16[w] is p2.executable._w16[w]
+    w2 = rng.standard_normal((256, 256)).astype(np.float32)
+    p1.run({w: w2})
+    ref = _bf16_exact(x._value) @ _bf16_exact(w._value)
+    assert _rel(p2.run()[0], 2 * ref) < 1e-5  # p2 still multiplies by the recorded w
+
+
 def test_float64_tape_ignores_bf16():
     _need_onednn()
     tp = gt.Tape(np.float64, eager=False)

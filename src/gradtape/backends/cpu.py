@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+import weakref
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from . import _cgen
 from .numpy import NumpyBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
+_W16 = weakref.WeakKeyDictionary()  # weight leaf -> its bf16 copy, shared by programs
 
 
 def _fusible_for(dtype):
@@ -118,9 +120,14 @@ class CpuBackend:
         self._bf16 = {}
         if compute == "bf16" and dtype == np.float32:
             from . import onednn
-            self._dnnl = onednn.dnnl()
-            steps = [s for s in self.schedule.steps
-                     if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+            try:
+                self._dnnl = onednn.dnnl()
+                steps = [s for s in self.schedule.steps
+                         if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+            except onednn.DnnlError as e:
+                warnings.warn(f"gradtape: bf16 compute asked for, running float32: {e}",
+                              RuntimeWarning, stacklevel=4)
+                steps = []
             if steps:
                 self.compute = "bf16"
                 self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
@@ -136,15 +143,19 @@ class CpuBackend:
         for s in self._bf16:
             w = s.inputs[1]
             if w not in self._w16:
-                self._w16[w] = np.empty(w.shape, np.uint16)
-                self._convert(w)
+                # programs of one tape (a training step and its eval) share the copy
+                # of a weight none of them was fed (copy on feed, in set_leaf)
+                hit = _W16.get(w)
+                if hit is None:
+                    hit = _W16[w] = self._convert(w, np.empty(w.shape, np.uint16))
+                self._w16[w] = hit
         self._bind()
 
-    def _convert(self, leaf):
+    def _convert(self, leaf, out):
         x = np.ascontiguousarray(self._values[leaf], np.float32)
-        self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data),
-                            ctypes.c_void_p(self._w16[leaf].ctypes.data),
+        self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data),
                             ctypes.c_long(x.size))
+        return out
 
     # --- storage ---------------------------------------------------------------------
     def _own(self, leaf):
@@ -233,8 +244,12 @@ class CpuBackend:
             self._own(leaf)
             self._bind()
         np.copyto(self._values[leaf], arr)
-        if leaf in self._w16:  # a fed weight: its bf16 copy follows
-            self._convert(leaf)
+        if leaf in self._w16:  # a fed weight: a bf16 copy of this program's own follows
+            if self._w16[leaf] is _W16.get(leaf):
+                self._w16[leaf] = np.empty(leaf.shape, np.uint16)
+                self._gemm16.clear()
+                self._bind()
+            self._convert(leaf, self._w16[leaf])
 
     # --- replay ------------------------------------------------------------------------
     def run(self, arrays):

@@ -174,7 +174,7 @@ class PeerSide:
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(out.loss)
+        return float(out.loss.detach())
 
     def step_autocast(self):
         import torch
@@ -183,7 +183,7 @@ class PeerSide:
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(out.loss)
+        return float(out.loss.detach())
 
 
 def gpu_gemm_rate(batch, storage, reps=20):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..errors import GradtapeError
 
-DATA = Path(__file__).resolve().parents[2] / "examples" / "records"
+DATA = Path(__file__).resolve().parents[3] / "examples" / "records"
 
 
 def add_arguments(parser):

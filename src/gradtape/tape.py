@@ -282,11 +282,13 @@ class Tape:
         return dict(sorted(out.items(), key=lambda kv: kv[0].index))
 
     # --- compilation ---
-    def compile(self, outputs, backend="numpy", updates=None):
+    def compile(self, outputs, backend="numpy", updates=None, compute="float32"):
         """Compile the ops ``outputs`` need into a replayable ``Program``.
 
         ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
         new value (parameters and optimizer moments in a replayed training step).
+        ``compute="bf16"``: the cpu backend runs GEMMs against frozen float32 weights
+        with bf16 inputs and float32 accumulation (see ``backends.compute``).
         """
         from .compile import compile_program
-        return compile_program(self, outputs, backend, updates)
+        return compile_program(self, outputs, backend, updates, compute)

@@ -57,6 +57,14 @@ static inline float gt_expf(float x) {
     memcpy(&s2, &b2, 4);
     return y * s1 * s2;
 }
+/* float32 -> bf16 bits, round to nearest even (the carry of 0x7FFF plus the lowest kept
+   bit); NaN stays a quiet NaN instead of rounding into infinity. */
+static inline uint16_t gt_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? ((u >> 16) | 0x40u) : r);
+}
 typedef void (*gt_kernel)(void **);
 """
 
@@ -235,11 +243,17 @@ def lower_elementwise(group, ct):
     for m in group.ops:
         by_level[level(m)].append(m)
     lines = list(low.decls)
+    # threads split the outermost loop (each iteration writes its own elements)
+    par = bool(dom) and dom[0] > 1 and _omp_for(int(np.prod(dom)))
     for depth in range(len(dom) + 1):
         ind = "    " * (depth + 1)
         if depth > 0:
             ind0 = "    " * depth
-            if depth == len(dom):
+            if depth == 1 and par and len(dom) == 1:
+                lines.append(f"{ind0}#pragma omp parallel for simd schedule(static)")
+            elif depth == 1 and par:
+                lines.append(f"{ind0}#pragma omp parallel for schedule(static)")
+            elif depth == len(dom):
                 lines.append(f"{ind0}#pragma GCC ivdep")
             lines.append(f"{ind0}for (long {ivars[depth - 1]} = 0; {ivars[depth - 1]} < "
                          f"{dom[depth - 1]}L; {ivars[depth - 1]}++) {{")
@@ -273,6 +287,8 @@ def lower_rowreduce(group, ct):
     for m in body:
         if lv[m] == 0:
             lines.append("    " + low.stmt(m, strides, iv))
+    if R > 1 and _omp_for(R * C):
+        lines.append(_omp_for(R * C))
     lines.append(f"    for (long i = 0; i < {R}L; i++) {{")
     for m in body:
         if lv[m] == 1:
@@ -329,15 +345,150 @@ def _split(shape, axis):
 
 
 C_COPY = frozenset(("slice", "pad", "concat", "reshape", "sum_to"))
+C_ROWS = frozenset(("softmax", "sum", "nll_ids", "nll_ids_grad", "transpose", "broadcast_to"))
 
 
 def c_single_op(v):
-    """Whether a non-fused op has a C kernel (``copy_kernel_body``)."""
+    """Whether a non-fused op has a C kernel (``copy_kernel_body`` / ``row_kernel_body``)."""
     if v.op == "sum_to":  # the broadcast-gradient reductions of 2-d values
         x = v.inputs[0]
         return x.ndim == 2 and tuple(v.shape) in ((x.shape[1],), (1, x.shape[1]),
                                                   (x.shape[0], 1))
-    return v.op in C_COPY
+    if v.op in ("softmax", "sum"):  # over the last axis (any rank), or a full sum
+        x = v.inputs[0]
+        axis = v.attrs.get("axis")
+        return x.size > 0 and (axis is None and v.op == "sum" or
+                               axis is not None and axis % x.ndim == x.ndim - 1)
+    if v.op in ("transpose", "broadcast_to"):
+        return 1 <= v.ndim <= 6 and v.size > 0
+    return v.op in C_COPY or v.op in ("nll_ids", "nll_ids_grad")
+
+
+def row_kernel_body(v, dtype):
+    """softmax / sum over the last axis of any rank, a full sum, the fused next-token loss
+    (``nll_ids``) and its gradient (``nll_ids_grad``), and transposes: the NumPy forwards
+    of ops.py row by row (rows are independent: the threads split rows, and every row
+    is computed in the same order whatever the split).  ``p``: inputs, then the output."""
+    ct = CTypes(dtype)
+    t = ct.t
+    x = v.inputs[0] if v.op != "nll_ids_grad" else v.inputs[1]
+    C = x.shape[-1] if x.ndim else 1
+    R = x.size // max(C, 1)
+    par = _omp_for(x.size)
+    lines = []
+    if v.op == "transpose":
+        return _transpose_body(v, t)
+    if v.op == "broadcast_to":
+        return _broadcast_body(v, t)
+    if v.op == "sum" and v.attrs.get("axis") is None:
+        # one accumulator in double over everything (NumPy adds float32 pairwise)
+        return "\n".join([f"    const {t} *restrict a = (const {t} *)p[0];",
+                          f"    {t} *restrict o = ({t} *)p[1];", "    double s = 0.0;",
+                          "    #pragma omp simd reduction(+:s)",
+                          f"    for (long j = 0; j < {x.size}L; j++) s += (double)a[j];",
+                          f"    o[0] = ({t})s;"])
+    if v.op == "nll_ids_grad":
+        lines += [f"    const {t} *restrict g = (const {t} *)p[0];",
+                  f"    const {t} *restrict a = (const {t} *)p[1];",
+                  "    const int64_t *restrict ids = (const int64_t *)p[2];",
+                  f"    {t} *restrict o = ({t} *)p[3];"]
+    else:
+        lines += [f"    const {t} *restrict a = (const {t} *)p[0];"]
+        if v.op == "nll_ids":
+            lines += ["    const int64_t *restrict ids = (const int64_t *)p[1];",
+                      f"    {t} *restrict o = ({t} *)p[2];"]
+        else:
+            lines += [f"    {t} *restrict o = ({t} *)p[1];"]
+    if par:
+        lines.append(par)
+    lines.append(f"    for (long i = 0; i < {R}L; i++) {{")
+    lines.append(f"        const {t} *restrict x = a + i*{C}L;")
+    if v.op == "sum":
+        lines += ["        double s = 0.0;", "        #pragma omp simd reduction(+:s)",
+                  f"        for (long j = 0; j < {C}L; j++) s += (double)x[j];",
+                  f"        o[i] = ({t})s;", "    }"]
+        return "\n".join(lines)
+    lines += [f"        {t} m = -INFINITY;", "        #pragma omp simd reduction(max:m)",
+              f"        for (long j = 0; j < {C}L; j++) m = x[j] > m ? x[j] : m;",
+              "        double s = 0.0;"]
+    if v.op == "nll_ids":  # log(sum(exp(x - max))) + max - x[id]
+        lines += ["        #pragma omp simd reduction(+:s)",
+                  f"        for (long j = 0; j < {C}L; j++) s += (double){ct.exp}(x[j] - m);",
+                  f"        o[i] = ({ct.log}(({t})s) + m) - x[ids[i]];", "    }"]
+        return "\n".join(lines)
+    # softmax row: y = exp(x - max) / sum(exp(x - max)), then (nll_ids_grad) y[id] -= 1
+    # and y *= g, in that order as in ops._fwd_nll_ids_grad
+    lines += [f"        {t} *restrict y = o + i*{C}L;",
+              "        #pragma omp simd reduction(+:s)",
+              f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = {ct.exp}(x[j] - m); "
+              "y[j] = e; s += (double)e; }",
+              f"        const {t} st = ({t})s;"]
+    if v.op == "softmax":
+        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;")
+    else:
+        lines += [f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;",
+                  f"        y[ids[i]] -= {ct.lit(1.0)};",
+                  f"        const {t} gi = g[i];",
+                  f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] * gi;"]
+    lines.append("    }")
+    return "\n".join(lines)
+
+
+def _transpose_body(v, t):
+    """out = x.transpose(perm): a loop nest over the output in order; the innermost run
+    is a memcpy when the last axis stays last."""
+    x = v.inputs[0]
+    perm = v.attrs["perm"]
+    n = v.ndim
+    ist = _contig_strides(x.shape)
+    src = [ist[p] for p in perm]  # input stride of each output axis
+    shape = list(v.shape)
+    inner_copy = perm[-1] == n - 1
+    loops = n - 1 if inner_copy else n
+    lines = [f"    const {t} *restrict a = (const {t} *)p[0];", f"    {t} *restrict o = ({t} *)p[1];"]
+    par = _omp_for(v.size) if shape[0] > 1 else ""
+    if par and loops:
+        lines.append(par)
+    idx = []
+    for d in range(loops):
+        lines.append("    " * (d + 1) + f"for (long i{d} = 0; i{d} < {shape[d]}L; i{d}++) {{")
+        idx.append(d)
+    ind = "    " * (loops + 1)
+    out_off = " + ".join(f"i{d}*{_contig_strides(shape)[d]}L" for d in idx) or "0"
+    in_off = " + ".join(f"i{d}*{src[d]}L" for d in idx) or "0"
+    if inner_copy:
+        lines.append(f"{ind}memcpy(o + {out_off}, a + {in_off}, {shape[-1]}UL * sizeof({t}));")
+    else:
+        lines.append(f"{ind}o[{out_off}] = a[{in_off}];")
+    for d in range(loops, 0, -1):
+        lines.append("    " * d + "}")
+    return "\n".join(lines)
+
+
+def _broadcast_body(v, t):
+    """out = broadcast_to(x, shape): a loop nest over the (collapsed) output domain."""
+    x = v.inputs[0]
+    dom, st = collapse_domain(list(v.shape), {"x": _bstrides(x.shape, v.shape),
+                                               "o": _contig_strides(v.shape)})
+    iv = [f"i{d}" for d in range(len(dom))]
+    lines = [f"    const {t} *restrict a = (const {t} *)p[0];",
+             f"    {t} *restrict o = ({t} *)p[1];"]
+    for d, n in enumerate(dom):
+        lines.append("    " * (d + 1) + f"for (long i{d} = 0; i{d} < {n}L; i{d}++) {{")
+    lines.append("    " * (len(dom) + 1) +
+                 f"o[{_index(st['o'], iv)}] = a[{_index(st['x'], iv)}];")
+    for d in range(len(dom), 0, -1):
+        lines.append("    " * d + "}")
+    return "\n".join(lines)
+
+
+OMP_MIN_WORK = 1 << 15  # elements: below this a parallel region costs more than it saves
+
+
+def _omp_for(work):
+    """The pragma that splits an outer row loop over threads when the work pays for it
+    (``-fopenmp``: see ``threads_flags``; without it the pragma is ignored)."""
+    return "    #pragma omp parallel for schedule(static)" if work >= OMP_MIN_WORK else ""
 
 
 def copy_kernel_body(v, dtype):
@@ -409,7 +560,20 @@ class ProgramSource:
         return self._add(body)
 
     def copy_kernel(self, v, dtype):
+        if v.op in C_ROWS:
+            return self._add(row_kernel_body(v, dtype))
         return self._add(copy_kernel_body(v, dtype))
+
+    def bf16_kernel(self, n):
+        """A kernel converting ``n`` float32 values (``p[0]``) to bf16 bits (``p[1]``): the
+        activation operand of a bf16-compute GEMM, converted inside the kernel batch."""
+        par = _omp_for(n)
+        body = ["    const float *restrict x = (const float *)p[0];",
+                "    uint16_t *restrict o = (uint16_t *)p[1];",
+                "    #pragma omp parallel for simd schedule(static)" if par else
+                "    #pragma GCC ivdep",
+                f"    for (long i = 0; i < {n}L; i++) o[i] = gt_bf16(x[i]);"]
+        return self._add("\n".join(body))
 
     def _add(self, body):
         if body not in self.bodies:
@@ -425,6 +589,11 @@ class ProgramSource:
         parts.append("void gt_run(void **P, const int32_t *calls, int32_t n) {\n"
                      "    for (int32_t c = 0; c < n; c++) K[calls[2*c]](P + calls[2*c+1]);\n"
                      "}\n")
+        # weights are converted to bf16 once, when a bf16-compute program is bound
+        parts.append("void gt_to_bf16(const float *restrict x, uint16_t *restrict o, long n) {\n"
+                     "    #pragma omp parallel for simd schedule(static)\n"
+                     "    for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);\n"
+                     "}\n")
         return "\n".join(parts)
 
 
@@ -436,6 +605,42 @@ class CompilerMissing(RuntimeError):
 
 
 _VERSIONS = {}
+
+
+_THREADS = {}
+
+
+def threads_flags(flags=FLAGS):
+    """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
+    row and elementwise loops then split over the cores), else ``flags`` unchanged.
+
+    Before the first OpenMP library is loaded, libgomp's idle threads are asked to sleep
+    at once (``OMP_WAIT_POLICY=passive``, unless the user set it or ``GOMP_SPINCOUNT``):
+    by default they spin for milliseconds after each parallel loop, taking a core from
+    the OpenBLAS threads of the GEMM that follows, and with other processes on the cores
+    a spinning team made steps 4x slower (measured); a sleeping one costs a wake-up of
+    microseconds per loop."""
+    cc, version = compiler()
+    if (cc, version) not in _THREADS:
+        probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
+                "for (long i = 0; i < n; i++) x[i] += 1.0f;\nreturn 0; }\n"
+        try:
+            build(probe, flags + ("-fopenmp",), prefix="probe")
+            ok = True
+        except RuntimeError:
+            ok = False
+        _THREADS[(cc, version)] = ok
+    if not _THREADS[(cc, version)]:
+        return tuple(flags)
+    quiet_openmp()
+    return tuple(flags) + ("-fopenmp",)
+
+
+def quiet_openmp():
+    """Ask libgomp's idle threads to sleep (see ``threads_flags``); call before loading
+    anything that loads libgomp (our kernels, oneDNN), as it reads this once."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
 
 
 def compiler():

@@ -1,13 +1,23 @@
 """The fast CPU backend: the compiled graph, fused and lowered to C and BLAS.
 
-Lowering: ``compile.fuse`` groups elementwise chains (and chains feeding a last-axis
-sum / softmax / logsumexp) into FusedGroups; each becomes a generated C kernel
-(``_cgen``), compiled once per distinct program source with the system C compiler and
-cached on disk.  Matmuls go through NumPy's BLAS straight into their planned buffers
-(``np.matmul(..., out=)``); the remaining ops (slices, concats, gathers ...) run their
-NumPy forwards from ``ops.py``.  Consecutive kernels between two such ops run as one
-ctypes call.  Buffers come from ``plan_schedule_memory`` and are allocated once here:
-a replay allocates no intermediates.
+Lowering: ``compile.merge_matmuls`` first turns narrow matmuls that share an operand (the
+LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one GEMM each, and k=1
+outer products into fused multiplies.  ``compile.fuse`` groups elementwise chains (and
+chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups; each becomes a
+generated C kernel (``_cgen``), compiled once per distinct program source with the system
+C compiler and cached on disk.  Softmax and sums over the last axis of any rank, the fused
+loss (``nll_ids``) and its gradient, transposes, broadcasts and the data movement ops are
+C kernels too; row and elementwise loops split over the cores (OpenMP) when big enough.
+Matmuls go through NumPy's BLAS straight into their planned buffers (``np.matmul(...,
+out=)``); the remaining ops (gathers ...) run their NumPy forwards from ``ops.py``.
+Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``plan_schedule_memory`` and are allocated once here: a replay allocates no
+intermediates.
+
+``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
+leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
+is converted to bf16 once, the activation operand by a C kernel in the batch before each
+such GEMM.  Everything else stays float32.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) the backend
 falls back to the NumPy reference backend and says so once, as a RuntimeWarning.
@@ -21,15 +31,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+import weakref
 
 import numpy as np
 
 from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
+from ..compile.merge_matmuls import merge_matmuls
 from ..ops import PRIMS, _mT
 from . import _cgen, qgemm
 from .numpy import NumpyBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
+_W16 = weakref.WeakKeyDictionary()  # weight leaf -> its bf16 copy, shared by programs
 
 
 def _fusible_for(dtype):
@@ -52,10 +65,24 @@ def _mm_step(out, a, b, ta=False, tb=False):
     return functools.partial(np.matmul, _mT(a, ta), _mT(b, tb), out=out)
 
 
+def _bf16_matmul(v):
+    """A matmul whose right operand is a big frozen weight (a float const leaf): the
+    GEMMs that ``compute="bf16"`` runs with bf16 inputs (``x @ W0``, ``dY @ W0^T``, the LM
+    head and its transpose)."""
+    if v.op != "matmul" or v.ndim != 2 or v.attrs.get("ta"):
+        return False
+    b = v.inputs[1]
+    return b.op == "const" and b.size >= BF16_MIN_WEIGHT and v.dtype == np.float32
+
+
+BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
+
+
 class CpuBackend:
-    def __init__(self, graph, plan=None):
+    def __init__(self, graph, plan=None, compute="float32"):
         self.graph = graph
         self.fallback = None
+        self.compute = "float32"
         float_dtypes = {v.dtype for v in graph.ops}
         try:
             _cgen.compiler()
@@ -66,6 +93,7 @@ class CpuBackend:
             self.plan = self.fallback.plan
             return
         dtype = next(iter(float_dtypes)) if len(float_dtypes) == 1 else None
+        graph = self.graph = merge_matmuls(graph)
         self.schedule = fuse(graph, fusible=_fusible_for(dtype) if dtype else (lambda v: False),
                              reductions=dtype is not None)
         self.plan = plan_schedule_memory(self.schedule)
@@ -91,13 +119,48 @@ class CpuBackend:
         for s in self.schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and _cgen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
+        # bf16 compute: the activation operand is converted by a kernel in the batch
+        # before its GEMM into one shared scratch (GEMMs run one at a time); the weights
+        # are converted once, below
+        self._bf16 = {}
+        if compute == "bf16" and dtype == np.float32:
+            from . import onednn
+            try:
+                self._dnnl = onednn.dnnl()
+                steps = [s for s in self.schedule.steps
+                         if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+            except onednn.DnnlError as e:
+                warnings.warn(f"gradtape: bf16 compute asked for, running float32: {e}",
+                              RuntimeWarning, stacklevel=4)
+                steps = []
+            if steps:
+                self.compute = "bf16"
+                self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
+                self._scratch16 = np.empty(max(s.inputs[0].size for s in steps), np.uint16)
         self.n_kernels = len(src.bodies)
         self.lib = None
         self.cache_hit = None
-        if self._kernel_of:
-            path, self.cache_hit = _cgen.build(src.source())
+        if self._kernel_of or self._bf16:
+            path, self.cache_hit = _cgen.build(src.source(), flags=_cgen.threads_flags())
             self.lib = _load(path)
+        self._w16 = {}  # weight leaf -> its bf16 copy (uint16 bits)
+        self._gemm16 = {}  # step -> bound oneDNN call
+        for s in self._bf16:
+            w = s.inputs[1]
+            if w not in self._w16:
+                # programs of one tape (a training step and its eval) share the copy
+                # of a weight none of them was fed (copy on feed, in set_leaf)
+                hit = _W16.get(w)
+                if hit is None:
+                    hit = _W16[w] = self._convert(w, np.empty(w.shape, np.uint16))
+                self._w16[w] = hit
         self._bind()
+
+    def _convert(self, leaf, out):
+        x = np.ascontiguousarray(self._values[leaf], np.float32)
+        self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data),
+                            ctypes.c_long(x.size))
+        return out
 
     # --- storage ---------------------------------------------------------------------
     def _own(self, leaf):
@@ -107,7 +170,7 @@ class CpuBackend:
     def _bind(self):
         val = self._values
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
-        for g in self._kernel_of:
+        for g in list(self._kernel_of) + list(self._bf16):
             for x in g.inputs:
                 if x.is_leaf and not val[x].flags.c_contiguous:
                     self._own(x)
@@ -122,6 +185,18 @@ class CpuBackend:
                 pending.clear()
 
         for s in self.schedule.steps:
+            if s in self._bf16:  # convert op(a) in the batch, then one oneDNN call
+                a = s.inputs[0]
+                off = len(ptrs)
+                ptrs.extend((val[a].ctypes.data, self._scratch16.ctypes.data))
+                pending.append((self._bf16[s], off))
+                flush()
+                if s not in self._gemm16:
+                    a16 = self._scratch16[:a.size].reshape(a.shape)
+                    self._gemm16[s] = self._dnnl.bind(val[s], a16, self._w16[s.inputs[1]],
+                                                      bool(s.attrs.get("tb")))
+                steps.append(("py", self._gemm16[s]))
+                continue
             if s in self._kernel_of:
                 off = len(ptrs)
                 ptrs.extend(val[x].ctypes.data for x in s.inputs)
@@ -176,6 +251,12 @@ class CpuBackend:
             self._own(leaf)
             self._bind()
         np.copyto(self._values[leaf], arr)
+        if leaf in self._w16:  # a fed weight: a bf16 copy of this program's own follows
+            if self._w16[leaf] is _W16.get(leaf):
+                self._w16[leaf] = np.empty(leaf.shape, np.uint16)
+                self._gemm16.clear()
+                self._bind()
+            self._convert(leaf, self._w16[leaf])
 
     # --- replay ------------------------------------------------------------------------
     def run(self, arrays):

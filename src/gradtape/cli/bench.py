@@ -1,11 +1,13 @@
 """Benchmarks side by side with the peers, reported as ratios: one LoRA training step
-on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32) against Hugging Face transformers
-+ PEFT, plus the peak memory of each (``bench/lora_bench.py``); generation on SmolLM2
-Q4_1 against llama.cpp on the same file (``smollm2-generate``, bench/generate_bench.py);
-on request an 8B-shaped Q4_K_M model kept quantized (``llama8b-q4km-lora``,
-bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
-the package); the training workloads need the test extras (torch, transformers, peft),
-the generation peer needs llama-cpp-python (skipped with a note without it).
+on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32) in each --compute precision against
+Hugging Face transformers + PEFT (eager float32 and under bf16 autocast), with the step's
+GEMM floor (measured in a clean process), the peak memory of each, the CPU and the GEMM
+paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
+same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
+model kept quantized (``llama8b-q4km-lora``, bench/quant_bench.py).  Needs a source
+checkout (the peer code lives in bench/, not in the package); the training workloads
+need the test extras (torch, transformers, peft), the generation peer needs
+llama-cpp-python (skipped with a note without it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ def add_arguments(parser):
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,
            help="timed steps per side (0: the workload's default)")
+    parser.add_argument("--compute", default="float32,bf16",
+                        help="gradtape GEMM precisions to time, comma-separated among float32, "
+                             "bf16, auto (default: %(default)s; bf16 runs float32 where the CPU "
+                             "has no fast bf16, and the rows say so)")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="leave out the peer under torch.autocast(cpu, bfloat16)")
 
 
 def run(args) -> int:
@@ -53,6 +61,8 @@ def run(args) -> int:
     for w in names or [""]:
         if w not in known:
             raise GradtapeError(f"--workloads: unknown workload {w!r}; known: {', '.join(known)}")
+    for c in args.compute.split(","):
+        checks.one_of("float32", "bf16", "auto")("--compute", c)
     return _benchmark(names, args)
 
 
@@ -72,7 +82,8 @@ def _benchmark(names, args):
         argv += ["--reps", str(args.reps)] if args.reps else []
         argv += ["--json"] * args.json
         if script == SCRIPT:
-            argv += ["--with-compile"] * args.with_compile
+            argv += ["--compute", args.compute] + ["--with-compile"] * args.with_compile
+            argv += ["--no-autocast"] * args.no_autocast
         if not script.is_file():
             raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
                                 "checkout")

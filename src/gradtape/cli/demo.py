@@ -30,6 +30,8 @@ def add_arguments(parser):
            help="held-out records to score (default: %(default)s)")
     option(parser, "--backend", checks.one_of("auto", *BACKENDS), default="auto",
            help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
+    option(parser, "--compute", checks.one_of("float32", "bf16", "auto"), default="float32",
+           help="precision of the training step's frozen-weight GEMMs (default: %(default)s)")
 
 
 def _run_folder(name, value):
@@ -72,7 +74,7 @@ def run(args) -> int:
     out = Path(args.out).expanduser()
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
                          seq_len=88, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
-                         eval_every=20, save_every=20, backend=backend,
+                         eval_every=20, save_every=20, backend=backend, compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)

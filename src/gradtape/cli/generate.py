@@ -64,6 +64,9 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="arithmetic precision (default float32)")
+    p.add_argument("--compute", choices=("float32", "bf16", "auto"), default="float32",
+                   help="precision of the frozen-weight GEMMs (default float32; generation "
+                        "runs float32 for now: bf16 says so and runs float32)")
 
 
 class StreamPrinter:
@@ -141,7 +144,8 @@ def run(args) -> int:
     if adapter_dir is not None:
         from ..models.lora import load_adapter
         adapter = load_adapter(adapter_dir, model)
-    opts = dict(sampling, adapter=adapter, stop=stop, dtype=np.dtype(args.dtype))
+    opts = dict(sampling, adapter=adapter, stop=stop, dtype=np.dtype(args.dtype),
+                compute=args.compute)
     if args.prompt is None:
         return chat_repl(model, opts, args.max_new_tokens or 512, args.system)
     history = [{"role": "system", "content": args.system}] if args.system else []

@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 
 from ..errors import GradtapeError
 from .options import check_args
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
                        help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
         modules[name], parsers[name] = mod, p
     args, unknown = parser.parse_known_args(argv)
+    # gradtape's notices (a fallback to float32 or to NumPy) read as one line here
+    warnings.formatwarning = lambda msg, *a, **k: f"{msg}\n"
     if args.command is None:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -16,12 +16,20 @@ from .memplan import plan_memory
 from .remat import rematerialize
 
 
-def compile_program(tape, outputs, backend="numpy", updates=None):
+def compile_program(tape, outputs, backend="numpy", updates=None, compute="float32"):
+    """``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
+    frozen-weight GEMMs take bf16 inputs and accumulate in float32 (the ``cpu`` backend
+    on a float32 tape; decided by ``backends.compute.resolve``, which says when it
+    cannot be had).  Other backends and float64 tapes run their own arithmetic."""
     from ..backends import get_backend
 
+    if compute not in ("float32", "bf16"):
+        raise ValueError(f"compile: compute must be 'float32' or 'bf16' (resolve 'auto' with "
+                         f"gradtape.backends.compute.resolve), got {compute!r}")
     backend_cls = get_backend(backend)
     graph = rematerialize(build_graph(tape, outputs, updates), tape.backward_marks)
-    return Program(graph, backend_cls(graph, plan_memory(graph)), backend)
+    extra = {"compute": compute} if compute != "float32" and backend == "cpu" else {}
+    return Program(graph, backend_cls(graph, plan_memory(graph), **extra), backend)
 
 
 class Program:

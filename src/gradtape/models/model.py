@@ -494,7 +494,8 @@ class Llama:
 
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,
                  top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=None,
-                 stream=None, dtype=np.float32, stop_ids=None, decoder="auto") -> list[int]:
+                 stream=None, dtype=np.float32, stop_ids=None, decoder="auto",
+                 compute="float32") -> list[int]:
         """New token ids after the prompt ``ids``: greedy at ``temperature == 0``, else
         sampled (``generate.Sampling`` gives the steps: repetition penalty, temperature,
         top-k, top-p, min-p) from a generator seeded by ``seed``.  Stops after an
@@ -505,7 +506,12 @@ class Llama:
 
         ``decoder``: ``"blocks"`` decodes with the one-call C step over the weights as
         stored (``decode_engine``; float32 only), ``"graph"`` replays the recorded graph
-        (``DecodeStep``), ``"auto"`` (default) takes ``"blocks"`` where it can run."""
+        (``DecodeStep``), ``"auto"`` (default) takes ``"blocks"`` where it can run.
+        ``compute`` (float32, bf16, auto): the training step's option; decoding computes in
+        float32 (``dtype``), so bf16 says so once and runs float32."""
+        from ..backends.compute import resolve
+
+        resolve(compute, applies="generation computes in float32 (--dtype)")
         s = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         stop = check_stop_strings(stop)
         if stop and self.tokenizer is None:

@@ -108,8 +108,9 @@ class FinetuneConfig:
     save_every: int = _opt(50, "write a checkpoint every N steps", checks.count(1))
     seed: int = _opt(0, "seed for the adapter init, the split and the batch order",
                      checks.count(0))
-    backend: str = _opt("numpy", "execution backend: numpy (reference) or cpu (fast)",
-                        checks.one_of(*BACKENDS))
+    backend: str = _opt("cpu", "execution backend: cpu (generated C + BLAS; falls back to "
+                               "numpy, with a warning, without a C compiler) or numpy "
+                               "(the reference)", checks.one_of(*BACKENDS))
     weights: str = _opt("auto", "frozen weights: float32 (dequantized at load), stored (kept "
                                 "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
                                 "mapped, dequantized tile by tile in the matmuls) or auto "
@@ -119,6 +120,10 @@ class FinetuneConfig:
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
+    compute: str = _opt("float32", "precision of the frozen-weight GEMMs: float32, bf16 (bf16 "
+                                   "inputs, float32 accumulation; where the CPU runs it "
+                                   "faster, else a notice and float32) or auto",
+                        checks.one_of("float32", "bf16", "auto"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
 
@@ -186,7 +191,7 @@ def _finetune(cfg, model, log, world, together):
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
-                          world=world)
+                          world=world, compute=cfg.compute)
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
@@ -206,6 +211,7 @@ def _finetune(cfg, model, log, world, together):
     log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
         f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
         f"from step {start}, backend {cfg.backend}"
+        + (f", compute {step_prog.compute}" if cfg.compute != "float32" else "")
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else ""))
 
     records = _read_log(out) if cfg.resume and world.is_root else []

@@ -32,6 +32,7 @@ import numpy as np
 from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
+from ..backends.compute import resolve as resolve_compute
 from ..models.model import record_forward, weight_consts
 
 
@@ -56,8 +57,13 @@ class TrainStep:
     """The compiled training step (and an eval program on the same tape)."""
 
     def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
-                 grad_accum=1, backend="numpy", dtype=np.float32, world=None):
+                 grad_accum=1, backend="numpy", dtype=np.float32, world=None,
+                 compute="float32"):
         self.model, self.adapter = model, adapter
+        # the frozen-weight GEMMs' precision: bf16 only on the cpu backend of a float32
+        # step, where this CPU runs it faster (else one notice and float32)
+        self.compute = resolve_compute(compute, applies=backend == "cpu"
+                                       and np.dtype(dtype) == np.float32)
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
@@ -75,7 +81,9 @@ class TrainStep:
         grads = tp.backward(self.loss)
         params = [p for pair in self.lora.values() for p in pair]
         g = [grads[p] for p in params]
-        self.eval_program = tp.compile([self.loss], backend=backend)
+        self.eval_program = tp.compile([self.loss], backend=backend, compute=self.compute)
+        # what runs: a model with no weight big enough for a bf16 GEMM stays float32
+        self.compute = getattr(self.eval_program.executable, "compute", "float32")
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return
@@ -101,7 +109,8 @@ class TrainStep:
         updates.update(new)
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": self.accumulators}
-        self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates)
+        self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates,
+                                  compute=self.compute)
 
     def _compile_split(self, params, g, opt, clip, backend):
         """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""
@@ -118,7 +127,8 @@ class TrainStep:
             acc = tp.const(np.zeros(flat.shape, dtype))
             flat = ops.add(acc, flat)
             updates[acc] = ops.mul(flat, keep)
-        self.grads_program = tp.compile([flat], backend=backend, updates=updates)
+        self.grads_program = tp.compile([flat], backend=backend, updates=updates,
+                                        compute=self.compute)
         # the summed vector, sliced back into per-param gradients
         self.reduced = tp.const(np.zeros(flat.shape, dtype))
         gs, off = [], 0

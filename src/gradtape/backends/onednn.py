@@ -1,0 +1,197 @@
+"""oneDNN's matmul through ctypes: bf16 inputs, float32 accumulation and output.
+
+An optional accelerator for the cpu backend's frozen-weight GEMMs (``--compute bf16``):
+``pip install 'gradtape[bf16]'`` installs oneDNN 3.2 (the ``onednn-cpu-gomp`` wheel, a
+plain shared library using the system libgomp, the OpenMP runtime our generated C uses
+too); ``$GRADTAPE_DNNL`` may name another ``libdnnl.so.3``.  oneDNN picks the kernel for
+the CPU at run time: AMX tiles where present, AVX512-BF16 dot products elsewhere
+(``describe()`` names what it chose).  Primitives are created once per shape and cached;
+memory objects are bound once to the backend's fixed buffers, so a call is one execute.
+
+This module knows nothing of graphs; ``cpu.py`` decides which matmuls run here.  Failing to
+load, or a CPU oneDNN has no bf16 matmul for, is reported by ``available()`` as a reason,
+never raised at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+
+_F32, _BF16 = 3, 2  # dnnl_data_type_t
+_CPU = 1  # dnnl_engine_kind_t
+_IN_ORDER = 1  # dnnl_stream_flags_t
+_ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17
+_QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str
+_vp = ctypes.c_void_p
+_Dims = ctypes.c_int64 * 12
+
+
+class _Arg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", _vp)]
+
+
+class DnnlError(RuntimeError):
+    pass
+
+
+def _library_path():
+    env = os.environ.get("GRADTAPE_DNNL")
+    if env:
+        return env
+    try:
+        import importlib.metadata as md
+        dist = md.distribution("onednn-cpu-gomp")
+    except Exception:  # not installed
+        return None
+    for f in dist.files or ():
+        if Path(str(f)).name == "libdnnl.so.3":
+            return str(dist.locate_file(f))
+    return None
+
+
+class _Dnnl:
+    """One engine and stream per process; primitives cached by shape."""
+
+    def __init__(self, path):
+        lib = ctypes.CDLL(path)
+        for name in ("dnnl_engine_create", "dnnl_stream_create", "dnnl_stream_wait",
+                     "dnnl_memory_desc_create_with_strides", "dnnl_memory_create",
+                     "dnnl_matmul_primitive_desc_create", "dnnl_primitive_desc_query",
+                     "dnnl_primitive_create", "dnnl_primitive_execute", "dnnl_version"):
+            getattr(lib, name)  # AttributeError: not a oneDNN 3 library
+        lib.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)
+        self.lib = lib
+        v = lib.dnnl_version().contents
+        self.version = f"{v[0]}.{v[1]}.{v[2]}"
+        if v[0] != 3:
+            raise DnnlError(f"oneDNN {self.version} at {path}: need oneDNN 3.x")
+        self.engine, self.stream = _vp(), _vp()
+        self._ok(lib.dnnl_engine_create(ctypes.byref(self.engine), _CPU, 0), "engine_create")
+        self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, _IN_ORDER),
+                 "stream_create")
+        self._prims = {}
+        self._keep = []  # memory objects and arg arrays live as long as the process
+
+    @staticmethod
+    def _ok(status, what):
+        if status != 0:
+            raise DnnlError(f"oneDNN {what} failed (status {status})")
+
+    def _md(self, shape, strides, dtype):
+        m = _vp()
+        self._ok(self.lib.dnnl_memory_desc_create_with_strides(
+            ctypes.byref(m), len(shape), _Dims(*shape), dtype, _Dims(*strides)),
+            "memory_desc_create")
+        return m
+
+    def primitive(self, m, k, n, tb):
+        """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
+        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16, dst float32."""
+        key = (m, k, n, tb)
+        hit = self._prims.get(key)
+        if hit is None:
+            src = self._md((m, k), (k, 1), _BF16)
+            wei = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
+            dst = self._md((m, n), (n, 1), _F32)
+            pd = _vp()
+            self._ok(self.lib.dnnl_matmul_primitive_desc_create(
+                ctypes.byref(pd), self.engine, src, wei, None, dst, None),
+                f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
+            info = ctypes.c_char_p()
+            self._ok(self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0,
+                                                         ctypes.byref(info)), "query")
+            prim = _vp()
+            self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
+            hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
+        return hit
+
+    def _memory(self, md, arr):
+        h = _vp()
+        self._ok(self.lib.dnnl_memory_create(ctypes.byref(h), md, self.engine,
+                                             _vp(arr.ctypes.data)), "memory_create")
+        return h
+
+    def bind(self, out, a, w, tb):
+        """A callable computing ``out = a @ op(w)`` (``a`` [m, k] bf16 as uint16, ``w`` bf16
+        ``[k, n]`` or ``[n, k]`` when ``tb``, ``out`` float32 [m, n]); the arrays must
+        stay alive and in place."""
+        m, k = a.shape
+        n = out.shape[1]
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb)
+        args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
+                          _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
+                          _Arg(_ARG_DST, self._memory(dst, out)))
+        self._keep.append((args, a, w, out))
+        execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
+            self.stream
+        ok = self._ok
+
+        def run():
+            ok(execute(prim, stream, 3, args), "execute")
+            ok(wait(stream), "stream_wait")
+        return run
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    """``(_Dnnl, "")`` or ``(None, why)``."""
+    path = _library_path()
+    if path is None:
+        return None, ("oneDNN is not installed (pip install 'gradtape[bf16]', or set "
+                      "$GRADTAPE_DNNL to a libdnnl.so.3)")
+    from ._cgen import quiet_openmp
+
+    quiet_openmp()  # oneDNN's threads are libgomp's, shared with our kernels
+    try:
+        d = _Dnnl(path)
+        d.primitive(16, 64, 64, False)  # a bf16 matmul exists for this CPU
+    except (OSError, AttributeError, DnnlError) as e:
+        return None, f"oneDNN could not be used ({path}: {e})"
+    return d, ""
+
+
+def available():
+    """``(True, "")`` when oneDNN loads and has a bf16 matmul here, else ``(False, why)``."""
+    d, why = _load()
+    return d is not None, why
+
+
+def dnnl():
+    d, why = _load()
+    if d is None:
+        raise DnnlError(why)
+    return d
+
+
+def describe(shape=(256, 576, 1536)):
+    """What runs the bf16 GEMMs: library, version and oneDNN's kernel name (its ISA)."""
+    d, why = _load()
+    if d is None:
+        return f"none ({why})"
+    return f"oneDNN {d.version} ({d.primitive(*shape, False)[2]})"
+
+
+def to_bf16(x, out=None):
+    """float32 -> bf16 bits (uint16), round to nearest even; NaN stays NaN.  A host-side
+    helper for weights converted once and for tests (the per-step activations are
+    converted by a C kernel, ``_cgen.bf16_kernel_body``)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    r = r.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        r[nan] = 0x7FC0
+    if out is not None:
+        out[...] = r
+        return out
+    return r
+
+
+def from_bf16(b):
+    """bf16 bits (uint16) -> float32, exactly."""
+    return (np.asarray(b, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)

@@ -1,0 +1,161 @@
+"""Fewer, larger GEMMs: two rewrites of a compiled Graph's matmuls (used by the cpu backend).
+
+* **Shared left operand.**  LoRA records ``x @ A_q``, ``x @ A_k``, ``x @ A_v`` (and ``x @
+  A_gate``, ``x @ A_up``) on the same ``x``, each ``[T, r]``; backward records ``xᵀ @ g_q``,
+  ``xᵀ @ g_k``, ... the same way.  A BLAS call that narrow runs far below peak and costs a
+  call each, so matmuls that share ``op(a)`` and produce at most ``max_n`` columns become
+  one: ``op(a) @ concat(op(b_i))``, sliced back into the original outputs.  Each output
+  column is the same dot product as before (over the same k terms), so the math is
+  unchanged; only the BLAS blocking, hence the last bits, may differ.
+* **Outer products.**  A matmul with inner dimension 1 (the norms' backward: ``g[T, 1] @
+  onesᵀ``) is ``a * b`` broadcast: an elementwise ``mul`` that fuses with the ops around it
+  instead of a BLAS call.  One product per element either way: bitwise equal.
+
+Placement: the merged matmul goes right after the last of its inputs is computed; members
+are merged only while that point comes before every member's first use (a greedy split
+in recording order), so the graph stays in topological order.  The pass returns a new
+Graph; the tape is not modified.  The NumPy reference backend does not use it.
+"""
+
+from __future__ import annotations
+
+from .. import ops as _ops  # noqa: F401  (the primitive table must be loaded)
+from .graph import Graph
+
+
+def _new(like, op, inputs, attrs, shape):
+    from ..tape import Var
+
+    return Var(like.tape, like.index, op, tuple(inputs), dict(attrs), tuple(shape), like.dtype,
+               None, like.requires_grad)
+
+
+def _inner(v):
+    a = v.inputs[0]
+    return a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
+
+
+def merge_matmuls(graph: Graph, max_n=64, max_total=512) -> Graph:
+    """The rewritten graph (``graph`` itself when nothing applies)."""
+    ops = list(graph.ops)
+    if not ops:
+        return graph
+    end = len(ops)
+    pos = {v: i for i, v in enumerate(ops)}
+    first_use = {}
+    for i, v in enumerate(ops):
+        for x in v.inputs:
+            first_use.setdefault(x, i)
+    for v in list(graph.outputs) + [src for _, src in graph.updates]:
+        first_use.setdefault(v, end)
+
+    def in_pos(v):
+        return max((pos.get(x, -1) for x in v.inputs), default=-1)
+
+    before = {}  # position -> new ops to emit before the op there
+    repl = {}  # removed matmul -> the Var that replaces it
+    removed = set()
+
+    # 1. outer products
+    for v in ops:
+        if v.op != "matmul" or v.ndim != 2 or _inner(v) != 1:
+            continue
+        a, b = v.inputs
+        ta, tb = v.attrs.get("ta"), v.attrs.get("tb")
+        new = []
+        col = a
+        if ta:  # a is [1, m]
+            col = _new(v, "reshape", (a,), {"shape": (a.shape[1], 1)}, (a.shape[1], 1))
+            new.append(col)
+        row = b
+        if tb:  # b is [n, 1]
+            row = _new(v, "reshape", (b,), {"shape": (1, b.shape[0])}, (1, b.shape[0]))
+            new.append(row)
+        out = _new(v, "mul", (col, row), {}, v.shape)
+        new.append(out)
+        before.setdefault(pos[v], []).extend(new)
+        repl[v] = out
+        removed.add(v)
+
+    # 2. narrow matmuls sharing op(a)
+    groups = {}
+    for v in ops:
+        if v.op != "matmul" or v.ndim != 2 or v in removed or v.shape[1] > max_n:
+            continue
+        groups.setdefault((v.inputs[0], bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))),
+                          []).append(v)
+
+    def emit(members, ta, tb):
+        if len(members) < 2:
+            return
+        p = max(in_pos(m) for m in members) + 1
+        a = members[0].inputs[0]
+        bs = [m.inputs[1] for m in members]
+        axis = 0 if tb else 1  # op(b) columns: b's columns, or b's rows when transposed
+        n = sum(m.shape[1] for m in members)
+        bshape = (n, bs[0].shape[1]) if tb else (bs[0].shape[0], n)
+        like = ops[p - 1] if p > 0 else members[0]
+        cat = _new(like, "concat", bs, {"axis": axis}, bshape)
+        mm = _new(like, "matmul", (a, cat), {"ta": ta, "tb": tb}, (members[0].shape[0], n))
+        new = [cat, mm]
+        off = 0
+        for m in members:
+            s = _new(like, "slice", (mm,), {"axis": 1, "start": off, "stop": off + m.shape[1]},
+                     m.shape)
+            off += m.shape[1]
+            new.append(s)
+            repl[m] = s
+            removed.add(m)
+        before.setdefault(p, []).extend(new)
+
+    for (a, ta, tb), members in groups.items():
+        sub, width = [], 0
+        for m in members:  # recording order
+            cand = sub + [m]
+            if (width + m.shape[1] <= max_total and
+                    max(in_pos(x) for x in cand) < min(first_use.get(x, end) for x in cand)):
+                sub, width = cand, width + m.shape[1]
+            else:
+                emit(sub, ta, tb)
+                sub, width = [m], m.shape[1]
+        emit(sub, ta, tb)
+
+    if not removed:
+        return graph
+    # 3. rewrite in order: new ops before their position, consumers read the replacements
+    new_of = {}
+
+    def now(x):
+        return new_of.get(x, repl.get(x, x))
+
+    out_ops = []
+
+    def take(v):
+        ins = tuple(now(x) for x in v.inputs)
+        if ins != v.inputs:
+            w = _new(v, v.op, ins, v.attrs, v.shape)
+            new_of[v] = w
+            v = w
+        out_ops.append(v)
+        return v
+
+    stands_for = {}  # new op -> the removed matmuls it replaces
+    for m, r in repl.items():
+        stands_for.setdefault(r, []).append(m)
+    for i, v in enumerate(ops + [None]):
+        for w in before.get(i, ()):
+            got = take(w)
+            for m in stands_for.get(w, ()):
+                repl[m] = got
+        if v is not None and v not in removed:
+            take(v)
+    # every input must be computed before it is read; a merge that chained two groups
+    # the wrong way round is dropped as a whole (never a wrong program)
+    seen = set(graph.leaves)
+    for v in out_ops:
+        if any(x not in seen for x in v.inputs):
+            return graph
+        seen.add(v)
+    outputs = tuple(now(v) for v in graph.outputs)
+    updates = tuple((leaf, now(src)) for leaf, src in graph.updates)
+    return Graph(leaves=graph.leaves, ops=tuple(out_ops), outputs=outputs, updates=updates)

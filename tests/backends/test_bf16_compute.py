@@ -300,3 +300,12 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
     assert len(each) == 2 * len(lora) and min(each) >= 0.99
     assert cos(np.concatenate([g.ravel() for g in r32[1:]]),
                np.concatenate([g.ravel() for g in r16[1:]])) >= 0.999
+
+
+def test_auto_is_float32_without_amx(monkeypatch):
+    # AVX512-BF16 alone: bf16 GEMMs may be fast, but the measured step was slower (README)
+    monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
+        {"avx512_bf16", "avx512f"})})
+    monkeypatch.setattr(compute, "bf16_fast", lambda: (True, ""))
+    assert compute.resolve("auto") == "float32"
+    assert compute.resolve("bf16") == "bf16"

@@ -102,14 +102,20 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
 
 def resolve(requested: str, applies=True) -> str:
     """The precision that will run for ``requested`` (one of COMPUTE_CHOICES): "float32"
-    or "bf16".  ``bf16`` where it is not fast (or oneDNN is missing) warns once and gives
-    "float32"; ``auto`` gives bf16 only where it is fast, silently.  ``applies``: False,
+    or "bf16".  ``bf16`` where its GEMMs are not fast (or oneDNN is missing) warns once and
+    gives "float32"; ``auto`` gives bf16 only on AMX, where the whole step is faster,
+    silently.  ``applies``: False,
     or a string saying why, where the caller has no bf16 path at all (another backend,
     a float64 step, generation)."""
     if requested not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
                          f"got {requested!r}")
     if requested == "float32":
+        return "float32"
+    if requested == "auto" and "amx_bf16" not in cpu_info()["flags"]:
+        # measured by `gradtape bench` on AVX512-BF16 without AMX (AMD Zen 5): bf16 GEMMs
+        # alone ran 2x float32's, yet the SmolLM2 step ran 0.66 s vs 0.54 s (conversions,
+        # a second copy of the weights): only AMX makes the whole step faster
         return "float32"
     if applies is True:
         fast, why = bf16_fast()

@@ -92,6 +92,37 @@ static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const 
     }
 }
 
+/* One query head over the first n cached rows: o[hd] = softmax(q k_p * iscale) v_p, with
+   k_p = k + p * stride (likewise v); s[n] holds the scores.  hd is a multiple of 16. */
+static void gd_attend(const float *q, const float *k, const float *v, int64_t stride,
+                      int64_t n, int64_t hd, float iscale, float *s, float *o) {
+    float mx = -INFINITY;
+    for (int64_t p = 0; p < n; p++) {
+        const float *kp = k + p * stride;
+#ifdef __AVX512F__
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t j = 0; j < hd; j += 16)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(kp + j), a);
+        s[p] = _mm512_reduce_add_ps(a) * iscale;
+#else
+        float a[16] = {0};
+        for (int64_t j = 0; j < hd; j += 16)
+            for (int l = 0; l < 16; l++) a[l] += q[j + l] * kp[j + l];
+        s[p] = gv_hsum(a) * iscale;
+#endif
+        mx = s[p] > mx ? s[p] : mx;
+    }
+    for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
+    double den = 0.0;
+    for (int64_t p = 0; p < n; p++) den += s[p];
+    const float inv = (float)(1.0 / den);
+    for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+    for (int64_t p = 0; p < n; p++) {
+        const float w = s[p] * inv, *vp = v + p * stride;
+        for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+    }
+}
+
 /* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
 static inline float gd_silu(float g) { return g * (1.0f / (1.0f + gt_expf(-g))); }
 
@@ -138,36 +169,10 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
 #ifdef _OPENMP
         #pragma omp for schedule(static)
 #endif
-        for (int64_t qh = 0; qh < nh; qh++) {
-            const int64_t kh = qh / g;
-            const float *qv = q + qh * hd;
-            float *s = sc + qh * (m->cap + 1), mx = -INFINITY;
-            for (int64_t p = 0; p < n; p++) {  /* hd is a multiple of 16 */
-                const float *kp = kc + p * kvw + kh * hd;
-#ifdef __AVX512F__
-                __m512 a = _mm512_setzero_ps();
-                for (int64_t j = 0; j < hd; j += 16)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
-                s[p] = _mm512_reduce_add_ps(a) * iscale;
-#else
-                float a[16] = {0};
-                for (int64_t j = 0; j < hd; j += 16)
-                    for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
-                s[p] = gv_hsum(a) * iscale;
-#endif
-                mx = s[p] > mx ? s[p] : mx;
-            }
-            for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
-            double den = 0.0;
-            for (int64_t p = 0; p < n; p++) den += s[p];
-            const float inv = (float)(1.0 / den);
-            float *o = att + qh * hd;
-            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-            for (int64_t p = 0; p < n; p++) {
-                const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
-                for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
-            }
-        }  /* implicit barrier */
+        for (int64_t qh = 0; qh < nh; qh++)
+            gd_attend(q + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw, n, hd, iscale,
+                      sc + qh * (m->cap + 1), att + qh * hd);
+        /* implicit barrier */
 #ifdef _OPENMP
         #pragma omp single
 #endif
@@ -289,40 +294,11 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             memcpy(vc + p * kvw, v + t * kvw, kvw * sizeof(float));
         }
         GD_FOR
-        for (int64_t qh = 0; qh < nh; qh++) {
-            const int64_t kh = qh / g;
-            float *s = sc + qh * (m->cap + 1);
-            for (int64_t t = 0; t < T; t++) {
-                const int64_t n = start + t + 1;
-                const float *qv = q + t * qw + qh * hd;
-                float mx = -INFINITY;
-                for (int64_t p = 0; p < n; p++) {
-                    const float *kp = kc + p * kvw + kh * hd;
-#ifdef __AVX512F__
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < hd; j += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qv + j), _mm512_loadu_ps(kp + j), a);
-                    s[p] = _mm512_reduce_add_ps(a) * iscale;
-#else
-                    float a[16] = {0};
-                    for (int64_t j = 0; j < hd; j += 16)
-                        for (int l = 0; l < 16; l++) a[l] += qv[j + l] * kp[j + l];
-                    s[p] = gv_hsum(a) * iscale;
-#endif
-                    mx = s[p] > mx ? s[p] : mx;
-                }
-                for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);
-                double den = 0.0;
-                for (int64_t p = 0; p < n; p++) den += s[p];
-                const float inv = (float)(1.0 / den);
-                float *o = att + t * qw + qh * hd;
-                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-                for (int64_t p = 0; p < n; p++) {
-                    const float w = s[p] * inv, *vp = vc + p * kvw + kh * hd;
-                    for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
-                }
-            }
-        }
+        for (int64_t qh = 0; qh < nh; qh++)
+            for (int64_t t = 0; t < T; t++)  /* causal: row t sees positions <= start + t */
+                gd_attend(q + t * qw + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw,
+                          start + t + 1, hd, iscale, sc + qh * (m->cap + 1),
+                          att + t * qw + qh * hd);
         if (L[GD_O].a) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);

@@ -66,6 +66,11 @@ def lib():
             path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
         except RuntimeError:  # a compiler without OpenMP: the same code on one thread
             path, _ = _cgen.build(src, flags=_cgen.FLAGS, prefix="ggml_vec")
+        # libgomp reads its wait policy once, when first loaded: if this library loads it
+        # first (generation before training, as in the demo), its threads must sleep
+        # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a demo step
+        # took 7.5 s instead of 4 s)
+        _cgen.quiet_openmp()
         so = ctypes.CDLL(str(path))
         so.gv_block_elems.restype = _i64
         so.gv_block_elems.argtypes = [_i64]

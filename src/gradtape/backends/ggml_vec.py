@@ -69,7 +69,7 @@ def lib():
         # libgomp reads its wait policy once, when first loaded: if this library loads it
         # first (generation before training, as in the demo), its threads must sleep
         # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a demo step
-        # took 7.5 s instead of 4 s)
+        # took 7.5 s instead of 1.4 s)
         _cgen.quiet_openmp()
         so = ctypes.CDLL(str(path))
         so.gv_block_elems.restype = _i64

@@ -37,7 +37,7 @@ PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L
 class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
-                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
+                ("at", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
                 ("scale", ctypes.c_float)]
 
 
@@ -206,26 +206,28 @@ class BlockDecoder:
 
     def set_lora(self, lora, scale=1.0):
         """Point the linears at an adapter's ``{(layer, target): (A [in, r], B [r, out])}``
-        (None: no adapter); the arrays are used where they are, not copied, when they
-        are float32 and C-contiguous."""
+        (None: no adapter).  The C step reads A transposed, ``[r, in]`` (a float32
+        copy, small beside the weights: each rank row is then one contiguous dot
+        product); B is used where it is when it is float32 and C-contiguous."""
         self.lora_keep = []
         for i in range(self.cfg.n_layers):
             for j, t in enumerate(_LINS):
                 lin = self.lins[i * len(_LINS) + j]
                 ab = (lora or {}).get((i, t))
                 if ab is None:
-                    lin.a = lin.b = None
+                    lin.at = lin.b = None
                     lin.r, lin.scale = 0, 0.0
                     continue
-                a = np.ascontiguousarray(ab[0], np.float32)  # [in, r]
+                a = np.asarray(ab[0])  # [in, r]
                 b = np.ascontiguousarray(ab[1], np.float32)  # [r, out]
                 if a.shape != (lin.k, a.shape[1]) or b.shape != (a.shape[1], lin.rows):
                     raise ValueError(f"BlockDecoder: LoRA ({i}, {t}) A{list(a.shape)} "
                                      f"B{list(b.shape)} do not fit [{lin.rows}, {lin.k}]")
                 if a.shape[1] > MAX_RANK:
                     raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
-                self.lora_keep += [a, b]
-                lin.a, lin.b, lin.r, lin.scale = a.ctypes.data, b.ctypes.data, a.shape[1], scale
+                at = np.ascontiguousarray(a.T, np.float32)
+                self.lora_keep += [at, b]
+                lin.at, lin.b, lin.r, lin.scale = at.ctypes.data, b.ctypes.data, a.shape[1], scale
 
     def load(self, cache):
         n = cache.length

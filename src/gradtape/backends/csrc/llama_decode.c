@@ -3,9 +3,10 @@
    Compiled after _cgen's prelude (gt_expf: float32 exp within about 1 ulp, vectorizable)
    and ggml_vec.c, as one translation unit.  The whole step runs in one OpenMP
    parallel region: the matrix-vector products (the bytes of every weight are read once
-   per token, and that decides the speed) split their rows over the threads; the small
-   row operations (RMSNorm, rope, the LoRA down-projections x @ A) run on one thread
-   between barriers; attention splits over query heads.  The math is model.py's _block
+   per token, and that decides the speed) split their rows over the threads, and so do
+   the LoRA down-projections x @ A (their rank rows); the small row operations
+   (RMSNorm, rope) run on one thread between barriers; attention splits over query
+   heads.  The math is model.py's _block
    for one row, in float32, with sums of squares and softmax sums in double:
      h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B);  rope(q), rope(k)
      (NEOX half-split, the caller's cos/sin rows);  append k, v to the cache at pos;
@@ -13,12 +14,22 @@
      head i reads kv head i / (nh / nkv));  x += attn Wo;  h = rmsnorm(x) * w;
      x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
    Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
-   unmerged LoRA pair A [in, r], B [r, out] (float32) with its scale. */
+   unmerged LoRA pair, A^T [r, in] and B [r, out] (float32), with its scale. */
+
+#ifdef _OPENMP
+#define GD_FOR _Pragma("omp for schedule(static)")
+#define GD_BARRIER _Pragma("omp barrier")
+#define GD_SINGLE _Pragma("omp single")
+#else
+#define GD_FOR
+#define GD_BARRIER
+#define GD_SINGLE
+#endif
 
 typedef struct {
     const uint8_t *w;       /* blocks, rows = out, row_bytes apart */
     int64_t type, rows, k, row_bytes;
-    const float *a, *b;     /* LoRA A [k, r], B [r, rows]; NULL: none */
+    const float *at, *b;    /* LoRA A^T [r, k], B [r, rows]; NULL: none */
     int64_t r;
     float scale;
 } gd_lin;
@@ -49,16 +60,30 @@ static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, fl
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* t[j] = sum_i x[i] A[i, j]: the LoRA down-projection (r <= 64) */
+/* t[j] = sum_i x[i] A[i, j] = A^T[j] . x: the LoRA down-projection (r <= 64), one
+   float32 row dot product per j (A^T rows are contiguous: 16 lanes a step) */
 static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
-    float acc[64] = {0};  /* r <= 64; a local array: the inner loop vectorizes over j */
-    const int64_t r = L->r;
-    const float *restrict a = L->a;
-    for (int64_t i = 0; i < L->k; i++) {
-        const float xi = x[i];
-        for (int64_t j = 0; j < r; j++) acc[j] += xi * a[i * r + j];
+    gv_rows(T_F32, (const uint8_t *)L->at, L->k * 4, L->k, 0, L->r, x, 1, L->k, t, L->r, 0);
+}
+
+/* t_s = x A_s for the adapted ones of up to three targets L[s] (NULL or no A: skipped),
+   all their rank rows split over the threads: in a parallel region, every thread calls
+   it; it ends with the loop's barrier when there is work. */
+static void gd_lora_ts(const gd_lin *L0, const gd_lin *L1, const gd_lin *L2,
+                       const float *x, float *t0, float *t1, float *t2) {
+    const gd_lin *Ls[3] = {L0 && L0->at ? L0 : 0, L1 && L1->at ? L1 : 0, L2 && L2->at ? L2 : 0};
+    float *ts[3] = {t0, t1, t2};
+    const int64_t n0 = Ls[0] ? Ls[0]->r : 0, n1 = n0 + (Ls[1] ? Ls[1]->r : 0);
+    const int64_t n = n1 + (Ls[2] ? Ls[2]->r : 0);
+    if (n == 0) return;
+    GD_FOR
+    for (int64_t i = 0; i < n; i++) {
+        const int s = i < n0 ? 0 : i < n1 ? 1 : 2;
+        const int64_t j = i - (s == 0 ? 0 : s == 1 ? n0 : n1);
+        const gd_lin *L = Ls[s];
+        gv_rows(T_F32, (const uint8_t *)L->at, L->k * 4, L->k, j, j + 1, x, 1, L->k, ts[s],
+                L->r, 0);
     }
-    for (int64_t j = 0; j < r; j++) t[j] = acc[j];
 }
 
 /* y[r] += scale * sum_j t[j] B[j, r] for rows [r0, r1): one pass over each row of B
@@ -77,7 +102,7 @@ static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y,
     gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
     gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
-    if (L->a) gd_lora_b(L, t, y, r0, r1);
+    if (L->at) gd_lora_b(L, t, y, r0, r1);
 }
 
 static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
@@ -144,68 +169,41 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
         float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
-#ifdef _OPENMP
-        #pragma omp single
-#endif
-        {
-            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
-            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h, tq);
-            if (L[GD_K].a) gd_lora_t(&L[GD_K], h, tk);
-            if (L[GD_V].a) gd_lora_t(&L[GD_V], h, tv);
-        }  /* implicit barrier */
+        GD_SINGLE
+        gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);  /* implicit barrier */
+        gd_lora_ts(&L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
         gd_linear(&L[GD_Q], h, tq, q, 0);
         gd_linear(&L[GD_K], h, tk, k, 0);
         gd_linear(&L[GD_V], h, tv, v, 0);
-#ifdef _OPENMP
-        #pragma omp barrier
-        #pragma omp single
-#endif
+        GD_BARRIER
+        GD_SINGLE
         {
             gd_rope(q, nh, hd, cs, sn);
             gd_rope(k, nkv, hd, cs, sn);
             memcpy(kc + pos * kvw, k, kvw * sizeof(float));
             memcpy(vc + pos * kvw, v, kvw * sizeof(float));
         }
-#ifdef _OPENMP
-        #pragma omp for schedule(static)
-#endif
+        GD_FOR
         for (int64_t qh = 0; qh < nh; qh++)
             gd_attend(q + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw, n, hd, iscale,
                       sc + qh * (m->cap + 1), att + qh * hd);
         /* implicit barrier */
-#ifdef _OPENMP
-        #pragma omp single
-#endif
-        if (L[GD_O].a) gd_lora_t(&L[GD_O], att, tq);
+        gd_lora_ts(&L[GD_O], 0, 0, att, tq, 0, 0);
         gd_linear(&L[GD_O], att, tq, x, 1);  /* x += attn Wo: each row owned by one thread */
-#ifdef _OPENMP
-        #pragma omp barrier
-        #pragma omp single
-#endif
-        {
-            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
-            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h, tk);
-            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h, tu);
-        }
+        GD_BARRIER
+        GD_SINGLE
+        gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+        gd_lora_ts(&L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
         gd_linear(&L[GD_GATE], h, tk, mlp, 0);
         gd_linear(&L[GD_UP], h, tu, up, 0);
-#ifdef _OPENMP
-        #pragma omp barrier
-        #pragma omp for schedule(static)
-#endif
+        GD_BARRIER
+        GD_FOR
         for (int64_t j = 0; j < F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
-#ifdef _OPENMP
-        #pragma omp single
-#endif
-        if (L[GD_DOWN].a) gd_lora_t(&L[GD_DOWN], mlp, tv);
+        gd_lora_ts(&L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
         gd_linear(&L[GD_DOWN], mlp, tv, x, 1);
-#ifdef _OPENMP
-        #pragma omp barrier
-#endif
+        GD_BARRIER
     }
-#ifdef _OPENMP
-    #pragma omp single
-#endif
+    GD_SINGLE
     gd_rmsnorm(x, m->norm, h, D, m->eps);
     gd_linear(&m->head, h, 0, logits, 0);
     }
@@ -236,19 +234,9 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
     gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
     gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
-    if (L->a)
+    if (L->at)
         for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
 }
-
-#ifdef _OPENMP
-#define GD_FOR _Pragma("omp for schedule(static)")
-#define GD_BARRIER _Pragma("omp barrier")
-#define GD_SINGLE _Pragma("omp single")
-#else
-#define GD_FOR
-#define GD_BARRIER
-#define GD_SINGLE
-#endif
 
 /* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
    rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
@@ -277,9 +265,9 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->attn_norm + i * D, h + t * D, D, m->eps);
-            if (L[GD_Q].a) gd_lora_t(&L[GD_Q], h + t * D, lt + t * 256);
-            if (L[GD_K].a) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
-            if (L[GD_V].a) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
+            if (L[GD_Q].at) gd_lora_t(&L[GD_Q], h + t * D, lt + t * 256);
+            if (L[GD_K].at) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
+            if (L[GD_V].at) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
         }
         gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile);
         gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile);
@@ -299,7 +287,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
                 gd_attend(q + t * qw + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw,
                           start + t + 1, hd, iscale, sc + qh * (m->cap + 1),
                           att + t * qw + qh * hd);
-        if (L[GD_O].a) {
+        if (L[GD_O].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
         }
@@ -308,15 +296,15 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
-            if (L[GD_GATE].a) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
-            if (L[GD_UP].a) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
+            if (L[GD_GATE].at) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
+            if (L[GD_UP].at) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
         }
         gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile);
         gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile);
         GD_BARRIER
         GD_FOR
         for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
-        if (L[GD_DOWN].a) {
+        if (L[GD_DOWN].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
         }

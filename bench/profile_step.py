@@ -2,7 +2,8 @@
 on its own (matmuls by shape, generated C kernel runs, NumPy ops by name).
 
     python bench/profile_step.py [--batch 1] [--seq-len 256] [--backend cpu] [--reps 2]
-                                 [--compute float32|bf16|auto]
+                                 [--compute float32|bf16|auto] [--model PATH]
+                                 [--keep-quantized] [--rank 8]
 """
 
 import argparse
@@ -17,6 +18,8 @@ from gradtape.train.step import TrainStep
 
 
 def _name(step):
+    if hasattr(step, "label"):  # a block-weight GEMM (backends/qgemm.py)
+        return step.label, step.label.split(" [")[0]
     f = getattr(step, "func", step)
     if f is np.matmul:
         return f"matmul {step.args[0].shape} x {step.args[1].shape}", "matmul"
@@ -36,9 +39,15 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--compute", default="float32", help="float32, bf16 or auto")
+    ap.add_argument("--model", default="smollm2",
+                    help="model path or name (default: smollm2)")
+    ap.add_argument("--keep-quantized", action="store_true",
+                    help="keep the GGUF's blocks (issue 14's block-weight GEMMs)")
+    ap.add_argument("--rank", type=int, default=8)
     args = ap.parse_args()
-    model = llama.load("smollm2")
-    st = TrainStep(model, init_adapter(model.config, 8, 16, seed=0), args.batch, args.seq_len,
+    model = llama.load(args.model, keep_quantized=args.keep_quantized)
+    st = TrainStep(model, init_adapter(model.config, args.rank, 2 * args.rank, seed=0),
+                   args.batch, args.seq_len,
                    backend=args.backend, compute=args.compute)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq_len))
     st.step([(ids, np.roll(ids, -1, 1))], 1, 1e-4)  # first run: binds fed leaves

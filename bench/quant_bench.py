@@ -22,7 +22,9 @@ uniform fill (a normal init of 8B weights takes minutes), LoRA by PEFT, torch's 
 The two sides cannot share one process here (the peer alone holds about 16 GB), so each
 runs alone in a fresh subprocess, one after the other: ``--warmup`` steps, then ``--reps``
 timed steps; reported are the median step time, tokens/s and the peak RSS (VmHWM) of
-each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).
+each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).  gradtape runs
+once per ``--compute`` precision: float32 (tiles dequantized to float32, OpenBLAS
+sgemm) and bf16 (tiles dequantized to bf16, oneDNN's bf16 matmul).
 
     python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
     gradtape bench --workloads llama8b-q4km-lora
@@ -155,7 +157,7 @@ def _batch(vocab, rng_seed=0):
     return ids, targets
 
 
-def run_gradtape(path, warmup, reps, backend):
+def run_gradtape(path, warmup, reps, backend, compute="float32"):
     from gradtape import llama
     from gradtape.models.lora import init_adapter
     from gradtape.train.memory import estimate
@@ -164,7 +166,7 @@ def run_gradtape(path, warmup, reps, backend):
     t0 = time.perf_counter()
     model = llama.load(str(path), keep_quantized=True)
     ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-    step = TrainStep(model, ad, 1, T, backend=backend, clip=0.0)
+    step = TrainStep(model, ad, 1, T, backend=backend, clip=0.0, compute=compute)
     build_s = time.perf_counter() - t0
     est = estimate(model, step)
     batch = [_batch(model.config.vocab_size)]
@@ -174,7 +176,7 @@ def run_gradtape(path, warmup, reps, backend):
         step.step(batch, i + 1, LR)
         times.append(time.perf_counter() - t)
     return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
-            "estimate_gb": est.total / 1e9}
+            "estimate_gb": est.total / 1e9, "compute": step.compute}
 
 
 def run_peer(layers, warmup, reps):
@@ -221,18 +223,19 @@ def run_peer(layers, warmup, reps):
             "torch_threads": torch.get_num_threads()}
 
 
-def worker(side, layers, warmup, reps, backend):
+def worker(side, layers, warmup, reps, backend, compute):
     if side == "gradtape":
-        res = run_gradtape(model_file(layers, log=lambda *a: None), warmup, reps, backend)
+        res = run_gradtape(model_file(layers, log=lambda *a: None), warmup, reps, backend,
+                           compute)
     else:
         res = run_peer(layers, warmup, reps)
     res["peak_mb"] = _peak_mb()
     print(json.dumps(res), flush=True)
 
 
-def _side(side, layers, warmup, reps, backend, timeout):
+def _side(side, layers, warmup, reps, backend, compute, timeout):
     cmd = [sys.executable, __file__, "--worker", side, "--layers", str(layers), "--warmup",
-           str(warmup), "--reps", str(reps), "--backend", backend]
+           str(warmup), "--reps", str(reps), "--backend", backend, "--compute", compute]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         return {"error": res.stderr.strip()[-1500:] or f"exit status {res.returncode}"}
@@ -264,6 +267,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
+    ap.add_argument("--compute", default="float32,bf16",
+                    help="gradtape GEMM precisions, comma-separated (a row each: gradtape_s "
+                         "for float32, gradtape_bf16_s ...; bf16 runs float32 where the CPU "
+                         "has no fast bf16, and gradtape_bf16_compute says what ran)")
     ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -271,7 +278,7 @@ def main(argv=None):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
-        worker(args.worker, args.layers, args.warmup, args.reps, args.backend)
+        worker(args.worker, args.layers, args.warmup, args.reps, args.backend, args.compute)
         return 0
     for w in args.workloads.split(","):
         if w != WORKLOAD:
@@ -288,36 +295,49 @@ def main(argv=None):
                        if i["user_api"] == "blas"]
     except ImportError:
         pass
+    runs = []  # (row label, side, compute)
     for side in args.sides.split(","):
-        log(f"[{WORKLOAD}] {side}: {args.warmup} warm-up + {args.reps} timed steps, alone "
+        if side == "gradtape":
+            runs += [("gradtape" if c == "float32" else f"gradtape_{c}", side, c)
+                     for c in args.compute.split(",")]
+        else:
+            runs.append((side, side, "float32"))
+    for label, side, compute in runs:
+        log(f"[{WORKLOAD}] {label}: {args.warmup} warm-up + {args.reps} timed steps, alone "
             "in a subprocess ...")
-        r = _side(side, args.layers, args.warmup, args.reps, args.backend, args.timeout)
+        r = _side(side, args.layers, args.warmup, args.reps, args.backend, compute,
+                  args.timeout)
         if "error" in r:
-            log(f"[{WORKLOAD}] {side} failed: {r['error']}")
-            row[f"{side}_error"] = r["error"]
+            log(f"[{WORKLOAD}] {label} failed: {r['error']}")
+            row[f"{label}_error"] = r["error"]
             continue
         med = statistics.median(r["step_times"])
-        row.update({f"{side}_s": med, f"{side}_tokens_per_s": T / med,
-                    f"{side}_peak_mb": r["peak_mb"], f"{side}_build_s": r["build_s"],
-                    f"{side}_first_step_s": r["first_step_s"]})
+        row.update({f"{label}_s": med, f"{label}_tokens_per_s": T / med,
+                    f"{label}_peak_mb": r["peak_mb"], f"{label}_build_s": r["build_s"],
+                    f"{label}_first_step_s": r["first_step_s"]})
         if "estimate_gb" in r:
-            row["gradtape_estimate_gb"] = r["estimate_gb"]
-        log(f"[{WORKLOAD}] {side}: step {med:.2f} s ({T / med:.1f} tokens/s), peak RSS "
+            row[f"{label}_estimate_gb"] = r["estimate_gb"]
+            row[f"{label}_compute"] = r["compute"]
+        log(f"[{WORKLOAD}] {label}: step {med:.2f} s ({T / med:.1f} tokens/s), peak RSS "
             f"{r['peak_mb'] / 1024:.2f} GiB")
-    if "gradtape_s" in row and "peer_s" in row:
-        row["ratio"] = row["peer_s"] / row["gradtape_s"]
+    for label, side, _ in runs:
+        if side == "gradtape" and f"{label}_s" in row and "peer_s" in row:
+            row["ratio" + label[len("gradtape"):]] = row["peer_s"] / row[f"{label}_s"]
     if args.json:
         print(json.dumps(row), flush=True)
     else:
-        def fmt(side):
-            if f"{side}_s" not in row:
-                return f"{side}: {'failed' if f'{side}_error' in row else 'not run'}"
-            return (f"{side} {row[f'{side}_s']:.2f} s/step ({row[f'{side}_tokens_per_s']:.1f} "
-                    f"tok/s), peak RSS {row[f'{side}_peak_mb'] / 1024:.2f} GiB")
-        ratio = f" -> {row['ratio']:.2f}x" if "ratio" in row else ""
+        def fmt(label):
+            if f"{label}_s" not in row:
+                return f"{label}: {'failed' if f'{label}_error' in row else 'not run'}"
+            ratio = row.get("ratio" + label[len("gradtape"):]) if label != "peer" else None
+            return (f"{label} {row[f'{label}_s']:.2f} s/step "
+                    f"({row[f'{label}_tokens_per_s']:.1f} tok/s), peak RSS "
+                    f"{row[f'{label}_peak_mb'] / 1024:.2f} GiB"
+                    + (f", {ratio:.2f}x the peer" if ratio else ""))
         print(f"{WORKLOAD} ({args.layers} layers, {row['file_gib']:.2f} GiB file, CPU "
-              f"{row['cpu']}, AMX {row['amx_bf16']}): {fmt('gradtape')}; "
-              f"{fmt('peer')} (transformers + PEFT, bf16){ratio}", flush=True)
+              f"{row['cpu']}, AMX {row['amx_bf16']}): "
+              + "; ".join(fmt(label) for label, _, _ in runs)
+              + " (peer: transformers + PEFT, bf16)", flush=True)
     return 0
 
 

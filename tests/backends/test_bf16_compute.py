@@ -302,10 +302,15 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
                np.concatenate([g.ravel() for g in r16[1:]])) >= 0.999
 
 
-def test_auto_is_float32_without_amx(monkeypatch):
-    # AVX512-BF16 alone: bf16 GEMMs may be fast, but the measured step was slower (README)
+def test_auto_follows_the_measurement_without_amx(monkeypatch):
+    # AVX512-BF16 alone: auto is bf16 where the bf16 GEMMs measured faster, else float32,
+    # silently either way
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx512_bf16", "avx512f"})})
     monkeypatch.setattr(compute, "bf16_fast", lambda: (True, ""))
-    assert compute.resolve("auto") == "float32"
-    assert compute.resolve("bf16") == "bf16"
+    assert compute.resolve("auto") == "bf16"
+    monkeypatch.setattr(compute, "bf16_fast", lambda: (False, "slower here"))
+    monkeypatch.setattr(compute, "_WARNED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compute.resolve("auto") == "float32"

@@ -8,8 +8,11 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
   all exercised).  Tolerance (max |cpu - numpy| / max |numpy|): float32 2e-6 -- the same
   products summed in another order (tile by tile, BLAS's blocking), k <= 768 terms of
   float32 rounding (observed about 5e-7); float64 1e-13 (observed about 1e-15).
-* bf16 tiles: dequantized and rounded to bfloat16 bit for bit as gguf rounds; the bf16
-  GEMMs that take them (``--compute bf16``) are issue 13's.
+* bf16 tiles: dequantized and rounded to bfloat16 bit for bit as gguf rounds.
+* bf16 compute (``--compute bf16``, where oneDNN has a bf16 matmul): ``qmatmul`` and
+  ``qmatmul_t`` against float64 arithmetic on the bf16-rounded operands, 1e-5 relative
+  (the products of bf16 values are exact in float32; what is left is float32
+  accumulation over k <= 768 terms, about 1e-6 observed), on several tiles.
 """
 
 from __future__ import annotations
@@ -74,6 +77,38 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512), ref)
     ids = np.array([32, 0, 4])
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_bf16_compute_matches_rounded_reference(qtype, monkeypatch):
+    """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
+    one oneDNN GEMM per tile (float32 accumulation); tiles shrunk so that a [70, 768]
+    weight takes 3 row tiles forward (the last partial) and 3 column tiles backward."""
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 32 * 768)
+    r = np.random.default_rng(200 + TYPES.index(qtype))
+    rows, k, T = 70, 768, 9
+    bm = random_blocks(qtype, rows, k, r)
+    assert qgemm.bf16_tile_shape(False, qtype, rows, k) == (32, k)
+    R, C = qgemm.bf16_tile_shape(True, qtype, rows, k)
+    assert R == rows and -(-k // C) == 3
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)))
+    g = tp.param(r.standard_normal((T, rows)))
+    w = tp.const(bm)
+    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
+    prog = tp.compile([y, z], backend="cpu", compute="bf16")
+    assert prog.executable.compute == "bf16" and len(prog.executable._q16) == 2
+    got_y, got_z = prog.run()
+    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
+    deq = b16(bm.dequantize())
+    assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
+    assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+    # and it is bf16, not float32: the error against float32 inputs is bf16's
+    assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
 
 
 def _program_outputs(tp, outs):

@@ -17,7 +17,9 @@ intermediates.
 ``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
 leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
 is converted to bf16 once, the activation operand by a C kernel in the batch before each
-such GEMM.  Everything else stays float32.
+such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatmul_t``)
+do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).
+Everything else stays float32.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) the backend
 falls back to the NumPy reference backend and says so once, as a RuntimeWarning.
@@ -108,41 +110,51 @@ class CpuBackend:
         for v in self.plan.slot:
             self._values[v] = self.plan.view(buffers, v)
         self._buffers = buffers
-        # frozen weights in their stored type: one scratch tile, allocated once here
-        qops = [s for s in self.schedule.steps if not isinstance(s, FusedGroup)
-                and s.op in qgemm.QOPS]
-        self._qscratch = np.empty(max(1, qgemm.scratch_elems(qops)),
-                                  dtype or np.float32) if qops else None
         # kernels: one translation unit for the program
         src = _cgen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
         for s in self.schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and _cgen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
+        qops = [s for s in self.schedule.steps if not isinstance(s, FusedGroup)
+                and s.op in qgemm.QOPS]
         # bf16 compute: the activation operand is converted by a kernel in the batch
         # before its GEMM into one shared scratch (GEMMs run one at a time); the weights
-        # are converted once, below
-        self._bf16 = {}
+        # are converted once, below.  GEMMs against block weights convert both operands
+        # themselves (qgemm.lower_bf16), into scratch of their own.
+        self._bf16, self._q16 = {}, set()
         if compute == "bf16" and dtype == np.float32:
             from . import onednn
             try:
                 self._dnnl = onednn.dnnl()
-                steps = [s for s in self.schedule.steps
-                         if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
             except onednn.DnnlError as e:
                 warnings.warn(f"gradtape: bf16 compute asked for, running float32: {e}",
                               RuntimeWarning, stacklevel=4)
-                steps = []
-            if steps:
-                self.compute = "bf16"
+            else:
+                steps = [s for s in self.schedule.steps
+                         if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
                 self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
-                self._scratch16 = np.empty(max(s.inputs[0].size for s in steps), np.uint16)
+                if steps:
+                    self._scratch16 = np.empty(max(s.inputs[0].size for s in steps),
+                                               np.uint16)
+                self._q16 = {s for s in qops if qgemm.bf16_eligible(s)}
+                if self._q16:
+                    act, tile = qgemm.bf16_scratch_elems(self._q16)
+                    self._qact16, self._qtile16 = (np.empty(act, np.uint16),
+                                                   np.empty(tile, np.uint16))
+                if self._bf16 or self._q16:
+                    self.compute = "bf16"
+        # frozen weights in their stored type: one float scratch tile, allocated once here
+        qops = [s for s in qops if s not in self._q16]
+        self._qscratch = np.empty(max(1, qgemm.scratch_elems(qops)),
+                                  dtype or np.float32) if qops else None
         self.n_kernels = len(src.bodies)
         self.lib = None
         self.cache_hit = None
         if self._kernel_of or self._bf16:
             path, self.cache_hit = _cgen.build(src.source(), flags=_cgen.threads_flags())
             self.lib = _load(path)
+        self._blas_threads = qgemm.blas_threads() if self.compute == "bf16" else None
         self._w16 = {}  # weight leaf -> its bf16 copy (uint16 bits)
         self._gemm16 = {}  # step -> bound oneDNN call
         for s in self._bf16:
@@ -208,6 +220,9 @@ class CpuBackend:
             ins = tuple(val[x] for x in s.inputs)
             if s.op == "matmul":
                 steps.append(("py", _mm_step(val[s], *ins, **s.attrs)))
+            elif s in self._q16:
+                steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
+                                                     self._qact16, self._qtile16)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             else:
@@ -264,8 +279,21 @@ class CpuBackend:
             return self.fallback.run(arrays)
         for leaf, arr in arrays.items():
             self.set_leaf(leaf, arr)
-        for step in self._steps:
-            step()
+        if self.compute == "bf16" and self._blas_threads:
+            # NumPy's BLAS runs the float32 GEMMs left on one thread: its idle threads
+            # spin for up to ~0.1 s after each call, on the cores oneDNN's threads need
+            # next (the bf16 GEMMs of an 8B step ran at half speed, measured)
+            get, set_ = self._blas_threads
+            n = get()
+            set_(1)
+            try:
+                for step in self._steps:
+                    step()
+            finally:
+                set_(n)
+        else:
+            for step in self._steps:
+                step()
         outs = [o.copy() for o in self._outputs]
         for src, snap in self._snaps:
             np.copyto(snap, src)

@@ -89,15 +89,17 @@ class _Dnnl:
             "memory_desc_create")
         return m
 
-    def primitive(self, m, k, n, tb):
+    def primitive(self, m, k, n, tb, ldc=None):
         """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
-        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16, dst float32."""
-        key = (m, k, n, tb)
+        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16, dst float32 with
+        rows ``ldc`` apart (default ``n``)."""
+        ldc = n if ldc is None else ldc
+        key = (m, k, n, tb, ldc)
         hit = self._prims.get(key)
         if hit is None:
             src = self._md((m, k), (k, 1), _BF16)
             wei = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
-            dst = self._md((m, n), (n, 1), _F32)
+            dst = self._md((m, n), (ldc, 1), _F32)
             pd = _vp()
             self._ok(self.lib.dnnl_matmul_primitive_desc_create(
                 ctypes.byref(pd), self.engine, src, wei, None, dst, None),
@@ -110,23 +112,29 @@ class _Dnnl:
             hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
         return hit
 
-    def _memory(self, md, arr):
+    def _memory(self, md, ptr):
         h = _vp()
-        self._ok(self.lib.dnnl_memory_create(ctypes.byref(h), md, self.engine,
-                                             _vp(arr.ctypes.data)), "memory_create")
+        self._ok(self.lib.dnnl_memory_create(ctypes.byref(h), md, self.engine, _vp(ptr)),
+                 "memory_create")
         return h
 
     def bind(self, out, a, w, tb):
         """A callable computing ``out = a @ op(w)`` (``a`` [m, k] bf16 as uint16, ``w`` bf16
         ``[k, n]`` or ``[n, k]`` when ``tb``, ``out`` float32 [m, n]); the arrays must
         stay alive and in place."""
-        m, k = a.shape
-        n = out.shape[1]
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb)
+        self._keep.append((a, w, out))
+        return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
+                              w.ctypes.data, out.ctypes.data)
+
+    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None):
+        """The same on raw addresses: ``a`` bf16 [m, k], ``w`` bf16 (as in ``bind``),
+        ``out`` float32 [m, n] with rows ``ldc`` apart; the memory must outlive the
+        callable."""
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc)
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))
-        self._keep.append((args, a, w, out))
+        self._keep.append(args)
         execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
             self.stream
         ok = self._ok

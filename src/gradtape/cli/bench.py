@@ -81,9 +81,10 @@ def _benchmark(names, args):
         argv = ["--workloads", ",".join(mine), "--backend", args.backend]
         argv += ["--reps", str(args.reps)] if args.reps else []
         argv += ["--json"] * args.json
+        if script in (SCRIPT, SCRIPTS["llama8b-q4km-lora"]):
+            argv += ["--compute", args.compute]
         if script == SCRIPT:
-            argv += ["--compute", args.compute] + ["--with-compile"] * args.with_compile
-            argv += ["--no-autocast"] * args.no_autocast
+            argv += ["--with-compile"] * args.with_compile + ["--no-autocast"] * args.no_autocast
         if not script.is_file():
             raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
                                 "checkout")

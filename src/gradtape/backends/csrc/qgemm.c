@@ -9,9 +9,9 @@
    BLAS (NumPy's OpenBLAS, whose cblas_[sd]gemm the caller passes as a pointer):
      qgemm    y[T, rows]  = x[T, k] @ W^T   (y[:, r] += x[:, c] @ tile^T over column tiles)
      qgemm_t  z[T, k]     = g[T, rows] @ W  (z[:, c] += g[:, r] @ tile over row tiles)
-   Type ids are ggml's.  This file knows nothing of Python; ../qgemm.py loads it. */
-#include <stdint.h>
-#include <string.h>
+   Tiles are dequantized with their rows split over the threads (OpenMP).  Type ids are
+   ggml's.  Compiled after _cgen's prelude (gt_bf16).  This file knows nothing of Python;
+   ../qgemm.py loads it. */
 #include <stdlib.h>
 
 #define QK 256
@@ -217,25 +217,38 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
     return 0;
 }
 
-/* the same rounded to bfloat16 (round to nearest even, NaN kept quiet; as ggml's
-   fp32 -> bf16): the tile format of bf16 compute (``tmp``: k floats of scratch). */
-static inline uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
-    return (uint16_t)((u + (0x7fffu + ((u >> 16) & 1u))) >> 16);
+/* --- bf16 tiles: the operands of the bf16 GEMMs (``--compute bf16``) ------------------
+   Rounded as gt_bf16 (the prelude's; nearest even, NaN kept quiet), which is how ggml
+   rounds float32 to bf16.  A row is dequantized a chunk at a time into float32 kept in
+   L1, then rounded (a loop that vectorizes); rows split over the threads. */
+#define BF16_CHUNK 1024  /* a multiple of every block size */
+
+static void row_bf16(deq_fn f, int bl, int by, const uint8_t *row, long c0, long nc,
+                     uint16_t *restrict o) {
+    float tmp[BF16_CHUNK];
+    for (long j = 0; j < nc; j += BF16_CHUNK) {
+        const long m = nc - j < BF16_CHUNK ? nc - j : BF16_CHUNK;
+        f(row + (c0 + j) / bl * by, tmp, m / bl);
+        for (long i = 0; i < m; i++) o[j + i] = gt_bf16(tmp[i]);
+    }
 }
 
-int gt_deq_rows_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long n, long k,
-                     uint16_t *out, float *tmp) {
+/* out[i * ldo + j] = bf16 of W[row, c0 + j] for j < nc, row = ids[i] (r0 + i when ids
+   is NULL), i < n; c0 and nc multiples of the block */
+int gt_deq_tile_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long r0, long n,
+                     long c0, long nc, uint16_t *out, long ldo) {
     deq_fn f; int bl, by;
-    if (layout(t, &f, &bl, &by)) return -1;
-    for (long i = 0; i < n; i++) {
-        f(w + (ids ? ids[i] : i) * rb, tmp, k / bl);
-        uint16_t *o = out + i * k;
-        for (long j = 0; j < k; j++) o[j] = f2bf(tmp[j]);
-    }
+    if (layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
+    #pragma omp parallel for schedule(static) if (n * nc >= (1L << 16))
+    for (long i = 0; i < n; i++)
+        row_bf16(f, bl, by, w + (ids ? ids[i] : r0 + i) * rb, c0, nc, out + i * ldo);
     return 0;
+}
+
+/* o[i] = bf16 of x[i]: the activation operand of a bf16 GEMM */
+void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
+    #pragma omp parallel for schedule(static) if (n >= (1L << 16))
+    for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);
 }
 
 /* --- tiled GEMMs -------------------------------------------------------------------- */
@@ -289,11 +302,13 @@ TRANSPOSE(transpose_d, double)
 /* tile [n, nc] of W: rows r0.., columns c0.. (c0, nc multiples of the block) */
 static void tile_f(deq_fn f, int bl, int by, const uint8_t *w, long rb, long r0, long n,
                    long c0, long nc, float *tile) {
+    #pragma omp parallel for schedule(static) if (n * nc >= (1L << 16))
     for (long i = 0; i < n; i++) f(w + (r0 + i) * rb + c0 / bl * by, tile + i * nc, nc / bl);
 }
 
 static void tile_d(deq_fn f, int bl, int by, const uint8_t *w, long rb, long r0, long n,
                    long c0, long nc, double *tile) {
+    #pragma omp parallel for schedule(static) if (n * nc >= (1L << 16))
     for (long i = 0; i < n; i++) {
         double *o = tile + i * nc;
         float *tmp = (float *)o + nc;

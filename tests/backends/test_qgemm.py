@@ -12,7 +12,7 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
 * bf16 compute (``--compute bf16``, where oneDNN has a bf16 matmul): ``qmatmul`` and
   ``qmatmul_t`` against float64 arithmetic on the bf16-rounded operands, 1e-5 relative
   (the products of bf16 values are exact in float32; what is left is float32
-  accumulation over k <= 768 terms, about 1e-6 observed), on several tiles.
+  accumulation over k <= 1100 terms, about 1e-6 observed), on several tiles.
 """
 
 from __future__ import annotations
@@ -79,22 +79,30 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
+@pytest.mark.parametrize("rows,k,tile,backward", [(70, 768, 32 * 768, "columns"),
+                                                   (1100, 512, 300 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_bf16_compute_matches_rounded_reference(qtype, monkeypatch):
+def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward,
+                                                monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
-    one oneDNN GEMM per tile (float32 accumulation); tiles shrunk so that a [70, 768]
-    weight takes 3 row tiles forward (the last partial) and 3 column tiles backward."""
+    one oneDNN GEMM per tile (float32 accumulation).  Tiles shrunk so that a [70, 768]
+    weight takes 3 row tiles forward (the last partial) and 3 column tiles backward, and
+    a tall [1100, 512] one 4 row tiles both ways (backward: products summed into z)."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 32 * 768)
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
     r = np.random.default_rng(200 + TYPES.index(qtype))
-    rows, k, T = 70, 768, 9
+    T = 9
     bm = random_blocks(qtype, rows, k, r)
-    assert qgemm.bf16_tile_shape(False, qtype, rows, k) == (32, k)
+    R, C = qgemm.bf16_tile_shape(False, qtype, rows, k)
+    assert C == k and -(-rows // R) in (3, 4) and rows % R
     R, C = qgemm.bf16_tile_shape(True, qtype, rows, k)
-    assert R == rows and -(-k // C) == 3
+    if backward == "columns":
+        assert R == rows and -(-k // C) == 3
+    else:
+        assert C == k and -(-rows // R) == 4
     tp = gt.Tape(np.float32)
     x = tp.param(r.standard_normal((T, k)))
     g = tp.param(r.standard_normal((T, rows)))

@@ -62,7 +62,9 @@ class _Dnnl:
         for name in ("dnnl_engine_create", "dnnl_stream_create", "dnnl_stream_wait",
                      "dnnl_memory_desc_create_with_strides", "dnnl_memory_create",
                      "dnnl_matmul_primitive_desc_create", "dnnl_primitive_desc_query",
-                     "dnnl_primitive_create", "dnnl_primitive_execute", "dnnl_version"):
+                     "dnnl_primitive_create", "dnnl_primitive_execute", "dnnl_version",
+                     "dnnl_post_ops_create", "dnnl_post_ops_append_sum",
+                     "dnnl_primitive_attr_create", "dnnl_primitive_attr_set_post_ops"):
             getattr(lib, name)  # AttributeError: not a oneDNN 3 library
         lib.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)
         self.lib = lib
@@ -75,6 +77,7 @@ class _Dnnl:
         self._ok(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, _IN_ORDER),
                  "stream_create")
         self._prims = {}
+        self._sum_attr = None
         self._keep = []  # memory objects and arg arrays live as long as the process
 
     @staticmethod
@@ -89,20 +92,35 @@ class _Dnnl:
             "memory_desc_create")
         return m
 
-    def primitive(self, m, k, n, tb, ldc=None):
+    def _accumulate(self):
+        """Primitive attributes adding the product to dst (a "sum" post-op)."""
+        if self._sum_attr is None:
+            ops, attr = _vp(), _vp()
+            self._ok(self.lib.dnnl_post_ops_create(ctypes.byref(ops)), "post_ops_create")
+            self._ok(self.lib.dnnl_post_ops_append_sum(ops, ctypes.c_float(1.0), 0, 0),
+                     "post_ops_append_sum")
+            self._ok(self.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr_create")
+            self._ok(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "set_post_ops")
+            self._sum_attr = attr
+        return self._sum_attr
+
+    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None):
         """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
-        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16, dst float32 with
-        rows ``ldc`` apart (default ``n``)."""
+        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16 with rows ``lda``
+        apart (default ``k``), dst float32 with rows ``ldc`` apart (default ``n``);
+        ``acc``: added to dst instead of written."""
         ldc = n if ldc is None else ldc
-        key = (m, k, n, tb, ldc)
+        lda = k if lda is None else lda
+        key = (m, k, n, tb, ldc, acc, lda)
         hit = self._prims.get(key)
         if hit is None:
-            src = self._md((m, k), (k, 1), _BF16)
+            src = self._md((m, k), (lda, 1), _BF16)
             wei = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
             dst = self._md((m, n), (ldc, 1), _F32)
             pd = _vp()
             self._ok(self.lib.dnnl_matmul_primitive_desc_create(
-                ctypes.byref(pd), self.engine, src, wei, None, dst, None),
+                ctypes.byref(pd), self.engine, src, wei, None, dst,
+                self._accumulate() if acc else None),
                 f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
             info = ctypes.c_char_p()
             self._ok(self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0,
@@ -126,11 +144,11 @@ class _Dnnl:
         return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
                               w.ctypes.data, out.ctypes.data)
 
-    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None):
-        """The same on raw addresses: ``a`` bf16 [m, k], ``w`` bf16 (as in ``bind``),
-        ``out`` float32 [m, n] with rows ``ldc`` apart; the memory must outlive the
-        callable."""
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc)
+    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None):
+        """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
+        (as in ``bind``), ``out`` float32 [m, n] with rows ``ldc`` apart, added to when
+        ``acc``; the memory must outlive the callable."""
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda)
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))

@@ -38,9 +38,9 @@ QOPS = ("qmatmul", "qmatmul_t", "qtake_rows")
 # the scratch stays small next to the weights.
 TILE_ELEMS = 1 << 22
 TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
-# bf16 compute (oneDNN): a tile is whole rows of W for qmatmul ([R, k]) and whole columns
-# for qmatmul_t ([rows, C]), so each tile is one GEMM that writes its own block of the
-# output, with nothing to accumulate.  16M values (32 MB of bf16): oneDNN's bf16 matmul
+# bf16 compute (oneDNN): a tile is whole rows of W ([R, k]) or, backward, whole columns
+# ([rows, C]) where that gives the wider GEMM (bf16_tile_shape), so each tile is one GEMM.
+# 16M values (32 MB of bf16): oneDNN's bf16 matmul
 # at T=256 runs at 740-830 GFLOP/s from 4096 output columns up and 450 at 1024 (Zen 5
 # AVX512-BF16, measured), against 350-380 for OpenBLAS sgemm.
 BF16_TILE_ELEMS = 1 << 24
@@ -275,12 +275,17 @@ def lower(v, out, ins, scratch):
 # --- bf16 compute ---------------------------------------------------------------------
 
 def bf16_tile_shape(transposed, qtype, rows, k):
-    """``(R, C)`` of a bf16 tile: ``[R, k]`` whole rows for ``qmatmul``, ``[rows, C]``
-    whole (block-aligned) columns for ``qmatmul_t``."""
+    """``(R, C)`` of a bf16 tile: ``[R, k]`` whole rows for ``qmatmul``; for
+    ``qmatmul_t`` either ``[rows, C]`` whole (block-aligned) columns, each tile writing
+    its own columns of z, or, when that leaves a narrower GEMM (a tall W: the LM head,
+    gate, up), whole rows ``[R, k]`` again, the tiles' products summed into z."""
+    whole_rows = max(1, min(rows, BF16_TILE_ELEMS // max(k, 1))), k
     if not transposed:
-        return max(1, min(rows, BF16_TILE_ELEMS // max(k, 1))), k
+        return whole_rows
     block = BLOCK_TYPES[qtype].block
-    return rows, max(block, min(k, BF16_TILE_ELEMS // max(rows, 1) // block * block))
+    cols = rows, max(block, min(k, BF16_TILE_ELEMS // max(rows, 1) // block * block))
+    # the GEMM's narrower side: columns [rows, C] -> (K rows, N C); rows -> (K R, N k)
+    return whole_rows if min(whole_rows) > min(cols) else cols
 
 
 def bf16_eligible(v):
@@ -306,9 +311,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
     then for each tile, the blocks are dequantized and rounded into ``tile16`` (C, both
-    cores) and one oneDNN GEMM writes the tile's block of ``out``:
+    cores) and one oneDNN GEMM writes (or adds to) its block of ``out``:
       qmatmul    y[:, r0:r0+R] = x16 @ tile[R, k]^T
-      qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]"""
+      qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]   (whole columns), or
+                 z (+)= g16[:, r0:r0+R] @ tile[R, k]    (whole rows)"""
     a = v.attrs
     qtype, rows, k = a["qtype"], a["rows"], a["k"]
     x, w = ins
@@ -325,7 +331,13 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16):
             n = min(R, rows - r0)
             tiles.append(((tid, wp, rb, None, r0, n, 0, k, tp, k),
                           dnnl.bind_ptrs(T, k, n, True, ap, tp, op + 4 * r0, rows)))
-    else:
+    elif C == k:  # whole rows: z (+)= g16[:, r0:r0+R] @ tile[R, k]
+        for r0 in range(0, rows, R):
+            n = min(R, rows - r0)
+            tiles.append(((tid, wp, rb, None, r0, n, 0, k, tp, k),
+                          dnnl.bind_ptrs(T, n, k, False, ap + 2 * r0, tp, op, k, acc=r0 > 0,
+                                         lda=rows)))
+    else:  # whole columns: z[:, c0:c0+C] = g16 @ tile[rows, C]
         for c0 in range(0, k, C):
             n = min(C, k - c0)
             tiles.append(((tid, wp, rb, None, 0, rows, c0, n, tp, n),

@@ -70,7 +70,8 @@ def blas_info() -> list:
     except ImportError:
         return ["threadpoolctl not installed"]
     return [f"{i['internal_api']} {i.get('version')} ({i.get('architecture')}, "
-            f"{i['num_threads']} threads)" for i in threadpool_info()]
+            f"{i['num_threads']} threads)" for i in threadpool_info()
+            if i["user_api"] == "blas"]
 
 
 def prompt_ids(tok):

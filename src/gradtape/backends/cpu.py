@@ -219,7 +219,7 @@ class CpuBackend:
             flush()
             ins = tuple(val[x] for x in s.inputs)
             if s.op == "matmul":
-                steps.append(("py", _mm_step(val[s], *ins, **s.attrs)))
+                steps.append(("py", self._mm_step(val[s], *ins, **s.attrs)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16)))
@@ -250,6 +250,16 @@ class CpuBackend:
         self._updates = [(val[leaf], snap_of.get(id(val[src]), val[src]) if src in targets
                           else val[src]) for leaf, src in self.graph.updates]
         self._outputs = [val[v] for v in self.graph.outputs]
+
+    def _mm_step(self, out, a, b, ta=False, tb=False):
+        """A float32 matmul: in a bf16 program through oneDNN where it can (its threads
+        are the OpenMP threads the bf16 GEMMs and our kernels use; NumPy's BLAS is kept
+        on one thread there, see ``run``), else NumPy's BLAS."""
+        if self.compute == "bf16":
+            run = self._dnnl.bind_f32(out, _mT(a, ta), _mT(b, tb))
+            if run is not None:
+                return run
+        return _mm_step(out, a, b, ta, tb)
 
     def leaf_value(self, leaf):
         if self.fallback is not None:

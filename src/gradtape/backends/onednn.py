@@ -130,6 +130,45 @@ class _Dnnl:
             hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
         return hit
 
+    def bind_f32(self, out, a, b):
+        """A callable computing ``out = a @ b`` in float32 (``np.matmul``'s rule, for 2-d
+        matrices or batches of equal shape; any element strides, such as a transposed
+        view), or None where oneDNN has no matmul for it."""
+        shapes = [x.shape for x in (a, b, out)]
+        if (not all(x.dtype == np.float32 for x in (a, b, out)) or a.ndim != b.ndim
+                or a.ndim != out.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]
+                or a.shape[:-2] != out.shape[:-2] or 0 in a.shape + b.shape):
+            return None
+        key = ("f32", *shapes, a.strides, b.strides, out.strides)
+        hit = self._prims.get(key)
+        if hit is None:
+            mds = [self._md(x.shape, tuple(st // 4 for st in x.strides), _F32)
+                   for x in (a, b, out)]
+            pd = _vp()
+            if self.lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine,
+                                                          mds[0], mds[1], None, mds[2],
+                                                          None) != 0:
+                return None
+            prim = _vp()
+            self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
+            hit = self._prims[key] = (prim, mds, "f32")
+        prim, (src, wei, dst), _ = hit
+        args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a.ctypes.data)),
+                          _Arg(_ARG_WEIGHTS, self._memory(wei, b.ctypes.data)),
+                          _Arg(_ARG_DST, self._memory(dst, out.ctypes.data)))
+        self._keep.append((args, a, b, out))
+        return self._runner(prim, args)
+
+    def _runner(self, prim, args):
+        execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
+            self.stream
+        ok = self._ok
+
+        def run():
+            ok(execute(prim, stream, 3, args), "execute")
+            ok(wait(stream), "stream_wait")
+        return run
+
     def _memory(self, md, ptr):
         h = _vp()
         self._ok(self.lib.dnnl_memory_create(ctypes.byref(h), md, self.engine, _vp(ptr)),
@@ -153,14 +192,7 @@ class _Dnnl:
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))
         self._keep.append(args)
-        execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
-            self.stream
-        ok = self._ok
-
-        def run():
-            ok(execute(prim, stream, 3, args), "execute")
-            ok(wait(stream), "stream_wait")
-        return run
+        return self._runner(prim, args)
 
 
 @functools.lru_cache(maxsize=1)

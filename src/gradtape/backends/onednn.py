@@ -157,7 +157,9 @@ class _Dnnl:
                           _Arg(_ARG_WEIGHTS, self._memory(wei, b.ctypes.data)),
                           _Arg(_ARG_DST, self._memory(dst, out.ctypes.data)))
         self._keep.append((args, a, b, out))
-        return self._runner(prim, args)
+        run = self._runner(prim, args)
+        run.label = f"matmul f32 (oneDNN) {a.shape} x {b.shape}"
+        return run
 
     def _runner(self, prim, args):
         execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \

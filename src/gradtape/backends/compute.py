@@ -116,8 +116,8 @@ def resolve(requested: str, applies=True) -> str:
     """The precision that will run for ``requested`` (one of COMPUTE_CHOICES): "float32"
     or "bf16".  ``bf16`` where its GEMMs are not fast (or oneDNN is missing) warns once and
     gives "float32"; ``auto`` gives bf16 where they are fast (``bf16_fast``), silently:
-    with AVX512-BF16 alone (AMD Zen 5, `gradtape bench`) the SmolLM2 step ran 0.50 s vs
-    0.57 s in float32, and the 8B Q4_K_M step 1.6x faster.  ``applies``: False,
+    with AVX512-BF16 alone (AMD Zen 5, `gradtape bench`) the SmolLM2 step ran 0.46 s vs
+    0.51 s in float32, and the 8B Q4_K_M step about 2x faster.  ``applies``: False,
     or a string saying why, where the caller has no bf16 path at all (another backend,
     a float64 step, generation)."""
     if requested not in COMPUTE_CHOICES:

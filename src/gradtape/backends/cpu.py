@@ -290,9 +290,9 @@ class CpuBackend:
         for leaf, arr in arrays.items():
             self.set_leaf(leaf, arr)
         if self.compute == "bf16" and self._blas_threads:
-            # NumPy's BLAS runs the float32 GEMMs left on one thread: its idle threads
-            # spin for up to ~0.1 s after each call, on the cores oneDNN's threads need
-            # next (the bf16 GEMMs of an 8B step ran at half speed, measured)
+            # NumPy's BLAS (any float32 GEMM oneDNN did not take) runs on one thread: its
+            # idle threads spin for up to ~0.1 s after each call, on the cores oneDNN's
+            # threads need next (the bf16 GEMMs of an 8B step ran at half speed, measured)
             get, set_ = self._blas_threads
             n = get()
             set_(1)

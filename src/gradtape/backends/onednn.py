@@ -1,4 +1,5 @@
-"""oneDNN's matmul through ctypes: bf16 inputs, float32 accumulation and output.
+"""oneDNN's matmul through ctypes: bf16 inputs, float32 accumulation and output (and,
+in a bf16 program, the float32 matmuls too: ``bind_f32``).
 
 An optional accelerator for the cpu backend's frozen-weight GEMMs (``--compute bf16``):
 ``pip install 'gradtape[bf16]'`` installs oneDNN 3.2 (the ``onednn-cpu-gomp`` wheel, a
@@ -6,7 +7,8 @@ plain shared library using the system libgomp, the OpenMP runtime our generated 
 too); ``$GRADTAPE_DNNL`` may name another ``libdnnl.so.3``.  oneDNN picks the kernel for
 the CPU at run time: AMX tiles where present, AVX512-BF16 dot products elsewhere
 (``describe()`` names what it chose).  Primitives are created once per shape and cached;
-memory objects are bound once to the backend's fixed buffers, so a call is one execute.
+memory objects are bound once to the backend's fixed buffers (or, for the tiles of block
+weights, to raw addresses with row strides: ``bind_ptrs``), so a call is one execute.
 
 This module knows nothing of graphs; ``cpu.py`` decides which matmuls run here.  Failing to
 load, or a CPU oneDNN has no bf16 matmul for, is reported by ``available()`` as a reason,

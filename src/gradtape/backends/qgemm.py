@@ -116,7 +116,8 @@ def blas_threads():
     b = blas()
     if b is None:
         return None
-    for get, set_ in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
+    for get, set_ in (("scipy_openblas_get_num_threads64_",
+                       "scipy_openblas_set_num_threads64_"),
                       ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
                       ("openblas_get_num_threads", "openblas_set_num_threads")):
         try:
@@ -240,7 +241,8 @@ def _gemm_call(transposed, qtype, w, rows, k, a, out, tile):
 
     def run():
         _check(fn(*args), "qmatmul")
-    run.label = f"{'qmatmul_t' if transposed else 'qmatmul'} float32 [{T}, {rows if transposed else k}] x {qtype}[{rows}, {k}]"
+    run.label = (f"{'qmatmul_t' if transposed else 'qmatmul'} {out.dtype} "
+                 f"[{T}, {a.shape[1]}] x {qtype}[{rows}, {k}]")
     return run
 
 

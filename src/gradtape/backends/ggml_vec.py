@@ -11,8 +11,10 @@ weight rows.  This module does not quantize activations, run training GEMMs (the
 backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
 the decode step).
 
-The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``) are compiled once with OpenMP by ``_cgen.build`` and cached; without a C
-compiler ``available()`` is False and callers use the NumPy reference.
+The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``; the block
+dequantization, ``csrc/ggml_blocks.c``, is shared with the training GEMMs' ``qgemm``) are
+compiled once with OpenMP by ``_cgen.build`` and cached; without a C compiler
+``available()`` is False and callers use the NumPy reference.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..errors import GradtapeError
 from . import _cgen
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ggml_vec.c", "llama_decode.c")
+SOURCES = ("ggml_blocks.c", "ggml_vec.c", "llama_decode.c")
 FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table

@@ -1,9 +1,9 @@
 """The cpu backend's kernels for frozen weights in their stored type (``qmatmul``,
 ``qmatmul_t``, ``qtake_rows``).
 
-The C source (``csrc/qgemm.c``: per-type dequantization bit for bit as
-``gguf.quants.dequantize``, and tiled GEMM drivers) is built once with ``_cgen.build``
-and cached like the generated kernels.  A product dequantizes one tile of W at a time
+The C source (``csrc/ggml_blocks.c``: per-type dequantization bit for bit as
+``gguf.quants.dequantize``, shared with ``ggml_vec``; ``csrc/qgemm.c``: tiled GEMM
+drivers) is built once with ``_cgen.build`` and cached like the generated kernels.  A product dequantizes one tile of W at a time
 (at most ``TILE_ELEMS`` values, a scratch buffer allocated once per program) and hands
 it to BLAS: NumPy's own OpenBLAS, whose ``cblas_sgemm`` / ``cblas_dgemm`` are found in
 the loaded library and called from C, so the whole float matrix never exists.  Where
@@ -58,8 +58,9 @@ def lib():
     """The compiled ``csrc/qgemm.c`` (built and cached on first use)."""
     global _LIB
     if _LIB is None:
-        path, _ = _cgen.build(_cgen.PRELUDE + _SRC.read_text(), flags=_cgen.threads_flags(),
-                              prefix="gtq")
+        src = "\n".join([_cgen.PRELUDE, _SRC.with_name("ggml_blocks.c").read_text(),
+                         _SRC.read_text()])
+        path, _ = _cgen.build(src, flags=_cgen.threads_flags(), prefix="gtq")
         so = ctypes.CDLL(str(path))
         for name in ("gt_deq_rows", "gt_deq_rows_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _p, _l, _l, _p]

@@ -2,149 +2,22 @@
 
    y[t, r] = sum_j deq(W)[r, j] * x[t, j] for T <= 4 rows x, W [rows, k] stored as ggml
    blocks (each row a whole number of blocks, row_bytes apart).  A block is dequantized
-   into registers / a 256-float scratch exactly as gguf.quants.dequantize does it (the
-   same float32 operations in the same order, so the weights are bit-identical), then
-   multiplied into 16 float32 lane accumulators per x row; the lanes are summed at the
-   end of the row.  Only the summation order differs from a float32 BLAS dot product.
-   Nothing here quantizes the activations.
-
-   Block layouts (ggml, little-endian, f16 = IEEE half):
-     Q4_0  18 B / 32: f16 d, u8 qs[16]           w = d * (nib - 8)
-     Q4_1  20 B / 32: f16 d, f16 m, u8 qs[16]    w = d * nib + m
-     Q5_0  22 B / 32: f16 d, u32 qh, u8 qs[16]   w = d * ((nib | hbit << 4) - 16)
-     Q5_1  24 B / 32: f16 d, f16 m, u32 qh, qs   w = d * (nib | hbit << 4) + m
-     Q8_0  34 B / 32: f16 d, i8 qs[32]           w = q * d
-     (element j < 16 is the low nibble of qs[j], element j + 16 its high nibble; hbit of
-      element j is bit j of qh)
-     Q4_K 144 B / 256: f16 d, f16 dmin, u8 scales[12] (8 x (6-bit sc, 6-bit m)), qs[128]
-                       w = (d * sc) * nib - (dmin * m), 8 sub-blocks of 32
-     Q5_K 176 B / 256: as Q4_K plus qh[32] (bit s of qh[l]: 5th bit of sub-block s, l)
-     Q6_K 210 B / 256: ql[128], qh[64], i8 scales[16], f16 d
-                       w = (d * scale) * ((4 low | 2 high bits) - 32), 16 sub-blocks of 16
-     F16 / BF16 / F32: plain rows.
-   Type ids are ggml's (GGMLQuantizationType). */
-#include <stdint.h>
-#include <string.h>
+   into registers / a 256-float scratch by ggml_blocks.c (compiled before this file:
+   bit-identical to gguf.quants.dequantize), then multiplied into 16 float32 lane
+   accumulators per x row; the lanes are summed at the end of the row.  Only the
+   summation order differs from a float32 BLAS dot product.  Nothing here quantizes the
+   activations. */
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
-
-static inline float gv_h2f(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    /* IEEE half -> float: sign, exponent rebias 15 -> 127, subnormals normalised */
-    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0x1f) u = s | 0x7f800000u | (m << 13);
-    else if (e) u = s | ((e + 112) << 23) | (m << 13);
-    else if (!m) u = s;
-    else { e = 113; while (!(m & 0x400)) { m <<= 1; e--; } u = s | (e << 23) | ((m & 0x3ff) << 13); }
-    float f; memcpy(&f, &u, 4); return f;
-#endif
-}
-
-/* --- one block -> float32 (bit-identical to gguf.quants.dequantize) ------------------- */
-
-static inline void deq_q4_0(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b); const uint8_t *q = b + 2;
-    for (int l = 0; l < 16; l++) {
-        o[l] = d * (float)((int)(q[l] & 15) - 8);
-        o[l + 16] = d * (float)((int)(q[l] >> 4) - 8);
-    }
-}
-static inline void deq_q4_1(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b), m = gv_h2f(b + 2); const uint8_t *q = b + 4;
-    for (int l = 0; l < 16; l++) {
-        o[l] = d * (float)(q[l] & 15) + m;
-        o[l + 16] = d * (float)(q[l] >> 4) + m;
-    }
-}
-static inline void deq_q5_0(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4); const uint8_t *q = b + 6;
-    for (int l = 0; l < 16; l++) {
-        o[l] = d * (float)((int)((q[l] & 15) | (((qh >> l) & 1) << 4)) - 16);
-        o[l + 16] = d * (float)((int)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
-    }
-}
-static inline void deq_q5_1(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b), m = gv_h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
-    const uint8_t *q = b + 8;
-    for (int l = 0; l < 16; l++) {
-        o[l] = d * (float)((q[l] & 15) | (((qh >> l) & 1) << 4)) + m;
-        o[l + 16] = d * (float)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) + m;
-    }
-}
-static inline void deq_q8_0(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b); const int8_t *q = (const int8_t *)(b + 2);
-    for (int l = 0; l < 32; l++) o[l] = (float)q[l] * d;
-}
-/* the 6-bit scale and min of sub-block j of a Q4_K / Q5_K block */
-static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) { *sc = s[j] & 63; *m = s[j + 4] & 63; }
-    else { *sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
-           *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30); }
-}
-static inline void deq_q4_k(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b), dmin = gv_h2f(b + 2); const uint8_t *s = b + 4, *q = b + 16;
-    for (int c = 0; c < 4; c++) {
-        int sc0, m0, sc1, m1;
-        k_scale_min(s, 2 * c, &sc0, &m0);
-        k_scale_min(s, 2 * c + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-        const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-        for (int l = 0; l < 32; l++) {
-            o[64 * c + l] = d0 * (float)(q[32 * c + l] & 15) - dm0;
-            o[64 * c + 32 + l] = d1 * (float)(q[32 * c + l] >> 4) - dm1;
-        }
-    }
-}
-static inline void deq_q5_k(const uint8_t *b, float *o) {
-    const float d = gv_h2f(b), dmin = gv_h2f(b + 2);
-    const uint8_t *s = b + 4, *qh = b + 16, *q = b + 48;
-    for (int c = 0; c < 4; c++) {
-        int sc0, m0, sc1, m1;
-        k_scale_min(s, 2 * c, &sc0, &m0);
-        k_scale_min(s, 2 * c + 1, &sc1, &m1);
-        const float d0 = d * (float)sc0, dm0 = dmin * (float)m0;
-        const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-        for (int l = 0; l < 32; l++) {
-            int lo = (q[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
-            int hi = (q[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
-            o[64 * c + l] = d0 * (float)lo - dm0;
-            o[64 * c + 32 + l] = d1 * (float)hi - dm1;
-        }
-    }
-}
-static inline void deq_q6_k(const uint8_t *b, float *o) {
-    const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = gv_h2f(b + 208);
-    float ds[16];
-    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
-    for (int h = 0; h < 2; h++) {
-        for (int l = 0; l < 64; l++) {  /* element h*128 + l (low) and h*128 + 64 + l (high) */
-            int lo = ql[64 * h + l] & 15, hi = ql[64 * h + l] >> 4;
-            int s0 = l >> 5, ll = l & 31;  /* qh shift pair: elements 32*s + ll */
-            int b0 = (qh[32 * h + ll] >> (2 * s0)) & 3, b1 = (qh[32 * h + ll] >> (2 * s0 + 4)) & 3;
-            int e0 = 128 * h + l, e1 = 128 * h + 64 + l;
-            o[e0] = ds[e0 >> 4] * (float)((lo | (b0 << 4)) - 32);
-            o[e1] = ds[e1 >> 4] * (float)((hi | (b1 << 4)) - 32);
-        }
-    }
-}
+/* 16 values of a plain row: the dot kernels' pseudo-block for F16 / BF16 / F32 */
 static inline void deq_f16(const uint8_t *b, float *o) {
 #ifdef __AVX512F__
     _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)));
 #else
-    for (int l = 0; l < 16; l++) o[l] = gv_h2f(b + 2 * l);
+    for (int l = 0; l < 16; l++) o[l] = gb_h2f(b + 2 * l);
 #endif
 }
 static inline void deq_bf16(const uint8_t *b, float *o) {
@@ -233,15 +106,15 @@ static float dot1_q4_1(const uint8_t *row, int64_t nb, const float *x, const flo
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         const uint8_t *p = row + 20 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 20)), gv_q4_sum(p + 24, x + 32 * b + 32), a1);
-        m0 += gv_h2f(p + 2) * xs[b];
-        m1 += gv_h2f(p + 22) * xs[b + 1];
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p + 20)), gv_q4_sum(p + 24, x + 32 * b + 32), a1);
+        m0 += gb_h2f(p + 2) * xs[b];
+        m1 += gb_h2f(p + 22) * xs[b + 1];
     }
     if (b < nb) {
         const uint8_t *p = row + 20 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
-        m0 += gv_h2f(p + 2) * xs[b];
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
+        m0 += gb_h2f(p + 2) * xs[b];
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
 }
@@ -252,7 +125,7 @@ static float dot1_q4_0(const uint8_t *row, int64_t nb, const float *x, const flo
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         const uint8_t *p = row + 18 * b;
-        const float d0 = gv_h2f(p), d1 = gv_h2f(p + 18);
+        const float d0 = gb_h2f(p), d1 = gb_h2f(p + 18);
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
         a1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), gv_q4_sum(p + 20, x + 32 * b + 32), a1);
         m0 -= 8.0f * d0 * xs[b];
@@ -260,7 +133,7 @@ static float dot1_q4_0(const uint8_t *row, int64_t nb, const float *x, const flo
     }
     if (b < nb) {
         const uint8_t *p = row + 18 * b;
-        const float d0 = gv_h2f(p);
+        const float d0 = gb_h2f(p);
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
         m0 -= 8.0f * d0 * xs[b];
     }
@@ -277,11 +150,11 @@ static float dot1_q8_0(const uint8_t *row, int64_t nb, const float *x, const flo
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         const uint8_t *p = row + 34 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p)), gv_q8_sum(p + 2, x + 32 * b), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(p + 34)), gv_q8_sum(p + 36, x + 32 * b + 32), a1);
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q8_sum(p + 2, x + 32 * b), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p + 34)), gv_q8_sum(p + 36, x + 32 * b + 32), a1);
     }
     if (b < nb)
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gv_h2f(row + 34 * b)),
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(row + 34 * b)),
                              gv_q8_sum(row + 34 * b + 2, x + 32 * b), a0);
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
@@ -377,26 +250,15 @@ void gv_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t 
 /* Rows r0 .. r0 + n of W dequantized into out[n, k] (bit-identical to gguf). */
 static void gv_deq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                         int64_t r0, int64_t n, float *out) {
-    gv_dot_fn fn;
-    const int64_t qk = gv_qk(type, &fn), nb = k / qk;
+    gb_deq_fn f;
+    int bl, by;
+    if (gb_layout(type, &f, &bl, &by)) return;  /* the Python wrapper checks the type */
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = W + (r0 + i) * row_bytes;
-        float *o = out + i * k;
-        for (int64_t b = 0; b < nb; b++) {
-            switch (type) {
-            case T_Q4_0: deq_q4_0(row + b * 18, o + b * 32); break;
-            case T_Q4_1: deq_q4_1(row + b * 20, o + b * 32); break;
-            case T_Q5_0: deq_q5_0(row + b * 22, o + b * 32); break;
-            case T_Q5_1: deq_q5_1(row + b * 24, o + b * 32); break;
-            case T_Q8_0: deq_q8_0(row + b * 34, o + b * 32); break;
-            case T_Q4_K: deq_q4_k(row + b * 144, o + b * 256); break;
-            case T_Q5_K: deq_q5_k(row + b * 176, o + b * 256); break;
-            case T_Q6_K: deq_q6_k(row + b * 210, o + b * 256); break;
-            case T_F16: deq_f16(row + b * 32, o + b * 16); break;
-            case T_BF16: deq_bf16(row + b * 32, o + b * 16); break;
-            default: deq_f32(row + b * 64, o + b * 16); break;
-            }
-        }
+        if (type == T_F16)  /* 16 at a time, vectorized (F16C), not value by value */
+            for (int64_t b = 0; b < k / 16; b++) deq_f16(row + 32 * b, out + i * k + 16 * b);
+        else
+            f(row, out + i * k, k / bl);
     }
 }
 

@@ -1,0 +1,200 @@
+/* ggml's block layouts, dequantized: shared by ggml_vec.c (decoding) and qgemm.c (the
+   training GEMMs' tiles).  One block becomes float32 exactly as gguf.quants.dequantize
+   computes it (the same float32 operations in the same order; built with
+   -ffp-contract=off, so d * q + m is two roundings here as there): the weights are
+   bit-identical to the NumPy reference.
+
+   Block layouts (ggml, little-endian, f16 = IEEE half):
+     Q4_0  18 B / 32: f16 d, u8 qs[16]           w = d * (nib - 8)
+     Q4_1  20 B / 32: f16 d, f16 m, u8 qs[16]    w = d * nib + m
+     Q5_0  22 B / 32: f16 d, u32 qh, u8 qs[16]   w = d * ((nib | hbit << 4) - 16)
+     Q5_1  24 B / 32: f16 d, f16 m, u32 qh, qs   w = d * (nib | hbit << 4) + m
+     Q8_0  34 B / 32: f16 d, i8 qs[32]           w = q * d
+     (element j < 16 is the low nibble of qs[j], element j + 16 its high nibble; hbit of
+      element j is bit j of qh)
+     Q4_K 144 B / 256: f16 d, f16 dmin, u8 scales[12] (8 x (6-bit sc, 6-bit m)), qs[128]
+                       w = (d * sc) * nib - (dmin * m), 8 sub-blocks of 32
+     Q5_K 176 B / 256: as Q4_K plus qh[32] (bit s of qh[l]: 5th bit of sub-block s, l)
+     Q6_K 210 B / 256: ql[128], qh[64], i8 scales[16], f16 d
+                       w = (d * scale) * ((4 low | 2 high bits) - 32), 16 sub-blocks of 16
+     F16 / BF16 / F32: plain values.
+   Type ids are ggml's (GGMLQuantizationType). */
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+/* IEEE half -> float, exact, NaN payloads kept as they are (numpy's conversion) */
+static inline float gb_h2f_bits(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, b;
+    if (e == 0) {
+        float f = (float)m * 5.9604644775390625e-08f;  /* m * 2^-24: exact */
+        memcpy(&b, &f, 4);
+        b |= s;
+    } else if (e == 31) {
+        b = s | 0x7f800000u | (m << 13);
+    } else {
+        b = s | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* the same for block scales, one instruction where the CPU has F16C (it quiets a
+   signalling NaN, which the scale's multiplication would quiet anyway) */
+static inline float gb_h2f(const uint8_t *p) {
+#ifdef __F16C__
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+#else
+    return gb_h2f_bits(p);
+#endif
+}
+
+/* --- one block -> float32 (bit-identical to gguf.quants.dequantize) ------------------- */
+
+static inline void deq_q4_0(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b); const uint8_t *q = b + 2;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((int)(q[l] & 15) - 8);
+        o[l + 16] = d * (float)((int)(q[l] >> 4) - 8);
+    }
+}
+static inline void deq_q4_1(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b), m = gb_h2f(b + 2); const uint8_t *q = b + 4;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)(q[l] & 15) + m;
+        o[l + 16] = d * (float)(q[l] >> 4) + m;
+    }
+}
+static inline void deq_q5_0(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4); const uint8_t *q = b + 6;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((int)((q[l] & 15) | (((qh >> l) & 1) << 4)) - 16);
+        o[l + 16] = d * (float)((int)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
+    }
+}
+static inline void deq_q5_1(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b), m = gb_h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
+    const uint8_t *q = b + 8;
+    for (int l = 0; l < 16; l++) {
+        o[l] = d * (float)((q[l] & 15) | (((qh >> l) & 1) << 4)) + m;
+        o[l + 16] = d * (float)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) + m;
+    }
+}
+static inline void deq_q8_0(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b); const int8_t *q = (const int8_t *)(b + 2);
+    for (int l = 0; l < 32; l++) o[l] = (float)q[l] * d;
+}
+/* the 8 (scale, min) pairs of a Q4_K / Q5_K block, 6 bits each, packed in 12 bytes */
+static inline void k_scale_min(const uint8_t *s, int *sc, int *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+/* Q4_K / Q5_K: sub-block s is nibble s & 1 of bytes 32 * (s / 2) .. (Q5_K: high bit s of
+   qh[j]); loops of 32 independent values each (they vectorize) */
+static inline void deq_q4_k(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
+    int sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    for (int s = 0; s < 8; s++) {
+        const float D = d * (float)sc[s], M = dmin * (float)mn[s];
+        const uint8_t *q = b + 16 + 32 * (s >> 1);
+        const int sh = 4 * (s & 1);
+        for (int j = 0; j < 32; j++) o[32 * s + j] = D * (float)((q[j] >> sh) & 0xF) - M;
+    }
+}
+static inline void deq_q5_k(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
+    int sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const uint8_t *qh = b + 16;
+    for (int s = 0; s < 8; s++) {
+        const float D = d * (float)sc[s], M = dmin * (float)mn[s];
+        const uint8_t *q = b + 48 + 32 * (s >> 1);
+        const int sh = 4 * (s & 1);
+        for (int j = 0; j < 32; j++)
+            o[32 * s + j] = D * (float)(((q[j] >> sh) & 0xF) | (((qh[j] >> s) & 1) << 4)) - M;
+    }
+}
+/* Q6_K: two halves of 128 values (ql bytes 64h.., qh bytes 32h..); value r of a half has
+   its low 4 bits in ql[r % 64] >> 4 (r / 64), its high 2 bits in qh[r % 32] >> 2 (r / 32),
+   its scale r / 16 */
+static inline void deq_q6_k(const uint8_t *b, float *o) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = gb_h2f(b + 208);
+    float D[16];
+    for (int s = 0; s < 16; s++) D[s] = d * (float)sc[s];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        const float *Dh = D + 8 * h;
+        float *oh = o + 128 * h;
+        for (int is = 0; is < 2; is++) {  /* 16 values per scale */
+            const float d0 = Dh[is], d1 = Dh[is + 2], d2 = Dh[is + 4], d3 = Dh[is + 6];
+            for (int l = 16 * is; l < 16 * is + 16; l++) {
+                const int a = ql[l], c = ql[l + 32], hb = qh[l];
+                oh[l] = d0 * (float)(((a & 0xF) | ((hb & 3) << 4)) - 32);
+                oh[l + 32] = d1 * (float)(((c & 0xF) | (((hb >> 2) & 3) << 4)) - 32);
+                oh[l + 64] = d2 * (float)(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+                oh[l + 96] = d3 * (float)(((c >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+            }
+        }
+    }
+}
+
+/* --- whole rows: nb blocks (F16 / BF16 / F32: nb values) -> float32 ------------------- */
+
+typedef void (*gb_deq_fn)(const uint8_t *b, float *restrict y, long nb);
+
+#define GB_BLOCKS(NAME, QK, BS)                                                        \
+static void NAME##_blocks(const uint8_t *b, float *restrict y, long nb) {            \
+    for (long i = 0; i < nb; i++) NAME(b + i * (BS), y + i * (QK));                   \
+}
+GB_BLOCKS(deq_q4_0, 32, 18)
+GB_BLOCKS(deq_q4_1, 32, 20)
+GB_BLOCKS(deq_q5_0, 32, 22)
+GB_BLOCKS(deq_q5_1, 32, 24)
+GB_BLOCKS(deq_q8_0, 32, 34)
+GB_BLOCKS(deq_q4_k, 256, 144)
+GB_BLOCKS(deq_q5_k, 256, 176)
+GB_BLOCKS(deq_q6_k, 256, 210)
+
+static void gb_f16_values(const uint8_t *b, float *restrict y, long n) {
+    for (long i = 0; i < n; i++) y[i] = gb_h2f_bits(b + 2 * i);
+}
+static void gb_bf16_values(const uint8_t *b, float *restrict y, long n) {
+    for (long i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)(b[2 * i] | (b[2 * i + 1] << 8)) << 16;
+        memcpy(y + i, &u, 4);
+    }
+}
+static void gb_f32_values(const uint8_t *b, float *restrict y, long n) { memcpy(y, b, 4 * n); }
+
+/* the row kernel of type t, its block size in values and in bytes; -1: not a type we run */
+static int gb_layout(int64_t t, gb_deq_fn *f, int *block, int *bytes) {
+    switch (t) {
+    case T_F32:  *f = gb_f32_values;  *block = 1;   *bytes = 4;   return 0;
+    case T_F16:  *f = gb_f16_values;  *block = 1;   *bytes = 2;   return 0;
+    case T_BF16: *f = gb_bf16_values; *block = 1;   *bytes = 2;   return 0;
+    case T_Q4_0: *f = deq_q4_0_blocks; *block = 32;  *bytes = 18;  return 0;
+    case T_Q4_1: *f = deq_q4_1_blocks; *block = 32;  *bytes = 20;  return 0;
+    case T_Q5_0: *f = deq_q5_0_blocks; *block = 32;  *bytes = 22;  return 0;
+    case T_Q5_1: *f = deq_q5_1_blocks; *block = 32;  *bytes = 24;  return 0;
+    case T_Q8_0: *f = deq_q8_0_blocks; *block = 32;  *bytes = 34;  return 0;
+    case T_Q4_K: *f = deq_q4_k_blocks; *block = 256; *bytes = 144; return 0;
+    case T_Q5_K: *f = deq_q5_k_blocks; *block = 256; *bytes = 176; return 0;
+    case T_Q6_K: *f = deq_q6_k_blocks; *block = 256; *bytes = 210; return 0;
+    }
+    return -1;
+}

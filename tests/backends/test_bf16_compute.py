@@ -341,3 +341,30 @@ def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
     assert d.bind_f32(np.zeros((2, 4, 4), np.float32), np.ones((2, 4, 4), np.float32),
                       np.ones((1, 4, 4), np.float32)) is None
     assert d.bind_f32(np.zeros((4, 4)), np.ones((4, 4)), np.ones((4, 4))) is None
+
+
+def test_a_bf16_replay_gives_numpys_blas_its_threads_back(monkeypatch):
+    """During a bf16 replay NumPy's BLAS runs on one thread (its idle threads would spin on
+    oneDNN's cores); afterwards, and after a replay that fails, it has its threads back."""
+    _need_onednn()
+    from gradtape.backends import qgemm
+    threads = qgemm.blas_threads()
+    if threads is None:
+        pytest.skip("NumPy's BLAS exports no thread control")
+    get, set_ = threads
+    before = get()
+    tp = gt.Tape(np.float32, eager=False)
+    outs, _ = _weight_graph(tp, np.random.default_rng(1))
+    prog = tp.compile(outs, backend="cpu", compute="bf16")
+    ex = prog.executable
+    seen = []
+    ex._steps.insert(0, lambda: seen.append(get()))
+    prog.run()
+    assert seen == [1] and get() == before
+
+    def fail():
+        raise RuntimeError("a step failed")
+    ex._steps.insert(1, fail)
+    with pytest.raises(RuntimeError, match="a step failed"):
+        prog.run()
+    assert get() == before

@@ -48,8 +48,80 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
    L1, then rounded (a loop that vectorizes); rows split over the threads. */
 #define BF16_CHUNK 1024  /* a multiple of every block size */
 
-static void row_bf16(gb_deq_fn f, int bl, int by, const uint8_t *row, long c0, long nc,
-                     uint16_t *restrict o) {
+#ifdef __AVX512F__
+/* With AVX-512, Q4_K and Q6_K (the blocks of a Q4_K_M file) go straight to bf16 in
+   registers, 16 values at a time: the same float32 operations as ggml_blocks.c (a
+   multiply, then a subtract), rounded as gt_bf16 (nearest even, NaN kept quiet) with
+   integer operations, so the bits are the same as the scalar path's. */
+static inline void bf16_store16(uint16_t *o, __m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                    _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q)));
+}
+
+static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
+    const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
+    int sc[8], mn[8];
+    k_scale_min(b + 4, sc, mn);
+    const __m512i lo4 = _mm512_set1_epi32(0xF);
+    for (int s = 0; s < 8; s++) {
+        const __m512 D = _mm512_set1_ps(d * (float)sc[s]), M = _mm512_set1_ps(dmin * (float)mn[s]);
+        const uint8_t *q = b + 16 + 32 * (s >> 1);
+        for (int h = 0; h < 2; h++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+            v = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (s & 1)), lo4);
+            bf16_store16(o + 32 * s + 16 * h,
+                         _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(v)), M));
+        }
+    }
+}
+
+static void bf16_q6_k(const uint8_t *b, uint16_t *o) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = gb_h2f(b + 208);
+    const __m512i lo4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3);
+    const __m512i off = _mm512_set1_epi32(32);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        for (int is = 0; is < 2; is++) {  /* values l, l + 32, l + 64, l + 96 of the half */
+            const int l = 16 * is;
+            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l)));
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + l + 32)));
+            const __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + l)));
+            const __m512i v[4] = {
+                _mm512_or_si512(_mm512_and_si512(a, lo4),
+                                _mm512_slli_epi32(_mm512_and_si512(hb, two), 4)),
+                _mm512_or_si512(_mm512_and_si512(c, lo4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 2), two), 4)),
+                _mm512_or_si512(_mm512_srli_epi32(a, 4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 4), two), 4)),
+                _mm512_or_si512(_mm512_srli_epi32(c, 4),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 6), two), 4))};
+            for (int u = 0; u < 4; u++) {  /* value r = l + 32 u: scale r / 16 = is + 2 u */
+                const __m512 D = _mm512_set1_ps(d * (float)sc[8 * h + is + 2 * u]);
+                bf16_store16(o + 128 * h + l + 32 * u,
+                             _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(v[u], off))));
+            }
+        }
+    }
+}
+#endif
+
+static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0,
+                     long nc, uint16_t *restrict o) {
+#ifdef __AVX512F__
+    void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k
+                                                  : t == T_Q6_K ? bf16_q6_k : 0;
+    if (direct) {
+        for (long j = 0; j < nc; j += 256) direct(row + (c0 + j) / 256 * by, o + j);
+        return;
+    }
+#endif
     float tmp[BF16_CHUNK];
     for (long j = 0; j < nc; j += BF16_CHUNK) {
         const long m = nc - j < BF16_CHUNK ? nc - j : BF16_CHUNK;
@@ -66,7 +138,7 @@ int gt_deq_tile_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long 
     if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
     #pragma omp parallel for schedule(static) if (n * nc >= (1L << 16))
     for (long i = 0; i < n; i++)
-        row_bf16(f, bl, by, w + (ids ? ids[i] : r0 + i) * rb, c0, nc, out + i * ldo);
+        row_bf16(t, f, bl, by, w + (ids ? ids[i] : r0 + i) * rb, c0, nc, out + i * ldo);
     return 0;
 }
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from gradtape.models.config import LlamaConfig
+from gradtape.models.tokenizer import _bytes_to_unicode
 
 
 class ByteTokenizer:
@@ -86,7 +87,7 @@ def write_hf_folder(model, path):
 
     # byte-level BPE with no merges: token i is byte i, plus an end-of-sequence token
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    table = _bytes_to_unicode()
+    table = _bytes_to_unicode()  # the tokenizer's own byte map
     vocab = {table[b]: b for b in range(256)}
     assert set(vocab) == set(byte_chars)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -99,15 +100,3 @@ def write_hf_folder(model, path):
     return path
 
 
-def _bytes_to_unicode():
-    """GPT-2's printable stand-in character for every byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}

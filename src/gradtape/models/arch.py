@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import FileFormatError
+
 # Hugging Face module path inside ``model.layers.{i}.`` -> our name inside ``layers.{i}.``,
 # shared by the llama-like families; a row's ``hf_extra`` adds to / overrides it.
 _HF_LLAMA = {
@@ -82,6 +84,16 @@ BY_GGUF = {"llama": ARCHS["llama"], "qwen2": ARCHS["qwen2"], "qwen3": ARCHS["qwe
 
 # The projections of a block, by whether the family fuses them; LoRA targets follow.
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
+
+
+def gguf_arch(name, where: str) -> "Arch":
+    """The row of GGUF architecture ``name`` (``general.architecture``); a clear error
+    naming ``where`` (the file) when we do not run it."""
+    arch = BY_GGUF.get(name) if isinstance(name, str) else None
+    if arch is None:
+        raise FileFormatError(f"{where}: architecture {name!r} is not supported "
+                              f"(supported GGUF architectures: {', '.join(sorted(BY_GGUF))})")
+    return arch
 
 
 def supported() -> str:

@@ -185,13 +185,9 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
     embedding tensor; ``tied``: whether the file lacks an ``output.weight`` tensor;
     ``names``: the file's tensor names (biases and q/k norms are known by their tensors);
     ``rope_factors``: the values of a ``rope_freqs`` tensor (llama3 rope scaling)."""
-    from .arch import BY_GGUF
+    from .arch import gguf_arch
 
-    arch_name = meta.get("general.architecture")
-    arch = BY_GGUF.get(arch_name) if isinstance(arch_name, str) else None
-    if arch is None:
-        raise FileFormatError(f"{where}: architecture {arch_name!r} is not supported "
-                              f"(supported GGUF architectures: {', '.join(sorted(BY_GGUF))})")
+    arch = gguf_arch(meta.get("general.architecture"), where)
     a = arch.gguf
 
     def need_raw(key):

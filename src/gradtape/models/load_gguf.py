@@ -21,7 +21,7 @@ import numpy as np
 from ..blocks import BLOCK_TYPES, BlockMatrix
 from ..errors import FileFormatError
 from ..formats.gguf_reader import GGUFFile, check_tokenizer_meta
-from .arch import BY_GGUF, LINEARS
+from .arch import LINEARS, gguf_arch
 from .config import LlamaConfig, from_gguf_metadata
 from .tokenizer import Tokenizer
 
@@ -67,11 +67,7 @@ def load_gguf(path, tokenizer=True, keep_quantized=False) -> tuple[LlamaConfig, 
     gtype = meta.get("general.type", "model")
     if gtype != "model":
         raise FileFormatError(f"{path}: general.type is {gtype!r} (an adapter?), not a model")
-    arch_name = meta.get("general.architecture")
-    arch = BY_GGUF.get(arch_name) if isinstance(arch_name, str) else None
-    if arch is None:
-        raise FileFormatError(f"{path}: architecture {arch_name!r} is not supported "
-                              f"(supported GGUF architectures: {', '.join(sorted(BY_GGUF))})")
+    arch = gguf_arch(meta.get("general.architecture"), path)
     tensors = gf.tensors
     emb = tensors.get("token_embd.weight")
     if emb is None:

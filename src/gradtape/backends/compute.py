@@ -97,18 +97,10 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
             ts.append(time.perf_counter() - t)
         return 2 * m * k * n / min(ts)
 
-    # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay: OpenBLAS's idle
-    # threads spin for up to ~0.1 s after a call and would slow oneDNN's threads
-    from . import qgemm
-    threads = qgemm.blas_threads()
-    nthreads = threads[0]() if threads else None
-    if threads:
-        threads[1](1)
-    try:
+    # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay (qgemm.one_blas_thread)
+    from .qgemm import one_blas_thread
+    with one_blas_thread():
         bf16 = best(gemm16)
-    finally:
-        if threads:
-            threads[1](nthreads)
     return best(lambda: np.matmul(a, w, out=out)), bf16
 
 

@@ -30,6 +30,7 @@ then copied into storage the backend owns.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import warnings
@@ -154,7 +155,6 @@ class CpuBackend:
         if self._kernel_of or self._bf16:
             path, self.cache_hit = _cgen.build(src.source(), flags=_cgen.threads_flags())
             self.lib = _load(path)
-        self._blas_threads = qgemm.blas_threads() if self.compute == "bf16" else None
         self._w16 = {}  # weight leaf -> its bf16 copy (uint16 bits)
         self._gemm16 = {}  # step -> bound oneDNN call
         for s in self._bf16:
@@ -219,7 +219,7 @@ class CpuBackend:
             flush()
             ins = tuple(val[x] for x in s.inputs)
             if s.op == "matmul":
-                steps.append(("py", self._mm_step(val[s], *ins, **s.attrs)))
+                steps.append(("py", self._matmul_step(val[s], *ins, **s.attrs)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16)))
@@ -251,7 +251,7 @@ class CpuBackend:
                           else val[src]) for leaf, src in self.graph.updates]
         self._outputs = [val[v] for v in self.graph.outputs]
 
-    def _mm_step(self, out, a, b, ta=False, tb=False):
+    def _matmul_step(self, out, a, b, ta=False, tb=False):
         """A float32 matmul: in a bf16 program through oneDNN where it can (its threads
         are the OpenMP threads the bf16 GEMMs and our kernels use; NumPy's BLAS is kept
         on one thread there, see ``run``), else NumPy's BLAS."""
@@ -289,19 +289,9 @@ class CpuBackend:
             return self.fallback.run(arrays)
         for leaf, arr in arrays.items():
             self.set_leaf(leaf, arr)
-        if self.compute == "bf16" and self._blas_threads:
-            # NumPy's BLAS (any float32 GEMM oneDNN did not take) runs on one thread: its
-            # idle threads spin for up to ~0.1 s after each call, on the cores oneDNN's
-            # threads need next (the bf16 GEMMs of an 8B step ran at half speed, measured)
-            get, set_ = self._blas_threads
-            n = get()
-            set_(1)
-            try:
-                for step in self._steps:
-                    step()
-            finally:
-                set_(n)
-        else:
+        # a bf16 replay runs on OpenMP's threads (oneDNN, our kernels): NumPy's BLAS, for
+        # any float32 GEMM oneDNN did not take, on one thread (see qgemm.one_blas_thread)
+        with qgemm.one_blas_thread() if self.compute == "bf16" else contextlib.nullcontext():
             for step in self._steps:
                 step()
         outs = [o.copy() for o in self._outputs]

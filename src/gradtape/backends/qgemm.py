@@ -21,6 +21,7 @@ kernel.  This module does not decide fusion, memory or the compute precision;
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -111,6 +112,7 @@ def blas():
     return _BLAS
 
 
+@functools.lru_cache(maxsize=1)
 def blas_threads():
     """``(get, set)``: NumPy's OpenBLAS thread count, read and set at run time, or None
     where the library exports neither (another BLAS)."""
@@ -129,6 +131,25 @@ def blas_threads():
         s.restype, s.argtypes = None, [ctypes.c_int]
         return g, s
     return None
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """NumPy's BLAS on one thread inside the block, its own count again after it (also
+    after an exception).  For work whose threads are OpenMP's (oneDNN, our kernels):
+    OpenBLAS's idle threads spin for up to ~0.1 s after each call, on the cores those
+    threads need (the bf16 GEMMs of an 8B step ran at half speed, measured)."""
+    threads = blas_threads()
+    if threads is None:
+        yield
+        return
+    get, set_ = threads
+    n = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(n)
 
 
 def tile_shape(qtype, rows, k):
@@ -168,21 +189,25 @@ def _check(rc, what):
         raise RuntimeError(f"gradtape: {what} failed in the C kernel (status {rc})")
 
 
+def _rows(w, ids, what):
+    """``(w, n, ids, ids address)``: block data made contiguous and the rows asked for
+    (all when ``ids`` is None), checked against the matrix's rows."""
+    w = np.ascontiguousarray(w)
+    if ids is None:
+        return w, w.shape[0], None, None
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if len(ids) and (ids.min() < 0 or ids.max() >= w.shape[0]):
+        raise IndexError(f"{what}: ids out of range [0, {w.shape[0]})")
+    return w, len(ids), ids, ids.ctypes.data
+
+
 def deq_rows(w, qtype, k, ids=None, dtype=np.float32, out=None):
     """Rows ``ids`` (all when None) of the block data ``w [rows, row_bytes]`` dequantized
     by the C kernels into ``out [n, k]`` of ``dtype``."""
-    L = lib()
-    w = np.ascontiguousarray(w)
-    n = w.shape[0] if ids is None else len(ids)
+    w, n, ids, idp = _rows(w, ids, "qtake_rows")
     if out is None:
         out = np.empty((n, k), dtype)
-    idp = None
-    if ids is not None:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if n and (ids.min() < 0 or ids.max() >= w.shape[0]):
-            raise IndexError(f"qtake_rows: ids out of range [0, {w.shape[0]})")
-        idp = ids.ctypes.data
-    fn = L.gt_deq_rows if out.dtype == np.float32 else L.gt_deq_rows_f64
+    fn = lib().gt_deq_rows if out.dtype == np.float32 else lib().gt_deq_rows_f64
     if n and k:
         _check(fn(_type_id(qtype), w.ctypes.data, w.shape[1], idp, n, k, out.ctypes.data),
                "dequantize")
@@ -192,19 +217,11 @@ def deq_rows(w, qtype, k, ids=None, dtype=np.float32, out=None):
 def deq_rows_bf16(w, qtype, k, ids=None):
     """Rows of ``w`` dequantized and rounded to bfloat16 (the bits, uint16 ``[n, k]``):
     the tile format of bf16 compute (``--compute bf16``)."""
-    L = lib()
-    w = np.ascontiguousarray(w)
-    n = w.shape[0] if ids is None else len(ids)
+    w, n, ids, idp = _rows(w, ids, "deq_rows_bf16")
     out = np.empty((n, k), np.uint16)
-    idp = None
-    if ids is not None:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        if n and (ids.min() < 0 or ids.max() >= w.shape[0]):
-            raise IndexError(f"deq_rows_bf16: ids out of range [0, {w.shape[0]})")
-        idp = ids.ctypes.data
     if n and k:
-        _check(L.gt_deq_tile_bf16(_type_id(qtype), w.ctypes.data, w.shape[1], idp, 0, n, 0,
-                                  k, out.ctypes.data, k), "dequantize")
+        _check(lib().gt_deq_tile_bf16(_type_id(qtype), w.ctypes.data, w.shape[1], idp, 0, n,
+                                      0, k, out.ctypes.data, k), "dequantize")
     return out
 
 

@@ -12,11 +12,6 @@
    ggml's.  This file knows nothing of Python; ../qgemm.py loads it. */
 #include <stdlib.h>
 
-int gt_q_supported(int t) {
-    gb_deq_fn f; int bl, by;
-    return gb_layout(t, &f, &bl, &by) == 0;
-}
-
 /* float32 rows ids[0..n) (all rows in order when ids is NULL) of a [*, k] matrix whose
    rows are rb bytes apart: out [n, k] */
 int gt_deq_rows(int t, const uint8_t *w, long rb, const int64_t *ids, long n, long k,
@@ -224,45 +219,45 @@ static void tile_d(gb_deq_fn f, int bl, int by, const uint8_t *w, long rb, long 
    than x @ tile^T at T = 256 (measured), and the transpose costs one pass over T x R
    values per tile. */
 #define DRIVERS(SUF, TYPE, TILE, GEMM, TRANSPOSE_FN)                                   \
-int gt_qgemm_##SUF(int t, const uint8_t *w, long rb, long rows, long k, const TYPE *x,  \
-                   long T, TYPE *y, TYPE *tile, long R, long C, void *gemm, int ilp64,  \
-                   int lay, TYPE *tbuf) {                                            \
-    gb_deq_fn f; int bl, by;                                                              \
-    if (gb_layout(t, &f, &bl, &by) || C % bl) return -1;                                  \
+int gt_qgemm_##SUF(int t, const uint8_t *w, long rb, long rows, long k, const TYPE *x, \
+                   long T, TYPE *y, TYPE *tile, long R, long C, void *gemm, int ilp64, \
+                   int lay, TYPE *tbuf) {                                              \
+    gb_deq_fn f; int bl, by;                                                           \
+    if (gb_layout(t, &f, &bl, &by) || C % bl) return -1;                               \
     for (long r0 = 0; r0 < rows; r0 += R) {                                            \
         const long n = rows - r0 < R ? rows - r0 : R;                                  \
         for (long c0 = 0; c0 < k; c0 += C) {                                           \
             const long nc = k - c0 < C ? k - c0 : C;                                   \
             TILE(f, bl, by, w, rb, r0, n, c0, nc, tile);                               \
-            if (lay) /* tbuf[n, T] (+)= tile @ x[:, c0..]^T */                      \
+            if (lay) /* tbuf[n, T] (+)= tile @ x[:, c0..]^T */                         \
                 GEMM(gemm, ilp64, 0, 1, n, T, nc, tile, nc, x + c0, k, c0 ? 1 : 0,     \
                      tbuf, T);                                                         \
             else /* y[:, r0..] (+)= x[:, c0..] @ tile^T */                             \
                 GEMM(gemm, ilp64, 0, 1, T, n, nc, x + c0, k, tile, nc, c0 ? 1 : 0,     \
                      y + r0, rows);                                                    \
         }                                                                              \
-        if (lay) TRANSPOSE_FN(tbuf, n, T, y + r0, rows);                            \
+        if (lay) TRANSPOSE_FN(tbuf, n, T, y + r0, rows);                               \
     }                                                                                  \
     return 0;                                                                          \
 }                                                                                      \
 int gt_qgemm_t_##SUF(int t, const uint8_t *w, long rb, long rows, long k, const TYPE *g, \
                      long T, TYPE *z, TYPE *tile, long R, long C, void *gemm, int ilp64, \
-                     int lay, TYPE *tbuf) {                                          \
-    gb_deq_fn f; int bl, by;                                                              \
-    if (gb_layout(t, &f, &bl, &by) || C % bl) return -1;                                  \
+                     int lay, TYPE *tbuf) {                                            \
+    gb_deq_fn f; int bl, by;                                                           \
+    if (gb_layout(t, &f, &bl, &by) || C % bl) return -1;                               \
     for (long c0 = 0; c0 < k; c0 += C) {                                               \
         const long nc = k - c0 < C ? k - c0 : C;                                       \
         for (long r0 = 0; r0 < rows; r0 += R) {                                        \
             const long n = rows - r0 < R ? rows - r0 : R;                              \
             TILE(f, bl, by, w, rb, r0, n, c0, nc, tile);                               \
-            if (lay) /* tbuf[nc, T] (+)= tile^T @ g[:, r0..]^T */                   \
+            if (lay) /* tbuf[nc, T] (+)= tile^T @ g[:, r0..]^T */                      \
                 GEMM(gemm, ilp64, 1, 1, nc, T, n, tile, nc, g + r0, rows, r0 ? 1 : 0,  \
                      tbuf, T);                                                         \
             else /* z[:, c0..] (+)= g[:, r0..] @ tile */                               \
                 GEMM(gemm, ilp64, 0, 0, T, nc, n, g + r0, rows, tile, nc, r0 ? 1 : 0,  \
                      z + c0, k);                                                       \
         }                                                                              \
-        if (lay) TRANSPOSE_FN(tbuf, nc, T, z + c0, k);                              \
+        if (lay) TRANSPOSE_FN(tbuf, nc, T, z + c0, k);                                 \
     }                                                                                  \
     return 0;                                                                          \
 }

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from gradtape.models.load_gguf import permute_rope_rows
-
-from tinymodel import _bytes_to_unicode
+from gradtape.models.tokenizer import _bytes_to_unicode
 
 _GGUF_BLOCK = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
                "o": "attn_output", "ffn_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up",

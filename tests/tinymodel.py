@@ -100,3 +100,23 @@ def write_hf_folder(model, path):
     return path
 
 
+
+
+def lora_loss_outputs(tp, config, weights, adapter, ids):
+    """Record on ``tp`` (in its dtype) the next-token loss of one sequence ``ids`` through
+    ``config``'s graph, the frozen ``weights`` as consts and ``adapter``'s A and B as
+    params; ``(outputs, keys)``: ``[loss, dA, dB for each adapted (layer, target) in keys]``
+    and those keys, in order."""
+    from gradtape import nn
+    from gradtape.models.model import record_forward, weight_consts
+
+    dt = tp.dtype
+    W = weight_consts(tp, {k: np.asarray(w).astype(dt, copy=False) for k, w in weights.items()})
+    lora = {k: (tp.param(a.astype(dt)), tp.param(b.astype(dt)))
+            for k, (a, b) in adapter.weights.items()}
+    logits = record_forward(tp, config, W, tp.const(np.asarray(ids)), 1, lora, adapter.scale)
+    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
+    grads = tp.backward(loss)
+    keys = list(lora)
+    return [loss] + [grads[p] for k in keys for p in lora[k]], keys

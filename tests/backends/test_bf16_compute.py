@@ -269,7 +269,7 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
     gets a gradient)."""
     _need_onednn()
     from gradtape.models.lora import init_adapter
-    from gradtape.models.model import record_forward, weight_consts
+    from tinymodel import lora_loss_outputs
 
     m = smollm2
     rng = np.random.default_rng(0)
@@ -280,13 +280,7 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
             "on a laptop CPU is slow but it works, one step at a time. ") * 2
     ids = np.array(m.tokenizer.encode(text)[:64])
     tp = gt.Tape(np.float32, eager=False)
-    lora = {k: (tp.param(a), tp.param(b)) for k, (a, b) in ad.weights.items()}
-    logits = record_forward(tp, m.config, weight_consts(tp, m), tp.const(ids), 1, lora,
-                            ad.scale)
-    tid, w = nn.ce_targets_fill(np.append(ids[1:], -100))
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
-    grads = tp.backward(loss)
-    outs = [loss, *grads.values()]
+    outs, keys = lora_loss_outputs(tp, m.config, m.weights, ad, ids)
     r32 = tp.compile(outs, backend="cpu").run()
     p16 = tp.compile(outs, backend="cpu", compute="bf16")
     assert p16.executable.compute == "bf16"
@@ -297,7 +291,7 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
         return a @ b / np.linalg.norm(a) / np.linalg.norm(b)
 
     each = [cos(a, b) for a, b in zip(r32[1:], r16[1:])]
-    assert len(each) == 2 * len(lora) and min(each) >= 0.99
+    assert len(each) == 2 * len(keys) and min(each) >= 0.99
     assert cos(np.concatenate([g.ravel() for g in r32[1:]]),
                np.concatenate([g.ravel() for g in r16[1:]])) >= 0.999
 

@@ -28,6 +28,7 @@ import pytest
 
 from families import (FAMILIES, GGUF_FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job,
                       make_folder, make_gemma2_spm_folder, model_job, rel, run_converters)
+from tinymodel import lora_loss_outputs
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -294,9 +295,8 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
     from peft import LoraConfig, get_peft_model
 
     import gradtape as gt
-    from gradtape import llama, nn
+    from gradtape import llama
     from gradtape.models.lora import PEFT_MODULES
-    from gradtape.models.model import record_forward, weight_consts
 
     folder = folders(family)
     model = llama.load(folder)
@@ -321,15 +321,8 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
     loss_ref.backward()
 
     tp = gt.Tape(np.float64, eager=False)
-    W = weight_consts(tp, {k: w.astype(np.float64) for k, w in model.weights.items()})
-    lora = {k: (tp.param(a.astype(np.float64)), tp.param(b.astype(np.float64)))
-            for k, (a, b) in ad.weights.items()}
-    logits = record_forward(tp, model.config, W, tp.const(np.asarray(ids)), 1, lora, ad.scale)
-    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
-    grads = tp.backward(loss)
-    keys = list(lora)
-    outs = tp.compile([loss] + [grads[p] for k in keys for p in lora[k]]).run()
+    outs, keys = lora_loss_outputs(tp, model.config, model.weights, ad, ids)
+    outs = tp.compile(outs).run()
     assert float(outs[0]) == pytest.approx(loss_ref.item(), rel=1e-12)
     worst = 0.0
     for i, (layer, target) in enumerate(keys):
@@ -346,21 +339,13 @@ def test_training_step_on_the_cpu_backend_equals_numpy(family, folders):
     projections, GeGLU, soft-capping, windows) gives the same loss and adapter gradients
     on the generated-C ``cpu`` backend as on the NumPy reference (float64)."""
     import gradtape as gt
-    from gradtape import llama, nn
-    from gradtape.models.model import record_forward, weight_consts
+    from gradtape import llama
 
     model = llama.load(folders(family))
     ids = _ids(model)
     ad = _random_adapter(model)
     tp = gt.Tape(np.float64, eager=False)
-    W = weight_consts(tp, {k: w.astype(np.float64) for k, w in model.weights.items()})
-    lora = {k: (tp.param(a.astype(np.float64)), tp.param(b.astype(np.float64)))
-            for k, (a, b) in ad.weights.items()}
-    logits = record_forward(tp, model.config, W, tp.const(np.asarray(ids)), 1, lora, ad.scale)
-    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
-    grads = tp.backward(loss)
-    outs = [loss] + [grads[p] for ab in lora.values() for p in ab]
+    outs, _ = lora_loss_outputs(tp, model.config, model.weights, ad, ids)
     ref = tp.compile(outs, backend="numpy").run()
     got = tp.compile(outs, backend="cpu").run()
     worst = max(rel(g, r) for g, r in zip(got, ref))

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 import gradtape as gt
-from gradtape import nn
 from gradtape.llama import load_adapter
 from gradtape.models.lora import PEFT_MODULES, init_adapter
-from gradtape.models.model import record_forward, weight_consts
+from tinymodel import lora_loss_outputs
 
 pytestmark = pytest.mark.model
 TEXT = "The quick brown fox jumps over the lazy dog, then writes {\"a\": 1} in JSON."
@@ -99,17 +98,9 @@ def test_step_gradients_equal_pytorch_through_peft_float64(smollm2, hf_smollm2, 
     loss_ref = torch.nn.functional.cross_entropy(logits_ref[:-1], x[0, 1:])
     loss_ref.backward()
 
-    weights64 = {k: w.astype(np.float64) for k, w in smollm2.weights.items()}
     tp = gt.Tape(np.float64, eager=False)
-    W = weight_consts(tp, weights64)
-    lora = {k: (tp.param(a.astype(np.float64)), tp.param(b.astype(np.float64)))
-            for k, (a, b) in ad.weights.items()}
-    logits = record_forward(tp, smollm2.config, W, tp.const(np.asarray(ids)), 1, lora, ad.scale)
-    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
-    grads = tp.backward(loss)
-    keys = list(lora)
-    outs = tp.compile([loss] + [grads[p] for k in keys for p in lora[k]]).run()
+    outs, keys = lora_loss_outputs(tp, smollm2.config, smollm2.weights, ad, ids)
+    outs = tp.compile(outs).run()
     assert float(outs[0]) == pytest.approx(loss_ref.item(), rel=1e-12)
     worst = 0.0
     for i, (layer, target) in enumerate(keys):

@@ -8,11 +8,13 @@ Tolerances:
   rounded to bf16 (nearest even) and nothing else is lost.
 * a whole SmolLM2 step in bf16 against float32: loss within 1e-2 relative (the issue's
   bound; observed 1e-4 to 1e-3), the whole adapter gradient with cosine >= 0.999 (observed
-  0.99978), and each of the 420 gradients >= 0.99.  The issue asks 0.999 for each; bf16
-  keeps 8 bits of mantissa (2.3e-3 relative error per GEMM) and the forward's rounding
-  perturbs every activation after it: the smallest gradients (a middle layer's k or up
-  A, norm ~0.02) measured 0.997-0.999 on natural text (0.9992 on random tokens), while the
-  bf16 backward alone keeps every one >= 0.9999 -- so 0.99 is the bound for each.
+  0.99975), and each of the 420 gradients >= 0.995.  The issue asks 0.999 for each; no
+  scheme with bf16 GEMM inputs keeps that (``bench/bf16_cosine.py``): the smallest
+  gradients (norm 0.01-0.05, a middle layer's k or up A) come out 3-8% off from GEMM
+  inputs rounded by at most 2^-9, so their cosine lands between 0.997 and 0.9995 as the
+  text and the rounded operands fall, not monotonically -- W rounded alone, or the forward activation
+  carried in two bf16 terms (1.5x the GEMMs), gives 7-8 below 0.999 on random tokens
+  where plain bf16 gives 1.  The lowest any scheme measured on three texts is 0.9973.
 The oneDNN tests skip where the ``onednn-cpu-gomp`` wheel is not installed or oneDNN
 has no bf16 matmul for this CPU (no AVX512-BF16, no AMX).
 """
@@ -265,7 +267,7 @@ def test_finetune_cli_rejects_an_unknown_compute(tmp_path):
 @pytest.mark.model
 def test_smollm2_step_in_bf16_matches_float32(smollm2):
     """Loss within 1e-2 relative, the whole adapter gradient with cosine >= 0.999, each
-    gradient >= 0.99 (see the module docstring; B drawn small and non-zero so every A
+    gradient >= 0.995 (see the module docstring; B drawn small and non-zero so every A
     gets a gradient)."""
     _need_onednn()
     from gradtape.models.lora import init_adapter
@@ -291,7 +293,7 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
         return a @ b / np.linalg.norm(a) / np.linalg.norm(b)
 
     each = [cos(a, b) for a, b in zip(r32[1:], r16[1:])]
-    assert len(each) == 2 * len(keys) and min(each) >= 0.99
+    assert len(each) == 2 * len(keys) and min(each) >= 0.995
     assert cos(np.concatenate([g.ravel() for g in r32[1:]]),
                np.concatenate([g.ravel() for g in r16[1:]])) >= 0.999
 

@@ -140,9 +140,10 @@ class CpuBackend:
                                                np.uint16)
                 self._q16 = {s for s in qops if qgemm.bf16_eligible(s)}
                 if self._q16:
-                    act, tile = qgemm.bf16_scratch_elems(self._q16)
-                    self._qact16, self._qtile16 = (np.empty(act, np.uint16),
-                                                   np.empty(tile, np.uint16))
+                    act, tile, prod = qgemm.bf16_scratch_elems(self._q16)
+                    self._qact16, self._qtile16, self._qprod32 = (
+                        np.empty(act, np.uint16), np.empty(tile, np.uint16),
+                        np.empty(prod, np.float32) if prod else None)
                 if self._bf16 or self._q16:
                     self.compute = "bf16"
         # frozen weights in their stored type: one float scratch tile, allocated once here
@@ -222,7 +223,8 @@ class CpuBackend:
                 steps.append(("py", self._matmul_step(val[s], *ins, **s.attrs)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
-                                                     self._qact16, self._qtile16)))
+                                                     self._qact16, self._qtile16,
+                                                     self._qprod32)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             else:

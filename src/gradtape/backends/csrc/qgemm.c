@@ -137,6 +137,13 @@ int gt_deq_tile_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long 
     return 0;
 }
 
+/* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into
+   contiguous scratch, moved into its columns of the result (see qgemm.lower_bf16) */
+void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst, long ldd) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
+    for (long i = 0; i < m; i++) memcpy(dst + i * ldd, src + i * n, n * sizeof(float));
+}
+
 /* o[i] = bf16 of x[i]: the activation operand of a bf16 GEMM */
 void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
     #pragma omp parallel for schedule(static) if (n >= (1L << 16))

@@ -345,8 +345,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32):
       qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]   (whole columns), or
                  z (+)= g16[:, r0:r0+R] @ tile[R, k]    (whole rows)
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
-    into place: a GEMM writing rows 16-56 KB apart (the result's own rows) ran 15-20%
-    slower, its rows falling on the same cache sets."""
+    into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or
+    14336 floats) measured 15-20% slower than into contiguous rows."""
     a = v.attrs
     qtype, rows, k = a["qtype"], a["rows"], a["k"]
     x, w = ins

@@ -49,6 +49,8 @@ import time
 
 import numpy as np
 
+from gradtape.backends.compute import call_seconds
+
 WORKLOADS = ("smollm2-lora", "tiny-lora")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 8, 16.0, 1e-4
@@ -231,13 +233,7 @@ BIG_SHAPES = ((256, 576, 1536), (256, 576, 576), (256, 1536, 576))
 
 
 def _time(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return statistics.median(call_seconds(fn, reps))
 
 
 def floor_worker(reps=5):

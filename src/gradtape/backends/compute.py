@@ -72,11 +72,22 @@ def bf16_fast() -> tuple:
 
 
 @functools.lru_cache(maxsize=1)
+def call_seconds(fn, reps):
+    """The seconds each of ``reps`` calls of ``fn`` took, after one warm-up call."""
+    import time
+
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return ts
+
+
 def measured_rates(m=256, k=576, n=1536, reps=7):
     """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at one of SmolLM2's shapes, the
     best of ``reps`` (the best resists other processes' noise)."""
-    import time
-
     import numpy as np
 
     from . import onednn
@@ -89,13 +100,7 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
     gemm16 = onednn.dnnl().bind(out, a16, w16, False)
 
     def best(fn):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return 2 * m * k * n / min(ts)
+        return 2 * m * k * n / min(call_seconds(fn, reps))
 
     # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay (qgemm.one_blas_thread)
     from .qgemm import one_blas_thread

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from . import ops
-from .tape import is_blocks
+from .var import is_blocks
 
 MASK_VALUE = -1e9
 

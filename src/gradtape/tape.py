@@ -7,132 +7,20 @@ from ``ops.PRIMS``.  Shapes and dtypes are checked when an op is recorded, never
 inputs' gradients, reduces broadcast gradients, and sums contributions — all by recording
 ops, so the gradients are graph that compiles and replays like any other op.
 
-This module does not execute compiled programs; see ``gradtape.compile``.
+``Var`` itself lives in ``var.py``; compiling and replaying is ``gradtape.compile``'s
+(``Tape.compile`` hands it the backend named).
 """
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 
 from . import ops
+from .backends import get_backend
 from .blocks import BlockMatrix
+from .compile import compile_program
 from .ops import PRIMS, ShapeError
-
-FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-LEAF_OPS = ("param", "const")
-
-
-def _fmt_shape(shape):
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-class Var:
-    """One value on a tape: a leaf or the output of one recorded op.
-
-    Hashable by identity; ``==`` is not overloaded.
-    """
-
-    __slots__ = ("tape", "index", "op", "inputs", "attrs", "shape", "dtype", "_value",
-                 "requires_grad", "__weakref__")
-    # numpy defers to our reflected operators (np_array + var -> Var.__radd__)
-    __array_ufunc__ = None
-
-    def __init__(self, tape, index, op, inputs, attrs, shape, dtype, value, requires_grad):
-        self.tape = tape
-        self.index = index
-        self.op = op
-        self.inputs = inputs
-        self.attrs = attrs
-        self.shape = shape
-        self.dtype = dtype
-        self._value = value
-        self.requires_grad = requires_grad
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def is_leaf(self):
-        return self.op in LEAF_OPS
-
-    @property
-    def value(self) -> np.ndarray:
-        if self._value is None:
-            raise ValueError(f"{self.op} var {_fmt_shape(self.shape)} has no eager value: the "
-                             "tape was created with eager=False; compile and run it instead")
-        return self._value
-
-    def __array__(self, dtype=None, copy=None):
-        v = self.value
-        return v.astype(dtype) if dtype is not None else v
-
-    def __repr__(self):
-        return f"Var#{self.index}<{self.op} {_fmt_shape(self.shape)} {self.dtype}>"
-
-    # --- operator overloading: each records ops on the tape that owns the operand ---
-    def __add__(self, o):
-        return ops.addc(self, o) if _is_scalar(o) else ops.add(self, self.tape._lift(o, "add"))
-
-    def __radd__(self, o):
-        return ops.addc(self, o) if _is_scalar(o) else ops.add(self.tape._lift(o, "add"), self)
-
-    def __sub__(self, o):
-        return ops.addc(self, -o) if _is_scalar(o) else ops.sub(self, self.tape._lift(o, "sub"))
-
-    def __rsub__(self, o):
-        if _is_scalar(o):
-            return ops.addc(ops.neg(self), o)
-        return ops.sub(self.tape._lift(o, "sub"), self)
-
-    def __mul__(self, o):
-        return ops.scale(self, o) if _is_scalar(o) else ops.mul(self, self.tape._lift(o, "mul"))
-
-    def __rmul__(self, o):
-        return ops.scale(self, o) if _is_scalar(o) else ops.mul(self.tape._lift(o, "mul"), self)
-
-    def __truediv__(self, o):
-        if _is_scalar(o):
-            return ops.scale(self, 1.0 / o)
-        return ops.div(self, self.tape._lift(o, "div"))
-
-    def __rtruediv__(self, o):
-        return ops.div(self.tape._lift(o, "div"), self)
-
-    def __pow__(self, p):
-        if not _is_scalar(p):
-            raise TypeError("pow: only a constant scalar exponent is supported")
-        return ops.powc(self, p)
-
-    def __neg__(self):
-        return ops.neg(self)
-
-    def __matmul__(self, o):
-        return ops.matmul(self, self.tape._lift(o, "matmul"))
-
-    def __rmatmul__(self, o):
-        return ops.matmul(self.tape._lift(o, "matmul"), self)
-
-    @property
-    def T(self):
-        return ops.transpose(self)
-
-
-def is_blocks(v) -> bool:
-    """Whether ``v`` is a block-matrix const (``Tape.const_blocks``)."""
-    return isinstance(v, Var) and v.dtype == np.uint8 and "qtype" in v.attrs
-
-
-def _is_scalar(o):
-    return isinstance(o, numbers.Real) and not isinstance(o, bool) or (
-        isinstance(o, np.generic) and np.issubdtype(type(o), np.floating))
+from .var import FLOAT_DTYPES, Var, is_scalar, fmt_shape, is_blocks
 
 
 class Tape:
@@ -193,7 +81,7 @@ class Tape:
         """An operand of an overloaded operator: a Var of this tape, or an array -> const."""
         if isinstance(o, Var):
             return o
-        if isinstance(o, np.ndarray) or _is_scalar(o):
+        if isinstance(o, np.ndarray) or is_scalar(o):
             return self.const(np.asarray(o, dtype=self.dtype))
         raise TypeError(f"{opname}: cannot combine a Var with {type(o).__name__}")
 
@@ -206,7 +94,7 @@ class Tape:
         shapes = [getattr(x, "shape", None) for x in inputs]
 
         def where():
-            desc = ", ".join(_fmt_shape(s) if s is not None else type(x).__name__
+            desc = ", ".join(fmt_shape(s) if s is not None else type(x).__name__
                              for x, s in zip(inputs, shapes))
             extra = "".join(f", {k}={v}" for k, v in attrs.items())
             return f"{op}({desc}{extra})"
@@ -224,7 +112,7 @@ class Tape:
                 continue
             if is_blocks(x):
                 raise TypeError(f"{where()}: input {i} is a block matrix ({x.attrs['qtype']} "
-                                f"{_fmt_shape(x.attrs['logical'])}); only qmatmul, qmatmul_t "
+                                f"{fmt_shape(x.attrs['logical'])}); only qmatmul, qmatmul_t "
                                 "and qtake_rows read one")
             want_int = i in prim.index_inputs
             if want_int != np.issubdtype(x.dtype, np.integer):
@@ -254,7 +142,7 @@ class Tape:
             raise ValueError("backward: loss must be a Var of this tape")
         if loss.size != 1:
             raise ValueError(f"backward: loss must have exactly one element, got shape "
-                             f"{_fmt_shape(loss.shape)}")
+                             f"{fmt_shape(loss.shape)}")
         grads = {loss: self.const(np.ones(loss.shape, self.dtype))}
         self.backward_marks.append(len(self.vars))
         out = {}
@@ -290,5 +178,4 @@ class Tape:
         ``compute="bf16"``: the cpu backend runs GEMMs against frozen float32 weights
         with bf16 inputs and float32 accumulation (see ``backends.compute``).
         """
-        from .compile import compile_program
-        return compile_program(self, outputs, backend, updates, compute)
+        return compile_program(self, outputs, get_backend(backend), updates, compute)

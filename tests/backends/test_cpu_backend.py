@@ -56,7 +56,7 @@ def compare(tp, outputs, feeds_list=({},), updates=None, ref64=None):
     """
     p_np = tp.compile(outputs, backend="numpy", updates=updates)
     p_cpu = tp.compile(outputs, backend="cpu", updates=updates)
-    assert p_cpu.executable.fallback is None
+    assert p_cpu.backend == "cpu"
     tol = TOL[tp.dtype]
     worst = 0.0
     for feeds in feeds_list:
@@ -430,9 +430,9 @@ def test_fallback_without_compiler(monkeypatch):
     x = tp.param(rng.standard_normal((3, 5)))
     loss = ops.reduce_sum(ops.softmax(ops.exp(x), 1))
     g = tp.backward(loss)
-    with pytest.warns(RuntimeWarning, match="NumPy fallback"):
+    with pytest.warns(RuntimeWarning, match="numpy fallback"):
         prog = tp.compile([loss, g[x]], backend="cpu")
-    assert prog.executable.fallback is not None
+    assert prog.backend == "numpy"
     ref = tp.compile([loss, g[x]], backend="numpy").run()
     for a, b in zip(prog.run(), ref):
         np.testing.assert_array_equal(a, b)

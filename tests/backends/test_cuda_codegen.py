@@ -33,7 +33,7 @@ from gradtape.backends import BACKENDS, _cudagen as G
 from gradtape.backends import cuda as C
 from gradtape.compile.fuse import step_inputs, step_outputs
 from gradtape.compile.graph import build_graph
-from gradtape.compile.memplan import plan_memory
+from gradtape.compile import lower
 
 from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph, rel_err
 
@@ -53,7 +53,7 @@ def harness(**kw):
 def compare(tp, outputs, updates=None, feeds_list=({},), ref64=None, storage="float32",
             bf16_min_size=1, device=None):
     graph = build_graph(tp, outputs, updates)
-    be = C.CudaBackend(graph, plan_memory(graph), storage=storage,
+    be = lower(graph, C.CudaBackend, storage=storage,
                        device=device or harness(), bf16_min_size=bf16_min_size)
     p_np = tp.compile(outputs, backend="numpy", updates=updates)
     worst = 0.0
@@ -213,7 +213,7 @@ def test_capture_failure_falls_back_once():
     loss = ops.reduce_sum(ops.exp(x))
     dev = harness(capture_fails=True)
     graph = build_graph(tp, [loss], None)
-    be = C.CudaBackend(graph, plan_memory(graph), device=dev)
+    be = lower(graph, C.CudaBackend, device=dev)
     ref = float(np.exp(x.value).sum())
     be.run({})
     with pytest.warns(RuntimeWarning, match="could not capture"):
@@ -226,8 +226,9 @@ def test_capture_failure_falls_back_once():
 
 
 class _HarnessBackend(C.CudaBackend):
-    def __init__(self, graph, plan=None):
-        super().__init__(graph, plan, device=C.HarnessDevice(block_elem=32, max_grid=2))
+    def __init__(self, graph, schedule, plan, compute="float32"):
+        super().__init__(graph, schedule, plan, compute,
+                         device=C.HarnessDevice(block_elem=32, max_grid=2))
 
 
 def test_train_step_matches_numpy(monkeypatch):
@@ -263,7 +264,7 @@ def _layers_backend(storage="float32", min_size=1):
     tp = gt.Tape(np.float32)
     outs = _layers(tp)
     graph = build_graph(tp, outs, None)
-    return C.CudaBackend(graph, plan_memory(graph), storage=storage, device=harness(),
+    return lower(graph, C.CudaBackend, storage=storage, device=harness(),
                          bf16_min_size=min_size)
 
 

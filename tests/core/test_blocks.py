@@ -132,10 +132,10 @@ def test_shape_and_type_errors_name_the_op_and_shapes():
 def test_cuda_backend_refuses_block_ops_clearly():
     pytest.importorskip("gradtape.backends.cuda")
     from gradtape.backends.cuda import CudaBackend
-    from gradtape.compile.graph import build_graph
+    from gradtape.compile import build_graph, lower
     r = np.random.default_rng(3)
     tp = gt.Tape(np.float32, eager=False)
     y = ops.qmatmul(tp.const(np.ones((2, 64))), tp.const(random_blocks("Q8_0", 4, 64, r)))
     with pytest.raises(ValueError, match=r"backend 'cuda': no kernel for qmatmul #\d+ "
                                          r"\(a weight kept as Q8_0 blocks\)"):
-        CudaBackend(build_graph(tp, [y], None), device=object())
+        lower(build_graph(tp, [y], None), CudaBackend, device=object())

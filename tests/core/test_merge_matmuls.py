@@ -14,12 +14,12 @@ import gradtape as gt
 from gradtape import nn, ops
 from gradtape.backends.numpy import NumpyBackend
 from gradtape.compile.graph import build_graph
-from gradtape.compile.memplan import plan_memory
+from gradtape.compile import lower
 from gradtape.compile.merge_matmuls import merge_matmuls
 
 
 def _run(graph):
-    return NumpyBackend(graph, plan_memory(graph)).run({})
+    return lower(graph, NumpyBackend).run({})
 
 
 def _matmuls(graph):

@@ -1,7 +1,7 @@
 """A Hugging Face folder's bf16 / f16 matrices kept 2 bytes per value
 (``load(..., keep_quantized=True)``): memory-mapped ``BlockMatrix`` views in torch's
-``[out, in]``, the same logits as the folder loaded to float32 (exactly: the NumPy
-reference widens the same values), and a LoRA step on the cpu backend."""
+``[out, in]`` that dequantize to exactly the float32-loaded weights, logits equal to the
+folder loaded to float32 up to float32 rounding, and a LoRA step on the cpu backend."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gradtape.blocks import BlockMatrix
 from gradtape.models.lora import init_adapter
 from gradtape.train.step import TrainStep
 
+from fd import rel_err
 from tinymodel import tiny_model, write_hf_folder
 
 
@@ -55,7 +56,11 @@ def test_hf_half_weights_stay_two_bytes(tmp_path, kind, monkeypatch, tmp_path_fa
     assert q.weights["norm"].dtype == np.float32
     np.testing.assert_array_equal(w.dequantize().T, f.weights["layers.1.gate"])
     ids = [5, 17, 200, 3, 99, 1]
-    np.testing.assert_array_equal(q.logits(ids), f.logits(ids))
+    # the weights are the same values, but the kept ones go through the block GEMMs (C
+    # tiles, then BLAS on each tile) where the float32 ones take one BLAS call: the sums
+    # run in another order, so equal only up to float32 rounding (6e-7 measured on an AMX
+    # Xeon; bitwise on some CPUs, which is luck of the blocking, not a promise)
+    assert rel_err(q.logits(ids), f.logits(ids)) <= 1e-5
     # one LoRA step on the cpu backend: the same loss as the float32-loaded folder
     ad = init_adapter(q.config, 2, 4.0, seed=0)
     ids2 = np.arange(24).reshape(2, 12) % 250

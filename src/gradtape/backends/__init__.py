@@ -1,16 +1,17 @@
-"""Backends: each lowers a compiled Graph + MemoryPlan into something that runs it.
+"""Backends: each lowers a compiled schedule + memory plan into something that runs it.
 
-A backend class is constructed as ``Backend(graph, plan)`` and offers ``run(arrays)``
-(copy the given leaf arrays in, evaluate the ops, apply state updates, return copies of
-the outputs), ``leaf_value(leaf)`` and ``plan``.  NumPy is the reference every other
-backend is tested against.
+``base.Backend`` is the interface (``compile.lower`` constructs one as ``Backend(graph,
+schedule, plan, compute=...)``; it offers ``run``, ``set_leaf``, ``leaf_value``,
+``plan``, ``compute``), and ``base.HostBackend`` the host storage the numpy and cpu
+backends share.  NumPy is the reference every other backend is tested against.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 
-# name -> "module:Class"; imported lazily so optional backends cost nothing unless used
+# name -> "module:Class"; imported on first use so optional backends cost nothing unless used
 BACKENDS = {
     "numpy": "gradtape.backends.numpy:NumpyBackend",
     "cpu": "gradtape.backends.cpu:CpuBackend",
@@ -20,8 +21,16 @@ BACKENDS = {
 
 
 def get_backend(name):
+    """The backend class that runs ``name`` here: the named one, or its ``fallback``
+    (with one RuntimeWarning saying why) where it cannot run on this machine."""
     if name not in BACKENDS:
         raise ValueError(f"compile: unknown backend {name!r}; known backends: "
                          f"{', '.join(sorted(BACKENDS))}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    backend = getattr(importlib.import_module(module), cls)
+    why = backend.fallback and backend.unavailable()
+    if why:
+        warnings.warn(f"gradtape: backend {name!r} runs on the {backend.fallback} fallback "
+                      f"({why})", RuntimeWarning, stacklevel=3)
+        return get_backend(backend.fallback)
+    return backend

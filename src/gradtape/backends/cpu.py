@@ -1,9 +1,9 @@
 """The fast CPU backend: the compiled graph, fused and lowered to C and BLAS.
 
-Lowering: ``compile.merge_matmuls`` first turns narrow matmuls that share an operand (the
-LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one GEMM each, and k=1
-outer products into fused multiplies.  ``compile.fuse`` groups elementwise chains (and
-chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups; each becomes a
+The compile passes it asks for (``passes``): ``merge_matmuls`` turns narrow matmuls that
+share an operand (the LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one
+GEMM each, and k=1 outer products into fused multiplies; ``fuse`` groups elementwise
+chains (and chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups, each a
 generated C kernel (``_cgen``), compiled once per distinct program source with the system
 C compiler and cached on disk.  Softmax and sums over the last axis of any rank, the fused
 loss (``nll_ids``) and its gradient, transposes, broadcasts and the data movement ops are
@@ -21,11 +21,9 @@ such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatm
 do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).
 Everything else stays float32.
 
-Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) the backend
-falls back to the NumPy reference backend and says so once, as a RuntimeWarning.
-
-Leaves are handled as in the NumPy backend: shared with the tape until fed or updated,
-then copied into storage the backend owns.
+Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
+says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
+RuntimeWarning).  Leaf storage and state updates are ``base.HostBackend``'s.
 """
 
 from __future__ import annotations
@@ -38,11 +36,10 @@ import weakref
 
 import numpy as np
 
-from ..compile.fuse import FusedGroup, fuse, plan_schedule_memory
-from ..compile.merge_matmuls import merge_matmuls
+from ..compile.fuse import FusedGroup
 from ..ops import PRIMS, _mT
-from . import _cgen, qgemm
-from .numpy import NumpyBackend
+from . import _cgen, onednn, qgemm
+from .base import HostBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
 _W16 = weakref.WeakKeyDictionary()  # weight leaf -> its bf16 copy, shared by programs
@@ -81,43 +78,42 @@ def _bf16_matmul(v):
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
 
 
-class CpuBackend:
-    def __init__(self, graph, plan=None, compute="float32"):
-        self.graph = graph
-        self.fallback = None
-        self.compute = "float32"
-        float_dtypes = {v.dtype for v in graph.ops}
+def _float_dtype(graph):
+    """The one float dtype of the graph's ops, or None where there are several (a program
+    that mixes them runs unfused, every op on its own)."""
+    dtypes = {v.dtype for v in graph.ops}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
+class CpuBackend(HostBackend):
+    name = "cpu"
+    passes = ("merge_matmuls", "fuse")
+    fallback = "numpy"  # without a C compiler
+
+    @classmethod
+    def fusion(cls, graph):
+        dtype = _float_dtype(graph)
+        return {"fusible": _fusible_for(dtype) if dtype else (lambda v: False),
+                "reductions": dtype is not None}
+
+    @classmethod
+    def unavailable(cls):
         try:
             _cgen.compiler()
         except _cgen.CompilerMissing as e:
-            warnings.warn(f"gradtape: backend 'cpu' runs on the NumPy fallback ({e})",
-                          RuntimeWarning, stacklevel=4)
-            self.fallback = NumpyBackend(graph, plan)
-            self.plan = self.fallback.plan
-            return
-        dtype = next(iter(float_dtypes)) if len(float_dtypes) == 1 else None
-        graph = self.graph = merge_matmuls(graph)
-        self.schedule = fuse(graph, fusible=_fusible_for(dtype) if dtype else (lambda v: False),
-                             reductions=dtype is not None)
-        self.plan = plan_schedule_memory(self.schedule)
-        self.dtype = dtype
-        buffers = [np.empty(n, dt) for dt, n in self.plan.buffer_sizes]
-        self._values = {}
-        for leaf in graph.leaves:
-            self._values[leaf] = leaf._value
-        self._owned = set()
-        for leaf, _ in graph.updates:
-            self._own(leaf)
-        for v in self.plan.slot:
-            self._values[v] = self.plan.view(buffers, v)
-        self._buffers = buffers
+            return str(e)
+        return None
+
+    def __init__(self, graph, schedule, plan, compute="float32"):
+        super().__init__(graph, schedule, plan, compute)
+        self.dtype = dtype = _float_dtype(graph)
         # kernels: one translation unit for the program
         src = _cgen.ProgramSource()
-        self._kernel_of = {g: src.kernel(g, dtype) for g in self.schedule.groups}
-        for s in self.schedule.steps:  # data movement: block copies in C as well
+        self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
+        for s in schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and _cgen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
-        qops = [s for s in self.schedule.steps if not isinstance(s, FusedGroup)
+        qops = [s for s in schedule.steps if not isinstance(s, FusedGroup)
                 and s.op in qgemm.QOPS]
         # bf16 compute: the activation operand is converted by a kernel in the batch
         # before its GEMM into one shared scratch (GEMMs run one at a time); the weights
@@ -125,14 +121,13 @@ class CpuBackend:
         # themselves (qgemm.lower_bf16), into scratch of their own.
         self._bf16, self._q16 = {}, set()
         if compute == "bf16" and dtype == np.float32:
-            from . import onednn
             try:
                 self._dnnl = onednn.dnnl()
             except onednn.DnnlError as e:
                 warnings.warn(f"gradtape: bf16 compute asked for, running float32: {e}",
-                              RuntimeWarning, stacklevel=4)
+                              RuntimeWarning, stacklevel=5)
             else:
-                steps = [s for s in self.schedule.steps
+                steps = [s for s in schedule.steps
                          if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
                 self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
                 if steps:
@@ -175,13 +170,8 @@ class CpuBackend:
                             ctypes.c_long(x.size))
         return out
 
-    # --- storage ---------------------------------------------------------------------
-    def _own(self, leaf):
-        self._values[leaf] = np.array(leaf._value, copy=True, order="C")
-        self._owned.add(leaf)
-
-    def _bind(self):
-        val = self._values
+    # --- binding ---------------------------------------------------------------------
+    def _bind_steps(self, val):
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
         for g in list(self._kernel_of) + list(self._bf16):
             for x in g.inputs:
@@ -242,16 +232,7 @@ class CpuBackend:
                 start, n = rest
                 out.append(functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
                                              base + 8 * start, n))
-        self._steps = out
-        # updates are simultaneous (as in the NumPy backend): a source that is itself an
-        # updated leaf is first copied to a preallocated snapshot, then written
-        targets = {leaf for leaf, _ in self.graph.updates}
-        self._snaps = [(val[src], np.empty_like(val[src])) for leaf, src in self.graph.updates
-                       if src in targets]
-        snap_of = {id(a): b for a, b in self._snaps}
-        self._updates = [(val[leaf], snap_of.get(id(val[src]), val[src]) if src in targets
-                          else val[src]) for leaf, src in self.graph.updates]
-        self._outputs = [val[v] for v in self.graph.outputs]
+        return out
 
     def _matmul_step(self, out, a, b, ta=False, tb=False):
         """A float32 matmul: in a bf16 program through oneDNN where it can (its threads
@@ -263,21 +244,8 @@ class CpuBackend:
                 return run
         return _mm_step(out, a, b, ta, tb)
 
-    def leaf_value(self, leaf):
-        if self.fallback is not None:
-            return self.fallback.leaf_value(leaf)
-        return self._values[leaf].copy()
-
     def set_leaf(self, leaf, arr):
-        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared)."""
-        if self.fallback is not None:
-            return self.fallback.set_leaf(leaf, arr)
-        if leaf not in self._values:
-            return  # pruned: nothing reads this leaf
-        if leaf not in self._owned:
-            self._own(leaf)
-            self._bind()
-        np.copyto(self._values[leaf], arr)
+        super().set_leaf(leaf, arr)
         if leaf in self._w16:  # a fed weight: a bf16 copy of this program's own follows
             if self._w16[leaf] is _W16.get(leaf):
                 self._w16[leaf] = np.empty(leaf.shape, np.uint16)
@@ -286,19 +254,8 @@ class CpuBackend:
             self._convert(leaf, self._w16[leaf])
 
     # --- replay ------------------------------------------------------------------------
-    def run(self, arrays):
-        if self.fallback is not None:
-            return self.fallback.run(arrays)
-        for leaf, arr in arrays.items():
-            self.set_leaf(leaf, arr)
+    def _execute(self):
         # a bf16 replay runs on OpenMP's threads (oneDNN, our kernels): NumPy's BLAS, for
         # any float32 GEMM oneDNN did not take, on one thread (see qgemm.one_blas_thread)
         with qgemm.one_blas_thread() if self.compute == "bf16" else contextlib.nullcontext():
-            for step in self._steps:
-                step()
-        outs = [o.copy() for o in self._outputs]
-        for src, snap in self._snaps:
-            np.copyto(snap, src)
-        for dst, src in self._updates:
-            np.copyto(dst, src)
-        return outs
+            super()._execute()

@@ -49,9 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GradtapeError
-from ..compile.fuse import FusedGroup, fuse, step_inputs, step_outputs
+from ..compile.fuse import FusedGroup, step_inputs, step_outputs
 from ..compile.memplan import plan_liveness
 from . import _cudagen as G
+from .base import Backend
 
 ALIGN = 256  # bytes; every buffer in an arena starts on this boundary
 BF16_MIN_SIZE = 65536
@@ -521,14 +522,22 @@ class HarnessDevice:
 
 # --- the backend --------------------------------------------------------------------------
 
-class CudaBackend:
-    """``CudaBackend(graph, plan, storage=None, device=None, bf16_min_size=65536)``."""
+class CudaBackend(Backend):
+    """``compile.lower(graph, CudaBackend, storage=None, device=None,
+    bf16_min_size=65536)``: device memory of its own (``Arena``), so none of the host
+    storage of ``base.HostBackend``."""
 
+    name = "cuda"
+    passes = ("fuse",)
     default_storage = None
 
-    def __init__(self, graph, plan=None, storage=None, device=None,
+    @classmethod
+    def fusion(cls, graph):
+        return {"fusible": G.fusible, "reductions": True}
+
+    def __init__(self, graph, schedule, plan, compute="float32", storage=None, device=None,
                  bf16_min_size=BF16_MIN_SIZE):
-        self.graph = graph
+        super().__init__(graph, schedule, plan, compute)
         for v in graph.ops:  # frozen weights in their stored type: cpu and numpy only
             if v.op in ("qmatmul", "qmatmul_t", "qtake_rows"):
                 raise ValueError(f"backend 'cuda': no kernel for {v.op} #{v.index} (a weight "
@@ -538,7 +547,6 @@ class CudaBackend:
             os.environ.get("GRADTAPE_CUDA_STORAGE", "float32")
         self.storage = storage
         self.device = dev = device if device is not None else CupyDevice()
-        self.schedule = fuse(graph, fusible=G.fusible, reductions=True)
         self.codes = codes = storage_codes(graph, self.schedule, storage, bf16_min_size)
         steps = list(self.schedule.steps)
         # snapshots: update sources that are themselves updated leaves, and outputs that
@@ -771,4 +779,5 @@ class CudaBackend:
 
 class CudaBf16Backend(CudaBackend):
     """``backend="cuda-bf16"``: the cuda backend with bfloat16 storage."""
+    name = "cuda-bf16"
     default_storage = "bfloat16"

@@ -204,8 +204,13 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
     return Schedule(steps=tuple(s for _, s in steps), graph=graph)
 
 
+def unfused(graph) -> Schedule:
+    """Every op a step of its own (a backend without the fuse pass)."""
+    return Schedule(steps=graph.ops, graph=graph)
+
+
 def step_inputs(step):
-    return step.inputs if isinstance(step, FusedGroup) else step.inputs
+    return step.inputs
 
 
 def step_outputs(step):

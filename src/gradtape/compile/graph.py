@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..var import Var
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -15,8 +17,6 @@ class Graph:
 
 def build_graph(tape, outputs, updates) -> Graph:
     """Prune: keep only what ``outputs`` and the update sources depend on."""
-    from ..tape import Var
-
     outputs = list(outputs)
     updates = dict(updates or {})
     for i, v in enumerate(outputs):

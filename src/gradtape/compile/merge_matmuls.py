@@ -20,12 +20,11 @@ Graph; the tape is not modified.  The NumPy reference backend does not use it.
 from __future__ import annotations
 
 from .. import ops as _ops  # noqa: F401  (the primitive table must be loaded)
+from ..var import Var
 from .graph import Graph
 
 
 def _new(like, op, inputs, attrs, shape):
-    from ..tape import Var
-
     return Var(like.tape, like.index, op, tuple(inputs), dict(attrs), tuple(shape), like.dtype,
                None, like.requires_grad)
 

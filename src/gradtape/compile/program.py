@@ -1,4 +1,5 @@
-"""``Program``: a compiled graph bound to a backend, replayed with new leaf values.
+"""The compile pipeline (``compile_program``, ``lower``) and ``Program``: a compiled
+graph bound to a backend, replayed with new leaf values.
 
 The Program validates feeds (shared by every backend) and hands the backend arrays it can
 copy into its own leaf storage.  A leaf keeps its recorded value unless fed in that run
@@ -11,25 +12,42 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..var import Var, fmt_shape
+from .fuse import fuse, plan_schedule_memory, unfused
 from .graph import build_graph
-from .memplan import plan_memory
+from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
 
+COMPUTE = ("float32", "bf16")
 
-def compile_program(tape, outputs, backend="numpy", updates=None, compute="float32"):
-    """``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
-    frozen-weight GEMMs take bf16 inputs and accumulate in float32 (the ``cpu`` backend
-    on a float32 tape; decided by ``backends.compute.resolve``, which says when it
-    cannot be had).  Other backends and float64 tapes run their own arithmetic."""
-    from ..backends import get_backend
 
-    if compute not in ("float32", "bf16"):
+def compile_program(tape, outputs, backend_cls, updates=None, compute="float32"):
+    """The pipeline: prune (``build_graph``), rematerialize, then the passes the backend
+    declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``).
+
+    ``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
+    frozen-weight GEMMs take bf16 inputs and accumulate in float32 where the backend has
+    such GEMMs (the ``cpu`` backend on a float32 tape; ``backends.compute.resolve``
+    decides when it can be had).  Other backends and float64 tapes run their own
+    arithmetic, and the executable's ``compute`` says what ran."""
+    if compute not in COMPUTE:
         raise ValueError(f"compile: compute must be 'float32' or 'bf16' (resolve 'auto' with "
                          f"gradtape.backends.compute.resolve), got {compute!r}")
-    backend_cls = get_backend(backend)
     graph = rematerialize(build_graph(tape, outputs, updates), tape.backward_marks)
-    extra = {"compute": compute} if compute != "float32" and backend == "cpu" else {}
-    return Program(graph, backend_cls(graph, plan_memory(graph), **extra), backend)
+    return Program(graph, lower(graph, backend_cls, compute=compute), backend_cls.name)
+
+
+def lower(graph, backend_cls, **kwargs):
+    """``graph`` through the passes ``backend_cls.passes`` names (in this order:
+    ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
+    backend constructed on them (``kwargs`` go to it)."""
+    if "merge_matmuls" in backend_cls.passes:
+        graph = merge_matmuls(graph)
+    if "fuse" in backend_cls.passes:
+        schedule = fuse(graph, **backend_cls.fusion(graph))
+    else:
+        schedule = unfused(graph)
+    return backend_cls(graph, schedule, plan_schedule_memory(schedule), **kwargs)
 
 
 class Program:
@@ -59,20 +77,18 @@ class Program:
         return self.executable.run(arrays)
 
     def _check_feed(self, leaf, value):
-        from ..tape import Var, _fmt_shape
-
         tape = self.graph.leaves[0].tape if self.graph.leaves else None  # None: no leaves
         if not isinstance(leaf, Var) or not leaf.is_leaf or leaf.tape is not tape:
             raise ValueError(f"run: feed key {leaf!r} is not a leaf (param or const) of "
                              "this program's tape")
         arr = np.asarray(value)
         if arr.shape != leaf.shape:
-            raise ValueError(f"run: feed for {leaf.op} leaf #{leaf.index} {_fmt_shape(leaf.shape)}"
-                             f" got an array of shape {_fmt_shape(arr.shape)}")
+            raise ValueError(f"run: feed for {leaf.op} leaf #{leaf.index} {fmt_shape(leaf.shape)}"
+                             f" got an array of shape {fmt_shape(arr.shape)}")
         if np.issubdtype(leaf.dtype, np.integer):
             if not np.issubdtype(arr.dtype, np.integer):
                 raise TypeError(f"run: feed for integer leaf #{leaf.index} "
-                                f"{_fmt_shape(leaf.shape)} got dtype {arr.dtype}")
+                                f"{fmt_shape(leaf.shape)} got dtype {arr.dtype}")
         elif not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
             raise TypeError(f"run: feed for leaf #{leaf.index} got non-numeric dtype {arr.dtype}")
         return arr.astype(leaf.dtype, copy=False)

@@ -15,6 +15,7 @@ list holds the clones; the tape is not modified.
 from __future__ import annotations
 
 from ..ops import PRIMS
+from ..var import Var
 from .graph import Graph
 
 
@@ -84,8 +85,6 @@ def rematerialize(graph: Graph, marks) -> Graph:
 
 def _with_inputs(v, inputs):
     """A new Var computing ``v``'s op on ``inputs`` (no eager value)."""
-    from ..tape import Var
-
     return Var(v.tape, v.index, v.op, inputs, v.attrs, v.shape, v.dtype, None, v.requires_grad)
 
 

@@ -1,0 +1,109 @@
+"""What every backend shares: the interface ``compile`` drives, and host leaf storage.
+
+A backend class declares which of the optional compile passes it wants (``passes``:
+``"merge_matmuls"``, ``"fuse"``) and how to fuse (``fusion``); ``compile.lower`` runs
+them and constructs it as ``Backend(graph, schedule, plan, compute=...)``.  It then
+offers ``run(arrays)`` (copy the given leaf arrays in, evaluate, apply the state
+updates, return copies of the outputs), ``set_leaf``, ``leaf_value``, ``plan`` and
+``compute`` (the precision that runs: "float32", or "bf16" where a backend took it).
+
+``HostBackend`` holds values in host NumPy arrays (the numpy and cpu backends): leaves
+share the tape's recorded arrays read-only until fed or updated, then get storage of
+their own; intermediates live in the buffers of the memory plan, allocated once; state
+updates are simultaneous (a source that is itself an updated leaf is snapshotted into a
+preallocated buffer first, so ``{a: b, b: a}`` swaps).  A subclass says how to run the
+schedule (``_bind_steps``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Backend:
+    name = ""
+    passes = ()  # optional compile passes this backend wants, run in compile.lower
+    fallback = None  # the backend that runs where this one cannot (see ``unavailable``)
+
+    @classmethod
+    def fusion(cls, graph) -> dict:
+        """Keyword arguments of ``compile.fuse.fuse`` for ``graph`` (with "fuse" in
+        ``passes``)."""
+        return {}
+
+    @classmethod
+    def unavailable(cls):
+        """Why this backend cannot run on this machine, or None."""
+        return None
+
+    def __init__(self, graph, schedule, plan, compute="float32"):
+        self.graph, self.schedule, self.plan = graph, schedule, plan
+        self.compute = "float32"  # a backend that takes bf16 says so
+
+    def run(self, arrays) -> list:
+        raise NotImplementedError
+
+    def set_leaf(self, leaf, arr):
+        raise NotImplementedError
+
+    def leaf_value(self, leaf):
+        raise NotImplementedError
+
+
+class HostBackend(Backend):
+    def __init__(self, graph, schedule, plan, compute="float32"):
+        super().__init__(graph, schedule, plan, compute)
+        self._buffers = [np.empty(n, dtype) for dtype, n in plan.buffer_sizes]
+        self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
+        self._owned = set()
+        for leaf, _ in graph.updates:
+            self._own(leaf)
+        for v in plan.slot:
+            self._values[v] = plan.view(self._buffers, v)
+
+    def _own(self, leaf):
+        self._values[leaf] = np.array(leaf._value, copy=True, order="C")
+        self._owned.add(leaf)
+
+    def _bind(self):
+        """(Re)bind every step to the arrays values live in (after a leaf got storage)."""
+        val = self._values
+        self._steps = self._bind_steps(val)
+        targets = {leaf for leaf, _ in self.graph.updates}
+        self._snaps = [(val[src], np.empty_like(val[src])) for _, src in self.graph.updates
+                       if src in targets]
+        snap_of = {id(a): b for a, b in self._snaps}
+        self._updates = [(val[leaf], snap_of[id(val[src])] if src in targets else val[src])
+                         for leaf, src in self.graph.updates]
+        self._outputs = [val[v] for v in self.graph.outputs]
+
+    def _bind_steps(self, values) -> list:
+        """The schedule as a list of callables over ``values`` (Var -> array)."""
+        raise NotImplementedError
+
+    def _execute(self):
+        for step in self._steps:
+            step()
+
+    def leaf_value(self, leaf):
+        return self._values[leaf].copy()
+
+    def set_leaf(self, leaf, arr):
+        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared)."""
+        if leaf not in self._values:
+            return  # pruned: nothing reads this leaf
+        if leaf not in self._owned:
+            self._own(leaf)
+            self._bind()
+        np.copyto(self._values[leaf], arr)
+
+    def run(self, arrays):
+        for leaf, arr in arrays.items():
+            self.set_leaf(leaf, arr)
+        self._execute()
+        outs = [o.copy() for o in self._outputs]
+        for src, snap in self._snaps:
+            np.copyto(snap, src)
+        for dst, src in self._updates:
+            np.copyto(dst, src)
+        return outs

@@ -52,7 +52,6 @@ def _programs(step):
 
 def _scratch(prog, weights, dtype):
     ex = prog.executable
-    ex = getattr(ex, "fallback", None) or ex
     q = getattr(ex, "_qscratch", None)
     if q is not None:
         return int(q.nbytes)

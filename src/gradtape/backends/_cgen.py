@@ -7,7 +7,9 @@ kernel.  ``gt_run(P, calls, n)`` runs ``n`` kernel calls from a table of
 ``(kernel, offset into P)`` pairs: a stretch of groups between two matmuls costs one
 ctypes call.
 
-Float math follows the NumPy forwards of ``ops.py`` operation by operation (same
+The math of each primitive comes from ``lowering.py`` (shared with the CUDA generator);
+this module renders it as loops.  Float math follows the NumPy forwards of ``ops.py``
+operation by operation (same
 formulas, the dtype's own precision, no reassociation: ``-ffp-contract=off``, no
 ``-ffast-math``).  float64 uses libm (exp, log, sqrt, tanh).  float32 ``exp`` is an
 inlined Cephes-style polynomial (max error about 1 ulp, measured) that the compiler can
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compile.fuse import prefix_level
+from .lowering import ELEMENTWISE, ROW_MATH, CTypes, expr
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
@@ -69,87 +72,7 @@ typedef void (*gt_kernel)(void **);
 """
 
 
-class CTypes:
-    """Per-dtype spellings: C type, math function names, literals."""
-
-    def __init__(self, dtype):
-        self.dtype = np.dtype(dtype)
-        f32 = self.dtype == np.float32
-        self.t = "float" if f32 else "double"
-        self.exp = "gt_expf" if f32 else "exp"
-        self.log = "logf" if f32 else "log"
-        self.sqrt = "sqrtf" if f32 else "sqrt"
-        self.tanh = "tanhf" if f32 else "tanh"
-        self.pow = "powf" if f32 else "pow"
-        self.f32 = f32
-
-    def lit(self, c):
-        """An exact literal of ``c`` rounded to the dtype (as NumPy casts a Python float
-        scalar to the array's dtype)."""
-        c = float(self.dtype.type(c))
-        if c != c:
-            return "NAN" if not self.f32 else "((float)NAN)"
-        if c in (float("inf"), float("-inf")):
-            s = "INFINITY" if c > 0 else "(-INFINITY)"
-            return s if not self.f32 else f"((float){s})"
-        return f"({c.hex()}{'f' if self.f32 else ''})"
-
-
-def _expr(op, args, attrs, ct):
-    """C expression of one elementwise primitive over operand expressions ``args``,
-    mirroring its NumPy forward in ops.py."""
-    a = args[0]
-    b = args[1] if len(args) > 1 else None
-    one = ct.lit(1.0)
-    if op == "add":
-        return f"({a} + {b})"
-    if op == "sub":
-        return f"({a} - {b})"
-    if op == "mul":
-        return f"({a} * {b})"
-    if op == "div":
-        return f"({a} / {b})"
-    if op == "neg":
-        return f"(-{a})"
-    if op == "scale":
-        return f"({a} * {ct.lit(attrs['c'])})"
-    if op == "addc":
-        return f"({a} + {ct.lit(attrs['c'])})"
-    if op == "powc":
-        p = float(attrs["p"])
-        if p == 1.0:
-            return f"({a})"
-        if p == 2.0:
-            return f"({a} * {a})"
-        if p == 0.5:
-            return f"{ct.sqrt}({a})"
-        if p == -1.0:
-            return f"({one} / {a})"
-        return f"{ct.pow}({a}, {ct.lit(p)})"
-    if op == "exp":
-        return f"{ct.exp}({a})"
-    if op == "log":
-        return f"{ct.log}({a})"
-    if op == "sqrt":
-        return f"{ct.sqrt}({a})"
-    if op == "rsqrt":
-        return f"({one} / {ct.sqrt}({a}))"
-    if op == "sigmoid":
-        return f"({one} / ({one} + {ct.exp}(-{a})))"
-    if op == "tanh":
-        return f"{ct.tanh}({a})"
-    if op == "select":
-        return f"(({a} != {ct.lit(0.0)}) ? {b} : {args[2]})"
-    if op == "maxc":  # np.maximum propagates NaN
-        c = ct.lit(attrs["c"])
-        return f"((({a} >= {c}) || ({a} != {a})) ? {a} : {c})"
-    if op == "gtc":
-        return f"(({a} > {ct.lit(attrs['c'])}) ? {one} : {ct.lit(0.0)})"
-    raise KeyError(op)
-
-
-C_ELEMENTWISE = frozenset(("add", "sub", "mul", "div", "neg", "scale", "addc", "powc", "exp",
-                           "log", "sqrt", "rsqrt", "sigmoid", "tanh", "select", "maxc", "gtc"))
+C_ELEMENTWISE = frozenset(ELEMENTWISE)
 
 
 def _contig_strides(shape):
@@ -201,7 +124,7 @@ class _Lowering:
     def stmt(self, m, strides_of, ivars, write=True):
         args = [self.operand(x, strides_of, ivars) for x in m.inputs]
         k = self.member_id[m]
-        s = f"const {self.ct.t} v{k} = {_expr(m.op, args, m.attrs, self.ct)};"
+        s = f"const {self.ct.t} v{k} = {expr(m.op, args, m.attrs, self.ct)};"
         if write and m in self.out_id:
             s += f" o{self.out_id[m]}[{_index(strides_of[m], ivars)}] = v{k};"
         return s
@@ -308,31 +231,32 @@ def lower_rowreduce(group, ct):
         out.append("        }")
         return out
 
-    if red.op == "sum":
-        lines.append("        double s = 0.0;")
-        lines += row_loop([f"s += (double){xs};"], True, "+:s")
-        lines.append(f"        {o}[i] = ({t})s;")
-    elif red.op == "softmax":
-        # y = exp(x - max) / sum(exp(x - max)); the output row doubles as scratch
-        lines.append(f"        {t} *restrict y = {o} + i*{C}L;")
+    math = ROW_MATH[red.op]
+    names = {"m": "m", "s": "st"}
+    if math.max_first:
+        # pass 1 also writes the escaping members; an elementwise output row holds x
+        # meanwhile (then each term in place), so the row is evaluated once
         lines.append(f"        {t} m = -INFINITY;")
-        lines += row_loop([f"const {t} xv = {xs};", "y[j] = xv;", "m = xv > m ? xv : m;"],
+        keep = ["y[j] = xv;"] if math.elem else []
+        if math.elem:
+            lines.append(f"        {t} *restrict y = {o} + i*{C}L;")
+        lines += row_loop([f"const {t} xv = {xs};", *keep, "m = xv > m ? xv : m;"],
                           True, "max:m")
-        lines.append("        double s = 0.0;")
+    lines.append("        double s = 0.0;")
+    if math.elem:
+        term = math.fill(math.term, ct, x="y[j]", **names)
         lines.append("        #pragma omp simd reduction(+:s)")
-        lines.append(f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = "
-                     f"{ct.exp}(y[j] - m); y[j] = e; s += (double)e; }}")
-        lines.append(f"        const {t} st = ({t})s;")
-        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;")
-    elif red.op == "logsumexp":
-        # log(sum(exp(x - max))) + max; the row is evaluated twice (no scratch row)
-        lines.append(f"        {t} m = -INFINITY;")
-        lines += row_loop([f"const {t} xv = {xs};", "m = xv > m ? xv : m;"], True, "max:m")
-        lines.append("        double s = 0.0;")
-        lines += row_loop([f"s += (double){ct.exp}({xs} - m);"], False, "+:s")
-        lines.append(f"        {o}[i] = {ct.log}(({t})s) + m;")
+        lines.append(f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = {term}; "
+                     "y[j] = e; s += (double)e; }")
     else:
-        raise KeyError(red.op)
+        term = math.fill(math.term, ct, x=xs, **names)
+        lines += row_loop([f"s += (double){term};"], not math.max_first, "+:s")
+    lines.append(f"        const {t} st = ({t})s;")
+    if math.row:
+        lines.append(f"        {o}[i] = {math.fill(math.row, ct, **names)};")
+    if math.elem:
+        e = math.fill(math.elem, ct, e="y[j]", **names)
+        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = {e};")
     lines.append("    }")
     return lines
 
@@ -403,33 +327,28 @@ def row_kernel_body(v, dtype):
         lines.append(par)
     lines.append(f"    for (long i = 0; i < {R}L; i++) {{")
     lines.append(f"        const {t} *restrict x = a + i*{C}L;")
-    if v.op == "sum":
-        lines += ["        double s = 0.0;", "        #pragma omp simd reduction(+:s)",
-                  f"        for (long j = 0; j < {C}L; j++) s += (double)x[j];",
-                  f"        o[i] = ({t})s;", "    }"]
-        return "\n".join(lines)
-    lines += [f"        {t} m = -INFINITY;", "        #pragma omp simd reduction(max:m)",
-              f"        for (long j = 0; j < {C}L; j++) m = x[j] > m ? x[j] : m;",
-              "        double s = 0.0;"]
-    if v.op == "nll_ids":  # log(sum(exp(x - max))) + max - x[id]
-        lines += ["        #pragma omp simd reduction(+:s)",
-                  f"        for (long j = 0; j < {C}L; j++) s += (double){ct.exp}(x[j] - m);",
-                  f"        o[i] = ({ct.log}(({t})s) + m) - x[ids[i]];", "    }"]
-        return "\n".join(lines)
-    # softmax row: y = exp(x - max) / sum(exp(x - max)), then (nll_ids_grad) y[id] -= 1
-    # and y *= g, in that order as in ops._fwd_nll_ids_grad
-    lines += [f"        {t} *restrict y = o + i*{C}L;",
-              "        #pragma omp simd reduction(+:s)",
-              f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = {ct.exp}(x[j] - m); "
-              "y[j] = e; s += (double)e; }",
-              f"        const {t} st = ({t})s;"]
-    if v.op == "softmax":
-        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;")
+    math = ROW_MATH[v.op]
+    names = {"m": "m", "s": "st", "j": "j", "id": "ids[i]", "xid": "x[ids[i]]", "g": "gi"}
+    if math.max_first:
+        lines += [f"        {t} m = -INFINITY;", "        #pragma omp simd reduction(max:m)",
+                  f"        for (long j = 0; j < {C}L; j++) m = x[j] > m ? x[j] : m;"]
+    term = math.fill(math.term, ct, x="x[j]", **names)
+    if math.elem:  # the output row keeps each term for the last pass
+        lines += [f"        {t} *restrict y = o + i*{C}L;", "        double s = 0.0;",
+                  "        #pragma omp simd reduction(+:s)",
+                  f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = {term}; "
+                  "y[j] = e; s += (double)e; }"]
     else:
-        lines += [f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] / st;",
-                  f"        y[ids[i]] -= {ct.lit(1.0)};",
-                  f"        const {t} gi = g[i];",
-                  f"        for (long j = 0; j < {C}L; j++) y[j] = y[j] * gi;"]
+        lines += ["        double s = 0.0;", "        #pragma omp simd reduction(+:s)",
+                  f"        for (long j = 0; j < {C}L; j++) s += (double){term};"]
+    lines.append(f"        const {t} st = ({t})s;")
+    if v.op == "nll_ids_grad":
+        lines.append(f"        const {t} gi = g[i];")
+    if math.row:
+        lines.append(f"        o[i] = {math.fill(math.row, ct, **names)};")
+    if math.elem:
+        e = math.fill(math.elem, ct, e="y[j]", **names)
+        lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = {e};")
     lines.append("    }")
     return "\n".join(lines)
 

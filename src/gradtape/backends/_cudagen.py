@@ -9,8 +9,9 @@ blocks one after another, each block as ``blockDim.x`` threads meeting at a pthr
 barrier, ``__shared__`` locals become ``static`` (one block at a time shares them).  So the
 exact text NVRTC compiles is also compiled and run on the CPU in the tests.
 
-Expression lowering is shared with the C backend: ``_cgen._expr`` turns each elementwise
-primitive into an expression over a ``CTypes``; ``CudaTypes`` only changes the spellings
+The math is shared with the C backend (``lowering.py``): ``ELEMENTWISE`` turns each
+elementwise primitive into an expression over a ``CTypes``, ``ROW_MATH`` gives each row
+reduction's steps; ``CudaTypes`` only changes the spellings
 (CUDA's ``expf``, decimal literals, no libm macros).
 
 Storage: each array has a storage code, ``float32`` / ``float64`` / ``int64`` / ``int32``
@@ -39,8 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..compile.fuse import FusedGroup
-from ._cgen import (C_ELEMENTWISE, CTypes, _bstrides, _contig_strides, _expr, _index,
-                    collapse_domain, row_layout)
+from ._cgen import (C_ELEMENTWISE, _bstrides, _contig_strides, _index, collapse_domain,
+                    row_layout)
+from .lowering import ROW_MATH, CTypes, expr
 
 STORAGE_CTYPE = {"float32": "float", "float64": "double", "bf16": "unsigned short",
                  "int64": "long long", "int32": "int"}
@@ -240,7 +242,7 @@ class _GroupLowering:
     def value(self, m, strides, ivars):
         args = [self.operand(x, strides, ivars) for x in m.inputs]
         return (f"const {self.ct.t} v{self.member_id[m]} = "
-                f"{_expr(m.op, args, m.attrs, self.ct)};")
+                f"{expr(m.op, args, m.attrs, self.ct)};")
 
     def write(self, m, strides, ivars):
         k = self.out_id[m]
@@ -271,6 +273,31 @@ def elementwise_kernel(group, storage) -> Kernel:
             lines.append("        " + (f"if ({' && '.join(guard)}) {w}" if guard else w))
     lines += ["    }", "}"]
     return Kernel("\n".join(lines), low.params, ("elem", n))
+
+
+def _row_math(op, ct, row_pass, store_row, store_elem, **names):
+    """The lines of ``ROW_MATH[op]`` over one row, in a block: ``row_pass(extra, first)``
+    loops the threads over the row with ``xv`` bound to x at j (``first``: the first pass,
+    which also writes a fused group's escaping members); the max and the sum are block
+    reductions; ``store_row(value)`` / ``store_elem(value)`` write the outputs.  The row
+    is recomputed in each pass (no scratch row: bf16 outputs would round it)."""
+    math = ROW_MATH[op]
+    t = ct.t
+    names = {"m": "m", "s": "s", **names}
+    L = []
+    if math.max_first:
+        L.append(f"        {t} m = -GT_INF{'F' if ct.f32 else 'D'};")
+        L += row_pass([f"m = gt_max{ct.acc}(m, xv);"], True)
+        L.append(f"        m = gt_bmax{ct.acc}(m, gt_sh);")
+    term = math.fill(math.term, ct, x="xv", **names)
+    L.append(f"        {t} s = {ct.lit(0.0)};")
+    L += row_pass([f"s += {term};"], not math.max_first)
+    L.append(f"        s = gt_bsum{ct.acc}(s, gt_sh);")
+    if math.row:
+        L.append(f"        if (threadIdx.x == 0) {store_row(math.fill(math.row, ct, **names))}")
+    if math.elem:
+        L += row_pass([store_elem(math.fill(math.elem, ct, e=term, **names))], False)
+    return L
 
 
 def rowreduce_kernel(group, storage) -> Kernel:
@@ -306,29 +333,8 @@ def rowreduce_kernel(group, storage) -> Kernel:
         out.append("        }")
         return out
 
-    bsum, bmax = f"gt_bsum{ct.acc}", f"gt_bmax{ct.acc}"
-    maxf = f"gt_max{ct.acc}"
-    if red.op == "sum":
-        L.append(f"        {t} s = {ct.lit(0.0)};")
-        L += row_pass(["s += xv;"], True)
-        L.append(f"        s = {bsum}(s, gt_sh);")
-        L.append(f"        if (threadIdx.x == 0) {store(so, f'{o}[i]', 's', t)}")
-    elif red.op in ("softmax", "logsumexp"):
-        # y = exp(x - max) / sum(exp(x - max)); lse = log(sum(exp(x - max))) + max.
-        # The row is recomputed in each pass (no scratch row: bf16 outputs would round it).
-        L.append(f"        {t} m = -GT_INF{'F' if ct.f32 else 'D'};")
-        L += row_pass([f"m = {maxf}(m, xv);"], True)
-        L.append(f"        m = {bmax}(m, gt_sh);")
-        L.append(f"        {t} s = {ct.lit(0.0)};")
-        L += row_pass([f"s += {ct.exp}(xv - m);"], False)
-        L.append(f"        s = {bsum}(s, gt_sh);")
-        if red.op == "softmax":
-            L += row_pass([store(so, f"{o}[i*{C}L + j]", f"{ct.exp}(xv - m) / s", t)], False)
-        else:
-            L.append(f"        if (threadIdx.x == 0) "
-                     f"{store(so, f'{o}[i]', f'{ct.log}(s) + m', t)}")
-    else:
-        raise KeyError(red.op)
+    L += _row_math(red.op, ct, row_pass, lambda val: store(so, f"{o}[i]", val, t),
+                   lambda val: store(so, f"{o}[i*{C}L + j]", val, t))
     L += ["    }", "}"]
     return Kernel("\n".join(L), low.params, ("rows", R))
 
@@ -407,25 +413,9 @@ def reduce_kernel(v, storage) -> Kernel:
         return out
 
     so = storage[v]
-    inf = f"GT_INF{'F' if ct.f32 else 'D'}"
-    if v.op in ("sum", "sum_to"):
-        L.append(f"        {t} s = {ct.lit(0.0)};")
-        L += row_pass(["s += xv;"])
-        L.append(f"        s = gt_bsum{ct.acc}(s, gt_sh);")
-        L.append(f"        if (threadIdx.x == 0) {store(so, 'o0[b]', 's', t)}")
-    elif v.op in ("softmax", "logsumexp"):
-        L.append(f"        {t} m = -{inf};")
-        L += row_pass([f"m = gt_max{ct.acc}(m, xv);"])
-        L.append(f"        m = gt_bmax{ct.acc}(m, gt_sh);")
-        L.append(f"        {t} s = {ct.lit(0.0)};")
-        L += row_pass([f"s += {ct.exp}(xv - m);"])
-        L.append(f"        s = gt_bsum{ct.acc}(s, gt_sh);")
-        if v.op == "softmax":
-            L += row_pass([store(so, "o0[off]", f"{ct.exp}(xv - m) / s", t)])
-        else:
-            L.append(f"        if (threadIdx.x == 0) {store(so, 'o0[b]', f'{ct.log}(s) + m', t)}")
-    else:
-        raise KeyError(v.op)
+    L += _row_math("sum" if v.op == "sum_to" else v.op, ct,
+                   lambda extra, first: row_pass(extra), lambda val: store(so, "o0[b]", val, t),
+                   lambda val: store(so, "o0[off]", val, t))
     L += ["    }", "}"]
     return Kernel("\n".join(L), params, ("rows", K))
 
@@ -453,23 +443,13 @@ def nll_kernel(v, storage) -> Kernel:
                  f"            const {t} xv = {load(sx, f'{ax}[i*{V}L + j]', t)};"]
                 + ["            " + e for e in extra] + ["        }"])
 
-    L.append(f"        {t} m = -GT_INF{'F' if ct.f32 else 'D'};")
-    L += row_pass([f"m = gt_max{ct.acc}(m, xv);"])
-    L.append(f"        m = gt_bmax{ct.acc}(m, gt_sh);")
-    L.append(f"        {t} s = {ct.lit(0.0)};")
-    L += row_pass([f"s += {ct.exp}(xv - m);"])
-    L.append(f"        s = gt_bsum{ct.acc}(s, gt_sh);")
     so = storage[v]
     if grad:
-        gv = load(storage[g], "a0[i]", t)
-        L.append(f"        const {t} gi = {gv};")
-        L += row_pass([f"{t} y = {ct.exp}(xv - m) / s;",
-                       f"if (j == id) y = y - {ct.lit(1.0)};",
-                       store(so, f"o0[i*{V}L + j]", "y * gi", t)])
-    else:
-        xi = load(sx, f"{ax}[i*{V}L + id]", t)
-        L.append(f"        if (threadIdx.x == 0) "
-                 f"{store(so, 'o0[i]', f'({ct.log}(s) + m) - {xi}', t)}")
+        L.append(f"        const {t} gi = {load(storage[g], 'a0[i]', t)};")
+    L += _row_math(v.op, ct, lambda extra, first: row_pass(extra),
+                   lambda val: store(so, "o0[i]", val, t),
+                   lambda val: store(so, f"o0[i*{V}L + j]", val, t),
+                   j="j", id="id", g="gi", xid=load(sx, f"{ax}[i*{V}L + id]", t))
     L += ["    }", "}"]
     return Kernel("\n".join(L), params, ("rows", R))
 

@@ -1,0 +1,118 @@
+"""The lowering table: each primitive's math as C text, written once for every generator.
+
+``ELEMENTWISE`` maps an elementwise primitive to a function of its operand expressions
+(``args``), its attrs and a ``CTypes`` (the dtype's spellings) returning one C
+expression; it mirrors the NumPy forward in ``ops.py``.  ``ROW_MATH`` describes each
+reduction over a row ``x[0..C)`` (sum, softmax, logsumexp, the next-token loss and its
+gradient) as the same three steps: an optional running max ``m``; ``s = sum_j term``;
+then one value per row (``row``) or one per element (``elem``).  The C generator
+(``_cgen.py``, loops with SIMD reductions, sums in double) and the CUDA generator
+(``_cudagen.py``, threads striding over a row, block reductions) render the steps their
+own way; neither writes the math again.  A new elementwise primitive is one row of
+``ELEMENTWISE``; a new row reduction one row of ``ROW_MATH``.
+
+Placeholders in ``ROW_MATH`` templates: ``{x}`` the row's value at ``j``, ``{m}`` the
+row max, ``{s}`` the sum, ``{e}`` the term at ``j`` (a generator may keep it in the output
+row instead of recomputing it), ``{j}``, ``{id}`` the row's target id, ``{xid}`` the
+value at it, ``{g}`` the row's incoming gradient, ``{exp}``, ``{log}``, ``{one}``,
+``{zero}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class CTypes:
+    """Per-dtype spellings: C type, math function names, literals."""
+
+    def __init__(self, dtype):
+        self.dtype = np.dtype(dtype)
+        f32 = self.dtype == np.float32
+        self.t = "float" if f32 else "double"
+        self.exp = "gt_expf" if f32 else "exp"
+        self.log = "logf" if f32 else "log"
+        self.sqrt = "sqrtf" if f32 else "sqrt"
+        self.tanh = "tanhf" if f32 else "tanh"
+        self.pow = "powf" if f32 else "pow"
+        self.f32 = f32
+
+    def lit(self, c):
+        """An exact literal of ``c`` rounded to the dtype (as NumPy casts a Python float
+        scalar to the array's dtype)."""
+        c = float(self.dtype.type(c))
+        if c != c:
+            return "NAN" if not self.f32 else "((float)NAN)"
+        if c in (float("inf"), float("-inf")):
+            s = "INFINITY" if c > 0 else "(-INFINITY)"
+            return s if not self.f32 else f"((float){s})"
+        return f"({c.hex()}{'f' if self.f32 else ''})"
+
+
+def _powc(a, attrs, ct):
+    p = float(attrs["p"])
+    special = {1.0: f"({a})", 2.0: f"({a} * {a})", 0.5: f"{ct.sqrt}({a})",
+               -1.0: f"({ct.lit(1.0)} / {a})"}
+    return special.get(p, f"{ct.pow}({a}, {ct.lit(p)})")
+
+
+def _maxc(a, attrs, ct):  # np.maximum propagates NaN
+    c = ct.lit(attrs["c"])
+    return f"((({a} >= {c}) || ({a} != {a})) ? {a} : {c})"
+
+
+# op -> (args, attrs, ct) -> C expression
+ELEMENTWISE = {
+    "add": lambda x, at, ct: f"({x[0]} + {x[1]})",
+    "sub": lambda x, at, ct: f"({x[0]} - {x[1]})",
+    "mul": lambda x, at, ct: f"({x[0]} * {x[1]})",
+    "div": lambda x, at, ct: f"({x[0]} / {x[1]})",
+    "neg": lambda x, at, ct: f"(-{x[0]})",
+    "scale": lambda x, at, ct: f"({x[0]} * {ct.lit(at['c'])})",
+    "addc": lambda x, at, ct: f"({x[0]} + {ct.lit(at['c'])})",
+    "powc": lambda x, at, ct: _powc(x[0], at, ct),
+    "exp": lambda x, at, ct: f"{ct.exp}({x[0]})",
+    "log": lambda x, at, ct: f"{ct.log}({x[0]})",
+    "sqrt": lambda x, at, ct: f"{ct.sqrt}({x[0]})",
+    "rsqrt": lambda x, at, ct: f"({ct.lit(1.0)} / {ct.sqrt}({x[0]}))",
+    "sigmoid": lambda x, at, ct: f"({ct.lit(1.0)} / ({ct.lit(1.0)} + {ct.exp}(-{x[0]})))",
+    "tanh": lambda x, at, ct: f"{ct.tanh}({x[0]})",
+    "select": lambda x, at, ct: f"(({x[0]} != {ct.lit(0.0)}) ? {x[1]} : {x[2]})",
+    "maxc": lambda x, at, ct: _maxc(x[0], at, ct),
+    "gtc": lambda x, at, ct: f"(({x[0]} > {ct.lit(at['c'])}) ? {ct.lit(1.0)} : {ct.lit(0.0)})",
+}
+
+
+def expr(op, args, attrs, ct):
+    """The C expression of elementwise primitive ``op`` over operand expressions."""
+    return ELEMENTWISE[op](args, attrs, ct)
+
+
+@dataclass(frozen=True)
+class RowMath:
+    max_first: bool  # a running max m before the sum (the stable exp forms)
+    term: str  # the summand at j
+    row: str | None = None  # the row's one output value
+    elem: str | None = None  # the output at j (the row's output row)
+
+    def fill(self, template, ct, **names):
+        """``template`` with the dtype's spellings and the generator's expressions."""
+        return template.format(exp=ct.exp, log=ct.log, one=ct.lit(1.0), zero=ct.lit(0.0),
+                               **names)
+
+
+_EXP_TERM = "{exp}({x} - {m})"
+ROW_MATH = {
+    "sum": RowMath(False, "{x}", row="{s}"),
+    # log(sum(exp(x - max))) + max
+    "logsumexp": RowMath(True, _EXP_TERM, row="{log}({s}) + {m}"),
+    # exp(x - max) / sum(exp(x - max))
+    "softmax": RowMath(True, _EXP_TERM, elem="{e} / {s}"),
+    # logsumexp(x) - x[id]
+    "nll_ids": RowMath(True, _EXP_TERM, row="({log}({s}) + {m}) - {xid}"),
+    # (softmax(x) - onehot(id)) * g, in that order as in ops._fwd_nll_ids_grad
+    "nll_ids_grad": RowMath(True, _EXP_TERM,
+                            elem="(({e} / {s}) - (({j} == {id}) ? {one} : {zero})) * {g}"),
+}

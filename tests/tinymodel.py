@@ -31,7 +31,9 @@ class ByteTokenizer:
 
 
 def tiny_model(seed=0, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab=257,
-               tied=False, rope_base=10000.0):
+               tied=False, rope_base=10000.0, head_scale=1.0):
+    """``head_scale`` multiplies the LM head: a random head's logits are too flat for any
+    hidden state to reach a loss near 0 (with it at 16, a learnable answer does)."""
     cfg = LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
                       head_dim=dim // n_heads, ffn_dim=ffn_dim, vocab_size=vocab,
                       rope_base=rope_base, norm_eps=1e-5, tie_embeddings=tied,
@@ -43,6 +45,8 @@ def tiny_model(seed=0, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, 
             weights[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             weights[name] = (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+    head = "tok_embd" if tied else "lm_head"
+    weights[head] = (weights[head] * head_scale).astype(np.float32)
     return SimpleNamespace(config=cfg, weights=weights, tokenizer=ByteTokenizer(), name="tiny")
 
 

@@ -107,16 +107,19 @@ def test_finetune_binary_data(files, tmp_path, capsys, no_model):
     line = one_error(capsys, *finetune_args(files, tmp_path / "out", "--data",
                                             files / "some.bin"))
     assert line == (f"gradtape finetune: error: --data {files / 'some.bin'}: not UTF-8 text "
-                    "(byte 0xff at byte offset 6, line 2); data must be UTF-8 text or JSONL")
+                    "(byte 0xff at byte offset 6, line 2); data must be UTF-8 text, JSON Lines, "
+                    "a JSON array or Parquet")
     line = one_error(capsys, *finetune_args(files, tmp_path / "out", "--data",
                                             files / "nul.txt"))
     assert line == (f"gradtape finetune: error: --data {files / 'nul.txt'}: not text (a NUL "
-                    "byte at byte offset 10, line 1); data must be UTF-8 text or JSONL")
+                    "byte at byte offset 10, line 1); data must be UTF-8 text, JSON Lines, a JSON "
+                    "array or Parquet")
 
 
 def test_finetune_data_is_a_folder(files, tmp_path, capsys, no_model):
     line = one_error(capsys, *finetune_args(files, tmp_path / "out", "--data", files))
-    assert line == f"gradtape finetune: error: --data {files}: is a folder, not a file"
+    assert line == (f"gradtape finetune: error: --data {files}: a folder with no data files "
+                    "(*.parquet, *.jsonl, or split-named *.json, in it or in its data/)")
     line = one_error(capsys, *finetune_args(files, tmp_path / "out", "--data",
                                             tmp_path / "nope.txt"))
     assert line == f"gradtape finetune: error: --data {tmp_path / 'nope.txt'}: does not exist"

@@ -77,6 +77,8 @@ def test_sigkill_then_resume_gives_the_same_adapter(tiny_dir, tmp_path, backend)
      "--backend must be one of numpy, cpu, cuda, cuda-bf16, got 'gpu9000'"),
     (None, ["--seq-len", "100000"], "longer than the model's context"),
     ("foreign", ["--out", "{d}/foreign"], "not a gradtape run folder"),
+    ("unknown", ["--data", "{d}/u.jsonl"], "u.jsonl:1: unknown schema: the keys are 'q', 'a'"),
+    (None, ["--columns", "prompt"], "--columns: 'prompt' is not FIELD=COLUMN"),
 ])
 def test_user_mistakes_are_one_clear_line(tiny_dir, tmp_path, setup, args, message):
     d = tmp_path
@@ -84,6 +86,7 @@ def test_user_mistakes_are_one_clear_line(tiny_dir, tmp_path, setup, args, messa
     (d / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n')
     (d / "foreign").mkdir()
     (d / "foreign" / "notes.txt").write_text("mine")
+    (d / "u.jsonl").write_text('{"q": "a", "a": "b"}\n')
     cmd = _cmd(tiny_dir, d / "out")
     for i in range(0, len(args), 2):
         j = cmd.index(args[i]) if args[i] in cmd else None
@@ -96,3 +99,27 @@ def test_user_mistakes_are_one_clear_line(tiny_dir, tmp_path, setup, args, messa
     assert res.returncode != 0
     assert message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_hub_dataset_folder_trains(tiny_dir, tmp_path):
+    """A folder as the Hub downloads it (Parquet shards of a train and a validation split),
+    with other column names: the schema is stated first, the validation split scored."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hub = tmp_path / "hub" / "data"
+    hub.mkdir(parents=True)
+    rows = [{"question": f"what is {i} + {i}?", "answer": str(2 * i)} for i in range(24)]
+    pq.write_table(pa.Table.from_pylist(rows[:20]), hub / "train-00000-of-00001.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[20:]), hub / "validation-00000-of-00001.parquet")
+    cmd = _cmd(tiny_dir, tmp_path / "out", "--columns", "prompt=question,completion=answer",
+               "--eval-data", str(tmp_path / "hub"), "--steps", "3")
+    cmd[cmd.index("--data") + 1] = str(tmp_path / "hub")
+    res = _run(cmd)
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[:2]
+    assert first == [f"data: {tmp_path / 'hub'} (1 file): 20 records, prompt/completion "
+                     "(prompt, completion)",
+                     f"eval data: {tmp_path / 'hub'} (1 file): 4 records, prompt/completion "
+                     "(prompt, completion)"], res.stdout
+    assert "4 held out" in res.stdout and "eval loss" in res.stdout

@@ -34,4 +34,4 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     p = tmp_path / "bom.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a", "completion": "b"}\n')
     d = data_mod.read_data(p)
-    assert d.records == ((1, {"prompt": "a", "completion": "b"}),)
+    assert d.records == ((f"{p}:1", {"prompt": "a", "completion": "b"}),)

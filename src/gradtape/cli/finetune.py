@@ -1,8 +1,12 @@
 """LoRA-fine-tune a LLaMA-family model (GGUF or Hugging Face folder) on a CPU.
 
-Data: plain text (packed into --seq-len sequences), or JSONL with one
-{"messages": [{"role": ..., "content": ...}, ...]} (chat template; loss on assistant
-turns) or {"prompt": ..., "completion": ...} (loss on the completion) per line.
+Data (--data): a .jsonl, .json (an array) or .parquet file, or a dataset folder as the Hub
+downloads it (its train split: data/train-00000-of-00001.parquet ...), of records in one
+schema, detected from the first: OpenAI chat {"messages": [{"role", "content"}, ...]},
+ShareGPT {"conversations": [{"from", "value"}, ...]}, Alpaca {"instruction", "input",
+"output"} (loss on the assistant turns / output), {"prompt", "completion"} (loss on the
+completion) or {"text"}; other field names map with --columns prompt=question,... .
+Any other file is plain text (cut into --seq-len sequences).
 
 Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
 from it), log.jsonl (every step), loss.png (train and eval loss curves).

@@ -1,24 +1,28 @@
-"""Training data: files -> token sequences with loss masks -> fixed-shape batches.
+"""Training data: checked records -> token examples with loss masks -> fixed-shape rows.
 
-Formats: plain text (tokenized and packed into ``seq_len`` sequences, every token a
-target), JSONL of ``{"messages": [{"role", "content"}, ...]}`` (rendered with the model's
-chat template; only assistant tokens are targets) and JSONL of ``{"prompt",
-"completion"}`` (only the completion and its end-of-sequence token are targets).
+``records`` reads the files (formats, schemas, ``--columns``); this module tokenizes.
+Each record kind (``records.KINDS``) has its example maker in ``EXAMPLES``: a chat is
+rendered with the model's chat template and only the assistant turns are targets; a
+prompt/completion pair has the completion and an end-of-sequence token as targets; text
+is all targets (a plain-text file, or a ``text`` record with an end-of-sequence token) and
+is cut into ``seq_len`` pieces, where an answer too long for a row is truncated.
+``train_on_prompt`` makes every token a target.  An example left with no target (an
+empty answer, or a prompt that fills the row) is skipped and counted.
 
-A sequence's targets are next tokens: position ``t`` predicts token ``t + 1`` when that
-token is a target; the last position and masked tokens get ``IGNORE``.  Batch order is a
-pure function of (seed, step), so a resumed run sees the same data as an uninterrupted one.
+A row's targets are next tokens: position ``t`` predicts token ``t + 1`` when that token
+is a target; the last position of every example and masked tokens get ``IGNORE``.  Rows
+hold one example each, padded (``pad_rows``).  Batch order is a pure function of (seed,
+step), so a resumed run sees the same data as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..errors import GradtapeError
+from .records import DataFile, read_data  # noqa: F401  (the data API in one place)
 
 IGNORE = -100
 
@@ -27,6 +31,8 @@ IGNORE = -100
 class Sequences:
     ids: np.ndarray  # [n, T] int64 input tokens (padded)
     targets: np.ndarray  # [n, T] int64 next-token targets, IGNORE where none
+    positions: np.ndarray  # [n, T] int64 each token's position within its example
+    segments: np.ndarray  # [n, T] int64 each token's example index within its row
 
     def __len__(self):
         return len(self.ids)
@@ -36,127 +42,90 @@ class Sequences:
         return int((self.targets != IGNORE).sum())
 
     def take(self, index):
-        return Sequences(self.ids[index], self.targets[index])
+        return Sequences(self.ids[index], self.targets[index], self.positions[index],
+                         self.segments[index])
+
+    def batch(self, index):
+        """``(ids, targets, positions, segments)`` of rows ``index``: a micro-batch as
+        ``TrainStep.step`` takes it."""
+        return self.ids[index], self.targets[index], self.positions[index], self.segments[index]
 
 
-@dataclass(frozen=True)
-class DataFile:
-    """A data file read and checked before any model (or tokenizer) is loaded: plain
-    ``text``, or the ``records`` of a JSONL file as (line number, object) pairs whose
-    structure has been checked."""
-    path: Path
-    text: str = ""
-    records: tuple = ()
+def load_sequences(path, tokenizer, seq_len, pad_id=0, **kw) -> Sequences:
+    """Read a data file and turn it into ``[n, seq_len]`` rows (``kw``: ``tokenize_data``'s)."""
+    return tokenize_data(read_data(path), tokenizer, seq_len, pad_id, **kw)
 
 
-def load_sequences(path, tokenizer, seq_len, pad_id=0) -> Sequences:
-    """Read a data file and turn it into ``[n, seq_len]`` sequences."""
-    return tokenize_data(read_data(path), tokenizer, seq_len, pad_id)
+def tokenize_data(data: DataFile, tokenizer, seq_len, pad_id=0, train_on_prompt=False):
+    """``[n, seq_len]`` rows from checked data, one example a row."""
+    examples, _ = tokenize_examples(data, tokenizer, seq_len, train_on_prompt)
+    return pad_rows(examples, seq_len, pad_id)
 
 
-def read_data(path, name="data file") -> DataFile:
-    """Read and check a data file (``name`` is how messages call it): a readable regular
-    file of UTF-8 text without NUL bytes (else: the byte offset and line of the first bad
-    byte), not empty; a JSONL file (``.jsonl``, or text starting with ``{``) must have a
-    well-formed record on every non-blank line (else: the line)."""
-    from ..checks import input_path
-
-    path = input_path(path, name, "file")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise GradtapeError(f"{name} {path}: cannot be read ({e.strerror or e})") from None
-    try:
-        text = raw.decode("utf-8")
-        bad = raw.find(b"\0")  # valid UTF-8, but no text has it: a binary file
-        what, why = "not text", "a NUL byte"
-    except UnicodeDecodeError as e:
-        bad, what, why = e.start, "not UTF-8 text", f"byte 0x{raw[e.start]:02x}"
-    if bad >= 0:
-        line = raw.count(b"\n", 0, bad) + 1
-        raise GradtapeError(f"{name} {path}: {what} ({why} at byte offset {bad}, line "
-                            f"{line}); data must be UTF-8 text or JSONL")
-    text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the text
-    if not text.strip():
-        raise GradtapeError(f"{name} {path}: is empty")
-    if path.suffix == ".jsonl" or text.lstrip().startswith("{"):
-        return DataFile(path, records=tuple(
-            (n, _check_record(obj, path, n)) for n, obj in _jsonl_records(text, path)))
-    return DataFile(path, text=text)
-
-
-def tokenize_data(data: DataFile, tokenizer, seq_len, pad_id=0) -> Sequences:
-    """``[n, seq_len]`` sequences from a checked data file: JSONL records padded one per
-    sequence, plain text packed."""
-    if data.records:
-        examples = [_jsonl_example(obj, tokenizer, data.path, n) for n, obj in data.records]
-        return _pad_examples(examples, seq_len, pad_id)
-    return _pack_text(tokenizer.encode(data.text), seq_len, pad_id)
-
-
-def _jsonl_records(text, path):
-    # JSON Lines end at "\n" only: str.splitlines would also split at U+2028 and other
-    # characters that are valid inside a JSON string, and misnumber the lines
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise GradtapeError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
-        except RecursionError:
-            raise GradtapeError(f"{path}:{n}: JSON nested too deeply") from None
-        if not isinstance(obj, dict):
-            raise GradtapeError(f"{path}:{n}: each line must be a JSON object")
-        yield n, obj
-
-
-def _check_record(obj, path, n):
-    """The structure of one JSONL record, checked without a tokenizer."""
-    if "messages" in obj:
-        msgs = obj["messages"]
-        if not (isinstance(msgs, list) and msgs and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in msgs)):
-            raise GradtapeError(f"{path}:{n}: 'messages' must be a non-empty list of "
-                                "{\"role\": str, \"content\": str}")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise GradtapeError(f"{path}:{n}: no assistant message to learn from")
-        texts = [s for m in msgs for s in (m["role"], m["content"])]
-    elif "prompt" in obj and "completion" in obj:
-        if not (isinstance(obj["prompt"], str) and isinstance(obj["completion"], str)):
-            raise GradtapeError(f"{path}:{n}: 'prompt' and 'completion' must be strings")
-        texts = [obj["prompt"], obj["completion"]]
+def tokenize_examples(data: DataFile, tokenizer, seq_len, train_on_prompt=False):
+    """``(examples, skipped)``: ``(ids, is_target)`` array pairs of at most ``seq_len``
+    tokens, each with a target, and the number of examples that had none."""
+    if data.schema is None:  # a plain-text file: one text, no end-of-sequence token
+        pieces = [_tokens(tokenizer, [(data.text, True)])]
+        if len(pieces[0][0]) < 2:
+            raise GradtapeError("the text is too short to train on (fewer than 2 tokens)")
+        split = True
     else:
-        raise GradtapeError(f"{path}:{n}: expected {{\"messages\": [...]}} or "
-                            "{\"prompt\": ..., \"completion\": ...}")
-    for t in texts:  # JSON may escape a lone surrogate ("\\ud800"): not text
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError:
-            raise GradtapeError(f"{path}:{n}: a string holds an unpaired surrogate "
-                                "escape (\\ud800-\\udfff), which is not text") from None
-    return obj
+        make, split = EXAMPLES[data.schema.kind]
+        pieces = [make(rec, tokenizer, where) for where, rec in data.records]
+    out, skipped = [], 0
+    for ids, mask in pieces:
+        if train_on_prompt:
+            mask = np.ones(len(ids), bool)
+        for e_ids, e_mask in _cut(ids, mask, seq_len, split):
+            if e_mask[1:].any():  # a target is a token after the first
+                out.append((e_ids, e_mask))
+            elif not split or len(e_ids) >= 2:  # (a text's last lone token is no example)
+                skipped += 1
+    if not out:
+        raise GradtapeError(f"no example has a target token within seq_len={seq_len}")
+    return out, skipped
 
 
-def _jsonl_example(obj, tokenizer, path, n):
-    """(ids, is_target) for one checked JSONL record."""
-    if "messages" in obj:
-        pieces = _chat_pieces(obj["messages"], tokenizer, path, n)
-    else:
-        pieces = [(obj["prompt"], False), (obj["completion"], True)]
+def _cut(ids, mask, seq_len, split):
+    """The examples of one tokenized record: its ``seq_len`` pieces where it ``split``s
+    (text), else its first ``seq_len`` tokens."""
+    for s in range(0, len(ids), seq_len) if split else (0,):
+        yield ids[s:s + seq_len], mask[s:s + seq_len]
+
+
+def _tokens(tokenizer, pieces):
+    """(ids, is_target) of (text, is_target) pieces encoded one after another."""
     ids, mask = [], []
     for text, is_target in pieces:
         toks = tokenizer.encode(text) if text else []
         ids += toks
         mask += [is_target] * len(toks)
-    if "prompt" in obj:
-        ids.append(tokenizer.eos_id)  # teach the model to stop
-        mask.append(True)
     return np.asarray(ids, np.int64), np.asarray(mask, bool)
 
 
-def _chat_pieces(msgs, tokenizer, path, n):
+def _chat_example(rec, tokenizer, where):
+    return _tokens(tokenizer, _chat_pieces(rec["messages"], tokenizer, where))
+
+
+def _completion_example(rec, tokenizer, where):
+    # the end-of-sequence token teaches the model to stop
+    ids, mask = _tokens(tokenizer, [(rec["prompt"], False), (rec["completion"], True)])
+    return np.append(ids, tokenizer.eos_id), np.append(mask, True)
+
+
+def _text_example(rec, tokenizer, where):
+    ids, mask = _tokens(tokenizer, [(rec["text"], True)])
+    return np.append(ids, tokenizer.eos_id), np.append(mask, True)
+
+
+# record kind -> (example maker (record, tokenizer, where) -> (ids, is_target), whether a
+# long example continues into further rows (text) rather than being truncated)
+EXAMPLES = {"chat": (_chat_example, False), "completion": (_completion_example, False),
+            "text": (_text_example, True)}
+
+
+def _chat_pieces(msgs, tokenizer, where):
     """Split the rendered conversation into (text, is_assistant) pieces by rendering
     growing prefixes: each assistant turn is what it adds after the generation prompt."""
     pieces, done = [], ""
@@ -166,7 +135,7 @@ def _chat_pieces(msgs, tokenizer, path, n):
         before = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True)
         after = tokenizer.apply_chat_template(msgs[:i + 1])
         if not (before.startswith(done) and after.startswith(before)):
-            raise GradtapeError(f"{path}:{n}: the model's chat template does not render "
+            raise GradtapeError(f"{where}: the model's chat template does not render "
                                 "conversations incrementally; cannot mask the prompt")
         pieces += [(before[len(done):], False), (after[len(before):], True)]
         done = after
@@ -183,34 +152,49 @@ def _targets(ids, mask):
     return t
 
 
-def _pad_examples(examples, seq_len, pad_id):
-    n = len(examples)
-    ids = np.full((n, seq_len), pad_id, np.int64)
-    targets = np.full((n, seq_len), IGNORE, np.int64)
+def _rows(n, seq_len, pad_id):
+    """``n`` empty rows: padding, no targets, positions counting from 0, segment 0."""
+    return Sequences(np.full((n, seq_len), pad_id, np.int64),
+                     np.full((n, seq_len), IGNORE, np.int64),
+                     np.tile(np.arange(seq_len, dtype=np.int64), (n, 1)),
+                     np.zeros((n, seq_len), np.int64))
+
+
+def pad_rows(examples, seq_len, pad_id) -> Sequences:
+    """One example per row, padded to ``seq_len``."""
+    rows = _rows(len(examples), seq_len, pad_id)
     for i, (e_ids, e_mask) in enumerate(examples):
-        e_ids, e_mask = e_ids[:seq_len], e_mask[:seq_len]  # longer examples are truncated
-        ids[i, :len(e_ids)] = e_ids
-        targets[i, :len(e_ids)] = _targets(e_ids, e_mask)
-    keep = (targets != IGNORE).any(axis=1)
-    if not keep.any():
-        raise GradtapeError(f"no example has a target token within seq_len={seq_len}")
-    return Sequences(ids[keep], targets[keep])
+        rows.ids[i, :len(e_ids)] = e_ids
+        rows.targets[i, :len(e_ids)] = _targets(e_ids, e_mask)
+    return rows
 
 
 def _pack_text(tokens, seq_len, pad_id):
-    if len(tokens) < 2:
+    """Plain-text tokens cut into ``seq_len`` rows, every token a target."""
+    ids = np.asarray(tokens, np.int64)
+    if len(ids) < 2:
         raise GradtapeError("the text is too short to train on (fewer than 2 tokens)")
-    chunks = [np.asarray(tokens[s:s + seq_len], np.int64) for s in range(0, len(tokens), seq_len)]
-    chunks = [c for c in chunks if len(c) >= 2]
-    return _pad_examples([(c, np.ones(len(c), bool)) for c in chunks], seq_len, pad_id)
+    return pad_rows([e for e in _cut(ids, np.ones(len(ids), bool), seq_len, True)
+                     if len(e[0]) >= 2], seq_len, pad_id)
+
+
+def _split_index(n, fraction, seed):
+    n_eval = 0 if fraction <= 0 or n < 2 else max(1, min(n - 1, round(n * fraction)))
+    order = np.random.default_rng([seed, 1]).permutation(n)
+    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
 
 
 def split_eval(seqs: Sequences, fraction, seed):
-    """(train, eval): a seeded held-out split; eval is empty when ``fraction`` is 0."""
-    n = len(seqs)
-    n_eval = 0 if fraction <= 0 or n < 2 else max(1, min(n - 1, round(n * fraction)))
-    order = np.random.default_rng([seed, 1]).permutation(n)
-    return seqs.take(np.sort(order[n_eval:])), seqs.take(np.sort(order[:n_eval]))
+    """(train, eval) rows: a seeded held-out split; eval is empty when ``fraction`` is 0."""
+    keep, held = _split_index(len(seqs), fraction, seed)
+    return seqs.take(keep), seqs.take(held)
+
+
+def split_examples(examples, fraction, seed):
+    """(train, eval) examples: the split ``split_eval`` makes of rows, made of examples
+    before they are put into rows (so packing them or not holds out the same ones)."""
+    keep, held = _split_index(len(examples), fraction, seed)
+    return [examples[i] for i in keep], [examples[i] for i in held]
 
 
 def batch_indices(n, batch_size, step, seed):

@@ -41,6 +41,7 @@ from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
 from . import distributed
+from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.lora import init_adapter, parse_targets
 from ..models.memory import GiB, mem_available, resident_bytes, weight_bytes
@@ -79,8 +80,18 @@ def flag(field_name):
 class FinetuneConfig:
     model: str = _opt("smollm2", "base model: 'smollm2' (embedded), a .gguf file or a "
                                  "Hugging Face folder", path=True)
-    data: str = _opt("", "training data: plain text, or JSONL with {\"messages\": [...]} "
-                         "or {\"prompt\", \"completion\"} per line", required=True, path=True)
+    data: str = _opt("", "training data: a .jsonl, .json or .parquet file of OpenAI chat "
+                         "(messages), ShareGPT (conversations), Alpaca (instruction, input, "
+                         "output), prompt/completion or text records; a dataset folder (its "
+                         "train split); or plain text", required=True, path=True)
+    eval_data: str = _opt("", "held-out data, in any --data format: a file, or a dataset "
+                              "folder's validation (else test) split; default: --eval-frac "
+                              "of --data", path=True)
+    columns: str = _opt("", "map other field names onto the schema's, FIELD=COLUMN,... "
+                            "(e.g. prompt=question,completion=answer)",
+                        check_columns)
+    train_on_prompt: bool = _opt(False, "train on every token, the prompt's too (default: "
+                                        "only the answers / assistant turns)")
     out: str = _opt("", "output folder (adapter, checkpoint, log.jsonl, loss.png)",
                     required=True, path=True)
     steps: int = _opt(0, "optimizer steps (0: derive from --epochs)", checks.count(0))
@@ -101,7 +112,8 @@ class FinetuneConfig:
                        checks.count(0))
     weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", checks.nonnegative())
     clip: float = _opt(1.0, "clip gradients to this global norm (0: off)", checks.nonnegative())
-    eval_frac: float = _opt(0.1, "fraction of examples held out for the eval loss",
+    eval_frac: float = _opt(0.1, "fraction of examples held out for the eval loss (when no "
+                                 "--eval-data)",
                             checks.fraction())
     eval_every: int = _opt(20, "evaluate the held-out loss every N steps (0: only at the end)",
                            checks.count(0))
@@ -161,7 +173,13 @@ def _finetune(cfg, model, log, world, together):
     # the paths first (the config's values were checked when it was made): a mistake
     # costs seconds, before a model is loaded or a step is run
     out = Path(cfg.out).expanduser()
-    data_file = data_mod.read_data(cfg.data, name="--data")  # UTF-8, JSONL records checked
+    # every record checked (its file and line or row in a message), the schema stated
+    data_file = data_mod.read_data(cfg.data, "--data", cfg.columns)
+    log(f"data: {data_file.describe()}")
+    eval_file = None
+    if cfg.eval_data:
+        eval_file = data_mod.read_data(cfg.eval_data, "--eval-data", cfg.columns, split="eval")
+        log(f"eval data: {eval_file.describe()}")
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
     if cfg.weights not in WEIGHT_MODES:
@@ -178,9 +196,7 @@ def _finetune(cfg, model, log, world, together):
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
     targets = parse_targets(cfg.targets, model.config)
-    seqs = data_mod.tokenize_data(data_file, model.tokenizer, cfg.seq_len,
-                                  pad_id=model.tokenizer.eos_id)
-    train, held = data_mod.split_eval(seqs, cfg.eval_frac, cfg.seed)
+    train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
     micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
     per_step = micro_size * cfg.grad_accum
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
@@ -275,6 +291,27 @@ def _finetune(cfg, model, log, world, together):
     return summary
 
 
+def _examples(cfg, data, tokenizer, log, name):
+    examples, skipped = data_mod.tokenize_examples(data, tokenizer, cfg.seq_len,
+                                                   cfg.train_on_prompt)
+    if skipped:
+        log(f"warning: {name}: {skipped} of {skipped + len(examples)} examples have no "
+            f"target token within --seq-len {cfg.seq_len} (an empty answer, or a prompt "
+            "that fills the row); skipped")
+    return examples
+
+
+def _rows(cfg, data_file, eval_file, tokenizer, log):
+    """(train, held-out) rows: the held-out examples are chosen before rows are made."""
+    examples = _examples(cfg, data_file, tokenizer, log, "--data")
+    if eval_file is None:
+        train, held = data_mod.split_examples(examples, cfg.eval_frac, cfg.seed)
+    else:
+        train, held = examples, _examples(cfg, eval_file, tokenizer, log, "--eval-data")
+    pad = tokenizer.eos_id
+    return data_mod.pad_rows(train, cfg.seq_len, pad), data_mod.pad_rows(held, cfg.seq_len, pad)
+
+
 def _keep_quantized(cfg, path, available, log) -> bool:
     """Whether to keep the frozen weights in their stored type (``--weights``); refuses
     float32 weights that alone exceed the memory available, before loading them."""
@@ -361,7 +398,7 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
                             f"previous checkpoint in {ck} is kept") from None
 
 
-_SAME_RUN = ("model", "data", "seq_len", "batch_size", "grad_accum", "rank", "alpha",
+_SAME_RUN = ("model", "data", "eval_data", "columns", "train_on_prompt", "seq_len", "batch_size", "grad_accum", "rank", "alpha",
              "targets", "seed", "dtype", "eval_frac")
 
 

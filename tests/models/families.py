@@ -4,8 +4,10 @@
 its non-default options switched on (llama3 rope scaling, q/k/v biases, q/k norm with an
 explicit head_dim, a sliding window shorter than the test sequence, fused projections,
 Gemma 2's soft-capping and alternating windows), randomises every weight (norms and
-biases included, so none is a no-op), and saves it with a small byte-level BPE tokenizer
-(the family's pre-tokenizer split and chat template) as a Hugging Face folder.
+biases included, so none is a no-op), and saves it with a small tokenizer of the kind the
+family's real models ship (a byte-level BPE with the family's pre-tokenizer split, or a
+sentencepiece ``tokenizer.model`` with the tokenizer files transformers makes of it) and
+its chat template, as a Hugging Face folder.
 ``run_converters`` runs llama.cpp's own ``convert_hf_to_gguf.py`` / ``convert_lora_to_gguf.py``
 on such folders in one subprocess, with the pre-tokenizer check pinned
 (``convert_pinned.py``).
@@ -60,23 +62,23 @@ FAMILIES = {
               "qwen2", (None, "<|im_end|>", ["<|im_start|>", "<|endoftext|>"]), _CHATML),
     "mistral": ("MistralConfig", dict(_COMMON, sliding_window=5, rope_theta=1e6,
                                       tie_word_embeddings=False),
-                "llama-bpe", ("<s>", "</s>", ["[INST]", "[/INST]"]), _MISTRAL_TEMPLATE),
+                "spm-llama", ("<s>", "</s>", ["[INST]", "[/INST]"]), _MISTRAL_TEMPLATE),
     "phi3": ("Phi3Config", dict(_COMMON, sliding_window=6, rope_theta=10000.0,
                                 tie_word_embeddings=False, pad_token_id=None),
-             "llama-bpe", ("<s>", "<|end|>", ["<|user|>", "<|assistant|>", "<|endoftext|>"]),
+             "spm-llama", ("<s>", "<|end|>", ["<|user|>", "<|assistant|>", "<|end|>"]),
              _PHI3_TEMPLATE),
     "gemma2": ("Gemma2Config", dict(_COMMON, head_dim=16, query_pre_attn_scalar=24,
                                     sliding_window=4, attn_logit_softcapping=5.0,
                                     final_logit_softcapping=3.0, rope_theta=10000.0,
                                     hidden_activation="gelu_pytorch_tanh",
                                     tie_word_embeddings=True, pad_token_id=None),
-               "llama-bpe", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
+               "spm-gemma", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
                _GEMMA_TEMPLATE),
 }
-# Gemma 2's GGUF converter reads only a sentencepiece tokenizer.model (which gradtape does
-# not read from GGUF yet), and llama.cpp's gemma2 has no query_pre_attn_scalar (it uses
-# head_dim): its GGUF test uses a variant folder (make_gemma2_spm_folder)
-GGUF_FAMILIES = [f for f in FAMILIES if f != "gemma2"]
+# Options llama.cpp's GGUF cannot describe, changed in the folder its converter takes
+# (llama.cpp's gemma2 scales attention by head_dim: it has no query_pre_attn_scalar)
+GGUF_VARIANTS = {"gemma2": {"query_pre_attn_scalar": 16}}
+GGUF_FAMILIES = list(FAMILIES)
 
 _CORPUS = ["The quick brown fox jumps over the lazy dog.",
            "Fine-tuning small models with LoRA adapters: q, k, v, o, gate, up, down.",
@@ -85,8 +87,79 @@ _CORPUS = ["The quick brown fox jumps over the lazy dog.",
 TEXT = "The lazy fox writes {\"a\": 12} in code: café."
 
 
+# The tokenizer suite: unicode, runs of spaces, tabs, newlines, digits, chat markers.
+TEXT_SUITE = [TEXT, "Hello world", " leading space", "  two leading", "trailing  ",
+              "a   b    c     d", "tabs\tand\t\tnewlines\n\nend\n", "x\n  y\n\t z",
+              "digits 0 12 345 6789 3.14159", "東京 café naïve Ωmega ß 🙂 \u00a0nbsp",
+              "[INST] Hi there [/INST] Hello</s>", "<|user|>\nHi<|end|>\n<|assistant|>\n",
+              "<start_of_turn>user\nHi  there<end_of_turn>\n<start_of_turn>model\n", ""]
+
+
 def family_vocab_size():
-    return 384
+    return 512
+
+
+def spm_kind(vocab):
+    """The sentencepiece layout of a vocabulary kind (``spm-llama``: unk, bos, eos first and
+    a dummy prefix space; ``spm-gemma``: pad, eos, bos, unk, no prefix, user-defined
+    whitespace runs), or None for a byte-level BPE."""
+    return vocab[4:] if vocab.startswith("spm-") else None
+
+
+# Gemma's user-defined pieces: runs of spaces, always emitted whole
+_SPM_USER_DEFINED = ("\u2581\u2581", "\u2581\u2581\u2581")
+
+
+def train_sentencepiece(layout, control):
+    """A sentencepiece BPE model (the bytes of a ``tokenizer.model``) trained on the test
+    corpus: byte fallback, identity normalization, no whitespace removal, digits split,
+    ``control`` as control pieces; the ids and spellings of the family's real vocabulary."""
+    import io
+
+    import sentencepiece as spm
+
+    if layout == "llama":
+        kw = dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True)
+    else:
+        kw = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                  bos_piece="<bos>", add_dummy_prefix=False,
+                  user_defined_symbols=list(_SPM_USER_DEFINED))
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_CORPUS * 8 + TEXT_SUITE), model_writer=buf,
+        vocab_size=family_vocab_size() - 40, model_type="bpe", minloglevel=2,
+        hard_vocab_limit=False, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        control_symbols=list(control), **kw)
+    return buf.getvalue()
+
+
+def _write_spm_tokenizer(path, layout, bos, eos, extra):
+    """``tokenizer.model`` and the Hugging Face files transformers makes of it (its
+    generic sentencepiece converter, which follows the model's own settings), with
+    ``added_tokens_decoder`` listing the control and user-defined pieces as real folders
+    do (llama.cpp's converter types them from it)."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    (path / "tokenizer.model").write_bytes(train_sentencepiece(layout, extra))
+    sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
+    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(path))
+    # the BOS the real folders' tokenizer.json adds (and sentencepiece models expect)
+    from tokenizers import Tokenizer, processors
+    tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, sp.piece_to_id(bos))])
+    tk.save(str(path / "tokenizer.json"))
+    added = {}
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        if sp.is_control(i) or (layout == "gemma" and piece in _SPM_USER_DEFINED):
+            added[str(i)] = {"content": piece, "special": bool(sp.is_control(i)),
+                             "normalized": False, "lstrip": False, "rstrip": False,
+                             "single_word": False}
+    return sp, added
 
 
 def _tokenizer(pre_kind, bos, eos, extra):
@@ -114,19 +187,27 @@ def _tokenizer(pre_kind, bos, eos, extra):
     return tk
 
 
-def make_folder(family, path, seed=0):
-    """Build, randomise and save a small model of ``family``; returns the path."""
+def make_folder(family, path, seed=0, kw_override=None):
+    """Build, randomise and save a small model of ``family`` (its config options updated
+    by ``kw_override``); returns the path."""
     import torch
     import transformers
 
-    cls_name, kw, pre_kind, (bos, eos, extra), template = FAMILIES[family]
+    cls_name, kw, vocab_kind, (bos, eos, extra), template = FAMILIES[family]
+    kw = {**kw, **(kw_override or {})}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tk = _tokenizer(pre_kind, bos, eos, extra)
     vocab = family_vocab_size()
-    assert tk.get_vocab_size() <= vocab
-    ids = {"bos_token_id": tk.token_to_id(bos) if bos else None,
-           "eos_token_id": tk.token_to_id(eos)}
+    layout, added = spm_kind(vocab_kind), None
+    if layout:
+        sp, added = _write_spm_tokenizer(path, layout, bos, eos, extra)
+        assert sp.get_piece_size() <= vocab
+        ids = {"bos_token_id": sp.piece_to_id(bos), "eos_token_id": sp.piece_to_id(eos)}
+    else:
+        tk = _tokenizer(vocab_kind, bos, eos, extra)
+        assert tk.get_vocab_size() <= vocab
+        ids = {"bos_token_id": tk.token_to_id(bos) if bos else None,
+               "eos_token_id": tk.token_to_id(eos)}
     cfg = getattr(transformers, cls_name)(vocab_size=vocab, **kw, **ids)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -135,50 +216,21 @@ def make_folder(family, path, seed=0):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
-                p.copy_((0.0 if family == "gemma2" else 1.0) + 0.1 * noise)
+                p.copy_((0.0 if family.startswith("gemma") else 1.0) + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
     model.save_pretrained(str(path), safe_serialization=True)
-    tk.save(str(path / "tokenizer.json"))
-    # Phi-3's converter reads a sentencepiece tokenizer.model unless the class says GPT-2
-    cls = "GPT2Tokenizer" if family == "phi3" else "PreTrainedTokenizerFast"
-    tc = {"tokenizer_class": cls, "chat_template": template,
-          "eos_token": eos, "clean_up_tokenization_spaces": False,
-          "model_max_length": kw["max_position_embeddings"]}
+    if layout:
+        tc = json.loads((path / "tokenizer_config.json").read_text())
+        tc["added_tokens_decoder"] = added
+    else:
+        tk.save(str(path / "tokenizer.json"))
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    tc.update({"chat_template": template, "eos_token": eos, "clean_up_tokenization_spaces": False,
+               "model_max_length": kw["max_position_embeddings"]})
     if bos:
         tc["bos_token"] = bos
     (path / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
-    return path
-
-
-def make_gemma2_spm_folder(path, seed=0):
-    """The Gemma 2 test model as llama.cpp's converter can take it: the same options but
-    query_pre_attn_scalar = head_dim (llama.cpp's rule), and a sentencepiece
-    ``tokenizer.model`` trained on the test corpus instead of tokenizer.json."""
-    import io
-
-    import sentencepiece as spm
-    import torch
-    import transformers
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    kw = dict(FAMILIES["gemma2"][1], query_pre_attn_scalar=16)
-    cfg = transformers.Gemma2Config(vocab_size=family_vocab_size(), bos_token_id=2,
-                                    eos_token_id=1, **kw)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(path), safe_serialization=True)
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(_CORPUS * 8), model_writer=buf,
-                                   vocab_size=200, model_type="bpe", minloglevel=2,
-                                   hard_vocab_limit=False)
-    (path / "tokenizer.model").write_bytes(buf.getvalue())
     return path
 
 
@@ -223,3 +275,20 @@ def rel(ours, ref):
     """max |ours - ref| / max |ref|: the error measure of every family test."""
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def spm_reference(sp, text):
+    """Sentencepiece's own ids of ``text``, as a model's tokenizer gives them: BOS, then
+    the text split at the control pieces written in it (each one id) and every stretch
+    between them encoded by ``sp`` (with its dummy prefix where the model has one)."""
+    import re
+
+    control = {sp.id_to_piece(i): i for i in range(sp.get_piece_size()) if sp.is_control(i)}
+    pattern = "(" + "|".join(re.escape(t) for t in sorted(control, key=len, reverse=True)) + ")"
+    out = [sp.bos_id()]
+    for part in re.split(pattern, text):
+        if part in control:
+            out.append(control[part])
+        elif part:
+            out += sp.encode(part)
+    return out

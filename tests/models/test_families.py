@@ -26,8 +26,9 @@ import json
 import numpy as np
 import pytest
 
-from families import (FAMILIES, GGUF_FAMILIES, SEQ_LEN, TEXT, converter_dir, lora_job,
-                      make_folder, make_gemma2_spm_folder, model_job, rel, run_converters)
+from families import (FAMILIES, GGUF_FAMILIES, GGUF_VARIANTS, SEQ_LEN, TEXT, TEXT_SUITE,
+                      converter_dir, lora_job, make_folder, model_job, rel, run_converters,
+                      spm_kind, spm_reference)
 from tinymodel import lora_loss_outputs
 
 pytest.importorskip("torch")
@@ -61,18 +62,16 @@ def _need_converter():
 
 @pytest.fixture(scope="session")
 def ggufs(folders, tmp_path_factory):
-    """family -> the float32 GGUF llama.cpp's converter makes of its folder (all families
-    converted at once, on first use)."""
+    """family -> (the float32 GGUF llama.cpp's converter makes of its folder, that folder)
+    (all families converted at once, on first use); a family with options llama.cpp
+    cannot describe (``GGUF_VARIANTS``) is converted from a variant folder without them."""
     _need_converter()
     root = tmp_path_factory.mktemp("families_gguf")
-    out = {f: root / f"{f}.gguf" for f in GGUF_FAMILIES}
-    jobs = [model_job(folders(f), out[f], FAMILIES[f][2]) for f in GGUF_FAMILIES]
-    spm_folder = make_gemma2_spm_folder(root / "gemma2-spm")
-    out["gemma2"] = root / "gemma2.gguf"
-    jobs.append(model_job(spm_folder, out["gemma2"], "default"))
-    run_converters(jobs, root)
-    out["gemma2-folder"] = spm_folder
-    return out
+    src = {f: make_folder(f, root / f"{f}-variant", kw_override=GGUF_VARIANTS[f])
+           if f in GGUF_VARIANTS else folders(f) for f in GGUF_FAMILIES}
+    run_converters([model_job(src[f], root / f"{f}.gguf", FAMILIES[f][2])
+                    for f in GGUF_FAMILIES], root)
+    return {f: (root / f"{f}.gguf", src[f]) for f in GGUF_FAMILIES}
 
 
 def _hf(folder, attn="eager"):
@@ -226,13 +225,14 @@ def test_kv_cached_decoding_equals_the_full_forward(folders):
 # --- GGUF via llama.cpp's converter -----------------------------------------------------------
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
-def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folders, ggufs):
+def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, ggufs, tmp_path):
     from gradtape import llama
+    from gradtape.models.export import save_gguf
 
-    folder = folders(family)
-    model = llama.load(ggufs[family])
-    ids = _ids(llama.load(folder))
-    assert model.tokenizer.encode(TEXT) == llama.load(folder).tokenizer.encode(TEXT)
+    path, folder = ggufs[family]
+    model, ours_hf = llama.load(path), llama.load(folder)
+    ids = _ids(ours_hf)
+    assert model.tokenizer.encode(TEXT) == ours_hf.tokenizer.encode(TEXT)
     ref = _logits(_hf(folder), ids)
     rows = len(ids)
     if family == "mistral":
@@ -243,34 +243,38 @@ def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, folder
     err = rel(model.logits(ids)[:rows], ref[:rows])
     _report(family, "gguf-logits-f32", err)
     assert err <= 1e-5
+    # our GGUF writer keeps what llama.cpp's converter wrote (the vocabulary, Gemma's
+    # 1 + w norms, caps, windows, rope settings)
+    again = llama.load(save_gguf(model, tmp_path / "again.gguf"))
+    assert again.config == model.config
+    assert all(np.array_equal(again.weights[k], model.weights[k]) for k in model.weights)
+    assert again.tokenizer.encode(TEXT) == model.tokenizer.encode(TEXT)
 
 
-def test_gemma2_gguf_from_llama_cpp_converter_loads_with_the_same_logits(ggufs, tmp_path):
-    """Gemma 2 through llama.cpp's converter (norms stored as 1 + w, soft-capping and the
-    window in metadata, alternating layers implied).  Its vocabulary is sentencepiece,
-    which gradtape does not read from GGUF: a clear error, or the model on token ids."""
+@pytest.mark.parametrize("family", [f for f in GGUF_FAMILIES if spm_kind(FAMILIES[f][2])])
+def test_sentencepiece_gguf_vocabulary_encodes_as_sentencepiece(family, ggufs):
+    """A sentencepiece GGUF vocabulary (``tokenizer.ggml.model = llama``: pieces, scores,
+    token types, byte pieces, the dummy prefix or not) encodes the text suite (unicode,
+    runs of spaces, tabs, newlines, digits, chat markers) to the ids the model's own
+    ``tokenizer.model`` gives, and decodes them back to the text; so does the Hugging Face
+    folder's ``tokenizer.json``."""
+    import sentencepiece as spm
+
     from gradtape import llama
-    from gradtape.errors import FileFormatError
-    from gradtape.models.load_gguf import load_gguf
-    from gradtape.models.model import Llama
 
-    with pytest.raises(FileFormatError, match="tokenizer model 'llama' is not supported"):
-        llama.load(ggufs["gemma2"])
-    cfg, weights, tok, name = load_gguf(ggufs["gemma2"], tokenizer=False)
-    assert tok is None and cfg.arch == "gemma2" and cfg.sliding_layers == (0,)
-    model = Llama(cfg, weights)
-    ids = [int(i) for i in np.random.default_rng(0).integers(3, 200, SEQ_LEN)]
-    ref = _logits(_hf(ggufs["gemma2-folder"]), ids)
-    ours_hf = llama.load(ggufs["gemma2-folder"]).logits(ids)
-    err = max(rel(model.logits(ids), ref), rel(ours_hf, ref))
-    _report("gemma2", "gguf-logits-f32", err)
-    assert err <= 1e-5
-    # our GGUF writer keeps what llama.cpp's converter wrote (1 + w norms, caps, window)
-    from gradtape.models.export import save_gguf
-    again = load_gguf(save_gguf(model, tmp_path / "again.gguf"), tokenizer=False)
-    import dataclasses
-    assert again[0] == dataclasses.replace(cfg, bos_id=None, eos_id=None)  # (no vocabulary)
-    assert all(np.array_equal(again[1][k], weights[k]) for k in weights)
+    path, folder = ggufs[family]
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    ours, ours_hf = llama.load(path).tokenizer, llama.load(folder).tokenizer
+    control = {sp.id_to_piece(i) for i in range(sp.get_piece_size()) if sp.is_control(i)}
+    for text in TEXT_SUITE:
+        want = spm_reference(sp, text)
+        assert ours.encode(text) == want, text
+        assert ours_hf.encode(text) == want, text
+        if not any(c in text for c in control):
+            assert ours.decode(want[1:]) == sp.decode(want[1:]) == text, text
+        assert ours.decode(want, skip_special_tokens=True) == sp.decode(want), text
+    bos, eos = FAMILIES[family][3][:2]
+    assert (ours.bos_id, ours.eos_id) == (sp.piece_to_id(bos), sp.piece_to_id(eos))
 
 
 # --- LoRA: gradients, PEFT round trip, merge, GGUF-LoRA export --------------------------------

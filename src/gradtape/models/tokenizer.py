@@ -1,12 +1,14 @@
 """The tokenizer of a LLaMA-family model, and its chat template.
 
 ``Tokenizer`` wraps a ``tokenizers.Tokenizer`` built either from GGUF metadata
-(``from_gguf``: byte-level BPE vocabulary, merges, token types, special ids) or from a
-Hugging Face ``tokenizer.json`` (``from_hf_folder``).  The GGUF build reproduces what
-Hugging Face ``transformers`` builds from the same file (its GGUF tokenizer converter:
-GPT-2 byte-level BPE, control tokens added whole as special tokens, user-defined tokens
-as plain added tokens, the pre-tokenizer regex of the file's ``tokenizer.ggml.pre`` where
-transformers knows one), so encoding matches the parity reference id for id.
+(``from_gguf``) or from a Hugging Face ``tokenizer.json`` (``from_hf_folder``).  GGUF
+holds two kinds of vocabulary.  Byte-level BPE ("gpt2": vocabulary, merges, the
+pre-tokenizer regex named by ``tokenizer.ggml.pre``) is built as transformers' GGUF
+converter builds it, so encoding matches that reference id for id.  Sentencepiece
+("llama": pieces, scores, token types, byte pieces, ``add_space_prefix``) is built as a
+BPE whose merges are ranked by piece score, which encodes as the model's own
+sentencepiece tokenizer does (``_sentencepiece_bpe``).  In both, control tokens are added
+whole as special tokens and user-defined tokens as plain added tokens.
 
 The chat template (jinja2, as stored in the model) renders a list of messages with the
 same environment settings transformers uses (trim_blocks, lstrip_blocks, sandboxed).
@@ -21,7 +23,7 @@ from functools import lru_cache
 from ..errors import FileFormatError
 
 # Token types in GGUF's tokenizer.ggml.token_type (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 # Pre-tokenizer split regexes by GGUF ``tokenizer.ggml.pre``, the ones transformers' GGUF
 # converter overrides (everything else, "smollm" and "gpt2" included, keeps GPT-2's
@@ -42,7 +44,8 @@ _PRE_SPLITS = {
 
 # Ids that end a generation besides the model's eos, when the vocabulary has them as
 # special tokens (an instruct model's eos is its turn end; it may still emit these).
-_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>")
+_END_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>",
+               "<end_of_turn>", "<|end|>")
 
 
 @lru_cache(maxsize=1)
@@ -124,57 +127,31 @@ class Tokenizer:
     # --- builders -----------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, meta: dict, where: str) -> "Tokenizer":
-        """From GGUF metadata (key -> python value) of a byte-level BPE ("gpt2") model."""
-        from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers.models import BPE
+        """From GGUF metadata (key -> python value): a byte-level BPE vocabulary ("gpt2")
+        or a sentencepiece one ("llama")."""
+        from tokenizers import AddedToken, processors
 
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        build = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}.get(kind)
+        if build is None:
             raise FileFormatError(f"{where}: tokenizer model {kind!r} is not supported "
-                                  "(only byte-level BPE, 'gpt2')")
+                                  "(only byte-level BPE, 'gpt2', and sentencepiece, 'llama')")
         tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise FileFormatError(f"{where}: tokenizer.ggml.tokens / merges missing")
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if not tokens:
+            raise FileFormatError(f"{where}: tokenizer.ggml.tokens missing")
+        types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise FileFormatError(f"{where}: {len(types)} token types for {len(tokens)} tokens")
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-
-        def spelled(tok):
-            # tokens outside the byte alphabet (rare) are respelled byte by byte
-            return tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode())
-
-        vocab = {}
-        for i, tok in enumerate(tokens):
-            vocab.setdefault(spelled(tok), i)
-        pairs = []
-        for m in merges:
-            parts = m.split(" ")
-            if len(parts) != 2:
-                raise FileFormatError(f"{where}: malformed merge {m!r}")
-            pairs.append(tuple(parts))
-        bpe = BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                  end_of_word_suffix="", fuse_unk=False)
-        tk = HFTokenizer(bpe)
-        split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
-        if split is None:
-            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            tk.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tk.decoder = decoders.ByteLevel()
-        # control tokens (e.g. <|im_start|>) stay whole as special tokens; a "control"
-        # token outside the byte alphabet is a llama.cpp mislabel and is skipped
-        control = [AddedToken(t, normalized=False, special=True)
-                   for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+        tk, whole = build(meta, where, tokens, types)
+        # control tokens (<|im_start|>, <start_of_turn>) stay whole as special tokens and
+        # user-defined ones whole as plain added tokens, both matched in the raw text
+        # (llama.cpp splits the text on them before tokenizing the pieces between)
+        control = [AddedToken(whole(t), normalized=False, special=True)
+                   for t, ty in zip(tokens, types) if ty == _CONTROL and whole(t)]
         if control:
             tk.add_special_tokens(control)
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+        user = [AddedToken(whole(t), normalized=False, special=False)
+                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and whole(t)]
         if user:
             tk.add_tokens(user)
 
@@ -183,10 +160,15 @@ class Tokenizer:
             return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
 
         bos, eos = tid("tokenizer.ggml.bos_token_id"), tid("tokenizer.ggml.eos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token")) and eos is not None
+        if add_bos or add_eos:
+            b = f"{tokens[bos]} " if add_bos else ""
+            e = f" {tokens[eos]}" if add_eos else ""
             tk.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-                special_tokens=[(tokens[bos], bos)])
+                single=f"{b}$A{e}", pair=f"{b}$A{e} {b}$B{e}",
+                special_tokens=[(tokens[i], i) for i in dict.fromkeys(
+                    ([bos] if add_bos else []) + ([eos] if add_eos else []))])
         names = {"bos_token": bos, "eos_token": eos,
                  "unk_token": tid("tokenizer.ggml.unknown_token_id"),
                  "pad_token": tid("tokenizer.ggml.padding_token_id")}
@@ -234,6 +216,115 @@ class Tokenizer:
             bos_id = tk.token_to_id(special["bos_token"])
         return cls(tk, eos_id=eos_id, bos_id=bos_id, chat_template=template,
                    special_tokens=special)
+
+
+def _byte_level_bpe(meta, where, tokens, types):
+    """``(tokenizers.Tokenizer, whole)`` of a "gpt2" GGUF vocabulary: GPT-2's byte-level
+    BPE with the file's merges and the split regex of its ``tokenizer.ggml.pre``.
+    ``whole(token)``: the text an added token is matched by, or "" to leave it out."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise FileFormatError(f"{where}: tokenizer.ggml.merges missing")
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def spelled(tok):
+        # tokens outside the byte alphabet (rare) are respelled byte by byte
+        return tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode())
+
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(spelled(tok), i)
+    pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise FileFormatError(f"{where}: malformed merge {m!r}")
+        pairs.append(tuple(parts))
+    bpe = BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+              end_of_word_suffix="", fuse_unk=False)
+    tk = HFTokenizer(bpe)
+    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+
+    def whole(tok):
+        # a "control" token outside the byte alphabet is a llama.cpp mislabel: skipped;
+        # a user-defined one must be in the vocabulary as spelled
+        return tok if set(tok) <= alphabet and tok in vocab else ""
+    return tk, whole
+
+
+def _sentencepiece_bpe(meta, where, tokens, types):
+    """``(tokenizers.Tokenizer, whole)`` of a "llama" GGUF vocabulary: sentencepiece BPE
+    with pieces spelled with U+2581 for spaces, one score per piece, byte pieces
+    ``<0x0A>``.
+
+    Sentencepiece BPE encodes a text by escaping its spaces as U+2581 (after a dummy
+    prefix space where ``add_space_prefix``, default true, says so), splitting it into
+    characters (a character not in the vocabulary into its UTF-8 byte pieces) and then
+    repeatedly merging the adjacent pair whose concatenation is a normal piece of the
+    highest score.  A BPE model whose merge ranks are the pieces ordered by score does
+    the same; the merges are every split of a normal piece into two normal pieces,
+    ranked by the piece's score (highest first), then its id.  The dummy prefix is a
+    normalizer, so it goes before every stretch of text between control tokens, as
+    llama.cpp and the slow sentencepiece tokenizers do.  GGUF keeps no normalizer rules:
+    a file asking for extra-whitespace removal or a precompiled character map (T5-style
+    vocabularies) is refused rather than tokenized differently."""
+    from tokenizers import decoders, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    for key in ("tokenizer.ggml.remove_extra_whitespaces", "tokenizer.ggml.precompiled_charsmap"):
+        if meta.get(key):
+            raise FileFormatError(f"{where}: {key} is set: sentencepiece normalization rules "
+                                  "are not supported")
+    scores = meta.get("tokenizer.ggml.scores")
+    if not isinstance(scores, list) or len(scores) != len(tokens) or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores):
+        raise FileFormatError(f"{where}: tokenizer.ggml.scores must list one number per token")
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    normal = {}  # piece -> (-score, id): its merge priority
+    for i, (tok, ty, sc) in enumerate(zip(tokens, types, scores)):
+        if ty == _NORMAL and vocab[tok] == i:
+            normal[tok] = (-float(sc), i)
+    ranked = []
+    for tok, prio in normal.items():
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in normal and right in normal:
+                ranked.append((prio, left, right))
+    ranked.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == _UNKNOWN), None)
+    has_bytes = _BYTE in types
+    tk = HFTokenizer(BPE(vocab=vocab, merges=[(a, b) for _, a, b in ranked], dropout=None,
+                         unk_token=unk, fuse_unk=True, byte_fallback=has_bytes))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    norm = [normalizers.Prepend("\u2581")] if prefix else []
+    tk.normalizer = normalizers.Sequence(norm + [normalizers.Replace(" ", "\u2581")])
+    dec = [decoders.Replace("\u2581", " ")] + ([decoders.ByteFallback()] if has_bytes else [])
+    dec.append(decoders.Fuse())
+    if prefix:  # the dummy prefix comes off the start of the text again
+        dec.append(decoders.Strip(" ", 1, 0))
+    tk.decoder = decoders.Sequence(dec)
+
+    def whole(tok):
+        # llama.cpp's converter stores user-defined pieces with real spaces; a piece still
+        # spelled with U+2581 means the same text
+        return tok.replace("\u2581", " ")
+    return tk, whole
+
 
 
 def _render(template, **context):

@@ -41,7 +41,7 @@ sys.path.insert(0, _TESTS)
 import gradtape as gt  # noqa: E402
 from gradtape import llama, ops  # noqa: E402
 from gradtape.models.lora import init_adapter  # noqa: E402
-from tinymodel import lora_loss_outputs  # noqa: E402
+from support.tinymodel import lora_loss_outputs  # noqa: E402
 
 TEXTS = {
     "natural": ("The quick brown fox jumps over the lazy dog. Training a small language model "

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/oracle_report.py
 
-Reuses the test suites' cases and helpers (tests/fd.py, tests/core/test_*_fd.py,
+Reuses the test suites' cases and helpers (tests/support/fd.py, tests/core/test_*_fd.py,
 tests/core/test_nn_oracle.py, tests/core/test_block_oracle.py): the LoRA LLaMA block vs torch
 float64 (loss and 14 adapter gradients, every configuration), each nn layer vs torch
 float64, and the finite-difference dot-product checks (first and second order) of every
@@ -18,7 +18,7 @@ import time
 _TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
 sys.path[:0] = [_TESTS, os.path.join(_TESTS, "core")]
 
-import fd  # noqa: E402
+from support import fd  # noqa: E402
 import test_block_oracle as block  # noqa: E402
 import test_nn_fd as nn_fd  # noqa: E402
 import test_nn_oracle as nn_oracle  # noqa: E402

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 model and its Hugging Face reference, loaded once.
+"""Shared fixtures: the real SmolLM2 model and its Hugging Face reference, loaded once, and
+the tiny random model as a folder (``tiny_dir``).
 
 ``smollm2`` is our ``llama.load("smollm2")``; ``hf_smollm2`` / ``hf_tokenizer`` are
 transformers loading the same GGUF (``gguf_file=``), the parity reference.  Tests that
@@ -136,3 +137,14 @@ def hf_float64():
     """``hf_float64(model)``: see ``hf_float64_reference``."""
     _need_hf()
     return hf_float64_reference
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A folder with the tiny random model as a Hugging Face folder (``model/``) and a
+    text file to train on (``text.txt``), written once per session; tests only read it."""
+    from support.tinymodel import TINY_TEXT, tiny_model, write_hf_folder
+    root = tmp_path_factory.mktemp("tiny")
+    write_hf_folder(tiny_model(seed=4), root / "model")
+    (root / "text.txt").write_text(TINY_TEXT)
+    return root

@@ -31,6 +31,8 @@ import gradtape as gt
 from gradtape import nn, ops
 from gradtape.backends import _cgen, compute, onednn
 
+from support.compare import rel_err
+
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
@@ -45,10 +47,6 @@ def _need_onednn():
 
 def _bf16_exact(x):
     return onednn.from_bf16(onednn.to_bf16(x)).astype(np.float64)
-
-
-def _rel(a, b):
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
 
 
 # --- conversion -----------------------------------------------------------------------------
@@ -97,9 +95,9 @@ def test_onednn_gemm_is_bf16_inputs_float32_accumulation(m, k, n, tb):
     onednn.dnnl().bind(out, onednn.to_bf16(a), onednn.to_bf16(w), tb)()
     wt = _bf16_exact(w)
     ref = _bf16_exact(a) @ (wt.T if tb else wt)
-    assert _rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
     full = a.astype(np.float64) @ (w.T if tb else w).astype(np.float64)
-    assert 1e-4 < _rel(out, full) < 2e-2  # it really ran in bf16
+    assert 1e-4 < rel_err(out, full) < 2e-2  # it really ran in bf16
 
 
 def test_describe_names_library_and_kernel():
@@ -150,7 +148,7 @@ def test_bf16_forward_equals_bf16_rounded_operands():
     y = ops.matmul(x, w)
     got = tp.compile([y], backend="cpu", compute="bf16").run()[0]
     ref = _bf16_exact(x._value) @ _bf16_exact(w._value)
-    assert _rel(got, ref) < 1e-5
+    assert rel_err(got, ref) < 1e-5
 
 
 def test_fed_weight_is_converted_again():
@@ -162,7 +160,7 @@ def test_fed_weight_is_converted_again():
     prog = tp.compile([ops.matmul(x, w)], backend="cpu", compute="bf16")
     w2 = rng.standard_normal((256, 256)).astype(np.float32)
     got = prog.run({w: w2})[0]
-    assert _rel(got, _bf16_exact(x._value) @ _bf16_exact(w2)) < 1e-5
+    assert rel_err(got, _bf16_exact(x._value) @ _bf16_exact(w2)) < 1e-5
 
 
 def test_programs_share_a_weight_copy_until_one_is_fed():
@@ -178,7 +176,7 @@ def test_programs_share_a_weight_copy_until_one_is_fed():
     w2 = rng.standard_normal((256, 256)).astype(np.float32)
     p1.run({w: w2})
     ref = _bf16_exact(x._value) @ _bf16_exact(w._value)
-    assert _rel(p2.run()[0], 2 * ref) < 1e-5  # p2 still multiplies by the recorded w
+    assert rel_err(p2.run()[0], 2 * ref) < 1e-5  # p2 still multiplies by the recorded w
 
 
 def test_float64_tape_ignores_bf16():
@@ -237,7 +235,7 @@ def test_bf16_without_onednn_says_so(monkeypatch, tmp_path):
 def test_trainstep_on_numpy_backend_runs_float32_with_a_notice(monkeypatch):
     from gradtape.models.lora import init_adapter
     from gradtape.train.step import TrainStep
-    from tinymodel import tiny_model
+    from support.tinymodel import tiny_model
 
     monkeypatch.setattr(compute, "_WARNED", set())
     m = tiny_model()
@@ -271,7 +269,7 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2):
     gets a gradient)."""
     _need_onednn()
     from gradtape.models.lora import init_adapter
-    from tinymodel import lora_loss_outputs
+    from support.tinymodel import lora_loss_outputs
 
     m = smollm2
     rng = np.random.default_rng(0)
@@ -332,7 +330,7 @@ def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
         run = d.bind_f32(out, av, bv)
         assert run is not None
         run()
-        assert _rel(out, ref) < 1e-6
+        assert rel_err(out, ref) < 1e-6
     # what oneDNN does not take (mixed batch shapes, float64) is left to NumPy
     assert d.bind_f32(np.zeros((2, 4, 4), np.float32), np.ones((2, 4, 4), np.float32),
                       np.ones((1, 4, 4), np.float32)) is None

@@ -27,18 +27,10 @@ from gradtape.compile.graph import build_graph
 from gradtape.blocks import random_blocks
 from gradtape.ops import PRIMS
 
-TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-5}
+from support import parity
+from support.compare import rel_err
+
 DTYPES = [np.float64, np.float32]
-
-
-def rel_err(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    if got.size == 0:
-        return 0.0
-    d = np.max(np.abs(got - ref))
-    s = np.max(np.abs(ref))
-    return float(d / s) if s else float(d)
 
 
 @pytest.fixture(autouse=True)
@@ -46,43 +38,20 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
-def compare(tp, outputs, feeds_list=({},), updates=None, ref64=None):
-    """Compile on both backends, replay each feed, compare every output.
+def cpu_program(tp, outputs, updates=None):
+    prog = tp.compile(outputs, backend="cpu", updates=updates)
+    assert prog.backend == "cpu"
+    return prog
 
-    float32 also accepts an error up to 4x the reference's own rounding error, measured
-    against ``ref64`` (the same graph's float64 NumPy outputs) when given: a long backward
-    chain ending in a sum that cancels (a scalar param's gradient) is only as accurate as
-    float32 itself, on either backend.
-    """
-    p_np = tp.compile(outputs, backend="numpy", updates=updates)
-    p_cpu = tp.compile(outputs, backend="cpu", updates=updates)
-    assert p_cpu.backend == "cpu"
-    tol = TOL[tp.dtype]
-    worst = 0.0
-    for feeds in feeds_list:
-        r_np = p_np.run(feeds)
-        r_cpu = p_cpu.run(feeds)
-        for k, (a, b) in enumerate(zip(r_cpu, r_np)):
-            assert a.dtype == b.dtype
-            e = rel_err(a, b)
-            worst = max(worst, e)
-            bound = tol
-            if ref64 is not None and tp.dtype == np.float32:
-                bound = max(tol, 4 * rel_err(b, ref64[k]))
-            assert e <= bound, f"output {k} ({outputs[k]!r}): rel err {e:.3g} > {bound:.3g}"
-    return p_cpu, worst
+
+def compare(tp, outputs, feeds_list=({},), updates=None, ref64=None):
+    """The cpu program of ``outputs`` against the NumPy reference: (program, worst)."""
+    prog = cpu_program(tp, outputs, updates)
+    return prog, parity.compare(tp, outputs, prog, updates, feeds_list, ref64)
 
 
 def check_built(build, dtype, **kw):
-    """``build(tp) -> outputs`` on a tape of ``dtype``, compared across backends; float32
-    also against the float64 evaluation of the same build."""
-    tp = gt.Tape(dtype)
-    outputs = build(tp)
-    ref64 = None
-    if np.dtype(dtype) == np.float32:
-        tp64 = gt.Tape(np.float64)
-        ref64 = tp64.compile(build(tp64), backend="numpy").run()
-    return compare(tp, outputs, ref64=ref64, **kw)
+    return parity.check_built(build, dtype, cpu_program, **kw)
 
 
 # --- every primitive, forward and backward --------------------------------------------------

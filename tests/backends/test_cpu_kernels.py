@@ -17,7 +17,9 @@ import gradtape as gt
 from gradtape import ops
 from gradtape.backends import _cgen
 
-from test_cpu_backend import DTYPES, TOL, _loss_of, rel_err
+from support.compare import rel_err
+from support.parity import TOL
+from test_cpu_backend import DTYPES, _loss_of
 
 
 @pytest.fixture(autouse=True)

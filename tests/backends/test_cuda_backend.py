@@ -126,7 +126,7 @@ def test_train_step_matches_numpy(backend):
     matches float32 closely; the threshold path is covered by test_layers_bf16_storage."""
     from gradtape.models.lora import init_adapter
     from gradtape.train.step import TrainStep
-    from tinymodel import tiny_model
+    from support.tinymodel import tiny_model
 
     model = tiny_model(seed=3, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab=260,
                        n_layers=1)

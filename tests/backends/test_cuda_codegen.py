@@ -35,9 +35,10 @@ from gradtape.compile.fuse import step_inputs, step_outputs
 from gradtape.compile.graph import build_graph
 from gradtape.compile import lower
 
-from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph, rel_err
+from support import parity
+from support.compare import rel_err
+from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph
 
-TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 2e-5}
 BF16_TOL = 5e-2
 
 
@@ -50,37 +51,27 @@ def harness(**kw):
     return C.HarnessDevice(**kw)
 
 
+def cuda_program(storage="float32", bf16_min_size=1, device=None):
+    """``make_program`` for the parity harness: the graph lowered onto the cuda backend
+    with ``device`` (the CPU harness by default)."""
+    def make(tp, outputs, updates=None):
+        return lower(build_graph(tp, outputs, updates), C.CudaBackend, storage=storage,
+                     device=device or harness(), bf16_min_size=bf16_min_size)
+    return make
+
+
 def compare(tp, outputs, updates=None, feeds_list=({},), ref64=None, storage="float32",
             bf16_min_size=1, device=None):
-    graph = build_graph(tp, outputs, updates)
-    be = lower(graph, C.CudaBackend, storage=storage,
-                       device=device or harness(), bf16_min_size=bf16_min_size)
-    p_np = tp.compile(outputs, backend="numpy", updates=updates)
-    worst = 0.0
-    for feeds in feeds_list:
-        r_np = p_np.run(dict(feeds))
-        r_cu = be.run(dict(feeds))
-        for k, (a, b) in enumerate(zip(r_cu, r_np)):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            if storage == "bfloat16":
-                e, bound = rel_err(a, ref64[k]), BF16_TOL
-            else:
-                e, bound = rel_err(a, b), TOL[tp.dtype]
-                if ref64 is not None and tp.dtype == np.float32:
-                    bound = max(bound, 4 * rel_err(b, ref64[k]))
-            worst = max(worst, e)
-            assert e <= bound, f"output {k} ({outputs[k]!r}): rel err {e:.3g} > {bound:.3g}"
-    return be, worst
+    """(the cuda executable, worst error against the NumPy reference); bfloat16 storage is
+    held to BF16_TOL against the float64 outputs ``ref64``."""
+    be = cuda_program(storage, bf16_min_size, device)(tp, outputs, updates)
+    tol64 = BF16_TOL if storage == "bfloat16" else None
+    return be, parity.compare(tp, outputs, be, updates, feeds_list, ref64, tol64)
 
 
-def check_built(build, dtype, **kw):
-    tp = gt.Tape(dtype)
-    outputs = build(tp)
-    ref64 = None
-    if np.dtype(dtype) == np.float32:
-        tp64 = gt.Tape(np.float64)
-        ref64 = tp64.compile(build(tp64), backend="numpy").run()
-    return compare(tp, outputs, ref64=ref64, **kw)
+def check_built(build, dtype, storage="float32", bf16_min_size=1, device=None, **kw):
+    return parity.check_built(build, dtype, cuda_program(storage, bf16_min_size, device),
+                              tol64=BF16_TOL if storage == "bfloat16" else None, **kw)
 
 
 # --- every primitive, forward and backward ------------------------------------------------
@@ -236,7 +227,7 @@ def test_train_step_matches_numpy(monkeypatch):
     tiny LLaMA: losses and adapter weights track the numpy backend over 3 steps."""
     from gradtape.models.lora import init_adapter
     from gradtape.train.step import TrainStep
-    from tinymodel import tiny_model
+    from support.tinymodel import tiny_model
 
     monkeypatch.setitem(BACKENDS, "cuda-harness", f"{__name__}:_HarnessBackend")
     model = tiny_model(seed=3, dim=16, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab=260,

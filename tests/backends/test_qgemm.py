@@ -25,6 +25,8 @@ from gradtape import ops
 from gradtape.backends import qgemm
 from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
 
+from support.compare import rel_err
+
 TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}
 TYPES = sorted(BLOCK_TYPES)
 
@@ -39,12 +41,6 @@ def small_tiles(monkeypatch):
     """Tiles of at most 64 rows x 256 columns: a [70, 768] weight takes 2 x 3 tiles."""
     monkeypatch.setattr(qgemm, "TILE_ELEMS", 64 * 256)
     monkeypatch.setattr(qgemm, "TILE_ROWS", 64)
-
-
-def rel_err(got, ref):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.mark.parametrize("qtype", TYPES)

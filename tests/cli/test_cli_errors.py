@@ -25,7 +25,7 @@ from gradtape.errors import GradtapeError
 from gradtape.models.lora import init_adapter
 from gradtape.train.finetune import FinetuneConfig, flag
 
-from tinymodel import tiny_model, write_hf_folder
+from support.tinymodel import tiny_model, write_hf_folder
 
 TEXT = "pack my box with five dozen liquor jugs. " * 20
 HAVE_PROC = Path("/proc/self").is_dir()

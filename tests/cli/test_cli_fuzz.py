@@ -30,8 +30,8 @@ from gradtape.cli import main
 from gradtape.cli.main import COMMANDS, DEBUG_HINT
 from gradtape.models.lora import init_adapter
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model, write_hf_folder
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model, write_hf_folder
 
 EXAMPLES = int(os.environ.get("GRADTAPE_CLI_FUZZ_EXAMPLES", "60"))
 MAX_SECONDS = 20  # one command; a timer stops one that would hang

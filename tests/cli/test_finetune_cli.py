@@ -13,18 +13,6 @@ import pytest
 
 from gradtape.models.lora import load_adapter
 
-from tinymodel import tiny_model, write_hf_folder
-
-TEXT = "pack my box with five dozen liquor jugs. " * 60
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    write_hf_folder(tiny_model(seed=4), root / "model")
-    (root / "text.txt").write_text(TEXT)
-    return root
-
 
 def _cmd(tiny_dir, out, *extra):
     return [sys.executable, "-m", "gradtape.cli", "finetune", "--model", str(tiny_dir / "model"),

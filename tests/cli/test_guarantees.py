@@ -24,19 +24,10 @@ from gradtape.models.lora import init_adapter, load_adapter
 from gradtape.formats.safetensors_reader import read_safetensors
 from gradtape.train.step import TrainStep
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model, write_hf_folder
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import TINY_TEXT, tiny_model
 
-TEXT = "pack my box with five dozen liquor jugs. " * 60
 QUIET = lambda *a: None  # noqa: E731
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guarantees")
-    write_hf_folder(tiny_model(seed=4), root / "model")
-    (root / "text.txt").write_text(TEXT)
-    return root
 
 
 def _cli(*args, timeout=300):
@@ -131,7 +122,7 @@ def reference(tiny_dir):
 
 def test_a_failed_checkpoint_write_keeps_the_previous_one(tiny_dir, tmp_path, monkeypatch,
                                                           reference):
-    (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
     real_replace, calls = os.replace, []
 
     def failing_replace(src, dst):
@@ -155,7 +146,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one(tiny_dir, tmp_path, mo
 
 def test_a_torn_temporary_file_from_a_kill_is_ignored_and_cleaned(tiny_dir, tmp_path,
                                                                   reference):
-    (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
     m = tiny_model(seed=4)
     calls = {"n": 0}
     real_step = TrainStep.step
@@ -182,7 +173,7 @@ def test_a_torn_temporary_file_from_a_kill_is_ignored_and_cleaned(tiny_dir, tmp_
 
 def test_non_finite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny_dir, tmp_path,
                                                                          monkeypatch):
-    (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
     calls = {"n": 0}
     real_step = TrainStep.step
 
@@ -201,7 +192,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny_dir
 
 
 def test_a_diverged_state_never_replaces_a_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
-    (tmp_path / "text.txt").write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
     real = TrainStep.state_arrays
     calls = {"n": 0}
 

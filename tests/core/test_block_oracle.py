@@ -21,7 +21,8 @@ F = torch.nn.functional
 import gradtape as gt  # noqa: E402
 from gradtape import nn, ops  # noqa: E402
 
-from fd import BACKENDS, rel_err, replay_tol  # noqa: E402
+from support.compare import rel_err  # noqa: E402
+from support.fd import BACKENDS, replay_tol  # noqa: E402
 
 ORACLE_TOL = 1e-11
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

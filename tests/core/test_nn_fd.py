@@ -10,7 +10,7 @@ import pytest
 
 from gradtape import nn
 
-from fd import FD_TOL, Const, check_fd, ids
+from support.fd import FD_TOL, Const, check_fd, ids
 
 GQA = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (6, 2), (6, 3)]
 

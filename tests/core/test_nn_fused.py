@@ -6,7 +6,7 @@ import pytest
 import gradtape as gt
 from gradtape import nn, ops
 
-from fd import BACKENDS
+from support.fd import BACKENDS
 
 
 @pytest.mark.parametrize("n_seq, t, nh, nkv, hd", [

@@ -15,7 +15,8 @@ F = torch.nn.functional
 import gradtape as gt  # noqa: E402
 from gradtape import nn  # noqa: E402
 
-from fd import Const, rel_err  # noqa: E402
+from support.compare import rel_err  # noqa: E402
+from support.fd import Const  # noqa: E402
 
 ORACLE_TOL = 1e-11
 

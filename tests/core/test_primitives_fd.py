@@ -14,8 +14,9 @@ from gradtape.ops import PRIMS
 
 from gradtape.blocks import random_blocks
 
-from fd import (F32_VS_F64_TOL, FD_TOL, Blocks, Const, away_from_zero, check_fd, first_order, ids, normal,
-                positive, rel_err)
+from support.compare import rel_err
+from support.fd import (F32_VS_F64_TOL, FD_TOL, Blocks, Const, away_from_zero, check_fd,
+                        first_order, ids, normal, positive)
 
 T, N = 3, 4
 
@@ -134,7 +135,7 @@ def test_every_primitive_has_cases():
 @pytest.mark.parametrize("name,cid,build,inputs", CASES, ids=CASE_IDS)
 def test_case_records_its_primitive(name, cid, build, inputs):
     """Each case really exercises the primitive it is filed under."""
-    from fd import _leaves
+    from support.fd import _leaves
     tp = gt.Tape()
     out = build(tp, *_leaves(tp, inputs))
     assert out.op == name

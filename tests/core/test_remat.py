@@ -8,7 +8,7 @@ from gradtape import nn, ops
 from gradtape.compile import build_graph, plan_memory
 from gradtape.compile.remat import rematerialize
 
-from fd import BACKENDS
+from support.fd import BACKENDS
 
 T, D, F = 16, 8, 32
 

@@ -13,7 +13,8 @@ import pytest
 import gradtape as gt
 from gradtape import ops
 
-from fd import BACKENDS, rel_err, replay_tol
+from support.compare import rel_err
+from support.fd import BACKENDS, replay_tol
 
 DTYPES = [np.float64, np.float32]
 

@@ -26,8 +26,8 @@ from gradtape import llama
 from gradtape.errors import GradtapeError
 from gradtape.models.lora import init_adapter, load_adapter
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model, write_hf_folder
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model, write_hf_folder
 
 EXAMPLES = int(os.environ.get("GRADTAPE_FUZZ_EXAMPLES", "150"))  # raise it for a deep run
 MAX_SECONDS = 2.0

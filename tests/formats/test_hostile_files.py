@@ -22,9 +22,9 @@ from gradtape import llama
 from gradtape.errors import FileFormatError, GradtapeError
 from gradtape.models.lora import init_adapter, load_adapter
 
-from filebuilders import (gguf_kv_str, gguf_kv_u32, gguf_string, gguf_tensor_info, raw_gguf,
-                          raw_safetensors, write_tiny_gguf)
-from tinymodel import tiny_model, write_hf_folder
+from support.filebuilders import (gguf_kv_str, gguf_kv_u32, gguf_string, gguf_tensor_info,
+                                  raw_gguf, raw_safetensors, write_tiny_gguf)
+from support.tinymodel import tiny_model, write_hf_folder
 
 MAX_SECONDS = 1.0
 MAX_ALLOC = 32 << 20  # bytes of Python/NumPy heap a rejected file may cost

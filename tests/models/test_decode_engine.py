@@ -9,7 +9,8 @@ import pytest
 from gradtape.models import decode_engine as E
 from gradtape.models import model as M
 from gradtape.models.lora import target_dims
-from tinymodel import tiny_model
+from support.tinymodel import tiny_model
+from support.compare import rel_err
 
 if not E.ggml_vec.available():
     pytest.skip("no C compiler", allow_module_level=True)
@@ -60,10 +61,6 @@ def graph_argmax(model, prompt, out, lora=None, scale=1.0):
     return [int(i) for i in z[len(prompt) - 1:].argmax(1)]
 
 
-def rel(a, b):
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def test_smollm2_blocks_are_the_mapped_file(smollm2):
     blocks = blocks_of(smollm2)
     qtype, data = blocks["layers.3.gate"]
@@ -83,7 +80,7 @@ def test_smollm2_step_logits_match_the_graph(smollm2):
     ids = tok.encode("The quick brown fox jumps over the lazy dog because it wanted to")
     ours, ref = steps_vs_graph(smollm2, ids[:9], ids[9:])
     # float32 both ways, same weights; only the order of sums differs (30 layers)
-    assert rel(ours, ref) < 2e-4
+    assert rel_err(ours, ref) < 2e-4
     assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
@@ -92,7 +89,7 @@ def test_smollm2_unmerged_adapter(smollm2):
     ids = smollm2.tokenizer.encode("Adapters change the answer of a model")
     ours, ref = steps_vs_graph(smollm2, ids[:4], ids[4:], lora, scale=2.0)
     base, _ = steps_vs_graph(smollm2, ids[:4], ids[4:])
-    assert rel(ours, ref) < 2e-4 and rel(base, ref) > 1e-2  # the adapter matters
+    assert rel_err(ours, ref) < 2e-4 and rel_err(base, ref) > 1e-2  # the adapter matters
 
 
 def test_greedy_generation_equals_the_graph(smollm2):
@@ -112,7 +109,7 @@ def test_float_model_without_gguf(tied):
     model = M.Llama(m.config, m.weights, None, name="tiny")
     lora = random_lora(m.config, rank=2, seed=3)
     ours, ref = steps_vs_graph(model, [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], lora, 0.5)
-    assert rel(ours, ref) < 1e-5
+    assert rel_err(ours, ref) < 1e-5
     assert E.block_weights(model)["layers.0.q"][0] == "F32"
 
 
@@ -136,12 +133,12 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
     z = dec.prefill(ids).copy()
     cache = M.KVCache.empty(smollm2.config)
     ref = M.forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
-    assert dec.length == 70 and rel(z, ref) < 2e-5
+    assert dec.length == 70 and rel_err(z, ref) < 2e-5
     for i in (0, 29):
-        assert rel(dec.kc[i, :70], cache.k[i]) < 2e-5 and rel(dec.vc[i, :70], cache.v[i]) < 2e-5
+        assert rel_err(dec.kc[i, :70], cache.k[i]) < 2e-5 and rel_err(dec.vc[i, :70], cache.v[i]) < 2e-5
     # decoding continues from the C-filled cache as from the graph's
     nxt = int(np.argmax(ref))
-    assert rel(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
+    assert rel_err(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
                                                lora, 2.0)[-1]) < 2e-4
 
 
@@ -160,7 +157,7 @@ def test_changed_weights_do_not_decode_from_the_file(smollm2):
     assert blocks["layers.4.k"][0] == "Q4_1" and blocks["tok_embd"][0] == "Q8_0"
     ids = smollm2.tokenizer.encode("Merged weights are new weights")
     ours, ref = steps_vs_graph(merged, ids[:3], ids[3:])
-    assert rel(ours, ref) < 2e-4
+    assert rel_err(ours, ref) < 2e-4
 
 
 def test_kept_block_matrices_decode_as_loaded(smollm2, smollm2_gguf):

@@ -21,8 +21,10 @@ from gradtape.cli import main
 from gradtape.errors import GradtapeError
 from gradtape.models import export
 from gradtape.models.load_gguf import unpermute_rope_rows
-from gradtape.models.lora import init_adapter, load_adapter
-from tinymodel import tiny_model, write_hf_folder
+from gradtape.models.lora import load_adapter
+from support.adapters import random_adapter
+from support.tinymodel import tiny_model, write_hf_folder
+from support.compare import rel_err
 
 F32_REL = 1e-4  # the issue's bound for merged vs unmerged, float32
 # float16 weights carry a relative rounding error up to 2**-11 ~ 5e-4 each; through two
@@ -41,19 +43,6 @@ need_hf = pytest.mark.skipif(not (_have("torch") and _have("transformers")),
                              reason="torch / transformers not installed (test-only reference)")
 
 
-def rel(x, ref):
-    return float(np.abs(np.asarray(x, np.float64) - ref).max() / np.abs(ref).max())
-
-
-def random_adapter(cfg, rank=4, alpha=8.0, b_scale=0.3, seed=3):
-    """An adapter on every target with a non-zero (random) B, so it changes the model."""
-    ad = init_adapter(cfg, rank=rank, alpha=alpha, targets="all", seed=seed)
-    rng = np.random.default_rng(seed + 100)
-    for key, (a, b) in list(ad.weights.items()):
-        ad.weights[key] = (a, (b_scale * rng.standard_normal(b.shape)).astype(np.float32))
-    return ad
-
-
 IDS = [3, 17, 101, 44, 200, 9, 65, 66, 67, 250, 31, 12]
 
 
@@ -63,11 +52,11 @@ def tiny_setup(request, tmp_path):
     random B saved next to it; the reference logits of the unmerged model + adapter."""
     base = write_hf_folder(tiny_model(seed=1, tied=request.param), tmp_path / "base")
     model = llama.load(base)
-    ad = random_adapter(model.config)
+    ad = random_adapter(model.config, b_scale=0.3)
     ad.save(tmp_path / "adapter")
     ad = load_adapter(tmp_path / "adapter", model)
     ref = model.logits(IDS, adapter=ad)
-    assert rel(model.logits(IDS), ref) > 100 * F32_REL  # the adapter really moves logits
+    assert rel_err(model.logits(IDS), ref) > 100 * F32_REL  # the adapter really moves logits
     return model, ad, ref, tmp_path
 
 
@@ -75,7 +64,7 @@ def tiny_setup(request, tmp_path):
 
 def test_merge_is_pure_and_exact():
     m = tiny_model(seed=2)
-    ad = random_adapter(m.config, rank=3, alpha=5.0)
+    ad = random_adapter(m.config, rank=3, alpha=5.0, b_scale=0.3)
     w_before = {k: v.copy() for k, v in m.weights.items()}
     ad_before = {k: (a.copy(), b.copy()) for k, (a, b) in ad.weights.items()}
     merged = export.merge(m.weights, ad)
@@ -101,7 +90,7 @@ def test_merge_is_pure_and_exact():
 
 def test_merge_rslora_scale():
     m = tiny_model(seed=2)
-    ad = random_adapter(m.config, rank=4, alpha=6.0)
+    ad = random_adapter(m.config, rank=4, alpha=6.0, b_scale=0.3)
     ad.scale_override = 6.0 / math.sqrt(4)
     merged = export.merge(m.weights, ad)
     a, b = ad.weights[(1, "v")]
@@ -111,11 +100,12 @@ def test_merge_rslora_scale():
 
 def test_merge_rejects_an_adapter_for_another_model():
     small = tiny_model(seed=0, dim=32)
-    other = random_adapter(tiny_model(seed=0, dim=16, n_heads=2, n_kv_heads=1).config)
+    other = random_adapter(tiny_model(seed=0, dim=16, n_heads=2, n_kv_heads=1).config,
+                           b_scale=0.3)
     with pytest.raises(GradtapeError, match=r"merge: layers\.0\.down \[48, 32\]: adapter "
                                             r"A \[48, 4\] / B \[4, 16\] do not fit"):
         export.merge(small.weights, other)
-    deeper = random_adapter(tiny_model(seed=0, n_layers=3).config)
+    deeper = random_adapter(tiny_model(seed=0, n_layers=3).config, b_scale=0.3)
     with pytest.raises(GradtapeError, match=r"layers\.2\..* which the model lacks"):
         export.merge(small.weights, deeper)
 
@@ -136,12 +126,12 @@ def test_merged_hf_folder_loads_in_transformers_and_gradtape(tiny_setup):
 
     ours = llama.load(out)
     assert ours.config == model.config
-    assert rel(ours.logits(IDS), ref) < F32_REL
+    assert rel_err(ours.logits(IDS), ref) < F32_REL
 
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([IDS])).logits[0].numpy()
-    assert rel(theirs, ref) < F32_REL
+    assert rel_err(theirs, ref) < F32_REL
 
     tk = AutoTokenizer.from_pretrained(str(out))
     text = "héllo <world>!"
@@ -156,7 +146,7 @@ def test_merged_hf_folder_float16(tiny_setup):
     out = export.save_hf_folder(export.merged_model(model, ad), tmp / "m16", "float16")
     from safetensors.numpy import load_file
     assert all(v.dtype == np.float16 for v in load_file(str(out / "model.safetensors")).values())
-    assert rel(llama.load(out).logits(IDS), ref) < F16_REL
+    assert rel_err(llama.load(out).logits(IDS), ref) < F16_REL
     # written atomically, yet with the mode a plain open() gives (not mkstemp's 0600)
     umask = os.umask(0)
     os.umask(umask)
@@ -176,7 +166,7 @@ def test_merged_gguf_reads_back(tiny_setup, capsys):
     back = llama.load(out)
     assert back.config.dim == model.config.dim and \
         back.config.tie_embeddings == model.config.tie_embeddings
-    assert rel(back.logits(IDS), ref) < F32_REL
+    assert rel_err(back.logits(IDS), ref) < F32_REL
     # the tiny model's regex-free byte tokenizer has no GGUF spelling: said, not hidden
     assert "written without one" in capsys.readouterr().err
 
@@ -205,7 +195,7 @@ def test_merged_gguf_loads_in_transformers(tiny_setup):
                                               dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([IDS])).logits[0].numpy()
-    assert rel(theirs, ref) < F32_REL
+    assert rel_err(theirs, ref) < F32_REL
 
 
 def test_merged_gguf_float16(tiny_setup):
@@ -216,7 +206,7 @@ def test_merged_gguf_float16(tiny_setup):
     from gguf import GGUFReader
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
     assert types["blk.0.attn_q.weight"] == "F16" and types["blk.0.attn_norm.weight"] == "F32"
-    assert rel(llama.load(out).logits(IDS), ref) < F16_REL
+    assert rel_err(llama.load(out).logits(IDS), ref) < F16_REL
 
 
 # --- llama.cpp LoRA GGUF ------------------------------------------------------------------
@@ -288,7 +278,7 @@ def test_tokenizer_metadata_rebuilt_from_tokenizer_json():
 
 def test_gguf_lora_rslora_alpha(tmp_path):
     m = tiny_model(seed=4)
-    ad = random_adapter(m.config, rank=4, alpha=6.0)
+    ad = random_adapter(m.config, rank=4, alpha=6.0, b_scale=0.3)
     ad.scale_override = 6.0 / 2.0  # rsLoRA: alpha / sqrt(r)
     export.save_gguf_lora(ad, m.config, tmp_path / "rs.gguf")
     from gguf import GGUFReader
@@ -306,7 +296,7 @@ def test_cli_errors(tiny_setup, capsys):
                  "--format", "hf"]) == 1
     assert "writes a folder" in capsys.readouterr().err
     other = tmp / "other"
-    random_adapter(tiny_model(n_layers=3).config).save(other)
+    random_adapter(tiny_model(n_layers=3).config, b_scale=0.3).save(other)
     assert main(["merge", "--model", base, "--adapter", str(other), "--out",
                  str(tmp / "o")]) == 1
     assert "layer 2" in capsys.readouterr().err
@@ -327,14 +317,14 @@ def test_smollm2_merged_hf_folder_and_gguf(smollm2, tmp_path):
     text = "The capital of France is Paris, and"
     ids = smollm2.tokenizer.encode(text)
     ref = smollm2.logits(ids, adapter=ad)
-    assert rel(smollm2.logits(ids), ref) > 100 * F32_REL
+    assert rel_err(smollm2.logits(ids), ref) > 100 * F32_REL
 
     merged = export.merged_model(smollm2, ad)
     folder = export.save_hf_folder(merged, tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].numpy()
-    err_hf = rel(theirs, ref)
+    err_hf = rel_err(theirs, ref)
     tk = AutoTokenizer.from_pretrained(str(folder))
     assert tk.encode(text) == ids
     msgs = [{"role": "user", "content": "Hi there"}]
@@ -353,7 +343,7 @@ def test_smollm2_merged_hf_folder_and_gguf(smollm2, tmp_path):
 
     path = export.save_gguf(merged, tmp_path / "merged.gguf")
     back = llama.load(path)
-    err_gguf = rel(back.logits(ids), ref)
+    err_gguf = rel_err(back.logits(ids), ref)
     assert back.tokenizer.encode(text) == ids
     assert back.tokenizer.chat_template == smollm2.tokenizer.chat_template
     print(f"SmolLM2 merged vs unmerged, max |diff| / max |logit|: transformers on the HF "
@@ -385,6 +375,6 @@ def test_llama_cpp_runs_the_exported_lora(smollm2, tmp_path):
     d_ours, d_cpp = ours_lora - ours_base, cpp_lora - cpp_base
     # llama.cpp's own F32 arithmetic (different summation order, its softmax) is close to
     # ours but not bitwise; a wrong layout would move the logits by O(1) of the change
-    assert rel(cpp_base, ours_base) < 1e-2
-    assert rel(d_cpp, d_ours) < 5e-2
+    assert rel_err(cpp_base, ours_base) < 1e-2
+    assert rel_err(d_cpp, d_ours) < 5e-2
     assert np.corrcoef(d_cpp.ravel(), d_ours.ravel())[0, 1] > 0.99

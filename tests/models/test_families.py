@@ -29,7 +29,7 @@ import pytest
 from families import (FAMILIES, GGUF_FAMILIES, GGUF_VARIANTS, SEQ_LEN, TEXT, TEXT_SUITE,
                       converter_dir, lora_job, make_folder, model_job, rel, run_converters,
                       spm_kind, spm_reference)
-from tinymodel import lora_loss_outputs
+from support.tinymodel import lora_loss_outputs
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ from gradtape.errors import GradtapeError
 from gradtape.models.generate import (Sampling, cut_at_stop, held_back, penalize,
                                       sample_next)
 from gradtape.models.model import Llama
-from tinymodel import tiny_model
+from support.tinymodel import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from gradtape import Tape, llama
 from gradtape.models import model as M
 from gradtape.models.load_gguf import permute_rope_rows, unpermute_rope_rows
 
+from support.compare import rel_err
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -25,10 +27,6 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
             "down": "mlp.down_proj", "attn_norm": "input_layernorm",
             "ffn_norm": "post_attention_layernorm"}
-
-
-def rel_err(ours, ref):
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def tiny_hf(tied=False, vocab=320, seed=0):

@@ -8,14 +8,16 @@ generation, and the KV-cached path against the full-sequence graph.  Errors are
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from gradtape import Tape
 from gradtape.models import model as M
-from gradtape.models.lora import TARGETS, target_dims
+from gradtape.models.lora import TARGETS
+
+from support.adapters import random_adapter
+from support.compare import rel_err
 
 pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
 
@@ -27,10 +29,6 @@ HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_
             "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
             "down": "mlp.down_proj", "attn_norm": "input_layernorm",
             "ffn_norm": "post_attention_layernorm"}
-
-
-def rel_err(ours, ref):
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
@@ -191,22 +189,10 @@ def test_generate_stops_and_samples(smollm2):
     assert smollm2.generate(prompt, 0) == []
 
 
-def _random_adapter(cfg, targets, layers, rank=4, alpha=8.0, seed=0):
-    rng = np.random.default_rng(seed)
-    weights = {}
-    for i in layers:
-        for t in targets:
-            fin, fout = target_dims(cfg, t)
-            weights[(i, t)] = (rng.normal(0, 0.05, (fin, rank)).astype(np.float32),
-                               rng.normal(0, 0.05, (rank, fout)).astype(np.float32))
-    return SimpleNamespace(rank=rank, alpha=alpha, scale=alpha / rank, targets=tuple(targets),
-                           weights=weights)
-
-
 def test_adapter_equals_merged_weights(smollm2, ids):
     """logits with an adapter == logits of the base with W + scale * A @ B merged."""
     cfg = smollm2.config
-    ad = _random_adapter(cfg, ("q", "k", "v", "o", "gate", "up", "down"), (0, 7, 29))
+    ad = random_adapter(cfg, layers=(0, 7, 29), seed=0)
     merged = {k: w.astype(np.float64) for k, w in smollm2.weights.items()}
     for (i, t), (a, b) in ad.weights.items():
         merged[f"layers.{i}.{t}"] += ad.scale * (a.astype(np.float64) @ b)
@@ -226,7 +212,7 @@ def test_adapter_equals_merged_weights(smollm2, ids):
 
 def test_adapter_for_another_model_is_refused(smollm2):
     from gradtape.errors import GradtapeError
-    ad = _random_adapter(smollm2.config, ("q",), (0,))
+    ad = random_adapter(smollm2.config, targets="q", layers=(0,), seed=0)
     a, b = ad.weights[(0, "q")]
     ad.weights[(0, "q")] = (a[:100], b)
     with pytest.raises(GradtapeError, match="another base model"):

@@ -14,24 +14,14 @@ import pytest
 
 import gradtape as gt
 from gradtape.llama import load_adapter
-from gradtape.models.lora import PEFT_MODULES, init_adapter
-from tinymodel import lora_loss_outputs
+from gradtape.models.lora import PEFT_MODULES
+from support.adapters import random_adapter
+from support.tinymodel import lora_loss_outputs
+from support.compare import rel_err
 
 pytestmark = pytest.mark.model
 TEXT = "The quick brown fox jumps over the lazy dog, then writes {\"a\": 1} in JSON."
 TARGET_MODULES = [m.split(".")[1] for m in PEFT_MODULES.values()]
-
-
-def _rel(ours, ref):
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
-def _random_adapter(model, rank=4, alpha=8.0, seed=3, scale_b=0.02):
-    ad = init_adapter(model.config, rank=rank, alpha=alpha, seed=seed, base_model=model.name)
-    rng = np.random.default_rng(seed)
-    ad.weights = {k: (a, (scale_b * rng.standard_normal(b.shape)).astype(np.float32))
-                  for k, (a, b) in ad.weights.items()}
-    return ad
 
 
 def _peft_logits(peft_model, ids):
@@ -44,14 +34,14 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(smollm2, hf_smollm2, tmp
     from peft import PeftModel
 
     ids = smollm2.tokenizer.encode(TEXT)
-    ad = _random_adapter(smollm2)
+    ad = random_adapter(smollm2.config, b_scale=0.02, base_model=smollm2.name)
     ad.save(tmp_path / "ours")
     peft_model = PeftModel.from_pretrained(copy.deepcopy(hf_smollm2), str(tmp_path / "ours"))
     ref = _peft_logits(peft_model.eval(), ids)
     ours = smollm2.logits(ids, adapter=ad)
     base = smollm2.logits(ids)
-    assert _rel(base, ref) > 1e-2  # the adapter really moves the logits
-    assert _rel(ours, ref) <= 1e-4
+    assert rel_err(base, ref) > 1e-2  # the adapter really moves the logits
+    assert rel_err(ours, ref) <= 1e-4
 
 
 def test_peft_adapter_loads_in_gradtape_with_the_same_logits(smollm2, hf_smollm2, tmp_path):
@@ -71,7 +61,7 @@ def test_peft_adapter_loads_in_gradtape_with_the_same_logits(smollm2, hf_smollm2
     assert ad.rank == 4 and ad.scale == pytest.approx(3.0) and len(ad.weights) == 7 * 30
     ids = smollm2.tokenizer.encode(TEXT)
     ref = _peft_logits(peft_model.eval(), ids)
-    assert _rel(smollm2.logits(ids, adapter=ad), ref) <= 1e-4
+    assert rel_err(smollm2.logits(ids, adapter=ad), ref) <= 1e-4
 
 
 def test_step_gradients_equal_pytorch_through_peft_float64(smollm2, hf_smollm2, hf_float64):
@@ -80,7 +70,7 @@ def test_step_gradients_equal_pytorch_through_peft_float64(smollm2, hf_smollm2, 
     from peft import LoraConfig, get_peft_model
 
     ids = smollm2.tokenizer.encode(TEXT)[:14]
-    ad = _random_adapter(smollm2, rank=2, alpha=4.0, scale_b=0.05)
+    ad = random_adapter(smollm2.config, rank=2, alpha=4.0, base_model=smollm2.name)
     hf = hf_float64(copy.deepcopy(hf_smollm2))
     cfg = LoraConfig(r=2, lora_alpha=4.0, target_modules=TARGET_MODULES, lora_dropout=0.0,
                      task_type="CAUSAL_LM")
@@ -107,6 +97,6 @@ def test_step_gradients_equal_pytorch_through_peft_float64(smollm2, hf_smollm2, 
         m = mods[f"base_model.model.model.layers.{layer}.{PEFT_MODULES[target]}"]
         ga = m.lora_A["default"].weight.grad.numpy().T
         gb = m.lora_B["default"].weight.grad.numpy().T
-        worst = max(worst, _rel(outs[1 + 2 * i], ga), _rel(outs[2 + 2 * i], gb))
+        worst = max(worst, rel_err(outs[1 + 2 * i], ga), rel_err(outs[2 + 2 * i], gb))
     print(f"worst relative adapter-gradient error vs PEFT float64: {worst:.2e}")
     assert worst <= 1e-9, worst

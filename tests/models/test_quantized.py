@@ -24,13 +24,10 @@ from gradtape.models.lora import init_adapter
 from gradtape.models.model import record_forward, weight_consts
 from gradtape.tape import Tape
 
+from support.compare import rel_err
+
 pytestmark = pytest.mark.model
 TOL = 1e-5
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def _maps_file(a):

@@ -15,8 +15,8 @@ from gradtape.blocks import BlockMatrix
 from gradtape.models import export
 from gradtape.models.lora import init_adapter
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model
 
 
 @pytest.fixture(scope="module")

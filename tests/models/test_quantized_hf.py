@@ -16,8 +16,8 @@ from gradtape.blocks import BlockMatrix
 from gradtape.models.lora import init_adapter
 from gradtape.train.step import TrainStep
 
-from fd import rel_err
-from tinymodel import tiny_model, write_hf_folder
+from support.compare import rel_err
+from support.tinymodel import tiny_model, write_hf_folder
 
 
 def _to_half(folder, kind):

@@ -11,8 +11,8 @@ from gradtape import llama
 from gradtape.blocks import BlockMatrix
 from gradtape.errors import FileFormatError
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model
 
 
 def test_a_type_we_do_not_run_is_named(tmp_path):

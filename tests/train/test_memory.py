@@ -18,8 +18,8 @@ from gradtape.train.memory import OVERHEAD, estimate
 from gradtape.train.step import TrainStep
 from gradtape.models.lora import init_adapter
 
-from filebuilders import write_tiny_gguf
-from tinymodel import tiny_model
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model
 
 TEXT = "pack my box with five dozen liquor jugs. " * 40
 

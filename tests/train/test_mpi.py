@@ -19,9 +19,8 @@ from gradtape.train import distributed
 from gradtape.models.lora import init_adapter, load_adapter, parse_targets
 from gradtape.train.step import TrainStep
 
-from tinymodel import tiny_model, write_hf_folder
+from support.tinymodel import tiny_model
 
-TEXT = "the quick brown fox jumps over the lazy dog; sphinx of black quartz, judge my vow. " * 30
 STEPS = 6
 
 
@@ -37,14 +36,6 @@ def _mpiexec():
 MPIEXEC = _mpiexec()
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec / mpi4py not installed "
                                                        "(pip install '.[mpi]')")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    write_hf_folder(tiny_model(seed=5), root / "model")
-    (root / "text.txt").write_text(TEXT)
-    return root
 
 
 def _env():

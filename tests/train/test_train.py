@@ -12,7 +12,7 @@ from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.models.lora import init_adapter, load_adapter
 from gradtape.train.step import Schedule, TrainStep
 
-from tinymodel import tiny_model
+from support.tinymodel import tiny_model
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 

@@ -30,6 +30,10 @@ class ByteTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
+# the text the CLI and MPI tests fine-tune the tiny model on (``tiny_dir`` in conftest.py)
+TINY_TEXT = "pack my box with five dozen liquor jugs. " * 60
+
+
 def tiny_model(seed=0, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab=257,
                tied=False, rope_base=10000.0, head_scale=1.0):
     """``head_scale`` multiplies the LM head: a random head's logits are too flat for any

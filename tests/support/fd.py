@@ -45,17 +45,6 @@ def replay_tol(backend, dtype):
     return 0.0 if backend == "numpy" else REPLAY_TOL[np.dtype(dtype)]
 
 
-def rel_err(got, ref):
-    """max |got - ref| / max |ref| (the oracle's metric); 0 when both are all zero."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    d = np.max(np.abs(got - ref)) if got.size else 0.0
-    s = np.max(np.abs(ref)) if ref.size else 0.0
-    if s == 0.0:
-        return float(d)
-    return float(d / s)
-
-
 class Const:
     """Marks a float input as a const leaf (not differentiated, not perturbed)."""
 

@@ -15,7 +15,7 @@ from gradtape.train import data as data_mod
 from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.records import parse_columns
 
-from tinymodel import tiny_model
+from support.tinymodel import tiny_model
 
 ANSWER = "yes"
 

@@ -1,5 +1,5 @@
 """Where bf16 compute moves SmolLM2's adapter gradients, and why no bf16-input scheme keeps
-every one of them at cosine >= 0.999 to float32's (issue 13's per-gradient bound).
+every one of them at cosine >= 0.999 to float32's.
 
     .venv/bin/python bench/bf16_cosine.py [--texts natural,json,random] [--tokens 64]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared device check for the cuda backend (issue 7), one short call on a GPU machine:
+# The prepared device check for the cuda backend, one short call on a GPU machine:
 #   1. the cuda backend-parity tests (tests/backends/test_cuda_backend.py) on the GPU;
 #   2. the smollm2-lora benchmark (T=256, batch 8, bfloat16) against Hugging Face + PEFT,
 #      eager and torch.compile, on the same GPU, as `gradtape bench --json` lines.

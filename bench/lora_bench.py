@@ -299,7 +299,7 @@ def side_worker(name, workload, backend, compute, batch):
     """One side of the comparison alone in this process, driven over stdin/stdout: it
     prints one JSON line when built, then for each line ``step`` the seconds of one step,
     for ``peak`` its peak RSS.  Each side keeps its own threads: torch's OpenMP pool and
-    NumPy's OpenBLAS never share a process (they slow each other, DESIGN.md section 5)."""
+    NumPy's OpenBLAS never share a process (they slow each other: spinning OpenMP workers take the BLAS threads' cores)."""
     t, ours, theirs = _workload(workload)
     info = {}
     if name.startswith("gradtape"):

@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--model", default="smollm2",
                     help="model path or name (default: smollm2)")
     ap.add_argument("--keep-quantized", action="store_true",
-                    help="keep the GGUF's blocks (issue 14's block-weight GEMMs)")
+                    help="keep the GGUF's blocks (the block-weight GEMMs)")
     ap.add_argument("--rank", type=int, default=8)
     args = ap.parse_args()
     model = llama.load(args.model, keep_quantized=args.keep_quantized)

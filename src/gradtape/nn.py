@@ -1,4 +1,4 @@
-"""gradtape.nn: the transformer math as pure tape builders (SPEC.md section 2).
+"""gradtape.nn: the transformer math as pure tape builders.
 
 Every function takes the tape and input Vars and returns a Var built from the primitives
 of ``gradtape.ops``; none defines a gradient, owns a parameter or knows a backend.  The

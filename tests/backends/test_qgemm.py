@@ -65,7 +65,7 @@ def test_dequantize_is_bitwise_the_reference(qtype):
 def test_bf16_tiles_are_the_rounded_reference(qtype):
     """Tiles for bf16 compute: the reference dequantized, then rounded to bfloat16 as
     gguf (ggml) rounds float32 (nearest even), bit for bit.  The bf16 GEMMs that would
-    consume them belong to issue 13 (``--compute bf16``)."""
+    consume them are ``--compute bf16``'s (tests/backends/test_bf16_compute.py)."""
     from gguf import GGMLQuantizationType, quants
     r = np.random.default_rng(50 + TYPES.index(qtype))
     bm = random_blocks(qtype, 33, 512, r)

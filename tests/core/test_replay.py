@@ -1,4 +1,4 @@
-"""Compile and replay (SPEC.md section 1): graphs holding backward ops replayed with new
+"""Compile and replay: graphs holding backward ops replayed with new
 leaf values against fresh eager tapes, bitwise equality on the recorded values, leaves
 that keep their values, state updates across runs, pruning, and the memory plan."""
 

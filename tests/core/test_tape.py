@@ -1,4 +1,4 @@
-"""The tape's contract (SPEC.md section 1): leaves, values, operator overloading, backward
+"""The tape's contract (the README's tape API): leaves, values, operator overloading, backward
 as graph on the same tape, second order, eager and lazy recording."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Interop (issue 9): merging an adapter into its base, the merged model as a Hugging Face
+"""Interop: merging an adapter into its base, the merged model as a Hugging Face
 folder and as a GGUF, and the adapter as a llama.cpp LoRA GGUF.
 
 Merged and unmerged models must give the same logits: float32, within 1e-4 relative to

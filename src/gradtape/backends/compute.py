@@ -5,7 +5,7 @@ matmuls (``x @ W0``, ``dY @ W0^T``, the LM head and its transpose) to take bf16 
 accumulate in float32; LoRA A/B, their gradients, norms, softmax, the loss and AdamW stay
 float32 either way.  The GEMMs run in oneDNN (``backends/onednn.py``, an optional extra).
 bf16 pays where the CPU has AMX (``amx_bf16`` in /proc/cpuinfo: 3-4x float32 sgemm,
-DESIGN.md section 5); with AVX512-BF16 alone it was measured slower than float32 on some
+``docs/benchmarks.md``); with AVX512-BF16 alone it was measured slower than float32 on some
 CPUs and 2x faster on others (AMD Zen 5), so there it is measured once per process.
 ``auto`` picks bf16 only where it is faster.  Asking for bf16 where it is not fast, or
 without oneDNN, says so once (a RuntimeWarning) and runs float32.

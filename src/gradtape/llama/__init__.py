@@ -1,4 +1,4 @@
-"""gradtape.llama: the public names of SPEC.md section 3, kept for users' imports.
+"""gradtape.llama: the public names of the LLaMA application (``load``, ``load_adapter``), kept for users' imports.
 
 The code lives in ``gradtape.models`` (loading, the graph, LoRA, export) and
 ``gradtape.train`` (fine-tuning); this module only re-exports it.

@@ -1,4 +1,4 @@
-"""gradtape.models: LLaMA-family models on the tape (SPEC.md section 3).
+"""gradtape.models: LLaMA-family models on the tape (``llama.load`` and the model API).
 
 What a model *is*, independent of how it is trained: the config per architecture
 (``config``), loading from GGUF and Hugging Face folders into our ``[in, out]`` weights
@@ -100,7 +100,7 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> 
 
 
 def __getattr__(name):
-    # load_adapter (SPEC.md) lives in models.lora; imported on first use
+    # load_adapter (the public API) lives in models.lora; imported on first use
     if name == "load_adapter":
         from .lora import load_adapter
         return load_adapter

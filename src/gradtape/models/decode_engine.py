@@ -99,7 +99,7 @@ def _same_rows(qtype, data, w, linear) -> bool:
 def block_weights(model) -> dict:
     """``{name: (qtype, data [out, row_bytes])}`` for every linear, the token table and
     (untied models) the LM head: block matrices kept by the loader as they are
-    (``blocks.BlockMatrix``, issue 14), else the GGUF file's blocks where they hold the
+    (``blocks.BlockMatrix``), else the GGUF file's blocks where they hold the
     model's float weights, else float32 rows ``[out, in]`` copied from the weights."""
     cfg = model.config
     W = model.weights

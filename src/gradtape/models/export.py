@@ -7,7 +7,7 @@ leaves its inputs untouched.  The writers translate our names and orientation at
 boundary: Hugging Face keeps ``[out, in]`` linears and half-split rope rows; GGUF keeps
 ``[out, in]`` in numpy order (``[in, out]`` in ggml's fastest-first order) with the rows
 of ``attn_q``/``attn_k`` (and of LoRA ``lora_b`` for q/k) permuted into llama.cpp's
-interleaved rope layout, the inverse of what ``load_gguf`` undoes (DESIGN.md section 2).
+interleaved rope layout, the inverse of what ``load_gguf`` undoes.
 Every file is written atomically (a temporary file, fsync, rename).  This module does not
 run the model.
 """

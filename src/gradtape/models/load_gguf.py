@@ -7,7 +7,7 @@ come out in OUR names and orientation (see
 ``model``): linears ``[in, out]``, the token embedding ``[V, D]``.  llama.cpp's converter
 permuted the rows of ``attn_q``/``attn_k`` from Hugging Face's half-split rope layout into
 its interleaved one for the llama architecture only (not for qwen2, qwen3, phi3, gemma2,
-whose llama.cpp rope is NEOX already); we undo that (DESIGN.md section 2) because our
+whose llama.cpp rope is NEOX already); we undo that because our
 rope is NEOX half-split.  Every tensor's name and shape is checked against the config
 before it is used; a tensor the family does not have is refused by name.
 """

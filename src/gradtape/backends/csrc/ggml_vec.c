@@ -1,4 +1,4 @@
-/* Matrix-vector products straight from ggml quantized blocks (decode, issue 15).
+/* Matrix-vector products straight from ggml quantized blocks (decode).
 
    y[t, r] = sum_j deq(W)[r, j] * x[t, j] for T <= 4 rows x, W [rows, k] stored as ggml
    blocks (each row a whole number of blocks, row_bytes apart).  A block is dequantized

@@ -180,7 +180,6 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
             if x in group_of and group_of[x] is not gv:
                 escapes.add(x)
 
-    built = {}
     steps = []
     for v in graph.ops:  # each group lands at its last member's position
         g = group_of.get(v)
@@ -199,7 +198,6 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
         fg = FusedGroup(kind=g.kind, ops=members, inputs=tuple(inputs),
                         outputs=tuple(m for m in members if m in escapes),
                         domain=tuple(g.domain))
-        built[g] = fg
         steps.append((v.index, fg))
     return Schedule(steps=tuple(s for _, s in steps), graph=graph)
 

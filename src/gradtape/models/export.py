@@ -191,11 +191,6 @@ def hf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
     return out
 
 
-def hf_tensors(cfg, weights, dtype="float32") -> dict:
-    """Our weights under Hugging Face names, linears transposed to ``[out, in]``."""
-    return {name: make() for name, _, make in hf_plan(cfg, weights, dtype)}
-
-
 def _write_safetensors(path, plan, dtype, metadata):
     """A safetensors file written one tensor at a time from ``plan`` (``[(name, shape,
     make)]``, every tensor of ``dtype``): the header is known from the shapes alone."""
@@ -295,11 +290,6 @@ def gguf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
         factors = np.asarray(cfg.rope_factors, dtype=np.float32)
         out.append(("rope_freqs.weight", factors.shape, factors.dtype, lambda: factors))
     return out
-
-
-def gguf_tensors(cfg, weights, dtype="float32") -> dict:
-    """``{gguf name: numpy array}`` (``gguf_plan``'s tensors, all built)."""
-    return {name: make() for name, _, _, make in gguf_plan(cfg, weights, dtype)}
 
 
 def _llama_metadata(writer, cfg, name):

@@ -34,6 +34,7 @@ from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from ..backends.compute import resolve as resolve_compute
 from ..models.model import record_forward, weight_consts
+from .data import IGNORE
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ class TrainStep:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
                              f"{len(micro_batches)}")
         if n_tokens is None:
-            n_tokens = sum(int((t != -100).sum()) for _, t in micro_batches)
+            n_tokens = sum(int((t != IGNORE).sum()) for _, t in micro_batches)
         scalars = self.scalars.values(opt_step, lr)
         if self.world is not None:
             return self._step_split(micro_batches, n_tokens, scalars, stop)
@@ -199,8 +200,8 @@ class TrainStep:
             n = len(ids)
             if n < b:  # pad the last batch with rows that count for nothing
                 ids = np.concatenate([ids, np.zeros((b - n, self.seq_len), np.int64)])
-                targets = np.concatenate([targets, np.full((b - n, self.seq_len), -100)])
-            k = int((targets != -100).sum())
+                targets = np.concatenate([targets, np.full((b - n, self.seq_len), IGNORE)])
+            k = int((targets != IGNORE).sum())
             (loss,) = self.eval_program.run({**feeds, **self._feeds(ids, targets, 1)})
             total, count = total + float(loss), count + k
         return total / max(count, 1)

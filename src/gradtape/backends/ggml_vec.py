@@ -12,7 +12,7 @@ backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` 
 the decode step).
 
 The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``; the block
-dequantization, ``csrc/ggml_blocks.c``, is shared with the training GEMMs' ``qgemm``) are
+dequantization, ``csrc/ggml_blocks.h``, is shared with the training GEMMs' ``qgemm``) are
 compiled once with OpenMP by ``_cgen.build`` and cached; without a C compiler
 ``available()`` is False and callers use the NumPy reference.
 """
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -29,8 +28,7 @@ from ..blocks import BLOCK_TYPES, F32
 from ..errors import GradtapeError
 from . import _cgen
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("ggml_blocks.c", "ggml_vec.c", "llama_decode.c")
+SOURCES = ("ggml_vec.c", "llama_decode.c")
 FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
@@ -63,11 +61,10 @@ def threads() -> int:
 def lib():
     """The compiled library (built on first use, cached on disk by source hash)."""
     if not _LIB:
-        src = "\n".join([_cgen.PRELUDE] + [(CSRC / name).read_text() for name in SOURCES])
         try:
-            path, _ = _cgen.build(src, flags=FLAGS, prefix="ggml_vec")
+            path, _ = _cgen.build_csrc(SOURCES, flags=FLAGS, prefix="ggml_vec")
         except RuntimeError:  # a compiler without OpenMP: the same code on one thread
-            path, _ = _cgen.build(src, flags=_cgen.FLAGS, prefix="ggml_vec")
+            path, _ = _cgen.build_csrc(SOURCES, flags=_cgen.FLAGS, prefix="ggml_vec")
         # libgomp reads its wait policy once, when first loaded: if this library loads it
         # first (generation before training, as in the demo), its threads must sleep
         # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a demo step

@@ -1,7 +1,7 @@
 """The cpu backend's kernels for frozen weights in their stored type (``qmatmul``,
 ``qmatmul_t``, ``qtake_rows``).
 
-The C source (``csrc/ggml_blocks.c``: per-type dequantization bit for bit as
+The C source (``csrc/ggml_blocks.h``: per-type dequantization bit for bit as
 ``gguf.quants.dequantize``, shared with ``ggml_vec``; ``csrc/qgemm.c``: tiled GEMM
 drivers) is built once with ``_cgen.build`` and cached like the generated kernels.  A product dequantizes one tile of W at a time
 (at most ``TILE_ELEMS`` values, a scratch buffer allocated once per program) and hands
@@ -46,7 +46,6 @@ TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
 # AVX512-BF16, measured), against 350-380 for OpenBLAS sgemm.
 BF16_TILE_ELEMS = 1 << 24
 
-_SRC = Path(__file__).with_name("csrc") / "qgemm.c"
 _LIB = None
 _BLAS = "unset"
 
@@ -59,9 +58,7 @@ def lib():
     """The compiled ``csrc/qgemm.c`` (built and cached on first use)."""
     global _LIB
     if _LIB is None:
-        src = "\n".join([_cgen.PRELUDE, _SRC.with_name("ggml_blocks.c").read_text(),
-                         _SRC.read_text()])
-        path, _ = _cgen.build(src, flags=_cgen.threads_flags(), prefix="gtq")
+        path, _ = _cgen.build_csrc(["qgemm.c"], flags=_cgen.threads_flags(), prefix="gtq")
         so = ctypes.CDLL(str(path))
         for name in ("gt_deq_rows", "gt_deq_rows_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _p, _l, _l, _p]

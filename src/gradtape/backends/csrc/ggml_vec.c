@@ -2,8 +2,8 @@
 
    y[t, r] = sum_j deq(W)[r, j] * x[t, j] for T <= 4 rows x, W [rows, k] stored as ggml
    blocks (each row a whole number of blocks, row_bytes apart).  A block is dequantized
-   into registers / a 256-float scratch by ggml_blocks.c (compiled before this file:
-   bit-identical to gguf.quants.dequantize), then multiplied into 16 float32 lane
+   into registers / a 256-float scratch by ggml_blocks.h (bit-identical to
+   gguf.quants.dequantize), then multiplied into 16 float32 lane
    accumulators per x row; the lanes are summed at the end of the row.  Only the
    summation order differs from a float32 BLAS dot product.  Nothing here quantizes the
    activations. */
@@ -11,6 +11,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "gt_prelude.h"
+#include "ggml_blocks.h"
+#include "ggml_vec.h"
 
 /* 16 values of a plain row: the dot kernels' pseudo-block for F16 / BF16 / F32 */
 static inline void deq_f16(const uint8_t *b, float *o) {
@@ -58,14 +61,6 @@ static void NAME(const uint8_t *row, int64_t nb, const float *x, int64_t T, int6
         }                                                                                  \
     }                                                                                      \
     for (int64_t t = 0; t < T; t++) out[t] = gv_hsum(a[t]);                                \
-}
-
-static inline float gv_hsum(const float *a) {
-    /* pairwise: (((a0+a8)+(a4+a12)) + ...) fixed order, independent of the CPU */
-    float s8[8], s4[4];
-    for (int l = 0; l < 8; l++) s8[l] = a[l] + a[l + 8];
-    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 GV_DOT(dot_q4_0, 32, 18, deq_q4_0)
@@ -190,9 +185,9 @@ static int gv_qk(int64_t type, gv_dot_fn *fn) {
 int64_t gv_block_elems(int64_t type) { gv_dot_fn f; return gv_qk(type, &f); }
 
 /* y[t * ldy + r] (+)= row r of W . x[t], rows [r0, r1); k a multiple of the block size. */
-static void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
-                    int64_t r0, int64_t r1, const float *x, int64_t T, int64_t ldx,
-                    float *y, int64_t ldy, int accumulate) {
+void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+             int64_t r0, int64_t r1, const float *x, int64_t T, int64_t ldx,
+             float *y, int64_t ldy, int accumulate) {
     gv_dot_fn fn;
     const int64_t qk = gv_qk(type, &fn), nb = k / qk;
     float o[4];
@@ -223,7 +218,7 @@ static void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k
 /* y[T, rows] = x[T, k] @ deq(W)[rows, k]^T, T <= 4, rows split over nthreads threads. */
 /* The share of rows [r0, r1) of thread `tid` of `nt`: contiguous, in multiples of 16
    rows (one pass over x per thread). */
-static void gv_share(int64_t rows, int64_t tid, int64_t nt, int64_t *r0, int64_t *r1) {
+void gv_share(int64_t rows, int64_t tid, int64_t nt, int64_t *r0, int64_t *r1) {
     const int64_t chunks = (rows + 15) / 16;
     *r0 = chunks * tid / nt * 16;
     *r1 = chunks * (tid + 1) / nt * 16;
@@ -271,9 +266,9 @@ void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
 /* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
    Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then a
    4 x 4 register block: 4 W rows x 4 X rows, 16 lane accumulators each, over k. */
-static void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
-                         int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
-                         int64_t ldy, int accumulate, float *tile) {
+void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                  int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
+                  int64_t ldy, int accumulate, float *tile) {
     for (int64_t r = r0; r < r1; r += 4) {
         const int64_t nr = r + 4 <= r1 ? 4 : r1 - r;
         gv_deq_rows(type, W, row_bytes, k, r, nr, tile);

@@ -1,7 +1,7 @@
 /* One LLaMA decode step (a single new token) in one call, from the weights as stored.
 
-   Compiled after _cgen's prelude (gt_expf: float32 exp within about 1 ulp, vectorizable)
-   and ggml_vec.c, as one translation unit.  The whole step runs in one OpenMP
+   gt_expf (gt_prelude.h) is float32 exp within about 1 ulp, vectorizable; the
+   matrix-vector products are ggml_vec.c's (ggml_vec.h).  The whole step runs in one OpenMP
    parallel region: the matrix-vector products (the bytes of every weight are read once
    per token, and that decides the speed) split their rows over the threads, and so do
    the LoRA down-projections x @ A (their rank rows); the small row operations
@@ -15,6 +15,16 @@
      x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
    Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
    unmerged LoRA pair, A^T [r, in] and B [r, out] (float32), with its scale. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "gt_prelude.h"
+#include "ggml_blocks.h" /* the ggml type ids */
+#include "ggml_vec.h"
 
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")

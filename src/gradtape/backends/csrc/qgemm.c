@@ -1,6 +1,6 @@
 /* Frozen weights in their stored ggml type: dequantized rows and tiled GEMMs.
 
-   Dequantization is ggml_blocks.c's (compiled before this file, after _cgen's prelude):
+   Dequantization is ggml_blocks.h's:
    a dequantized row is bit for bit the NumPy reference, gguf.quants.dequantize.
 
    The GEMMs never hold the whole float matrix: a tile of W (rows r0.., block-aligned
@@ -11,6 +11,8 @@
    Tiles are dequantized with their rows split over the threads (OpenMP).  Type ids are
    ggml's.  This file knows nothing of Python; ../qgemm.py loads it. */
 #include <stdlib.h>
+#include "gt_prelude.h"
+#include "ggml_blocks.h"
 
 /* float32 rows ids[0..n) (all rows in order when ids is NULL) of a [*, k] matrix whose
    rows are rb bytes apart: out [n, k] */
@@ -45,7 +47,7 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
 
 #ifdef __AVX512F__
 /* With AVX-512, Q4_K and Q6_K (the blocks of a Q4_K_M file) go straight to bf16 in
-   registers, 16 values at a time: the same float32 operations as ggml_blocks.c (a
+   registers, 16 values at a time: the same float32 operations as ggml_blocks.h (a
    multiply, then a subtract), rounded as gt_bf16 (nearest even, NaN kept quiet) with
    integer operations, so the bits are the same as the scalar path's. */
 static inline void bf16_store16(uint16_t *o, __m512 v) {

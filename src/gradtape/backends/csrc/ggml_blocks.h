@@ -1,5 +1,5 @@
 /* ggml's block layouts, dequantized: shared by ggml_vec.c (decoding) and qgemm.c (the
-   training GEMMs' tiles).  One block becomes float32 exactly as gguf.quants.dequantize
+   training GEMMs' tiles), as static functions of each file that includes this header.  One block becomes float32 exactly as gguf.quants.dequantize
    computes it (the same float32 operations in the same order; built with
    -ffp-contract=off, so d * q + m is two roundings here as there): the weights are
    bit-identical to the NumPy reference.
@@ -19,6 +19,8 @@
                        w = (d * scale) * ((4 low | 2 high bits) - 32), 16 sub-blocks of 16
      F16 / BF16 / F32: plain values.
    Type ids are ggml's (GGMLQuantizationType). */
+#ifndef GT_GGML_BLOCKS_H
+#define GT_GGML_BLOCKS_H
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -198,3 +200,4 @@ static int gb_layout(int64_t t, gb_deq_fn *f, int *block, int *bytes) {
     }
     return -1;
 }
+#endif

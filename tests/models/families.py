@@ -43,6 +43,15 @@ _GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
                    "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
                    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
+# Gemma 3's: no system role, a system message goes in front of the first user turn
+_GEMMA3_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+                    "{% set first = messages[0]['content'] + '\n\n' %}"
+                    "{% set turns = messages[1:] %}{% else %}{% set first = '' %}"
+                    "{% set turns = messages %}{% endif %}{% for m in turns %}<start_of_turn>"
+                    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                    "{{ (first if loop.first else '') + m['content'] }}<end_of_turn>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
 _COMMON = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                rms_norm_eps=1e-5, initializer_range=0.1)
@@ -74,10 +83,26 @@ FAMILIES = {
                                     tie_word_embeddings=True, pad_token_id=None),
                "spm-gemma", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
                _GEMMA_TEMPLATE),
+    # six layers: five local (window 4, rope base 10k) and one global (base 1e6, linear
+    # rope scaling), q/k norms, a query scale other than head_dim, final soft-capping
+    "gemma3": ("Gemma3TextConfig", dict(
+        _COMMON, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, pad_token_id=None,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        "spm-gemma", ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
+        _GEMMA3_TEMPLATE),
+    # four layers, the fourth without rope
+    "smollm3": ("SmolLM3Config", dict(_COMMON, num_hidden_layers=4, rope_theta=5e4,
+                                      tie_word_embeddings=True, pad_token_id=None),
+                "llama-bpe", (None, "<|im_end|>", ["<|im_start|>", "<|endoftext|>"]), _CHATML),
 }
 # Options llama.cpp's GGUF cannot describe, changed in the folder its converter takes
 # (llama.cpp's gemma2 scales attention by head_dim: it has no query_pre_attn_scalar)
-GGUF_VARIANTS = {"gemma2": {"query_pre_attn_scalar": 16}}
+GGUF_VARIANTS = {"gemma2": {"query_pre_attn_scalar": 16},
+                 "gemma3": {"query_pre_attn_scalar": 16}}
 GGUF_FAMILIES = list(FAMILIES)
 
 _CORPUS = ["The quick brown fox jumps over the lazy dog.",

@@ -127,23 +127,30 @@ def _float64_reference(hf, cfg):
     float64; ``hf`` must use SDPA or ``_eager_float64`` attention (the eager path's
     softmax is float32).  The frequencies are gradtape's formula (``rope_tables``),
     checked first against transformers' own float32 ``inv_freq`` (llama3 scaling
-    included) so the reference keeps transformers' rope."""
+    included, per layer type) so the reference keeps transformers' rope."""
     import types
 
     import torch
 
-    inv = cfg.rope_base ** (-2.0 * np.arange(cfg.head_dim // 2) / cfg.head_dim)
-    if cfg.rope_factors:
-        inv = inv / np.asarray(cfg.rope_factors)
-    inv = torch.tensor(inv, dtype=torch.float64)
+    def inv_freq(layer):
+        base, factors = cfg.rope_for(layer)
+        inv = base ** (-2.0 * np.arange(cfg.head_dim // 2) / cfg.head_dim)
+        return torch.tensor(inv / np.asarray(factors or 1.0), dtype=torch.float64)
+
+    # per layer type (Gemma 3: local layers have their own base), and None: the one
+    # table of the families with a single rope (NoPE layers skip it)
+    roped = [i for i in range(cfg.n_layers) if i not in cfg.nope_layers]
+    invs = {("sliding_attention" if cfg.window(i) else "full_attention"): inv_freq(i)
+            for i in roped}
+    invs[None] = inv_freq(roped[0])
 
     def rms_forward(self, x):
         eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return y * (1.0 + self.weight) if cfg.norm_plus_one else self.weight * y
 
-    def rope_forward(self, x, position_ids):
-        freqs = position_ids[..., None].to(torch.float64) * inv
+    def rope_forward(self, x, position_ids, layer_type=None):
+        freqs = position_ids[..., None].to(torch.float64) * invs[layer_type]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -156,9 +163,12 @@ def _float64_reference(hf, cfg):
         if name.endswith("RMSNorm"):
             mod.forward = types.MethodType(rms_forward, mod)
         elif name.endswith("RotaryEmbedding"):
-            theirs = mod.inv_freq.double()
-            assert float((theirs - inv).abs().max() / inv.abs().max()) < 1e-6
-            assert getattr(mod, "attention_scaling", 1.0) == 1.0
+            for kind, inv in invs.items():
+                prefix = f"{kind}_" if kind else ""
+                if hasattr(mod, prefix + "inv_freq"):
+                    theirs = getattr(mod, prefix + "inv_freq").double()
+                    assert float((theirs - inv).abs().max() / inv.abs().max()) < 1e-6, kind
+                    assert getattr(mod, prefix + "attention_scaling", 1.0) == 1.0
             mod.forward = types.MethodType(rope_forward, mod)
             n_rope += 1
     assert n_rope >= 1
@@ -181,9 +191,10 @@ def test_hf_folder_logits_equal_transformers(family, folders):
     # the family's options matter: the same weights as plain llama give other logits
     plain = copy.copy(model)
     import dataclasses
-    plain.config = dataclasses.replace(model.config, rope_factors=(), sliding_window=0,
-                                       qk_norm=False, biases=(), attn_softcap=0.0,
-                                       final_softcap=0.0)
+    plain.config = dataclasses.replace(model.config, rope_factors=(), rope_linear=0.0,
+                                       rope_local_base=0.0, nope_layers=(), sliding_window=0,
+                                       sliding_layers=(), qk_norm=False, biases=(),
+                                       attn_softcap=0.0, final_softcap=0.0)
     plain.weights = model.weights
     if plain.config != model.config:
         assert rel(plain.logits(ids), ref) > 1e-3
@@ -210,11 +221,11 @@ def test_tokenizer_and_chat_template_equal_transformers(family, folders):
 
 def test_kv_cached_decoding_equals_the_full_forward(folders):
     """Generation (prompt through the KV cache, then the compiled decode step) picks the
-    tokens the full forward pass's argmax picks, on the windowed, normed, fused, soft-capped
-    families."""
+    tokens the full forward pass's argmax picks, on the windowed, normed, fused, soft-capped,
+    per-layer-rope and NoPE families."""
     from gradtape import llama
 
-    for family in ("mistral", "qwen3", "phi3", "gemma2"):
+    for family in ("mistral", "qwen3", "phi3", "gemma2", "gemma3", "smollm3"):
         model = llama.load(folders(family))
         prompt = _ids(model)[:4]
         new = model.generate(prompt, 9, stop_ids=())
@@ -407,9 +418,9 @@ def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, 
     err_hf = rel(_logits(_hf(tmp_path / "merged"), ids), ours)
     err_ours = rel(llama.load(tmp_path / "merged").logits(ids), ours)
     err_gguf = 0.0
-    if family == "gemma2":  # its query_pre_attn_scalar != head_dim: llama.cpp has no key
+    if family in GGUF_VARIANTS:  # Gemma's query_pre_attn_scalar != head_dim: llama.cpp has no key
         from gradtape.errors import GradtapeError
-        with pytest.raises(GradtapeError, match="query_pre_attn_scalar 24 != head_dim 16"):
+        with pytest.raises(GradtapeError, match="query_scale = 24.0 .it would be read as 16.0"):
             save_gguf(merged, tmp_path / "merged.gguf")
     else:
         save_gguf(merged, tmp_path / "merged.gguf")
@@ -483,6 +494,69 @@ def test_unsupported_options_are_one_clear_error(edit, match, folders, tmp_path)
         llama.load(d)
 
 
+@pytest.mark.parametrize("edit, match", [
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1e4}}},
+     "rope scaling on the sliding-window layers"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     "rope scaling 'yarn'"),
+])
+def test_unsupported_gemma3_options_are_one_clear_error(edit, match, folders, tmp_path):
+    import shutil
+
+    from gradtape import llama
+    from gradtape.errors import FileFormatError
+
+    d = tmp_path / "m"
+    shutil.copytree(folders("gemma3"), d)
+    cj = json.loads((d / "config.json").read_text())
+    cj.update(edit)
+    (d / "config.json").write_text(json.dumps(cj))
+    with pytest.raises(FileFormatError, match=match):
+        llama.load(d)
+
+
+def test_gemma3_text_tower_of_a_multimodal_checkpoint(folders, tmp_path):
+    """A Gemma3ForConditionalGeneration folder (vision tower, projector, the language
+    model under ``model.language_model``) loads as its text model, with the logits
+    transformers' multimodal model gives on text alone."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from gradtape import llama
+    from gradtape.errors import FileFormatError
+
+    text = transformers.AutoConfig.from_pretrained(str(folders("gemma3")))
+    text.final_logit_softcapping = None  # (the multimodal model never applies it)
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                    mm_tokens_per_image=4, image_token_index=text.vocab_size - 1)
+    torch.manual_seed(0)
+    mm = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    mm.model.language_model.load_state_dict(_hf(folders("gemma3")).model.state_dict())
+    mm.save_pretrained(str(tmp_path / "mm"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        (tmp_path / "mm" / f).write_bytes((folders("gemma3") / f).read_bytes())
+    model = llama.load(tmp_path / "mm")
+    want = dataclasses.replace(llama.load(folders("gemma3")).config, final_softcap=0.0)
+    assert model.config == want
+    ids = _ids(model)
+    err = rel(model.logits(ids), _logits(mm, ids))
+    _report("gemma3", "multimodal-text-logits-f32", err)
+    assert err <= 1e-5
+    cj = json.loads((tmp_path / "mm" / "config.json").read_text())
+    cj["text_config"]["final_logit_softcapping"] = 30.0
+    (tmp_path / "mm" / "config.json").write_text(json.dumps(cj))
+    with pytest.raises(FileFormatError, match="final_logit_softcapping in the text_config"):
+        llama.load(tmp_path / "mm")
+
+
 def _meta(arch="qwen2", **extra):
     m = {"general.architecture": arch, f"{arch}.embedding_length": 32, f"{arch}.block_count": 2,
          f"{arch}.attention.head_count": 4, f"{arch}.attention.head_count_kv": 2,
@@ -526,3 +600,22 @@ def test_gguf_metadata_of_each_family():
     f = (1.0, 2.0, 4.0, 8.0)
     c = from_gguf_metadata(_meta("llama"), "x", 100, True, rope_factors=f)
     assert c.rope_factors == f and c.arch == "llama"
+    # Gemma 3: llama.cpp's fixed pattern (every 6th layer global), the local rope base
+    # 10k unless the file says, linear scaling on the global layers, head_dim's scale
+    # (dim / n_heads for the 62-layer 27B)
+    g3 = {"block_count": 8, "attention.sliding_window": 5, "rope.freq_base": 1e6,
+          "rope.scaling.type": "linear", "rope.scaling.factor": 8.0,
+          "attention.key_length": 16, "attention.value_length": 16}
+    c = from_gguf_metadata(_meta("gemma3", **g3), "x", 100, True)
+    assert (c.sliding_layers, c.window(5), c.rope_local_base, c.query_scale) == \
+        ((0, 1, 2, 3, 4, 6, 7), 0, 10000.0, 16.0)
+    assert c.rope_for(0) == (10000.0, None) and c.rope_for(5) == (1e6, (8.0,) * 8)
+    c = from_gguf_metadata(_meta("gemma3", **g3, **{"rope.freq_base_swa": 5e4,
+                                                     "attention.sliding_window_pattern": 2}),
+                           "x", 100, True)
+    assert (c.sliding_layers, c.rope_local_base) == ((0, 2, 4, 6), 5e4)
+    c = from_gguf_metadata(_meta("gemma3", **dict(g3, block_count=62)), "x", 100, True)
+    assert c.query_scale == 32 / 4
+    # SmolLM3: no rope on every 4th layer (llama.cpp's fixed step)
+    c = from_gguf_metadata(_meta("smollm3", block_count=8), "x", 100, True)
+    assert c.nope_layers == (3, 7) and c.rope_for(3) is None and c.rope_for(2) == (10000.0, None)

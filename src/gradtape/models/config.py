@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FileFormatError
+from .arch import ARCHS, BY_HF_TYPE, HF_ACT, LINEARS, gguf_arch, layers_where, supported
 
 # Sizes above these are not a real LLaMA; rejecting them early keeps a corrupt header
 # from asking for terabytes.
@@ -42,7 +43,10 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm over each q and k head before rope (Qwen3)
     fused: bool = False  # qkv and gate_up are single linears (Phi-3)
     rope_scaling: tuple = ()  # llama3: (factor, low_freq_factor, high_freq_factor, orig ctx)
-    rope_factors: tuple = ()  # per-frequency divisors of the rope angles [hd/2] (llama3)
+    rope_factors: tuple = ()  # per-frequency divisors of the rope angles [hd/2] (llama3, linear)
+    rope_linear: float = 0.0  # > 0: linear rope scaling, every angle divided by it
+    rope_local_base: float = 0.0  # > 0: the windowed layers' rope base, unscaled (Gemma 3)
+    nope_layers: tuple = ()  # layers without rope (SmolLM3)
     sliding_window: int = 0  # > 0: windowed layers see only the last `sliding_window` keys
     sliding_layers: tuple = ()  # the windowed layers; () with a window = every layer
     act: str = "silu"  # gated MLP activation: silu (SwiGLU) or gelu_tanh (GeGLU)
@@ -71,6 +75,11 @@ class LlamaConfig:
             raise FileFormatError(f"{where}: head_dim = {self.head_dim} must be even for rope")
         if not (self.rope_base > 1.0):
             raise FileFormatError(f"{where}: rope base {self.rope_base!r} must be > 1")
+        if self.rope_local_base and not (self.rope_local_base > 1.0):
+            raise FileFormatError(f"{where}: local rope base {self.rope_local_base!r} must be > 1")
+        if any(not 0 <= i < self.n_layers for i in self.nope_layers):
+            raise FileFormatError(f"{where}: no-rope layers {list(self.nope_layers)} outside "
+                                  f"the {self.n_layers} layers")
         if not (0.0 < self.norm_eps < 1.0):
             raise FileFormatError(f"{where}: rms norm eps {self.norm_eps!r} must be in (0, 1)")
         for name in ("bos_id", "eos_id"):
@@ -78,7 +87,6 @@ class LlamaConfig:
             if v is not None and not 0 <= v < self.vocab_size:
                 raise FileFormatError(f"{where}: {name} = {v} is outside the vocabulary "
                                       f"[0, {self.vocab_size})")
-        from .arch import ARCHS, LINEARS
         if self.arch not in ARCHS:
             raise FileFormatError(f"{where}: unknown architecture {self.arch!r}")
         bad = [b for b in self.biases if b not in LINEARS]
@@ -95,7 +103,7 @@ class LlamaConfig:
         if any(not 0 <= i < self.n_layers for i in self.sliding_layers):
             raise FileFormatError(f"{where}: sliding-window layers {list(self.sliding_layers)}"
                                   f" outside the {self.n_layers} layers")
-        for name in ("attn_softcap", "final_softcap", "query_scale"):
+        for name in ("attn_softcap", "final_softcap", "query_scale", "rope_linear"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise FileFormatError(f"{where}: {name} = {v!r} must be a number >= 0")
@@ -106,6 +114,15 @@ class LlamaConfig:
             return 0
         return self.sliding_window if not self.sliding_layers or layer in self.sliding_layers \
             else 0
+
+    def rope_for(self, layer):
+        """``(base, factors)`` of ``layer``'s rope (``factors``: per-frequency divisors or
+        ``None``), or ``None`` for a layer without rope."""
+        if layer in self.nope_layers:
+            return None
+        if self.rope_local_base and self.window(layer):
+            return self.rope_local_base, None
+        return self.rope_base, self.rope_factors or None
 
     @property
     def attn_iscale(self) -> float:
@@ -179,14 +196,36 @@ def _float(v, where, key):
         raise FileFormatError(f"{where}: {key} = {v!r} is not a number") from None
 
 
+def _layer_features(n_layers, window, sliding, local_base, rope_base, scaled, nope_layers):
+    """The per-layer settings both readers end with, in one canonical form (so a model
+    read from its folder and from its GGUF compare equal): a window on every layer is
+    ``sliding_layers = ()``, a window on no layer is no window, and a local rope base
+    only where there are windowed layers and it differs from the global rope (its base,
+    or the global layers' scaling)."""
+    if not window or not sliding:
+        window, sliding = 0, ()
+    if sliding == tuple(range(n_layers)):
+        sliding = ()
+    keep = window and local_base and (local_base != rope_base or scaled)
+    return dict(sliding_window=window, sliding_layers=sliding,
+                rope_local_base=float(local_base) if keep else 0.0, nope_layers=tuple(nope_layers))
+
+
+def _pattern_layers(n_layers, pattern):
+    """The local layers of a local/global pattern: every layer but every
+    ``pattern``-th (``(i + 1) % pattern == 0`` are global); ``pattern`` 0: all local."""
+    glob = set(layers_where(n_layers, pattern))
+    return tuple(i for i in range(n_layers) if i not in glob)
+
+
 def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
                        names=(), rope_factors=()) -> LlamaConfig:
     """``meta``: GGUF key -> python value.  ``vocab_size`` from the token list or the
     embedding tensor; ``tied``: whether the file lacks an ``output.weight`` tensor;
     ``names``: the file's tensor names (biases and q/k norms are known by their tensors);
-    ``rope_factors``: the values of a ``rope_freqs`` tensor (llama3 rope scaling)."""
-    from .arch import gguf_arch
-
+    ``rope_factors``: the values of a ``rope_freqs`` tensor (llama3 rope scaling).  What
+    llama.cpp leaves implicit for a family (Gemma's local/global pattern and attention
+    scale, SmolLM3's NoPE step) comes from its row of ``models.arch``."""
     arch = gguf_arch(meta.get("general.architecture"), where)
     a = arch.gguf
 
@@ -219,29 +258,43 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
     if rope_dims != head_dim:
         raise FileFormatError(f"{where}: partial rope (rope.dimension_count {rope_dims} != "
                               f"head_dim {head_dim}) is not supported")
+    n_layers = need("block_count")
+    rope = {}
     scaling = meta.get(f"{a}.rope.scaling.type", "none")
-    if scaling not in ("none", None, ""):
+    if scaling == "linear":
+        factor = opt("rope.scaling.factor", 1.0, _float)
+        if factor != 1.0:
+            rope = _linear_rope(factor, head_dim, where)
+    elif scaling not in ("none", None, ""):
         raise FileFormatError(f"{where}: rope scaling {scaling!r} is not supported")
+    if len(rope_factors):
+        rope = dict(rope_factors=tuple(float(f) for f in rope_factors))
     layer_names = {n.split(".", 2)[2] for n in names if n.startswith("blk.0.")}
     biases = tuple(ours for g, ours in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"),
                                         ("attn_output", "o"), ("attn_qkv", "qkv"))
                    if g + ".bias" in layer_names)
-    extra = {}
     window = opt("attention.sliding_window", 0)
-    if arch.gemma:
-        # Gemma 2 alternates local (sliding) and global layers, local first (llama.cpp's
-        # and transformers' pattern); soft-capping and the query scale from the metadata
-        extra = dict(act="gelu_tanh", norm_plus_one=True, embed_scale=True, post_norms=True,
-                     attn_softcap=opt("attn_logit_softcapping", 0.0, _float),
-                     final_softcap=opt("final_logit_softcapping", 0.0, _float),
-                     query_scale=float(head_dim))
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", arch.swa_pattern)
+    if isinstance(pattern, list):  # one flag per layer: true = windowed
+        if len(pattern) != n_layers:
+            raise FileFormatError(f"{where}: {a}.attention.sliding_window_pattern lists "
+                                  f"{len(pattern)} layers, not {n_layers}")
+        sliding = tuple(i for i, f in enumerate(pattern) if f)
+    else:
+        sliding = _pattern_layers(n_layers, _int(pattern, where, "sliding_window_pattern"))
+    local = opt("rope.freq_base_swa", arch.rope_local_base or 0.0, _float)
+    rope_base = opt("rope.freq_base", 10000.0, _float)
+    extra = dict(arch.features)
+    if arch.query_scale:  # llama.cpp's rule: head_dim, or D / n_heads (Gemma 3 27B)
+        extra["query_scale"] = float(dim / n_heads if n_layers in arch.gguf_dim_scale_layers
+                                     else head_dim)
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    n_layers = need("block_count")
+    extra.update(qk_norm="attn_q_norm.weight" in layer_names)
     return _checked(LlamaConfig, where,
                     dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
                     head_dim=head_dim, ffn_dim=need("feed_forward_length"),
                     vocab_size=vocab_size,
-                    rope_base=opt("rope.freq_base", 10000.0, _float),
+                    rope_base=rope_base,
                     norm_eps=_float(need_raw("attention.layer_norm_rms_epsilon"), where,
                                     f"{a}.attention.layer_norm_rms_epsilon"),
                     tie_embeddings=tied,
@@ -249,59 +302,133 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
                     bos_id=None if bos is None else _int(bos, where, "bos_token_id"),
                     eos_id=None if eos is None else _int(eos, where, "eos_token_id"),
                     arch=arch.family, biases=biases,
-                    qk_norm="attn_q_norm.weight" in layer_names, fused=arch.fused,
-                    rope_factors=tuple(float(f) for f in rope_factors),
-                    sliding_window=window,
-                    sliding_layers=tuple(range(0, n_layers, 2)) if arch.gemma and window else (),
-                    **extra)
+                    attn_softcap=opt("attn_logit_softcapping", 0.0, _float),
+                    final_softcap=opt("final_logit_softcapping", 0.0, _float),
+                    **rope, **extra,
+                    **_layer_features(n_layers, window, sliding, local, rope_base, bool(rope),
+                                      layers_where(n_layers, arch.nope_step)))
 
 
-def _rope_settings(cj, where, head_dim):
-    """``(theta, rope_scaling, rope_factors)`` from transformers 5's ``rope_parameters``
-    or 4.x's ``rope_theta`` / ``rope_scaling``; anything but default and llama3 refused."""
-    rp = cj.get("rope_parameters") or {}
-    if not isinstance(rp, dict):
-        raise FileFormatError(f"{where}: rope_parameters is not an object")
-    if "full_attention" in rp:  # per-layer-type rope settings (Gemma 3 style)
-        raise FileFormatError(f"{where}: per-layer-type rope parameters are not supported")
-    rs = cj.get("rope_scaling") or {}
-    if not isinstance(rs, dict):
-        raise FileFormatError(f"{where}: rope_scaling is not an object")
-    merged = {**rs, **rp}
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    theta = _float(merged.get("rope_theta", cj.get("rope_theta", 10000.0)), where, "rope_theta")
-    partial = merged.get("partial_rotary_factor", cj.get("partial_rotary_factor", 1.0))
-    if _float(partial, where, "partial_rotary_factor") != 1.0:
-        raise FileFormatError(f"{where}: partial_rotary_factor {partial} (partial rope) is "
-                              "not supported")
+def _linear_rope(factor, head_dim, where):
+    if not (math.isfinite(factor) and factor > 0):
+        raise FileFormatError(f"{where}: linear rope scaling factor {factor!r} invalid")
+    return dict(rope_linear=float(factor), rope_factors=(float(factor),) * (head_dim // 2))
+
+
+def _rope_type(params, where):
+    """``(theta or None, {rope fields})`` of one set of rope parameters (transformers'
+    ``rope_parameters`` / ``rope_scaling`` spelling): the default, llama3 or linear."""
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    theta = params.get("rope_theta")
+    theta = None if theta is None else _float(theta, where, "rope_theta")
     if rope_type == "default":
-        return theta, (), ()
+        return theta, {}
+    if rope_type == "linear":
+        factor = _float(params.get("factor"), where, "factor")
+        return theta, ({"rope_linear": factor} if factor != 1.0 else {})
     if rope_type != "llama3":
         raise FileFormatError(f"{where}: rope scaling {rope_type!r} is not supported (only "
-                              "the default and 'llama3')")
+                              "the default, 'linear' and 'llama3')")
     try:
-        sc = (float(merged["factor"]), float(merged["low_freq_factor"]),
-              float(merged["high_freq_factor"]), float(merged["original_max_position_embeddings"]))
+        sc = (float(params["factor"]), float(params["low_freq_factor"]),
+              float(params["high_freq_factor"]), float(params["original_max_position_embeddings"]))
     except (KeyError, TypeError, ValueError) as e:
         raise FileFormatError(f"{where}: llama3 rope scaling needs factor, low_freq_factor, "
                               f"high_freq_factor and original_max_position_embeddings ({e})") \
             from None
     if not (all(math.isfinite(v) and v > 0 for v in sc) and sc[2] > sc[1]):
         raise FileFormatError(f"{where}: llama3 rope scaling {sc} invalid")
-    return theta, sc, llama3_rope_factors(head_dim, theta, *sc)
+    return theta, dict(rope_scaling=sc)
+
+
+def _rope_settings(cj, where, head_dim, arch):
+    """The rope fields of ``LlamaConfig`` from transformers 5's ``rope_parameters`` (one
+    set, or one per layer type) or 4.x's ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq``; anything but default, linear and llama3 refused, and
+    local layers only with default rope."""
+    rp = cj.get("rope_parameters") or {}
+    rs = cj.get("rope_scaling") or {}
+    if not isinstance(rp, dict) or not isinstance(rs, dict):
+        raise FileFormatError(f"{where}: rope_parameters / rope_scaling is not an object")
+    partial = rp.get("partial_rotary_factor", cj.get("partial_rotary_factor", 1.0))
+    if _float(partial, where, "partial_rotary_factor") != 1.0:
+        raise FileFormatError(f"{where}: partial_rotary_factor {partial} (partial rope) is "
+                              "not supported")
+    local_theta = cj.get("rope_local_base_freq")
+    if "full_attention" in rp or "sliding_attention" in rp:  # per layer type
+        glob, loc = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        if not isinstance(glob, dict) or not isinstance(loc, dict):
+            raise FileFormatError(f"{where}: rope_parameters per layer type are not objects")
+        theta, fields = _rope_type({**rs, **glob}, where)
+        ltheta, lfields = _rope_type(loc, where)
+        if lfields:
+            raise FileFormatError(f"{where}: rope scaling on the sliding-window layers is "
+                                  "not supported")
+        local_theta = ltheta if ltheta is not None else local_theta
+    else:
+        theta, fields = _rope_type({**rs, **rp}, where)
+    if theta is None:
+        theta = _float(cj.get("rope_theta", 10000.0), where, "rope_theta")
+    if local_theta is None:
+        local_theta = arch.rope_local_base or theta
+    local_theta = _float(local_theta, where, "rope_local_base_freq")
+    if "rope_scaling" in fields:
+        fields["rope_factors"] = llama3_rope_factors(head_dim, theta, *fields["rope_scaling"])
+    elif "rope_linear" in fields:
+        fields = _linear_rope(fields["rope_linear"], head_dim, where)
+    return dict(rope_base=theta, **fields), local_theta
+
+
+def _windows(cj, where, arch, n_layers):
+    """``(sliding_window, sliding_layers)`` from config.json, spelled as the family does
+    (``arch.hf_window``)."""
+    window = cj.get("sliding_window")
+    window = 0 if window is None else _int(window, where, "sliding_window")
+    types = cj.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers:
+            raise FileFormatError(f"{where}: layer_types must list {n_layers} layer kinds")
+        odd = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+        if odd:
+            raise FileFormatError(f"{where}: layer type {odd[0]!r} is not supported")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if sliding and not window:
+            raise FileFormatError(f"{where}: layer_types has sliding layers but no "
+                                  "sliding_window")
+    elif arch.hf_window == "qwen":  # transformers 4.x: from max_window_layers up
+        start = _int(cj.get("max_window_layers", n_layers), where, "max_window_layers")
+        sliding = tuple(range(start, n_layers))
+    elif arch.hf_window == "pattern":
+        pattern = _int(cj.get("sliding_window_pattern", arch.swa_pattern), where,
+                       "sliding_window_pattern")
+        sliding = _pattern_layers(n_layers, pattern)
+    else:
+        sliding = tuple(range(n_layers))  # mistral, phi3: the window on every layer
+    if arch.hf_window == "qwen" and not cj.get("use_sliding_window"):
+        return 0, ()  # (transformers drops the window then, whatever layer_types say)
+    return (window, sliding) if sliding else (0, ())
 
 
 def from_hf_config(cj: dict, where: str) -> LlamaConfig:
     """A Hugging Face ``config.json`` (transformers 4.x or 5.x spelling) of a family in
-    ``models.arch.ARCHS``; options we do not implement are refused by name."""
-    from .arch import BY_HF_TYPE, supported
-
+    ``models.arch.ARCHS`` (of a multimodal checkpoint, its text tower where the family
+    has one); options we do not implement are refused by name."""
     mt = cj.get("model_type")
     archs = cj.get("architectures") or []
     arch = BY_HF_TYPE.get(mt) if isinstance(mt, str) else None
     if arch is None:
         raise FileFormatError(f"{where}: model_type {mt!r} (architectures {archs}) is not "
                               f"supported (supported: {supported()})")
+    text = cj.get("text_config")
+    if arch.text_prefixes and isinstance(text, dict):
+        # the language model of a checkpoint with a vision tower: its text_config (the
+        # token ids and the tying may be kept at the top level)
+        cj = {**{k: cj[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings")
+                 if k in cj}, **text}
+        if cj.get("final_logit_softcapping"):
+            raise FileFormatError(f"{where}: final_logit_softcapping in the text_config of a "
+                                  "multimodal checkpoint is not supported (transformers' "
+                                  "multimodal model does not apply it; its text model does)")
 
     def need(key):
         if key not in cj:
@@ -316,69 +443,47 @@ def from_hf_config(cj: dict, where: str) -> LlamaConfig:
         if cj.get(key):
             raise FileFormatError(f"{where}: {key}: multimodal models (a vision or audio "
                                   "tower) are not supported")
-    act = cj.get("hidden_activation") if arch.gemma else cj.get("hidden_act", "silu")
-    want_act = "gelu_pytorch_tanh" if arch.gemma else "silu"
-    if act is None and arch.gemma:
-        act = cj.get("hidden_act")
+    if cj.get("use_bidirectional_attention"):
+        raise FileFormatError(f"{where}: use_bidirectional_attention (an embedding model) is "
+                              "not supported")
+    features = dict(arch.features)
+    want_act = HF_ACT[features.get("act", "silu")]
+    act = cj.get(arch.act_key, cj.get("hidden_act", "silu"))
     if act != want_act:
         raise FileFormatError(f"{where}: hidden activation {act!r} is not supported for "
                               f"{mt} (only {want_act!r})")
     biases = ("q", "k", "v") if arch.qkv_bias else ()
-    if cj.get("attention_bias"):
-        if arch.family in ("mistral", "phi3", "qwen2"):
-            raise FileFormatError(f"{where}: attention_bias = true is not supported for {mt}")
-        biases = ("q", "k", "v", "o")
-    if cj.get("mlp_bias"):
-        if arch.family != "llama":
-            raise FileFormatError(f"{where}: mlp_bias = true is not supported for {mt}")
-        biases += ("gate", "up", "down")
+    for key, allowed, names in (("attention_bias", arch.attention_bias, ("q", "k", "v", "o")),
+                                ("mlp_bias", arch.mlp_bias, ("gate", "up", "down"))):
+        if cj.get(key):
+            if not allowed:
+                raise FileFormatError(f"{where}: {key} = true is not supported for {mt}")
+            biases += names
     dim = _int(need("hidden_size"), where, "hidden_size")
     n_heads = _int(need("num_attention_heads"), where, "num_attention_heads")
     if n_heads <= 0:
         raise FileFormatError(f"{where}: num_attention_heads {n_heads} invalid")
     head_dim = _int(cj.get("head_dim") or dim // n_heads, where, "head_dim")
-    theta, scaling, factors = _rope_settings(cj, where, head_dim)
+    rope, local = _rope_settings(cj, where, head_dim, arch)
     n_layers = _int(need("num_hidden_layers"), where, "num_hidden_layers")
-    window = cj.get("sliding_window")
-    window = 0 if window is None else _int(window, where, "sliding_window")
-    types = cj.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers:
-            raise FileFormatError(f"{where}: layer_types must list {n_layers} layer kinds")
-        odd = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
-        if odd:
-            raise FileFormatError(f"{where}: layer type {odd[0]!r} is not supported")
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        if sliding and not window:
-            raise FileFormatError(f"{where}: layer_types has sliding layers but no "
-                                  "sliding_window")
-        if not sliding:
-            window = 0
-    elif arch.family in ("qwen2", "qwen3"):
-        # transformers 4.x: a window only with use_sliding_window, from max_window_layers up
-        start = _int(cj.get("max_window_layers", n_layers), where, "max_window_layers")
-        sliding = tuple(range(start, n_layers)) if cj.get("use_sliding_window") else ()
-        if not sliding:
-            window = 0
-    elif arch.gemma:
-        sliding = tuple(range(0, n_layers, 2))  # local layers first, then alternating
-    else:
-        sliding = ()  # mistral, phi3: the window (if any) on every layer
-    if window and sliding == tuple(range(n_layers)):
-        sliding = ()
-    extra = {}
-    if arch.gemma:
-        extra = dict(act="gelu_tanh", norm_plus_one=True, embed_scale=True, post_norms=True,
-                     attn_softcap=_float(cj.get("attn_logit_softcapping") or 0.0, where,
-                                         "attn_logit_softcapping"),
-                     final_softcap=_float(cj.get("final_logit_softcapping") or 0.0, where,
-                                          "final_logit_softcapping"),
-                     query_scale=_float(cj.get("query_pre_attn_scalar", head_dim), where,
-                                        "query_pre_attn_scalar"))
+    window, sliding = _windows(cj, where, arch, n_layers)
+    nope = ()
+    if arch.nope_step:  # SmolLM3: no_rope_layers[i] == 0 means layer i has no rope
+        flags = cj.get("no_rope_layers")
+        if flags is None:
+            step = _int(cj.get("no_rope_layer_interval", arch.nope_step), where,
+                        "no_rope_layer_interval")
+            nope = layers_where(n_layers, step)
+        elif not isinstance(flags, list) or len(flags) != n_layers:
+            raise FileFormatError(f"{where}: no_rope_layers must list {n_layers} flags")
+        else:
+            nope = tuple(i for i, f in enumerate(flags) if not f)
+    if arch.query_scale:
+        features["query_scale"] = _float(cj.get("query_pre_attn_scalar", head_dim), where,
+                                         "query_pre_attn_scalar")
     bos, eos = cj.get("bos_token_id"), cj.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    tie_default = arch.gemma  # Gemma ties unless told otherwise; the others untie
     return _checked(LlamaConfig, where,
                     dim=dim, n_layers=n_layers, n_heads=n_heads,
                     n_kv_heads=_int(cj.get("num_key_value_heads") or n_heads, where,
@@ -386,16 +491,20 @@ def from_hf_config(cj: dict, where: str) -> LlamaConfig:
                     head_dim=head_dim,
                     ffn_dim=_int(need("intermediate_size"), where, "intermediate_size"),
                     vocab_size=_int(need("vocab_size"), where, "vocab_size"),
-                    rope_base=theta,
                     norm_eps=_float(cj.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
-                    tie_embeddings=bool(cj.get("tie_word_embeddings", tie_default)),
+                    tie_embeddings=bool(cj.get("tie_word_embeddings", arch.tie_default)),
                     max_seq_len=_int(cj.get("max_position_embeddings", 2048), where,
                                      "max_position_embeddings"),
                     bos_id=None if bos is None else _int(bos, where, "bos_token_id"),
                     eos_id=None if eos is None else _int(eos, where, "eos_token_id"),
-                    arch=arch.family, biases=biases, qk_norm=arch.qk_norm, fused=arch.fused,
-                    rope_scaling=scaling, rope_factors=factors, sliding_window=window,
-                    sliding_layers=sliding, **extra)
+                    arch=arch.family, biases=biases,
+                    attn_softcap=_float(cj.get("attn_logit_softcapping") or 0.0, where,
+                                        "attn_logit_softcapping"),
+                    final_softcap=_float(cj.get("final_logit_softcapping") or 0.0, where,
+                                         "final_logit_softcapping"),
+                    **rope, **features,
+                    **_layer_features(n_layers, window, sliding, local, rope["rope_base"],
+                                      len(rope) > 1, nope))
 
 
 def _checked(cls, where, **kw):

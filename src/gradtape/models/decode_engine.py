@@ -132,7 +132,8 @@ def block_weights(model) -> dict:
 _PLAIN_BLOCK = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
                 if f.name in ("biases", "qk_norm", "fused", "rope_scaling", "rope_factors",
                               "sliding_window", "act", "norm_plus_one", "embed_scale",
-                              "post_norms", "attn_softcap", "final_softcap", "query_scale")}
+                              "post_norms", "attn_softcap", "final_softcap", "query_scale",
+                              "rope_linear", "rope_local_base", "nope_layers")}
 
 
 def supported(model) -> bool:

@@ -24,16 +24,9 @@ import numpy as np
 from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..io import atomic_path, atomic_write_bytes
-from .arch import ARCHS, LINEARS
+from .arch import ARCHS, HF_ACT, LINEARS
 from .load_gguf import permute_rope_rows
 
-# our target -> llama.cpp's tensor name inside "blk.{i}." (Phi-3's fused gate_up is ffn_up)
-GGUF_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-                "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down", "qkv": "attn_qkv",
-                "gate_up": "ffn_up"}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _DTYPES = {"float32": np.float32, "float16": np.float16, "f32": np.float32, "f16": np.float16}
 
 
@@ -108,55 +101,70 @@ def merged_model(model, adapter):
 
 # --- Hugging Face folder ------------------------------------------------------------------
 
-def hf_config(cfg, dtype="float32") -> dict:
-    """A transformers ``config.json`` of the model's family for ``cfg``; rope settings in
-    both the 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``)
-    spellings."""
-    arch = ARCHS[cfg.arch]
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+def _hf_rope(cfg):
+    """The global layers' rope parameters in transformers' spelling."""
     if cfg.rope_scaling:
         f, lo, hi, orig = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_base, "factor": f,
+        return {"rope_type": "llama3", "rope_theta": cfg.rope_base, "factor": f,
                 "low_freq_factor": lo, "high_freq_factor": hi,
                 "original_max_position_embeddings": int(orig)}
-    elif cfg.rope_factors:
+    if cfg.rope_linear:
+        return {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": cfg.rope_linear}
+    if cfg.rope_factors:
         raise GradtapeError("hf_config: this model's rope frequency factors came without "
                             "their llama3 parameters (a GGUF rope_freqs tensor); a Hugging "
                             "Face config cannot describe them")
+    return {"rope_type": "default", "rope_theta": cfg.rope_base}
+
+
+def hf_config(cfg, dtype="float32") -> dict:
+    """A transformers ``config.json`` of the model's family for ``cfg``, spelled as its
+    row of ``models.arch`` says; rope settings in both the 4.x (``rope_theta`` /
+    ``rope_scaling`` / ``rope_local_base_freq``) and 5.x (``rope_parameters``, per layer
+    type where local layers differ) spellings."""
+    arch = ARCHS[cfg.arch]
+    rope = _hf_rope(cfg)
+    act = HF_ACT[cfg.act]
     d = {
-        "architectures": [_HF_CLASSES[cfg.arch]], "model_type": arch.hf_types[0],
+        "architectures": [arch.hf_class], "model_type": arch.hf_types[0],
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn_dim,
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base, "rope_parameters": rope,
-        "hidden_act": "silu", "attention_dropout": 0.0,
+        "hidden_act": act, arch.act_key: act, "attention_dropout": 0.0,
         "tie_word_embeddings": bool(cfg.tie_embeddings),
-        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "use_cache": True,
-        "torch_dtype": str(_np_dtype(dtype)), "dtype": str(_np_dtype(dtype)),
+        "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": None,
+        "use_cache": True, "torch_dtype": str(_np_dtype(dtype)), "dtype": str(_np_dtype(dtype)),
+        "attn_logit_softcapping": cfg.attn_softcap or None,
+        "final_logit_softcapping": cfg.final_softcap or None,
     }
-    if cfg.rope_scaling:
+    if rope["rope_type"] != "default":
         d["rope_scaling"] = rope
+    if cfg.rope_local_base:
+        d["rope_local_base_freq"] = cfg.rope_local_base
+        d["rope_parameters"] = {"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": cfg.rope_local_base}}
+    d.update({k: cfg.max_seq_len for k in arch.hf_ctx_keys})
     biases = set(cfg.biases)
-    if cfg.arch in ("llama", "qwen3", "gemma2"):
+    if arch.attention_bias:
         d["attention_bias"] = "o" in biases
-    if cfg.arch == "llama":
+    if arch.mlp_bias:
         d["mlp_bias"] = "down" in biases
     types = ["sliding_attention" if cfg.window(i) else "full_attention"
              for i in range(cfg.n_layers)]
-    if cfg.arch in ("mistral", "phi3"):
-        d["sliding_window"] = cfg.sliding_window or None
-    elif cfg.arch in ("qwen2", "qwen3"):
+    d["sliding_window"] = cfg.sliding_window or None
+    if arch.hf_window == "qwen":
         d.update(use_sliding_window=bool(cfg.sliding_window), layer_types=types,
-                 sliding_window=cfg.sliding_window or None, max_window_layers=cfg.n_layers)
-    if cfg.arch == "phi3":  # (Phi3Config's default pad id 32000 may exceed the vocabulary)
-        d.update(original_max_position_embeddings=cfg.max_seq_len, pad_token_id=None)
-    if cfg.arch == "gemma2":
-        d.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
-                 query_pre_attn_scalar=_int_if_whole(cfg.query_scale or cfg.head_dim),
-                 attn_logit_softcapping=cfg.attn_softcap or None,
-                 final_logit_softcapping=cfg.final_softcap or None,
-                 sliding_window=cfg.sliding_window or None, layer_types=types)
+                 max_window_layers=cfg.n_layers)
+    elif arch.hf_window == "pattern":
+        d["layer_types"] = types
+    if arch.query_scale:
+        d["query_pre_attn_scalar"] = _int_if_whole(cfg.query_scale or cfg.head_dim)
+    if arch.nope_step:
+        d["no_rope_layers"] = [int(i not in cfg.nope_layers) for i in range(cfg.n_layers)]
+    elif cfg.nope_layers:
+        raise GradtapeError(f"hf_config: {cfg.arch} has no config key for layers without rope")
     return d
 
 
@@ -286,34 +294,57 @@ def gguf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
         shape = tuple(reversed(shapes[name])) if linear else tuple(shapes[name])
         tdt = dt if len(shape) == 2 else np.dtype(np.float32)
         out.append((gname, shape, tdt, functools.partial(make, name, base, linear, tdt)))
-    if cfg.rope_factors:
+    if cfg.rope_factors and not cfg.rope_linear:  # (linear scaling is a metadata key)
         factors = np.asarray(cfg.rope_factors, dtype=np.float32)
         out.append(("rope_freqs.weight", factors.shape, factors.dtype, lambda: factors))
     return out
 
 
-def _llama_metadata(writer, cfg, name):
-    """The model's hyper-parameters under the family's GGUF keys (the writer's arch)."""
-    writer.add_name(name or "gradtape-merged")
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.dim)
-    writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(cfg.ffn_dim)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
+def _hparams(cfg) -> dict:
+    """``{key: value}`` of the model's hyper-parameters under the family's GGUF keys
+    (without the ``{arch}.`` prefix), as llama.cpp's converter writes them."""
+    hp = {"context_length": cfg.max_seq_len, "embedding_length": cfg.dim,
+          "block_count": cfg.n_layers, "feed_forward_length": cfg.ffn_dim,
+          "attention.head_count": cfg.n_heads, "attention.head_count_kv": cfg.n_kv_heads,
+          "rope.dimension_count": cfg.head_dim, "rope.freq_base": float(cfg.rope_base),
+          "attention.layer_norm_rms_epsilon": float(cfg.norm_eps), "vocab_size": cfg.vocab_size}
     if cfg.head_dim * cfg.n_heads != cfg.dim:  # llama.cpp assumes dim / n_heads otherwise
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_base))
-    writer.add_layer_norm_rms_eps(float(cfg.norm_eps))
-    writer.add_vocab_size(cfg.vocab_size)
+        hp.update({"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim})
     if cfg.sliding_window:
-        writer.add_sliding_window(cfg.sliding_window)
+        hp["attention.sliding_window"] = cfg.sliding_window
     if cfg.attn_softcap:
-        writer.add_attn_logit_softcapping(cfg.attn_softcap)
+        hp["attn_logit_softcapping"] = float(cfg.attn_softcap)
     if cfg.final_softcap:
-        writer.add_final_logit_softcapping(cfg.final_softcap)
+        hp["final_logit_softcapping"] = float(cfg.final_softcap)
+    if cfg.rope_linear:
+        hp.update({"rope.scaling.type": "linear", "rope.scaling.factor": float(cfg.rope_linear)})
+    if cfg.rope_local_base:
+        hp["rope.freq_base_swa"] = float(cfg.rope_local_base)
+    return hp
+
+
+def _check_gguf_can_describe(cfg, hparams, names):
+    """llama.cpp's GGUF leaves some settings implicit per family (Gemma's local/global
+    pattern and attention scale, SmolLM3's NoPE layers: ``models.arch``); read the
+    metadata back as a loader would and refuse a model it would misread rather than
+    write a file that runs wrongly."""
+    import dataclasses
+
+    from .config import from_gguf_metadata
+
+    a = ARCHS[cfg.arch].gguf
+    meta = {"general.architecture": a, **{f"{a}.{k}": v for k, v in hparams.items()}}
+    back = from_gguf_metadata(meta, "save_gguf", cfg.vocab_size, cfg.tie_embeddings,
+                              names=names, rope_factors=() if cfg.rope_linear else cfg.rope_factors)
+    # (the vocabulary's ids come from the tokenizer keys; llama3's scaling parameters
+    # reach the file as their per-frequency factors, the rope_freqs tensor; Mistral is
+    # llama.cpp's llama, the same graph)
+    ours = dataclasses.replace(cfg, bos_id=None, eos_id=None, rope_scaling=(), arch=back.arch)
+    for f in dataclasses.fields(cfg):
+        if getattr(back, f.name) != getattr(ours, f.name):
+            raise GradtapeError(f"save_gguf: llama.cpp's {a} GGUF cannot describe this "
+                                f"model's {f.name} = {getattr(ours, f.name)!r} (it would be "
+                                f"read as {getattr(back, f.name)!r})")
 
 
 def _copied_tokenizer_fields(source):
@@ -413,20 +444,6 @@ def _derived_tokenizer_fields(tok):
     return fields
 
 
-def _check_gguf_can_describe(cfg):
-    """llama.cpp's Gemma 2 takes the attention scale from head_dim and alternates local and
-    global layers (local first), with no metadata for either: refuse a model that differs
-    rather than write a file that runs wrongly."""
-    if cfg.arch != "gemma2":
-        return
-    if cfg.query_scale and cfg.query_scale != cfg.head_dim:
-        raise GradtapeError(f"save_gguf: query_pre_attn_scalar {cfg.query_scale:g} != head_dim "
-                            f"{cfg.head_dim}: llama.cpp's gemma2 GGUF cannot describe it")
-    if cfg.sliding_window and cfg.sliding_layers != tuple(range(0, cfg.n_layers, 2)):
-        raise GradtapeError("save_gguf: llama.cpp's gemma2 GGUF alternates sliding and global "
-                            f"layers; this model slides on layers {list(cfg.sliding_layers)}")
-
-
 def save_gguf(model, path, dtype="float32", adapter=None) -> Path:
     """Write ``model`` as a GGUF of its family (float32 or float16 matrices) that
     ``llama.load``, transformers' GGUF loader and llama.cpp read.  The tokenizer metadata
@@ -449,15 +466,22 @@ def save_gguf(model, path, dtype="float32", adapter=None) -> Path:
         if tok is not None and tok_fields is None:
             print("gradtape: warning: this tokenizer cannot be described in GGUF metadata; "
                   f"{path.name} is written without one", file=sys.stderr)
-    _check_gguf_can_describe(cfg)
     if adapter is not None:
         from .lora import check_adapter_fits
         check_adapter_fits(adapter, cfg, "adapter")
     plan = gguf_plan(cfg, model.weights, dt, adapter)
+    hparams = _hparams(cfg)
+    _check_gguf_can_describe(cfg, hparams, [name for name, *_ in plan])
+    arch = ARCHS[cfg.arch].gguf
     with atomic_path(path) as tmp:
-        w = gguf.GGUFWriter(tmp, ARCHS[cfg.arch].gguf)
+        w = gguf.GGUFWriter(tmp, arch)
         w.add_type(gguf.GGUFType.MODEL)
-        _llama_metadata(w, cfg, getattr(model, "name", ""))
+        w.add_name(getattr(model, "name", "") or "gradtape-merged")
+        for key, value in hparams.items():
+            vtype = (gguf.GGUFValueType.STRING if isinstance(value, str) else
+                     gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else
+                     gguf.GGUFValueType.UINT32)
+            w.add_key_value(f"{arch}.{key}", value, vtype)
         w.add_file_type(gguf.LlamaFileType.ALL_F32 if dt == np.float32
                         else gguf.LlamaFileType.MOSTLY_F16)
         for key, value, vtype, sub in tok_fields or []:
@@ -481,6 +505,7 @@ def lora_gguf_tensors(adapter, cfg, dtype="float32") -> dict:
     rows of q/k permuted like the base tensor's, since ``W = w0 + s * lora_b @ lora_a``
     must permute the same way as ``w0``."""
     dt = _np_dtype(dtype)
+    theirs = {ours: g for g, ours in ARCHS[cfg.arch].gguf_block.items()}
     out = {}
     for (layer, target), (a, b) in sorted(adapter.weights.items()):
         la, lb = np.asarray(a).T, np.asarray(b).T  # [r, in], [out, r]
@@ -488,7 +513,7 @@ def lora_gguf_tensors(adapter, cfg, dtype="float32") -> dict:
             lb = permute_rope_rows(lb, cfg.n_heads)
         elif ARCHS[cfg.arch].permute_qk and target == "k":
             lb = permute_rope_rows(lb, cfg.n_kv_heads)
-        stem = f"blk.{layer}.{GGUF_TARGETS[target]}.weight"
+        stem = f"blk.{layer}.{theirs[target]}.weight"
         out[stem + ".lora_a"] = np.ascontiguousarray(la, dtype=dt)
         out[stem + ".lora_b"] = np.ascontiguousarray(lb, dtype=dt)
     return out

@@ -112,6 +112,22 @@ def _our_name(hf, block):
     return None
 
 
+def _text_tower(hf, arch):
+    """The language-model name of tensor ``hf`` of a multimodal checkpoint
+    (``model.language_model.layers.0...`` -> ``model.layers.0...``), ``""`` for a
+    tensor of its vision tower or projector (not loaded: images are no input here), or
+    ``hf`` unchanged."""
+    for prefix in arch.text_prefixes:
+        if hf.startswith(prefix):
+            return "model." + hf[len(prefix):]
+    if not arch.text_prefixes:
+        return hf
+    top = hf[len("model."):] if hf.startswith("model.") else hf
+    if top.split(".", 1)[0] in ("vision_tower", "multi_modal_projector"):
+        return ""
+    return "lm_head.weight" if hf == "language_model.lm_head.weight" else hf
+
+
 def load_hf_folder(folder, keep_quantized=False) -> tuple[LlamaConfig, dict,
                                                           Tokenizer | None, str]:
     """``(config, weights, tokenizer or None, name)`` from a Hugging Face model folder.
@@ -131,6 +147,9 @@ def load_hf_folder(folder, keep_quantized=False) -> tuple[LlamaConfig, dict,
     lm_head = None
     for f in _tensor_files(folder):
         for hf, arr in _read(f, keep_quantized):
+            hf = _text_tower(hf, arch)
+            if not hf:
+                continue
             ours = _our_name(hf, block)
             if ours is None:
                 if hf.endswith("rotary_emb.inv_freq"):

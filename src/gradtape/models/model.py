@@ -139,11 +139,19 @@ def _head(tp, cfg, W, x, ones):
     return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits
 
 
-def rope_tables(cfg, t, start=0):
-    """Host-side ``(cos, sin) [t, hd/2]`` of positions ``start..start+t`` with the model's
-    rope base and frequency factors."""
-    return nn.rope_fill(t, cfg.head_dim, cfg.rope_base, start=start,
-                        factors=cfg.rope_factors or None)
+def rope_tables(cfg, t, start=0, layer=0):
+    """Host-side ``(cos, sin) [t, hd/2]`` of positions ``start..start+t`` with ``layer``'s
+    rope (``LlamaConfig.rope_for``: its base and frequency factors); for a layer without
+    rope (SmolLM3's NoPE) cos = 1 and sin = 0, with which rope is exactly the identity."""
+    rope = cfg.rope_for(layer)
+    if rope is None:
+        return np.ones((t, cfg.head_dim // 2)), np.zeros((t, cfg.head_dim // 2))
+    return nn.rope_fill(t, cfg.head_dim, rope[0], start=start, factors=rope[1])
+
+
+def _rope_keys(cfg):
+    """``{layer: its rope setting}``; layers with equal settings share one table."""
+    return {i: cfg.rope_for(i) for i in range(cfg.n_layers)}
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
@@ -161,8 +169,11 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     hd = cfg.head_dim
     if ones is None:
         ones = nn.ones(tp, cfg.dim)  # [D, 1]
-    cos, sin = rope_tables(cfg, t)  # [T, hd/2]
-    cosc, sinc = tp.const(cos), tp.const(sin)
+    keys = _rope_keys(cfg)
+    tables = {}  # rope setting -> (cos, sin) consts [T, hd/2]
+    for i, key in keys.items():
+        if key not in tables:
+            tables[key] = tuple(tp.const(a) for a in rope_tables(cfg, t, layer=i))
     windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
     masks = {w: tp.const(nn.causal_mask_fill(t, window=w)) for w in windows}  # [T, T] each
     iscale = cfg.attn_iscale
@@ -170,7 +181,9 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
 
     x = _embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
-        def attend(q, k, v, mask=masks[cfg.window(i)]):  # all sequences and heads at once
+        def attend(q, k, v, mask=masks[cfg.window(i)], rope=tables[keys[i]]):
+            # all sequences and heads at once
+            cosc, sinc = rope
             return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
                                          cfg.n_kv_heads, hd, iscale, cfg.attn_softcap)
 
@@ -247,7 +260,6 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     ids = np.asarray(ids, dtype=np.int64)
     t, start, hd = len(ids), cache.length, cfg.head_dim
     nh, nkv = cfg.n_heads, cfg.n_kv_heads
-    cos, sin = rope_tables(cfg, t, start)  # [t, hd/2], positions start..
     iscale = cfg.attn_iscale
 
     tp = Tape(dtype)
@@ -260,6 +272,7 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()
               if key[0] == i}
         kv = {}
+        cos, sin = rope_tables(cfg, t, start, layer=i)  # [t, hd/2], positions start..
 
         def attend(q, k, v, i=i, mask=mask):
             kr = _rope_all(tp, k, *_rope_tables(tp, cos, sin, nkv), nkv, hd)  # [t, nkv*hd]
@@ -303,8 +316,11 @@ class DecodeStep:
         lin = _linear_fn(tp, W, lw, lora_scale)
         zeros = np.zeros
         self.tok = tp.const(zeros(1, np.int64))
-        self.cq, self.sq = tp.const(zeros((nh, hd // 2))), tp.const(zeros((nh, hd // 2)))
-        self.ck, self.sk = tp.const(zeros((nkv, hd // 2))), tp.const(zeros((nkv, hd // 2)))
+        # per rope setting: the position's (cos, sin) rows repeated per q head and per kv
+        # head, and a layer that uses it
+        self.keys = _rope_keys(cfg)
+        self.ropes = {key: (i, tuple(tp.const(zeros((n, hd // 2))) for n in (nh, nh, nkv, nkv)))
+                      for i, key in reversed(self.keys.items())}
         # one mask per distinct sliding window (0: full), [g*1, cap+1]
         self.masks = {w: tp.const(zeros((self.g, cap + 1)))
                       for w in sorted({cfg.window(i) for i in range(cfg.n_layers)})}
@@ -315,13 +331,15 @@ class DecodeStep:
         new_k, new_v = [], []
         x = _embed(tp, cfg, W, self.tok)  # [1, D]
         for i in range(cfg.n_layers):
-            def attend(q, k, v, i=i, mask=self.masks[cfg.window(i)]):
-                kr = _rope_all(tp, k, self.ck, self.sk, nkv, hd)  # [1, nkv*hd]
+            def attend(q, k, v, i=i, mask=self.masks[cfg.window(i)],
+                       rope=self.ropes[self.keys[i]][1]):
+                cq, sq, ck, sk = rope
+                kr = _rope_all(tp, k, ck, sk, nkv, hd)  # [1, nkv*hd]
                 new_k.append(kr)
                 new_v.append(v)
                 keys = ops.concat([self.kc[i], kr], 0)  # [cap+1, nkv*hd]
                 vals = ops.concat([self.vc[i], v], 0)
-                qr = _rope_all(tp, q, self.cq, self.sq, nh, hd)  # [1, nh*hd]
+                qr = _rope_all(tp, q, cq, sq, nh, hd)  # [1, nh*hd]
                 return _grouped_attention(tp, qr, keys, vals, mask, nh, nkv, hd, iscale,
                                           cfg.attn_softcap)
             x = _block(tp, cfg, W, i, x, ones, lin, attend)
@@ -352,11 +370,12 @@ class DecodeStep:
         cfg, p = self.cfg, self.length
         if p >= self.cap:
             raise ValueError(f"DecodeStep: the cache is full ({self.cap} rows)")
-        cos, sin = rope_tables(cfg, 1, p)  # [1, hd/2]
-        feeds = {self.tok: np.array([token]),
-                 self.cq: np.repeat(cos, cfg.n_heads, 0), self.sq: np.repeat(sin, cfg.n_heads, 0),
-                 self.ck: np.repeat(cos, cfg.n_kv_heads, 0),
-                 self.sk: np.repeat(sin, cfg.n_kv_heads, 0)}
+        feeds = {self.tok: np.array([token])}
+        for layer, (cq, sq, ck, sk) in self.ropes.values():
+            cos, sin = rope_tables(cfg, 1, p, layer=layer)  # [1, hd/2]
+            feeds.update({cq: np.repeat(cos, cfg.n_heads, 0), sq: np.repeat(sin, cfg.n_heads, 0),
+                          ck: np.repeat(cos, cfg.n_kv_heads, 0),
+                          sk: np.repeat(sin, cfg.n_kv_heads, 0)})
         for w, var in self.masks.items():
             mask = np.zeros((self.g, self.cap + 1))
             mask[:, p:self.cap] = nn.MASK_VALUE  # rows not yet written; the new row is last

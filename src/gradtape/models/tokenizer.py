@@ -160,7 +160,9 @@ class Tokenizer:
             return int(v) if v is not None and 0 <= int(v) < len(tokens) else None
 
         bos, eos = tid("tokenizer.ggml.bos_token_id"), tid("tokenizer.ggml.eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+        # llama.cpp adds a BOS to sentencepiece vocabularies unless the file says not to
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) \
+            and bos is not None
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token")) and eos is not None
         if add_bos or add_eos:
             b = f"{tokens[bos]} " if add_bos else ""

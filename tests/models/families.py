@@ -1,9 +1,11 @@
 """Small random models of each family, made with ``transformers``, for the family tests.
 
-``make_folder(family, path)`` builds a two-layer model of that family from a config with
-its non-default options switched on (llama3 rope scaling, q/k/v biases, q/k norm with an
-explicit head_dim, a sliding window shorter than the test sequence, fused projections,
-Gemma 2's soft-capping and alternating windows), randomises every weight (norms and
+``make_folder(family, path)`` builds a small model of that family (two layers, or as many
+as its layer pattern needs) from a config with its non-default options switched on
+(llama3 rope scaling, q/k/v biases, q/k norm with an explicit head_dim, a sliding window
+shorter than the test sequence, fused projections, Gemma 2's soft-capping and
+alternating windows, Gemma 3's five local layers to one global with their own rope bases
+and linear scaling, SmolLM3's layer without rope), randomises every weight (norms and
 biases included, so none is a no-op), and saves it with a small tokenizer of the kind the
 family's real models ship (a byte-level BPE with the family's pre-tokenizer split, or a
 sentencepiece ``tokenizer.model`` with the tokenizer files transformers makes of it) and

@@ -3,7 +3,7 @@
 A row says how a family is recognised (its Hugging Face ``model_type`` and GGUF
 ``general.architecture``), which features of the one model graph it switches on
 (``features``: ``LlamaConfig`` fields), which options of its config files it honours
-(biases, windows, per-layer rope), how its tensors are named in Hugging Face folders and
+(biases, windows, per-layer rope), the linears LoRA adapts, how its tensors are named in Hugging Face folders and
 in GGUF files, and what llama.cpp's GGUF leaves implicit for it (a fixed local/global
 pattern, a fixed NoPE step, the attention scale).  ``config`` reads the numbers with it,
 ``load_hf`` / ``load_gguf`` use the name maps, ``export`` writes the same names and keys
@@ -18,6 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import FileFormatError
+
+# LoRA targets, our names (PEFT's module names in ``models.lora.PEFT_MODULES``)
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# families with fused projections (Phi-3) adapt the fused modules, as PEFT does
+FUSED_TARGETS = ("qkv", "o", "gate_up", "down")
 
 # Hugging Face module path inside ``model.layers.{i}.`` -> our name inside ``layers.{i}.``,
 # shared by the llama-like families; a row's ``hf_extra`` adds to / overrides it.
@@ -76,6 +81,7 @@ class Arch:
     softcaps: bool = False  # attention / final-logit soft-capping keys (Gemma 2)
     text_prefixes: tuple = ()  # weight prefixes of a multimodal checkpoint's text tower
     hf_ctx_keys: tuple = ()  # config.json keys written as the context length (Phi-3)
+    lora_targets: tuple = TARGETS  # the linears LoRA adapts (``--targets all``)
     hf_extra: dict = field(default_factory=dict)
     gguf_extra: dict = field(default_factory=dict)
 
@@ -99,6 +105,7 @@ ARCHS = {a.family: a for a in (
          features=dict(qk_norm=True), attention_bias=True, hf_window="qwen"),
     Arch("phi3", ("phi3",), "Phi3ForCausalLM", "phi3", permute_qk=False,
          features=dict(fused=True), hf_ctx_keys=("original_max_position_embeddings",),
+         lora_targets=FUSED_TARGETS,
          hf_extra={"self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up"},
          # llama.cpp keeps Phi-3's fused gate_up as ffn_up ([2F, D], gate rows first)
          gguf_extra={"attn_qkv": "qkv", "ffn_up": "gate_up"}),

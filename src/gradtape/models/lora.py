@@ -20,10 +20,8 @@ import numpy as np
 
 from ..errors import FileFormatError, GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
+from .arch import ARCHS, TARGETS
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# families with fused projections (Phi-3) adapt the fused modules, as PEFT does
-FUSED_TARGETS = ("qkv", "o", "gate_up", "down")
 # our target name -> PEFT / Hugging Face module path inside a decoder layer
 PEFT_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
@@ -48,15 +46,16 @@ def target_dims(cfg, target):
 
 
 def model_targets(cfg=None) -> tuple:
-    """The linears a model with config ``cfg`` can adapt (the fused ones for Phi-3)."""
-    return FUSED_TARGETS if cfg is not None and getattr(cfg, "fused", False) else TARGETS
+    """The linears a model with config ``cfg`` can adapt: its family's (``models.arch``;
+    the fused ones for Phi-3)."""
+    return TARGETS if cfg is None else ARCHS[cfg.arch].lora_targets
 
 
-def parse_targets(spec, cfg=None):
+def parse_targets(spec, cfg=None, family=None):
     """'q,v' or ['q', 'v'] or 'all' -> a tuple in canonical order; PEFT names accepted.
-    With ``cfg``, the names are checked against that model's linears (Phi-3's fused
-    ``qkv`` / ``gate_up``); 'all' means all of them."""
-    valid = model_targets(cfg)
+    With ``cfg`` (or a ``family`` of ``models.arch``), the names are checked against that
+    model's linears (Phi-3's fused ``qkv`` / ``gate_up``); 'all' means all of them."""
+    valid = ARCHS[family].lora_targets if family else model_targets(cfg)
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     names = set()
     for item in (i.strip() for i in items):
@@ -67,7 +66,8 @@ def parse_targets(spec, cfg=None):
         if name not in valid:
             why = ""
             if name in PEFT_MODULES:
-                why = f" (this model's projections are {'fused' if cfg.fused else 'separate'})"
+                fused = "qkv" in valid
+                why = f" (this model's projections are {'fused' if fused else 'separate'})"
             raise GradtapeError(f"unknown LoRA target {item!r}{why}; choose from "
                                 f"{', '.join(valid)} (or all)")
         names.add(name)

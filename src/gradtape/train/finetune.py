@@ -31,7 +31,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -43,6 +42,7 @@ from . import data as data_mod
 from . import distributed
 from .records import check_columns
 from ..blocks import is_block_matrix
+from ..models.arch import ARCHS
 from ..models.lora import init_adapter, parse_targets
 from ..models.memory import GiB, mem_available, resident_bytes, weight_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
@@ -65,10 +65,13 @@ def _known_targets(name, value):
     try:
         parse_targets(value)
     except GradtapeError as e:
-        try:
-            parse_targets(value, SimpleNamespace(fused=True))  # qkv, gate_up
-        except GradtapeError:
-            raise GradtapeError(f"{name}: {e}") from None
+        for family in ARCHS:
+            try:
+                parse_targets(value, family=family)
+                return
+            except GradtapeError:
+                pass
+        raise GradtapeError(f"{name}: {e}") from None
 
 
 def flag(field_name):

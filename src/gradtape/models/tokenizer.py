@@ -279,7 +279,9 @@ def _sentencepiece_bpe(meta, where, tokens, types):
     the same; the merges are every split of a normal piece into two normal pieces,
     ranked by the piece's score (highest first), then its id.  The dummy prefix is a
     normalizer, so it goes before every stretch of text between control tokens, as
-    llama.cpp and the slow sentencepiece tokenizers do.  GGUF keeps no normalizer rules:
+    llama.cpp and the slow sentencepiece tokenizers do; after a user-defined token too
+    (llama.cpp's rule; sentencepiece itself would not prefix there, which matters only for
+    a vocabulary with both a dummy prefix and user-defined tokens: Gemma has no prefix).  GGUF keeps no normalizer rules:
     a file asking for extra-whitespace removal or a precompiled character map (T5-style
     vocabularies) is refused rather than tokenized differently."""
     from tokenizers import decoders, normalizers

@@ -23,8 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 12  # the test sequence: longer than the sliding windows below
 
@@ -297,11 +295,6 @@ def lora_job(adapter_dir, base_folder, out, pre_kind):
     return ["convert_lora_to_gguf.py", pre_kind, "--base", base_folder, "--outfile", out,
             "--outtype", "f32", adapter_dir]
 
-
-def rel(ours, ref):
-    """max |ours - ref| / max |ref|: the error measure of every family test."""
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def spm_reference(sp, text):

@@ -27,8 +27,10 @@ import numpy as np
 import pytest
 
 from families import (FAMILIES, GGUF_FAMILIES, GGUF_VARIANTS, SEQ_LEN, TEXT, TEXT_SUITE,
-                      converter_dir, lora_job, make_folder, model_job, rel, run_converters,
+                      converter_dir, lora_job, make_folder, model_job, run_converters,
                       spm_kind, spm_reference)
+from support.adapters import random_adapter
+from support.compare import rel_err
 from support.tinymodel import lora_loss_outputs
 
 pytest.importorskip("torch")
@@ -185,7 +187,7 @@ def test_hf_folder_logits_equal_transformers(family, folders):
     model = llama.load(folder)
     ids = _ids(model)
     ref = _logits(_hf(folder), ids)
-    err = rel(model.logits(ids), ref)
+    err = rel_err(model.logits(ids), ref)
     _report(family, "hf-logits-f32", err)
     assert err <= 1e-5
     # the family's options matter: the same weights as plain llama give other logits
@@ -197,10 +199,10 @@ def test_hf_folder_logits_equal_transformers(family, folders):
                                        attn_softcap=0.0, final_softcap=0.0)
     plain.weights = model.weights
     if plain.config != model.config:
-        assert rel(plain.logits(ids), ref) > 1e-3
+        assert rel_err(plain.logits(ids), ref) > 1e-3
 
     ref64 = _logits(_hf64(folder, model.config), ids)
-    err64 = rel(model.logits(ids, dtype=np.float64), ref64)
+    err64 = rel_err(model.logits(ids, dtype=np.float64), ref64)
     _report(family, "hf-logits-f64", err64)
     assert err64 <= 1e-10
 
@@ -251,7 +253,7 @@ def test_gguf_from_llama_cpp_converter_loads_with_the_same_logits(family, ggufs,
         # (llama.cpp itself attends to every key); rows before the window are unaffected
         assert model.config.sliding_window == 0
         rows = FAMILIES[family][1]["sliding_window"]
-    err = rel(model.logits(ids)[:rows], ref[:rows])
+    err = rel_err(model.logits(ids)[:rows], ref[:rows])
     _report(family, "gguf-logits-f32", err)
     assert err <= 1e-5
     # our GGUF writer keeps what llama.cpp's converter wrote (the vocabulary, Gemma's
@@ -295,15 +297,6 @@ def _peft_targets(cfg):
     return [PEFT_MODULES[t].split(".")[1] for t in model_targets(cfg)]
 
 
-def _random_adapter(model, rank=2, alpha=4.0, seed=3, scale_b=0.05):
-    from gradtape.models.lora import init_adapter
-    ad = init_adapter(model.config, rank=rank, alpha=alpha, seed=seed, base_model=model.name)
-    rng = np.random.default_rng(seed)
-    ad.weights = {k: (a, (scale_b * rng.standard_normal(b.shape)).astype(np.float32))
-                  for k, (a, b) in ad.weights.items()}
-    return ad
-
-
 @pytest.mark.parametrize("family", NAMES)
 def test_lora_step_gradients_equal_peft_float64(family, folders):
     import torch
@@ -316,7 +309,7 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
     folder = folders(family)
     model = llama.load(folder)
     ids = _ids(model)
-    ad = _random_adapter(model)
+    ad = random_adapter(model.config, rank=2, alpha=4.0, base_model=model.name)
     hf = _hf64(folder, model.config)
     peft_model = get_peft_model(hf, LoraConfig(r=ad.rank, lora_alpha=ad.alpha, lora_dropout=0.0,
                                                target_modules=_peft_targets(model.config),
@@ -342,8 +335,8 @@ def test_lora_step_gradients_equal_peft_float64(family, folders):
     worst = 0.0
     for i, (layer, target) in enumerate(keys):
         m = mod(layer, target)
-        worst = max(worst, rel(outs[1 + 2 * i], m.lora_A["default"].weight.grad.numpy().T),
-                    rel(outs[2 + 2 * i], m.lora_B["default"].weight.grad.numpy().T))
+        worst = max(worst, rel_err(outs[1 + 2 * i], m.lora_A["default"].weight.grad.numpy().T),
+                    rel_err(outs[2 + 2 * i], m.lora_B["default"].weight.grad.numpy().T))
     _report(family, "grad-vs-peft-f64", worst)
     assert worst <= 1e-9
 
@@ -358,12 +351,12 @@ def test_training_step_on_the_cpu_backend_equals_numpy(family, folders):
 
     model = llama.load(folders(family))
     ids = _ids(model)
-    ad = _random_adapter(model)
+    ad = random_adapter(model.config, rank=2, alpha=4.0, base_model=model.name)
     tp = gt.Tape(np.float64, eager=False)
     outs, _ = lora_loss_outputs(tp, model.config, model.weights, ad, ids)
     ref = tp.compile(outs, backend="numpy").run()
     got = tp.compile(outs, backend="cpu").run()
-    worst = max(rel(g, r) for g, r in zip(got, ref))
+    worst = max(rel_err(g, r) for g, r in zip(got, ref))
     assert worst <= 1e-12, worst  # float64: the same math, summation order aside
 
 
@@ -406,17 +399,17 @@ def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, 
                                   .model_targets(model.config))
     ids = _ids(model)
     ours = model.logits(ids, adapter=ad)
-    assert rel(ours, model.logits(ids)) > 1e-3  # training moved the model
+    assert rel_err(ours, model.logits(ids)) > 1e-3  # training moved the model
     peft_model = PeftModel.from_pretrained(_hf(folders(family)), str(adapter_dir)).eval()
-    err = rel(ours, _logits(peft_model, ids))
+    err = rel_err(ours, _logits(peft_model, ids))
     _report(family, "peft-roundtrip", err)
     assert err <= 1e-4
 
     merged = merged_model(model, ad)
-    err_mem = rel(merged.logits(ids), ours)
+    err_mem = rel_err(merged.logits(ids), ours)
     save_hf_folder(merged, tmp_path / "merged")
-    err_hf = rel(_logits(_hf(tmp_path / "merged"), ids), ours)
-    err_ours = rel(llama.load(tmp_path / "merged").logits(ids), ours)
+    err_hf = rel_err(_logits(_hf(tmp_path / "merged"), ids), ours)
+    err_ours = rel_err(llama.load(tmp_path / "merged").logits(ids), ours)
     err_gguf = 0.0
     if family in GGUF_VARIANTS:  # Gemma's query_pre_attn_scalar != head_dim: llama.cpp has no key
         from gradtape.errors import GradtapeError
@@ -424,7 +417,7 @@ def test_finetuned_adapter_loads_in_peft_and_merges(family, folders, finetuned, 
             save_gguf(merged, tmp_path / "merged.gguf")
     else:
         save_gguf(merged, tmp_path / "merged.gguf")
-        err_gguf = rel(llama.load(tmp_path / "merged.gguf").logits(ids), ours)
+        err_gguf = rel_err(llama.load(tmp_path / "merged.gguf").logits(ids), ours)
     _report(family, "merge", max(err_mem, err_hf, err_ours, err_gguf))
     assert max(err_mem, err_hf, err_ours, err_gguf) <= 1e-4
 
@@ -460,7 +453,7 @@ def test_gguf_lora_export_equals_llama_cpp_converter(family, finetuned, lora_ggu
     for name, t in theirs.tensors.items():
         a, b = np.asarray(ours.tensors[name].data), np.asarray(t.data)
         assert a.shape == b.shape, name
-        worst = max(worst, rel(a, b))
+        worst = max(worst, rel_err(a, b))
     _report(family, "gguf-lora-export", worst)
     assert worst <= 1e-7  # float32 both sides: the same numbers (q/k rows permuted alike)
 
@@ -547,7 +540,7 @@ def test_gemma3_text_tower_of_a_multimodal_checkpoint(folders, tmp_path):
     want = dataclasses.replace(llama.load(folders("gemma3")).config, final_softcap=0.0)
     assert model.config == want
     ids = _ids(model)
-    err = rel(model.logits(ids), _logits(mm, ids))
+    err = rel_err(model.logits(ids), _logits(mm, ids))
     _report("gemma3", "multimodal-text-logits-f32", err)
     assert err <= 1e-5
     cj = json.loads((tmp_path / "mm" / "config.json").read_text())

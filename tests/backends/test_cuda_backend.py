@@ -94,20 +94,7 @@ def test_batched_matmul_and_inner_reductions():
 
 
 def test_replay_through_cuda_graph():
-    rng = np.random.default_rng(3)
-    tp = gt.Tape(np.float32)
-    x = tp.const(rng.standard_normal((6, 5)))
-    w = tp.param(rng.standard_normal((5, 5)))
-    b = tp.param(rng.standard_normal(5))
-    s1, s2 = tp.const(np.ones(3)), tp.const(np.zeros(3))
-    y = ops.tanh(ops.add(ops.matmul(x, w), b))
-    loss = ops.reduce_sum(ops.mul(y, y))
-    g = tp.backward(loss)
-    updates = {w: ops.sub(w, ops.scale(g[w], 0.05)), b: ops.sub(b, ops.scale(g[b], 0.05)),
-               s1: s2, s2: s1}
-    feeds = [{x: rng.standard_normal((6, 5))} for _ in range(5)]
-    be, _ = H.compare(tp, [loss, w, s1], updates=updates, feeds_list=feeds, device=gpu())
-    assert be.graph_captured, "the step was not captured as a CUDA graph"
+    H.replay_case(gpu(), n_feeds=5)
 
 
 def test_compile_by_name():

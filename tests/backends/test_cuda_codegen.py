@@ -177,10 +177,11 @@ def test_reductions_on_inner_axes():
     check_built(build, np.float64)
 
 
-def test_replay_with_feeds_and_updates():
+def replay_case(device=None, n_feeds=4):
     """SGD as state updates over several replays (the second and later ones through the
     captured-graph path), fed leaves changing each run, an update pair that swaps two
-    leaves, and an output that is an updated leaf (its value before the update)."""
+    leaves, and an output that is an updated leaf (its value before the update).  Returns
+    the executable and the number of replays."""
     rng = np.random.default_rng(3)
     tp = gt.Tape(np.float32)
     x = tp.const(rng.standard_normal((6, 5)))
@@ -192,10 +193,14 @@ def test_replay_with_feeds_and_updates():
     g = tp.backward(loss)
     updates = {w: ops.sub(w, ops.scale(g[w], 0.05)), b: ops.sub(b, ops.scale(g[b], 0.05)),
                s1: s2, s2: s1}
-    feeds = [{x: rng.standard_normal((6, 5))} for _ in range(4)]
-    be, _ = compare(tp, [loss, w, s1], updates=updates, feeds_list=feeds)
-    assert be.graph_captured
-    np.testing.assert_allclose(be.leaf_value(s1), np.ones(3) if len(feeds) % 2 == 0 else 0)
+    feeds = [{x: rng.standard_normal((6, 5))} for _ in range(n_feeds)]
+    be, _ = compare(tp, [loss, w, s1], updates=updates, feeds_list=feeds, device=device)
+    assert be.graph_captured, "the step was not captured as a CUDA graph"
+    np.testing.assert_allclose(be.leaf_value(s1), np.ones(3) if n_feeds % 2 == 0 else 0)
+
+
+def test_replay_with_feeds_and_updates():
+    replay_case()
 
 
 def test_capture_failure_falls_back_once():

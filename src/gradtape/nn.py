@@ -229,12 +229,24 @@ def gqa_attention(tp, q, k, v, cosc, sinc, mask, t, nh, nkv, hd, iscale):
 
 
 def _rope_last(tp, x, cosc, sinc, hd):
-    """NEOX rope on the last axis (``hd``) of a batch ``x[B, rows, hd]``."""
-    half = hd // 2
-    x1 = ops.slice_(x, 2, 0, half)  # [B, rows, hd/2]
-    x2 = ops.slice_(x, 2, half, hd)
+    """NEOX rope on the last axis (``hd``) of a batch ``x[..., rows, hd]``."""
+    half, ax = hd // 2, len(x.shape) - 1
+    x1 = ops.slice_(x, ax, 0, half)  # [..., rows, hd/2]
+    x2 = ops.slice_(x, ax, half, hd)
     return ops.concat([ops.sub(ops.mul(x1, cosc), ops.mul(x2, sinc)),
-                       ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], 2)
+                       ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], ax)
+
+
+def segment_mask(tp, segments, causal, n_seq, t):
+    """The additive mask ``[n_seq, t, t]`` of rows that pack several examples: query ``i``
+    sees key ``j`` iff ``causal [t, t]`` lets it and both have the same segment (example
+    index within the row; ``segments``: an integer const ``[n_seq*t]``).  Rows of a
+    single segment get exactly ``causal``: ``MASK_VALUE * 0`` adds nothing."""
+    index = tp.const(np.arange(t, dtype=tp.dtype)[:, None])  # segment ids as numbers
+    seg = ops.take_rows(index, segments)  # [n_seq*t, 1]
+    d = ops.sub(ops.reshape(seg, (n_seq, t, 1)), ops.reshape(seg, (n_seq, 1, t)))
+    other = ops.gtc(ops.mul(d, d), 0.25)  # [n_seq, t, t]: 1 where the segments differ
+    return ops.add(ops.scale(other, MASK_VALUE), causal)
 
 
 def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, iscale,
@@ -248,10 +260,15 @@ def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, isc
     ``[g*t, t]`` score matrix; ``cosc, sinc[t, hd/2]`` and ``mask[t, t]`` are tiled g times.
     Equal to running ``gqa_attention`` on each sequence and stacking the results.
     ``softcap > 0`` soft-caps the scaled scores before the mask (Gemma 2).
+
+    Packed rows (several examples to a sequence) give each token its own rope row,
+    ``cosc, sinc [n_seq*t, hd/2]``, and each sequence its own ``mask [n_seq, t, t]``
+    (``segment_mask``); these are broadcast over the kv heads of the batch.
     """
     _check_heads(nh, nkv)
     g = nh // nkv
     b = n_seq * nkv
+    h2 = hd // 2
     qb = ops.reshape(ops.transpose(ops.reshape(q, (n_seq, t, nkv, g, hd)), (0, 2, 3, 1, 4)),
                      (b, g * t, hd))  # [n_seq*nkv, g*t, hd]
 
@@ -259,10 +276,28 @@ def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, isc
         return ops.reshape(ops.transpose(ops.reshape(x, (n_seq, t, nkv, hd)), (0, 2, 1, 3)),
                            (b, t, hd))  # [n_seq*nkv, t, hd]
 
-    tile = (lambda x: ops.concat([x] * g, 0)) if g > 1 else (lambda x: x)
-    qr = _rope_last(tp, qb, tile(cosc), tile(sinc), hd)
-    kr = _rope_last(tp, kv_batch(k), cosc, sinc, hd)
-    s = _scores(tp, ops.matmul(qr, kr, tb=True), iscale, tile(mask), softcap)  # [b, g*t, t]
+    def tile(x, axis=0):  # the g query heads of a kv head are stacked as rows
+        return ops.concat([x] * g, axis) if g > 1 else x
+
+    if cosc.shape[0] == t:  # one rope table for every sequence
+        qr = _rope_last(tp, qb, tile(cosc), tile(sinc), hd)
+        kr = _rope_last(tp, kv_batch(k), cosc, sinc, hd)
+    else:  # a rope row per token: [n_seq, 1, rows, hd/2] against [n_seq, nkv, rows, hd]
+        def per_seq(x, reps=1):
+            x = ops.reshape(x, (n_seq, 1, t, h2))
+            return ops.concat([x] * reps, 2) if reps > 1 else x
+
+        qr = ops.reshape(_rope_last(tp, ops.reshape(qb, (n_seq, nkv, g * t, hd)),
+                                    per_seq(cosc, g), per_seq(sinc, g), hd), (b, g * t, hd))
+        kr = ops.reshape(_rope_last(tp, ops.reshape(kv_batch(k), (n_seq, nkv, t, hd)),
+                                    per_seq(cosc), per_seq(sinc), hd), (b, t, hd))
+    s = ops.matmul(qr, kr, tb=True)  # [b, g*t, t]
+    if len(mask.shape) == 2:  # one mask for every sequence
+        s = _scores(tp, s, iscale, tile(mask), softcap)
+    else:  # a mask per sequence, [n_seq, 1, g*t, t] against [n_seq, nkv, g*t, t]
+        m = ops.reshape(tile(mask, 1), (n_seq, 1, g * t, t))
+        s = ops.reshape(_scores(tp, ops.reshape(s, (n_seq, nkv, g * t, t)), iscale, m,
+                                softcap), (b, g * t, t))
     o = ops.matmul(ops.softmax(s, 2), kv_batch(v))  # [b, g*t, hd]
     o = ops.transpose(ops.reshape(o, (n_seq, nkv, g, t, hd)), (0, 3, 1, 2, 4))
     return ops.reshape(o, (n_seq * t, nh * hd))  # [n_seq*t, nh*hd]

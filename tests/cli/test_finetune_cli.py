@@ -89,9 +89,11 @@ def test_user_mistakes_are_one_clear_line(tiny_dir, tmp_path, setup, args, messa
     assert "Traceback" not in res.stderr
 
 
-def test_a_hub_dataset_folder_trains(tiny_dir, tmp_path):
+@pytest.mark.parametrize("packing", [[], ["--no-packing"]])
+def test_a_hub_dataset_folder_trains(tiny_dir, tmp_path, packing):
     """A folder as the Hub downloads it (Parquet shards of a train and a validation split),
-    with other column names: the schema is stated first, the validation split scored."""
+    with other column names: the schema is stated first, the validation split scored;
+    examples packed several to a row unless --no-packing."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -101,7 +103,8 @@ def test_a_hub_dataset_folder_trains(tiny_dir, tmp_path):
     pq.write_table(pa.Table.from_pylist(rows[:20]), hub / "train-00000-of-00001.parquet")
     pq.write_table(pa.Table.from_pylist(rows[20:]), hub / "validation-00000-of-00001.parquet")
     cmd = _cmd(tiny_dir, tmp_path / "out", "--columns", "prompt=question,completion=answer",
-               "--eval-data", str(tmp_path / "hub"), "--steps", "3")
+               "--eval-data", str(tmp_path / "hub"), "--steps", "3", "--seq-len", "64",
+               *packing)
     cmd[cmd.index("--data") + 1] = str(tmp_path / "hub")
     res = _run(cmd)
     assert res.returncode == 0, res.stderr
@@ -110,4 +113,6 @@ def test_a_hub_dataset_folder_trains(tiny_dir, tmp_path):
                      "(prompt, completion)",
                      f"eval data: {tmp_path / 'hub'} (1 file): 4 records, prompt/completion "
                      "(prompt, completion)"], res.stdout
-    assert "4 held out" in res.stdout and "eval loss" in res.stdout
+    assert "eval loss" in res.stdout
+    rows = "into 20 rows" if packing else "into 7 rows"  # 16-20 tokens each, about 3 a row
+    assert f"{'padded' if packing else 'packed'} 20 examples {rows} of 64 tokens" in res.stdout, res.stdout

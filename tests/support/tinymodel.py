@@ -110,20 +110,30 @@ def write_hf_folder(model, path):
 
 
 
-def lora_loss_outputs(tp, config, weights, adapter, ids):
-    """Record on ``tp`` (in its dtype) the next-token loss of one sequence ``ids`` through
-    ``config``'s graph, the frozen ``weights`` as consts and ``adapter``'s A and B as
-    params; ``(outputs, keys)``: ``[loss, dA, dB for each adapted (layer, target) in keys]``
-    and those keys, in order."""
+def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions=None,
+                      segments=None):
+    """Record on ``tp`` (in its dtype) the next-token loss of ``ids`` through ``config``'s
+    graph, the frozen ``weights`` as consts and ``adapter``'s A and B as params;
+    ``(outputs, keys)``: ``[loss, dA, dB for each adapted (layer, target) in keys]`` and
+    those keys, in order.  ``ids``: one sequence ``[T]`` (every next token a target), or
+    rows ``[n, T]`` with their ``targets`` (and, for packed rows, ``positions`` and
+    ``segments``), all ``[n, T]``."""
     from gradtape import nn
     from gradtape.models.model import record_forward, weight_consts
 
     dt = tp.dtype
+    ids = np.asarray(ids)
+    if targets is None:
+        targets = np.r_[ids[1:], -100]
     W = weight_consts(tp, {k: np.asarray(w).astype(dt, copy=False) for k, w in weights.items()})
     lora = {k: (tp.param(a.astype(dt)), tp.param(b.astype(dt)))
             for k, (a, b) in adapter.weights.items()}
-    logits = record_forward(tp, config, W, tp.const(np.asarray(ids)), 1, lora, adapter.scale)
-    tid, w = nn.ce_targets_fill(np.r_[ids[1:], -100])
+    layout = {} if positions is None else {
+        "positions": tp.const(np.asarray(positions).reshape(-1)),
+        "segments": tp.const(np.asarray(segments).reshape(-1))}
+    logits = record_forward(tp, config, W, tp.const(ids.reshape(-1)),
+                            1 if ids.ndim == 1 else len(ids), lora, adapter.scale, **layout)
+    tid, w = nn.ce_targets_fill(np.asarray(targets).reshape(-1))
     loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
     grads = tp.backward(loss)
     keys = list(lora)

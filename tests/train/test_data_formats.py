@@ -183,7 +183,7 @@ def test_not_parquet_is_one_line(tmp_path):
 
 
 def _train(tmp_path, data, name, **kw):
-    base = dict(data=str(data), out=str(tmp_path / name), steps=60, seq_len=64, batch_size=4,
+    base = dict(data=str(data), out=str(tmp_path / name), steps=100, seq_len=64, batch_size=4,
                 rank=8, lr=1e-2, warmup=2, eval_every=0, save_every=1000, dtype="float64",
                 backend="numpy", progress=False)
     lines = []
@@ -198,7 +198,7 @@ def test_random_prompts_and_a_constant_answer_train_to_a_loss_near_zero(tmp_path
     data = write(tmp_path / "d.parquet", _rows(schema))
     summary, lines = _train(tmp_path, data, "masked")
     assert lines[0].startswith(f"data: {data}: 64 records, {schema} (")
-    assert summary["final_loss"] < 0.02 and summary["eval_loss"] < 0.05
+    assert summary["final_loss"] < 0.01 and summary["eval_loss"] < 0.05
     every, _ = _train(tmp_path, data, "every", train_on_prompt=True)
     assert every["final_loss"] > 0.5
 

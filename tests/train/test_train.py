@@ -144,20 +144,30 @@ def test_training_lowers_the_loss():
     assert st.eval_loss(seqs) < first - 0.5
 
 
-def _cfg(tmp_path, name, **kw):
-    data = tmp_path / "text.txt"
-    if not data.exists():
+def _cfg(tmp_path, name, data="text.txt", **kw):
+    """A short run's config on ``data``: plain text, or ``chat.jsonl`` (chats of unequal
+    lengths, packed several to a row)."""
+    data = tmp_path / data
+    if not data.exists() and data.suffix == ".jsonl":
+        words = TEXT.split()
+        data.write_text("".join(json.dumps({"messages": [
+            {"role": "user", "content": " ".join(words[i:i + i % 5 + 1])},
+            {"role": "assistant", "content": " ".join(words[i + 2:i + 2 + i % 3 + 1])}]}) + "\n"
+            for i in range(40)))
+    elif not data.exists():
         data.write_text(TEXT)
-    base = dict(data=str(data), out=str(tmp_path / name), steps=6, seq_len=16, batch_size=2,
+    base = dict(data=str(data), out=str(tmp_path / name), steps=6,
+                seq_len=160 if data.suffix == ".jsonl" else 16, batch_size=2,
                 rank=4, lr=1e-2, warmup=2, eval_every=3, save_every=3, dtype="float64",
                 progress=False)
     return FinetuneConfig(**{**base, **kw})
 
 
-def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("data", ["text.txt", "chat.jsonl"])
+def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeypatch, data):
     m = tiny_model()
     quiet = lambda *a: None
-    full = finetune(_cfg(tmp_path, "full"), model=m, log=quiet)
+    full = finetune(_cfg(tmp_path, "full", data), model=m, log=quiet)
     out = tmp_path / "full"
     for f in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors",
               "checkpoint/state.safetensors", "log.jsonl", "loss.png"):
@@ -181,12 +191,12 @@ def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeyp
 
     monkeypatch.setattr(TrainStep, "step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tmp_path, "split"), model=m, log=quiet)
+        finetune(_cfg(tmp_path, "split", data), model=m, log=quiet)
     monkeypatch.setattr(TrainStep, "step", real_step)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "split/checkpoint/state.safetensors"), "np") as f:
         assert f.metadata()["step"] == "3"
-    finetune(_cfg(tmp_path, "split", resume=True), model=m, log=quiet)
+    finetune(_cfg(tmp_path, "split", data, resume=True), model=m, log=quiet)
     a = load_adapter(out / "adapter")
     b = load_adapter(tmp_path / "split" / "adapter")
     for k in a.weights:

@@ -6,7 +6,8 @@ schema, detected from the first: OpenAI chat {"messages": [{"role", "content"}, 
 ShareGPT {"conversations": [{"from", "value"}, ...]}, Alpaca {"instruction", "input",
 "output"} (loss on the assistant turns / output), {"prompt", "completion"} (loss on the
 completion) or {"text"}; other field names map with --columns prompt=question,... .
-Any other file is plain text (cut into --seq-len sequences).
+Any other file is plain text (cut into --seq-len sequences).  Examples are packed into
+--seq-len rows, each attending only to itself (--no-packing: one example a row, padded).
 
 Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
 from it), log.jsonl (every step), loss.png (train and eval loss curves).
@@ -36,13 +37,17 @@ def add_arguments(parser):
         meta = f.metadata
         if meta.get("cli") is False:
             continue
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool) and f.default:  # on unless turned off: --no-packing
+            parser.add_argument("--no-" + flag(f.name)[2:], dest=f.name, action="store_false",
+                                help=meta["help"])
+        elif f.type in ("bool", bool):
             parser.add_argument(flag(f.name), action="store_true", help=meta["help"])
         else:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
                                                            else f.type.__name__]
             extra = {"required": True} if meta.get("required") else {"default": f.default}
-            help_text = meta["help"] + ("" if meta.get("required") else " (default: %(default)s)")
+            shown = not meta.get("required") and f.default != ""  # no "(default: )"
+            help_text = meta["help"] + (" (default: %(default)s)" if shown else "")
             parser.add_argument(flag(f.name), type=kind, help=with_range(help_text, meta["check"]),
                                 **extra)
 

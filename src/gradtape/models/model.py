@@ -155,12 +155,18 @@ def _rope_keys(cfg):
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
-                   ones=None):
+                   ones=None, positions=None, segments=None):
     """Record the logits ``[n_seq*T, V]`` of ``n_seq`` sequences of length ``T``.
 
     ``ids``: integer const ``[n_seq*T]`` (the sequences concatenated); ``W``: from
     ``weight_consts``; ``lora``: ``None`` or ``{(layer, target): (A [in, r], B [r, out])}``
     of Vars.  Linears, norms and the MLP run on all rows at once; attention per sequence.
+
+    Packed sequences (several examples in one, ``train.data.pack_rows``): ``positions``
+    and ``segments``, integer consts ``[n_seq*T]``, give each token its rope position and
+    the example it belongs to; a token attends only to the earlier tokens of its example,
+    so each example computes what it would alone.  Without them every sequence is one
+    example at positions ``0..T-1``.
     """
     n = ids.shape[0]
     if n_seq < 1 or n % n_seq:
@@ -176,6 +182,11 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
             tables[key] = tuple(tp.const(a) for a in rope_tables(cfg, t, layer=i))
     windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
     masks = {w: tp.const(nn.causal_mask_fill(t, window=w)) for w in windows}  # [T, T] each
+    if positions is not None:  # packed: rope rows per token, a mask per sequence
+        tables = {key: tuple(ops.take_rows(c, positions) for c in cs)  # [N, hd/2] each
+                  for key, cs in tables.items()}
+        masks = {w: nn.segment_mask(tp, segments, m, n_seq, t)  # [n_seq, T, T] each
+                 for w, m in masks.items()}
     iscale = cfg.attn_iscale
     lin = _linear_fn(tp, W, lora, lora_scale)
 

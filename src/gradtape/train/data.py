@@ -11,12 +11,15 @@ empty answer, or a prompt that fills the row) is skipped and counted.
 
 A row's targets are next tokens: position ``t`` predicts token ``t + 1`` when that token
 is a target; the last position of every example and masked tokens get ``IGNORE``.  Rows
-hold one example each, padded (``pad_rows``).  Batch order is a pure function of (seed,
-step), so a resumed run sees the same data as an uninterrupted one.
+hold one example each, padded (``pad_rows``), or as many as fit (``pack_rows``: each with
+its own positions and segment id, which the model turns into rope rows and a
+block-diagonal causal mask).  Batch order is a pure function of (seed, step), so a
+resumed run sees the same data as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,7 +155,7 @@ def _targets(ids, mask):
     return t
 
 
-def _rows(n, seq_len, pad_id):
+def empty_rows(n, seq_len, pad_id=0) -> Sequences:
     """``n`` empty rows: padding, no targets, positions counting from 0, segment 0."""
     return Sequences(np.full((n, seq_len), pad_id, np.int64),
                      np.full((n, seq_len), IGNORE, np.int64),
@@ -162,10 +165,52 @@ def _rows(n, seq_len, pad_id):
 
 def pad_rows(examples, seq_len, pad_id) -> Sequences:
     """One example per row, padded to ``seq_len``."""
-    rows = _rows(len(examples), seq_len, pad_id)
+    rows = empty_rows(len(examples), seq_len, pad_id)
     for i, (e_ids, e_mask) in enumerate(examples):
         rows.ids[i, :len(e_ids)] = e_ids
         rows.targets[i, :len(e_ids)] = _targets(e_ids, e_mask)
+    return rows
+
+
+def pack_rows(examples, seq_len, pad_id) -> Sequences:
+    """Examples packed into ``seq_len`` rows, best-fit decreasing: longest first, each into
+    the row it fills most tightly (a new row when none has room).  Within a row every
+    example has its own positions (from 0) and segment (its index in the row), so that
+    the model's attention keeps it to itself; the padding after the last one is a segment
+    of its own.  A pure function of the examples, as the batch order needs."""
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i][0]))  # stable
+    content = []  # per row: its examples
+    spaces, rows_with = [], {}  # the distinct free spaces, sorted; space -> rows (a stack)
+    for i in order:
+        n = len(examples[i][0])
+        k = bisect.bisect_left(spaces, n)  # the smallest free space that fits
+        if k == len(spaces):
+            row, space = len(content), seq_len
+            content.append([])
+        else:
+            space = spaces[k]
+            row = rows_with[space].pop()
+            if not rows_with[space]:
+                del rows_with[space], spaces[k]
+        content[row].append(i)
+        space -= n
+        if space:
+            if space not in rows_with:
+                bisect.insort(spaces, space)
+            rows_with.setdefault(space, []).append(row)
+    rows = empty_rows(len(content), seq_len, pad_id)
+    for r, members in enumerate(content):
+        at = 0
+        for seg, i in enumerate(members):
+            e_ids, e_mask = examples[i]
+            n = len(e_ids)
+            rows.ids[r, at:at + n] = e_ids
+            rows.targets[r, at:at + n] = _targets(e_ids, e_mask)
+            rows.positions[r, at:at + n] = np.arange(n)
+            rows.segments[r, at:at + n] = seg
+            at += n
+        rows.positions[r, at:] = np.arange(seq_len - at)
+        rows.segments[r, at:] = len(members)
     return rows
 
 

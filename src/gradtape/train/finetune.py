@@ -93,6 +93,9 @@ class FinetuneConfig:
     columns: str = _opt("", "map other field names onto the schema's, FIELD=COLUMN,... "
                             "(e.g. prompt=question,completion=answer)",
                         check_columns)
+    packing: bool = _opt(True, "examples are packed into --seq-len rows, best fit, each "
+                               "attending only to itself with positions from 0; "
+                               "--no-packing: one example a row, padded")
     train_on_prompt: bool = _opt(False, "train on every token, the prompt's too (default: "
                                         "only the answers / assistant turns)")
     out: str = _opt("", "output folder (adapter, checkpoint, log.jsonl, loss.png)",
@@ -101,7 +104,8 @@ class FinetuneConfig:
     epochs: float = _opt(1.0, "passes over the training split when --steps is 0",
                          checks.positive())
     # a target is the next token: a sequence needs two positions to have one
-    seq_len: int = _opt(256, "tokens per sequence (longer examples are truncated)",
+    seq_len: int = _opt(256, "tokens per row (longer examples are truncated, text continues "
+                             "into the next row)",
                         checks.count(2))
     batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
@@ -243,7 +247,7 @@ def _finetune(cfg, model, log, world, together):
             # this rank's rows of each global micro-batch
             mine = [idx[i:i + micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
                     for i in range(0, per_step, micro_size)]
-            micro = [(train.ids[m], train.targets[m]) for m in mine]
+            micro = [train.batch(m) for m in mine]
             n_tokens = int((train.targets[idx] != data_mod.IGNORE).sum())  # whole global step
             lr = schedule(step)
             loss, gnorm = step_prog.step(micro, step + 1, lr, n_tokens=n_tokens,
@@ -311,8 +315,13 @@ def _rows(cfg, data_file, eval_file, tokenizer, log):
         train, held = data_mod.split_examples(examples, cfg.eval_frac, cfg.seed)
     else:
         train, held = examples, _examples(cfg, eval_file, tokenizer, log, "--eval-data")
+    rows = data_mod.pack_rows if cfg.packing else data_mod.pad_rows
     pad = tokenizer.eos_id
-    return data_mod.pad_rows(train, cfg.seq_len, pad), data_mod.pad_rows(held, cfg.seq_len, pad)
+    out = rows(train, cfg.seq_len, pad), rows(held, cfg.seq_len, pad)
+    tokens = sum(len(ids) for ids, _ in train)
+    log(f"{'packed' if cfg.packing else 'padded'} {len(train)} examples into {len(out[0])} "
+        f"rows of {cfg.seq_len} tokens ({tokens / (len(out[0]) * cfg.seq_len):.0%} filled)")
+    return out
 
 
 def _keep_quantized(cfg, path, available, log) -> bool:
@@ -401,7 +410,8 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
                             f"previous checkpoint in {ck} is kept") from None
 
 
-_SAME_RUN = ("model", "data", "eval_data", "columns", "train_on_prompt", "seq_len", "batch_size", "grad_accum", "rank", "alpha",
+_SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
+             "seq_len", "batch_size", "grad_accum", "rank", "alpha",
              "targets", "seed", "dtype", "eval_frac")
 
 

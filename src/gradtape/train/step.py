@@ -34,7 +34,7 @@ from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from ..backends.compute import resolve as resolve_compute
 from ..models.model import record_forward, weight_consts
-from .data import IGNORE
+from .data import IGNORE, empty_rows
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ class TrainStep:
         self.ids = tp.const(np.zeros(rows, np.int64))
         self.targets = tp.const(np.zeros(rows, np.int64))
         self.weights = tp.const(np.zeros((rows, 1), dtype))
+        # each token's position and example within its row: rows may pack several examples
+        self.positions = tp.const(np.zeros(rows, np.int64))
+        self.segments = tp.const(np.zeros(rows, np.int64))
         self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
         logits = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
-                                adapter.scale)  # [B*T, V]
+                                adapter.scale, positions=self.positions,
+                                segments=self.segments)  # [B*T, V]
         self.loss = nn.cross_entropy_ids(tp, logits, self.targets, self.weights)
         grads = tp.backward(self.loss)
         params = [p for pair in self.lora.values() for p in pair]
@@ -148,9 +152,9 @@ class TrainStep:
         self.program = tp.compile([self.grad_norm], backend=backend, updates=new)
 
     def _step_split(self, micro_batches, n_tokens, scalars, stop):
-        for i, (ids, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            feeds = {**self._feeds(ids, targets, max(n_tokens, 1)),
+            feeds = {**self._feeds(batch, max(n_tokens, 1)),
                      self.stop: np.asarray([float(stop and last)])}
             if self.apply is not None:
                 feeds[self.apply] = np.asarray(float(last))
@@ -161,13 +165,22 @@ class TrainStep:
         self.stop_agreed = bool(flat[-1] > 0)
         return float(flat[-2]), float(norm)
 
-    def _feeds(self, ids, targets, denominator):
+    def _feeds(self, batch, denominator):
+        """A micro-batch's leaves: ``batch`` is ``(ids, targets)`` (one example a row, at
+        positions 0..T-1) or ``(ids, targets, positions, segments)``, each ``[B, T]``."""
+        ids, targets, *layout = batch
+        if not layout:
+            layout = (np.broadcast_to(np.arange(self.seq_len), ids.shape), np.zeros_like(ids))
+        positions, segments = layout
         tid, w = nn.ce_targets_fill(targets.reshape(-1), denominator=denominator)
-        return {self.ids: ids.reshape(-1), self.targets: tid, self.weights: w}
+        return {self.ids: ids.reshape(-1), self.targets: tid, self.weights: w,
+                self.positions: np.ascontiguousarray(positions).reshape(-1),
+                self.segments: np.ascontiguousarray(segments).reshape(-1)}
 
     def step(self, micro_batches, opt_step, lr, n_tokens=None, stop=False):
         """Run one optimizer step over ``micro_batches`` (a list of (ids [B, T], targets
-        [B, T])).  ``opt_step`` is 1-based.  Returns (mean loss, grad norm).
+        [B, T]), or of (ids, targets, positions, segments) for packed rows: see
+        ``_feeds``).  ``opt_step`` is 1-based.  Returns (mean loss, grad norm).
 
         Distributed: ``micro_batches`` is this rank's shard, ``n_tokens`` the target-token
         count of the whole global step, ``stop`` this rank's wish to stop after the step;
@@ -176,14 +189,14 @@ class TrainStep:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
                              f"{len(micro_batches)}")
         if n_tokens is None:
-            n_tokens = sum(int((t != IGNORE).sum()) for _, t in micro_batches)
+            n_tokens = sum(int((b[1] != IGNORE).sum()) for b in micro_batches)
         scalars = self.scalars.values(opt_step, lr)
         if self.world is not None:
             return self._step_split(micro_batches, n_tokens, scalars, stop)
         self.stop_agreed = stop
         total, norm = 0.0, float("nan")
-        for i, (ids, targets) in enumerate(micro_batches):
-            feeds = {**self._feeds(ids, targets, max(n_tokens, 1)), **scalars}
+        for i, batch in enumerate(micro_batches):
+            feeds = {**self._feeds(batch, max(n_tokens, 1)), **scalars}
             if self.apply is not None:
                 feeds[self.apply] = np.asarray(float(i == len(micro_batches) - 1))
             loss, norm = self.program.run(feeds)
@@ -196,13 +209,13 @@ class TrainStep:
         total, count = 0.0, 0
         b = self.batch_size
         for s in range(0, len(seqs), b):
-            ids, targets = seqs.ids[s:s + b], seqs.targets[s:s + b]
-            n = len(ids)
+            batch = seqs.batch(slice(s, s + b))
+            n = len(batch[0])
             if n < b:  # pad the last batch with rows that count for nothing
-                ids = np.concatenate([ids, np.zeros((b - n, self.seq_len), np.int64)])
-                targets = np.concatenate([targets, np.full((b - n, self.seq_len), IGNORE)])
-            k = int((targets != IGNORE).sum())
-            (loss,) = self.eval_program.run({**feeds, **self._feeds(ids, targets, 1)})
+                filler = empty_rows(b - n, self.seq_len).batch(slice(None))
+                batch = [np.concatenate([x, f]) for x, f in zip(batch, filler)]
+            k = int((batch[1] != IGNORE).sum())
+            (loss,) = self.eval_program.run({**feeds, **self._feeds(batch, 1)})
             total, count = total + float(loss), count + k
         return total / max(count, 1)
 

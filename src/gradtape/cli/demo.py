@@ -72,10 +72,11 @@ def run(args) -> int:
     refs = [t["messages"][1]["content"] for t in test]
 
     out = Path(args.out).expanduser()
-    # one row of 352 tokens a step, the records (51-87 tokens) packed into it: about 4.6
-    # records a step where 4 rows of 88 (one record each, padded) held 4
+    # the records (51-87 tokens) packed into rows of 352 (95% filled): about 18 records a
+    # step where 4 padded rows of 88 held 4, for about 1.3x the step's time (a step's cost
+    # is far from proportional to its rows: bench/packing_rate.py)
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
-                         seq_len=352, batch_size=1, rank=8, alpha=16.0, lr=2e-3, warmup=5,
+                         seq_len=352, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          eval_every=20, save_every=20, backend=backend, compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 

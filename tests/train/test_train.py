@@ -217,6 +217,27 @@ def test_finetune_refuses_foreign_folder_and_bad_resume(tmp_path):
         finetune(_cfg(tmp_path, "nothing", resume=True), model=m, log=lambda *a: None)
 
 
+def test_a_run_from_before_packing_resumes_padded(tmp_path):
+    """A checkpoint whose config has no ``packing`` was trained on padded rows: resuming it
+    packed would change the data, so it needs --no-packing."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    m, quiet = tiny_model(), (lambda *a: None)
+    finetune(_cfg(tmp_path, "old", "chat.jsonl", steps=3, packing=False), model=m, log=quiet)
+    path = tmp_path / "old" / "checkpoint" / "state.safetensors"
+    with safe_open(str(path), "np") as f:
+        meta = f.metadata()
+    config = json.loads(meta["config"])
+    del config["packing"]
+    save_file(load_file(str(path)), str(path), metadata={**meta, "config": json.dumps(config)})
+    with pytest.raises(GradtapeError, match=r"options differ .*--packing False -> True"):
+        finetune(_cfg(tmp_path, "old", "chat.jsonl", steps=4, resume=True), model=m, log=quiet)
+    done = finetune(_cfg(tmp_path, "old", "chat.jsonl", steps=4, resume=True, packing=False),
+                    model=m, log=quiet)
+    assert done["steps"] == 4
+
+
 def test_cross_entropy_ids_matches_composed_with_token_weights():
     import gradtape as gt
 

@@ -436,6 +436,8 @@ def _load_checkpoint(out, step_prog, cfg, world=distributed.World()):
                             f"{old.get('batch_size')} sequences per micro-batch (ranks x "
                             f"--batch-size), this one {world.size} x {cfg.batch_size}; keep "
                             "their product")
+    if isinstance(old.get("seq_len"), int):  # a run from before packing padded its rows
+        old.setdefault("packing", False)
     changed = [k for k in _SAME_RUN if k in old and old[k] != getattr(cfg, k)]
     if changed:
         raise GradtapeError("--resume: options differ from the checkpoint's run: "

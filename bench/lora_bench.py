@@ -2,6 +2,10 @@
 
 Workloads (float32, all seven LoRA targets, r=8, alpha=16, AdamW):
   smollm2-lora  SmolLM2-135M-Instruct (the embedded GGUF), one sequence of T=256
+  smollm2-lora-2k, smollm2-lora-8k   the same at long context: T=2048 / T=8192 (SmolLM2's
+                context), our default options (tiled attention, the fused head + loss,
+                --grad-checkpoint auto); at 8k the peer runs under autocast only, and a
+                peer that stops (out of memory) leaves gradtape's rows with a note
   tiny-lora     a random 2-layer LLaMA (dim 64, 4 heads, 2 KV heads, ffn 176, vocab 256), T=32
 
 Timing: every side is built in this process and their steps alternate (gradtape in each
@@ -51,7 +55,13 @@ import numpy as np
 
 from gradtape.backends.compute import call_seconds
 
-WORKLOADS = ("smollm2-lora", "tiny-lora")
+WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
+SEQ_LEN = {"smollm2-lora": 256, "smollm2-lora-2k": 2048, "smollm2-lora-8k": 8192}
+# timed steps and warm-up steps per side when --reps / --warmup are not given
+REPS = {"smollm2-lora": 5, "tiny-lora": 50, "smollm2-lora-2k": 3, "smollm2-lora-8k": 2}
+WARMUP = {"smollm2-lora-2k": 1, "smollm2-lora-8k": 1}
+# peers left out by workload: the float32 eager peer at T=8192 (about 2x autocast's memory)
+NO_PEERS = {"smollm2-lora-8k": ("hf-peft-eager",)}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 8, 16.0, 1e-4
 
@@ -93,7 +103,7 @@ def _smollm2_path():
 
 def _workload(name):
     """(T, loader of our model, loader of the HF model)."""
-    if name == "smollm2-lora":
+    if name in SEQ_LEN:
         def ours():
             from gradtape import llama
             return llama.load(str(_smollm2_path()))
@@ -104,7 +114,7 @@ def _workload(name):
             p = _smollm2_path()
             return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
                                                         dtype=torch.float32)
-        return 256, ours, theirs
+        return SEQ_LEN[name], ours, theirs
     if name == "tiny-lora":
         def ours():
             from gradtape import llama
@@ -119,8 +129,12 @@ class GradtapeSide:
         from gradtape.train.step import TrainStep
 
         ad = init_adapter(model.config, RANK, ALPHA, seed=0)
+        from gradtape.models.memory import mem_available
+
+        # the trainer's defaults: checkpointing when the step would not fit otherwise
         self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0,
-                                   compute=compute)
+                                   compute=compute, grad_checkpoint="auto",
+                                   memory_limit=mem_available())
         self.compute = self.step_prog.compute  # what runs, after detection / fallback
         rng = np.random.default_rng(0)
         ids = rng.integers(0, model.config.vocab_size, (batch, t))
@@ -307,7 +321,7 @@ def side_worker(name, workload, backend, compute, batch):
 
         s = GradtapeSide(ours(), t, backend, batch, compute=compute)
         info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
-                "blas": blas_info()}
+                "blas": blas_info(), "checkpointed": s.step_prog.checkpointed}
         if compute != "float32":
             try:
                 f32, b16 = measured_rates()
@@ -387,30 +401,48 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
             by_ran[ran] = side
             sides.append(side)
             rows_for.append((compute, side, side.info))
-        peers = ["hf-peft-eager"] + ["hf-peft-autocast-bf16"] * autocast + \
-            ["hf-peft-compile"] * with_compile
+        peers = [p for p in ["hf-peft-eager"] + ["hf-peft-autocast-bf16"] * autocast
+                 + ["hf-peft-compile"] * with_compile if p not in NO_PEERS.get(workload, ())]
         for name in peers:
             t0 = time.perf_counter()
             sides.append(_Side(name, workload, backend, "float32", batch))
             log(f"[{workload}] {name} built in {time.perf_counter() - t0:.1f} s")
+        stopped = []  # a peer whose worker died (out of memory at long context)
+
+        def ask_all(cmd):
+            got = {}
+            for x in [x for x in sides if x.name not in stopped]:
+                try:
+                    got[x.name] = x.ask(cmd)
+                except RuntimeError as e:
+                    if x.name.startswith("gradtape"):
+                        raise
+                    log(f"[{workload}] {e}: left out")
+                    stopped.append(x.name)
+            return got
+
         log(f"[{workload}] warming up {', '.join(x.name for x in sides)} ...")
         for _ in range(warmup):
-            for x in sides:
-                x.ask("step")
+            ask_all("step")
         times = {x.name: [] for x in sides}
         for i in range(reps):  # alternate: drift hits every side alike
-            for x in sides:
-                times[x.name].append(x.ask("step")["t"])
+            for n, r in ask_all("step").items():
+                times[n].append(r["t"])
             log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
-                f"{n} {ts[-1]:.4f} s" for n, ts in times.items()))
-        peak = {x.name: x.ask("peak")["peak_mb"] for x in sides}
-        threads = next(x.info.get("threads") for x in sides if x.name == "hf-peft-eager")
+                f"{n} {ts[-1]:.4f} s" for n, ts in times.items() if n not in stopped))
+        peak = {n: r["peak_mb"] for n, r in ask_all("peak").items()}
+        threads = next((x.info.get("threads") for x in sides if x.name.startswith("hf-")),
+                       None)
+        peers = [p for p in peers if p not in stopped]
     finally:
         for x in sides:
-            x.close()
+            try:
+                x.close()
+            except (OSError, subprocess.TimeoutExpired):
+                x.proc.kill()
     med = {n: statistics.median(ts) for n, ts in times.items()}
     floor = {}
-    if workload == "smollm2-lora":
+    if workload in SEQ_LEN:
         log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
         gemms = rows_for[0][2]["gemms"]
         f = clean_floor(gemms)
@@ -426,7 +458,8 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
                    "peer": pname, "gradtape_s": gs, "peer_s": ps, "ratio": ps / gs,
                    "backend": backend, "threads": threads, "reps": reps,
                    "gradtape_peak_mb": peak[side.name], "peer_peak_mb": peak[pname],
-                   "rss_ratio": peak[side.name] / peak[pname], **floor}
+                   "rss_ratio": peak[side.name] / peak[pname], "seq_len": SEQ_LEN.get(
+                       workload, 32), "checkpointed": info.get("checkpointed"), **floor}
             if "gemm_gflops" in info:
                 row["gemm_gflops_measured"] = info["gemm_gflops"]
             if floor.get("floor_s"):
@@ -487,15 +520,18 @@ def main(argv=None):
                     help="also compare with the peer under torch.compile (takes minutes)")
     ap.add_argument("--no-autocast", action="store_true",
                     help="leave out the peer under torch.autocast(cpu, bfloat16)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--workloads", default="smollm2-lora,tiny-lora",
+                    help="comma-separated among " + ", ".join(WORKLOADS)
+                    + " (default: %(default)s)")
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
     ap.add_argument("--compute", default="float32,bf16",
                     help="comma-separated gradtape GEMM precisions to time, among float32, "
                          "bf16, auto (default: float32,bf16; bf16 runs float32 where the CPU "
                          "has no fast bf16, and the rows say so)")
     ap.add_argument("--reps", type=int, default=0, help="timed steps per side (default: "
-                    "5 for smollm2-lora, 50 for tiny-lora)")
-    ap.add_argument("--warmup", type=int, default=2)
+                    "5 for smollm2-lora, 50 for tiny-lora, 3 at T=2048, 2 at T=8192)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="warm-up steps per side (default: 2; 1 at T=2048 and 8192)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our cuda backend vs the peer in torch on the same GPU")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
@@ -533,12 +569,13 @@ def main(argv=None):
     log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); NumPy's BLAS: "
         f"{'; '.join(blas)}")
     for w in args.workloads.split(","):
-        reps = args.reps or (5 if w == "smollm2-lora" else 50)
+        reps = args.reps or REPS[w]
+        warmup = args.warmup if args.warmup is not None else WARMUP.get(w, 2)
         if args.device == "cuda":
-            rows = bench_gpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+            rows = bench_gpu(w, reps, warmup, args.with_compile, args.backend, log,
                              args.batch, args.storage)
         else:
-            rows = bench_cpu(w, reps, args.warmup, args.with_compile, args.backend, log,
+            rows = bench_cpu(w, reps, warmup, args.with_compile, args.backend, log,
                              args.batch, computes, not args.no_autocast)
         for row in rows:
             row.update(blas=blas, **cpu)

@@ -16,10 +16,10 @@ import math
 
 import numpy as np
 
-from . import ops
+from . import ops, tiled
 from .var import is_blocks
 
-MASK_VALUE = -1e9
+MASK_VALUE = tiled.MASK_VALUE
 
 
 # --- leaves -------------------------------------------------------------------------------
@@ -182,9 +182,7 @@ def causal_mask_fill(t, out=None, past=0, window=0):
     ``j`` (``j <= past + i``), -1e9 above.  ``past`` counts cached keys before the rows.
     ``window > 0`` (sliding-window attention) also hides keys ``window`` or more positions
     back: row ``i`` sees ``past + i - window < j <= past + i``."""
-    m = np.triu(np.full((t, past + t), MASK_VALUE), k=past + 1)
-    if window:
-        m += np.tril(np.full((t, past + t), MASK_VALUE), k=past - window)
+    m = tiled.causal_mask(t, past, window)
     if out is not None:
         out[...] = m
         return out
@@ -303,6 +301,40 @@ def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, isc
     return ops.reshape(o, (n_seq * t, nh * hd))  # [n_seq*t, nh*hd]
 
 
+def _rope_rows(tp, x, cosc, sinc, n, hd):
+    """Rope on every head of ``x [N, n*hd]`` at once (the heads as rows ``[N*n, hd]``);
+    ``cosc, sinc [P, hd/2]`` hold one row per position of a sequence, repeated over the
+    ``N / P`` stacked sequences (``P = N`` for per-row tables)."""
+    rows, half = x.shape[0], hd // 2
+    p = cosc.shape[0]
+    if rows % p:
+        raise ValueError(f"attention: rope tables of {p} rows do not tile {rows} rows")
+
+    def per_head(c):  # [P, hd/2] -> [N*n, hd/2], row r*n + h = c[r mod P]
+        c = ops.reshape(ops.broadcast_to(ops.reshape(c, (p, 1, half)), (p, n, half)),
+                        (p * n, half))
+        return ops.concat([c] * (rows // p), 0) if rows > p else c
+    out = rope(tp, ops.reshape(x, (rows * n, hd)), per_head(cosc), per_head(sinc), rows * n,
+               hd)
+    return ops.reshape(out, (rows, n * hd))
+
+
+def tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, nh, nkv, hd, iscale, softcap=0.0,
+                    window=0, segments=None, tile=tiled.ATTN_TILE):
+    """``gqa_attention_seqs`` with the causal (and sliding-window, ``window > 0``) mask
+    applied by position, as one tiled primitive (``ops.attn``): memory linear in ``t``,
+    the key tiles no query of a tile sees never computed.  ``segments [n_seq*t]`` (integer
+    ids, ``0 <= id < n_seq*t``) also hides keys of other segments (packed examples).
+    ``q [n_seq*t, nh*hd]``, ``k, v [n_seq*t, nkv*hd]``; rope tables ``[t, hd/2]`` (or one
+    row per row of ``q``); returns ``[n_seq*t, nh*hd]``."""
+    _check_heads(nh, nkv)
+    qr = _rope_rows(tp, q, cosc, sinc, nh, hd)
+    kr = _rope_rows(tp, k, cosc, sinc, nkv, hd)
+    out = ops.attn(qr, kr, v, segments, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=softcap,
+                   window=window, n_seq=n_seq, tile=tile)  # [N, nh*hd + nh]
+    return ops.slice_(out, 1, 0, nh * hd)
+
+
 def rope_heads(tp, x, cosc, sinc, t, n, hd):
     """Rope on every head of ``x[t, n*hd]``, concatenated back to ``[t, n*hd]``."""
     return ops.concat([rope(tp, head(tp, x, t, i, hd), cosc, sinc, t, hd) for i in range(n)], 1)
@@ -355,3 +387,14 @@ def ce_targets_fill(targets, ignore_index=-100, denominator=None):
     ids = np.where(keep, targets, 0)
     weights = (keep / max(n, 1)).astype(np.float64)[:, None]
     return ids, weights
+
+
+def cross_entropy_head(tp, h, table, ids, weights, cap=0.0):
+    """``cross_entropy_ids`` of the LM head's logits ``z = h @ table^T`` (soft-capped to
+    ``cap * tanh(z / cap)`` when ``cap > 0``) without the ``[T, V]`` logits: the head and
+    the loss are one primitive (``ops.head_nll``) that walks the vocabulary a block of
+    rows at a time and recomputes each block in backward.  ``h [T, D]``; ``table [V, D]``
+    (the embedding table of a tied head, or ``lm_head``; float or a block-matrix const);
+    ``ids``, ``weights`` as for ``cross_entropy_ids``."""
+    nll = ops.slice_(ops.head_nll(h, table, ids, cap), 1, 0, 1)  # [T, 1]
+    return ops.reduce_sum(ops.mul(nll, weights))

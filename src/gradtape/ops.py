@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from . import tiled
+
 
 class ShapeError(ValueError):
     """Raised by a shape rule; the recorder prefixes the op and every input shape."""
@@ -33,14 +35,23 @@ class Prim:
     elementwise: bool = False  # out[i] depends only on inputs[i] (after broadcasting)
     index_inputs: tuple = field(default_factory=tuple)  # positions holding integer ids
     block_inputs: tuple = field(default_factory=tuple)  # positions holding a block matrix
+    # positions that may hold a float matrix or a block matrix (the fused LM head's table)
+    maybe_block_inputs: tuple = field(default_factory=tuple)
+    # fused primitives: elements of scratch the forward allocates beyond its output, as a
+    # function of the op's Var (the memory estimate adds the largest)
+    scratch: Callable | None = None
+    # fused primitives: ``(tp, *inputs, **attrs) -> Var``, the same value from composed
+    # primitives, for a backend with no kernel of its own (``compile.decompose``)
+    decompose: Callable | None = None
 
 
 PRIMS: dict[str, Prim] = {}
 
 
-def _prim(name, shape, forward, vjp, elementwise=False, index_inputs=(), block_inputs=()):
+def _prim(name, shape, forward, vjp, elementwise=False, index_inputs=(), block_inputs=(),
+          maybe_block_inputs=(), scratch=None, decompose=None):
     PRIMS[name] = Prim(name, shape, forward, vjp, elementwise, tuple(index_inputs),
-                       tuple(block_inputs))
+                       tuple(block_inputs), tuple(maybe_block_inputs), scratch, decompose)
 
 
 def _rec(op, *inputs, **attrs):
@@ -496,6 +507,185 @@ _prim("qtake_rows", _qtake_rows_shape, _fwd_qtake_rows,
 
 
 # ---------------------------------------------------------------------------------------
+# Tiled primitives (NumPy forwards in ``tiled.py``): memory linear in T.  Their gradients
+# are primitives of their own that recompute each block from saved row statistics; those
+# have no VJP (no second order through a fused op: differentiate the composed version).
+# ``decompose`` gives each one as composed primitives, for a backend without a kernel.
+#
+# head_nll(x [T, D], table [V, D] float or blocks, ids [T]) -> [T, 2]: per row
+# (lse_t - z[t, ids[t]], lse_t) with z = cap(x @ table^T), never a whole [T, V] block.
+
+def _head_table_shape(w, qtype, rows, k):
+    if qtype is not None:
+        _block_shape(w, qtype, rows, k)
+        return rows, k
+    if len(w) != 2:
+        raise ShapeError(f"the table must be [V, D], got {list(w)}")
+    return tuple(w)
+
+
+def _head_nll_shape(shapes, cap, chunk, qtype=None, rows=None, k=None):
+    x, w, ids = shapes[:3]
+    V, D = _head_table_shape(w, qtype, rows, k)
+    if len(x) != 2 or x[1] != D:
+        raise ShapeError(f"x{list(x)} @ table[{V}, {D}]^T: x must be [T, {D}]")
+    if tuple(ids) != (x[0],):
+        raise ShapeError(f"ids{list(ids)} must be [{x[0]}] (one per row of x)")
+    if chunk < 1 or cap < 0:
+        raise ShapeError(f"chunk {chunk} must be >= 1 and cap {cap} >= 0")
+    return (x[0], 2)
+
+
+def _head_grad_check(shapes, attrs):
+    g, x, w, ids, o = shapes
+    _head_nll_shape([x, w, ids], **attrs)
+    if tuple(g) != (x[0], 2) or tuple(o) != (x[0], 2):
+        raise ShapeError(f"g{list(g)} and the forward's out{list(o)} must be [{x[0]}, 2]")
+    return x
+
+
+def _head_grad_x_shape(shapes, **attrs):
+    return tuple(_head_grad_check(shapes, attrs))
+
+
+def _head_grad_w_shape(shapes, **attrs):
+    _head_grad_check(shapes, attrs)
+    return tuple(shapes[2])
+
+
+def _head_scratch(v):
+    """A [T, chunk] logits block, the [T, D] product of a gradient block and, for a
+    block table, its dequantized [chunk, D] rows."""
+    x = v.inputs[1] if v.op != "head_nll" else v.inputs[0]
+    rows = v.attrs["chunk"] * x.shape[1] if v.attrs.get("qtype") else 0
+    return x.shape[0] * v.attrs["chunk"] + x.size + rows
+
+
+def _dec_head_nll(tp, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):
+    z = qmatmul(x, w) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
+    if cap:
+        z = scale(tanh(scale(z, 1.0 / cap)), cap)
+    return concat([nll_ids(z, ids), logsumexp(z, 1)], 1)
+
+
+def _dec_vjp(fwd, n_fwd, wrt):
+    """The decomposition of a gradient primitive ``(g, *fwd_inputs, y, *rest)``: the
+    composed forward's own VJP with cotangent ``g``, w.r.t. the forward inputs ``wrt``
+    (flattened and joined when more than one)."""
+    def rule(tp, g, *ins, **attrs):
+        xs = ins[:n_fwd] + ins[n_fwd + 1:]  # the forward inputs, without y
+        grads = tp.backward(reduce_sum(mul(fwd(tp, *xs, **attrs), g)))
+        if len(wrt) == 1:
+            return grads[xs[wrt[0]]]
+        return concat([reshape(grads[xs[i]], (xs[i].size,)) for i in wrt], 0)
+    return rule
+
+
+def _head_nll_vjp(g, out, x, w, ids, **attrs):
+    return (lambda: _rec("head_nll_grad_x", g, x, w, ids, out, **attrs),
+            lambda: _rec("head_nll_grad_w", g, x, w, ids, out, **attrs), None)
+
+
+_prim("head_nll", _head_nll_shape, tiled.fwd_head_nll, _head_nll_vjp, index_inputs=(2,),
+      maybe_block_inputs=(1,), scratch=_head_scratch, decompose=_dec_head_nll)
+_prim("head_nll_grad_x", _head_grad_x_shape, tiled.fwd_head_nll_grad_x, None,
+      index_inputs=(3,), maybe_block_inputs=(2,), scratch=_head_scratch,
+      decompose=_dec_vjp(_dec_head_nll, 3, (0,)))
+_prim("head_nll_grad_w", _head_grad_w_shape, tiled.fwd_head_nll_grad_w, None,
+      index_inputs=(3,), scratch=_head_scratch, decompose=_dec_vjp(_dec_head_nll, 3, (1,)))
+
+
+# attn(q [Nq, nh*hd], k, v [Nk, nkv*hd][, seg [N]]) -> [Nq, nh*hd + nh]: per query head
+# softmax(cap(q_h k_kv^T * iscale) + mask) v_kv and the rows' logsumexp (the backward's
+# statistics), key tile by key tile; tiles no row of a query tile sees are skipped.  The
+# mask: causal, a sliding window, equal segment ids (``tiled.AttnLayout``).
+
+def _attn_dims(q, k, v, seg, nh, nkv, hd, n_seq, tile):
+    if nkv <= 0 or nh % nkv:
+        raise ShapeError(f"nh={nh} is not a multiple of nkv={nkv}")
+    if len(q) != 2 or q[1] != nh * hd:
+        raise ShapeError(f"q{list(q)} must be [N, nh*hd = {nh * hd}]")
+    if len(k) != 2 or tuple(v) != tuple(k) or k[1] != nkv * hd:
+        raise ShapeError(f"k{list(k)} and v{list(v)} must both be [N, nkv*hd = {nkv * hd}]")
+    if n_seq < 1 or q[0] % n_seq or k[0] % n_seq or k[0] // n_seq < q[0] // n_seq:
+        raise ShapeError(f"{q[0]} query rows and {k[0]} key rows do not split into "
+                         f"{n_seq} sequences with at least as many keys as queries")
+    if seg and (tuple(seg[0]) != (q[0],) or q[0] != k[0]):
+        raise ShapeError(f"segment ids{list(seg[0])} need [N] with N query rows = N key rows")
+    if tile < 1:
+        raise ShapeError(f"tile {tile} must be >= 1")
+    return q[0], k[0]
+
+
+def _attn_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
+    nq, _ = _attn_dims(*shapes[:3], shapes[3:], nh, nkv, hd, n_seq, tile)
+    return (nq, nh * hd + nh)
+
+
+def _attn_grad_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
+    gy, q, k, v, y = shapes[:5]
+    nq, nk = _attn_dims(q, k, v, shapes[5:], nh, nkv, hd, n_seq, tile)
+    if tuple(gy) != (nq, nh * hd + nh) or tuple(y) != tuple(gy):
+        raise ShapeError(f"g{list(gy)} and the forward's out{list(y)} must be "
+                         f"[{nq}, {nh * hd + nh}]")
+    return (nq * nh * hd + 2 * nk * nkv * hd,)
+
+
+def _attn_scratch(v):
+    """Per query tile a few [nh, tile, tile] score blocks and [nh, tile, hd] rows."""
+    a = v.attrs
+    t = min(a["tile"], v.inputs[1].shape[0] // a["n_seq"])
+    return a["nh"] * t * (4 * t + 4 * a["hd"])
+
+
+def _attn_vjp(g, out, q, k, v, *seg, **attrs):
+    memo = []  # the one attn_grad op the three thunks slice
+
+    def part(i):
+        if not memo:
+            memo.append(_rec("attn_grad", g, q, k, v, out, *seg, **attrs))
+        sizes = [q.size, k.size, v.size]
+        start = sum(sizes[:i])
+        return reshape(slice_(memo[0], 0, start, start + sizes[i]), (q, k, v)[i].shape)
+    return (lambda: part(0), lambda: part(1), lambda: part(2)) + (None,) * len(seg)
+
+
+def _dec_attn(tp, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+    """Composed: per sequence and query head, the scores with an additive mask (-1e9
+    where hidden, as ``nn.causal_mask_fill``; segments through one-hot products)."""
+    g, nq, nk = nh // nkv, q.shape[0] // n_seq, k.shape[0] // n_seq
+    mask = tp.const(tiled.causal_mask(nq, nk - nq, window))  # [nq, nk]
+    rows = []
+    if seg:  # one-hot rows of the segment ids (0 <= id < N): [N, N]
+        n = q.shape[0]
+        onehots = put(tp.const(np.ones((n, 1), tp.dtype)), seg[0], n)
+    for b in range(n_seq):
+        qb, kb, vb = (slice_(x, 0, b * n, (b + 1) * n) for x, n in ((q, nq), (k, nk), (v, nk)))
+        mb = mask
+        if seg:
+            onehot = slice_(onehots, 0, b * nq, (b + 1) * nq)
+            same = matmul(onehot, onehot, tb=True)  # [nq, nq]: 1 where the segments agree
+            mb = add(mask, scale(addc(same, -1.0), -tiled.MASK_VALUE))
+        outs, lses = [], []
+        for h in range(nh):
+            col = lambda x, j: slice_(x, 1, j * hd, (j + 1) * hd)  # noqa: E731
+            sc = scale(matmul(col(qb, h), col(kb, h // g), tb=True), iscale)
+            if cap:
+                sc = scale(tanh(scale(sc, 1.0 / cap)), cap)
+            sc = add(sc, mb)
+            outs.append(matmul(softmax(sc, 1), col(vb, h // g)))
+            lses.append(logsumexp(sc, 1))
+        rows.append(concat(outs + lses, 1))
+    return concat(rows, 0) if n_seq > 1 else rows[0]
+
+
+_prim("attn", _attn_shape, tiled.fwd_attn, _attn_vjp, index_inputs=(3,),
+      scratch=_attn_scratch, decompose=_dec_attn)
+_prim("attn_grad", _attn_grad_shape, tiled.fwd_attn_grad, None, index_inputs=(5,),
+      scratch=_attn_scratch, decompose=_dec_vjp(_dec_attn, 3, (0, 1, 2)))
+
+
+# ---------------------------------------------------------------------------------------
 # Builders: the functions layers and VJP rules call.
 
 def add(a, b): return _rec("add", a, b)
@@ -611,3 +801,27 @@ def qtake_rows(w, ids):
     """Dequantized rows ``deq(w)[ids]`` of a block-matrix table ``[V, D]`` -> ``[T, D]``
     (an embedding lookup; no gradient for ``w``)."""
     return _rec("qtake_rows", w, ids, **_block_attrs(w, "qtake_rows"))
+
+
+def head_nll(x, table, ids, cap=0.0):
+    """``[T, 2]``: per row ``(lse_t - z[t, ids[t]], lse_t)`` with ``z = x @ table^T``
+    (soft-capped to ``cap * tanh(z / cap)`` when ``cap > 0``) and ``lse_t =
+    logsumexp(z[t])``, computed a block of vocabulary rows at a time.  ``x [T, D]``;
+    ``table [V, D]``, a float matrix or a block-matrix const; ``ids [T]``."""
+    attrs = _block_attrs(table, "head_nll") if "qtype" in (table.attrs or {}) else {}
+    V = attrs["rows"] if attrs else table.shape[0]
+    return _rec("head_nll", x, table, ids, cap=float(cap),
+                chunk=tiled.head_chunk(x.shape[0], V), **attrs)
+
+
+def attn(q, k, v, seg=None, *, nh, nkv, hd, iscale, cap=0.0, window=0, n_seq=1,
+         tile=tiled.ATTN_TILE):
+    """Tiled causal attention of already-roped ``q [Nq, nh*hd]`` over ``k, v [Nk,
+    nkv*hd]`` (query head ``h`` reads kv head ``h // (nh // nkv)``), ``n_seq``
+    sequences stacked as rows: ``[Nq, nh*hd + nh]``, the heads' outputs then each row's
+    logsumexp per head.  ``cap > 0`` soft-caps the scaled scores; ``window > 0`` hides
+    keys ``window`` or more positions back; ``seg [N]`` (integer ids) hides keys of
+    other segments.  Never holds more than a few ``[tile, tile]`` score blocks."""
+    attrs = dict(nh=int(nh), nkv=int(nkv), hd=int(hd), iscale=float(iscale),
+                 cap=float(cap), window=int(window), n_seq=int(n_seq), tile=int(tile))
+    return _rec("attn", q, k, v, *([seg] if seg is not None else []), **attrs)

@@ -38,6 +38,7 @@ class Tape:
         self.eager = eager
         self.vars: list[Var] = []
         self.backward_marks: list[int] = []  # where each backward call began recording
+        self.checkpoints: list[Var] = []  # kept values a checkpointed compile recomputes from
 
     # --- leaves ---
     def param(self, value) -> Var:
@@ -105,6 +106,8 @@ class Tape:
             if x.tape is not self:
                 raise ValueError(f"{where()}: input {i} belongs to another tape "
                                  "(Vars of two tapes cannot be mixed)")
+            if i in prim.maybe_block_inputs and is_blocks(x):
+                continue
             if i in prim.block_inputs:
                 if not is_blocks(x):
                     raise TypeError(f"{where()}: input {i} must be a block matrix const "
@@ -112,8 +115,8 @@ class Tape:
                 continue
             if is_blocks(x):
                 raise TypeError(f"{where()}: input {i} is a block matrix ({x.attrs['qtype']} "
-                                f"{fmt_shape(x.attrs['logical'])}); only qmatmul, qmatmul_t "
-                                "and qtake_rows read one")
+                                f"{fmt_shape(x.attrs['logical'])}); only qmatmul, qmatmul_t, "
+                                "qtake_rows and the fused head (head_nll) read one")
             want_int = i in prim.index_inputs
             if want_int != np.issubdtype(x.dtype, np.integer):
                 kind = "integer ids" if want_int else f"{self.dtype} values"
@@ -169,13 +172,26 @@ class Tape:
         # keep the params' recording order, which callers find natural
         return dict(sorted(out.items(), key=lambda kv: kv[0].index))
 
+    def checkpoint(self, v: Var) -> Var:
+        """Mark ``v`` (a layer's input rows) as a checkpoint: compiled with
+        ``checkpoint=True``, backward recomputes the forward values it needs from the
+        checkpoints instead of keeping them (``compile.checkpoint``).  Returns ``v``."""
+        if not isinstance(v, Var) or v.tape is not self:
+            raise ValueError("checkpoint: needs a Var of this tape")
+        self.checkpoints.append(v)
+        return v
+
     # --- compilation ---
-    def compile(self, outputs, backend="numpy", updates=None, compute="float32"):
+    def compile(self, outputs, backend="numpy", updates=None, compute="float32",
+                checkpoint=False):
         """Compile the ops ``outputs`` need into a replayable ``Program``.
 
         ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
         new value (parameters and optimizer moments in a replayed training step).
         ``compute="bf16"``: the cpu backend runs GEMMs against frozen float32 weights
         with bf16 inputs and float32 accumulation (see ``backends.compute``).
+        ``checkpoint=True``: recompute forward values in backward from the values marked
+        with ``Tape.checkpoint`` (activation checkpointing; same values, less memory).
         """
-        return compile_program(self, outputs, get_backend(backend), updates, compute)
+        return compile_program(self, outputs, get_backend(backend), updates, compute,
+                               checkpoint)

@@ -116,7 +116,37 @@ PRIM_CASES = {
                                              tp.const(random_blocks("Q8_0", N, 64, r))),
     "qtake_rows": lambda tp, r: ops.qtake_rows(tp.const(random_blocks("Q4_K", V, 256, r)),
                                                tp.const(np.array([0, 3, 3, 5, 1]))),
+    # fused primitives (tests/core/test_tiled_*.py): the head over a vocabulary of V rows
+    # and attention over 2 sequences with 4 heads sharing 2 kv heads, tiles of 2 rows
+    "head_nll": lambda tp, r: ops.head_nll(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, V, N)),
+                                           tp.const(np.array([0, 5, 2, 2, 4])), 2.5),
+    "head_nll_grad_x": lambda tp, r: _grad_case(tp, r, "head_nll_grad_x", _head_case),
+    "head_nll_grad_w": lambda tp, r: _grad_case(tp, r, "head_nll_grad_w", _head_case),
+    "attn": lambda tp, r: _attn_case(tp, r, tp.param),
+    "attn_grad": lambda tp, r: _grad_case(tp, r, "attn_grad", _attn_case),
 }
+
+
+def _head_case(tp, r, leaf):
+    return ops.head_nll(leaf(_nrm(r, T, N)), leaf(_nrm(r, V, N)),
+                        tp.const(np.array([0, 5, 2, 2, 4])), 2.5)
+
+
+def _attn_case(tp, r, leaf):
+    """Two sequences of 6 rows, 4 query heads on 2 kv heads of 3 dims, a window of 4,
+    soft-capped scores and two packed segments in the second sequence."""
+    q, k, v = (leaf(_nrm(r, 12, n * 3)) for n in (4, 2, 2))
+    seg = tp.const(np.array([0] * 6 + [0, 0, 0, 1, 1, 1]))
+    return ops.attn(q, k, v, seg, nh=4, nkv=2, hd=3, iscale=0.6, cap=2.0, window=4,
+                    n_seq=2, tile=2)
+
+
+def _grad_case(tp, r, name, fwd_case):
+    """A fused gradient primitive on the forward's own output (all consts: its forward
+    values are what the parity compares; it has no VJP)."""
+    y = fwd_case(tp, r, tp.const)
+    return ops._rec(name, tp.const(_nrm(r, *y.shape)), *y.inputs[:3], y, *y.inputs[3:],
+                    **y.attrs)
 
 
 def _loss_of(tp, out, rng):

@@ -62,7 +62,11 @@ def test_estimate_counts_plans_weights_and_scratch(files):
     est = estimate(model, step)
     assert est.weights == sum(w.nbytes for w in model.weights.values())
     assert est.activations == step.program.memory.nbytes + step.eval_program.memory.nbytes
-    assert est.scratch == step.program.executable._qscratch.nbytes > 0
+    # the dequantization tile, plus the fused head's logits block and its gradient rows
+    (head,) = [v for v in step.program.graph.ops if v.op == "head_nll_grad_x"]
+    fused = (32 * head.attrs["chunk"] + 32 * model.config.dim + head.attrs["chunk"]
+             * model.config.dim) * 4
+    assert est.scratch == step.program.executable._qscratch.nbytes + fused > fused
     assert est.total == est.weights + est.activations + est.scratch + est.state + OVERHEAD
     assert "GiB (weights" in est.describe()
 

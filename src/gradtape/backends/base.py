@@ -36,6 +36,12 @@ class Backend:
         """Why this backend cannot run on this machine, or None."""
         return None
 
+    @classmethod
+    def has_kernel(cls, op) -> bool:
+        """Whether this backend runs the fused primitive ``op`` (``ops.Prim.decompose``)
+        itself; compile decomposes the others into composed primitives."""
+        return False
+
     def __init__(self, graph, schedule, plan, compute="float32"):
         self.graph, self.schedule, self.plan = graph, schedule, plan
         self.compute = "float32"  # a backend that takes bf16 says so
@@ -51,6 +57,10 @@ class Backend:
 
 
 class HostBackend(Backend):
+    @classmethod
+    def has_kernel(cls, op):
+        return True  # every primitive's NumPy forward runs on the host
+
     def __init__(self, graph, schedule, plan, compute="float32"):
         super().__init__(graph, schedule, plan, compute)
         self._buffers = [np.empty(n, dtype) for dtype, n in plan.buffer_sizes]

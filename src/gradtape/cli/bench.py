@@ -1,5 +1,5 @@
 """Benchmarks side by side with the peers, reported as ratios: one LoRA training step
-on SmolLM2 (T=256) and on a tiny 2-layer LLaMA (T=32) in each --compute precision against
+on SmolLM2 (T=256; on request T=2048 and 8192, ``smollm2-lora-2k`` / ``-8k``) and on a tiny 2-layer LLaMA (T=32) in each --compute precision against
 Hugging Face transformers + PEFT (eager float32 and under bf16 autocast), with the step's
 GEMM floor (measured in a clean process), the peak memory of each, the CPU and the GEMM
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
@@ -34,7 +34,9 @@ def add_arguments(parser):
     parser.add_argument("--with-compile", action="store_true",
                         help="also compare with the peer under torch.compile (takes minutes)")
     parser.add_argument("--workloads", default="smollm2-lora,tiny-lora,smollm2-generate",
-                        help="comma-separated (default: %(default)s); smollm2-generate: "
+                        help="comma-separated (default: %(default)s); smollm2-lora-2k, "
+                             "smollm2-lora-8k: SmolLM2 LoRA at T=2048 / 8192 (the peer under "
+                             "autocast only at 8k); smollm2-generate: "
                              "prefill and decode vs llama.cpp on the same Q4_1 file; "
                              "llama8b-q4km-lora: "
                              "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "

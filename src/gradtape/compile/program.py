@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..var import Var, fmt_shape
+from .checkpoint import checkpoint as checkpoint_pass
+from .decompose import decompose
 from .fuse import fuse, plan_schedule_memory, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
@@ -21,26 +23,40 @@ from .remat import rematerialize
 COMPUTE = ("float32", "bf16")
 
 
-def compile_program(tape, outputs, backend_cls, updates=None, compute="float32"):
-    """The pipeline: prune (``build_graph``), rematerialize, then the passes the backend
-    declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``).
+def compile_program(tape, outputs, backend_cls, updates=None, compute="float32",
+                    checkpoint=False):
+    """The pipeline: the backend-independent passes (``passes``), then the passes the
+    backend declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``).
 
     ``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
     frozen-weight GEMMs take bf16 inputs and accumulate in float32 where the backend has
     such GEMMs (the ``cpu`` backend on a float32 tape; ``backends.compute.resolve``
     decides when it can be had).  Other backends and float64 tapes run their own
-    arithmetic, and the executable's ``compute`` says what ran."""
+    arithmetic, and the executable's ``compute`` says what ran.  ``checkpoint``: see
+    ``passes``."""
     if compute not in COMPUTE:
         raise ValueError(f"compile: compute must be 'float32' or 'bf16' (resolve 'auto' with "
                          f"gradtape.backends.compute.resolve), got {compute!r}")
-    graph = rematerialize(build_graph(tape, outputs, updates), tape.backward_marks)
+    graph = passes(tape, outputs, updates, backend_cls, checkpoint)
     return Program(graph, lower(graph, backend_cls, compute=compute), backend_cls.name)
+
+
+def passes(tape, outputs, updates, backend_cls, checkpoint=False):
+    """Prune (``build_graph``); decompose the fused primitives ``backend_cls`` has no
+    kernel for; with ``checkpoint``, recompute in backward what the forward computed from
+    the tape's checkpoints (``compile.checkpoint``); rematerialize."""
+    graph = decompose(build_graph(tape, outputs, updates), backend_cls.has_kernel)
+    if checkpoint:
+        graph = checkpoint_pass(graph, tape.backward_marks, tape.checkpoints)
+    return rematerialize(graph, tape.backward_marks)
 
 
 def lower(graph, backend_cls, **kwargs):
     """``graph`` through the passes ``backend_cls.passes`` names (in this order:
     ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
-    backend constructed on them (``kwargs`` go to it)."""
+    backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
+    no kernel for are decomposed first (already done where ``passes`` ran)."""
+    graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
     if "fuse" in backend_cls.passes:

@@ -130,13 +130,25 @@ def _embed(tp, cfg, W, ids):
     return ops.scale(x, math.sqrt(cfg.dim)) if cfg.embed_scale else x
 
 
+def _head_table(cfg, W):
+    return W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
+
+
 def _head(tp, cfg, W, x, ones):
     """Final RMSNorm and the LM head: ``[N, D] -> [N, V]`` (soft-capped where the family
     caps its logits)."""
     h = _rmsnorm(tp, cfg, x, W["norm"], ones)
-    table = W["tok_embd"] if cfg.tie_embeddings else W["lm_head"]  # [V, D]
-    logits = nn.linear_rows(tp, h, table)  # [N, V]
+    logits = nn.linear_rows(tp, h, _head_table(cfg, W))  # [N, V]
     return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits
+
+
+def head_loss(tp, cfg, W, x, targets, weights, ones=None):
+    """``nn.cross_entropy_ids`` of ``_head``'s logits from the last hidden rows ``x [N,
+    D]`` (``record_forward(..., head=False)``), with the head and the loss fused
+    (``nn.cross_entropy_head``): no ``[N, V]`` logits in memory."""
+    h = _rmsnorm(tp, cfg, x, W["norm"], ones if ones is not None else nn.ones(tp, cfg.dim))
+    return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
+                                 cfg.final_softcap or 0.0)
 
 
 def rope_tables(cfg, t, start=0, layer=0):
@@ -155,8 +167,9 @@ def _rope_keys(cfg):
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
-                   ones=None, positions=None, segments=None):
-    """Record the logits ``[n_seq*T, V]`` of ``n_seq`` sequences of length ``T``.
+                   ones=None, positions=None, segments=None, head=True):
+    """Record the logits ``[n_seq*T, V]`` of ``n_seq`` sequences of length ``T`` (with
+    ``head=False`` the last layer's rows ``[n_seq*T, D]``, for ``head_loss``).
 
     ``ids``: integer const ``[n_seq*T]`` (the sequences concatenated); ``W``: from
     ``weight_consts``; ``lora``: ``None`` or ``{(layer, target): (A [in, r], B [r, out])}``
@@ -180,26 +193,25 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     for i, key in keys.items():
         if key not in tables:
             tables[key] = tuple(tp.const(a) for a in rope_tables(cfg, t, layer=i))
-    windows = sorted({cfg.window(i) for i in range(cfg.n_layers)})
-    masks = {w: tp.const(nn.causal_mask_fill(t, window=w)) for w in windows}  # [T, T] each
-    if positions is not None:  # packed: rope rows per token, a mask per sequence
+    if positions is not None:  # packed: rope rows per token; attention sees segments
         tables = {key: tuple(ops.take_rows(c, positions) for c in cs)  # [N, hd/2] each
                   for key, cs in tables.items()}
-        masks = {w: nn.segment_mask(tp, segments, m, n_seq, t)  # [n_seq, T, T] each
-                 for w, m in masks.items()}
     iscale = cfg.attn_iscale
     lin = _linear_fn(tp, W, lora, lora_scale)
 
     x = _embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
-        def attend(q, k, v, mask=masks[cfg.window(i)], rope=tables[keys[i]]):
-            # all sequences and heads at once
+        def attend(q, k, v, window=cfg.window(i), rope=tables[keys[i]]):
+            # all sequences and heads at once, tiled: no [T, T] scores, the causal mask
+            # (and window) applied by position
             cosc, sinc = rope
-            return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, cfg.n_heads,
-                                         cfg.n_kv_heads, hd, iscale, cfg.attn_softcap)
+            return nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
+                                      cfg.n_kv_heads, hd, iscale, cfg.attn_softcap, window,
+                                      segments)
 
-        x = _block(tp, cfg, W, i, x, ones, lin, attend)
-    return _head(tp, cfg, W, x, ones)
+        # each layer's input rows: what a checkpointed step keeps (Tape.checkpoint)
+        x = _block(tp, cfg, W, i, tp.checkpoint(x), ones, lin, attend)
+    return _head(tp, cfg, W, x, ones) if head else x
 
 
 # --- KV-cached inference ------------------------------------------------------------------
@@ -276,8 +288,6 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     tp = Tape(dtype)
     x = _embed(tp, cfg, _Consts(tp, weights), tp.const(ids)).value  # [t, D]
     for i in range(cfg.n_layers):
-        # [g*t, start+t]: the g query heads of a kv head stacked as rows
-        mask = np.tile(nn.causal_mask_fill(t, past=start, window=cfg.window(i)), (nh // nkv, 1))
         tp = Tape(dtype)
         W = _Consts(tp, weights)
         lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()
@@ -285,15 +295,17 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         kv = {}
         cos, sin = rope_tables(cfg, t, start, layer=i)  # [t, hd/2], positions start..
 
-        def attend(q, k, v, i=i, mask=mask):
+        def attend(q, k, v, i=i):
             kr = _rope_all(tp, k, *_rope_tables(tp, cos, sin, nkv), nkv, hd)  # [t, nkv*hd]
             if start:
                 kr = ops.concat([tp.const(cache.k[i]), kr], 0)  # [start+t, nkv*hd]
                 v = ops.concat([tp.const(cache.v[i]), v], 0)
             kv["k"], kv["v"] = kr, v
             qr = _rope_all(tp, q, *_rope_tables(tp, cos, sin, nh), nh, hd)  # [t, nh*hd]
-            return _grouped_attention(tp, qr, kr, v, tp.const(mask), nh, nkv, hd, iscale,
-                                      cfg.attn_softcap)
+            # tiled over the keys: no [t, start+t] scores per head
+            out = ops.attn(qr, kr, v, nh=nh, nkv=nkv, hd=hd, iscale=iscale,
+                           cap=cfg.attn_softcap, window=cfg.window(i))
+            return ops.slice_(out, 1, 0, nh * hd)  # [t, nh*hd]
 
         out = _block(tp, cfg, W, i, tp.const(x), nn.ones(tp, cfg.dim),
                      _linear_fn(tp, W, lw, lora_scale), attend)

@@ -143,6 +143,12 @@ class FinetuneConfig:
                                    "inputs, float32 accumulation; where the CPU runs it "
                                    "faster, else a notice and float32) or auto",
                         checks.one_of("float32", "bf16", "auto"))
+    grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
+                                        "layer's forward in backward, keeping only the "
+                                        "layers' inputs: about one more forward pass), off, "
+                                        "or auto (on when the step would not fit the "
+                                        "available memory otherwise)",
+                                checks.one_of("auto", "on", "off"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
 
@@ -214,9 +220,11 @@ def _finetune(cfg, model, log, world, together):
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
-                          world=world, compute=cfg.compute)
+                          world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
+                          memory_limit=None if cfg.ignore_memory else available)
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
+        + (", with activation checkpointing" if step_prog.checkpointed else "")
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
     if not cfg.ignore_memory:
         check_memory(est, available, hint=": use a shorter --seq-len or a smaller "

@@ -4,7 +4,8 @@ what the machine has.
 A compiled step's memory is fixed before its first run: the weights (float arrays, or
 block matrices whose mapped pages are read every step), every program's memory plan (one
 arena per dtype, allocated once; its pages are touched on the first run), the
-dequantization scratch of frozen weights kept in their stored type, and the adapter with
+dequantization scratch of frozen weights kept in their stored type and the scratch blocks
+of fused primitives (``ops.Prim.scratch``), and the adapter with
 its optimizer state.  ``estimate`` adds them up from the compiled programs; ``check``
 compares the sum with MemAvailable and raises one ``GradtapeError`` saying what is
 needed, what is there and what to change, instead of meeting the OOM killer mid-run.
@@ -16,9 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..backends import get_backend
 from ..blocks import is_block_matrix
+from ..compile.memplan import plan_memory
+from ..compile.program import passes
 from ..errors import GradtapeError
 from ..models.memory import GiB, resident_bytes
+from ..ops import PRIMS
 
 # the interpreter, NumPy / OpenBLAS thread buffers, the tokenizer, compiled kernels,
 # batches: measured about 250-350 MB on SmolLM2 runs; rounded up
@@ -39,7 +44,7 @@ class Estimate:
 
     def describe(self) -> str:
         parts = [("weights", self.weights), ("activations", self.activations),
-                 ("dequantization scratch", self.scratch), ("adapter + optimizer", self.state),
+                 ("scratch", self.scratch), ("adapter + optimizer", self.state),
                  ("runtime", self.overhead)]
         return (f"about {self.total / GiB:.1f} GiB ("
                 + ", ".join(f"{name} {b / GiB:.2f}" for name, b in parts if b) + ")")
@@ -64,6 +69,23 @@ def _scratch(prog, weights, dtype):
     return big * (4 + (np.dtype(dtype).itemsize if np.dtype(dtype) != np.float32 else 0))
 
 
+def _fused_scratch(graph):
+    """The largest scratch a fused primitive's forward allocates while it runs (the
+    tiled head's logits block, attention's score tiles), in bytes."""
+    return max((PRIMS[v.op].scratch(v) * v.dtype.itemsize for v in graph.ops
+                if PRIMS[v.op].scratch is not None), default=0)
+
+
+def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Estimate:
+    """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
+    the backend-independent passes and their memory plan, before any backend allocates
+    anything (the cpu backend's fused plan needs somewhat less)."""
+    graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
+    return Estimate(weights=resident_bytes(model.weights),
+                    activations=int(plan_memory(graph).nbytes),
+                    scratch=_fused_scratch(graph), state=n_param * tape.dtype.itemsize * 5)
+
+
 def estimate(model, step) -> Estimate:
     """What ``step`` (a compiled ``TrainStep``) on ``model`` holds once it runs."""
     progs = _programs(step)
@@ -73,7 +95,8 @@ def estimate(model, step) -> Estimate:
     state = n_param * dtype.itemsize * 5
     return Estimate(weights=resident_bytes(model.weights),
                     activations=sum(int(p.memory.nbytes) for p in progs),
-                    scratch=max((_scratch(p, model.weights, dtype) for p in progs), default=0),
+                    scratch=max((_scratch(p, model.weights, dtype) + _fused_scratch(p.graph)
+                                 for p in progs), default=0),
                     state=state)
 
 

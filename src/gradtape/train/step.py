@@ -32,8 +32,11 @@ import numpy as np
 from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
+from .memory import planned
 from ..backends.compute import resolve as resolve_compute
-from ..models.model import record_forward, weight_consts
+from ..errors import GradtapeError
+from ..models.memory import GiB
+from ..models.model import head_loss, record_forward, weight_consts
 from .data import IGNORE, empty_rows
 
 
@@ -59,7 +62,17 @@ class TrainStep:
 
     def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
                  grad_accum=1, backend="numpy", dtype=np.float32, world=None,
-                 compute="float32"):
+                 compute="float32", grad_checkpoint="off", memory_limit=None):
+        """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
+        only the layers' input rows), "off" keeps the activations, "auto" checkpoints
+        when the step without it would need more than ``memory_limit`` bytes.  With
+        ``memory_limit`` set, a step that would not fit even checkpointed is refused
+        here, before anything is allocated (``GradtapeError`` naming what it needs)."""
+        if grad_checkpoint not in ("off", "on", "auto"):
+            raise ValueError(f"TrainStep: grad_checkpoint must be 'off', 'on' or 'auto', got "
+                             f"{grad_checkpoint!r}")
+        self.grad_checkpoint, self.memory_limit = grad_checkpoint, memory_limit
+        self.backend = backend
         self.model, self.adapter = model, adapter
         # the frozen-weight GEMMs' precision: bf16 only on the cpu backend of a float32
         # step, where this CPU runs it faster (else one notice and float32)
@@ -79,10 +92,11 @@ class TrainStep:
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
         self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
-        logits = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
-                                adapter.scale, positions=self.positions,
-                                segments=self.segments)  # [B*T, V]
-        self.loss = nn.cross_entropy_ids(tp, logits, self.targets, self.weights)
+        hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
+                                adapter.scale, positions=self.positions, segments=self.segments,
+                                head=False)  # [B*T, D]
+        # the LM head and the loss (fused for long rows: no [B*T, V] logits)
+        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
         grads = tp.backward(self.loss)
         params = [p for pair in self.lora.values() for p in pair]
         g = [grads[p] for p in params]
@@ -114,8 +128,38 @@ class TrainStep:
         updates.update(new)
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": self.accumulators}
+        self.checkpointed = self._decide_checkpoint([self.loss, self.grad_norm], updates)
         self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates,
-                                  compute=self.compute)
+                                  compute=self.compute, checkpoint=self.checkpointed)
+
+    def planned_memory(self, checkpoint):
+        """The ``memory.Estimate`` of the step's program compiled with or without
+        activation checkpointing, from the passes' memory plan (nothing allocated)."""
+        outputs, updates = self._step_graph
+        n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
+        return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
+                       self.backend)
+
+    def _decide_checkpoint(self, outputs, updates):
+        """Whether to compile ``outputs`` with activation checkpointing, from the memory
+        plans of both choices (no allocation); refuses a step that fits neither way."""
+        mode, limit = self.grad_checkpoint, self.memory_limit
+        self._step_graph = (outputs, updates)
+        if mode == "off" and limit is None:
+            return False
+        if mode == "auto" and (limit is None or self.planned_memory(False).total <= limit):
+            return False
+        on = mode != "off"
+        est = self.planned_memory(on)
+        if limit is not None and est.total > limit:
+            how = "with" if on else "without"
+            raise GradtapeError(
+                f"not enough memory: this run needs {est.describe()} {how} activation "
+                f"checkpointing, but only {limit / GiB:.1f} GiB is available: use a shorter "
+                "--seq-len or a smaller --batch-size"
+                + ("" if on else ", or --grad-checkpoint on") + " (or --ignore-memory to try "
+                "anyway)")
+        return on
 
     def _compile_split(self, params, g, opt, clip, backend):
         """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""
@@ -132,8 +176,9 @@ class TrainStep:
             acc = tp.const(np.zeros(flat.shape, dtype))
             flat = ops.add(acc, flat)
             updates[acc] = ops.mul(flat, keep)
+        self.checkpointed = self._decide_checkpoint([flat], updates)
         self.grads_program = tp.compile([flat], backend=backend, updates=updates,
-                                        compute=self.compute)
+                                        compute=self.compute, checkpoint=self.checkpointed)
         # the summed vector, sliced back into per-param gradients
         self.reduced = tp.const(np.zeros(flat.shape, dtype))
         gs, off = [], 0

@@ -1,0 +1,310 @@
+"""NumPy forwards of the tiled primitives: an LM head fused with its cross-entropy, and
+attention with an online softmax; neither ever holds a ``[T, V]`` or ``[T, T]`` array.
+
+These are the reference definitions the primitive table (``ops.py``) registers for
+``head_nll`` / ``head_nll_grad_x`` / ``head_nll_grad_w`` and ``attn`` / ``attn_grad``:
+block after block of the vocabulary (head) or of the keys (attention), each block's
+scores computed by one GEMM into a scratch block, folded into per-row statistics, and
+recomputed in the backward pass from those statistics.  Memory is linear in T: the
+scratch is a fixed budget of elements (``HEAD_BUDGET``) or a few ``[tile, tile]`` score
+blocks per head.  The sums run in another order than the composed ops (``nn.
+cross_entropy_ids``, ``nn.gqa_attention``): equal to them up to rounding, not bitwise.
+
+This module knows nothing of tapes; ``ops.py`` declares the shapes and the VJPs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# elements of one [T, chunk] logits block of the fused head (32 MB in float32)
+HEAD_BUDGET = 1 << 23
+
+
+def head_chunk(t, v):
+    """Vocabulary rows per block for ``t`` rows: the budget's worth, a multiple of 64."""
+    c = max(64, (HEAD_BUDGET // max(t, 1)) // 64 * 64)
+    return min(c, v)
+
+
+def _rows_of(w, v0, v1, qtype, dtype):
+    """Rows ``[v0, v1)`` of the ``[V, D]`` table as floats of ``dtype`` (dequantized from
+    its blocks when ``qtype`` is set; a view otherwise)."""
+    if qtype is None:
+        return w[v0:v1]
+    from .blocks import dequantize
+    return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
+
+
+def _head_logits(z, x, wc, cap):
+    """``z = x @ wc^T``, soft-capped to ``cap * tanh(z / cap)`` when ``cap > 0`` (in the
+    order ``nn.softcap`` computes it); returns ``tanh(z / cap)`` (or None) for the
+    derivative ``1 - tanh^2``."""
+    np.matmul(x, wc.T, out=z)
+    if not cap:
+        return None
+    np.multiply(z, 1.0 / cap, out=z)
+    np.tanh(z, out=z)
+    t = z.copy()
+    np.multiply(z, cap, out=z)
+    return t
+
+
+def _in_chunk(ids, v0, v1):
+    rows = np.nonzero((ids >= v0) & (ids < v1))[0]
+    return rows, ids[rows] - v0
+
+
+def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):
+    """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
+    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time: per row the running
+    maximum ``m`` and ``s = sum_j exp(z_j - m)`` (rescaled by ``exp(m_old - m_new)`` when
+    the maximum grows), and the picked logit when its id falls in the block."""
+    t, dtype = x.shape[0], out.dtype
+    V = w.shape[0]
+    m = np.full(t, -np.inf, dtype)
+    s = np.zeros(t, dtype)
+    picked = np.zeros(t, dtype)
+    buf = np.empty((t, min(chunk, V)), dtype)
+    mc, mn = np.empty(t, dtype), np.empty(t, dtype)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        z = buf[:, :v1 - v0]
+        _head_logits(z, x, _rows_of(w, v0, v1, qtype, dtype), cap)
+        r, c = _in_chunk(ids, v0, v1)
+        picked[r] = z[r, c]
+        np.max(z, axis=1, out=mc)
+        np.maximum(m, mc, out=mn)
+        # s <- s * exp(m - mn) + sum_j exp(z_j - mn)   (exp(-inf) = 0 on the first block)
+        np.subtract(m, mn, out=m)
+        np.exp(m, out=m)
+        np.multiply(s, m, out=s)
+        np.subtract(z, mn[:, None], out=z)
+        np.exp(z, out=z)
+        s += z.sum(axis=1)
+        m, mn = mn, m
+    np.log(s, out=s)
+    s += m  # lse
+    out[:, 1] = s
+    np.subtract(s, picked, out=out[:, 0])
+
+
+def _head_dz(z, g, ids, o, v0, v1, tcap, cap):
+    """In place, ``z`` (a block of logits) becomes the gradient of the loss w.r.t. the raw
+    logits ``x @ W^T`` of the block: ``(g0 + g1) * softmax - g0 * onehot(ids)`` (the nll's
+    and the lse's cotangents; d lse / dz = softmax), times ``1 - tanh^2`` under a cap."""
+    z -= o[:, 1:2]  # z - lse
+    np.exp(z, out=z)  # softmax
+    z *= (g[:, 0] + g[:, 1])[:, None]
+    r, c = _in_chunk(ids, v0, v1)
+    z[r, c] -= g[r, 0]
+    if cap:
+        # d cap*tanh(u/cap) / du = 1 - tanh^2
+        np.multiply(tcap, tcap, out=tcap)
+        np.subtract(1.0, tcap, out=tcap)
+        z *= tcap
+
+
+def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype):
+    """Yield ``(v0, v1, wc, dz)`` for every vocabulary block: its table rows and the
+    logits' gradient (recomputed from ``x`` and the forward's lse)."""
+    t, V = x.shape[0], w.shape[0]
+    buf = np.empty((t, min(chunk, V)), dtype)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        z = buf[:, :v1 - v0]
+        wc = _rows_of(w, v0, v1, qtype, dtype)
+        tcap = _head_logits(z, x, wc, cap)
+        _head_dz(z, g, ids, o, v0, v1, tcap, cap)
+        yield v0, v1, wc, z
+
+
+def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None, k=None):
+    """``out = dz @ W`` summed over the vocabulary blocks (dz from ``_head_dz``)."""
+    out.fill(0)
+    tmp = np.empty_like(out)
+    for _, _, wc, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype):
+        np.matmul(dz, wc, out=tmp)
+        out += tmp
+
+
+def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk):
+    """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
+    for v0, v1, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype):
+        np.matmul(dz.T, x, out=out[v0:v1])
+
+
+# --- attention ----------------------------------------------------------------------------
+
+ATTN_TILE = 256  # query rows and key rows per tile
+MASK_VALUE = -1e9  # the additive mask of the composed attention (nn.causal_mask_fill)
+
+
+def causal_mask(t, past=0, window=0):
+    """The additive ``[t, past + t]`` mask: 0 where query row ``i`` sees key ``j`` (``j <=
+    past + i``, and ``j > past + i - window`` when ``window > 0``), ``MASK_VALUE``
+    elsewhere."""
+    m = np.triu(np.full((t, past + t), MASK_VALUE), k=past + 1)
+    if window:
+        m += np.tril(np.full((t, past + t), MASK_VALUE), k=past - window)
+    return m
+
+
+class AttnLayout:
+    """Which keys each query row sees, tile by tile.
+
+    ``n_seq`` independent sequences are stacked as rows: sequence ``b`` has query rows
+    ``b*tq ...`` and key rows ``b*tk ...``, and its query row ``r`` sits at position
+    ``past + r`` with ``past = tk - tq`` (cached keys before the new rows).  Key ``j`` is
+    visible to query ``i`` (positions within the sequence) iff ``j <= i`` (causal),
+    ``j > i - window`` when ``window > 0``, and ``seg[i] == seg[j]`` when segment ids are
+    given (packed examples; query and key rows are the same rows then).
+    """
+
+    def __init__(self, nq, nk, n_seq, window, seg, tile):
+        self.n_seq, self.tq, self.tk = n_seq, nq // n_seq, nk // n_seq
+        self.past = self.tk - self.tq
+        self.window, self.seg, self.tile = window, seg, tile
+
+    def q_tiles(self):
+        """``(q0, q1, base)``: query row ranges (absolute) and their sequence's key base."""
+        for b in range(self.n_seq):
+            for r0 in range(0, self.tq, self.tile):
+                yield b * self.tq + r0, b * self.tq + min(self.tq, r0 + self.tile), b
+        return
+
+    def k_tiles(self, q0, q1, b):
+        """``(k0, k1, mask)`` for the key tiles query rows ``[q0, q1)`` of sequence ``b``
+        see at least in part; ``mask [q1-q0, k1-k0]`` is None when all are visible."""
+        tq, tk, past, w = self.tq, self.tk, self.past, self.window
+        p0, p1 = past + q0 - b * tq, past + q1 - 1 - b * tq  # positions of the first, last row
+        lo = max(0, p0 - w + 1) if w else 0  # the first key any row sees
+        for j0 in range(lo - lo % self.tile, min(tk, p1 + 1), self.tile):
+            j1 = min(tk, j0 + self.tile, p1 + 1)
+            k0, k1 = b * tk + j0, b * tk + j1
+            full = j1 - 1 <= p0 and (not w or j0 > p1 - w)
+            mask = None
+            if self.seg is not None:
+                sq, sk = self.seg[q0:q1], self.seg[k0:k1]
+                if sk.max() < sq.min() or sk.min() > sq.max():
+                    continue  # no common segment: nothing visible
+                if not (sq.min() == sq.max() == sk.min() == sk.max()):
+                    mask = sq[:, None] == sk[None, :]
+                    full = False
+            if not full:
+                pos_q = np.arange(p0, p1 + 1)[:, None]
+                pos_k = np.arange(j0, j1)[None, :]
+                vis = pos_k <= pos_q
+                if w:
+                    vis &= pos_k > pos_q - w
+                mask = vis if mask is None else mask & vis
+            yield k0, k1, mask
+
+
+def _q_group(q, q0, q1, nkv, g, hd):
+    """Query rows ``[q0, q1)`` as ``[nkv, g*n, hd]``: the ``g`` heads sharing a kv head
+    stacked as rows (head ``kv*g + i`` at rows ``i*n ...``)."""
+    n = q1 - q0
+    return np.ascontiguousarray(
+        q[q0:q1].reshape(n, nkv, g, hd).transpose(1, 2, 0, 3)).reshape(nkv, g * n, hd)
+
+
+def _ungroup(a, n, nkv, g, hd):
+    """The inverse of ``_q_group``: ``[nkv, g*n, hd]`` -> ``[n, nkv*g*hd]``."""
+    return a.reshape(nkv, g, n, hd).transpose(2, 0, 1, 3).reshape(n, nkv * g * hd)
+
+
+def _kv_heads(x, k0, k1, nkv, hd):
+    return x[k0:k1].reshape(k1 - k0, nkv, hd).transpose(1, 0, 2)  # [nkv, n, hd] (a view)
+
+
+def _scores(qg, kt, iscale, cap, mask, g):
+    """``cap(qg @ kt^T * iscale)`` per kv head, ``-inf`` where masked; with the tanh kept
+    for the derivative (None without a cap)."""
+    s = np.matmul(qg, kt.transpose(0, 2, 1))  # [nkv, g*n, m]
+    s *= iscale
+    t = None
+    if cap:
+        s *= 1.0 / cap
+        np.tanh(s, out=s)
+        t = s.copy()
+        s *= cap
+    if mask is not None:
+        nkv, gn, m = s.shape
+        s.reshape(nkv, g, gn // g, m)[:, :, ~mask] = -np.inf
+    return s, t
+
+
+def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+    """``out = [o | lse]``: per query head the softmax-weighted values ``o [N, nh*hd]`` and
+    the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores, walking the key
+    tiles with an online softmax: per row the running max ``m``, the sum ``l`` of
+    ``exp(s - m)`` and the unnormalised output ``acc``, both rescaled by ``exp(m_old -
+    m_new)`` as the max grows; at the end ``o = acc / l`` and ``lse = m + log l``."""
+    g, dtype = nh // nkv, out.dtype
+    lay = AttnLayout(q.shape[0], k.shape[0], n_seq, window, seg[0] if seg else None, tile)
+    for q0, q1, b in lay.q_tiles():
+        n = q1 - q0
+        qg = _q_group(q, q0, q1, nkv, g, hd)  # [nkv, g*n, hd]
+        m = np.full((nkv, g * n, 1), -np.inf, dtype)
+        l = np.zeros((nkv, g * n, 1), dtype)
+        acc = np.zeros((nkv, g * n, hd), dtype)
+        for k0, k1, mask in lay.k_tiles(q0, q1, b):
+            s, _ = _scores(qg, _kv_heads(k, k0, k1, nkv, hd), iscale, cap, mask, g)
+            mn = np.maximum(m, s.max(axis=2, keepdims=True))
+            safe = np.where(np.isfinite(mn), mn, 0.0)  # rows with nothing visible yet
+            alpha = np.exp(m - safe)
+            np.subtract(s, safe, out=s)
+            np.exp(s, out=s)  # p, 0 where masked
+            l = l * alpha + s.sum(axis=2, keepdims=True)
+            acc *= alpha
+            acc += np.matmul(s, _kv_heads(v, k0, k1, nkv, hd))
+            m = mn
+        out[q0:q1, :nh * hd] = _ungroup(acc / l, n, nkv, g, hd)
+        out[q0:q1, nh * hd:] = (m + np.log(l)).reshape(nkv * g, n).T
+
+
+def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+    """The VJP of ``attn`` for all of q, k, v at once, ``out = [dq | dk | dv]`` flattened.
+
+    Per key tile the probabilities are recomputed from the forward's ``lse``: ``p =
+    exp(s - lse)``.  With ``do`` the output's cotangent and ``gl`` the lse's,
+    ``dv += p^T do``; ``ds = p * (do v^T - D)`` with ``D = rowsum(do * o) - gl`` (the
+    softmax VJP, plus d lse / ds = p), times ``1 - tanh^2`` under a cap and ``iscale``;
+    ``dq += ds k``, ``dk += ds^T q``.  The g query heads of a kv head add into its dk, dv.
+    """
+    g, dtype = nh // nkv, out.dtype
+    nq, nk = q.shape[0], k.shape[0]
+    dq = out[:nq * nh * hd].reshape(nq, nh * hd)
+    dk = out[nq * nh * hd:nq * nh * hd + nk * nkv * hd].reshape(nk, nkv * hd)
+    dv = out[nq * nh * hd + nk * nkv * hd:].reshape(nk, nkv * hd)
+    out.fill(0)
+    do_all, o_all = gy[:, :nh * hd], y[:, :nh * hd]
+    lay = AttnLayout(nq, nk, n_seq, window, seg[0] if seg else None, tile)
+    for q0, q1, b in lay.q_tiles():
+        n = q1 - q0
+        qg = _q_group(q, q0, q1, nkv, g, hd)
+        dog = _q_group(do_all, q0, q1, nkv, g, hd)
+        lse = _q_group(y[:, nh * hd:], q0, q1, nkv, g, 1)  # [nkv, g*n, 1]
+        gl = _q_group(gy[:, nh * hd:], q0, q1, nkv, g, 1)
+        D = (dog * _q_group(o_all, q0, q1, nkv, g, hd)).sum(axis=2, keepdims=True) - gl
+        dqg = np.zeros_like(qg)
+        for k0, k1, mask in lay.k_tiles(q0, q1, b):
+            kt, vt = _kv_heads(k, k0, k1, nkv, hd), _kv_heads(v, k0, k1, nkv, hd)
+            s, t = _scores(qg, kt, iscale, cap, mask, g)
+            np.subtract(s, lse, out=s)
+            np.exp(s, out=s)  # p
+            dvt = np.matmul(s.transpose(0, 2, 1), dog)  # [nkv, m, hd]
+            dp = np.matmul(dog, vt.transpose(0, 2, 1))  # [nkv, g*n, m]
+            dp -= D
+            dp *= s  # ds w.r.t. the capped scores
+            if cap:
+                np.multiply(t, t, out=t)
+                np.subtract(1.0, t, out=t)
+                dp *= t
+            dp *= iscale
+            dqg += np.matmul(dp, kt)
+            dkt = np.matmul(dp.transpose(0, 2, 1), qg)  # [nkv, m, hd]
+            dk[k0:k1] += dkt.transpose(1, 0, 2).reshape(k1 - k0, nkv * hd)
+            dv[k0:k1] += dvt.transpose(1, 0, 2).reshape(k1 - k0, nkv * hd)
+        dq[q0:q1] = _ungroup(dqg, n, nkv, g, hd)

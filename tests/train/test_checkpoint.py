@@ -1,0 +1,82 @@
+"""Activation checkpointing (``compile.checkpoint``, ``TrainStep(grad_checkpoint=...)``):
+the same training run with less memory, ``auto`` choosing it only when needed, and a run
+that fits neither way refused before anything is allocated."""
+
+import numpy as np
+import pytest
+
+from gradtape.errors import GradtapeError
+from gradtape.models.lora import init_adapter
+from gradtape.train.step import TrainStep
+
+from fd import rel_err
+from tinymodel import tiny_model
+
+
+def _batch(t=24, vocab=257, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (2, t))
+    tg = np.roll(ids, -1, axis=1)
+    tg[:, -1] = -100
+    return ids, tg
+
+
+def _run(model, backend, mode, dtype, t=24, steps=3):
+    ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1, dtype=dtype), 2, t,
+                   backend=backend, dtype=dtype, grad_checkpoint=mode)
+    ids, tg = _batch(t)
+    losses = [ts.step([(ids, tg)], i + 1, 1e-2) for i in range(steps)]
+    return ts, losses, ts.adapter_weights()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_checkpointed_step_trains_the_same(backend):
+    """The recomputed forward runs the same ops on the same inputs: on numpy the losses,
+    norms and adapters are bitwise those without checkpointing; on cpu the fused kernels
+    group differently around the clones (float64: rounding only)."""
+    model = tiny_model(seed=2, n_layers=3)
+    dtype = np.float32 if backend == "numpy" else np.float64
+    off, l_off, w_off = _run(model, backend, "off", dtype)
+    on, l_on, w_on = _run(model, backend, "on", dtype)
+    assert on.checkpointed and not off.checkpointed
+    # the layers' forward ops appear twice: once in forward, once recomputed in backward
+    n = lambda ts: sum(v.op == "attn" for v in ts.program.graph.ops)  # noqa: E731
+    assert n(off) == 3 and n(on) == 6
+    tol = 0.0 if backend == "numpy" else 1e-12
+    assert rel_err(np.array(l_on), np.array(l_off)) <= tol
+    for key in w_off:
+        for a, b in zip(w_on[key], w_off[key]):
+            assert rel_err(a, b) <= tol, key
+
+
+def test_checkpointing_needs_less_memory():
+    model = tiny_model(seed=2, n_layers=4)
+    off, _, _ = _run(model, "numpy", "off", np.float32, t=64, steps=1)
+    on, _, _ = _run(model, "numpy", "on", np.float32, t=64, steps=1)
+    # 4 layers' activations kept vs one layer's recomputed at a time (and the inputs)
+    assert on.program.memory.nbytes < 0.6 * off.program.memory.nbytes
+
+
+def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
+    model = tiny_model(seed=2, n_layers=4)
+    t = 64
+
+    def step(mode, limit):
+        return TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, t,
+                         grad_checkpoint=mode, memory_limit=limit)
+
+    probe = step("off", None)
+    need_off, need_on = (probe.planned_memory(c).total for c in (False, True))
+    assert need_on < need_off
+    assert not step("auto", need_off).checkpointed  # fits as it is
+    assert step("auto", need_off - 1).checkpointed  # fits only checkpointed
+    with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
+                                            r"[\d.]+ GiB \(weights .*activations .*\) with "
+                                            r"activation checkpointing, but only 0\.4 GiB "
+                                            r"is available: use a shorter --seq-len"):
+        step("auto", need_on - 1)
+    with pytest.raises(GradtapeError, match=r"without activation checkpointing.*"
+                                            r"or --grad-checkpoint on"):
+        step("off", need_off - 1)
+    with pytest.raises(ValueError, match="grad_checkpoint must be 'off', 'on' or 'auto'"):
+        step("sometimes", None)

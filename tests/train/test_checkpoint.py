@@ -76,7 +76,7 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
                                             r"is available: use a shorter --seq-len"):
         step("auto", need_on - 1)
     with pytest.raises(GradtapeError, match=r"without activation checkpointing.*"
-                                            r"or --grad-checkpoint on"):
+                                            r"\(--grad-checkpoint on would need less\): use a shorter"):
         step("off", need_off - 1)
     with pytest.raises(ValueError, match="grad_checkpoint must be 'off', 'on' or 'auto'"):
         step("sometimes", None)

@@ -75,9 +75,9 @@ def test_not_enough_memory_is_one_clear_error_before_training(files, tmp_path, m
     monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(200 << 20))  # less than the runtime
     logs = []
     with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
-                                            r"[\d.]+ GiB \(weights .*runtime 0\.39\), but "
-                                            r"only 0\.2 GiB is available: use a shorter "
-                                            r"--seq-len"):
+                                            r"[\d.]+ GiB \(weights .*runtime 0\.39\) with "
+                                            r"activation checkpointing, but only 0\.2 GiB is "
+                                            r"available: use a shorter --seq-len"):
         finetune(_cfg(files, tmp_path / "run"), log=logs.append)
     assert not (tmp_path / "run" / "log.jsonl").exists()  # nothing ran
     # --ignore-memory starts anyway

@@ -217,20 +217,21 @@ def _finetune(cfg, model, log, world, together):
 
     adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
                            base_model=model.name, dtype=dtype)
+    hint = (": use a shorter --seq-len or a smaller --batch-size"
+            + ("" if any(is_block_matrix(w) for w in model.weights.values())
+               else ", or --weights stored") + " (or --ignore-memory to try anyway)")
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
-                          memory_limit=None if cfg.ignore_memory else available)
+                          memory_limit=None if cfg.ignore_memory else available,
+                          memory_hint=hint)
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (", with activation checkpointing" if step_prog.checkpointed else "")
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
     if not cfg.ignore_memory:
-        check_memory(est, available, hint=": use a shorter --seq-len or a smaller "
-                     "--batch-size" + ("" if any(is_block_matrix(w) for w in model.weights.values())
-                                       else ", or --weights stored")
-                     + " (or --ignore-memory to try anyway)")
+        check_memory(est, available, hint=hint)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:

@@ -62,16 +62,20 @@ class TrainStep:
 
     def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
                  grad_accum=1, backend="numpy", dtype=np.float32, world=None,
-                 compute="float32", grad_checkpoint="off", memory_limit=None):
+                 compute="float32", grad_checkpoint="off", memory_limit=None,
+                 memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
+                             "--ignore-memory to try anyway)"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" checkpoints
         when the step without it would need more than ``memory_limit`` bytes.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
-        here, before anything is allocated (``GradtapeError`` naming what it needs)."""
+        here, before anything is allocated (``GradtapeError`` naming what it needs, then
+        ``memory_hint``)."""
         if grad_checkpoint not in ("off", "on", "auto"):
             raise ValueError(f"TrainStep: grad_checkpoint must be 'off', 'on' or 'auto', got "
                              f"{grad_checkpoint!r}")
         self.grad_checkpoint, self.memory_limit = grad_checkpoint, memory_limit
+        self.memory_hint = memory_hint
         self.backend = backend
         self.model, self.adapter = model, adapter
         # the frozen-weight GEMMs' precision: bf16 only on the cpu backend of a float32
@@ -155,10 +159,9 @@ class TrainStep:
             how = "with" if on else "without"
             raise GradtapeError(
                 f"not enough memory: this run needs {est.describe()} {how} activation "
-                f"checkpointing, but only {limit / GiB:.1f} GiB is available: use a shorter "
-                "--seq-len or a smaller --batch-size"
-                + ("" if on else ", or --grad-checkpoint on") + " (or --ignore-memory to try "
-                "anyway)")
+                f"checkpointing, but only {limit / GiB:.1f} GiB is available"
+                + ("" if on else " (--grad-checkpoint on would need less)")
+                + self.memory_hint)
         return on
 
     def _compile_split(self, params, g, opt, clip, backend):

@@ -36,13 +36,14 @@ def _rows_of(w, v0, v1, qtype, dtype):
     return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
 
 
-def _head_logits(z, x, wc, cap):
-    """``z = x @ wc^T``, soft-capped to ``cap * tanh(z / cap)`` when ``cap > 0`` (in the
-    order ``nn.softcap`` computes it); returns ``tanh(z / cap)`` (or None) for the
-    derivative ``1 - tanh^2``."""
-    np.matmul(x, wc.T, out=z)
-    if not cap:
-        return None
+def _in_chunk(ids, v0, v1):
+    rows = np.nonzero((ids >= v0) & (ids < v1))[0]
+    return rows, ids[rows] - v0
+
+
+def _softcap(z, cap):
+    """In place ``z = cap * tanh(z / cap)`` (in the order ``nn.softcap`` computes it);
+    returns ``tanh(z / cap)`` for the derivative ``1 - tanh^2``."""
     np.multiply(z, 1.0 / cap, out=z)
     np.tanh(z, out=z)
     t = z.copy()
@@ -50,87 +51,147 @@ def _head_logits(z, x, wc, cap):
     return t
 
 
-def _in_chunk(ids, v0, v1):
-    rows = np.nonzero((ids >= v0) & (ids < v1))[0]
-    return rows, ids[rows] - v0
+class NumpyTiles:
+    """The elementwise work on one block of scores, in NumPy: the reference.  A backend
+    with kernels of its own (``backends/tiled_c.py``) passes an object with the same
+    methods as ``kern``; the GEMMs and the walk over the blocks stay the same."""
+
+    @staticmethod
+    def head_fwd(z, m, s, picked, ids, v0, cap):
+        """Fold the raw logits block ``z [T, c]`` (vocabulary rows ``v0 ...``) into the
+        rows' running max ``m``, sum ``s = sum_j exp(z_j - m)`` (rescaled by ``exp(m_old
+        - m_new)`` when the max grows) and picked logit; ``z`` is overwritten."""
+        if cap:
+            _softcap(z, cap)
+        r, c = _in_chunk(ids, v0, v0 + z.shape[1])
+        picked[r] = z[r, c]
+        mn = np.maximum(m, z.max(axis=1))
+        alpha = np.exp(m - mn)  # 0 on the first block (m = -inf)
+        np.subtract(z, mn[:, None], out=z)
+        np.exp(z, out=z)
+        s *= alpha
+        s += z.sum(axis=1)
+        m[...] = mn
+
+    @staticmethod
+    def head_dz(z, lse, a, b, ids, v0, cap):
+        """In place, the raw logits block ``z`` becomes the loss's gradient w.r.t. it: ``a
+        * softmax - b * onehot(ids)`` (``a = g0 + g1``: the nll's and the lse's
+        cotangents, d lse / dz = softmax; ``b = g0``), times ``1 - tanh^2`` under a cap."""
+        t = _softcap(z, cap) if cap else None
+        z -= lse[:, None]
+        np.exp(z, out=z)  # softmax
+        z *= a[:, None]
+        r, c = _in_chunk(ids, v0, v0 + z.shape[1])
+        z[r, c] -= b[r]
+        if cap:
+            # d cap*tanh(u/cap) / du = 1 - tanh^2
+            np.multiply(t, t, out=t)
+            np.subtract(1.0, t, out=t)
+            z *= t
+
+    @staticmethod
+    def _scores(s, iscale, cap, mask, g):
+        """In place: ``cap(s * iscale)``, ``-inf`` where masked; the tanh (or None)."""
+        s *= iscale
+        t = _softcap(s, cap) if cap else None
+        if mask is not None:
+            nkv, gn, m = s.shape
+            s.reshape(nkv, g, gn // g, m)[:, :, ~mask] = -np.inf
+        return t
+
+    @classmethod
+    def attn_fwd(cls, s, m, l, acc, iscale, cap, mask, g):
+        """Fold the raw score tile ``s [nkv, g*n, k]`` into each row's running max ``m``,
+        sum ``l`` and unnormalised output ``acc`` (both rescaled by ``exp(m_old -
+        m_new)``); ``s`` becomes the tile's ``exp(s - m_new)`` (0 where masked)."""
+        cls._scores(s, iscale, cap, mask, g)
+        mn = np.maximum(m, s.max(axis=2, keepdims=True))
+        safe = np.where(np.isfinite(mn), mn, 0.0)  # rows with nothing visible yet
+        alpha = np.exp(m - safe)
+        np.subtract(s, safe, out=s)
+        np.exp(s, out=s)
+        l *= alpha
+        l += s.sum(axis=2, keepdims=True)
+        acc *= alpha
+        m[...] = mn
+
+    @classmethod
+    def attn_p(cls, s, t, lse, iscale, cap, mask, g):
+        """The raw score tile ``s`` becomes the probabilities ``exp(cap(s * iscale) -
+        lse)`` (0 where masked); under a cap ``t`` gets ``1 - tanh^2``."""
+        th = cls._scores(s, iscale, cap, mask, g)
+        np.subtract(s, lse, out=s)
+        np.exp(s, out=s)
+        if cap:
+            np.multiply(th, th, out=t)
+            np.subtract(1.0, t, out=t)
+
+    @staticmethod
+    def attn_ds(dp, p, t, D, iscale, cap):
+        """``dp`` (``do v^T``) becomes the raw scores' gradient: ``p * (dp - D)``, times
+        ``1 - tanh^2`` under a cap, times ``iscale``."""
+        dp -= D
+        dp *= p
+        if cap:
+            dp *= t
+        dp *= iscale
 
 
-def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):
+NUMPY_TILES = NumpyTiles()
+
+
+def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
     """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
-    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time: per row the running
-    maximum ``m`` and ``s = sum_j exp(z_j - m)`` (rescaled by ``exp(m_old - m_new)`` when
-    the maximum grows), and the picked logit when its id falls in the block."""
+    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``)."""
     t, dtype = x.shape[0], out.dtype
     V = w.shape[0]
     m = np.full(t, -np.inf, dtype)
     s = np.zeros(t, dtype)
     picked = np.zeros(t, dtype)
     buf = np.empty((t, min(chunk, V)), dtype)
-    mc, mn = np.empty(t, dtype), np.empty(t, dtype)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = buf[:, :v1 - v0]
-        _head_logits(z, x, _rows_of(w, v0, v1, qtype, dtype), cap)
-        r, c = _in_chunk(ids, v0, v1)
-        picked[r] = z[r, c]
-        np.max(z, axis=1, out=mc)
-        np.maximum(m, mc, out=mn)
-        # s <- s * exp(m - mn) + sum_j exp(z_j - mn)   (exp(-inf) = 0 on the first block)
-        np.subtract(m, mn, out=m)
-        np.exp(m, out=m)
-        np.multiply(s, m, out=s)
-        np.subtract(z, mn[:, None], out=z)
-        np.exp(z, out=z)
-        s += z.sum(axis=1)
-        m, mn = mn, m
+        np.matmul(x, _rows_of(w, v0, v1, qtype, dtype).T, out=z)
+        kern.head_fwd(z, m, s, picked, ids, v0, cap)
     np.log(s, out=s)
     s += m  # lse
     out[:, 1] = s
     np.subtract(s, picked, out=out[:, 0])
 
 
-def _head_dz(z, g, ids, o, v0, v1, tcap, cap):
-    """In place, ``z`` (a block of logits) becomes the gradient of the loss w.r.t. the raw
-    logits ``x @ W^T`` of the block: ``(g0 + g1) * softmax - g0 * onehot(ids)`` (the nll's
-    and the lse's cotangents; d lse / dz = softmax), times ``1 - tanh^2`` under a cap."""
-    z -= o[:, 1:2]  # z - lse
-    np.exp(z, out=z)  # softmax
-    z *= (g[:, 0] + g[:, 1])[:, None]
-    r, c = _in_chunk(ids, v0, v1)
-    z[r, c] -= g[r, 0]
-    if cap:
-        # d cap*tanh(u/cap) / du = 1 - tanh^2
-        np.multiply(tcap, tcap, out=tcap)
-        np.subtract(1.0, tcap, out=tcap)
-        z *= tcap
-
-
-def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype):
+def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):
     """Yield ``(v0, v1, wc, dz)`` for every vocabulary block: its table rows and the
     logits' gradient (recomputed from ``x`` and the forward's lse)."""
     t, V = x.shape[0], w.shape[0]
     buf = np.empty((t, min(chunk, V)), dtype)
+    lse, b = np.ascontiguousarray(o[:, 1]), np.ascontiguousarray(g[:, 0])
+    a = b + g[:, 1]
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = buf[:, :v1 - v0]
         wc = _rows_of(w, v0, v1, qtype, dtype)
-        tcap = _head_logits(z, x, wc, cap)
-        _head_dz(z, g, ids, o, v0, v1, tcap, cap)
+        np.matmul(x, wc.T, out=z)
+        kern.head_dz(z, lse, a, b, ids, v0, cap)
         yield v0, v1, wc, z
 
 
-def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None, k=None):
-    """``out = dz @ W`` summed over the vocabulary blocks (dz from ``_head_dz``)."""
+def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None, k=None,
+                        kern=NUMPY_TILES):
+    """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``)."""
     out.fill(0)
     tmp = np.empty_like(out)
-    for _, _, wc, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype):
+    for _, _, wc, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype,
+                                          kern):
         np.matmul(dz, wc, out=tmp)
         out += tmp
 
 
-def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk):
+def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
     """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
-    for v0, v1, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype):
+    for v0, v1, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype,
+                                           kern):
         np.matmul(dz.T, x, out=out[v0:v1])
 
 
@@ -218,29 +279,12 @@ def _kv_heads(x, k0, k1, nkv, hd):
     return x[k0:k1].reshape(k1 - k0, nkv, hd).transpose(1, 0, 2)  # [nkv, n, hd] (a view)
 
 
-def _scores(qg, kt, iscale, cap, mask, g):
-    """``cap(qg @ kt^T * iscale)`` per kv head, ``-inf`` where masked; with the tanh kept
-    for the derivative (None without a cap)."""
-    s = np.matmul(qg, kt.transpose(0, 2, 1))  # [nkv, g*n, m]
-    s *= iscale
-    t = None
-    if cap:
-        s *= 1.0 / cap
-        np.tanh(s, out=s)
-        t = s.copy()
-        s *= cap
-    if mask is not None:
-        nkv, gn, m = s.shape
-        s.reshape(nkv, g, gn // g, m)[:, :, ~mask] = -np.inf
-    return s, t
-
-
-def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
+             kern=NUMPY_TILES):
     """``out = [o | lse]``: per query head the softmax-weighted values ``o [N, nh*hd]`` and
     the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores, walking the key
-    tiles with an online softmax: per row the running max ``m``, the sum ``l`` of
-    ``exp(s - m)`` and the unnormalised output ``acc``, both rescaled by ``exp(m_old -
-    m_new)`` as the max grows; at the end ``o = acc / l`` and ``lse = m + log l``."""
+    tiles with an online softmax (``attn_fwd``): at the end ``o = acc / l`` and ``lse =
+    m + log l``."""
     g, dtype = nh // nkv, out.dtype
     lay = AttnLayout(q.shape[0], k.shape[0], n_seq, window, seg[0] if seg else None, tile)
     for q0, q1, b in lay.q_tiles():
@@ -250,21 +294,15 @@ def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
         l = np.zeros((nkv, g * n, 1), dtype)
         acc = np.zeros((nkv, g * n, hd), dtype)
         for k0, k1, mask in lay.k_tiles(q0, q1, b):
-            s, _ = _scores(qg, _kv_heads(k, k0, k1, nkv, hd), iscale, cap, mask, g)
-            mn = np.maximum(m, s.max(axis=2, keepdims=True))
-            safe = np.where(np.isfinite(mn), mn, 0.0)  # rows with nothing visible yet
-            alpha = np.exp(m - safe)
-            np.subtract(s, safe, out=s)
-            np.exp(s, out=s)  # p, 0 where masked
-            l = l * alpha + s.sum(axis=2, keepdims=True)
-            acc *= alpha
+            s = np.matmul(qg, _kv_heads(k, k0, k1, nkv, hd).transpose(0, 2, 1))  # [nkv, g*n, m]
+            kern.attn_fwd(s, m, l, acc, iscale, cap, mask, g)
             acc += np.matmul(s, _kv_heads(v, k0, k1, nkv, hd))
-            m = mn
         out[q0:q1, :nh * hd] = _ungroup(acc / l, n, nkv, g, hd)
         out[q0:q1, nh * hd:] = (m + np.log(l)).reshape(nkv * g, n).T
 
 
-def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
+                  kern=NUMPY_TILES):
     """The VJP of ``attn`` for all of q, k, v at once, ``out = [dq | dk | dv]`` flattened.
 
     Per key tile the probabilities are recomputed from the forward's ``lse``: ``p =
@@ -291,18 +329,12 @@ def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n
         dqg = np.zeros_like(qg)
         for k0, k1, mask in lay.k_tiles(q0, q1, b):
             kt, vt = _kv_heads(k, k0, k1, nkv, hd), _kv_heads(v, k0, k1, nkv, hd)
-            s, t = _scores(qg, kt, iscale, cap, mask, g)
-            np.subtract(s, lse, out=s)
-            np.exp(s, out=s)  # p
+            s = np.matmul(qg, kt.transpose(0, 2, 1))  # [nkv, g*n, m]
+            t = np.empty_like(s) if cap else None
+            kern.attn_p(s, t, lse, iscale, cap, mask, g)  # s: p
             dvt = np.matmul(s.transpose(0, 2, 1), dog)  # [nkv, m, hd]
             dp = np.matmul(dog, vt.transpose(0, 2, 1))  # [nkv, g*n, m]
-            dp -= D
-            dp *= s  # ds w.r.t. the capped scores
-            if cap:
-                np.multiply(t, t, out=t)
-                np.subtract(1.0, t, out=t)
-                dp *= t
-            dp *= iscale
+            kern.attn_ds(dp, s, t, D, iscale, cap)
             dqg += np.matmul(dp, kt)
             dkt = np.matmul(dp.transpose(0, 2, 1), qg)  # [nkv, m, hd]
             dk[k0:k1] += dkt.transpose(1, 0, 2).reshape(k1 - k0, nkv * hd)

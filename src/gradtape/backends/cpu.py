@@ -38,7 +38,7 @@ import numpy as np
 
 from ..compile.fuse import FusedGroup
 from ..ops import PRIMS, _mT
-from . import _cgen, onednn, qgemm
+from . import _cgen, onednn, qgemm, tiled_c
 from .base import HostBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
@@ -217,6 +217,10 @@ class CpuBackend(HostBackend):
                                                      self._qprod32)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
+            elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C
+                steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
+                                                      kern=tiled_c.kernels(s.dtype),
+                                                      **s.attrs)))
             else:
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       **s.attrs)))

@@ -4,8 +4,8 @@ Workloads (float32, all seven LoRA targets, r=8, alpha=16, AdamW):
   smollm2-lora  SmolLM2-135M-Instruct (the embedded GGUF), one sequence of T=256
   smollm2-lora-2k, smollm2-lora-8k   the same at long context: T=2048 / T=8192 (SmolLM2's
                 context), our default options (tiled attention, the fused head + loss,
-                --grad-checkpoint auto); at 8k the peer runs under autocast only, and a
-                peer that stops (out of memory) leaves gradtape's rows with a note
+                --grad-checkpoint auto; on at 8k); at 8k the peer runs under autocast
+                only, and a peer that stops (out of memory) leaves gradtape's rows
   tiny-lora     a random 2-layer LLaMA (dim 64, 4 heads, 2 KV heads, ffn 176, vocab 256), T=32
 
 Timing: every side is built in this process and their steps alternate (gradtape in each
@@ -62,6 +62,9 @@ REPS = {"smollm2-lora": 5, "tiny-lora": 50, "smollm2-lora-2k": 3, "smollm2-lora-
 WARMUP = {"smollm2-lora-2k": 1, "smollm2-lora-8k": 1}
 # peers left out by workload: the float32 eager peer at T=8192 (about 2x autocast's memory)
 NO_PEERS = {"smollm2-lora-8k": ("hf-peft-eager",)}
+# our --grad-checkpoint by workload (default auto): at 8k on, for the 8 GB target (auto
+# checkpoints only when the step would not fit the memory available)
+CHECKPOINT = {"smollm2-lora-8k": "on"}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 8, 16.0, 1e-4
 
@@ -124,7 +127,7 @@ def _workload(name):
 
 
 class GradtapeSide:
-    def __init__(self, model, t, backend, batch=1, compute="float32"):
+    def __init__(self, model, t, backend, batch=1, compute="float32", checkpoint="auto"):
         from gradtape.models.lora import init_adapter
         from gradtape.train.step import TrainStep
 
@@ -133,7 +136,7 @@ class GradtapeSide:
 
         # the trainer's defaults: checkpointing when the step would not fit otherwise
         self.step_prog = TrainStep(model, ad, batch, t, backend=backend, clip=0.0,
-                                   compute=compute, grad_checkpoint="auto",
+                                   compute=compute, grad_checkpoint=checkpoint,
                                    memory_limit=mem_available())
         self.compute = self.step_prog.compute  # what runs, after detection / fallback
         rng = np.random.default_rng(0)
@@ -319,7 +322,8 @@ def side_worker(name, workload, backend, compute, batch):
     if name.startswith("gradtape"):
         from gradtape.backends.compute import measured_rates
 
-        s = GradtapeSide(ours(), t, backend, batch, compute=compute)
+        s = GradtapeSide(ours(), t, backend, batch, compute=compute,
+                         checkpoint=CHECKPOINT.get(workload, "auto"))
         info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
                 "blas": blas_info(), "checkpointed": s.step_prog.checkpointed}
         if compute != "float32":

@@ -554,11 +554,11 @@ def _head_grad_w_shape(shapes, **attrs):
 
 
 def _head_scratch(v):
-    """A [T, chunk] logits block, the [T, D] product of a gradient block and, for a
-    block table, its dequantized [chunk, D] rows."""
+    """A [T, chunk] logits block (two under a cap: the tanh is kept), the [T, D] product
+    of a gradient block and, for a block table, its dequantized [chunk, D] rows."""
     x = v.inputs[1] if v.op != "head_nll" else v.inputs[0]
     rows = v.attrs["chunk"] * x.shape[1] if v.attrs.get("qtype") else 0
-    return x.shape[0] * v.attrs["chunk"] + x.size + rows
+    return x.shape[0] * v.attrs["chunk"] * (2 if v.attrs["cap"] else 1) + x.size + rows
 
 
 def _dec_head_nll(tp, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):

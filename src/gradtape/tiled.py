@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .blocks import dequantize
+
 # elements of one [T, chunk] logits block of the fused head (32 MB in float32)
 HEAD_BUDGET = 1 << 23
 
@@ -32,7 +34,6 @@ def _rows_of(w, v0, v1, qtype, dtype):
     its blocks when ``qtype`` is set; a view otherwise)."""
     if qtype is None:
         return w[v0:v1]
-    from .blocks import dequantize
     return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
 
 

@@ -2,12 +2,13 @@
 and every module imports alone in a fresh interpreter.
 
 The layers, lowest first (a module may import its own layer's modules and lower ones):
-the primitive table and the Var it records (``ops``, ``var``: with ``errors``, ``blocks``
-and the option checks below them), ``compile`` (the passes and the pipeline), ``backends``
-(each receives a compiled schedule), the tape and the layers on it (``tape``, ``nn``,
-``optim``), ``formats`` (file readers), ``models``, ``train``, and the entry points
-(``cli``, ``llama``, the package itself).  Every import counts, module-level or inside a
-function: a lazy import may keep an optional dependency cheap, never hide a cycle.
+the primitive table, its tiled forwards and the Var it records (``ops``, ``tiled``,
+``var``: with ``errors``, ``blocks`` and the option checks below them), ``compile`` (the
+passes and the pipeline), ``backends`` (each receives a compiled schedule), the tape and
+the layers on it (``tape``, ``nn``, ``optim``), ``formats`` (file readers), ``models``,
+``train``, and the entry points (``cli``, ``llama``, the package itself).  Every import
+counts, module-level or inside a function: a lazy import may keep an optional dependency
+cheap, never hide a cycle.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import gradtape
 ROOT = Path(gradtape.__file__).parent
 LAYERS = [
     {"errors", "io", "checks", "blocks"},
-    {"ops", "var"},
+    {"ops", "var", "tiled"},
     {"compile"},
     {"backends"},
     {"tape", "nn", "optim"},

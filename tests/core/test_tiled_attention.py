@@ -10,7 +10,8 @@ import pytest
 import gradtape as gt
 from gradtape import nn, ops, tiled
 
-from fd import BACKENDS, FD_TOL, check_fd, rel_err
+from support.compare import rel_err
+from support.fd import BACKENDS, FD_TOL, check_fd
 
 # Another summation order (tiles, an online softmax rescaled as the row max grows):
 TOL = {np.float64: 1e-12,  # float64 rounding over a few hundred terms

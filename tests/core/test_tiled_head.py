@@ -11,7 +11,8 @@ import gradtape as gt
 from gradtape import nn, ops, tiled
 from gradtape.blocks import random_blocks
 
-from fd import BACKENDS, FD_TOL, Blocks, check_fd, rel_err
+from support.compare import rel_err
+from support.fd import BACKENDS, FD_TOL, check_fd
 
 # The same sums in another order (blocks of the vocabulary, an online logsumexp): float64
 # rounding, a few ulps of the loss (about 1e-16 relative) accumulated over V terms.

@@ -9,8 +9,8 @@ from gradtape.errors import GradtapeError
 from gradtape.models.lora import init_adapter
 from gradtape.train.step import TrainStep
 
-from fd import rel_err
-from tinymodel import tiny_model
+from support.compare import rel_err
+from support.tinymodel import tiny_model
 
 
 def _batch(t=24, vocab=257, seed=0):

@@ -1,6 +1,6 @@
 """The cpu backend's kernels for the tiled primitives' elementwise work (``tiled.py``):
 the same methods as ``tiled.NumpyTiles``, one C loop over a block's rows each (OpenMP
-over the rows), so a block of scores is read and written once per step instead of once
+over the rows; ``csrc/tiled.c``), so a block of scores is read and written once per step instead of once
 per NumPy call.  The GEMMs and the walk over the blocks are ``tiled.py``'s own.
 
 Math as in ``NumpyTiles``, in the block's dtype, row sums in double; float32 ``exp`` is
@@ -16,123 +16,12 @@ import numpy as np
 
 from . import _cgen
 
-_BODY = r"""
-#define ISMASKED(mk, j) ((mk) && !(mk)[j])
-
-#define DEFINE(T, SUF, EXP, TANH)                                                        \
-/* head_fwd: z [rows, ncol] (row stride ld) raw logits of vocabulary rows v0..          \
-   -> cap; picked; running max m, sum s rescaled by exp(m_old - m_new) */              \
-void gt_head_fwd_##SUF(T *z, long ld, T *m, T *s, T *picked, const int64_t *ids,       \
-                       long rows, long ncol, long v0, double cap) {                    \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long r = 0; r < rows; r++) {                                                   \
-        T *row = z + r * ld, mx = -INFINITY;                                            \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j];                                                               \
-            if (cap) x = (T)cap * TANH(x * (T)(1.0 / cap));                             \
-            row[j] = x;                                                                 \
-            mx = x > mx ? x : mx;                                                       \
-        }                                                                               \
-        long c = ids[r] - v0;                                                           \
-        if (c >= 0 && c < ncol) picked[r] = row[c];                                     \
-        T mn = m[r] > mx ? m[r] : mx;                                                   \
-        double sum = 0.0;                                                               \
-        for (long j = 0; j < ncol; j++) sum += EXP(row[j] - mn);                        \
-        s[r] = (m[r] == -INFINITY ? (T)0 : s[r] * EXP(m[r] - mn)) + (T)sum;             \
-        m[r] = mn;                                                                      \
-    }                                                                                   \
-}                                                                                       \
-/* head_dz: z raw logits -> a * softmax(cap(z)) - b * onehot, times 1 - tanh^2 */       \
-void gt_head_dz_##SUF(T *z, long ld, const T *lse, const T *a, const T *b,             \
-                      const int64_t *ids, long rows, long ncol, long v0, double cap) { \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long r = 0; r < rows; r++) {                                                   \
-        T *row = z + r * ld;                                                            \
-        long c = ids[r] - v0;                                                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j], th = 0;                                                       \
-            if (cap) { th = TANH(x * (T)(1.0 / cap)); x = (T)cap * th; }                \
-            T p = EXP(x - lse[r]) * a[r];                                               \
-            if (j == c) p -= b[r];                                                      \
-            if (cap) p *= (T)1 - th * th;                                               \
-            row[j] = p;                                                                 \
-        }                                                                               \
-    }                                                                                   \
-}                                                                                       \
-/* attn_fwd: s [rows, ncol] raw scores (row r reads mask row r mod n)    \
-   -> p = exp(cap(s * iscale) - m_new), 0 where masked; m, l, acc [rows, hd] updated */ \
-void gt_attn_fwd_##SUF(T *s, T *m, T *l, T *acc, const uint8_t *mask, long rows,       \
-                       long ncol, long n, long hd, double iscale, double cap) {        \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long r = 0; r < rows; r++) {                                                   \
-        T *row = s + r * ncol, mx = -INFINITY;                                          \
-        const uint8_t *mk = mask ? mask + (r % n) * ncol : 0;                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j] * (T)iscale;                                                   \
-            if (cap) x = (T)cap * TANH(x * (T)(1.0 / cap));                             \
-            if (ISMASKED(mk, j)) x = -INFINITY;                                         \
-            row[j] = x;                                                                 \
-            mx = x > mx ? x : mx;                                                       \
-        }                                                                               \
-        T mn = m[r] > mx ? m[r] : mx;                                                   \
-        T safe = mn == -INFINITY ? (T)0 : mn;                                           \
-        T alpha = m[r] == -INFINITY ? (T)0 : EXP(m[r] - safe);                          \
-        double sum = 0.0;                                                               \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T p = ISMASKED(mk, j) ? (T)0 : EXP(row[j] - safe);                          \
-            row[j] = p;                                                                 \
-            sum += p;                                                                   \
-        }                                                                               \
-        l[r] = l[r] * alpha + (T)sum;                                                   \
-        T *ar = acc + r * hd;                                                           \
-        for (long d = 0; d < hd; d++) ar[d] *= alpha;                                   \
-        m[r] = mn;                                                                      \
-    }                                                                                   \
-}                                                                                       \
-/* attn_p: s raw scores -> exp(cap(s * iscale) - lse), 0 where masked; t = 1 - tanh^2 */\
-void gt_attn_p_##SUF(T *s, T *t, const T *lse, const uint8_t *mask, long rows,         \
-                     long ncol, long n, double iscale, double cap) {                   \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long r = 0; r < rows; r++) {                                                   \
-        T *row = s + r * ncol;                                                          \
-        const uint8_t *mk = mask ? mask + (r % n) * ncol : 0;                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j] * (T)iscale;                                                   \
-            if (cap) {                                                                  \
-                T th = TANH(x * (T)(1.0 / cap));                                        \
-                t[r * ncol + j] = (T)1 - th * th;                                       \
-                x = (T)cap * th;                                                        \
-            }                                                                           \
-            row[j] = ISMASKED(mk, j) ? (T)0 : EXP(x - lse[r]);                          \
-        }                                                                               \
-    }                                                                                   \
-}                                                                                       \
-/* attn_ds: dp -> p * (dp - D), times t under a cap, times iscale */                    \
-void gt_attn_ds_##SUF(T *dp, const T *p, const T *t, const T *D, long rows, long ncol, \
-                      double iscale, double cap) {                                     \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long r = 0; r < rows; r++) {                                                   \
-        T *row = dp + r * ncol;                                                         \
-        const T *pr = p + r * ncol;                                                     \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = pr[j] * (row[j] - D[r]);                                              \
-            if (cap) x *= t[r * ncol + j];                                              \
-            row[j] = x * (T)iscale;                                                     \
-        }                                                                               \
-    }                                                                                   \
-}
-
-DEFINE(float, f32, gt_expf, tanhf)
-DEFINE(double, f64, exp, tanh)
-"""
-
 _LIB = []
 
 
 def _lib():
     if not _LIB:
-        path, _ = _cgen.build(_cgen.PRELUDE + _BODY, flags=_cgen.threads_flags(),
-                              prefix="tiled")
+        path, _ = _cgen.build_csrc(["tiled.c"], flags=_cgen.threads_flags(), prefix="tiled")
         _LIB.append(ctypes.CDLL(str(path)))
     return _LIB[0]
 

@@ -142,11 +142,21 @@ def _head(tp, cfg, W, x, ones):
     return nn.softcap(tp, logits, cfg.final_softcap) if cfg.final_softcap else logits
 
 
+# logits elements from which the training loss fuses the head with it (128 MB float32):
+# below, the [N, V] logits are small, and keeping them saves the backward's recomputing
+# GEMM (and their GEMMs take bf16 where --compute bf16 runs)
+HEAD_FUSE_MIN = 1 << 25
+
+
 def head_loss(tp, cfg, W, x, targets, weights, ones=None):
     """``nn.cross_entropy_ids`` of ``_head``'s logits from the last hidden rows ``x [N,
-    D]`` (``record_forward(..., head=False)``), with the head and the loss fused
-    (``nn.cross_entropy_head``): no ``[N, V]`` logits in memory."""
-    h = _rmsnorm(tp, cfg, x, W["norm"], ones if ones is not None else nn.ones(tp, cfg.dim))
+    D]`` (``record_forward(..., head=False)``).  From ``HEAD_FUSE_MIN`` logits on, the
+    head and the loss are one tiled primitive (``nn.cross_entropy_head``): no ``[N, V]``
+    logits in memory."""
+    ones = ones if ones is not None else nn.ones(tp, cfg.dim)
+    if x.shape[0] * cfg.vocab_size < HEAD_FUSE_MIN:
+        return nn.cross_entropy_ids(tp, _head(tp, cfg, W, x, ones), targets, weights)
+    h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
                                  cfg.final_softcap or 0.0)
 

@@ -1,6 +1,7 @@
-"""Activation checkpointing (``compile.checkpoint``, ``TrainStep(grad_checkpoint=...)``):
-the same training run with less memory, ``auto`` choosing it only when needed, and a run
-that fits neither way refused before anything is allocated."""
+"""Long-context training steps: the fused head in a whole training step equals the
+composed one; activation checkpointing (``compile.checkpoint``, ``TrainStep(
+grad_checkpoint=...)``) trains the same with less memory, ``auto`` chooses it only when
+needed, and a run that fits neither way is refused before anything is allocated."""
 
 import numpy as np
 import pytest
@@ -29,19 +30,44 @@ def _run(model, backend, mode, dtype, t=24, steps=3):
     return ts, losses, ts.adapter_weights()
 
 
+def test_fused_head_trains_like_the_composed_head(monkeypatch):
+    """Three float64 steps with the head fused into the loss (``ops.head_nll``) and with
+    the composed logits + ``nn.cross_entropy_ids``: the same losses and adapters up to
+    the blocks' summation order (1e-12)."""
+    from gradtape.models import model as M
+
+    model = tiny_model(seed=4, n_layers=2, tied=True)
+    runs, default = {}, M.HEAD_FUSE_MIN
+    for fuse_min in (default, 0):
+        monkeypatch.setattr(M, "HEAD_FUSE_MIN", fuse_min)
+        ts, losses, weights = _run(model, "numpy", "off", np.float64)
+        assert any(v.op == "head_nll" for v in ts.program.graph.ops) == (fuse_min == 0)
+        runs[fuse_min] = (losses, weights)
+    (l_c, w_c), (l_f, w_f) = runs[default], runs[0]
+    assert rel_err(np.array(l_f), np.array(l_c)) <= 1e-12
+    for key in w_c:
+        for a, b in zip(w_f[key], w_c[key]):
+            assert rel_err(a, b) <= 1e-12, key
+
+
 @pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_checkpointed_step_trains_the_same(backend):
+def test_checkpointed_step_trains_the_same(backend, monkeypatch):
     """The recomputed forward runs the same ops on the same inputs: on numpy the losses,
     norms and adapters are bitwise those without checkpointing; on cpu the fused kernels
-    group differently around the clones (float64: rounding only)."""
+    group differently around the clones (float64: rounding only).  The head is the
+    fused one (the tiny vocabulary is below the size that fuses it by default)."""
+    from gradtape.models import model as M
+
+    monkeypatch.setattr(M, "HEAD_FUSE_MIN", 0)
     model = tiny_model(seed=2, n_layers=3)
     dtype = np.float32 if backend == "numpy" else np.float64
     off, l_off, w_off = _run(model, backend, "off", dtype)
     on, l_on, w_on = _run(model, backend, "on", dtype)
     assert on.checkpointed and not off.checkpointed
     # the layers' forward ops appear twice: once in forward, once recomputed in backward
-    n = lambda ts: sum(v.op == "attn" for v in ts.program.graph.ops)  # noqa: E731
-    assert n(off) == 3 and n(on) == 6
+    n = lambda ts, op: sum(v.op == op for v in ts.program.graph.ops)  # noqa: E731
+    assert n(off, "attn") == 3 and n(on, "attn") == 6
+    assert n(off, "head_nll") == 1 and n(on, "head_nll") == 2
     tol = 0.0 if backend == "numpy" else 1e-12
     assert rel_err(np.array(l_on), np.array(l_off)) <= tol
     for key in w_off:

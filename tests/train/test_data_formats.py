@@ -104,6 +104,10 @@ def test_text_records_continue_into_further_rows(tmp_path):
     # 30 bytes + eos = 31 tokens: rows of 16 and 15; "ab" + eos: 3 tokens
     assert [len(i) for i, _ in examples] == [16, 15, 3] and skipped == 0
     assert all(mask.all() for _, mask in examples)
+    # 16 + 1 tokens: a last lone token is no example; an empty text (eos alone) is one, skipped
+    d = data_mod.read_data(write(tmp_path / "e.jsonl", [{"text": "y" * 16}, {"text": ""}]))
+    examples, skipped = data_mod.tokenize_examples(d, m.tokenizer, 16)
+    assert [len(i) for i, _ in examples] == [16] and skipped == 1
 
 
 def test_columns_map_other_names(tmp_path):

@@ -45,8 +45,7 @@ class Sequences:
         return int((self.targets != IGNORE).sum())
 
     def take(self, index):
-        return Sequences(self.ids[index], self.targets[index], self.positions[index],
-                         self.segments[index])
+        return Sequences(*self.batch(index))
 
     def batch(self, index):
         """``(ids, targets, positions, segments)`` of rows ``index``: a micro-batch as
@@ -83,8 +82,8 @@ def tokenize_examples(data: DataFile, tokenizer, seq_len, train_on_prompt=False)
         for e_ids, e_mask in _cut(ids, mask, seq_len, split):
             if e_mask[1:].any():  # a target is a token after the first
                 out.append((e_ids, e_mask))
-            elif not split or len(e_ids) >= 2:  # (a text's last lone token is no example)
-                skipped += 1
+            elif not split or len(e_ids) >= 2 or len(e_ids) == len(ids):
+                skipped += 1  # (but a longer text's last lone token is no example)
     if not out:
         raise GradtapeError(f"no example has a target token within seq_len={seq_len}")
     return out, skipped

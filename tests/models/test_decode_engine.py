@@ -189,3 +189,98 @@ def test_adapter_changes_between_calls_are_seen(smollm2):
     lora, scale = smollm2._lora(ad, np.float32)
     assert changed == graph_argmax(smollm2, prompt, changed, lora, scale)
     assert smollm2.generate(prompt, 6, stop_ids=()) == base
+
+
+# --- every family the C step runs, on its small random transformers model -----------------
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> (its HF folder with ``C_DECODE_KW``, the GGUF llama.cpp's converter makes
+    of it or None without the converter), all made on first use."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from families import (C_DECODE_FAMILIES, C_DECODE_KW, FAMILIES, converter_dir,
+                          make_folder, model_job, run_converters)
+    root = tmp_path_factory.mktemp("c_decode")
+    folders = {f: make_folder(f, root / f, kw_override=C_DECODE_KW) for f in C_DECODE_FAMILIES}
+    ggufs = dict.fromkeys(C_DECODE_FAMILIES)
+    if converter_dir() is not None:
+        run_converters([model_job(folders[f], root / f"{f}.gguf", FAMILIES[f][2])
+                        for f in C_DECODE_FAMILIES], root)
+        ggufs = {f: root / f"{f}.gguf" for f in C_DECODE_FAMILIES}
+    return {f: (folders[f], ggufs[f]) for f in C_DECODE_FAMILIES}
+
+
+def _family_prompt(model, n=14):
+    """``n`` ids of the harness text: longer than Mistral's window (5), so the windowed
+    layers drop keys in the C prefill and in the steps after it."""
+    from families import TEXT
+    ids = model.tokenizer.encode(TEXT)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def _c_vs_graph(model, prompt, tokens):
+    """(C logits, graph logits) ``[1 + len(tokens), V]``: the C prefill of ``prompt`` (its
+    last row), then a C step per token, against the graph over the same rows."""
+    dec = E.BlockDecoder(model, E.block_weights(model), cap=64)
+    ours = [dec.prefill(prompt).copy()] + [dec.step(t).copy() for t in tokens]
+    cache = M.KVCache.empty(model.config)
+    ref = [M.forward_cached(model.config, model.weights, prompt, cache)[-1]]
+    ref += list(M.forward_cached(model.config, model.weights, tokens, cache))
+    return np.stack(ours), np.stack(ref)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "smollm3"])
+def test_family_decodes_through_the_c_step(family, family_models):
+    """Biases (Qwen2), q/k norms (Qwen3), a window (Mistral), llama3 rope factors, NoPE
+    layers (SmolLM3): the C prefill and steps give the graph's logits up to float32
+    summation order, and greedy generation through C picks the graph's tokens and
+    transformers' (its full forward's argmax over the generated sequence)."""
+    import torch
+    from gradtape import llama
+    folder, _ = family_models[family]
+    model = llama.load(str(folder))
+    assert E.supported(model), family
+    prompt = _family_prompt(model)
+    ours, ref = _c_vs_graph(model, prompt, _family_prompt(model, 20)[6:])
+    err = rel_err(ours, ref)
+    print(f"FAMILY {family} c-step-vs-graph {err:.2e}")
+    assert err < 1e-4
+    new = model.generate(prompt, 12, decoder="blocks", stop_ids=())
+    assert new == model.generate(prompt, 12, decoder="graph", stop_ids=())
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        z = hf(torch.tensor([prompt + new[:-1]])).logits[0]
+    assert [int(t) for t in z[len(prompt) - 1:].argmax(-1)] == new
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "smollm3"])
+def test_family_gguf_decodes_from_the_file(family, family_models):
+    """The GGUF llama.cpp's converter makes: the C step reads its blocks (q / k rows
+    un-permuted only where the converter permuted them) and gives the graph's logits."""
+    from gradtape import llama
+    _, gguf = family_models[family]
+    if gguf is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found")
+    model = llama.load(str(gguf))
+    assert E.supported(model), family
+    blocks = E.block_weights(model)
+    # from the mapped file (a float copy would own its data)
+    assert not blocks["layers.1.v"][1].flags.owndata
+    if family in ("qwen2", "qwen3"):  # rope rows as stored: not even the q / k rows copied
+        assert not blocks["layers.1.q"][1].flags.owndata
+    prompt = _family_prompt(model)
+    ours, ref = _c_vs_graph(model, prompt, _family_prompt(model, 20)[6:])
+    assert rel_err(ours, ref) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+def test_families_the_c_step_lacks_keep_the_graph(family, tmp_path):
+    """Gemma's (1 + w) norms, GeGLU, soft-caps and query scale, Phi-3's fused projections:
+    not computed by the C step, so those models decode through the graph."""
+    pytest.importorskip("transformers")
+    from families import C_DECODE_KW, make_folder
+    from gradtape import llama
+    model = llama.load(str(make_folder(family, tmp_path / family, kw_override=C_DECODE_KW)))
+    assert model.config.head_dim % 16 == 0 and not E.supported(model)

@@ -5,8 +5,9 @@ weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
 row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
 attn_q / attn_k rows are reordered, into our half-split rope layout, which copies those
 two), or, for weights that are not the file's, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
-preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables and the C struct that
-points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
+preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables (one per distinct
+layer setting, ``LlamaConfig.rope_for``), the family's biases, q/k norms and windows,
+and the C struct that points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
 and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
 ``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
 float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
@@ -22,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import nn
 from ..backends import ggml_vec
 from .config import LlamaConfig
 from .arch import ARCHS
 from .load_gguf import unpermute_rope_rows
+from .model import rope_tables
 
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
-_GGUF_OF = {ours: g for g, ours in ARCHS["llama"].gguf_block.items()}
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
 PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L2)
 
@@ -38,7 +38,7 @@ class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
                 ("at", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("bias", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -47,7 +47,9 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float), ("lin", ctypes.c_void_p), ("embd", _Lin), ("head", _Lin),
         ("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
         ("norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("rope_of", ctypes.c_void_p),
+        ("window", ctypes.c_void_p), ("iscale", ctypes.c_float)]
 
 
 def _gguf_blocks(model):
@@ -59,10 +61,12 @@ def _gguf_blocks(model):
     from ..formats.gguf_reader import GGUFFile
     gf = GGUFFile(src)
     cfg, out = model.config, {}
+    arch = ARCHS[cfg.arch]
+    gguf_of = {ours: g for g, ours in arch.gguf_block.items()}
     names = {"tok_embd": "token_embd.weight", "lm_head": "output.weight"}
     for i in range(cfg.n_layers):
         for t in _LINS:
-            names[f"layers.{i}.{t}"] = f"blk.{i}.{_GGUF_OF[t]}.weight"
+            names[f"layers.{i}.{t}"] = f"blk.{i}.{gguf_of[t]}.weight"
     for ours, gname in names.items():
         t = gf.tensors.get(gname)
         if t is None:
@@ -75,7 +79,9 @@ def _gguf_blocks(model):
             data = data.reshape(1, -1)
         if qtype == "F32" and data.dtype != np.uint8:
             data = np.ascontiguousarray(data).view(np.uint8)
-        if ours.endswith(".q"):
+        if not arch.permute_qk:  # q / k rows already in our half-split order (Qwen)
+            pass
+        elif ours.endswith(".q"):
             data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_heads))
         elif ours.endswith(".k"):
             data = np.ascontiguousarray(unpermute_rope_rows(data, cfg.n_kv_heads))
@@ -125,26 +131,23 @@ def block_weights(model) -> dict:
     return got
 
 
-# the family features (models.arch) at the values of the plain LLaMA block, the only block
-# the C step implements: any other value (biases, q/k norms, fused projections, rope
-# frequency factors, a sliding window, Gemma's norms, activations and soft-caps) decodes
-# through the graph instead
+# the family features (models.arch) the C step does not compute, at their plain LLaMA
+# values: any other value (fused projections, Gemma's norms, activations, soft-caps and
+# query scale) decodes through the graph instead.  What it does compute: biases on any
+# linear, per-head q/k RMSNorm (w, not 1 + w), sliding windows, and every rope setting
+# ``rope_for`` gives (llama3 / linear factors, a local base, no rope) as per-layer tables.
 _PLAIN_BLOCK = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
-                if f.name in ("biases", "qk_norm", "fused", "rope_scaling", "rope_factors",
-                              "sliding_window", "act", "norm_plus_one", "embed_scale",
-                              "post_norms", "attn_softcap", "final_softcap", "query_scale",
-                              "rope_linear", "rope_local_base", "nope_layers")}
+                if f.name in ("fused", "act", "norm_plus_one", "embed_scale", "post_norms",
+                              "attn_softcap", "final_softcap", "query_scale")}
 
 
 def supported(model) -> bool:
     """Whether the C step can run this model: a compiler, row lengths the kernels take,
-    and the plain LLaMA block only (``_PLAIN_BLOCK``)."""
+    and none of the features it lacks (``_PLAIN_BLOCK``)."""
     cfg = model.config
     if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
         return False
     if any(getattr(cfg, name) != plain for name, plain in _PLAIN_BLOCK.items()):
-        return False
-    if ARCHS[cfg.arch].gguf != "llama":  # its GGUF names and q/k row order are llama's
         return False
     if set(model.weights) != set(cfg.weight_shapes()):
         return False
@@ -169,19 +172,43 @@ class BlockDecoder:
         self.lins = lins
         self.set_lora(lora, lora_scale)
         W = model.weights
-        norms = [np.ascontiguousarray(np.stack([W[f"layers.{i}.{n}"] for i in
-                                                range(cfg.n_layers)]), np.float32)
-                 for n in ("attn_norm", "ffn_norm")] + [np.ascontiguousarray(W["norm"],
-                                                                             np.float32)]
+        def stacked(name):  # [n_layers, ...] float32
+            return np.ascontiguousarray(np.stack([W[f"layers.{i}.{name}"] for i in
+                                                  range(cfg.n_layers)]), np.float32)
+
+        norms = [stacked("attn_norm"), stacked("ffn_norm"),
+                 np.ascontiguousarray(W["norm"], np.float32)]
         self.keep += norms
+        for i in range(cfg.n_layers):  # biases: added by the C linear to its output rows
+            for j, t in enumerate(_LINS):
+                if t in cfg.biases:
+                    b = np.ascontiguousarray(W[f"layers.{i}.{t}_bias"], np.float32)
+                    self.keep.append(b)
+                    lins[i * len(_LINS) + j].bias = b.ctypes.data
+        qk = [stacked("q_norm"), stacked("k_norm")] if cfg.qk_norm else None
+        self.keep += qk or []
         kvw = cfg.n_kv_heads * cfg.head_dim
         self.kc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
         self.vc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
-        cos, sin = nn.rope_fill(self.cap, cfg.head_dim, cfg.rope_base)
-        self.cos, self.sin = cos.astype(np.float32), sin.astype(np.float32)
+        # one rope table [cap, hd/2] per distinct layer setting (the graph's rope_tables:
+        # base and factors, or cos 1 / sin 0 for a layer without rope)
+        settings = {}
+        for i in range(cfg.n_layers):
+            settings.setdefault(cfg.rope_for(i), i)
+        tabs = [rope_tables(cfg, self.cap, layer=i) for i in settings.values()]
+        self.cos = np.ascontiguousarray(np.stack([c for c, _ in tabs]), np.float32)
+        self.sin = np.ascontiguousarray(np.stack([s for _, s in tabs]), np.float32)
+        order = list(settings)
+        self.rope_of = np.array([order.index(cfg.rope_for(i)) for i in range(cfg.n_layers)],
+                                np.int64)
+        self.window = np.array([cfg.window(i) for i in range(cfg.n_layers)], np.int64)
         m = _Model(dim=cfg.dim, n_layers=cfg.n_layers, nh=cfg.n_heads, nkv=cfg.n_kv_heads,
                    hd=cfg.head_dim, ffn=cfg.ffn_dim, vocab=cfg.vocab_size, cap=self.cap,
-                   nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps)
+                   nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps,
+                   iscale=cfg.attn_iscale)
+        if qk:
+            m.q_norm, m.k_norm = qk[0].ctypes.data, qk[1].ctypes.data
+        m.rope_of, m.window = self.rope_of.ctypes.data, self.window.ctypes.data
         m.lin = ctypes.addressof(lins)
         m.embd = self._lin(blocks["tok_embd"])
         m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"])

@@ -8,13 +8,19 @@
    (RMSNorm, rope) run on one thread between barriers; attention splits over query
    heads.  The math is model.py's _block
    for one row, in float32, with sums of squares and softmax sums in double:
-     h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B);  rope(q), rope(k)
-     (NEOX half-split, the caller's cos/sin rows);  append k, v to the cache at pos;
-     per query head: softmax(q k^T / sqrt(hd)) v over the pos + 1 cached rows (GQA: query
-     head i reads kv head i / (nh / nkv));  x += attn Wo;  h = rmsnorm(x) * w;
+     h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B) (+ bias);
+     per head (where the family norms q and k: Qwen3, SmolLM3 has none) q_h = rmsnorm(q_h)
+     * qn, k_h = rmsnorm(k_h) * kn over hd;  rope(q), rope(k) (NEOX half-split, the rows
+     of layer i's table rope_of[i]: each layer's base and frequency factors, and cos = 1,
+     sin = 0 for a layer without rope, where rope is exactly the identity);  append k, v
+     to the cache at pos;  per query head: softmax(q k^T * iscale) v over the cached rows
+     lo .. pos, lo = max(0, pos - window[i] + 1) (window 0: lo = 0; a key j is seen iff
+     j > pos - window) (GQA: query head i reads kv head i / (nh / nkv));
+     x += attn Wo (+ bias);  h = rmsnorm(x) * w;
      x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
    Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
-   unmerged LoRA pair, A^T [r, in] and B [r, out] (float32), with its scale. */
+   unmerged LoRA pair, A^T [r, in] and B [r, out] (float32), with its scale, and an
+   optional float32 bias [out] added last (the graph adds it to the linear's output). */
 
 #include <math.h>
 #include <stdint.h>
@@ -42,6 +48,7 @@ typedef struct {
     const float *at, *b;    /* LoRA A^T [r, k], B [r, rows]; NULL: none */
     int64_t r;
     float scale;
+    const float *bias;      /* [rows]; NULL: none */
 } gd_lin;
 
 enum { GD_Q, GD_K, GD_V, GD_O, GD_GATE, GD_UP, GD_DOWN, GD_NLIN };
@@ -53,8 +60,13 @@ typedef struct {
     gd_lin embd, head;        /* token table [vocab, dim] and LM head [vocab, dim] */
     const float *attn_norm, *ffn_norm, *norm;   /* [n_layers, dim], ..., [dim] */
     float *kc, *vc;           /* caches [n_layers, cap, nkv*hd] (roped keys, values) */
-    const float *cos, *sin;   /* rope tables [cap, hd/2] */
+    const float *cos, *sin;   /* rope tables [n tables, cap, hd/2] */
     float *scratch;           /* gd_scratch_floats(m) floats */
+    /* the family features; NULL / 0 where the block is plain LLaMA's */
+    const float *q_norm, *k_norm;  /* per-head RMSNorm weights [n_layers, hd] (both or none) */
+    const int64_t *rope_of;   /* [n_layers]: the layer's table; NULL: all table 0 */
+    const int64_t *window;    /* [n_layers]: keys seen (0: all); NULL: all 0 */
+    float iscale;             /* the factor on the scores, 1/sqrt(hd) */
 } gd_model;
 
 int64_t gd_scratch_floats(const gd_model *m) {
@@ -113,6 +125,8 @@ static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y,
 #endif
     gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
     if (L->at) gd_lora_b(L, t, y, r0, r1);
+    if (L->bias)
+        for (int64_t r = r0; r < r1; r++) y[r] += L->bias[r];
 }
 
 static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const float *s) {
@@ -125,6 +139,22 @@ static void gd_rope(float *v, int64_t nheads, int64_t hd, const float *c, const 
             p[j + h2] = x2 * c[j] + x1 * s[j];
         }
     }
+}
+
+/* RMSNorm of each of the n heads of v [n * hd] with one weight w [hd] (the q / k norm) */
+static void gd_head_norm(float *v, int64_t n, int64_t hd, const float *w, float eps) {
+    for (int64_t h = 0; h < n; h++) gd_rmsnorm(v + h * hd, w, v + h * hd, hd, eps);
+}
+
+/* The layer's features for a row at position p: its rope rows (cos, sin) and the first
+   cached row it sees, lo (window w > 0: key j is seen iff j > p - w) */
+static void gd_layer_at(const gd_model *m, int64_t i, int64_t p, const float **c,
+                        const float **s, int64_t *lo) {
+    const int64_t h2 = m->hd / 2, tab = m->rope_of ? m->rope_of[i] : 0;
+    const int64_t w = m->window ? m->window[i] : 0;
+    *c = m->cos + (tab * m->cap + p) * h2;
+    *s = m->sin + (tab * m->cap + p) * h2;
+    *lo = w > 0 && p - w + 1 > 0 ? p - w + 1 : 0;
 }
 
 /* One query head over the first n cached rows: o[hd] = softmax(q k_p * iscale) v_p, with
@@ -169,8 +199,7 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     float *att = v + kvw, *mlp = att + nh * hd, *up = mlp + F, *t = up + F;
     float *sc = t + 256;
     float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
-    const float *cs = m->cos + pos * (hd / 2), *sn = m->sin + pos * (hd / 2);
-    const float iscale = (float)(1.0 / sqrt((double)hd));
+    const float iscale = m->iscale;
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)m->nthreads)
@@ -179,6 +208,9 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
         float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+        const float *cs, *sn;
+        int64_t lo;
+        gd_layer_at(m, i, pos, &cs, &sn, &lo);
         GD_SINGLE
         gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);  /* implicit barrier */
         gd_lora_ts(&L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
@@ -188,6 +220,10 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         GD_BARRIER
         GD_SINGLE
         {
+            if (m->q_norm) {
+                gd_head_norm(q, nh, hd, m->q_norm + i * hd, m->eps);
+                gd_head_norm(k, nkv, hd, m->k_norm + i * hd, m->eps);
+            }
             gd_rope(q, nh, hd, cs, sn);
             gd_rope(k, nkv, hd, cs, sn);
             memcpy(kc + pos * kvw, k, kvw * sizeof(float));
@@ -195,8 +231,8 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         }
         GD_FOR
         for (int64_t qh = 0; qh < nh; qh++)
-            gd_attend(q + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw, n, hd, iscale,
-                      sc + qh * (m->cap + 1), att + qh * hd);
+            gd_attend(q + qh * hd, kc + lo * kvw + (qh / g) * hd, vc + lo * kvw + (qh / g) * hd,
+                      kvw, n - lo, hd, iscale, sc + qh * (m->cap + 1), att + qh * hd);
         /* implicit barrier */
         gd_lora_ts(&L[GD_O], 0, 0, att, tq, 0, 0);
         gd_linear(&L[GD_O], att, tq, x, 1);  /* x += attn Wo: each row owned by one thread */
@@ -246,6 +282,9 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
     gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
     if (L->at)
         for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
+    if (L->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t r = r0; r < r1; r++) Y[t * L->rows + r] += L->bias[r];
 }
 
 /* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
@@ -253,12 +292,12 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
 void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
                 float *logits, float *buf) {
     const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
-    const int64_t qw = nh * hd, kvw = nkv * hd, g = nh / nkv, h2 = hd / 2;
+    const int64_t qw = nh * hd, kvw = nkv * hd, g = nh / nkv;
     float *x = buf, *h = x + T * D, *q = h + T * D, *k = q + T * qw, *v = k + T * kvw;
     float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
     float *sc = lt + T * 256, *tiles = sc + nh * (m->cap + 1);
     const int64_t kmax = gd_kmax(m);
-    const float iscale = (float)(1.0 / sqrt((double)hd));
+    const float iscale = m->iscale;
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)m->nthreads)
@@ -286,17 +325,28 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             const int64_t p = start + t;
-            gd_rope(q + t * qw, nh, hd, m->cos + p * h2, m->sin + p * h2);
-            gd_rope(k + t * kvw, nkv, hd, m->cos + p * h2, m->sin + p * h2);
+            const float *cs, *sn;
+            int64_t lo;
+            gd_layer_at(m, i, p, &cs, &sn, &lo);
+            if (m->q_norm) {
+                gd_head_norm(q + t * qw, nh, hd, m->q_norm + i * hd, m->eps);
+                gd_head_norm(k + t * kvw, nkv, hd, m->k_norm + i * hd, m->eps);
+            }
+            gd_rope(q + t * qw, nh, hd, cs, sn);
+            gd_rope(k + t * kvw, nkv, hd, cs, sn);
             memcpy(kc + p * kvw, k + t * kvw, kvw * sizeof(float));
             memcpy(vc + p * kvw, v + t * kvw, kvw * sizeof(float));
         }
         GD_FOR
         for (int64_t qh = 0; qh < nh; qh++)
-            for (int64_t t = 0; t < T; t++)  /* causal: row t sees positions <= start + t */
-                gd_attend(q + t * qw + qh * hd, kc + (qh / g) * hd, vc + (qh / g) * hd, kvw,
-                          start + t + 1, hd, iscale, sc + qh * (m->cap + 1),
-                          att + t * qw + qh * hd);
+            for (int64_t t = 0; t < T; t++) {  /* causal: row t sees positions lo .. start + t */
+                const float *cs, *sn;
+                int64_t lo;
+                gd_layer_at(m, i, start + t, &cs, &sn, &lo);
+                gd_attend(q + t * qw + qh * hd, kc + lo * kvw + (qh / g) * hd,
+                          vc + lo * kvw + (qh / g) * hd, kvw, start + t + 1 - lo, hd, iscale,
+                          sc + qh * (m->cap + 1), att + t * qw + qh * hd);
+            }
         if (L[GD_O].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);

@@ -196,16 +196,20 @@ def test_adapter_changes_between_calls_are_seen(smollm2):
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
     """family -> (its HF folder with ``C_DECODE_KW``, the GGUF llama.cpp's converter makes
-    of it or None without the converter), all made on first use."""
+    of it, or of its variant without the options a GGUF cannot say (``GGUF_VARIANTS``);
+    None without the converter), all made on first use."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from families import (C_DECODE_FAMILIES, C_DECODE_KW, FAMILIES, converter_dir,
-                          make_folder, model_job, run_converters)
+    from families import (C_DECODE_FAMILIES, C_DECODE_KW, FAMILIES, GGUF_VARIANTS,
+                          converter_dir, make_folder, model_job, run_converters)
     root = tmp_path_factory.mktemp("c_decode")
     folders = {f: make_folder(f, root / f, kw_override=C_DECODE_KW) for f in C_DECODE_FAMILIES}
     ggufs = dict.fromkeys(C_DECODE_FAMILIES)
     if converter_dir() is not None:
-        run_converters([model_job(folders[f], root / f"{f}.gguf", FAMILIES[f][2])
+        src = {f: make_folder(f, root / f"{f}-variant",
+                              kw_override={**C_DECODE_KW, **GGUF_VARIANTS[f]})
+               if f in GGUF_VARIANTS else folders[f] for f in C_DECODE_FAMILIES}
+        run_converters([model_job(src[f], root / f"{f}.gguf", FAMILIES[f][2])
                         for f in C_DECODE_FAMILIES], root)
         ggufs = {f: root / f"{f}.gguf" for f in C_DECODE_FAMILIES}
     return {f: (folders[f], ggufs[f]) for f in C_DECODE_FAMILIES}
@@ -230,12 +234,17 @@ def _c_vs_graph(model, prompt, tokens):
     return np.stack(ours), np.stack(ref)
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "smollm3"])
+C_FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("family", C_FAMILIES)
 def test_family_decodes_through_the_c_step(family, family_models):
-    """Biases (Qwen2), q/k norms (Qwen3), a window (Mistral), llama3 rope factors, NoPE
-    layers (SmolLM3): the C prefill and steps give the graph's logits up to float32
-    summation order, and greedy generation through C picks the graph's tokens and
-    transformers' (its full forward's argmax over the generated sequence)."""
+    """Biases (Qwen2), q/k norms (Qwen3, Gemma 3), windows (Mistral, Gemma), llama3 rope
+    factors, NoPE layers (SmolLM3), Gemma's (1 + w) norms, post-norms, GeGLU, embedding
+    scale, soft-caps, query scale and per-layer rope bases with linear scaling (Gemma 3):
+    the C prefill and steps give the graph's logits up to float32 summation order, and
+    greedy generation through C picks the graph's tokens and transformers' (its full
+    forward's argmax over the generated sequence)."""
     import torch
     from gradtape import llama
     folder, _ = family_models[family]
@@ -255,7 +264,7 @@ def test_family_decodes_through_the_c_step(family, family_models):
     assert [int(t) for t in z[len(prompt) - 1:].argmax(-1)] == new
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("family", C_FAMILIES)
 def test_family_gguf_decodes_from_the_file(family, family_models):
     """The GGUF llama.cpp's converter makes: the C step reads its blocks (q / k rows
     un-permuted only where the converter permuted them) and gives the graph's logits."""
@@ -268,17 +277,17 @@ def test_family_gguf_decodes_from_the_file(family, family_models):
     blocks = E.block_weights(model)
     # from the mapped file (a float copy would own its data)
     assert not blocks["layers.1.v"][1].flags.owndata
-    if family in ("qwen2", "qwen3"):  # rope rows as stored: not even the q / k rows copied
+    if family in ("qwen2", "qwen3", "gemma2", "gemma3"):  # q / k rows as stored, not copied
         assert not blocks["layers.1.q"][1].flags.owndata
     prompt = _family_prompt(model)
     ours, ref = _c_vs_graph(model, prompt, _family_prompt(model, 20)[6:])
     assert rel_err(ours, ref) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["phi3"])
 def test_families_the_c_step_lacks_keep_the_graph(family, tmp_path):
-    """Gemma's (1 + w) norms, GeGLU, soft-caps and query scale, Phi-3's fused projections:
-    not computed by the C step, so those models decode through the graph."""
+    """Phi-3's fused projections: not computed by the C step, so it decodes through the
+    graph."""
     pytest.importorskip("transformers")
     from families import C_DECODE_KW, make_folder
     from gradtape import llama

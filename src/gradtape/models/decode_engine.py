@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,10 @@ class _Model(ctypes.Structure):
         ("norm", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
         ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p), ("rope_of", ctypes.c_void_p),
-        ("window", ctypes.c_void_p), ("iscale", ctypes.c_float)]
+        ("window", ctypes.c_void_p), ("iscale", ctypes.c_float),
+        ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
+        ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64)]
 
 
 def _gguf_blocks(model):
@@ -132,13 +136,14 @@ def block_weights(model) -> dict:
 
 
 # the family features (models.arch) the C step does not compute, at their plain LLaMA
-# values: any other value (fused projections, Gemma's norms, activations, soft-caps and
-# query scale) decodes through the graph instead.  What it does compute: biases on any
-# linear, per-head q/k RMSNorm (w, not 1 + w), sliding windows, and every rope setting
-# ``rope_for`` gives (llama3 / linear factors, a local base, no rope) as per-layer tables.
+# values: any other value (fused projections) decodes through the graph instead.  What
+# it does compute: biases on any linear, per-head q/k RMSNorm, sliding windows, every rope
+# setting ``rope_for`` gives (llama3 / linear factors, a local base, no rope) as
+# per-layer tables, and Gemma's block: (1 + w) norms, embeddings times sqrt(dim), norms
+# after attention and MLP, GeGLU, attention and final soft-caps, the query scale.
 _PLAIN_BLOCK = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
-                if f.name in ("fused", "act", "norm_plus_one", "embed_scale", "post_norms",
-                              "attn_softcap", "final_softcap", "query_scale")}
+                if f.name in ("fused",)}
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # the C step's gated activations (its geglu flag)
 
 
 def supported(model) -> bool:
@@ -148,6 +153,8 @@ def supported(model) -> bool:
     if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
         return False
     if any(getattr(cfg, name) != plain for name, plain in _PLAIN_BLOCK.items()):
+        return False
+    if cfg.act not in _ACTS:
         return False
     if set(model.weights) != set(cfg.weight_shapes()):
         return False
@@ -172,12 +179,14 @@ class BlockDecoder:
         self.lins = lins
         self.set_lora(lora, lora_scale)
         W = model.weights
-        def stacked(name):  # [n_layers, ...] float32
-            return np.ascontiguousarray(np.stack([W[f"layers.{i}.{name}"] for i in
-                                                  range(cfg.n_layers)]), np.float32)
+        def norm_w(w):  # the factor of a norm: w, or 1 + w (Gemma), in float32 as the graph
+            w = np.ascontiguousarray(w, np.float32)
+            return w + np.float32(1.0) if cfg.norm_plus_one else w
 
-        norms = [stacked("attn_norm"), stacked("ffn_norm"),
-                 np.ascontiguousarray(W["norm"], np.float32)]
+        def stacked(name):  # [n_layers, ...]
+            return norm_w(np.stack([W[f"layers.{i}.{name}"] for i in range(cfg.n_layers)]))
+
+        norms = [stacked("attn_norm"), stacked("ffn_norm"), norm_w(W["norm"])]
         self.keep += norms
         for i in range(cfg.n_layers):  # biases: added by the C linear to its output rows
             for j, t in enumerate(_LINS):
@@ -186,7 +195,8 @@ class BlockDecoder:
                     self.keep.append(b)
                     lins[i * len(_LINS) + j].bias = b.ctypes.data
         qk = [stacked("q_norm"), stacked("k_norm")] if cfg.qk_norm else None
-        self.keep += qk or []
+        post = [stacked("post_attn_norm"), stacked("post_ffn_norm")] if cfg.post_norms else None
+        self.keep += (qk or []) + (post or [])
         kvw = cfg.n_kv_heads * cfg.head_dim
         self.kc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
         self.vc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
@@ -205,7 +215,11 @@ class BlockDecoder:
         m = _Model(dim=cfg.dim, n_layers=cfg.n_layers, nh=cfg.n_heads, nkv=cfg.n_kv_heads,
                    hd=cfg.head_dim, ffn=cfg.ffn_dim, vocab=cfg.vocab_size, cap=self.cap,
                    nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps,
-                   iscale=cfg.attn_iscale)
+                   iscale=cfg.attn_iscale, attn_softcap=cfg.attn_softcap,
+                   final_softcap=cfg.final_softcap, geglu=_ACTS[cfg.act],
+                   embed_scale=math.sqrt(cfg.dim) if cfg.embed_scale else 0.0)
+        if post:
+            m.post_attn_norm, m.post_ffn_norm = post[0].ctypes.data, post[1].ctypes.data
         if qk:
             m.q_norm, m.k_norm = qk[0].ctypes.data, qk[1].ctypes.data
         m.rope_of, m.window = self.rope_of.ctypes.data, self.window.ctypes.data

@@ -18,6 +18,12 @@
      j > pos - window) (GQA: query head i reads kv head i / (nh / nkv));
      x += attn Wo (+ bias);  h = rmsnorm(x) * w;
      x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
+   Gemma's block on top (each where the model has it): x = embedding * sqrt(dim) (the
+   caller's embed_scale); the scores soft-capped, s = cap tanh(s / cap), after the scale
+   and before the softmax; x += rmsnorm(attn Wo) * w_post and x += rmsnorm(mlp) * w_post
+   (norms after attention and MLP); GeGLU, gelu_tanh(g) * u with gelu_tanh(g) = 0.5 g (1 +
+   tanh(sqrt(2/pi) (g + 0.044715 g^3))), in place of silu(g) * u; logits = cap tanh(logits
+   / cap).  Gemma's (1 + w) norm weights are the caller's: it passes 1 + w.
    Every linear is a gd_lin: ggml blocks [out, in] (ggml's orientation), plus an optional
    unmerged LoRA pair, A^T [r, in] and B [r, out] (float32), with its scale, and an
    optional float32 bias [out] added last (the graph adds it to the linear's output). */
@@ -67,6 +73,10 @@ typedef struct {
     const int64_t *rope_of;   /* [n_layers]: the layer's table; NULL: all table 0 */
     const int64_t *window;    /* [n_layers]: keys seen (0: all); NULL: all 0 */
     float iscale;             /* the factor on the scores, 1/sqrt(hd) */
+    const float *post_attn_norm, *post_ffn_norm;  /* [n_layers, dim] (both or none) */
+    float embed_scale;        /* 0: none, else the embeddings' factor */
+    float attn_softcap, final_softcap;  /* 0: none */
+    int64_t geglu;            /* 1: gelu_tanh(g) * u, 0: silu(g) * u */
 } gd_model;
 
 int64_t gd_scratch_floats(const gd_model *m) {
@@ -160,7 +170,7 @@ static void gd_layer_at(const gd_model *m, int64_t i, int64_t p, const float **c
 /* One query head over the first n cached rows: o[hd] = softmax(q k_p * iscale) v_p, with
    k_p = k + p * stride (likewise v); s[n] holds the scores.  hd is a multiple of 16. */
 static void gd_attend(const float *q, const float *k, const float *v, int64_t stride,
-                      int64_t n, int64_t hd, float iscale, float *s, float *o) {
+                      int64_t n, int64_t hd, float iscale, float cap, float *s, float *o) {
     float mx = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
         const float *kp = k + p * stride;
@@ -175,6 +185,7 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
             for (int l = 0; l < 16; l++) a[l] += q[j + l] * kp[j + l];
         s[p] = gv_hsum(a) * iscale;
 #endif
+        if (cap > 0.0f) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
         mx = s[p] > mx ? s[p] : mx;
     }
     for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
@@ -191,6 +202,50 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
 /* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
 static inline float gd_silu(float g) { return g * (1.0f / (1.0f + gt_expf(-g))); }
 
+/* the gated activation of mlp[j] (gate) and up[j]: silu, or GeGLU as nn.gelu_tanh
+   computes it (tanh approximation, sqrt(2/pi) = 0.7978845608028654) */
+static inline float gd_act(const gd_model *m, float g, float u) {
+    if (!m->geglu) return gd_silu(g) * u;
+    const float inner = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
+    return g * 0.5f * (tanhf(inner) + 1.0f) * u;
+}
+
+/* x[n] += rmsnorm(a) * w (a post-norm: Gemma's norm of the attention or MLP output) */
+static void gd_post_add(float *x, float *a, const float *w, int64_t n, float eps) {
+    gd_rmsnorm(a, w, a, n, eps);
+    for (int64_t j = 0; j < n; j++) x[j] += a[j];
+}
+
+/* in place: x *= embed_scale for n floats (0: no scale) */
+static void gd_embed_scale(const gd_model *m, float *x, int64_t n) {
+    if (m->embed_scale != 0.0f)
+        for (int64_t j = 0; j < n; j++) x[j] *= m->embed_scale;
+}
+
+/* x += y Wout (+ bias), or with a post-norm w (layer i of it; NULL: none) x +=
+   rmsnorm(y Wout) * w through h; every thread calls it, and it ends with a barrier */
+static void gd_residual(const gd_model *m, const gd_lin *L, const float *y, const float *t,
+                        float *x, float *h, const float *post, int64_t i) {
+    if (!post) {
+        gd_linear(L, y, t, x, 1);  /* each row of x owned by one thread */
+        GD_BARRIER
+        return;
+    }
+    gd_linear(L, y, t, h, 0);
+    GD_BARRIER
+    GD_SINGLE
+    gd_post_add(x, h, post + i * m->dim, m->dim, m->eps);
+}
+
+/* logits = cap tanh(logits / cap) where the family caps them; every thread calls it */
+static void gd_final_cap(const gd_model *m, float *logits) {
+    if (!(m->final_softcap > 0.0f)) return;
+    GD_BARRIER
+    GD_FOR
+    for (int64_t r = 0; r < m->vocab; r++)
+        logits[r] = tanhf(logits[r] * (1.0f / m->final_softcap)) * m->final_softcap;
+}
+
 /* logits[vocab] of `token` at position `pos` (< cap); the caches get row pos. */
 void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
@@ -201,6 +256,7 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
     const float iscale = m->iscale;
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
+    gd_embed_scale(m, x, D);
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)m->nthreads)
 #endif
@@ -232,11 +288,11 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         GD_FOR
         for (int64_t qh = 0; qh < nh; qh++)
             gd_attend(q + qh * hd, kc + lo * kvw + (qh / g) * hd, vc + lo * kvw + (qh / g) * hd,
-                      kvw, n - lo, hd, iscale, sc + qh * (m->cap + 1), att + qh * hd);
+                      kvw, n - lo, hd, iscale, m->attn_softcap, sc + qh * (m->cap + 1),
+                      att + qh * hd);
         /* implicit barrier */
         gd_lora_ts(&L[GD_O], 0, 0, att, tq, 0, 0);
-        gd_linear(&L[GD_O], att, tq, x, 1);  /* x += attn Wo: each row owned by one thread */
-        GD_BARRIER
+        gd_residual(m, &L[GD_O], att, tq, x, h, m->post_attn_norm, i);
         GD_SINGLE
         gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
         gd_lora_ts(&L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
@@ -244,14 +300,14 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         gd_linear(&L[GD_UP], h, tu, up, 0);
         GD_BARRIER
         GD_FOR
-        for (int64_t j = 0; j < F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
         gd_lora_ts(&L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
-        gd_linear(&L[GD_DOWN], mlp, tv, x, 1);
-        GD_BARRIER
+        gd_residual(m, &L[GD_DOWN], mlp, tv, x, h, m->post_ffn_norm, i);
     }
     GD_SINGLE
     gd_rmsnorm(x, m->norm, h, D, m->eps);
     gd_linear(&m->head, h, 0, logits, 0);
+    gd_final_cap(m, logits);
     }
 }
 
@@ -287,6 +343,22 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
             for (int64_t r = r0; r < r1; r++) Y[t * L->rows + r] += L->bias[r];
 }
 
+/* gd_residual on T rows: X += Y Wout, or X += rmsnorm(Y Wout) * w row by row through H */
+static void gd_residual_T(const gd_model *m, const gd_lin *L, const float *Y, int64_t T,
+                          const float *lt, int slot, float *X, float *H, const float *post,
+                          int64_t i, float *tile) {
+    if (!post) {
+        gd_linear_T(L, Y, T, lt, slot, X, 1, tile);
+        GD_BARRIER
+        return;
+    }
+    gd_linear_T(L, Y, T, lt, slot, H, 0, tile);
+    GD_BARRIER
+    GD_FOR
+    for (int64_t t = 0; t < T; t++)
+        gd_post_add(X + t * m->dim, H + t * m->dim, post + i * m->dim, m->dim, m->eps);
+}
+
 /* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
    rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
 void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
@@ -299,6 +371,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     const int64_t kmax = gd_kmax(m);
     const float iscale = m->iscale;
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
+    gd_embed_scale(m, x, T * D);
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)m->nthreads)
 #endif
@@ -345,14 +418,13 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
                 gd_layer_at(m, i, start + t, &cs, &sn, &lo);
                 gd_attend(q + t * qw + qh * hd, kc + lo * kvw + (qh / g) * hd,
                           vc + lo * kvw + (qh / g) * hd, kvw, start + t + 1 - lo, hd, iscale,
-                          sc + qh * (m->cap + 1), att + t * qw + qh * hd);
+                          m->attn_softcap, sc + qh * (m->cap + 1), att + t * qw + qh * hd);
             }
         if (L[GD_O].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
         }
-        gd_linear_T(&L[GD_O], att, T, lt, 0, x, 1, tile);
-        GD_BARRIER
+        gd_residual_T(m, &L[GD_O], att, T, lt, 0, x, h, m->post_attn_norm, i, tile);
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
@@ -363,16 +435,16 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile);
         GD_BARRIER
         GD_FOR
-        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
         if (L[GD_DOWN].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
         }
-        gd_linear_T(&L[GD_DOWN], mlp, T, lt, 2, x, 1, tile);
-        GD_BARRIER
+        gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile);
     }
     GD_SINGLE
     gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
     gd_linear(&m->head, h, 0, logits, 0);
+    gd_final_cap(m, logits);
     }
 }

@@ -28,7 +28,7 @@ from ..backends import ggml_vec
 from .config import LlamaConfig
 from .arch import ARCHS
 from .load_gguf import unpermute_rope_rows
-from .model import rope_tables
+from .rope import rope_tables
 
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target

@@ -36,9 +36,11 @@ from .. import nn, ops
 from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..tape import Tape
+from . import decode_engine
 from .config import LlamaConfig
 from .generate import Sampling, check_length, check_stop_strings, run_loop
 from .lora import check_adapter_fits
+from .rope import rope_tables
 
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
 
@@ -159,16 +161,6 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None):
     h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
                                  cfg.final_softcap or 0.0)
-
-
-def rope_tables(cfg, t, start=0, layer=0):
-    """Host-side ``(cos, sin) [t, hd/2]`` of positions ``start..start+t`` with ``layer``'s
-    rope (``LlamaConfig.rope_for``: its base and frequency factors); for a layer without
-    rope (SmolLM3's NoPE) cos = 1 and sin = 0, with which rope is exactly the identity."""
-    rope = cfg.rope_for(layer)
-    if rope is None:
-        return np.ones((t, cfg.head_dim // 2)), np.zeros((t, cfg.head_dim // 2))
-    return nn.rope_fill(t, cfg.head_dim, rope[0], start=start, factors=rope[1])
 
 
 def _rope_keys(cfg):
@@ -520,7 +512,6 @@ class Llama:
             raise GradtapeError(f"decoder must be 'auto', 'blocks' or 'graph', got {decoder!r}")
         if decoder == "graph":
             return False
-        from . import decode_engine
         ok = (np.dtype(dtype) == np.float32 and decode_engine.supported(self)
               and all(a.shape[1] <= decode_engine.MAX_RANK for a, _ in (lora or {}).values()))
         if decoder == "blocks" and not ok:
@@ -533,7 +524,6 @@ class Llama:
         """A ``decode_engine.BlockDecoder`` with room for ``need`` rows (capacity rounded
         up to a multiple of 256), reused across calls (its KV cache and the block views
         of the weights, taken once per model); the adapter is set afresh every call."""
-        from . import decode_engine
         if getattr(self, "_blocks", None) is None:
             self._blocks = decode_engine.block_weights(self)
         hit = getattr(self, "_block_dec", None)

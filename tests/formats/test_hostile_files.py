@@ -367,6 +367,16 @@ def test_hf_wrong_shape_and_missing_tensor(files, tmp_path):
         expect_format_error(lambda: llama.load(folder), folder / "config.json", match=match)
 
 
+@pytest.mark.parametrize("layers", [0, 1 << 31])
+def test_hf_layer_count_is_checked_before_anything_per_layer(files, tmp_path, layers):
+    """A config.json saying 2^31 layers is one error at once (per-layer settings were
+    built from it before the count was checked: 24 GB, found by the fuzzer)."""
+    folder = _hf_copy(files, tmp_path, files["st_bytes"])
+    cj = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cj, "num_hidden_layers": layers}))
+    expect_format_error(lambda: llama.load(folder), folder, match="num_hidden_layers")
+
+
 def test_pickle_only_folder_is_refused(tmp_path):
     folder = tmp_path / "pt"
     folder.mkdir()

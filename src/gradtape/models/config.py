@@ -177,6 +177,14 @@ def llama3_rope_factors(head_dim, base, factor, low, high, orig) -> tuple:
     return tuple(out)
 
 
+def _layer_count(v, where, key):
+    """A layer count checked before anything is built per layer (a file may say 2^31)."""
+    n = _int(v, where, key)
+    if not 0 < n <= _MAX_LAYERS:
+        raise FileFormatError(f"{where}: {key} = {n} is not an integer in [1, {_MAX_LAYERS}]")
+    return n
+
+
 def _int(v, where, key):
     if isinstance(v, bool) or not isinstance(v, int):
         try:
@@ -258,7 +266,7 @@ def from_gguf_metadata(meta: dict, where: str, vocab_size: int, tied: bool,
     if rope_dims != head_dim:
         raise FileFormatError(f"{where}: partial rope (rope.dimension_count {rope_dims} != "
                               f"head_dim {head_dim}) is not supported")
-    n_layers = need("block_count")
+    n_layers = _layer_count(need("block_count"), where, "block_count")
     rope = {}
     scaling = meta.get(f"{a}.rope.scaling.type", "none")
     if scaling == "linear":
@@ -465,7 +473,7 @@ def from_hf_config(cj: dict, where: str) -> LlamaConfig:
         raise FileFormatError(f"{where}: num_attention_heads {n_heads} invalid")
     head_dim = _int(cj.get("head_dim") or dim // n_heads, where, "head_dim")
     rope, local = _rope_settings(cj, where, head_dim, arch)
-    n_layers = _int(need("num_hidden_layers"), where, "num_hidden_layers")
+    n_layers = _layer_count(need("num_hidden_layers"), where, "num_hidden_layers")
     window, sliding = _windows(cj, where, arch, n_layers)
     nope = ()
     if arch.nope_step:  # SmolLM3: no_rope_layers[i] == 0 means layer i has no rope

@@ -2,30 +2,70 @@
    reference of every function here): one loop over a block's rows each, the rows split
    over the threads (OpenMP), row sums in double, masked entries exactly 0.  float32 and
    float64 variants from one macro.  This file knows nothing of Python; ../tiled_c.py
-   loads it. */
+   loads it.
+
+   Each row is walked in passes that vectorize (`omp simd`, branch-free bodies): the
+   scores and their max, then exp and the sum.  The soft-cap (tanh, a libm call) and a
+   mask each add their own pass, so the plain causal tiles, most of the work, run the
+   two short ones; a bitwise select, not a branch, zeroes the masked entries. */
 #include "gt_prelude.h"
 
-#define ISMASKED(mk, j) ((mk) && !(mk)[j])
-
 #define DEFINE(T, SUF, EXP, TANH)                                                        \
+/* cap(x * iscale) in place over a row, -inf where the mask row says hidden; its max */  \
+static inline T scores_##SUF(T *row, const uint8_t *mk, long ncol, T iscale, T cap) {  \
+    T mx = -INFINITY;                                                                   \
+    if (cap) {                                                                          \
+        T ic = (T)1 / cap;                                                              \
+        for (long j = 0; j < ncol; j++) row[j] = cap * TANH(row[j] * iscale * ic);      \
+    } else if (iscale != (T)1) {                                                        \
+        _Pragma("omp simd")                                                             \
+        for (long j = 0; j < ncol; j++) row[j] *= iscale;                               \
+    }                                                                                   \
+    if (mk) {                                                                           \
+        _Pragma("omp simd reduction(max:mx)")                                           \
+        for (long j = 0; j < ncol; j++) {                                               \
+            T x = mk[j] ? row[j] : (T)-INFINITY;                                        \
+            row[j] = x;                                                                 \
+            mx = x > mx ? x : mx;                                                       \
+        }                                                                               \
+    } else {                                                                            \
+        _Pragma("omp simd reduction(max:mx)")                                           \
+        for (long j = 0; j < ncol; j++) mx = row[j] > mx ? row[j] : mx;                 \
+    }                                                                                   \
+    return mx;                                                                          \
+}                                                                                       \
+/* row[j] = exp(row[j] - sub), 0 where the mask row says hidden; the row's sum */       \
+static inline double exps_##SUF(T *row, const uint8_t *mk, long ncol, T sub) {         \
+    double sum = 0.0;                                                                   \
+    if (mk) {                                                                           \
+        _Pragma("omp simd reduction(+:sum)")                                            \
+        for (long j = 0; j < ncol; j++) {                                               \
+            T p = mk[j] ? EXP(row[j] - sub) : (T)0;                                     \
+            row[j] = p;                                                                 \
+            sum += p;                                                                   \
+        }                                                                               \
+    } else {                                                                            \
+        _Pragma("omp simd reduction(+:sum)")                                            \
+        for (long j = 0; j < ncol; j++) {                                               \
+            T p = EXP(row[j] - sub);                                                    \
+            row[j] = p;                                                                 \
+            sum += p;                                                                   \
+        }                                                                               \
+    }                                                                                   \
+    return sum;                                                                         \
+}                                                                                       \
 /* head_fwd: z [rows, ncol] (row stride ld) raw logits of vocabulary rows v0..          \
    -> cap; picked; running max m, sum s rescaled by exp(m_old - m_new) */              \
 void gt_head_fwd_##SUF(T *z, long ld, T *m, T *s, T *picked, const int64_t *ids,       \
                        long rows, long ncol, long v0, double cap) {                    \
     _Pragma("omp parallel for schedule(static)")                                       \
     for (long r = 0; r < rows; r++) {                                                   \
-        T *row = z + r * ld, mx = -INFINITY;                                            \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j];                                                               \
-            if (cap) x = (T)cap * TANH(x * (T)(1.0 / cap));                             \
-            row[j] = x;                                                                 \
-            mx = x > mx ? x : mx;                                                       \
-        }                                                                               \
+        T *row = z + r * ld;                                                            \
+        T mx = scores_##SUF(row, 0, ncol, (T)1, (T)cap);                                \
         long c = ids[r] - v0;                                                           \
         if (c >= 0 && c < ncol) picked[r] = row[c];                                     \
         T mn = m[r] > mx ? m[r] : mx;                                                   \
-        double sum = 0.0;                                                               \
-        for (long j = 0; j < ncol; j++) sum += EXP(row[j] - mn);                        \
+        double sum = exps_##SUF(row, 0, ncol, mn);                                      \
         s[r] = (m[r] == -INFINITY ? (T)0 : s[r] * EXP(m[r] - mn)) + (T)sum;             \
         m[r] = mn;                                                                      \
     }                                                                                   \
@@ -35,16 +75,21 @@ void gt_head_dz_##SUF(T *z, long ld, const T *lse, const T *a, const T *b,      
                       const int64_t *ids, long rows, long ncol, long v0, double cap) { \
     _Pragma("omp parallel for schedule(static)")                                       \
     for (long r = 0; r < rows; r++) {                                                   \
-        T *row = z + r * ld;                                                            \
+        T *row = z + r * ld, l = lse[r], ar = a[r];                                     \
         long c = ids[r] - v0;                                                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j], th = 0;                                                       \
-            if (cap) { th = TANH(x * (T)(1.0 / cap)); x = (T)cap * th; }                \
-            T p = EXP(x - lse[r]) * a[r];                                               \
-            if (j == c) p -= b[r];                                                      \
-            if (cap) p *= (T)1 - th * th;                                               \
-            row[j] = p;                                                                 \
+        if (cap) {                                                                      \
+            T cp = (T)cap, ic = (T)(1.0 / cap);                                         \
+            for (long j = 0; j < ncol; j++) {                                           \
+                T th = TANH(row[j] * ic);                                               \
+                T p = EXP(cp * th - l) * ar;                                            \
+                if (j == c) p -= b[r];                                                  \
+                row[j] = p * ((T)1 - th * th);                                          \
+            }                                                                           \
+            continue;                                                                   \
         }                                                                               \
+        _Pragma("omp simd")                                                             \
+        for (long j = 0; j < ncol; j++) row[j] = EXP(row[j] - l) * ar;                  \
+        if (c >= 0 && c < ncol) row[c] -= b[r];                                         \
     }                                                                                   \
 }                                                                                       \
 /* attn_fwd: s [rows, ncol] raw scores (row r reads mask row r mod n)    \
@@ -53,26 +98,16 @@ void gt_attn_fwd_##SUF(T *s, T *m, T *l, T *acc, const uint8_t *mask, long rows,
                        long ncol, long n, long hd, double iscale, double cap) {        \
     _Pragma("omp parallel for schedule(static)")                                       \
     for (long r = 0; r < rows; r++) {                                                   \
-        T *row = s + r * ncol, mx = -INFINITY;                                          \
+        T *row = s + r * ncol;                                                          \
         const uint8_t *mk = mask ? mask + (r % n) * ncol : 0;                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j] * (T)iscale;                                                   \
-            if (cap) x = (T)cap * TANH(x * (T)(1.0 / cap));                             \
-            if (ISMASKED(mk, j)) x = -INFINITY;                                         \
-            row[j] = x;                                                                 \
-            mx = x > mx ? x : mx;                                                       \
-        }                                                                               \
+        T mx = scores_##SUF(row, mk, ncol, (T)iscale, (T)cap);                          \
         T mn = m[r] > mx ? m[r] : mx;                                                   \
         T safe = mn == -INFINITY ? (T)0 : mn;                                           \
         T alpha = m[r] == -INFINITY ? (T)0 : EXP(m[r] - safe);                          \
-        double sum = 0.0;                                                               \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T p = ISMASKED(mk, j) ? (T)0 : EXP(row[j] - safe);                          \
-            row[j] = p;                                                                 \
-            sum += p;                                                                   \
-        }                                                                               \
+        double sum = exps_##SUF(row, mk, ncol, safe);                                   \
         l[r] = l[r] * alpha + (T)sum;                                                   \
         T *ar = acc + r * hd;                                                           \
+        _Pragma("omp simd")                                                             \
         for (long d = 0; d < hd; d++) ar[d] *= alpha;                                   \
         m[r] = mn;                                                                      \
     }                                                                                   \
@@ -84,15 +119,18 @@ void gt_attn_p_##SUF(T *s, T *t, const T *lse, const uint8_t *mask, long rows,  
     for (long r = 0; r < rows; r++) {                                                   \
         T *row = s + r * ncol;                                                          \
         const uint8_t *mk = mask ? mask + (r % n) * ncol : 0;                           \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = row[j] * (T)iscale;                                                   \
-            if (cap) {                                                                  \
-                T th = TANH(x * (T)(1.0 / cap));                                        \
-                t[r * ncol + j] = (T)1 - th * th;                                       \
-                x = (T)cap * th;                                                        \
+        if (cap) {                                                                      \
+            T *tr = t + r * ncol, cp = (T)cap, ic = (T)(1.0 / cap);                     \
+            for (long j = 0; j < ncol; j++) {                                           \
+                T th = TANH(row[j] * (T)iscale * ic);                                   \
+                tr[j] = (T)1 - th * th;                                                 \
+                row[j] = cp * th;                                                       \
             }                                                                           \
-            row[j] = ISMASKED(mk, j) ? (T)0 : EXP(x - lse[r]);                          \
+        } else {                                                                        \
+            _Pragma("omp simd")                                                         \
+            for (long j = 0; j < ncol; j++) row[j] *= (T)iscale;                        \
         }                                                                               \
+        exps_##SUF(row, mk, ncol, lse[r]);                                              \
     }                                                                                   \
 }                                                                                       \
 /* attn_ds: dp -> p * (dp - D), times t under a cap, times iscale */                    \
@@ -100,12 +138,15 @@ void gt_attn_ds_##SUF(T *dp, const T *p, const T *t, const T *D, long rows, long
                       double iscale, double cap) {                                     \
     _Pragma("omp parallel for schedule(static)")                                       \
     for (long r = 0; r < rows; r++) {                                                   \
-        T *row = dp + r * ncol;                                                         \
+        T *row = dp + r * ncol, d = D[r], is = (T)iscale;                               \
         const T *pr = p + r * ncol;                                                     \
-        for (long j = 0; j < ncol; j++) {                                               \
-            T x = pr[j] * (row[j] - D[r]);                                              \
-            if (cap) x *= t[r * ncol + j];                                              \
-            row[j] = x * (T)iscale;                                                     \
+        if (cap) {                                                                      \
+            const T *tr = t + r * ncol;                                                 \
+            _Pragma("omp simd")                                                         \
+            for (long j = 0; j < ncol; j++) row[j] = pr[j] * (row[j] - d) * tr[j] * is; \
+        } else {                                                                        \
+            _Pragma("omp simd")                                                         \
+            for (long j = 0; j < ncol; j++) row[j] = pr[j] * (row[j] - d) * is;         \
         }                                                                               \
     }                                                                                   \
 }

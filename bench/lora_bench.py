@@ -18,7 +18,10 @@ float32 GEMMs (every matmul of the recorded step, at its shape and transposition
 alone through NumPy's BLAS in a clean subprocess that never imports torch (torch's
 spinning worker threads slow OpenBLAS in the same process); ``floor_rate_s`` is the step's
 GEMM FLOPs at the median rate of the model's big shapes in that same process.  Every row
-names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran.
+names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran, and
+splits one step's time by kind of work (``split_s``: each program step timed alone, after
+the timed steps).  ``--compute auto`` is what ``finetune`` runs with no options: its rows
+say ``"default": true``.
 
 The peer code lives here, not in the gradtape package: torch, transformers and peft are
 test/benchmark-only dependencies.
@@ -46,6 +49,7 @@ import copy
 import json
 import os
 import resource
+import runpy
 import statistics
 import subprocess
 import sys
@@ -53,7 +57,7 @@ import time
 
 import numpy as np
 
-from gradtape.backends.compute import call_seconds
+from gradtape.backends.compute import DEFAULT_COMPUTE, call_seconds
 
 WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
 SEQ_LEN = {"smollm2-lora": 256, "smollm2-lora-2k": 2048, "smollm2-lora-8k": 8192}
@@ -349,6 +353,20 @@ def side_worker(name, workload, backend, compute, batch):
             print(json.dumps({"t": time.perf_counter() - t0}), flush=True)
         elif cmd == "peak":
             print(json.dumps({"peak_mb": _peak_mb()}), flush=True)
+        elif cmd == "split" and name.startswith("gradtape"):
+            print(json.dumps({"split": time_split(s)}), flush=True)
+
+
+def time_split(side, reps=1):
+    """One step's seconds by kind of work (``profile_step.profile``: each program step
+    timed alone): GEMMs, C kernels, attention, the LM head + loss, the rest."""
+    profile = runpy.run_path(os.path.join(os.path.dirname(__file__),
+                                          "profile_step.py"))["profile"]
+    steps = getattr(side.step_prog.program.executable, "_steps", None)
+    if not steps or not callable(steps[0]):
+        return {}  # a backend without per-step callables (numpy, cuda)
+    _, kinds = profile(steps, reps)
+    return {k: round(v, 4) for k, v in kinds.most_common()}
 
 
 class _Side:
@@ -435,6 +453,8 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
             log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
                 f"{n} {ts[-1]:.4f} s" for n, ts in times.items() if n not in stopped))
         peak = {n: r["peak_mb"] for n, r in ask_all("peak").items()}
+        split = {x.name: x.ask("split")["split"] for x in sides
+                 if x.name.startswith("gradtape")}
         threads = next((x.info.get("threads") for x in sides if x.name.startswith("hf-")),
                        None)
         peers = [p for p in peers if p not in stopped]
@@ -463,7 +483,9 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
                    "backend": backend, "threads": threads, "reps": reps,
                    "gradtape_peak_mb": peak[side.name], "peer_peak_mb": peak[pname],
                    "rss_ratio": peak[side.name] / peak[pname], "seq_len": SEQ_LEN.get(
-                       workload, 32), "checkpointed": info.get("checkpointed"), **floor}
+                       workload, 32), "checkpointed": info.get("checkpointed"),
+                   "default": compute == DEFAULT_COMPUTE, "split_s": split[side.name],
+                   **floor}
             if "gemm_gflops" in info:
                 row["gemm_gflops_measured"] = info["gemm_gflops"]
             if floor.get("floor_s"):
@@ -528,10 +550,11 @@ def main(argv=None):
                     help="comma-separated among " + ", ".join(WORKLOADS)
                     + " (default: %(default)s)")
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
-    ap.add_argument("--compute", default="float32,bf16",
-                    help="comma-separated gradtape GEMM precisions to time, among float32, "
-                         "bf16, auto (default: float32,bf16; bf16 runs float32 where the CPU "
-                         "has no fast bf16, and the rows say so)")
+    ap.add_argument("--compute", default="auto,float32,bf16",
+                    help="comma-separated gradtape GEMM precisions to time, among auto (the "
+                         "default of finetune: its rows say default), float32, bf16 "
+                         "(default: %(default)s; each runs once: bf16 runs float32 where the "
+                         "CPU has no fast bf16, and the rows say so)")
     ap.add_argument("--reps", type=int, default=0, help="timed steps per side (default: "
                     "5 for smollm2-lora, 50 for tiny-lora, 3 at T=2048, 2 at T=8192)")
     ap.add_argument("--warmup", type=int, default=None,
@@ -572,6 +595,7 @@ def main(argv=None):
     blas, cpu = blas_info(), cpu_summary()
     log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); NumPy's BLAS: "
         f"{'; '.join(blas)}")
+    split_shown = set()  # workloads whose default step's time split was printed
     for w in args.workloads.split(","):
         reps = args.reps or REPS[w]
         warmup = args.warmup if args.warmup is not None else WARMUP.get(w, 2)
@@ -589,10 +613,18 @@ def main(argv=None):
                 floor = (f", floor {row['floor_s']:.3f} s ({row['vs_floor']:.2f}x)"
                          if row.get("floor_s") else "")
                 mem = "peak GPU memory" if row.get("memory") == "gpu" else "peak RSS"
-                print(f"{row['workload']:13s} {row['gradtape']:17s} vs {row['peer']:22s} "
+                asked = row.get("compute_requested")
+                name = row["gradtape"] + (" (default)" if row.get("default") else
+                                          f" ({asked} asked)" if asked != row.get("compute")
+                                          else "")
+                print(f"{row['workload']:13s} {name:27s} vs {row['peer']:22s} "
                       f"{row['gradtape_s']:.4f} s vs {row['peer_s']:.4f} s -> "
                       f"{row['ratio']:.2f}x{floor}; {mem} {row['gradtape_peak_mb']:.0f} "
                       f"MB vs {row['peer_peak_mb']:.0f} MB", flush=True)
+                if row.get("default") and row.get("split_s") and w not in split_shown:
+                    split_shown.add(w)
+                    print("  one default step: " + ", ".join(
+                        f"{k} {v:.3f} s" for k, v in row["split_s"].items()), flush=True)
     return 0
 
 

@@ -17,9 +17,17 @@ from gradtape.models.lora import init_adapter
 from gradtape.train.step import TrainStep
 
 
+# the tiled primitives (tiled.py): NumPy walks with BLAS GEMMs and C kernels per tile
+TILED = {"fwd_attn": "attention", "fwd_attn_grad": "attention", "fwd_head_nll": "LM head + loss",
+         "fwd_head_nll_grad_x": "LM head + loss", "fwd_head_nll_grad_w": "LM head + loss"}
+
+
 def _name(step):
-    if hasattr(step, "label"):  # a block-weight GEMM (backends/qgemm.py)
-        return step.label, step.label.split(" [")[0]
+    """``(name, kind)`` of one program step; kinds: matmul (NumPy's BLAS), bf16 GEMM /
+    matmul f32 (oneDNN), a block-weight GEMM's label (dequantization + GEMM per tile), C
+    (generated kernels), attention, LM head + loss, numpy (the rest)."""
+    if hasattr(step, "label"):  # a block-weight GEMM (backends/qgemm.py), a oneDNN matmul
+        return step.label, step.label.split(" [")[0].split(" (")[0]
     f = getattr(step, "func", step)
     if f is np.matmul:
         return f"matmul {step.args[0].shape} x {step.args[1].shape}", "matmul"
@@ -28,7 +36,22 @@ def _name(step):
         return f"C kernels x{step.args[2]}", "C"
     if name == "run" and "onednn" in getattr(f, "__module__", ""):
         return "bf16 GEMM (oneDNN)", "bf16 GEMM"
-    return name, "numpy"
+    return name, TILED.get(name, "numpy")
+
+
+def profile(steps, reps=1):
+    """Each program step timed alone over ``reps`` replays: ``(seconds by name, seconds by
+    kind)``, per replay."""
+    per, kinds = collections.Counter(), collections.Counter()
+    for _ in range(reps):
+        for step in steps:
+            name, kind = _name(step)
+            t = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t
+            per[name] += dt / reps
+            kinds[kind] += dt / reps
+    return per, kinds
 
 
 def main():
@@ -55,20 +78,11 @@ def main():
     steps = getattr(ex, "_steps", None)
     if steps is None or not steps or not callable(steps[0]):
         raise SystemExit(f"backend {args.backend!r} does not expose per-step callables")
-    per, kind_of, kinds = collections.Counter(), {}, collections.Counter()
-    for _ in range(args.reps):
-        for step in steps:
-            name, kind = _name(step)
-            t = time.perf_counter()
-            step()
-            dt = time.perf_counter() - t
-            per[name] += dt / args.reps
-            kinds[kind] += dt / args.reps
-            kind_of[name] = kind
+    per, kinds = profile(steps, args.reps)
     total = sum(kinds.values())
     print(f"{len(steps)} program steps, {total:.3f} s per replay (compute {st.compute})")
     for kind, t in kinds.most_common():
-        print(f"  {kind:8s} {t:.3f} s  {100 * t / total:4.1f}%")
+        print(f"  {kind:15s} {t:.3f} s  {100 * t / total:4.1f}%")
     for name, t in per.most_common(args.top):
         print(f"    {t:.4f} s  {name}")
 

@@ -4,7 +4,7 @@ Face transformers + PEFT in bf16.
 Workload ``llama8b-q4km-lora``: Llama-3-8B's blocks (32 layers, dim 4096, 32 heads, 8 KV
 heads, head_dim 128, ffn 14336, rope base 500000) with SmolLM2's tokenizer (vocab 49152,
 untied output) and random weights, one LoRA training step of r=16 (alpha 32) on all 7
-targets, one sequence of T=256 (batch 1), AdamW.
+targets, one sequence of T=256 (``--batch 4``: four), AdamW.
 
 The model file is written once and cached (``~/.cache/gradtape/bench/``, or
 ``$GRADTAPE_CACHE/bench``; about 4.2 GiB for 32 layers).  Its blocks are random but valid:
@@ -23,8 +23,11 @@ The two sides cannot share one process here (the peer alone holds about 16 GB), 
 runs alone in a fresh subprocess, one after the other: ``--warmup`` steps, then ``--reps``
 timed steps; reported are the median step time, tokens/s and the peak RSS (VmHWM) of
 each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).  gradtape runs
-once per ``--compute`` precision: float32 (tiles dequantized to float32, OpenBLAS
-sgemm) and bf16 (tiles dequantized to bf16, oneDNN's bf16 matmul).
+once per ``--compute`` precision: auto (finetune's default: the row ``gradtape_default``,
+with ``compute_why``), float32 (tiles dequantized to float32, OpenBLAS sgemm) and bf16
+(tiles dequantized to bf16, oneDNN's bf16 matmul); each gradtape row splits one step's
+time by kind of work (``split_s``, ``profile_step.profile``: block-weight GEMMs with their
+dequantization, other GEMMs, C kernels, attention, the LM head, the rest).
 
     python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
     gradtape bench --workloads llama8b-q4km-lora
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -149,15 +153,15 @@ def _peak_mb():
     return float("nan")
 
 
-def _batch(vocab, rng_seed=0):
-    rng = np.random.default_rng(rng_seed)
-    ids = rng.integers(0, vocab, (1, T))
+def _batch(vocab, batch=1):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, (batch, T))
     targets = np.roll(ids, -1, axis=1)
     targets[:, -1] = -100
     return ids, targets
 
 
-def run_gradtape(path, warmup, reps, backend, compute="float32"):
+def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
     from gradtape import llama
     from gradtape.models.lora import init_adapter
     from gradtape.train.memory import estimate
@@ -166,20 +170,25 @@ def run_gradtape(path, warmup, reps, backend, compute="float32"):
     t0 = time.perf_counter()
     model = llama.load(str(path), keep_quantized=True)
     ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-    step = TrainStep(model, ad, 1, T, backend=backend, clip=0.0, compute=compute)
+    step = TrainStep(model, ad, batch, T, backend=backend, clip=0.0, compute=compute)
     build_s = time.perf_counter() - t0
     est = estimate(model, step)
-    batch = [_batch(model.config.vocab_size)]
+    data = [_batch(model.config.vocab_size, batch)]
     times = []
     for i in range(warmup + reps):
         t = time.perf_counter()
-        step.step(batch, i + 1, LR)
+        step.step(data, i + 1, LR)
         times.append(time.perf_counter() - t)
+    # after the timed steps: one more, step by step
+    profile = runpy.run_path(str(Path(__file__).with_name("profile_step.py")))["profile"]
+    _, kinds = profile(step.program.executable._steps)
     return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
-            "estimate_gb": est.total / 1e9, "compute": step.compute}
+            "estimate_gb": est.total / 1e9, "compute": step.compute,
+            "compute_why": step.compute_why,
+            "split_s": {k: round(v, 3) for k, v in kinds.most_common()}}
 
 
-def run_peer(layers, warmup, reps):
+def run_peer(layers, warmup, reps, batch=1):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -209,7 +218,7 @@ def run_peer(layers, warmup, reps):
     model = get_peft_model(model, lcfg)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    ids = torch.tensor(_batch(s["vocab"])[0])
+    ids = torch.tensor(_batch(s["vocab"], batch)[0])
     build_s = time.perf_counter() - t0
     times = []
     for _ in range(warmup + reps):
@@ -223,19 +232,20 @@ def run_peer(layers, warmup, reps):
             "torch_threads": torch.get_num_threads()}
 
 
-def worker(side, layers, warmup, reps, backend, compute):
+def worker(side, layers, warmup, reps, backend, compute, batch):
     if side == "gradtape":
         res = run_gradtape(model_file(layers, log=lambda *a: None), warmup, reps, backend,
-                           compute)
+                           compute, batch)
     else:
-        res = run_peer(layers, warmup, reps)
+        res = run_peer(layers, warmup, reps, batch)
     res["peak_mb"] = _peak_mb()
     print(json.dumps(res), flush=True)
 
 
-def _side(side, layers, warmup, reps, backend, compute, timeout):
+def _side(side, layers, warmup, reps, backend, compute, timeout, batch):
     cmd = [sys.executable, __file__, "--worker", side, "--layers", str(layers), "--warmup",
-           str(warmup), "--reps", str(reps), "--backend", backend, "--compute", compute]
+           str(warmup), "--reps", str(reps), "--backend", backend, "--compute", compute,
+           "--batch", str(batch)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         return {"error": res.stderr.strip()[-1500:] or f"exit status {res.returncode}"}
@@ -267,10 +277,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
-    ap.add_argument("--compute", default="float32,bf16",
-                    help="gradtape GEMM precisions, comma-separated (a row each: gradtape_s "
-                         "for float32, gradtape_bf16_s ...; bf16 runs float32 where the CPU "
-                         "has no fast bf16, and gradtape_bf16_compute says what ran)")
+    ap.add_argument("--compute", default="auto,float32,bf16",
+                    help="gradtape GEMM precisions, comma-separated (a row each: "
+                         "gradtape_default_s for auto, finetune's default; gradtape_s for "
+                         "float32, gradtape_bf16_s ...; bf16 runs float32 where the CPU has "
+                         "no fast bf16, and gradtape_bf16_compute says what ran)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences of T=256 per step, both sides (default: 1; the issue's "
+                         "second shape is 4)")
     ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -278,14 +292,16 @@ def main(argv=None):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
-        worker(args.worker, args.layers, args.warmup, args.reps, args.backend, args.compute)
+        worker(args.worker, args.layers, args.warmup, args.reps, args.backend, args.compute,
+               args.batch)
         return 0
     for w in args.workloads.split(","):
         if w != WORKLOAD:
             raise SystemExit(f"unknown workload {w!r}; this script runs {WORKLOAD}")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     path = model_file(args.layers, log)
-    row = {"workload": WORKLOAD, "layers": args.layers, "T": T, "batch": 1, "rank": RANK,
+    row = {"workload": WORKLOAD, "layers": args.layers, "T": T, "batch": args.batch,
+           "rank": RANK,
            "targets": 7, "file_gib": path.stat().st_size / 2**30, "backend": args.backend,
            **cpu_info()}
     try:
@@ -298,27 +314,28 @@ def main(argv=None):
     runs = []  # (row label, side, compute)
     for side in args.sides.split(","):
         if side == "gradtape":
-            runs += [("gradtape" if c == "float32" else f"gradtape_{c}", side, c)
-                     for c in args.compute.split(",")]
+            label = {"float32": "gradtape", "auto": "gradtape_default"}
+            runs += [(label.get(c, f"gradtape_{c}"), side, c) for c in args.compute.split(",")]
         else:
             runs.append((side, side, "float32"))
     for label, side, compute in runs:
         log(f"[{WORKLOAD}] {label}: {args.warmup} warm-up + {args.reps} timed steps, alone "
             "in a subprocess ...")
         r = _side(side, args.layers, args.warmup, args.reps, args.backend, compute,
-                  args.timeout)
+                  args.timeout, args.batch)
         if "error" in r:
             log(f"[{WORKLOAD}] {label} failed: {r['error']}")
             row[f"{label}_error"] = r["error"]
             continue
         med = statistics.median(r["step_times"])
-        row.update({f"{label}_s": med, f"{label}_tokens_per_s": T / med,
+        row.update({f"{label}_s": med, f"{label}_tokens_per_s": args.batch * T / med,
                     f"{label}_peak_mb": r["peak_mb"], f"{label}_build_s": r["build_s"],
                     f"{label}_first_step_s": r["first_step_s"]})
         if "estimate_gb" in r:
-            row[f"{label}_estimate_gb"] = r["estimate_gb"]
-            row[f"{label}_compute"] = r["compute"]
-        log(f"[{WORKLOAD}] {label}: step {med:.2f} s ({T / med:.1f} tokens/s), peak RSS "
+            for key in ("estimate_gb", "compute", "compute_why", "split_s"):
+                row[f"{label}_{key}"] = r[key]
+        log(f"[{WORKLOAD}] {label}: step {med:.2f} s ({args.batch * T / med:.1f} tokens/s), "
+            f"peak RSS "
             f"{r['peak_mb'] / 1024:.2f} GiB")
     for label, side, _ in runs:
         if side == "gradtape" and f"{label}_s" in row and "peer_s" in row:

@@ -301,13 +301,47 @@ def test_auto_follows_the_measurement_without_amx(monkeypatch):
     # silently either way
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx512_bf16", "avx512f"})})
-    monkeypatch.setattr(compute, "bf16_fast", lambda: (True, ""))
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))
     assert compute.resolve("auto") == "bf16"
-    monkeypatch.setattr(compute, "bf16_fast", lambda: (False, "slower here"))
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (False, "slower here"))
     monkeypatch.setattr(compute, "_WARNED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compute.resolve("auto") == "float32"
+
+
+def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
+    """The decision times both precisions at the shape asked for, writes the rates to the
+    cache file, and reads them from there next time (another process, the same CPU and
+    libraries); another shape, another CPU or an unreadable file measures again.  The
+    reason names the rates."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    cpu = {"model": "Test CPU", "flags": frozenset({"avx512_bf16", "avx512f"})}
+    monkeypatch.setattr(compute, "cpu_info", lambda: cpu)
+    monkeypatch.setattr(onednn, "available", lambda: (True, ""))
+    monkeypatch.setattr(onednn, "dnnl", lambda: SimpleNamespace(version="3.2.0"))
+    monkeypatch.setattr(onednn, "describe", lambda shape: "3.2.0 (test kernel)")
+    measured = []
+
+    def rates(m, k, n):
+        measured.append((m, k, n))
+        return 100e9, (250e9 if n == 1536 else 90e9)
+
+    monkeypatch.setattr(compute, "measured_rates", rates)
+    got = compute.decide("auto", shape=(256, 576, 1536))
+    assert got == ("bf16", "oneDNN 3.2.0 (test kernel): bf16 250 vs float32 100 GFLOP/s at "
+                           "256x576x1536, measured on this CPU")
+    assert compute.decide("auto", shape=(256, 576, 1536))[1].endswith("measured before "
+                                                                      "on this CPU")
+    assert measured == [(256, 576, 1536)]
+    assert compute.decide("auto", shape=(256, 576, 64))[0] == "float32"  # slower there
+    cpu = {**cpu, "model": "Other CPU"}
+    compute.decide("auto", shape=(256, 576, 1536))
+    (tmp_path / "compute-decisions.json").write_text("{not json")
+    compute.decide("auto", shape=(256, 576, 1536))
+    assert measured == [(256, 576, 1536), (256, 576, 64)] + [(256, 576, 1536)] * 2
 
 
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():

@@ -53,3 +53,6 @@ def test_small_shape_file_loads_quantized_and_trains(qb, smollm2_gguf, monkeypat
     assert 0.005 < float(np.std(w["layers.1.up"].dequantize())) < 0.1
     res = run_gradtape(path, 0, 2, "cpu")
     assert len(res["step_times"]) == 2 and res["estimate_gb"] > 0
+    # the default precision and why; one step's time split by kind of work
+    assert res["compute"] in ("float32", "bf16") and res["compute_why"]
+    assert res["split_s"] and all(v >= 0 for v in res["split_s"].values())

@@ -24,7 +24,7 @@ def _batch(t=24, vocab=257, seed=0):
 
 def _run(model, backend, mode, dtype, t=24, steps=3):
     ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1, dtype=dtype), 2, t,
-                   backend=backend, dtype=dtype, grad_checkpoint=mode)
+                   backend=backend, dtype=dtype, grad_checkpoint=mode, compute="float32")
     ids, tg = _batch(t)
     losses = [ts.step([(ids, tg)], i + 1, 1e-2) for i in range(steps)]
     return ts, losses, ts.adapter_weights()

@@ -59,7 +59,7 @@ def test_weight_bytes_from_the_header(files):
 def test_estimate_counts_plans_weights_and_scratch(files):
     model = llama.load(files / "tiny-q8.gguf", keep_quantized=True)
     adapter = init_adapter(model.config, 2, 4.0, seed=0)
-    step = TrainStep(model, adapter, 2, 16, backend="cpu")
+    step = TrainStep(model, adapter, 2, 16, backend="cpu", compute="float32")
     est = estimate(model, step)
     assert est.weights == sum(w.nbytes for w in model.weights.values())
     assert est.activations == step.program.memory.nbytes + step.eval_program.memory.nbytes

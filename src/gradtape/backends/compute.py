@@ -1,14 +1,16 @@
 """The precision of the big frozen-weight GEMMs (``--compute``), and what this CPU offers.
 
-``float32`` (the default) keeps every GEMM in float32.  ``bf16`` asks for the frozen-weight
-matmuls (``x @ W0``, ``dY @ W0^T``, the LM head and its transpose) to take bf16 inputs and
-accumulate in float32; LoRA A/B, their gradients, norms, softmax, the loss and AdamW stay
-float32 either way.  The GEMMs run in oneDNN (``backends/onednn.py``, an optional extra).
-bf16 pays where the CPU has AMX (``amx_bf16`` in /proc/cpuinfo: 3-4x float32 sgemm,
-``docs/benchmarks.md``); with AVX512-BF16 alone it was measured slower than float32 on some
-CPUs and 2x faster on others (AMD Zen 5), so there it is measured once per process.
-``auto`` picks bf16 only where it is faster.  Asking for bf16 where it is not fast, or
-without oneDNN, says so once (a RuntimeWarning) and runs float32.
+``float32`` keeps every GEMM in float32.  ``bf16`` asks for the frozen-weight matmuls (``x @
+W0``, ``dY @ W0^T``, the LM head and its transpose) to take bf16 inputs and accumulate in
+float32; LoRA A/B, their gradients, norms, softmax, the loss and AdamW stay float32 either
+way.  The GEMMs run in oneDNN (``backends/onednn.py``; the ``onednn-cpu-gomp`` wheel, a
+dependency on Linux x86-64).  ``auto``, the default, picks bf16 only where it is faster:
+where the CPU has AMX or AVX512-BF16, both precisions are timed at the model's own GEMM
+shape, once per CPU model and library versions (the result is cached in
+``~/.cache/gradtape/compute-decisions.json``); bf16 was 3-4x float32 sgemm with AMX, 2x
+on AMD Zen 5, slower on CPUs that split 512-bit instructions (``docs/benchmarks.md``).
+Asking for bf16 where it is not fast, or without oneDNN, says so once (a RuntimeWarning)
+and runs float32.
 
 This module decides and runs nothing but that one measurement.  ``cpu_summary()`` is what
 ``gradtape bench`` prints beside its figures.
@@ -21,6 +23,10 @@ import platform
 import warnings
 
 COMPUTE_CHOICES = ("float32", "bf16", "auto")
+DEFAULT_COMPUTE = "auto"
+# the GEMM shape measured when the caller names none: SmolLM2's FFN at T=256
+DEFAULT_SHAPE = (256, 576, 1536)
+MEASURED_ROWS = 512  # rows past this run at about the same rate: not worth the seconds
 
 _WARNED = set()
 
@@ -50,11 +56,13 @@ def cpu_summary() -> dict:
     return {"cpu": info["model"], "flags": [f for f in wanted if f in info["flags"]]}
 
 
-def bf16_fast() -> tuple:
-    """``(True, "")`` where bf16 GEMMs (oneDNN) beat float32 (NumPy's BLAS) on this CPU,
-    else ``(False, why)``.  AMX: yes.  AVX512-BF16 alone: measured once per process at
-    one of the model's shapes (it is 2x on AMD Zen 5, slower than float32 on CPUs that
-    split 512-bit instructions).  Neither: no."""
+def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
+    """``(True, why)`` where bf16 GEMMs (oneDNN) beat float32 (NumPy's BLAS) on this CPU
+    at ``shape`` (``(m, k, n)``: the model's rows, width and FFN width), else ``(False,
+    why)``.  No AMX and no AVX512-BF16: no, without measuring.  Otherwise both are
+    measured at that shape once per CPU model and library versions (``decisions``: it is
+    2x on AMD Zen 5, 3-4x with AMX, slower than float32 on CPUs that split 512-bit
+    instructions)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False, "this CPU has no bf16 matrix instructions (no AMX, no AVX512-BF16)"
@@ -62,13 +70,60 @@ def bf16_fast() -> tuple:
     ok, why = onednn.available()
     if not ok:
         return False, why
-    if "amx_bf16" in flags and "amx_tile" in flags:
-        return True, ""
-    f32, bf16 = measured_rates()
+    shape = (min(shape[0], MEASURED_ROWS), *shape[1:])
+    f32, bf16, cached = decisions(shape)
+    rates = (f"bf16 {bf16 / 1e9:.0f} vs float32 {f32 / 1e9:.0f} GFLOP/s at "
+             f"{'x'.join(map(str, shape))}, measured{' before' if cached else ''} on this CPU")
     if bf16 > 1.1 * f32:
-        return True, ""
-    return False, (f"bf16 GEMMs run slower than float32 here (AVX512-BF16 without AMX: "
-                   f"{bf16 / 1e9:.0f} vs {f32 / 1e9:.0f} GFLOP/s measured)")
+        return True, f"oneDNN {onednn.describe(shape)}: {rates}"
+    return False, f"bf16 GEMMs are not faster here ({rates})"
+
+
+def _cache_file():
+    from ._cgen import cache_dir
+    return cache_dir() / "compute-decisions.json"
+
+
+def decisions(shape):
+    """``(float32 FLOP/s, bf16 FLOP/s, cached)`` at ``shape`` on this CPU: read from the
+    cache file (keyed by CPU model, flags, NumPy's BLAS and oneDNN's version), else
+    measured (``measured_rates``, about a second) and written there atomically."""
+    import json
+    import os
+
+    from . import onednn
+
+    key = "|".join([cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
+                    _blas_name(), onednn.dnnl().version, "x".join(map(str, shape))])
+    path = _cache_file()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: measured and written anew
+        table = {}
+    hit = table.get(key) if isinstance(table, dict) else None
+    if isinstance(hit, dict) and {"float32", "bf16"} <= set(hit):
+        return float(hit["float32"]), float(hit["bf16"]), True
+    table = table if isinstance(table, dict) else {}
+    f32, bf16 = measured_rates(*shape)
+    table[key] = {"float32": f32, "bf16": bf16}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: measured again next time
+        pass
+    return f32, bf16, False
+
+
+def _blas_name():
+    """NumPy's BLAS library and version (its speed is half of the decision)."""
+    import numpy as np
+    try:
+        info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{info.get('name')} {info.get('version')}"
+    except Exception:  # older NumPy: no dict form
+        return "numpy " + np.__version__
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,9 +141,13 @@ def call_seconds(fn, reps):
 
 
 def measured_rates(m=256, k=576, n=1536, reps=7):
-    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at one of SmolLM2's shapes, the
-    best of ``reps`` (the best resists other processes' noise)."""
+    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``, the
+    best of ``reps`` (the best resists other processes' noise); 3 reps for a GEMM of
+    over 10 GFLOP (an 8B model's FFN), so that it takes seconds."""
     import numpy as np
+
+    if 2 * m * k * n > 1e10:
+        reps = min(reps, 3)
 
     from . import onednn
 
@@ -109,28 +168,32 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
     return best(lambda: np.matmul(a, w, out=out)), bf16
 
 
-def resolve(requested: str, applies=True) -> str:
-    """The precision that will run for ``requested`` (one of COMPUTE_CHOICES): "float32"
-    or "bf16".  ``bf16`` where its GEMMs are not fast (or oneDNN is missing) warns once and
-    gives "float32"; ``auto`` gives bf16 where they are fast (``bf16_fast``), silently:
-    with AVX512-BF16 alone (AMD Zen 5, `gradtape bench`) the SmolLM2 step ran 0.46 s vs
-    0.51 s in float32, and the 8B Q4_K_M step about 2x faster.  ``applies``: False,
-    or a string saying why, where the caller has no bf16 path at all (another backend,
-    a float64 step, generation)."""
+def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:
+    """The precision that will run for ``requested``: ``decide(...)[0]``."""
+    return decide(requested, applies, shape)[0]
+
+
+def decide(requested: str, applies=True, shape=DEFAULT_SHAPE) -> tuple:
+    """``(precision, why)``: the precision that will run for ``requested`` (one of
+    COMPUTE_CHOICES), "float32" or "bf16", and a sentence saying why.  ``bf16`` where its
+    GEMMs are not fast (or oneDNN is missing) warns once and gives "float32"; ``auto``
+    gives bf16 where they are faster at ``shape`` (``bf16_fast``), silently.
+    ``applies``: False, or a string saying why, where the caller has no bf16 path at all
+    (another backend, a float64 step, generation)."""
     if requested not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
                          f"got {requested!r}")
     if requested == "float32":
-        return "float32"
+        return "float32", "asked for"
     if applies is True:
-        fast, why = bf16_fast()
+        fast, why = bf16_fast(tuple(int(d) for d in shape))
     else:
         fast, why = False, applies or ("bf16 compute applies to float32 steps on the cpu "
                                        "backend only")
     if fast:
-        return "bf16"
+        return "bf16", why
     if requested == "bf16" and why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"gradtape: bf16 compute asked for, running float32: {why}",
                       RuntimeWarning, stacklevel=3)
-    return "float32"
+    return "float32", why

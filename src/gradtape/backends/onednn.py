@@ -1,10 +1,10 @@
 """oneDNN's matmul through ctypes: bf16 inputs, float32 accumulation and output (and,
 in a bf16 program, the float32 matmuls too: ``bind_f32``).
 
-An optional accelerator for the cpu backend's frozen-weight GEMMs (``--compute bf16``):
-``pip install 'gradtape[bf16]'`` installs oneDNN 3.2 (the ``onednn-cpu-gomp`` wheel, a
-plain shared library using the system libgomp, the OpenMP runtime our generated C uses
-too); ``$GRADTAPE_DNNL`` may name another ``libdnnl.so.3``.  oneDNN picks the kernel for
+The accelerator of the cpu backend's frozen-weight GEMMs in bf16 (``--compute auto|bf16``):
+oneDNN 3.2, the ``onednn-cpu-gomp`` wheel (a dependency on Linux x86-64), a plain shared
+library using the system libgomp, the OpenMP runtime our generated C uses too;
+``$GRADTAPE_DNNL`` may name another ``libdnnl.so.3``.  oneDNN picks the kernel for
 the CPU at run time: AMX tiles where present, AVX512-BF16 dot products elsewhere
 (``describe()`` names what it chose).  Primitives are created once per shape and cached;
 memory objects are bound once to the backend's fixed buffers (or, for the tiles of block
@@ -204,8 +204,8 @@ def _load():
     """``(_Dnnl, "")`` or ``(None, why)``."""
     path = _library_path()
     if path is None:
-        return None, ("oneDNN is not installed (pip install 'gradtape[bf16]', or set "
-                      "$GRADTAPE_DNNL to a libdnnl.so.3)")
+        return None, ("oneDNN is not installed (pip install onednn-cpu-gomp==2023.2.0, or "
+                      "set $GRADTAPE_DNNL to a libdnnl.so.3)")
     from ._cgen import quiet_openmp
 
     quiet_openmp()  # oneDNN's threads are libgomp's, shared with our kernels

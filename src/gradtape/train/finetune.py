@@ -139,9 +139,10 @@ class FinetuneConfig:
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
-    compute: str = _opt("float32", "precision of the frozen-weight GEMMs: float32, bf16 (bf16 "
-                                   "inputs, float32 accumulation; where the CPU runs it "
-                                   "faster, else a notice and float32) or auto",
+    compute: str = _opt("auto", "precision of the frozen-weight GEMMs: auto (bf16 where this "
+                                "CPU runs it faster, measured once at the model's shapes, "
+                                "else float32), float32, or bf16 (bf16 inputs, float32 "
+                                "accumulation; where not faster: a notice and float32)",
                         checks.one_of("float32", "bf16", "auto"))
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
@@ -226,6 +227,7 @@ def _finetune(cfg, model, log, world, together):
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
                           memory_hint=hint)
+    log(f"compute: {step_prog.compute} ({step_prog.compute_why})")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (", with activation checkpointing" if step_prog.checkpointed else "")
@@ -242,8 +244,7 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
         f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
-        f"from step {start}, backend {cfg.backend}"
-        + (f", compute {step_prog.compute}" if cfg.compute != "float32" else "")
+        f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else ""))
 
     records = _read_log(out) if cfg.resume and world.is_root else []

@@ -33,7 +33,7 @@ from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from .memory import planned
-from ..backends.compute import resolve as resolve_compute
+from ..backends.compute import DEFAULT_COMPUTE, decide as decide_compute
 from ..errors import GradtapeError
 from ..models.memory import GiB
 from ..models.model import head_loss, record_forward, weight_consts
@@ -62,7 +62,7 @@ class TrainStep:
 
     def __init__(self, model, adapter, batch_size, seq_len, *, opt=AdamWConfig(), clip=1.0,
                  grad_accum=1, backend="numpy", dtype=np.float32, world=None,
-                 compute="float32", grad_checkpoint="off", memory_limit=None,
+                 compute=DEFAULT_COMPUTE, grad_checkpoint="off", memory_limit=None,
                  memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
                              "--ignore-memory to try anyway)"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
@@ -79,9 +79,12 @@ class TrainStep:
         self.backend = backend
         self.model, self.adapter = model, adapter
         # the frozen-weight GEMMs' precision: bf16 only on the cpu backend of a float32
-        # step, where this CPU runs it faster (else one notice and float32)
-        self.compute = resolve_compute(compute, applies=backend == "cpu"
-                                       and np.dtype(dtype) == np.float32)
+        # step, where this CPU runs it faster at the model's FFN shape (else float32, and
+        # one notice when bf16 was asked for); ``compute_why`` says why
+        cfg = model.config
+        self.compute, self.compute_why = decide_compute(
+            compute, applies=backend == "cpu" and np.dtype(dtype) == np.float32,
+            shape=(batch_size * seq_len, cfg.dim, cfg.ffn_dim))
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
@@ -106,7 +109,9 @@ class TrainStep:
         g = [grads[p] for p in params]
         self.eval_program = tp.compile([self.loss], backend=backend, compute=self.compute)
         # what runs: a model with no weight big enough for a bf16 GEMM stays float32
-        self.compute = getattr(self.eval_program.executable, "compute", "float32")
+        ran = getattr(self.eval_program.executable, "compute", "float32")
+        if ran != self.compute:
+            self.compute, self.compute_why = ran, "no weight is big enough for a bf16 GEMM"
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return

@@ -107,7 +107,8 @@ GGUF_FAMILIES = list(FAMILIES)
 # The families the C decode step runs (decode_engine.supported), and the option their
 # decode test models change: hidden 64 over 4 heads gives head_dim 16, the C kernels'
 # row granule (the folders above have head_dim 12 where they do not set it)
-C_DECODE_FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3")
+C_DECODE_FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma2",
+                     "gemma3")
 C_DECODE_KW = {"hidden_size": 64}
 
 _CORPUS = ["The quick brown fox jumps over the lazy dog.",

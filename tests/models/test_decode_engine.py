@@ -8,21 +8,21 @@ import pytest
 
 from gradtape.models import decode_engine as E
 from gradtape.models import model as M
-from gradtape.models.lora import target_dims
+from gradtape.models.lora import model_targets, target_dims
 from support.tinymodel import tiny_model
 from support.compare import rel_err
+from families import C_DECODE_FAMILIES
 
 if not E.ggml_vec.available():
     pytest.skip("no C compiler", allow_module_level=True)
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
 
 def random_lora(cfg, rank=4, seed=0):
+    """Random A and B on every linear the model adapts (Phi-3: its fused ones)."""
     rng = np.random.default_rng(seed)
     out = {}
     for i in range(cfg.n_layers):
-        for t in TARGETS:
+        for t in model_targets(cfg):
             fin, fout = target_dims(cfg, t)
             out[(i, t)] = (rng.normal(0, 0.05, (fin, rank)).astype(np.float32),
                            rng.normal(0, 0.05, (rank, fout)).astype(np.float32))
@@ -200,7 +200,7 @@ def family_models(tmp_path_factory):
     None without the converter), all made on first use."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from families import (C_DECODE_FAMILIES, C_DECODE_KW, FAMILIES, GGUF_VARIANTS,
+    from families import (C_DECODE_KW, FAMILIES, GGUF_VARIANTS,
                           converter_dir, make_folder, model_job, run_converters)
     root = tmp_path_factory.mktemp("c_decode")
     folders = {f: make_folder(f, root / f, kw_override=C_DECODE_KW) for f in C_DECODE_FAMILIES}
@@ -223,25 +223,23 @@ def _family_prompt(model, n=14):
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def _c_vs_graph(model, prompt, tokens):
+def _c_vs_graph(model, prompt, tokens, lora=None, scale=1.0):
     """(C logits, graph logits) ``[1 + len(tokens), V]``: the C prefill of ``prompt`` (its
     last row), then a C step per token, against the graph over the same rows."""
-    dec = E.BlockDecoder(model, E.block_weights(model), cap=64)
+    dec = E.BlockDecoder(model, E.block_weights(model), lora, scale, cap=64)
     ours = [dec.prefill(prompt).copy()] + [dec.step(t).copy() for t in tokens]
     cache = M.KVCache.empty(model.config)
-    ref = [M.forward_cached(model.config, model.weights, prompt, cache)[-1]]
-    ref += list(M.forward_cached(model.config, model.weights, tokens, cache))
+    ref = [M.forward_cached(model.config, model.weights, prompt, cache, lora, scale)[-1]]
+    ref += list(M.forward_cached(model.config, model.weights, tokens, cache, lora, scale))
     return np.stack(ours), np.stack(ref)
 
 
-C_FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3"]
-
-
-@pytest.mark.parametrize("family", C_FAMILIES)
+@pytest.mark.parametrize("family", C_DECODE_FAMILIES)
 def test_family_decodes_through_the_c_step(family, family_models):
-    """Biases (Qwen2), q/k norms (Qwen3, Gemma 3), windows (Mistral, Gemma), llama3 rope
-    factors, NoPE layers (SmolLM3), Gemma's (1 + w) norms, post-norms, GeGLU, embedding
-    scale, soft-caps, query scale and per-layer rope bases with linear scaling (Gemma 3):
+    """Biases (Qwen2), q/k norms (Qwen3, Gemma 3), windows (Mistral, Phi-3, Gemma), fused
+    qkv and gate_up split by rows (Phi-3), llama3 rope factors, NoPE layers (SmolLM3),
+    Gemma's (1 + w) norms, post-norms, GeGLU, embedding scale, soft-caps, query scale and
+    per-layer rope bases with linear scaling (Gemma 3):
     the C prefill and steps give the graph's logits up to float32 summation order, and
     greedy generation through C picks the graph's tokens and transformers' (its full
     forward's argmax over the generated sequence)."""
@@ -264,7 +262,7 @@ def test_family_decodes_through_the_c_step(family, family_models):
     assert [int(t) for t in z[len(prompt) - 1:].argmax(-1)] == new
 
 
-@pytest.mark.parametrize("family", C_FAMILIES)
+@pytest.mark.parametrize("family", C_DECODE_FAMILIES)
 def test_family_gguf_decodes_from_the_file(family, family_models):
     """The GGUF llama.cpp's converter makes: the C step reads its blocks (q / k rows
     un-permuted only where the converter permuted them) and gives the graph's logits."""
@@ -284,12 +282,39 @@ def test_family_gguf_decodes_from_the_file(family, family_models):
     assert rel_err(ours, ref) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["phi3"])
-def test_families_the_c_step_lacks_keep_the_graph(family, tmp_path):
-    """Phi-3's fused projections: not computed by the C step, so it decodes through the
-    graph."""
-    pytest.importorskip("transformers")
-    from families import C_DECODE_KW, make_folder
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_phi3_fused_adapter_decodes_through_the_c_step(source, family_models):
+    """An adapter on Phi-3's fused qkv / gate_up (and o, down): the C step adapts the
+    q / k / v and gate / up parts with one A and B split by columns, at the adapter's
+    scale, and gives the graph's logits; generation through C picks the graph's tokens."""
     from gradtape import llama
-    model = llama.load(str(make_folder(family, tmp_path / family, kw_override=C_DECODE_KW)))
-    assert model.config.head_dim % 16 == 0 and not E.supported(model)
+    from gradtape.models.lora import init_adapter
+    path = family_models["phi3"][source == "gguf"]
+    if path is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found")
+    model = llama.load(str(path))
+    lora = random_lora(model.config, rank=4, seed=5)
+    assert {t for _, t in lora} == {"qkv", "o", "gate_up", "down"}
+    prompt, tokens = _family_prompt(model), _family_prompt(model, 20)[6:]
+    ours, ref = _c_vs_graph(model, prompt, tokens, lora, 2.0)
+    base, _ = _c_vs_graph(model, prompt, tokens)
+    assert rel_err(ours, ref) < 1e-4 and rel_err(base, ref) > 1e-2  # the adapter matters
+    ad = init_adapter(model.config, rank=4, alpha=12.0, targets=("qkv", "gate_up"), seed=1)
+    rng = np.random.default_rng(2)
+    for a, b in ad.weights.values():
+        b[...] = rng.normal(0, 0.3, b.shape)
+    new = model.generate(prompt, 10, adapter=ad, decoder="blocks", stop_ids=())
+    assert new == model.generate(prompt, 10, adapter=ad, decoder="graph", stop_ids=())
+
+
+def test_rows_the_c_step_lacks_keep_the_graph():
+    """head_dim 12 (not a multiple of the kernels' 16): "auto" decodes through the graph,
+    "blocks" is one error."""
+    from gradtape.errors import GradtapeError
+    m = tiny_model(dim=48, n_heads=4)
+    model = M.Llama(m.config, m.weights, None)
+    assert model.config.head_dim == 12 and not E.supported(model)
+    out = model.generate([3, 1, 4], 5, stop_ids=())
+    assert out == model.generate([3, 1, 4], 5, decoder="graph", stop_ids=())
+    with pytest.raises(GradtapeError, match="decoder 'blocks' needs"):
+        model.generate([3, 1, 4], 5, decoder="blocks", stop_ids=())

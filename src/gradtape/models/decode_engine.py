@@ -4,29 +4,33 @@ weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
 ``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
 row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
 attn_q / attn_k rows are reordered, into our half-split rope layout, which copies those
-two), or, for weights that are not the file's, float32 rows ``[out, in]`` (``F32``).  ``BlockDecoder`` holds the
-preallocated KV cache ``[layers, cap, nkv*hd]``, the rope tables (one per distinct
-layer setting, ``LlamaConfig.rope_for``), the family's biases, q/k norms and windows,
-and the C struct that points at all of it; a step is one ctypes call.  An adapter is applied unmerged (its A
-and B stay float32 and add ``scale * (h A) B`` to each adapted row).  The arithmetic is
+two), or, for weights that are not the file's, float32 rows ``[out, in]`` (``F32``).  A
+fused linear (Phi-3's ``qkv``, rows q | k | v, and ``gate_up``, rows gate | up) comes as
+the separate linears the C step runs: ggml quantizes each row on its own, so the parts
+are row slices of the stored blocks, not copies.
+
+``BlockDecoder`` holds the preallocated KV cache ``[layers, cap, nkv*hd]``, the rope
+tables (one per distinct layer setting, ``LlamaConfig.rope_for``), the family's biases,
+q/k norms and windows, and the C struct that points at all of it; a step is one ctypes
+call.  An adapter is applied unmerged (its A and B stay float32 and add ``scale * (h A)
+B`` to each adapted row); a fused linear's adapter adapts its parts with one A and B
+split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
 ``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
 float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
-layers many rows per call (GEMMs from four dequantized weight rows at a time);
-``load`` takes over a cache filled by the graph instead.
+layers many rows per call (GEMMs from four dequantized weight rows at a time); ``load``
+takes over a cache filled by the graph instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
 
 from ..backends import ggml_vec
-from .config import LlamaConfig
-from .arch import ARCHS
+from .arch import ARCHS, LINEARS
 from .load_gguf import unpermute_rope_rows
 from .rope import rope_tables
 
@@ -56,6 +60,35 @@ class _Model(ctypes.Structure):
         ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64)]
 
 
+def _fused_parts(cfg) -> dict:
+    """``{fused linear: ((part, lo, hi), ...)}``: the separate linears a fused one holds,
+    each its output range (``model._block`` slices the same columns); {} when unfused."""
+    if not cfg.fused:
+        return {}
+    nq, nk, F = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim
+    return {"qkv": (("q", 0, nq), ("k", nq, nq + nk), ("v", nq + nk, nq + 2 * nk)),
+            "gate_up": (("gate", 0, F), ("up", F, 2 * F))}
+
+
+def _split_fused(cfg, d, key, cut) -> dict:
+    """``d`` with each fused linear's entry ``d[key(layer, fused)]`` replaced by its parts'
+    ``d[key(layer, part)] = cut(value, lo, hi)`` (``_fused_parts``' output ranges)."""
+    out = dict(d)
+    for i in range(cfg.n_layers):
+        for fused, parts in _fused_parts(cfg).items():
+            v = out.pop(key(i, fused), None)
+            if v is not None:
+                out.update({key(i, t): cut(v, lo, hi) for t, lo, hi in parts})
+    return out
+
+
+def _lin_names(cfg) -> list:
+    """Our names of the model's linears (fused or separate, as its weights hold them)."""
+    shapes = cfg.weight_shapes()
+    return [n for i in range(cfg.n_layers) for t in LINEARS
+            for n in [f"layers.{i}.{t}"] if n in shapes]
+
+
 def _gguf_blocks(model):
     """``{our name: (qtype, data)}`` of the linears and tables in the model's GGUF file,
     or None when the model has no GGUF file or a type the kernels lack."""
@@ -68,9 +101,9 @@ def _gguf_blocks(model):
     arch = ARCHS[cfg.arch]
     gguf_of = {ours: g for g, ours in arch.gguf_block.items()}
     names = {"tok_embd": "token_embd.weight", "lm_head": "output.weight"}
-    for i in range(cfg.n_layers):
-        for t in _LINS:
-            names[f"layers.{i}.{t}"] = f"blk.{i}.{gguf_of[t]}.weight"
+    for name in _lin_names(cfg):
+        i, t = name.split(".")[1:]
+        names[name] = f"blk.{i}.{gguf_of[t]}.weight"
     for ours, gname in names.items():
         t = gf.tensors.get(gname)
         if t is None:
@@ -110,10 +143,12 @@ def block_weights(model) -> dict:
     """``{name: (qtype, data [out, row_bytes])}`` for every linear, the token table and
     (untied models) the LM head: block matrices kept by the loader as they are
     (``blocks.BlockMatrix``), else the GGUF file's blocks where they hold the
-    model's float weights, else float32 rows ``[out, in]`` copied from the weights."""
+    model's float weights, else float32 rows ``[out, in]`` copied from the weights.
+    Fused linears come as their parts (``_fused_parts``), row slices of the fused
+    matrix."""
     cfg = model.config
     W = model.weights
-    need = [f"layers.{i}.{t}" for i in range(cfg.n_layers) for t in _LINS] + ["tok_embd"]
+    need = _lin_names(cfg) + ["tok_embd"]
     if not cfg.tie_embeddings:
         need.append("lm_head")
     stored = None
@@ -132,27 +167,25 @@ def block_weights(model) -> dict:
             continue
         w = np.asarray(w, np.float32)
         got[name] = ("F32", np.ascontiguousarray(w.T if linear else w).view(np.uint8))
-    return got
+    # whole rows: each row's blocks (and scales) are its own
+    return _split_fused(cfg, got, lambda i, t: f"layers.{i}.{t}",
+                        lambda blk, lo, hi: (blk[0], blk[1][lo:hi]))
 
 
-# the family features (models.arch) the C step does not compute, at their plain LLaMA
-# values: any other value (fused projections) decodes through the graph instead.  What
-# it does compute: biases on any linear, per-head q/k RMSNorm, sliding windows, every rope
-# setting ``rope_for`` gives (llama3 / linear factors, a local base, no rope) as
-# per-layer tables, and Gemma's block: (1 + w) norms, embeddings times sqrt(dim), norms
-# after attention and MLP, GeGLU, attention and final soft-caps, the query scale.
-_PLAIN_BLOCK = {f.name: f.default for f in dataclasses.fields(LlamaConfig)
-                if f.name in ("fused",)}
+# The C step computes every family feature of ``LlamaConfig``: biases on any linear,
+# fused projections (split by rows, ``_fused_parts``), per-head q/k RMSNorm, sliding
+# windows, every rope setting ``rope_for`` gives (llama3 / linear factors, a local base,
+# no rope) as per-layer tables, and Gemma's block: (1 + w) norms, embeddings times
+# sqrt(dim), norms after attention and MLP, GeGLU, attention and final soft-caps, the
+# query scale.  What it lacks is row lengths its kernels do not take (``supported``).
 _ACTS = {"silu": 0, "gelu_tanh": 1}  # the C step's gated activations (its geglu flag)
 
 
 def supported(model) -> bool:
-    """Whether the C step can run this model: a compiler, row lengths the kernels take,
-    and none of the features it lacks (``_PLAIN_BLOCK``)."""
+    """Whether the C step can run this model: a compiler, row lengths the kernels take
+    (multiples of 16), a gated activation it has, and the weights its config names."""
     cfg = model.config
     if not ggml_vec.available() or cfg.head_dim % 16 or cfg.n_heads % cfg.n_kv_heads:
-        return False
-    if any(getattr(cfg, name) != plain for name, plain in _PLAIN_BLOCK.items()):
         return False
     if cfg.act not in _ACTS:
         return False
@@ -188,10 +221,16 @@ class BlockDecoder:
 
         norms = [stacked("attn_norm"), stacked("ffn_norm"), norm_w(W["norm"])]
         self.keep += norms
-        for i in range(cfg.n_layers):  # biases: added by the C linear to its output rows
+        # biases: added by the C linear to its output rows (a fused one's split as its rows)
+        def bias_of(i, t):
+            return f"layers.{i}.{t}_bias"
+
+        biases = _split_fused(cfg, {bias_of(i, t): W[bias_of(i, t)] for i in range(cfg.n_layers)
+                                    for t in cfg.biases}, bias_of, lambda b, lo, hi: b[lo:hi])
+        for i in range(cfg.n_layers):
             for j, t in enumerate(_LINS):
-                if t in cfg.biases:
-                    b = np.ascontiguousarray(W[f"layers.{i}.{t}_bias"], np.float32)
+                if bias_of(i, t) in biases:
+                    b = np.ascontiguousarray(biases[bias_of(i, t)], np.float32)
                     self.keep.append(b)
                     lins[i * len(_LINS) + j].bias = b.ctypes.data
         qk = [stacked("q_norm"), stacked("k_norm")] if cfg.qk_norm else None
@@ -250,12 +289,17 @@ class BlockDecoder:
         """Point the linears at an adapter's ``{(layer, target): (A [in, r], B [r, out])}``
         (None: no adapter).  The C step reads A transposed, ``[r, in]`` (a float32
         copy, small beside the weights: each rank row is then one contiguous dot
-        product); B is used where it is when it is float32 and C-contiguous."""
+        product); B is used where it is when it is float32 and C-contiguous.  A fused
+        linear's ``(A, B)`` adapts its parts: ``(A, B[:, lo:hi])`` each, at the same
+        scale (``_fused_parts``; the parts share one A transposed)."""
         self.lora_keep = []
+        lora = _split_fused(self.cfg, lora or {}, lambda i, t: (i, t),
+                            lambda ab, lo, hi: (ab[0], ab[1][:, lo:hi]))
+        ats = {}  # id(A) -> A transposed: one copy for the parts of a fused linear
         for i in range(self.cfg.n_layers):
             for j, t in enumerate(_LINS):
                 lin = self.lins[i * len(_LINS) + j]
-                ab = (lora or {}).get((i, t))
+                ab = lora.get((i, t))
                 if ab is None:
                     lin.at = lin.b = None
                     lin.r, lin.scale = 0, 0.0
@@ -267,7 +311,9 @@ class BlockDecoder:
                                      f"B{list(b.shape)} do not fit [{lin.rows}, {lin.k}]")
                 if a.shape[1] > MAX_RANK:
                     raise ValueError(f"BlockDecoder: LoRA rank {a.shape[1]} > {MAX_RANK}")
-                at = np.ascontiguousarray(a.T, np.float32)
+                at = ats.get(id(ab[0]))  # (the split dict keeps each A alive)
+                if at is None:
+                    at = ats[id(ab[0])] = np.ascontiguousarray(a.T, np.float32)
                 self.lora_keep += [at, b]
                 lin.at, lin.b, lin.r, lin.scale = at.ctypes.data, b.ctypes.data, a.shape[1], scale
 

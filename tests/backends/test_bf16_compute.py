@@ -223,12 +223,14 @@ def test_bf16_without_onednn_says_so(monkeypatch, tmp_path):
     bogus = tmp_path / "libdnnl.so.3"
     bogus.write_bytes(b"not a library")
     monkeypatch.setenv("GRADTAPE_DNNL", str(bogus))
+    onednn._library.cache_clear()
     onednn._load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="oneDNN could not be used"):
             assert compute.resolve("bf16") == "float32"
     finally:
         monkeypatch.delenv("GRADTAPE_DNNL")
+        onednn._library.cache_clear()
         onednn._load.cache_clear()
 
 
@@ -321,7 +323,7 @@ def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
     cpu = {"model": "Test CPU", "flags": frozenset({"avx512_bf16", "avx512f"})}
     monkeypatch.setattr(compute, "cpu_info", lambda: cpu)
     monkeypatch.setattr(onednn, "available", lambda: (True, ""))
-    monkeypatch.setattr(onednn, "dnnl", lambda: SimpleNamespace(version="3.2.0"))
+    monkeypatch.setattr(onednn, "library", lambda: SimpleNamespace(version="3.2.0"))
     monkeypatch.setattr(onednn, "describe", lambda shape: "3.2.0 (test kernel)")
     measured = []
 

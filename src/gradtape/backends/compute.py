@@ -57,12 +57,11 @@ def cpu_summary() -> dict:
 
 
 def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
-    """``(True, why)`` where bf16 GEMMs (oneDNN) beat float32 (NumPy's BLAS) on this CPU
-    at ``shape`` (``(m, k, n)``: the model's rows, width and FFN width), else ``(False,
-    why)``.  No AMX and no AVX512-BF16: no, without measuring.  Otherwise both are
-    measured at that shape once per CPU model and library versions (``decisions``: it is
-    2x on AMD Zen 5, 3-4x with AMX, slower than float32 on CPUs that split 512-bit
-    instructions)."""
+    """``(True, why)`` where bf16 GEMMs (oneDNN) beat float32 on this CPU at ``shape``
+    (``(m, k, n)``: the model's rows, width and FFN width), else ``(False, why)``.  No
+    AMX and no AVX512-BF16: no, without measuring.  Otherwise both are measured at that
+    shape once per CPU model and library versions (``rates``: bf16 was 2x on AMD Zen 5,
+    3-4x with AMX, slower than float32 on CPUs that split 512-bit instructions)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False, "this CPU has no bf16 matrix instructions (no AMX, no AVX512-BF16)"
@@ -71,12 +70,12 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     if not ok:
         return False, why
     shape = (min(shape[0], MEASURED_ROWS), *shape[1:])
-    f32, bf16, cached = decisions(shape)
-    rates = (f"bf16 {bf16 / 1e9:.0f} vs float32 {f32 / 1e9:.0f} GFLOP/s at "
-             f"{'x'.join(map(str, shape))}, measured{' before' if cached else ''} on this CPU")
+    (f32, bf16), cached = rates("bf16", shape, measured_rates)
+    said = (f"bf16 {bf16 / 1e9:.0f} vs float32 {f32 / 1e9:.0f} GFLOP/s at "
+            f"{'x'.join(map(str, shape))}, measured{' before' if cached else ''} on this CPU")
     if bf16 > 1.1 * f32:
-        return True, f"oneDNN {onednn.describe(shape)}: {rates}"
-    return False, f"bf16 GEMMs are not faster here ({rates})"
+        return True, f"oneDNN {onednn.describe(shape)}: {said}"
+    return False, f"bf16 GEMMs are not faster here ({said})"
 
 
 def _cache_file():
@@ -84,28 +83,28 @@ def _cache_file():
     return cache_dir() / "compute-decisions.json"
 
 
-def decisions(shape):
-    """``(float32 FLOP/s, bf16 FLOP/s, cached)`` at ``shape`` on this CPU: read from the
-    cache file (keyed by CPU model, flags, NumPy's BLAS and oneDNN's version), else
-    measured (``measured_rates``, about a second) and written there atomically."""
+def rates(kind, shape, measure):
+    """``((rate, rate), cached)``: ``measure(*shape)`` on this CPU, read from the cache
+    file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's version and the
+    shape), else measured (about a second) and written there atomically."""
     import json
     import os
 
     from . import onednn
 
-    key = "|".join([cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
-                    _blas_name(), onednn.dnnl().version, "x".join(map(str, shape))])
+    key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
+                    _blas_name(), onednn.library().version, "x".join(map(str, shape))])
     path = _cache_file()
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):  # none yet, or unreadable: measured and written anew
         table = {}
-    hit = table.get(key) if isinstance(table, dict) else None
-    if isinstance(hit, dict) and {"float32", "bf16"} <= set(hit):
-        return float(hit["float32"]), float(hit["bf16"]), True
     table = table if isinstance(table, dict) else {}
-    f32, bf16 = measured_rates(*shape)
-    table[key] = {"float32": f32, "bf16": bf16}
+    hit = table.get(key)
+    if isinstance(hit, list) and len(hit) == 2:
+        return (float(hit[0]), float(hit[1])), True
+    got = tuple(float(r) for r in measure(*shape))
+    table[key] = list(got)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -113,7 +112,7 @@ def decisions(shape):
         os.replace(tmp, path)
     except OSError:  # a read-only cache: measured again next time
         pass
-    return f32, bf16, False
+    return got, False
 
 
 def _blas_name():

@@ -200,8 +200,9 @@ class _Dnnl:
 
 
 @functools.lru_cache(maxsize=1)
-def _load():
-    """``(_Dnnl, "")`` or ``(None, why)``."""
+def _library():
+    """``(_Dnnl, "")`` when the library loads (its float32 matmul runs on any x86-64), or
+    ``(None, why)``."""
     path = _library_path()
     if path is None:
         return None, ("oneDNN is not installed (pip install onednn-cpu-gomp==2023.2.0, or "
@@ -210,10 +211,21 @@ def _load():
 
     quiet_openmp()  # oneDNN's threads are libgomp's, shared with our kernels
     try:
-        d = _Dnnl(path)
-        d.primitive(16, 64, 64, False)  # a bf16 matmul exists for this CPU
+        return _Dnnl(path), ""
     except (OSError, AttributeError, DnnlError) as e:
         return None, f"oneDNN could not be used ({path}: {e})"
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    """``(_Dnnl, "")`` where it also has a bf16 matmul for this CPU, or ``(None, why)``."""
+    d, why = _library()
+    if d is None:
+        return None, why
+    try:
+        d.primitive(16, 64, 64, False)
+    except DnnlError as e:
+        return None, f"oneDNN could not be used ({_library_path()}: {e})"
     return d, ""
 
 
@@ -224,7 +236,16 @@ def available():
 
 
 def dnnl():
+    """The library with its bf16 matmul (``DnnlError`` saying why not)."""
     d, why = _load()
+    if d is None:
+        raise DnnlError(why)
+    return d
+
+
+def library():
+    """The library for float32 matmuls alone (``DnnlError`` saying why not)."""
+    d, why = _library()
     if d is None:
         raise DnnlError(why)
     return d

@@ -64,7 +64,7 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     3-4x with AMX, slower than float32 on CPUs that split 512-bit instructions)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        return False, "this CPU has no bf16 matrix instructions (no AMX, no AVX512-BF16)"
+        return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16"
     from . import onednn
     ok, why = onednn.available()
     if not ok:

@@ -8,7 +8,7 @@ import pytest
 
 from gradtape.errors import GradtapeError
 from gradtape.models.lora import init_adapter
-from gradtape.train.step import TrainStep
+from gradtape.train.step import AUTO_SHARE, TrainStep
 
 from support.compare import rel_err
 from support.tinymodel import tiny_model
@@ -94,8 +94,9 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     probe = step("off", None)
     need_off, need_on = (probe.planned_memory(c).total for c in (False, True))
     assert need_on < need_off
-    assert not step("auto", need_off).checkpointed  # fits as it is
-    assert step("auto", need_off - 1).checkpointed  # fits only checkpointed
+    share = AUTO_SHARE
+    assert not step("auto", need_off / share).checkpointed  # fits as it is, with room
+    assert step("auto", need_off / share - 1).checkpointed  # would take over the share
     with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
                                             r"[\d.]+ GiB \(weights .*activations .*\) with "
                                             r"activation checkpointing, but only 0\.4 GiB "

@@ -147,8 +147,8 @@ class FinetuneConfig:
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
-                                        "or auto (on when the step would not fit the "
-                                        "available memory otherwise)",
+                                        "or auto (on when the step would otherwise take "
+                                        "more than half the available memory)",
                                 checks.one_of("auto", "on", "off"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)

@@ -632,10 +632,15 @@ def _attn_grad_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
 
 
 def _attn_scratch(v):
-    """Per query tile a few [nh, tile, tile] score blocks and [nh, tile, hd] rows."""
+    """The backward's (the larger) scratch: three [nh, qt, kt] score blocks (p, dp, the
+    cap's 1 - tanh^2), six [nh, qt, hd] row blocks (grouped q, do, o, their product, dq,
+    ds k) and one [nkv, kt, hd] (a key tile's dk or dv, before its strided add)."""
     a = v.attrs
-    t = min(a["tile"], v.inputs[1].shape[0] // a["n_seq"])
-    return a["nh"] * t * (4 * t + 4 * a["hd"])
+    n_seq = a["n_seq"]
+    # query rows: attn's q, attn_grad's g; key rows: attn's v, attn_grad's k
+    qt, kt = tiled.attn_tiles(a["tile"], v.inputs[0].shape[0] // n_seq,
+                              v.inputs[2].shape[0] // n_seq)
+    return a["nh"] * qt * (3 * kt + 6 * a["hd"]) + a["nkv"] * kt * a["hd"]
 
 
 def _attn_vjp(g, out, q, k, v, *seg, **attrs):
@@ -821,7 +826,8 @@ def attn(q, k, v, seg=None, *, nh, nkv, hd, iscale, cap=0.0, window=0, n_seq=1,
     sequences stacked as rows: ``[Nq, nh*hd + nh]``, the heads' outputs then each row's
     logsumexp per head.  ``cap > 0`` soft-caps the scaled scores; ``window > 0`` hides
     keys ``window`` or more positions back; ``seg [N]`` (integer ids) hides keys of
-    other segments.  Never holds more than a few ``[tile, tile]`` score blocks."""
+    other segments.  ``tile`` query rows per tile over key tiles ``tiled.ATTN_KEYS`` times
+    as wide: never more than a few such score blocks."""
     attrs = dict(nh=int(nh), nkv=int(nkv), hd=int(hd), iscale=float(iscale),
                  cap=float(cap), window=int(window), n_seq=int(n_seq), tile=int(tile))
     return _rec("attn", q, k, v, *([seg] if seg is not None else []), **attrs)

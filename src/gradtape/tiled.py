@@ -6,8 +6,8 @@ These are the reference definitions the primitive table (``ops.py``) registers f
 block after block of the vocabulary (head) or of the keys (attention), each block's
 scores computed by one GEMM into a scratch block, folded into per-row statistics, and
 recomputed in the backward pass from those statistics.  Memory is linear in T: the
-scratch is a fixed budget of elements (``HEAD_BUDGET``) or a few ``[tile, tile]`` score
-blocks per head.  The sums run in another order than the composed ops (``nn.
+scratch is a fixed budget of elements (``HEAD_BUDGET``) or a few ``[tile, ATTN_KEYS *
+tile]`` score blocks per head.  The sums run in another order than the composed ops (``nn.
 cross_entropy_ids``, ``nn.gqa_attention``): equal to them up to rounding, not bitwise.
 
 This module knows nothing of tapes; ``ops.py`` declares the shapes and the VJPs.
@@ -92,21 +92,22 @@ class NumpyTiles:
             z *= t
 
     @staticmethod
-    def _scores(s, iscale, cap, mask, g):
-        """In place: ``cap(s * iscale)``, ``-inf`` where masked; the tanh (or None)."""
+    def _scores(s, iscale, cap, vis, g):
+        """In place: ``cap(s * iscale)``, ``-inf`` where hidden (``vis``, a ``Visible``
+        or None); the tanh (or None)."""
         s *= iscale
         t = _softcap(s, cap) if cap else None
-        if mask is not None:
+        if vis is not None:
             nkv, gn, m = s.shape
-            s.reshape(nkv, g, gn // g, m)[:, :, ~mask] = -np.inf
+            s.reshape(nkv, g, gn // g, m)[:, :, ~vis.dense(m)] = -np.inf
         return t
 
     @classmethod
-    def attn_fwd(cls, s, m, l, acc, iscale, cap, mask, g):
+    def attn_fwd(cls, s, m, l, acc, iscale, cap, vis, g):
         """Fold the raw score tile ``s [nkv, g*n, k]`` into each row's running max ``m``,
         sum ``l`` and unnormalised output ``acc`` (both rescaled by ``exp(m_old -
         m_new)``); ``s`` becomes the tile's ``exp(s - m_new)`` (0 where masked)."""
-        cls._scores(s, iscale, cap, mask, g)
+        cls._scores(s, iscale, cap, vis, g)
         mn = np.maximum(m, s.max(axis=2, keepdims=True))
         safe = np.where(np.isfinite(mn), mn, 0.0)  # rows with nothing visible yet
         alpha = np.exp(m - safe)
@@ -118,10 +119,10 @@ class NumpyTiles:
         m[...] = mn
 
     @classmethod
-    def attn_p(cls, s, t, lse, iscale, cap, mask, g):
+    def attn_p(cls, s, t, lse, iscale, cap, vis, g):
         """The raw score tile ``s`` becomes the probabilities ``exp(cap(s * iscale) -
         lse)`` (0 where masked); under a cap ``t`` gets ``1 - tanh^2``."""
-        th = cls._scores(s, iscale, cap, mask, g)
+        th = cls._scores(s, iscale, cap, vis, g)
         np.subtract(s, lse, out=s)
         np.exp(s, out=s)
         if cap:
@@ -198,8 +199,15 @@ def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
 
 # --- attention ----------------------------------------------------------------------------
 
-ATTN_TILE = 256  # query rows and key rows per tile
+ATTN_TILE = 128  # query rows per tile
+ATTN_KEYS = 4  # key rows per tile, in query tiles: wide key tiles, few small diagonal ones
 MASK_VALUE = -1e9  # the additive mask of the composed attention (nn.causal_mask_fill)
+
+
+def attn_tiles(tile, tq, tk):
+    """``(query rows, key rows)`` of the largest tile for ``tile`` and sequences of ``tq``
+    query and ``tk`` key rows: what the scratch blocks are sized by."""
+    return min(tile, tq), min(ATTN_KEYS * tile, tk)
 
 
 def causal_mask(t, past=0, window=0):
@@ -212,6 +220,21 @@ def causal_mask(t, past=0, window=0):
     return m
 
 
+class Visible:
+    """The keys each query row ``i`` of a tile sees: columns ``[lo[i], hi[i])`` (int64
+    ``[n]``: the causal and window limits) and, where ``mask`` is given (``[n, m]``
+    bools: equal segments), only those it marks."""
+
+    def __init__(self, lo, hi, mask):
+        self.lo, self.hi, self.mask = lo, hi, mask
+
+    def dense(self, m):
+        """As one ``[n, m]`` bool array (the NumPy reference's form)."""
+        cols = np.arange(m)
+        vis = (cols >= self.lo[:, None]) & (cols < self.hi[:, None])
+        return vis if self.mask is None else vis & self.mask
+
+
 class AttnLayout:
     """Which keys each query row sees, tile by tile.
 
@@ -220,13 +243,17 @@ class AttnLayout:
     ``past + r`` with ``past = tk - tq`` (cached keys before the new rows).  Key ``j`` is
     visible to query ``i`` (positions within the sequence) iff ``j <= i`` (causal),
     ``j > i - window`` when ``window > 0``, and ``seg[i] == seg[j]`` when segment ids are
-    given (packed examples; query and key rows are the same rows then).
+    given (packed examples; query and key rows are the same rows then).  Query tiles have
+    ``tile`` rows, key tiles ``ktile`` (wide ones: fewer, larger GEMMs) and a key tile
+    ends at its query tile's last row, so the keys computed and then hidden by the causal
+    limit are at most a ``tile x tile`` triangle per query tile.
     """
 
-    def __init__(self, nq, nk, n_seq, window, seg, tile):
+    def __init__(self, nq, nk, n_seq, window, seg, tile, ktile=None):
         self.n_seq, self.tq, self.tk = n_seq, nq // n_seq, nk // n_seq
         self.past = self.tk - self.tq
         self.window, self.seg, self.tile = window, seg, tile
+        self.ktile = ktile or tile
 
     def q_tiles(self):
         """``(q0, q1, base)``: query row ranges (absolute) and their sequence's key base."""
@@ -236,13 +263,13 @@ class AttnLayout:
         return
 
     def k_tiles(self, q0, q1, b):
-        """``(k0, k1, mask)`` for the key tiles query rows ``[q0, q1)`` of sequence ``b``
-        see at least in part; ``mask [q1-q0, k1-k0]`` is None when all are visible."""
-        tq, tk, past, w = self.tq, self.tk, self.past, self.window
+        """``(k0, k1, vis)`` for the key tiles query rows ``[q0, q1)`` of sequence ``b``
+        see at least in part; ``vis`` (a ``Visible``) is None when all are visible."""
+        tq, tk, past, w, kt = self.tq, self.tk, self.past, self.window, self.ktile
         p0, p1 = past + q0 - b * tq, past + q1 - 1 - b * tq  # positions of the first, last row
         lo = max(0, p0 - w + 1) if w else 0  # the first key any row sees
-        for j0 in range(lo - lo % self.tile, min(tk, p1 + 1), self.tile):
-            j1 = min(tk, j0 + self.tile, p1 + 1)
+        for j0 in range(lo - lo % kt, min(tk, p1 + 1), kt):
+            j1 = min(tk, j0 + kt, p1 + 1)
             k0, k1 = b * tk + j0, b * tk + j1
             full = j1 - 1 <= p0 and (not w or j0 > p1 - w)
             mask = None
@@ -252,15 +279,13 @@ class AttnLayout:
                     continue  # no common segment: nothing visible
                 if not (sq.min() == sq.max() == sk.min() == sk.max()):
                     mask = sq[:, None] == sk[None, :]
-                    full = False
-            if not full:
-                pos_q = np.arange(p0, p1 + 1)[:, None]
-                pos_k = np.arange(j0, j1)[None, :]
-                vis = pos_k <= pos_q
-                if w:
-                    vis &= pos_k > pos_q - w
-                mask = vis if mask is None else mask & vis
-            yield k0, k1, mask
+            if full and mask is None:
+                yield k0, k1, None
+                continue
+            pos = np.arange(p0, p1 + 1, dtype=np.int64)  # [n]: each row's position
+            hi = np.clip(pos + 1 - j0, 0, j1 - j0)  # keys j <= pos
+            lo_ = np.clip(pos - w + 1 - j0, 0, j1 - j0) if w else np.zeros_like(pos)
+            yield k0, k1, Visible(lo_, hi, mask)
 
 
 def _q_group(q, q0, q1, nkv, g, hd):
@@ -280,26 +305,45 @@ def _kv_heads(x, k0, k1, nkv, hd):
     return x[k0:k1].reshape(k1 - k0, nkv, hd).transpose(1, 0, 2)  # [nkv, n, hd] (a view)
 
 
+def _layout(q, k, seg, n_seq, window, tile):
+    lay = AttnLayout(q.shape[0], k.shape[0], n_seq, window, seg[0] if seg else None, tile,
+                     ATTN_KEYS * tile)
+    return lay, attn_tiles(tile, lay.tq, lay.tk)
+
+
+def _block(buf, *shape):
+    """A contiguous ``shape`` view at the start of the flat scratch ``buf``."""
+    return buf[:int(np.prod(shape))].reshape(shape)
+
+
 def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
              kern=NUMPY_TILES):
     """``out = [o | lse]``: per query head the softmax-weighted values ``o [N, nh*hd]`` and
     the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores, walking the key
     tiles with an online softmax (``attn_fwd``): at the end ``o = acc / l`` and ``lse =
-    m + log l``."""
+    m + log l``.  The scratch (score block, products) is allocated once per call."""
     g, dtype = nh // nkv, out.dtype
-    lay = AttnLayout(q.shape[0], k.shape[0], n_seq, window, seg[0] if seg else None, tile)
+    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
+    sbuf = np.empty(nh * qt * kt, dtype)  # one [nkv, g*n, m] score block
+    pbuf = np.empty(nh * qt * hd, dtype)  # one [nkv, g*n, hd] product p @ v
     for q0, q1, b in lay.q_tiles():
         n = q1 - q0
         qg = _q_group(q, q0, q1, nkv, g, hd)  # [nkv, g*n, hd]
         m = np.full((nkv, g * n, 1), -np.inf, dtype)
         l = np.zeros((nkv, g * n, 1), dtype)
         acc = np.zeros((nkv, g * n, hd), dtype)
-        for k0, k1, mask in lay.k_tiles(q0, q1, b):
-            s = np.matmul(qg, _kv_heads(k, k0, k1, nkv, hd).transpose(0, 2, 1))  # [nkv, g*n, m]
-            kern.attn_fwd(s, m, l, acc, iscale, cap, mask, g)
-            acc += np.matmul(s, _kv_heads(v, k0, k1, nkv, hd))
-        out[q0:q1, :nh * hd] = _ungroup(acc / l, n, nkv, g, hd)
-        out[q0:q1, nh * hd:] = (m + np.log(l)).reshape(nkv * g, n).T
+        pv = _block(pbuf, nkv, g * n, hd)
+        for k0, k1, vis in lay.k_tiles(q0, q1, b):
+            s = _block(sbuf, nkv, g * n, k1 - k0)
+            np.matmul(qg, _kv_heads(k, k0, k1, nkv, hd).transpose(0, 2, 1), out=s)
+            kern.attn_fwd(s, m, l, acc, iscale, cap, vis, g)
+            np.matmul(s, _kv_heads(v, k0, k1, nkv, hd), out=pv)
+            acc += pv
+        acc /= l
+        out[q0:q1, :nh * hd] = _ungroup(acc, n, nkv, g, hd)
+        np.log(l, out=l)
+        l += m
+        out[q0:q1, nh * hd:] = l.reshape(nkv * g, n).T
 
 
 def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
@@ -319,7 +363,11 @@ def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n
     dv = out[nq * nh * hd + nk * nkv * hd:].reshape(nk, nkv * hd)
     out.fill(0)
     do_all, o_all = gy[:, :nh * hd], y[:, :nh * hd]
-    lay = AttnLayout(nq, nk, n_seq, window, seg[0] if seg else None, tile)
+    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
+    sbuf, dpbuf = np.empty(nh * qt * kt, dtype), np.empty(nh * qt * kt, dtype)
+    tbuf = np.empty(nh * qt * kt, dtype) if cap else None
+    qbuf = np.empty(nh * qt * hd, dtype)  # [nkv, g*n, hd]: ds @ k
+    kbuf = np.empty(nkv * kt * hd, dtype)  # [nkv, m, hd]: p^T do, ds^T q
     for q0, q1, b in lay.q_tiles():
         n = q1 - q0
         qg = _q_group(q, q0, q1, nkv, g, hd)
@@ -328,16 +376,21 @@ def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n
         gl = _q_group(gy[:, nh * hd:], q0, q1, nkv, g, 1)
         D = (dog * _q_group(o_all, q0, q1, nkv, g, hd)).sum(axis=2, keepdims=True) - gl
         dqg = np.zeros_like(qg)
-        for k0, k1, mask in lay.k_tiles(q0, q1, b):
-            kt, vt = _kv_heads(k, k0, k1, nkv, hd), _kv_heads(v, k0, k1, nkv, hd)
-            s = np.matmul(qg, kt.transpose(0, 2, 1))  # [nkv, g*n, m]
-            t = np.empty_like(s) if cap else None
-            kern.attn_p(s, t, lse, iscale, cap, mask, g)  # s: p
-            dvt = np.matmul(s.transpose(0, 2, 1), dog)  # [nkv, m, hd]
-            dp = np.matmul(dog, vt.transpose(0, 2, 1))  # [nkv, g*n, m]
+        dsk = _block(qbuf, nkv, g * n, hd)
+        for k0, k1, vis in lay.k_tiles(q0, q1, b):
+            kt_, vt = _kv_heads(k, k0, k1, nkv, hd), _kv_heads(v, k0, k1, nkv, hd)
+            shape = (nkv, g * n, k1 - k0)
+            s, dp = _block(sbuf, *shape), _block(dpbuf, *shape)
+            t = _block(tbuf, *shape) if cap else None
+            np.matmul(qg, kt_.transpose(0, 2, 1), out=s)  # [nkv, g*n, m]
+            kern.attn_p(s, t, lse, iscale, cap, vis, g)  # s: p
+            kv = _block(kbuf, nkv, k1 - k0, hd)
+            np.matmul(s.transpose(0, 2, 1), dog, out=kv)  # [nkv, m, hd]: p^T do
+            _kv_heads(dv, k0, k1, nkv, hd)[...] += kv  # a strided add, no copy
+            np.matmul(dog, vt.transpose(0, 2, 1), out=dp)  # [nkv, g*n, m]
             kern.attn_ds(dp, s, t, D, iscale, cap)
-            dqg += np.matmul(dp, kt)
-            dkt = np.matmul(dp.transpose(0, 2, 1), qg)  # [nkv, m, hd]
-            dk[k0:k1] += dkt.transpose(1, 0, 2).reshape(k1 - k0, nkv * hd)
-            dv[k0:k1] += dvt.transpose(1, 0, 2).reshape(k1 - k0, nkv * hd)
+            np.matmul(dp, kt_, out=dsk)
+            dqg += dsk
+            np.matmul(dp.transpose(0, 2, 1), qg, out=kv)  # [nkv, m, hd]: ds^T q
+            _kv_heads(dk, k0, k1, nkv, hd)[...] += kv
         dq[q0:q1] = _ungroup(dqg, n, nkv, g, hd)

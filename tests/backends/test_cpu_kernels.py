@@ -106,41 +106,49 @@ def _softmax_var(shape):
 
 
 def _tile_args(rng, dtype, cap, masked):
-    """One attention score tile ``[nkv=2, g*n = 2*6, 20]`` and one head logits block."""
+    """One attention score tile ``[nkv=2, g*n = 2*6, 20]`` and which keys its rows see:
+    all (None), ranges of columns (causal and window limits), or ranges and a mask."""
+    from gradtape import tiled
+
     s = (rng.standard_normal((2, 12, 20)) * 4).astype(dtype)
-    mask = rng.random((6, 20)) < 0.7 if masked else None
-    if masked:
-        mask[:, 0] = True  # every row sees a key
-    return s, mask
+    if not masked:
+        return s, None
+    lo = np.array([0, 3, 0, 7, 5, 9], np.int64)
+    hi = np.array([20, 11, 1, 20, 5, 16], np.int64)  # row 4 sees nothing in this tile
+    mask = rng.random((6, 20)) < 0.7 if masked == "mask" else None
+    if mask is not None:
+        mask[np.arange(6), lo] = True  # every row with a range sees a key
+    return s, tiled.Visible(lo, hi, mask)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cap, masked", [(0.0, False), (0.0, True), (5.0, True)])
+@pytest.mark.parametrize("cap, masked", [(0.0, None), (0.0, "ranges"), (0.0, "mask"),
+                                         (5.0, "ranges"), (5.0, "mask")])
 def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     """csrc/tiled.c against tiled.NumpyTiles, method by method: the scores' online softmax,
     the recomputed probabilities, their gradient and the fused head's two blocks, with and
-    without a mask and a soft-cap (masked entries exactly 0 in both)."""
+    without visible ranges, a mask and a soft-cap (hidden entries exactly 0 in both)."""
     from gradtape import tiled
     from gradtape.backends.tiled_c import kernels
 
     ref, c = tiled.NUMPY_TILES, kernels(dtype)
     tol = 1e-13 if dtype == np.float64 else 2e-5
-    rng = np.random.default_rng(int(cap) + masked)
-    s, mask = _tile_args(rng, dtype, cap, masked)
+    rng = np.random.default_rng(int(cap) + len(masked or ""))
+    s, vis = _tile_args(rng, dtype, cap, masked)
     state = lambda: [np.full((2, 12, 1), -1.0, dtype), np.full((2, 12, 1), 3.0, dtype),
                      np.ones((2, 12, 8), dtype)]
     got, want = [s.copy()] + state(), [s.copy()] + state()
-    c.attn_fwd(*got, 0.3, cap, mask, 2)
-    ref.attn_fwd(*want, 0.3, cap, mask, 2)
+    c.attn_fwd(*got, 0.3, cap, vis, 2)
+    ref.attn_fwd(*want, 0.3, cap, vis, 2)
     for a, b in zip(got, want):
         assert rel_err(a, b) <= tol
-    if masked:
-        assert not got[0].reshape(2, 2, 6, 20)[:, :, ~mask].any()
+    if vis is not None:
+        assert not got[0].reshape(2, 2, 6, 20)[:, :, ~vis.dense(20)].any()
     lse = rng.standard_normal((2, 12, 1)).astype(dtype) + 3
     gp, wp = s.copy(), s.copy()
     gt_, wt = np.zeros_like(s), np.zeros_like(s)
-    c.attn_p(gp, gt_, lse, 0.3, cap, mask, 2)
-    ref.attn_p(wp, wt, lse, 0.3, cap, mask, 2)
+    c.attn_p(gp, gt_, lse, 0.3, cap, vis, 2)
+    ref.attn_p(wp, wt, lse, 0.3, cap, vis, 2)
     assert rel_err(gp, wp) <= tol and rel_err(gt_, wt) <= tol
     D = rng.standard_normal((2, 12, 1)).astype(dtype)
     dp = rng.standard_normal(s.shape).astype(dtype)

@@ -131,8 +131,8 @@ def test_tiled_attention_replays(backend):
         assert rel_err(a, b) <= (0.0 if backend == "numpy" else 1e-13)
 
 
-def _visited(n, tile, window=0, seg=None, n_seq=1):
-    lay = tiled.AttnLayout(n, n, n_seq, window, seg, tile)
+def _visited(n, tile, window=0, seg=None, n_seq=1, ktile=None):
+    lay = tiled.AttnLayout(n, n, n_seq, window, seg, tile, ktile)
     return {(q0, k0) for q0, q1, b in lay.q_tiles() for k0, _, _ in lay.k_tiles(q0, q1, b)}
 
 
@@ -147,6 +147,21 @@ def test_tiles_outside_the_mask_are_skipped():
     assert _visited(16, 4, seg=seg) == {(0, 0), (4, 0), (4, 4), (8, 8), (12, 8), (12, 12)}
     # two stacked sequences: the second's tiles start at its own rows
     assert _visited(8, 4, n_seq=2) == {(0, 0), (4, 4)}
+    # key tiles of 8 over query tiles of 4: a tile ends at the query tile's last row
+    assert _visited(16, 4, ktile=8) == {(0, 0), (4, 0), (8, 0), (8, 8), (12, 0), (12, 8)}
+
+
+def test_visible_ranges_are_the_causal_window_mask():
+    """Each key tile's ``Visible`` marks exactly the keys ``causal_mask`` leaves at 0."""
+    n, past = 13, 4
+    for window in (0, 5):
+        want = tiled.causal_mask(n, past, window) == 0  # [n, past + n]
+        lay = tiled.AttnLayout(n, n + past, 1, window, None, 3, 6)
+        got = np.zeros_like(want)
+        for q0, q1, b in lay.q_tiles():
+            for k0, k1, vis in lay.k_tiles(q0, q1, b):
+                got[q0:q1, k0:k1] = True if vis is None else vis.dense(k1 - k0)
+        assert (got == want).all()
 
 
 def test_tiled_attention_shape_errors():

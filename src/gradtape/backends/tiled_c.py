@@ -1,10 +1,11 @@
 """The cpu backend's kernels for the tiled primitives' elementwise work (``tiled.py``):
 the same methods as ``tiled.NumpyTiles``, one C loop over a block's rows each (OpenMP
-over the rows; ``csrc/tiled.c``), so a block of scores is read and written once per step instead of once
-per NumPy call.  The GEMMs and the walk over the blocks are ``tiled.py``'s own.
+over the rows; ``csrc/tiled.c``), so a block of scores is read and written once per step
+instead of once per NumPy call.  The GEMMs and the walk over the blocks are ``tiled.py``'s
+own.
 
-Math as in ``NumpyTiles``, in the block's dtype, row sums in double; float32 ``exp`` is
-``_cgen``'s vectorizable ``gt_expf``; masked entries are exactly 0.  Without a C compiler
+Math as in ``NumpyTiles``, in the block's dtype (row sums as ``csrc/tiled.c`` says);
+float32 ``exp`` is ``_cgen``'s vectorizable ``gt_expf``; masked entries are exactly 0.  Without a C compiler
 the cpu backend runs on NumPy anyway (``CpuBackend.unavailable``).
 """
 
@@ -53,20 +54,25 @@ class CTiles:
                           _p(ids), _L(z.shape[0]), _L(z.shape[1]), _L(v0), _D(cap))
 
     @staticmethod
-    def _mask(mask):
-        return None if mask is None else np.ascontiguousarray(mask, np.uint8)
+    def _vis(vis):
+        """``lo, hi`` pointers of a ``tiled.Visible`` (null for None) and its mask as
+        uint8 (or None)."""
+        if vis is None:
+            return _p(None), _p(None), None
+        mk = None if vis.mask is None else np.ascontiguousarray(vis.mask, np.uint8)
+        return _p(vis.lo), _p(vis.hi), mk
 
-    def attn_fwd(self, s, m, l, acc, iscale, cap, mask, g):
-        mk = self._mask(mask)
+    def attn_fwd(self, s, m, l, acc, iscale, cap, vis, g):
+        lo, hi, mk = self._vis(vis)
         nkv, gn, ncol = s.shape
-        self.f["attn_fwd"](_p(s), _p(m), _p(l), _p(acc), _p(mk), _L(nkv * gn), _L(ncol),
-                           _L(gn // g), _L(acc.shape[2]), _D(iscale), _D(cap))
+        self.f["attn_fwd"](_p(s), _p(m), _p(l), _p(acc), lo, hi, _p(mk), _L(nkv * gn),
+                           _L(ncol), _L(gn // g), _L(acc.shape[2]), _D(iscale), _D(cap))
 
-    def attn_p(self, s, t, lse, iscale, cap, mask, g):
-        mk = self._mask(mask)
+    def attn_p(self, s, t, lse, iscale, cap, vis, g):
+        lo, hi, mk = self._vis(vis)
         nkv, gn, ncol = s.shape
-        self.f["attn_p"](_p(s), _p(t), _p(lse), _p(mk), _L(nkv * gn), _L(ncol), _L(gn // g),
-                         _D(iscale), _D(cap))
+        self.f["attn_p"](_p(s), _p(t), _p(lse), lo, hi, _p(mk), _L(nkv * gn), _L(ncol),
+                         _L(gn // g), _D(iscale), _D(cap))
 
     def attn_ds(self, dp, p, t, D, iscale, cap):
         nkv, gn, ncol = dp.shape

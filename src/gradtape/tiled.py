@@ -247,6 +247,11 @@ class AttnLayout:
     ``tile`` rows, key tiles ``ktile`` (wide ones: fewer, larger GEMMs) and a key tile
     ends at its query tile's last row, so the keys computed and then hidden by the causal
     limit are at most a ``tile x tile`` triangle per query tile.
+
+    Packed examples lie in contiguous runs of rows (``train.data.pack_rows``): a row's
+    first visible key is then its run's first row, so segments become column ranges too
+    (``starts``), and a query tile's key tiles begin at its first row's example instead
+    of at the sequence's start.  Segment ids in any other pattern take a mask.
     """
 
     def __init__(self, nq, nk, n_seq, window, seg, tile, ktile=None):
@@ -254,6 +259,7 @@ class AttnLayout:
         self.past = self.tk - self.tq
         self.window, self.seg, self.tile = window, seg, tile
         self.ktile = ktile or tile
+        self.starts = run_starts(seg, self.tq) if seg is not None else None
 
     def q_tiles(self):
         """``(q0, q1, base)``: query row ranges (absolute) and their sequence's key base."""
@@ -267,13 +273,17 @@ class AttnLayout:
         see at least in part; ``vis`` (a ``Visible``) is None when all are visible."""
         tq, tk, past, w, kt = self.tq, self.tk, self.past, self.window, self.ktile
         p0, p1 = past + q0 - b * tq, past + q1 - 1 - b * tq  # positions of the first, last row
-        lo = max(0, p0 - w + 1) if w else 0  # the first key any row sees
-        for j0 in range(lo - lo % kt, min(tk, p1 + 1), kt):
+        pos = np.arange(p0, p1 + 1, dtype=np.int64)  # [n]: each row's position
+        first = np.maximum(pos - w + 1, 0) if w else np.zeros_like(pos)  # its first key
+        if self.starts is not None:  # and its example's first row
+            first = np.maximum(first, self.starts[q0:q1])
+        lo = int(first.min())  # the first key any row sees
+        for j0 in range(lo - lo % self.tile, min(tk, p1 + 1), kt):
             j1 = min(tk, j0 + kt, p1 + 1)
             k0, k1 = b * tk + j0, b * tk + j1
-            full = j1 - 1 <= p0 and (not w or j0 > p1 - w)
+            full = j1 - 1 <= p0 and first.max() <= j0
             mask = None
-            if self.seg is not None:
+            if self.seg is not None and self.starts is None:
                 sq, sk = self.seg[q0:q1], self.seg[k0:k1]
                 if sk.max() < sq.min() or sk.min() > sq.max():
                     continue  # no common segment: nothing visible
@@ -282,10 +292,23 @@ class AttnLayout:
             if full and mask is None:
                 yield k0, k1, None
                 continue
-            pos = np.arange(p0, p1 + 1, dtype=np.int64)  # [n]: each row's position
             hi = np.clip(pos + 1 - j0, 0, j1 - j0)  # keys j <= pos
-            lo_ = np.clip(pos - w + 1 - j0, 0, j1 - j0) if w else np.zeros_like(pos)
-            yield k0, k1, Visible(lo_, hi, mask)
+            yield k0, k1, Visible(np.clip(first - j0, 0, j1 - j0), hi, mask)
+
+
+def run_starts(seg, t):
+    """For segment ids ``seg`` of sequences of ``t`` rows, each row's position (within
+    its sequence) of the first row of its run of equal ids, where every id of a sequence
+    is one run; else None (the ids need a mask)."""
+    starts = np.empty(len(seg), np.int64)
+    for b0 in range(0, len(seg), t):
+        s = np.asarray(seg[b0:b0 + t])
+        new = np.r_[True, s[1:] != s[:-1]]
+        heads = np.flatnonzero(new)
+        if len(heads) != len(np.unique(s)):
+            return None
+        starts[b0:b0 + t] = heads[np.cumsum(new) - 1]
+    return starts
 
 
 def _q_group(q, q0, q1, nkv, g, hd):

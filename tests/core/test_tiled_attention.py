@@ -55,12 +55,15 @@ def test_tiled_attention_equals_composed(dtype, n_seq, t, nh, nkv, hd, window, c
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_tiled_attention_with_packed_segments(dtype):
-    """Three examples packed into one row: key j is seen by query i iff j <= i and both
-    are in the same example; equal to the composed attention with that additive mask."""
+@pytest.mark.parametrize("seg", [[0] * 5 + [1] * 2 + [2] * 7,  # packed: runs (column ranges)
+                                 [0] * 3 + [1] * 4 + [0] * 3 + [2] * 4])  # an id twice: a mask
+def test_tiled_attention_with_packed_segments(dtype, seg):
+    """Examples packed into one row: key j is seen by query i iff j <= i and both are in
+    the same example; equal to the composed attention with that additive mask, whether the
+    layout takes the examples' limits as column ranges (contiguous runs) or as a mask."""
     r = np.random.default_rng(3)
     t, nh, nkv, hd = 14, 4, 2, 4
-    seg = np.array([0] * 5 + [1] * 2 + [2] * 7)
+    seg = np.array(seg)
     tp = gt.Tape(dtype)
     q, k, v = (tp.param(a) for a in _qkv(r, t, nh, nkv, hd, dtype))
     c, s = nn.rope_fill(t, hd, 1e4)
@@ -145,6 +148,20 @@ def test_tiles_outside_the_mask_are_skipped():
     # two packed examples of 8 rows: no tile pairs rows of different examples
     seg = np.array([0] * 8 + [1] * 8)
     assert _visited(16, 4, seg=seg) == {(0, 0), (4, 0), (4, 4), (8, 8), (12, 8), (12, 12)}
+    # packed runs not on tile edges: a query tile's keys start at the query tile edge
+    # before its first row's example (rows 8-11 are in the example from row 6: keys from
+    # 4), in key tiles of 8 from there
+    seg = np.array([0] * 2 + [1] * 4 + [2] * 10)
+    assert tiled.run_starts(seg, 16).tolist() == [0] * 2 + [2] * 4 + [6] * 10
+    assert _visited(16, 4, seg=seg, ktile=8) == {(0, 0), (4, 0), (8, 4), (12, 4), (12, 12)}
+    lay = tiled.AttnLayout(16, 16, 1, 0, seg, 4, 8)
+    assert [(k0, k1) for k0, k1, _ in lay.k_tiles(8, 12, 0)] == [(4, 12)]
+    lay = tiled.AttnLayout(16, 16, 1, 0, seg, 4, 4)
+    assert [(k0, k1) for k0, k1, _ in lay.k_tiles(12, 16, 0)] == [(4, 8), (8, 12), (12, 16)]
+    (k0, k1, vis), = [x for x in lay.k_tiles(12, 16, 0) if x[0] == 4]
+    assert vis.mask is None and vis.lo.tolist() == [2] * 4 and vis.hi.tolist() == [4] * 4
+    # an id in two runs: a mask
+    assert tiled.run_starts(np.array([0, 0, 1, 0]), 4) is None
     # two stacked sequences: the second's tiles start at its own rows
     assert _visited(8, 4, n_seq=2) == {(0, 0), (4, 4)}
     # key tiles of 8 over query tiles of 4: a tile ends at the query tile's last row

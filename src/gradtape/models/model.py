@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import nn, ops
+from .. import nn, ops, tiled
 from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..tape import Tape
@@ -163,6 +163,14 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None):
                                  cfg.final_softcap or 0.0)
 
 
+# rows per sequence from which attention is the tiled primitive (``nn.tiled_attention``);
+# shorter sequences take the composed attention (``nn.gqa_attention_seqs``, small [t, t]
+# scores): with at most two query tiles the tiled walk skips at most a quarter of the
+# scores, and its per-tile work costs more than that (SmolLM2's step, Zen 3: 1.61 s
+# composed vs 1.92 s tiled at T=256, even at T=512; packed rows of 352: tiled 10% faster)
+ATTN_TILED_MIN = 2 * tiled.ATTN_TILE + 1
+
+
 def _rope_keys(cfg):
     """``{layer: its rope setting}``; layers with equal settings share one table."""
     return {i: cfg.rope_for(i) for i in range(cfg.n_layers)}
@@ -201,12 +209,25 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     iscale = cfg.attn_iscale
     lin = _linear_fn(tp, W, lora, lora_scale)
 
+    masks = {}  # composed attention: window -> the additive mask (with the segments')
+
+    def mask_of(window):
+        if window not in masks:
+            causal = tp.const(nn.causal_mask_fill(t, window=window))
+            masks[window] = causal if segments is None else nn.segment_mask(
+                tp, segments, causal, n_seq, t)
+        return masks[window]
+
     x = _embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
         def attend(q, k, v, window=cfg.window(i), rope=tables[keys[i]]):
-            # all sequences and heads at once, tiled: no [T, T] scores, the causal mask
-            # (and window) applied by position
+            # all sequences and heads at once; from ATTN_TILED_MIN rows tiled: no [T, T]
+            # scores, the causal mask (and window, segments) applied by position
             cosc, sinc = rope
+            if t < ATTN_TILED_MIN:
+                return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask_of(window), n_seq,
+                                             t, cfg.n_heads, cfg.n_kv_heads, hd, iscale,
+                                             cfg.attn_softcap)
             return nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
                                       cfg.n_kv_heads, hd, iscale, cfg.attn_softcap, window,
                                       segments)

@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from gradtape.backends.compute import DEFAULT_COMPUTE, call_seconds
+from gradtape.backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE, call_seconds
 
 WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
 SEQ_LEN = {"smollm2-lora": 256, "smollm2-lora-2k": 2048, "smollm2-lora-8k": 8192}
@@ -579,7 +579,7 @@ def main(argv=None):
     if args.device == "cpu" and args.storage != "float32":
         ap.error("--storage bfloat16 needs --device cuda")
     computes = [c.strip() for c in args.compute.split(",") if c.strip()]
-    if not computes or any(c not in ("float32", "bf16", "auto") for c in computes):
+    if not computes or any(c not in COMPUTE_CHOICES for c in computes):
         ap.error(f"--compute: expected float32, bf16 or auto (comma-separated), got "
                  f"{args.compute!r}")
     if args.device == "cuda":

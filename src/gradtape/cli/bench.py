@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .. import checks
 from ..backends import BACKENDS
+from ..backends.compute import COMPUTE_CHOICES
 from ..errors import GradtapeError
 from .options import option
 
@@ -65,7 +66,7 @@ def run(args) -> int:
         if w not in known:
             raise GradtapeError(f"--workloads: unknown workload {w!r}; known: {', '.join(known)}")
     for c in args.compute.split(","):
-        checks.one_of("float32", "bf16", "auto")("--compute", c)
+        checks.one_of(*COMPUTE_CHOICES)("--compute", c)
     return _benchmark(names, args)
 
 

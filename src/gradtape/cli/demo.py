@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import checks
 from ..backends import BACKENDS
+from ..backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from .options import option
 
@@ -30,7 +31,7 @@ def add_arguments(parser):
            help="held-out records to score (default: %(default)s)")
     option(parser, "--backend", checks.one_of("auto", *BACKENDS), default="auto",
            help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
-    option(parser, "--compute", checks.one_of("float32", "bf16", "auto"), default="auto",
+    option(parser, "--compute", checks.one_of(*COMPUTE_CHOICES), default=DEFAULT_COMPUTE,
            help="precision of the training step's frozen-weight GEMMs: auto picks bf16 where "
                 "this CPU runs it faster, else float32 (default: %(default)s)")
 

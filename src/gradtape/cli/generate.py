@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from .. import checks
+from ..backends.compute import COMPUTE_CHOICES
 from ..errors import GradtapeError
 from ..models.generate import Sampling, check_stop_strings, cut_at_stop, held_back
 from .options import adapter_folder
@@ -64,7 +65,7 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                    help="arithmetic precision (default float32)")
-    p.add_argument("--compute", choices=("float32", "bf16", "auto"), default="float32",
+    p.add_argument("--compute", choices=COMPUTE_CHOICES, default="float32",
                    help="precision of the frozen-weight GEMMs (default float32; generation "
                         "runs float32 for now: bf16 says so and runs float32)")
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import checks
 from ..backends import BACKENDS
+from ..backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
@@ -135,15 +136,15 @@ class FinetuneConfig:
                                 "mapped, dequantized tile by tile in the matmuls) or auto "
                                 "(stored when the float32 copy would leave less than a "
                                 "fifth of the available memory)",
-                        checks.one_of("auto", "float32", "stored"))
+                        checks.one_of(*WEIGHT_MODES))
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
-    compute: str = _opt("auto", "precision of the frozen-weight GEMMs: auto (bf16 where this "
+    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs: auto (bf16 where this "
                                 "CPU runs it faster, measured once at the model's shapes, "
                                 "else float32), float32, or bf16 (bf16 inputs, float32 "
                                 "accumulation; where not faster: a notice and float32)",
-                        checks.one_of("float32", "bf16", "auto"))
+                        checks.one_of(*COMPUTE_CHOICES))
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "

@@ -58,6 +58,11 @@ class NumpyTiles:
     methods as ``kern``; the GEMMs and the walk over the blocks stay the same."""
 
     @staticmethod
+    def fused_attn(*args, **kwargs):
+        """The whole attention in one kernel: none here (``tiled_c.CTiles`` has one)."""
+        return False
+
+    @staticmethod
     def head_fwd(z, m, s, picked, ids, v0, cap):
         """Fold the raw logits block ``z [T, c]`` (vocabulary rows ``v0 ...``) into the
         rows' running max ``m``, sum ``s = sum_j exp(z_j - m)`` (rescaled by ``exp(m_old
@@ -347,6 +352,9 @@ def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
     m + log l``.  The scratch (score block, products) is allocated once per call."""
     g, dtype = nh // nkv, out.dtype
     lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
+    if kern.fused_attn(out, q, k, v, lay, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=cap,
+                       window=window):
+        return
     sbuf = np.empty(nh * qt * kt, dtype)  # one [nkv, g*n, m] score block
     pbuf = np.empty(nh * qt * hd, dtype)  # one [nkv, g*n, hd] product p @ v
     for q0, q1, b in lay.q_tiles():
@@ -380,13 +388,16 @@ def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n
     ``dq += ds k``, ``dk += ds^T q``.  The g query heads of a kv head add into its dk, dv.
     """
     g, dtype = nh // nkv, out.dtype
+    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
+    if kern.fused_attn(out, q, k, v, lay, gy=gy, y=y, nh=nh, nkv=nkv, hd=hd, iscale=iscale,
+                       cap=cap, window=window):
+        return
     nq, nk = q.shape[0], k.shape[0]
     dq = out[:nq * nh * hd].reshape(nq, nh * hd)
     dk = out[nq * nh * hd:nq * nh * hd + nk * nkv * hd].reshape(nk, nkv * hd)
     dv = out[nq * nh * hd + nk * nkv * hd:].reshape(nk, nkv * hd)
     out.fill(0)
     do_all, o_all = gy[:, :nh * hd], y[:, :nh * hd]
-    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
     sbuf, dpbuf = np.empty(nh * qt * kt, dtype), np.empty(nh * qt * kt, dtype)
     tbuf = np.empty(nh * qt * kt, dtype) if cap else None
     qbuf = np.empty(nh * qt * hd, dtype)  # [nkv, g*n, hd]: ds @ k

@@ -171,3 +171,55 @@ def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     c.head_dz(gz, lz, a_, b_, ids, 40, cap)
     ref.head_dz(wz, lz, a_, b_, ids, 40, cap)
     assert rel_err(gz, wz) <= tol
+
+
+@pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", [
+    (300, 9, 3, 64, 0.0, 0, 1, None, 0),  # SmolLM2's heads: two key tiles, many units
+    (67, 4, 4, 32, 5.0, 0, 1, None, 0),  # no GQA, soft-capped
+    (200, 8, 2, 96, 0.0, 37, 1, None, 0),  # Phi-3's head dim, a sliding window
+    (130, 6, 2, 16, 0.0, 0, 3, None, 0),  # three sequences, a head narrower than a panel
+    (100, 4, 2, 64, 0.0, 0, 1, "runs", 0),  # packed examples: column ranges
+    (40, 4, 2, 64, 0.0, 0, 1, None, 13),  # keys cached before the query rows
+    (1, 2, 1, 8, 0.0, 0, 1, None, 0),  # one row
+    (520, 2, 1, 80, 2.0, 300, 1, None, 0),  # a window across key tiles, capped
+])
+def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg, past):
+    """csrc/flash.c (float32, the whole attention and its VJP in one call each) against
+    the tiled walk of tiled.py in float64: within float32 rounding (~5e-7 observed)."""
+    from gradtape import tiled
+    from gradtape.backends.tiled_c import kernels
+
+    rng = np.random.default_rng(t + nh)
+    n, nk = n_seq * t, n_seq * (t + past)
+    q = rng.standard_normal((n, nh * hd))
+    k, v = (rng.standard_normal((nk, nkv * hd)) for _ in range(2))
+    gy = rng.standard_normal((n, nh * hd + nh))
+    segs = (np.repeat(np.arange(4), t // 4),) if seg else ()
+    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=cap, window=window,
+              n_seq=n_seq, tile=128)
+    y64, g64 = np.empty((n, nh * hd + nh)), np.empty(n * nh * hd + 2 * nk * nkv * hd)
+    tiled.fwd_attn(y64, q, k, v, *segs, **kw)
+    tiled.fwd_attn_grad(g64, gy, q, k, v, y64, *segs, **kw)
+    f32 = [a.astype(np.float32) for a in (gy, q, k, v)]
+    c = kernels(np.float32)
+    lay = tiled.AttnLayout(n, nk, n_seq, window, segs[0] if segs else None, 128)
+    y32 = np.empty(y64.shape, np.float32)
+    assert c.fused_attn(y32, *f32[1:], lay, nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5,
+                        cap=cap, window=window)  # taken, not the walk
+    g32 = np.empty(g64.shape, np.float32)
+    tiled.fwd_attn_grad(g32, *f32, y32, *segs, **kw, kern=c)
+    assert rel_err(y32, y64) <= 2e-5 and rel_err(g32, g64) <= 2e-5
+
+
+def test_fused_attention_leaves_masked_segments_to_the_walk():
+    from gradtape import tiled
+    from gradtape.backends.tiled_c import kernels
+
+    seg = np.array([0, 0, 1, 1, 0, 0])  # id 0 twice: a mask, not column ranges
+    lay = tiled.AttnLayout(6, 6, 1, 0, seg, 128)
+    x = np.zeros((6, 4), np.float32)
+    assert not kernels(np.float32).fused_attn(np.empty((6, 5), np.float32), x, x, x, lay,
+                                              nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0,
+                                              window=0)
+    assert not kernels(np.float64).fused_attn(None, x, x, x, tiled.AttnLayout(
+        6, 6, 1, 0, None, 128), nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0, window=0)

@@ -22,7 +22,7 @@ _LIB = []
 
 def _lib():
     if not _LIB:
-        path, _ = _cgen.build_csrc(["tiled.c"], flags=_cgen.threads_flags(), prefix="tiled")
+        path, _ = _cgen.build_csrc(["flash.c"], flags=_cgen.threads_flags(), prefix="tiled")
         _LIB.append(ctypes.CDLL(str(path)))
     return _LIB[0]
 
@@ -44,6 +44,28 @@ class CTiles:
                   for name in ("head_fwd", "head_dz", "attn_fwd", "attn_p", "attn_ds")}
         for fn in self.f.values():
             fn.restype = None
+        self.flash = ((lib.gt_flash_fwd_f32, lib.gt_flash_bwd_f32) if self.suf == "f32"
+                      else None)
+
+    def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
+                   window):
+        """The whole of ``tiled.fwd_attn`` (``gy`` None) or ``fwd_attn_grad`` as one
+        call of ``csrc/flash.c``; False where it does not apply (float64, segment ids
+        that are not contiguous runs: the walk of ``tiled.py`` runs them)."""
+        if self.flash is None or (lay.seg is not None and lay.starts is None):
+            return False
+        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
+        starts = None if lay.starts is None else np.ascontiguousarray(lay.starts, np.int64)
+        dims = (_L(lay.n_seq), _L(q.shape[0]), _L(k.shape[0]), _L(nh), _L(nkv), _L(hd),
+                _D(iscale), _D(cap), _L(window))
+        if gy is None:
+            rc = self.flash[0](_p(out), _p(q), _p(k), _p(v), _p(starts), *dims)
+        else:
+            gy, y = np.ascontiguousarray(gy), np.ascontiguousarray(y)
+            rc = self.flash[1](_p(out), _p(gy), _p(q), _p(k), _p(v), _p(y), _p(starts), *dims)
+        if rc:
+            raise MemoryError("the fused attention's scratch could not be allocated")
+        return True
 
     def head_fwd(self, z, m, s, picked, ids, v0, cap):
         self.f["head_fwd"](_p(z), _L(z.strides[0] // z.itemsize), _p(m), _p(s), _p(picked),

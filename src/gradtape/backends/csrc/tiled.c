@@ -13,6 +13,8 @@
    two short ones; a bitwise select, not a branch, zeroes the masked entries.  The
    causal and window limits of a tile's rows come as column ranges, not a mask: only
    the visible part of a row is computed, the rest zeroed. */
+#ifndef GT_TILED_C  /* flash.c includes this file */
+#define GT_TILED_C
 #include "gt_prelude.h"
 
 #define DEFINE(T, SUF, EXP, TANH, ACC)                                                  \
@@ -205,3 +207,4 @@ void gt_attn_ds_##SUF(T *dp, const T *p, const T *t, const T *D, long rows, long
 
 DEFINE(float, f32, gt_expf, tanhf, float)
 DEFINE(double, f64, exp, tanh, double)
+#endif

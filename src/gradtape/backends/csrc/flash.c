@@ -1,0 +1,354 @@
+/* The tiled attention (../../tiled.py's fwd_attn / fwd_attn_grad) fused into one C call
+   each, float32: the GEMMs on tile_gemm.h's register blocks and the softmax work of
+   tiled.c on the same tiles, while they are in cache.
+
+   The unit of work is one block of R query rows of one kv head (its g query heads
+   stacked: M = g * R rows, row gi * R + r is head h * g + gi at query row r), walking
+   the key tiles the rows see (FA_KT keys each) with an online softmax:
+     forward:  S = Q K^T, p = exp(cap(S * iscale) - m), O = sum p V / l, lse = m + log l;
+     backward: p recomputed from lse, dV += p^T dO, dS = p * (dO V^T - D) (times 1 -
+               tanh^2 under a cap) * iscale with D = rowsum(dO * O) - dlse, dQ += dS K,
+               dK += dS^T Q.
+   The units are spread over the threads (OpenMP, the heaviest first); a unit owns its
+   rows' O, lse and dQ; dK and dV of a key row take adds from many units, so each thread
+   adds into a buffer of its own and the buffers are summed at the end.  The keys row i
+   (at position past + i) sees are the positions [lo, hi): hi = past + i + 1 (causal),
+   lo = its window's first key and its packed example's first row (starts), the same
+   rules as tiled.AttnLayout; segment ids that are not contiguous runs take the NumPy
+   walk.  Sums in float32 in another order than tiled.py's: equal to it within float32
+   rounding, not bitwise. */
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "tiled.c"
+#include "tile_gemm.h"
+
+#define FA_KT 256  /* keys per tile */
+
+typedef struct {
+    const float *q, *k, *v;  /* [n_seq * tq, nh * hd], [n_seq * tk, nkv * hd] (x2) */
+    long n_seq, nh, nkv, hd, g, tq, tk, past, window, R;
+    float iscale, cap;
+    const int64_t *starts;  /* [n_seq * tq]: each row's example's first position, or 0 */
+    /* per sequence and kv head, packed once for all the units (tile_gemm.h's panels):
+       K^T and V^T as [hd, tk] (kt, vt), K and V as [tk, hd] (kr, vr); 0 if unused */
+    float *kt, *vt, *kr, *vr;
+} fa_t;
+
+/* floats of one sequence's and kv head's [hd, tk] panels, and of its [tk, hd] ones */
+static long fa_cols_size(const fa_t *f) { return tg_packed_size(f->hd, f->tk); }
+static long fa_rows_size(const fa_t *f) { return tg_packed_size(f->tk, f->hd); }
+
+/* x [n_seq * tk, nkv * hd] packed per sequence and kv head, transposed (into t) and as
+   rows (into r), where those are asked for */
+static void fa_pack(const fa_t *f, const float *x, float *t, float *r) {
+    const long ld = f->nkv * f->hd;
+    _Pragma("omp for schedule(dynamic, 1)")
+    for (long u = 0; u < 2 * f->n_seq * f->nkv; u++) {
+        const long bh = u / 2;
+        const float *src = x + bh / f->nkv * f->tk * ld + bh % f->nkv * f->hd;
+        if (u % 2 == 0 && t) tg_pack(src, 1, ld, f->hd, f->tk, t + bh * fa_cols_size(f));
+        if (u % 2 == 1 && r) tg_pack(src, ld, 1, f->tk, f->hd, r + bh * fa_rows_size(f));
+    }
+}
+
+/* the panels of key tile j0 (a multiple of NR) of sequence b, kv head h in a [hd, tk]
+   packing (panel stride hd * NR) and a [tk, hd] one (panel stride tk * NR) */
+static inline const float *fa_tcols(const fa_t *f, const float *t, long b, long h, long j0) {
+    return t + (b * f->nkv + h) * fa_cols_size(f) + j0 / TG_NR * f->hd * TG_NR;
+}
+static inline const float *fa_trows(const fa_t *f, const float *r, long b, long h, long j0) {
+    return r + (b * f->nkv + h) * fa_rows_size(f) + j0 * TG_NR;
+}
+
+/* one thread's scratch, for blocks of up to M rows */
+typedef struct {
+    long *lo, *hi;                     /* [R]: the visible key positions of each row */
+    float *qb, *dob, *acc;             /* [M, hd]: the block's q, dO; O or dQ */
+    float *s, *dp, *t;                 /* [M, FA_KT]: scores / p, dp / dS, 1 - tanh^2 */
+    float *m, *l, *lse, *D;            /* [M] */
+    float *pq, *pdo;                   /* the block's q, dO packed */
+} fa_buf;
+
+static fa_buf fa_alloc(const fa_t *f, float **mem) {
+    const long M = f->g * f->R, hd = f->hd, rows = tg_packed_size(M, hd);
+    const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows;
+    fa_buf w;
+    memset(&w, 0, sizeof w);
+    long *ranges = malloc(2 * f->R * sizeof(long) + floats * sizeof(float));
+    *mem = (float *)ranges;
+    if (!ranges) return w;
+    w.lo = ranges;
+    w.hi = ranges + f->R;
+    float *p = (float *)(ranges + 2 * f->R);
+    w.qb = p; p += M * hd;   w.dob = p; p += M * hd;   w.acc = p; p += M * hd;
+    w.s = p; p += M * FA_KT; w.dp = p; p += M * FA_KT; w.t = p; p += M * FA_KT;
+    w.m = p; p += M; w.l = p; p += M; w.lse = p; p += M; w.D = p; p += M;
+    w.pq = p; p += rows; w.pdo = p;
+    return w;
+}
+
+/* rows [i0, i0 + n) of sequence b: each row's visible key positions; the union's range */
+static void fa_ranges(const fa_t *f, long b, long i0, long n, fa_buf *w, long *jlo,
+                      long *jhi) {
+    *jlo = f->tk, *jhi = 0;
+    for (long r = 0; r < n; r++) {
+        const long p = f->past + i0 + r;
+        long lo = f->window > 0 && p - f->window + 1 > 0 ? p - f->window + 1 : 0;
+        if (f->starts && f->starts[b * f->tq + i0 + r] > lo) lo = f->starts[b * f->tq + i0 + r];
+        w->lo[r] = lo;
+        w->hi[r] = p + 1;
+        if (lo < *jlo) *jlo = lo;
+        if (p + 1 > *jhi) *jhi = p + 1;
+    }
+}
+
+/* the block's rows of a [N, nh * hd (+ ...)] array, head by head, into dst [M, hd] */
+static void fa_gather(const fa_t *f, const float *src, long ld, long b, long h, long i0,
+                      long n, float *dst) {
+    for (long gi = 0; gi < f->g; gi++)
+        for (long r = 0; r < n; r++)
+            memcpy(dst + (gi * n + r) * f->hd,
+                   src + (b * f->tq + i0 + r) * ld + (h * f->g + gi) * f->hd,
+                   f->hd * sizeof(float));
+}
+
+/* row x of the block: the visible columns [a, e) of the key tile at j0 (kn keys) */
+static inline void fa_cols(const fa_buf *w, long x, long n, long j0, long kn, long *a,
+                           long *e) {
+    const long r = x % n;
+    *a = w->lo[r] - j0 > 0 ? w->lo[r] - j0 : 0;
+    *e = w->hi[r] - j0 < kn ? w->hi[r] - j0 : kn;
+    if (*e < *a) *e = *a;
+}
+
+/* the scores row[a, e) -> cap(row * iscale) in place when capped; their max, scaled */
+static inline float fa_scores(const fa_t *f, float *row, long a, long e, float *sc) {
+    if (f->cap) {
+        *sc = 1.0f;
+        return scores_f32(row + a, 0, e - a, f->iscale, f->cap);
+    }
+    *sc = f->iscale;
+    return rowmax_f32(row + a, 0, e - a) * f->iscale;
+}
+
+static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *out,
+                        fa_buf *w) {
+    const long M = f->g * n, hd = f->hd, ldo = f->nh * hd + f->nh;
+    long jlo, jhi;
+    fa_ranges(f, b, i0, n, w, &jlo, &jhi);
+    fa_gather(f, f->q, f->nh * hd, b, h, i0, n, w->qb);
+    for (long x = 0; x < M; x++) w->m[x] = -INFINITY, w->l[x] = 0.0f;
+    memset(w->acc, 0, M * hd * sizeof(float));
+    for (long j0 = jlo - jlo % TG_NR; j0 < jhi; j0 += FA_KT) {
+        const long kn = jhi - j0 < FA_KT ? jhi - j0 : FA_KT;
+        tg_gemm(M, kn, hd, w->qb, hd, 1, fa_tcols(f, f->kt, b, h, j0), hd * TG_NR, w->s,
+                FA_KT, 0);
+        for (long x = 0; x < M; x++) {
+            float *row = w->s + x * FA_KT, sc;
+            long a, e;
+            fa_cols(w, x, n, j0, kn, &a, &e);
+            if (e > a) {
+                const float mx = fa_scores(f, row, a, e, &sc);
+                const float mn = w->m[x] > mx ? w->m[x] : mx;
+                const float alpha = w->m[x] == -INFINITY ? 0.0f : gt_expf(w->m[x] - mn);
+                const float sum = pexp_f32(row + a, 0, e - a, sc, mn);
+                w->l[x] = w->l[x] * alpha + sum;
+                w->m[x] = mn;
+                float *ax = w->acc + x * hd;
+                _Pragma("omp simd")
+                for (long d = 0; d < hd; d++) ax[d] *= alpha;
+            }
+            memset(row, 0, a * sizeof(float));
+            memset(row + e, 0, (kn - e) * sizeof(float));
+        }
+        tg_gemm(M, hd, kn, w->s, FA_KT, 1, fa_trows(f, f->vr, b, h, j0), f->tk * TG_NR,
+                w->acc, hd, 1);
+    }
+    for (long gi = 0; gi < f->g; gi++)
+        for (long r = 0; r < n; r++) {
+            const long x = gi * n + r, head = h * f->g + gi;
+            float *o = out + (b * f->tq + i0 + r) * ldo;
+            const float inv = 1.0f / w->l[x];
+            for (long d = 0; d < hd; d++) o[head * hd + d] = w->acc[x * hd + d] * inv;
+            o[f->nh * hd + head] = w->m[x] + logf(w->l[x]);
+        }
+}
+
+static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const float *gy,
+                        const float *y, float *dq, float *dk, float *dv, fa_buf *w) {
+    const long M = f->g * n, hd = f->hd, ldk = f->nkv * hd, ldq = f->nh * hd;
+    const long ldo = ldq + f->nh;
+    long jlo, jhi;
+    fa_ranges(f, b, i0, n, w, &jlo, &jhi);
+    fa_gather(f, f->q, ldq, b, h, i0, n, w->qb);
+    fa_gather(f, gy, ldo, b, h, i0, n, w->dob);
+    for (long gi = 0; gi < f->g; gi++)
+        for (long r = 0; r < n; r++) {
+            const long x = gi * n + r, row = b * f->tq + i0 + r, head = h * f->g + gi;
+            const float *o = y + row * ldo + head * hd, *dob = w->dob + x * hd;
+            float D = 0.0f;
+            for (long d = 0; d < hd; d++) D += dob[d] * o[d];
+            w->D[x] = D - gy[row * ldo + ldq + head];
+            w->lse[x] = y[row * ldo + ldq + head];
+        }
+    memset(w->acc, 0, M * hd * sizeof(float));  /* dQ */
+    tg_pack(w->qb, hd, 1, M, hd, w->pq);
+    tg_pack(w->dob, hd, 1, M, hd, w->pdo);
+    for (long j0 = jlo - jlo % TG_NR; j0 < jhi; j0 += FA_KT) {
+        const long kn = jhi - j0 < FA_KT ? jhi - j0 : FA_KT, hp = hd * TG_NR;
+        float *dkj = dk + (b * f->tk + j0) * ldk + h * hd;
+        float *dvj = dv + (b * f->tk + j0) * ldk + h * hd;
+        tg_gemm(M, kn, hd, w->qb, hd, 1, fa_tcols(f, f->kt, b, h, j0), hp, w->s, FA_KT, 0);
+        for (long x = 0; x < M; x++) {  /* s: p */
+            float *row = w->s + x * FA_KT, sc = f->iscale;
+            long a, e;
+            fa_cols(w, x, n, j0, kn, &a, &e);
+            if (f->cap) {
+                float *tr = w->t + x * FA_KT;
+                const float ic = 1.0f / f->cap;
+                for (long j = a; j < e; j++) {
+                    const float th = tanhf(row[j] * f->iscale * ic);
+                    tr[j] = 1.0f - th * th;
+                    row[j] = f->cap * th;
+                }
+                sc = 1.0f;
+            }
+            pexp_f32(row + a, 0, e - a, sc, w->lse[x]);
+            memset(row, 0, a * sizeof(float));
+            memset(row + e, 0, (kn - e) * sizeof(float));
+        }
+        /* dV[j] += p^T dO: A = p^T, element (j, x) at s[x * FA_KT + j] */
+        tg_gemm(kn, hd, M, w->s, 1, FA_KT, w->pdo, M * TG_NR, dvj, ldk, 1);
+        tg_gemm(M, kn, hd, w->dob, hd, 1, fa_tcols(f, f->vt, b, h, j0), hp, w->dp, FA_KT, 0);
+        for (long x = 0; x < M; x++) {  /* dp: dS (0 where p is) */
+            float *row = w->dp + x * FA_KT;
+            const float *pr = w->s + x * FA_KT, *tr = w->t + x * FA_KT, D = w->D[x];
+            long a, e;
+            fa_cols(w, x, n, j0, kn, &a, &e);
+            if (f->cap) {
+                for (long j = a; j < e; j++) row[j] = pr[j] * (row[j] - D) * tr[j] * f->iscale;
+            } else {
+                _Pragma("omp simd")
+                for (long j = a; j < e; j++) row[j] = pr[j] * (row[j] - D) * f->iscale;
+            }
+            memset(row, 0, a * sizeof(float));
+            memset(row + e, 0, (kn - e) * sizeof(float));
+        }
+        tg_gemm(kn, hd, M, w->dp, 1, FA_KT, w->pq, M * TG_NR, dkj, ldk, 1);  /* dK += dS^T Q */
+        tg_gemm(M, hd, kn, w->dp, FA_KT, 1, fa_trows(f, f->kr, b, h, j0), f->tk * TG_NR,
+                w->acc, hd, 1);  /* dQ += dS K */
+    }
+    for (long gi = 0; gi < f->g; gi++)
+        for (long r = 0; r < n; r++)
+            memcpy(dq + (b * f->tq + i0 + r) * ldq + (h * f->g + gi) * hd,
+                   w->acc + (gi * n + r) * hd, hd * sizeof(float));
+}
+
+/* the units, heaviest first: unit u is block nblk - 1 - u / (n_seq * nkv) of its
+   sequence and kv head (later blocks see more keys) */
+static inline void fa_unit(const fa_t *f, long u, long *b, long *h, long *i0, long *n) {
+    const long nblk = (f->tq + f->R - 1) / f->R, per = f->n_seq * f->nkv;
+    const long blk = nblk - 1 - u / per;
+    *b = u % per / f->nkv;
+    *h = u % f->nkv;
+    *i0 = blk * f->R;
+    *n = f->tq - *i0 < f->R ? f->tq - *i0 : f->R;
+}
+
+static fa_t fa_make(const float *q, const float *k, const float *v, const int64_t *starts,
+                    long n_seq, long nq, long nk, long nh, long nkv, long hd, double iscale,
+                    double cap, long window) {
+    fa_t f = {q, k, v, n_seq, nh, nkv, hd, nh / nkv, nq / n_seq, nk / n_seq, 0, window, 0,
+              (float)iscale, (float)cap, starts, 0, 0, 0, 0};
+    f.past = f.tk - f.tq;
+    f.R = 96 / f.g > 16 ? 96 / f.g : 16;  /* M = g * R: about a hundred rows */
+    if (f.R > f.tq) f.R = f.tq;
+    return f;
+}
+
+static long fa_units(const fa_t *f) {
+    return (f->tq + f->R - 1) / f->R * f->n_seq * f->nkv;
+}
+
+/* Forward (gy null): out [nq, nh * hd + nh] = [O | lse].  Backward: out = [dq | dk |
+   dv] flattened (dq [nq, nh * hd], dk and dv [nk, nkv * hd]) from the cotangent gy and
+   the forward's y.  Returns 0, or -1 when the scratch could not be allocated. */
+static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
+    const long kv = f->n_seq * f->tk * f->nkv * f->hd, bh = f->n_seq * f->nkv;
+    const long cols = bh * fa_cols_size(f), rows = bh * fa_rows_size(f);
+    float *dq = out, *dk = out + f->n_seq * f->tq * f->nh * f->hd, *dv = dk + kv;
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#else
+    const int nt = 1;
+#endif
+    /* the packed keys and values; backward: thread t > 0 adds its dK, dV into
+       extra + (t - 1) * 2 * kv, thread 0 into out */
+    const long extra_floats = gy ? (nt - 1) * 2 * kv : 0;
+    float *packed = malloc((gy ? 2 * cols + 2 * rows : cols + rows) * sizeof(float));
+    float *extra = extra_floats ? calloc(extra_floats, sizeof(float)) : 0;
+    int failed = !packed || (extra_floats && !extra);
+    if (!failed) {
+        f->kt = packed;
+        f->vr = packed + cols;
+        if (gy) {
+            f->kr = f->vr + rows;
+            f->vt = f->kr + rows;
+            memset(dk, 0, 2 * kv * sizeof(float));
+        }
+    }
+    _Pragma("omp parallel num_threads(nt) if (!failed)")
+    {
+#ifdef _OPENMP
+        const int tid = omp_get_thread_num();
+#else
+        const int tid = 0;
+#endif
+        float *mem = 0;
+        fa_buf w;
+        if (!failed) {
+            fa_pack(f, f->k, f->kt, f->kr);
+            fa_pack(f, f->v, f->vt, f->vr);
+            w = fa_alloc(f, &mem);
+            if (!mem) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            }
+        }
+        float *mdk = tid ? extra + (tid - 1) * 2 * kv : dk, *mdv = tid ? mdk + kv : dv;
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (long u = 0; u < fa_units(f); u++) {
+            long b, h, i0, n;
+            fa_unit(f, u, &b, &h, &i0, &n);
+            if (!mem) continue;
+            if (gy) fa_bwd_unit(f, b, h, i0, n, gy, y, dq, mdk, mdv, &w);
+            else fa_fwd_unit(f, b, h, i0, n, out, &w);
+        }
+        free(mem);
+        if (extra) {
+            _Pragma("omp for schedule(static)")
+            for (long i = 0; i < 2 * kv; i++)
+                for (int t = 1; t < nt; t++) dk[i] += extra[(t - 1) * 2 * kv + i];
+        }
+    }
+    free(packed);
+    free(extra);
+    return failed ? -1 : 0;
+}
+
+int gt_flash_fwd_f32(float *out, const float *q, const float *k, const float *v,
+                     const int64_t *starts, long n_seq, long nq, long nk, long nh, long nkv,
+                     long hd, double iscale, double cap, long window) {
+    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window);
+    return fa_run(&f, out, 0, 0);
+}
+
+int gt_flash_bwd_f32(float *out, const float *gy, const float *q, const float *k,
+                     const float *v, const float *y, const int64_t *starts, long n_seq,
+                     long nq, long nk, long nh, long nkv, long hd, double iscale,
+                     double cap, long window) {
+    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window);
+    return fa_run(&f, out, gy, y);
+}

@@ -19,7 +19,8 @@ from gradtape.train.step import TrainStep
 
 # the tiled primitives (tiled.py): NumPy walks with BLAS GEMMs and C kernels per tile
 TILED = {"fwd_attn": "attention", "fwd_attn_grad": "attention", "fwd_head_nll": "LM head + loss",
-         "fwd_head_nll_grad_x": "LM head + loss", "fwd_head_nll_grad_w": "LM head + loss"}
+         "fwd_head_nll_e": "LM head + loss", "fwd_head_nll_grad_x": "LM head + loss",
+         "fwd_head_nll_grad_w": "LM head + loss"}
 
 
 def _name(step):

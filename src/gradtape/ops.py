@@ -555,10 +555,13 @@ def _head_grad_w_shape(shapes, **attrs):
 
 def _head_scratch(v):
     """A [T, chunk] logits block (two under a cap: the tanh is kept), the [T, D] product
-    of a gradient block and, for a block table, its dequantized [chunk, D] rows."""
-    x = v.inputs[1] if v.op != "head_nll" else v.inputs[0]
+    of a gradient block (head_nll_e: and its sum E) and, for a block table, its
+    dequantized [chunk, D] rows."""
+    x = v.inputs[1] if v.op not in ("head_nll", "head_nll_e") else v.inputs[0]
     rows = v.attrs["chunk"] * x.shape[1] if v.attrs.get("qtype") else 0
-    return x.shape[0] * v.attrs["chunk"] * (2 if v.attrs["cap"] else 1) + x.size + rows
+    capped = 2 if v.attrs.get("cap") else 1
+    products = 2 if v.op == "head_nll_e" else 1
+    return x.shape[0] * v.attrs["chunk"] * capped + products * x.size + rows
 
 
 def _dec_head_nll(tp, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):
@@ -586,8 +589,38 @@ def _head_nll_vjp(g, out, x, w, ids, **attrs):
             lambda: _rec("head_nll_grad_w", g, x, w, ids, out, **attrs), None)
 
 
+# head_nll_e(x, table, ids) -> [T, 2 + D]: head_nll's two columns (no cap) and E =
+# softmax(z) @ table, from which the gradient w.r.t. x is elementwise (``tiled.
+# fwd_head_nll_e``): one GEMM over the vocabulary in forward instead of two in backward.
+# E is not for use: ``head_nll`` slices it away, and its cotangent is taken as zero.
+
+def _head_nll_e_shape(shapes, chunk, qtype=None, rows=None, k=None):
+    t, _ = _head_nll_shape(shapes, 0.0, chunk, qtype, rows, k)
+    return (t, 2 + shapes[0][1])
+
+
+def _head_nll_e_vjp(g, out, x, w, ids, chunk, **attrs):
+    def dx():
+        b = slice_(g, 1, 0, 1)  # the nll's cotangent; with the lse's, a = b + g_lse
+        rows = qtake_rows(w, ids) if attrs else take_rows(w, ids)
+        return sub(mul(add(b, slice_(g, 1, 1, 2)), slice_(out, 1, 2, out.shape[1])),
+                   mul(b, rows))
+    return (dx, lambda: _rec("head_nll_grad_w", slice_(g, 1, 0, 2), x, w, ids,
+                             slice_(out, 1, 0, 2), cap=0.0, chunk=chunk), None)
+
+
+def _dec_head_nll_e(tp, x, w, ids, chunk, qtype=None, rows=None, k=None):
+    z = qmatmul(x, w) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
+    p = softmax(z, 1)
+    e = qmatmul_t(p, w) if qtype is not None else matmul(p, w)
+    return concat([nll_ids(z, ids), logsumexp(z, 1), e], 1)
+
+
 _prim("head_nll", _head_nll_shape, tiled.fwd_head_nll, _head_nll_vjp, index_inputs=(2,),
       maybe_block_inputs=(1,), scratch=_head_scratch, decompose=_dec_head_nll)
+_prim("head_nll_e", _head_nll_e_shape, tiled.fwd_head_nll_e, _head_nll_e_vjp,
+      index_inputs=(2,), maybe_block_inputs=(1,), scratch=_head_scratch,
+      decompose=_dec_head_nll_e)
 _prim("head_nll_grad_x", _head_grad_x_shape, tiled.fwd_head_nll_grad_x, None,
       index_inputs=(3,), maybe_block_inputs=(2,), scratch=_head_scratch,
       decompose=_dec_vjp(_dec_head_nll, 3, (0,)))
@@ -808,15 +841,24 @@ def qtake_rows(w, ids):
     return _rec("qtake_rows", w, ids, **_block_attrs(w, "qtake_rows"))
 
 
-def head_nll(x, table, ids, cap=0.0):
+def head_nll(x, table, ids, cap=0.0, *, grad_in_forward=False):
     """``[T, 2]``: per row ``(lse_t - z[t, ids[t]], lse_t)`` with ``z = x @ table^T``
     (soft-capped to ``cap * tanh(z / cap)`` when ``cap > 0``) and ``lse_t =
     logsumexp(z[t])``, computed a block of vocabulary rows at a time.  ``x [T, D]``;
-    ``table [V, D]``, a float matrix or a block-matrix const; ``ids [T]``."""
+    ``table [V, D]``, a float matrix or a block-matrix const; ``ids [T]``.
+
+    ``grad_in_forward`` (a loss that will be differentiated, no cap): the forward also
+    folds up what the gradient w.r.t. ``x`` needs (``head_nll_e``), so the backward makes
+    no second pass over the vocabulary: two GEMMs over it in all instead of three."""
     attrs = _block_attrs(table, "head_nll") if "qtype" in (table.attrs or {}) else {}
     V = attrs["rows"] if attrs else table.shape[0]
-    return _rec("head_nll", x, table, ids, cap=float(cap),
-                chunk=tiled.head_chunk(x.shape[0], V), **attrs)
+    chunk = tiled.head_chunk(x.shape[0], V)
+    if grad_in_forward and not cap:
+        e = _rec("head_nll_e", x, table, ids, chunk=chunk, **attrs)
+        # its [T, 2 + D] rows are all the backward reads: activation checkpointing keeps
+        # them instead of walking the vocabulary again
+        return slice_(x.tape.checkpoint(e), 1, 0, 2)
+    return _rec("head_nll", x, table, ids, cap=float(cap), chunk=chunk, **attrs)
 
 
 def attn(q, k, v, seg=None, *, nh, nkv, hd, iscale, cap=0.0, window=0, n_seq=1,

@@ -168,6 +168,36 @@ def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None, kern
     np.subtract(s, picked, out=out[:, 0])
 
 
+def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
+    """``out = [nll | lse | E]``: ``fwd_head_nll``'s two columns (no cap) and ``E =
+    softmax(z) @ W [T, D]``, the softmax-weighted table rows, folded in block by block
+    like the row sums (rescaled by ``exp(m_old - m_new)`` as the max grows).  The
+    gradient w.r.t. ``x`` is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward
+    needs no second walk over the vocabulary (Liger's fused linear cross-entropy does
+    the same)."""
+    t, dtype = x.shape[0], out.dtype
+    V = w.shape[0]
+    m = np.full(t, -np.inf, dtype)
+    s = np.zeros(t, dtype)
+    picked = np.zeros(t, dtype)
+    buf = np.empty((t, min(chunk, V)), dtype)
+    E, prod = np.zeros((t, x.shape[1]), dtype), np.empty((t, x.shape[1]), dtype)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        z, wc = buf[:, :v1 - v0], _rows_of(w, v0, v1, qtype, dtype)
+        np.matmul(x, wc.T, out=z)
+        m_old = m.copy()
+        kern.head_fwd(z, m, s, picked, ids, v0, 0.0)  # z: exp(z - m)
+        E *= np.exp(m_old - m)[:, None]  # 0 on the first block
+        np.matmul(z, wc, out=prod)
+        E += prod
+    out[:, 2:] = E / s[:, None]
+    np.log(s, out=s)
+    s += m  # lse
+    out[:, 1] = s
+    np.subtract(s, picked, out=out[:, 0])
+
+
 def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):
     """Yield ``(v0, v1, wc, dz)`` for every vocabulary block: its table rows and the
     logits' gradient (recomputed from ``x`` and the forward's lse)."""

@@ -36,13 +36,13 @@ def _problem(r, t=24, d=16, v=150, dtype=np.float64):
     return x, w, targets
 
 
-def _losses(tp, x, w, targets, cap, table_param):
+def _losses(tp, x, w, targets, cap, table_param, grad_in_forward=False):
     """(fused loss, composed loss, their params)."""
     h = tp.param(x)
     table = tp.param(w) if table_param else tp.const(w)
     ids, wts = nn.ce_targets_fill(targets)
     ids, wts = tp.const(ids), tp.const(wts.astype(tp.dtype))
-    fused = nn.cross_entropy_head(tp, h, table, ids, wts, cap)
+    fused = nn.cross_entropy_head(tp, h, table, ids, wts, cap, grad_in_forward)
     logits = nn.linear_rows(tp, h, table)
     if cap:
         logits = nn.softcap(tp, logits, cap)
@@ -53,12 +53,17 @@ def _losses(tp, x, w, targets, cap, table_param):
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("cap", [0.0, 3.0])
 @pytest.mark.parametrize("table_param", [False, True])
-def test_fused_head_equals_composed(small_blocks, dtype, cap, table_param):
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_fused_head_equals_composed(small_blocks, dtype, cap, table_param, grad_in_forward):
+    """grad_in_forward: without a cap the forward folds up E = softmax(z) @ W and the
+    gradient w.r.t. x is elementwise (head_nll_e); under a cap it is the plain head."""
     r = np.random.default_rng(1)
     x, w, targets = _problem(r, dtype=dtype)
     tp = gt.Tape(dtype)
-    fused, composed, params = _losses(tp, x, w, targets, cap, table_param)
-    (head,) = [v for v in tp.vars if v.op == "head_nll"]
+    fused, composed, params = _losses(tp, x, w, targets, cap, table_param, grad_in_forward)
+    op = "head_nll_e" if grad_in_forward and not cap else "head_nll"
+    (head,) = [v for v in tp.vars if v.op.startswith("head_nll")]
+    assert head.op == op
     assert head.attrs["chunk"] == 64  # 3 blocks: 64, 64, 22 rows
     gf, gc = tp.backward(fused), tp.backward(composed)
     assert rel_err(fused.value, composed.value) <= TOL[dtype]
@@ -85,32 +90,34 @@ def test_fused_head_equals_spec_cross_entropy_rows(small_blocks):
     assert rel_err(tp.backward(fused)[h].value, tp.backward(spec)[h].value) <= TOL[np.float64]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
-def test_fused_head_on_block_table(small_blocks, qtype):
+@pytest.mark.parametrize("qtype, cap", [("Q8_0", 5.0), ("Q4_K", 5.0), ("Q4_K", 0.0)])
+def test_fused_head_on_block_table(small_blocks, qtype, cap):
     """A frozen table kept in its ggml blocks: the blocks of rows are dequantized one at
-    a time, and the result equals the composed ``qmatmul`` head."""
+    a time, and the result equals the composed ``qmatmul`` head (without a cap through
+    head_nll_e: its x gradient takes the table's dequantized rows)."""
     r = np.random.default_rng(3)
     x, _, targets = _problem(r, d=256, v=130)
     bm = random_blocks(qtype, 130, 256, r, std=0.1)
     tp = gt.Tape()
     h, table = tp.param(x), tp.const_blocks(bm)
     ids, wts = (tp.const(a) for a in nn.ce_targets_fill(targets))
-    fused = nn.cross_entropy_head(tp, h, table, ids, wts, 5.0)
-    composed = nn.cross_entropy_ids(tp, nn.softcap(tp, nn.linear_rows(tp, h, table), 5.0),
+    fused = nn.cross_entropy_head(tp, h, table, ids, wts, cap, grad_in_forward=True)
+    logits = nn.linear_rows(tp, h, table)
+    composed = nn.cross_entropy_ids(tp, nn.softcap(tp, logits, cap) if cap else logits,
                                     ids, wts)
     assert rel_err(fused.value, composed.value) <= TOL[np.float64]
     assert rel_err(tp.backward(fused)[h].value,
                    tp.backward(composed)[h].value) <= TOL[np.float64]
 
 
-@pytest.mark.parametrize("cap", [0.0, 2.0])
-def test_fused_head_finite_differences(small_blocks, cap):
+@pytest.mark.parametrize("cap, grad_in_forward", [(0.0, False), (2.0, False), (0.0, True)])
+def test_fused_head_finite_differences(small_blocks, cap, grad_in_forward):
     r = np.random.default_rng(4)
     x, w, targets = _problem(r, t=8, d=5, v=70)  # budget 384 / 8 rows: 64-row blocks
     ids = np.where(targets < 0, 0, targets)
 
-    def build(tp, h, table, ids):
-        return ops.head_nll(h, table, ids, cap)  # both columns: nll and lse
+    def build(tp, h, table, ids):  # both columns: nll and lse
+        return ops.head_nll(h, table, ids, cap, grad_in_forward=grad_in_forward)
 
     assert check_fd(build, [x, w, ids]) <= FD_TOL[1]
 
@@ -153,9 +160,10 @@ def test_fused_head_has_no_second_order(small_blocks):
         tp.backward(ops.reduce_sum(ops.mul(g, g)))
 
 
-@pytest.mark.parametrize("cap, table_param", [(0.0, True), (3.0, False)])
+@pytest.mark.parametrize("cap, table_param, grad_in_forward",
+                         [(0.0, True, False), (3.0, False, False), (0.0, True, True)])
 def test_fused_head_decomposes_for_a_backend_without_kernel(monkeypatch, small_blocks, cap,
-                                                            table_param):
+                                                            table_param, grad_in_forward):
     """A backend with no kernel for the fused ops runs their composed decomposition:
     the same loss and gradients as the fused forwards (and no head_nll op is left)."""
     from gradtape.backends.numpy import NumpyBackend
@@ -163,7 +171,7 @@ def test_fused_head_decomposes_for_a_backend_without_kernel(monkeypatch, small_b
     r = np.random.default_rng(7)
     x, w, targets = _problem(r)
     tp = gt.Tape()
-    fused, _, params = _losses(tp, x, w, targets, cap, table_param)
+    fused, _, params = _losses(tp, x, w, targets, cap, table_param, grad_in_forward)
     g = tp.backward(fused)
     outs = [fused] + [g[p] for p in params]
     want = [v.value for v in outs]

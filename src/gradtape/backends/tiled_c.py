@@ -102,7 +102,8 @@ class CTiles:
                           _L(ncol), _D(iscale), _D(cap))
 
 
-TILED_OPS = ("head_nll", "head_nll_grad_x", "head_nll_grad_w", "attn", "attn_grad")
+TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",
+             "attn_grad")
 _KERNELS = {}
 
 

@@ -145,22 +145,23 @@ def _head(tp, cfg, W, x, ones):
 
 
 # logits elements from which the training loss fuses the head with it (128 MB float32):
-# below, the [N, V] logits are small, and keeping them saves the backward's recomputing
-# GEMM (and their GEMMs take bf16 where --compute bf16 runs)
+# below, the [N, V] logits are small, and their GEMMs take bf16 where --compute bf16 runs
 HEAD_FUSE_MIN = 1 << 25
 
 
-def head_loss(tp, cfg, W, x, targets, weights, ones=None):
+def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
     """``nn.cross_entropy_ids`` of ``_head``'s logits from the last hidden rows ``x [N,
     D]`` (``record_forward(..., head=False)``).  From ``HEAD_FUSE_MIN`` logits on, the
     head and the loss are one tiled primitive (``nn.cross_entropy_head``): no ``[N, V]``
-    logits in memory."""
+    logits in memory; ``training``: a loss to differentiate, whose fused head folds up
+    the gradient w.r.t. ``x`` in its forward (one GEMM over the vocabulary instead of
+    two in backward; an evaluation loss would pay it for nothing)."""
     ones = ones if ones is not None else nn.ones(tp, cfg.dim)
     if x.shape[0] * cfg.vocab_size < HEAD_FUSE_MIN:
         return nn.cross_entropy_ids(tp, _head(tp, cfg, W, x, ones), targets, weights)
     h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
-                                 cfg.final_softcap or 0.0)
+                                 cfg.final_softcap or 0.0, grad_in_forward=training)
 
 
 # rows per sequence from which attention is the tiled primitive (``nn.tiled_attention``);

@@ -115,7 +115,9 @@ class TrainStep:
         grads = tp.backward(self.loss)
         params = [p for pair in self.lora.values() for p in pair]
         g = [grads[p] for p in params]
-        self.eval_program = tp.compile([self.loss], backend=backend, compute=self.compute)
+        eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
+                              training=False)
+        self.eval_program = tp.compile([eval_loss], backend=backend, compute=self.compute)
         # what runs: a model with no weight big enough for a bf16 GEMM stays float32
         ran = getattr(self.eval_program.executable, "compute", "float32")
         if ran != self.compute:

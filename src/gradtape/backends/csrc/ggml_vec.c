@@ -4,9 +4,11 @@
    blocks (each row a whole number of blocks, row_bytes apart).  A block is dequantized
    into registers / a 256-float scratch by ggml_blocks.h (bit-identical to
    gguf.quants.dequantize), then multiplied into 16 float32 lane
-   accumulators per x row; the lanes are summed at the end of the row.  Only the
-   summation order differs from a float32 BLAS dot product.  Nothing here quantizes the
-   activations. */
+   accumulators per x row; the lanes are summed at the end of the row.  With AVX-512 or
+   AVX2 + FMA (gv_simd.h), Q4_0 / Q4_1 / Q8_0 rows against one x row and the prefill
+   GEMM's register block take vector fast paths (GV_W lanes, fused multiply-adds).  Only
+   the summation order differs from a float32 BLAS dot product.  Nothing here quantizes
+   the activations. */
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -14,11 +16,12 @@
 #include "gt_prelude.h"
 #include "ggml_blocks.h"
 #include "ggml_vec.h"
+#include "gv_simd.h"
 
 /* 16 values of a plain row: the dot kernels' pseudo-block for F16 / BF16 / F32 */
 static inline void deq_f16(const uint8_t *b, float *o) {
-#ifdef __AVX512F__
-    _mm512_storeu_ps(o, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b)));
+#ifdef GV_W
+    for (int l = 0; l < 16; l += GV_W) gv_store(o + l, gv_f16(b + 2 * l));
 #else
     for (int l = 0; l < 16; l++) o[l] = gb_h2f(b + 2 * l);
 #endif
@@ -75,84 +78,60 @@ GV_DOT(dot_f16, 16, 32, deq_f16)
 GV_DOT(dot_bf16, 16, 32, deq_bf16)
 GV_DOT(dot_f32, 16, 64, deq_f32)
 
-/* --- AVX-512 single-row dots for the common 32-element types ---------------------------
+/* --- vector single-row dots for the common 32-element types ----------------------------
    The block scale is factored out of the block's sum: for Q4_1,
      sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * xs_b,   xs_b = sum_j x_j of block b
-   (xs precomputed once per x for all rows), so a block costs two int->float converts,
-   two multiply-adds and one scaled accumulate.  Same weights, float32 sums; only the
+   (xs precomputed once per x for all rows), so a block costs 32 int->float converts and
+   multiply-adds (GV_W at a time) and one scaled accumulate; Q4_0 is the same with
+   m = -8 d (w = d (q - 8)), Q8_0 has no m.  Same weights, float32 sums; only the
    rounding order differs from dequantizing first. */
-#ifdef __AVX512F__
+#ifdef GV_W
 #define GV_FAST 1
-static inline __m512 gv_nib(__m128i q) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+/* sum over a 32-element block of nib_j * x_j, in GV_W lanes (element j < 16 is the low
+   nibble of qs[j], element j + 16 its high nibble) */
+static inline gv_f gv_q4_sum(const uint8_t *qs, const float *xb) {
+    gv_f lo, hi;
+    gv_nibs(qs, 0, &lo, &hi);
+    gv_f s = gv_fma(hi, gv_load(xb + 16), gv_mul(lo, gv_load(xb)));
+    for (int h = 1; h < 16 / GV_W; h++) {
+        gv_nibs(qs, h, &lo, &hi);
+        s = gv_fma(lo, gv_load(xb + GV_W * h), s);
+        s = gv_fma(hi, gv_load(xb + 16 + GV_W * h), s);
+    }
+    return s;
 }
-static inline __m512 gv_q4_sum(const uint8_t *qs, const float *xb) {
-    /* sum over a 32-element block of nib_j * x_j, in 16 lanes */
-    const __m128i m4 = _mm_set1_epi8(15);
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    const __m512 lo = gv_nib(_mm_and_si128(q, m4));
-    const __m512 hi = gv_nib(_mm_and_si128(_mm_srli_epi16(q, 4), m4));
-    return _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+/* sum over a 32-element block of q_j * x_j, q signed bytes, in GV_W lanes */
+static inline gv_f gv_q8_sum(const uint8_t *qs, const float *xb) {
+    gv_f s = gv_mul(gv_i8(qs), gv_load(xb));
+    for (int j = GV_W; j < 32; j += GV_W) s = gv_fma(gv_i8(qs + j), gv_load(xb + j), s);
+    return s;
+}
+/* acc + d * (the block's q . x in lanes), and m * xs_b added to *m (Q4_0 / Q4_1; Q4_0's
+   (-8 d) xs_b is exactly -(8 d xs_b): negation is exact) */
+static inline gv_f gv_block1(int64_t type, const uint8_t *p, const float *xb, float xsb,
+                             gv_f acc, float *m) {
+    const float d = gb_h2f(p);
+    if (type == T_Q8_0) return gv_fma(gv_set1(d), gv_q8_sum(p + 2, xb), acc);
+    *m += (type == T_Q4_1 ? gb_h2f(p + 2) : -8.0f * d) * xsb;
+    return gv_fma(gv_set1(d), gv_q4_sum(p + (type == T_Q4_1 ? 4 : 2), xb), acc);
 }
 /* two blocks per iteration into two accumulators: the multiply-add chains overlap */
-static float dot1_q4_1(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    float m0 = 0.0f, m1 = 0.0f;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const uint8_t *p = row + 20 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p + 20)), gv_q4_sum(p + 24, x + 32 * b + 32), a1);
-        m0 += gb_h2f(p + 2) * xs[b];
-        m1 += gb_h2f(p + 22) * xs[b + 1];
-    }
-    if (b < nb) {
-        const uint8_t *p = row + 20 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q4_sum(p + 4, x + 32 * b), a0);
-        m0 += gb_h2f(p + 2) * xs[b];
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
+#define GV_DOT1(NAME, TYPE, BS)                                                            \
+static float NAME(const uint8_t *row, int64_t nb, const float *x, const float *xs) {       \
+    gv_f a0 = gv_zero(), a1 = gv_zero();                                                   \
+    float m0 = 0.0f, m1 = 0.0f;                                                            \
+    int64_t b = 0;                                                                         \
+    for (; b + 1 < nb; b += 2) {                                                           \
+        a0 = gv_block1(TYPE, row + BS * b, x + 32 * b, xs[b], a0, &m0);                    \
+        a1 = gv_block1(TYPE, row + BS * b + BS, x + 32 * b + 32, xs[b + 1], a1, &m1);      \
+    }                                                                                      \
+    if (b < nb) a0 = gv_block1(TYPE, row + BS * b, x + 32 * b, xs[b], a0, &m0);            \
+    const float s = gv_sum(gv_add(a0, a1));                                                \
+    return TYPE == T_Q8_0 ? s : s + (m0 + m1);                                             \
 }
-static float dot1_q4_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
-    /* d * sum (q - 8) x = d * (sum q x - 8 xs_b) */
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    float m0 = 0.0f, m1 = 0.0f;
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const uint8_t *p = row + 18 * b;
-        const float d0 = gb_h2f(p), d1 = gb_h2f(p + 18);
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(d1), gv_q4_sum(p + 20, x + 32 * b + 32), a1);
-        m0 -= 8.0f * d0 * xs[b];
-        m1 -= 8.0f * d1 * xs[b + 1];
-    }
-    if (b < nb) {
-        const uint8_t *p = row + 18 * b;
-        const float d0 = gb_h2f(p);
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(d0), gv_q4_sum(p + 2, x + 32 * b), a0);
-        m0 -= 8.0f * d0 * xs[b];
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + (m0 + m1);
-}
-static inline __m512 gv_q8_sum(const uint8_t *qs, const float *xb) {
-    const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs)));
-    const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16))));
-    return _mm512_fmadd_ps(f1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(f0, _mm512_loadu_ps(xb)));
-}
-static float dot1_q8_0(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
-    (void)xs;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const uint8_t *p = row + 34 * b;
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p)), gv_q8_sum(p + 2, x + 32 * b), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(p + 34)), gv_q8_sum(p + 36, x + 32 * b + 32), a1);
-    }
-    if (b < nb)
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(gb_h2f(row + 34 * b)),
-                             gv_q8_sum(row + 34 * b + 2, x + 32 * b), a0);
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
+GV_DOT1(dot1_q4_0, T_Q4_0, 18)
+GV_DOT1(dot1_q4_1, T_Q4_1, 20)
+GV_DOT1(dot1_q8_0, T_Q8_0, 34)
 typedef float (*gv_dot1_fn)(const uint8_t *, int64_t, const float *, const float *);
 static gv_dot1_fn gv_fast1(int64_t type) {
     return type == T_Q4_1 ? dot1_q4_1 : type == T_Q4_0 ? dot1_q4_0
@@ -195,9 +174,11 @@ void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
     gv_dot1_fn f1 = gv_fast1(type);
     if (T == 1 && f1 && nb <= 4096) {
         float xs[4096];  /* block sums of x */
-        for (int64_t b = 0; b < nb; b++)
-            xs[b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(x + 32 * b),
-                                                       _mm512_loadu_ps(x + 32 * b + 16)));
+        for (int64_t b = 0; b < nb; b++) {
+            gv_f v = gv_load(x + 32 * b);
+            for (int j = GV_W; j < 32; j += GV_W) v = gv_add(v, gv_load(x + 32 * b + j));
+            xs[b] = gv_sum(v);
+        }
         for (int64_t r = r0; r < r1; r++) {
             const float v = f1(W + r * row_bytes, nb, x, xs);
             if (accumulate) y[r] += v;
@@ -264,8 +245,37 @@ void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
 }
 
 /* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
-   Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then a
-   4 x 4 register block: 4 W rows x 4 X rows, 16 lane accumulators each, over k. */
+   Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then
+   their dots with 4 X rows at a time: in vector registers (gv_tile_dots) where there is
+   a vector unit, else 16 lane accumulators each, over k. */
+#ifdef GV_W
+/* X rows per register block: AVX-512's 32 registers hold 4 x 4 accumulators, AVX2's 16
+   hold 4 x 2 (and the x and w vectors beside them) */
+#define GV_XR (GV_W == 16 ? 4 : 2)
+/* out[i][u] = tile row i . X row u for i < 4, u < nt <= 4, k a multiple of GV_W:
+   4 x GV_XR blocks of one GV_W-lane accumulator each, over k */
+static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, int64_t nt,
+                                float out[4][4]) {
+    for (int64_t u0 = 0; u0 < nt; u0 += GV_XR) {
+        gv_f a[4][GV_XR], xv[GV_XR];
+        const float *xr[GV_XR];
+        for (int u = 0; u < GV_XR; u++)  /* past nt: row u0 again, its sums unused */
+            xr[u] = X + (u0 + u < nt ? u0 + u : u0) * k;
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < GV_XR; u++) a[i][u] = gv_zero();
+        for (int64_t j = 0; j < k; j += GV_W) {
+            for (int u = 0; u < GV_XR; u++) xv[u] = gv_load(xr[u] + j);
+            for (int i = 0; i < 4; i++) {
+                const gv_f w = gv_load(tile + i * k + j);
+                for (int u = 0; u < GV_XR; u++) a[i][u] = gv_fma(w, xv[u], a[i][u]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int u = 0; u < GV_XR; u++) out[i][u0 + u] = gv_sum(a[i][u]);
+    }
+}
+#endif
+
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                   int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
                   int64_t ldy, int accumulate, float *tile) {
@@ -276,26 +286,9 @@ void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
         for (int64_t t = 0; t < T; t += 4) {
             const int64_t nt = t + 4 <= T ? 4 : T - t;
             float out[4][4];
-#ifdef __AVX512F__
-            if (k % 16 == 0) {
-                __m512 a[4][4];
-                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++) a[i][u] = _mm512_setzero_ps();
-                const float *x0 = X + t * k, *x1 = X + (t + (nt > 1)) * k;
-                const float *x2 = X + (t + (nt > 2) * 2) * k, *x3 = X + (t + (nt > 3) * 3) * k;
-                for (int64_t j = 0; j < k; j += 16) {
-                    const __m512 xv0 = _mm512_loadu_ps(x0 + j), xv1 = _mm512_loadu_ps(x1 + j);
-                    const __m512 xv2 = _mm512_loadu_ps(x2 + j), xv3 = _mm512_loadu_ps(x3 + j);
-                    for (int i = 0; i < 4; i++) {
-                        const __m512 w = _mm512_loadu_ps(tile + i * k + j);
-                        a[i][0] = _mm512_fmadd_ps(w, xv0, a[i][0]);
-                        a[i][1] = _mm512_fmadd_ps(w, xv1, a[i][1]);
-                        a[i][2] = _mm512_fmadd_ps(w, xv2, a[i][2]);
-                        a[i][3] = _mm512_fmadd_ps(w, xv3, a[i][3]);
-                    }
-                }
-                for (int i = 0; i < 4; i++) for (int u = 0; u < 4; u++)
-                    out[i][u] = _mm512_reduce_add_ps(a[i][u]);
-            } else
+#ifdef GV_W
+            if (k % GV_W == 0) gv_tile_dots(tile, X + t * k, k, nt, out);
+            else
 #endif
             {
                 for (int i = 0; i < 4; i++)

@@ -37,6 +37,7 @@
 #include "gt_prelude.h"
 #include "ggml_blocks.h" /* the ggml type ids */
 #include "ggml_vec.h"
+#include "gv_simd.h"
 
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")
@@ -174,11 +175,10 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
     float mx = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
         const float *kp = k + p * stride;
-#ifdef __AVX512F__
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t j = 0; j < hd; j += 16)
-            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(kp + j), a);
-        s[p] = _mm512_reduce_add_ps(a) * iscale;
+#ifdef GV_W
+        gv_f a = gv_zero();
+        for (int64_t j = 0; j < hd; j += GV_W) a = gv_fma(gv_load(q + j), gv_load(kp + j), a);
+        s[p] = gv_sum(a) * iscale;
 #else
         float a[16] = {0};
         for (int64_t j = 0; j < hd; j += 16)

@@ -9,32 +9,16 @@
    its strides swapped); B is first packed into panels of NR columns, [k][NR] each,
    contiguous, zero-padded past n: the rows of a strided B alias in L1, a panel never
    does.  Each C element is one float32 sum over k in order: only the order of the
-   additions differs from BLAS.  Without AVX2 the block is plain C. */
+   additions differs from BLAS.  The vectors are gv_simd.h's; without them the block
+   is plain C. */
 #ifndef GT_TILE_GEMM_H
 #define GT_TILE_GEMM_H
 #include "gt_prelude.h"
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
+#include "gv_simd.h"
 
 #define TG_MR 6  /* rows of C per register block */
-
-#if defined(__AVX512F__)
-#define TG_VL 16
-typedef __m512 tg_v;
-#define tg_load _mm512_loadu_ps
-#define tg_store _mm512_storeu_ps
-#define tg_set1 _mm512_set1_ps
-#define tg_fma _mm512_fmadd_ps
-#define tg_zero _mm512_setzero_ps
-#elif defined(__AVX2__) && defined(__FMA__)
-#define TG_VL 8
-typedef __m256 tg_v;
-#define tg_load _mm256_loadu_ps
-#define tg_store _mm256_storeu_ps
-#define tg_set1 _mm256_set1_ps
-#define tg_fma _mm256_fmadd_ps
-#define tg_zero _mm256_setzero_ps
+#ifdef GV_W
+#define TG_VL GV_W
 #else
 #define TG_VL 8  /* the panel width of the plain-C block */
 #endif
@@ -81,25 +65,25 @@ static inline void tg_block(long mr, long nc, long k, const float *A, long rsa, 
     }
     const float *a[TG_MR];
     for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    tg_v s[TG_MR][2];
+#ifdef GV_W
+    gv_f s[TG_MR][2];
     _Pragma("GCC unroll 6")
     for (int r = 0; r < TG_MR; r++) {
-        s[r][0] = acc && r < mr ? tg_load(c + r * ld) : tg_zero();
-        s[r][1] = acc && r < mr ? tg_load(c + r * ld + TG_VL) : tg_zero();
+        s[r][0] = acc && r < mr ? gv_load(c + r * ld) : gv_zero();
+        s[r][1] = acc && r < mr ? gv_load(c + r * ld + TG_VL) : gv_zero();
     }
     for (long p = 0; p < k; p++) {
-        const tg_v b0 = tg_load(b + p * TG_NR), b1 = tg_load(b + p * TG_NR + TG_VL);
+        const gv_f b0 = gv_load(b + p * TG_NR), b1 = gv_load(b + p * TG_NR + TG_VL);
         _Pragma("GCC unroll 6")
         for (int r = 0; r < TG_MR; r++) {
-            const tg_v x = tg_set1(a[r][p * csa]);
-            s[r][0] = tg_fma(x, b0, s[r][0]);
-            s[r][1] = tg_fma(x, b1, s[r][1]);
+            const gv_f x = gv_set1(a[r][p * csa]);
+            s[r][0] = gv_fma(x, b0, s[r][0]);
+            s[r][1] = gv_fma(x, b1, s[r][1]);
         }
     }
     for (int r = 0; r < mr; r++) {
-        tg_store(c + r * ld, s[r][0]);
-        tg_store(c + r * ld + TG_VL, s[r][1]);
+        gv_store(c + r * ld, s[r][0]);
+        gv_store(c + r * ld + TG_VL, s[r][1]);
     }
 #else
     for (long r = 0; r < mr; r++) {

@@ -9,6 +9,7 @@ import pytest
 from gradtape.models import decode_engine as E
 from gradtape.models import model as M
 from gradtape.models.lora import model_targets, target_dims
+from support.lanes import sixteen_lanes  # noqa: F401 (a fixture)
 from support.tinymodel import tiny_model
 from support.compare import rel_err
 from families import C_DECODE_FAMILIES
@@ -111,6 +112,12 @@ def test_float_model_without_gguf(tied):
     ours, ref = steps_vs_graph(model, [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], lora, 0.5)
     assert rel_err(ours, ref) < 1e-5
     assert E.block_weights(model)["layers.0.q"][0] == "F32"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_float_model_decodes_on_16_lanes(sixteen_lanes, tied):
+    """The same through the C step's 16-lane (AVX-512) paths, emulated on any CPU."""
+    test_float_model_without_gguf(tied)
 
 
 def test_full_cache_is_refused():

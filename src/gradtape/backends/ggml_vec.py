@@ -71,6 +71,7 @@ def lib():
         # took 7.5 s instead of 1.4 s)
         _cgen.quiet_openmp()
         so = ctypes.CDLL(str(path))
+        so.gv_lanes.restype = _i64
         so.gv_block_elems.restype = _i64
         so.gv_block_elems.argtypes = [_i64]
         so.gv_matvec.restype = None

@@ -46,6 +46,7 @@ class CTiles:
             fn.restype = None
         self.flash = ((lib.gt_flash_fwd_f32, lib.gt_flash_bwd_f32) if self.suf == "f32"
                       else None)
+        self.lanes = lib.gt_flash_lanes()  # of the GEMM blocks' vectors (0: plain C)
 
     def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
                    window):

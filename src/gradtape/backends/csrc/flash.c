@@ -338,6 +338,15 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     return failed ? -1 : 0;
 }
 
+/* float32 lanes of the GEMM register blocks' vectors (0: plain C) */
+int gt_flash_lanes(void) {
+#ifdef GV_W
+    return GV_W;
+#else
+    return 0;
+#endif
+}
+
 int gt_flash_fwd_f32(float *out, const float *q, const float *k, const float *v,
                      const int64_t *starts, long n_seq, long nq, long nk, long nh, long nkv,
                      long hd, double iscale, double cap, long window) {

@@ -160,6 +160,15 @@ static int gv_qk(int64_t type, gv_dot_fn *fn) {
     return 0;
 }
 
+/* float32 lanes of the fast paths' vectors (0: the plain C loops) */
+int64_t gv_lanes(void) {
+#ifdef GV_W
+    return GV_W;
+#else
+    return 0;
+#endif
+}
+
 /* Block size of a type, 0 when unsupported (the Python wrapper asks before calling). */
 int64_t gv_block_elems(int64_t type) { gv_dot_fn f; return gv_qk(type, &f); }
 

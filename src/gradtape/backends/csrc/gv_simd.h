@@ -20,7 +20,46 @@ static inline gv_f gv_add(gv_f a, gv_f b) { return P##_add_ps(a, b); }          
 static inline gv_f gv_mul(gv_f a, gv_f b) { return P##_mul_ps(a, b); }                  \
 static inline gv_f gv_fma(gv_f a, gv_f b, gv_f c) { return P##_fmadd_ps(a, b, c); }
 
-#if defined(__AVX512F__)
+#if defined(GV_EMULATE)
+/* for the tests: GV_EMULATE lanes (16: the AVX-512 paths) as GCC's generic vectors,
+   on any CPU; gv_fma rounds twice here (the flags forbid contraction) */
+#include <string.h>
+#define GV_W GV_EMULATE
+typedef float gv_f __attribute__((vector_size(4 * GV_W)));
+static inline gv_f gv_zero(void) { gv_f v = {0}; return v; }
+static inline gv_f gv_set1(float x) { return gv_zero() + x; }
+static inline gv_f gv_load(const float *p) { gv_f v; memcpy(&v, p, sizeof v); return v; }
+static inline void gv_store(float *p, gv_f v) { memcpy(p, &v, sizeof v); }
+static inline gv_f gv_add(gv_f a, gv_f b) { return a + b; }
+static inline gv_f gv_mul(gv_f a, gv_f b) { return a * b; }
+static inline gv_f gv_fma(gv_f a, gv_f b, gv_f c) { return a * b + c; }
+static inline float gv_sum(gv_f v) {
+    float s = 0.0f;
+    for (int l = 0; l < GV_W; l++) s += v[l];
+    return s;
+}
+static inline void gv_nibs(const uint8_t *qs, int h, gv_f *lo, gv_f *hi) {
+    for (int l = 0; l < GV_W; l++) {
+        (*lo)[l] = (float)(qs[GV_W * h + l] & 15);
+        (*hi)[l] = (float)(qs[GV_W * h + l] >> 4);
+    }
+}
+static inline gv_f gv_i8(const uint8_t *p) {
+    gv_f v;
+    for (int l = 0; l < GV_W; l++) v[l] = (float)(int8_t)p[l];
+    return v;
+}
+static inline gv_f gv_f16(const uint8_t *p) {
+    gv_f v;
+    for (int l = 0; l < GV_W; l++) {
+        _Float16 h;
+        memcpy(&h, p + 2 * l, 2);
+        v[l] = (float)h;
+    }
+    return v;
+}
+
+#elif defined(__AVX512F__)
 #include <immintrin.h>
 #define GV_W 16
 typedef __m512 gv_f;

@@ -1,0 +1,34 @@
+"""The 16-lane (AVX-512) paths of the C kernels, run on any CPU: built with
+``-DGV_EMULATE=16``, ``csrc/gv_simd.h`` gives them GCC's generic 16-float vectors, so
+what differs from the 8-lane (AVX2) paths (panel widths, nibble halves, register blocks)
+is tested on machines without AVX-512 too.  Only the intrinsics themselves are not: they
+are one-to-one with the emulation's operations.  The checks are the usual ones, on the
+emulated libraries (the decode step's: tests/models/test_decode_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from support.lanes import sixteen_lanes  # noqa: F401 (a fixture)
+from test_cpu_kernels import test_fused_attention_equals_the_walk as fused_attention_check
+from test_ggml_vec import test_matmul_against_dequantize as matmul_check
+from test_ggml_vec import test_matvec_against_dequantize as matvec_check
+
+
+@pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", [
+    (300, 9, 3, 64, 0.0, 0, 1, None, 0),  # two key tiles; a 32-float panel per 2 vectors
+    (200, 8, 2, 96, 0.0, 37, 1, None, 0),  # 96 = three 32-column panels
+    (130, 6, 2, 16, 2.0, 0, 3, None, 0),  # a head narrower than one panel, capped
+    (100, 4, 2, 64, 0.0, 0, 1, "runs", 0),  # packed examples
+])
+def test_fused_attention_on_16_lanes(sixteen_lanes, t, nh, nkv, hd, cap, window, n_seq, seg,
+                                     past):
+    fused_attention_check(t, nh, nkv, hd, cap, window, n_seq, seg, past)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "Q4_K"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_ggml_products_on_16_lanes(sixteen_lanes, qtype, T):
+    matvec_check(qtype, T)
+    matmul_check(qtype, T)
+

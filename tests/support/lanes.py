@@ -1,0 +1,25 @@
+"""``sixteen_lanes``: the C kernels rebuilt with ``-DGV_EMULATE=16`` for one test, so
+their 16-lane (AVX-512) paths run on any CPU (``csrc/gv_simd.h``: GCC's generic
+vectors in place of the intrinsics, one operation for one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradtape.backends import _cgen, ggml_vec, tiled_c
+
+EMULATED = ("-DGV_EMULATE=16", "-Wno-psabi")
+
+
+@pytest.fixture
+def sixteen_lanes(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+    threads_flags = _cgen.threads_flags
+    monkeypatch.setattr(_cgen, "threads_flags",
+                        lambda flags=_cgen.FLAGS: threads_flags(flags) + EMULATED)
+    monkeypatch.setattr(tiled_c, "_LIB", [])
+    monkeypatch.setattr(tiled_c, "_KERNELS", {})
+    monkeypatch.setattr(ggml_vec, "FLAGS", ggml_vec.FLAGS + EMULATED)
+    monkeypatch.setattr(ggml_vec, "_LIB", [])
+    assert tiled_c.kernels(np.float32).lanes == 16 and ggml_vec.lib().gv_lanes() == 16

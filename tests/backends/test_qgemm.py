@@ -178,3 +178,15 @@ def test_one_scratch_tile_per_program():
     assert s.dtype == np.float32 and s.size == max(96 * 512 + 512 * 4, 40 * 512 + 512 * 4)
     first = p.run()[0]
     np.testing.assert_array_equal(p.run()[0], first)  # replay: same buffers, same result
+
+
+def test_parked_blas_threads_come_back():
+    """park_blas_threads stops OpenBLAS's workers; its next GEMM starts them again, with
+    the same thread count and result (before the fused attention, tiled_c.py)."""
+    a = np.random.default_rng(0).standard_normal((400, 300)).astype(np.float32)
+    want = a @ a.T
+    threads = qgemm.blas_threads()
+    before = threads[0]() if threads else None
+    qgemm.park_blas_threads()
+    assert rel_err(a @ a.T, want) <= 1e-6
+    assert (threads[0]() if threads else None) == before

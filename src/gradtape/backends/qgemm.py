@@ -132,6 +132,30 @@ def blas_threads():
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _blas_shutdown():
+    b = blas()
+    for name in ("blas_thread_shutdown_", "scipy_blas_thread_shutdown_"):
+        fn = getattr(b[3], name, None) if b is not None else None
+        if fn is not None:
+            fn.restype, fn.argtypes = ctypes.c_int, []
+            return fn
+    return None
+
+
+def park_blas_threads():
+    """Stop NumPy's OpenBLAS worker threads now (no-op with another BLAS); OpenBLAS
+    starts them again at its next threaded call, which costs tens of microseconds.  Call
+    it before a long OpenMP region (the fused attention): left alone, they poll for up to
+    2^28 cycles (~0.1 s) after each GEMM on the cores its threads need, and SmolLM2's
+    T=2048 step took 18.9 s against 15.9 s parked (2 Zen 3 cores).  Only where no other
+    thread can be inside a BLAS call meanwhile: gradtape replays a program's steps on
+    one thread."""
+    fn = _blas_shutdown()
+    if fn is not None:
+        fn()
+
+
 @contextlib.contextmanager
 def one_blas_thread():
     """NumPy's BLAS on one thread inside the block, its own count again after it (also

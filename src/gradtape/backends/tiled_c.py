@@ -15,7 +15,7 @@ import ctypes
 
 import numpy as np
 
-from . import _cgen
+from . import _cgen, qgemm
 
 _LIB = []
 
@@ -55,6 +55,7 @@ class CTiles:
         that are not contiguous runs: the walk of ``tiled.py`` runs them)."""
         if self.flash is None or (lay.seg is not None and lay.starts is None):
             return False
+        qgemm.park_blas_threads()  # or they poll on the cores the call's threads need
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
         starts = None if lay.starts is None else np.ascontiguousarray(lay.starts, np.int64)
         dims = (_L(lay.n_seq), _L(q.shape[0]), _L(k.shape[0]), _L(nh), _L(nkv), _L(hd),

@@ -667,13 +667,16 @@ def _attn_grad_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
 def _attn_scratch(v):
     """The backward's (the larger) scratch: three [nh, qt, kt] score blocks (p, dp, the
     cap's 1 - tanh^2), six [nh, qt, hd] row blocks (grouped q, do, o, their product, dq,
-    ds k) and one [nkv, kt, hd] (a key tile's dk or dv, before its strided add)."""
+    ds k) and one [nkv, kt, hd] (a key tile's dk or dv, before its strided add); and the
+    fused C attention's (``csrc/flash.c``) six key-sized arrays: the keys and values
+    packed twice, and a second thread's dk, dv."""
     a = v.attrs
     n_seq = a["n_seq"]
     # query rows: attn's q, attn_grad's g; key rows: attn's v, attn_grad's k
     qt, kt = tiled.attn_tiles(a["tile"], v.inputs[0].shape[0] // n_seq,
                               v.inputs[2].shape[0] // n_seq)
-    return a["nh"] * qt * (3 * kt + 6 * a["hd"]) + a["nkv"] * kt * a["hd"]
+    return (a["nh"] * qt * (3 * kt + 6 * a["hd"]) + a["nkv"] * kt * a["hd"]
+            + 6 * v.inputs[2].size)
 
 
 def _attn_vjp(g, out, q, k, v, *seg, **attrs):

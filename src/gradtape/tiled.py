@@ -2,7 +2,8 @@
 attention with an online softmax; neither ever holds a ``[T, V]`` or ``[T, T]`` array.
 
 These are the reference definitions the primitive table (``ops.py``) registers for
-``head_nll`` / ``head_nll_grad_x`` / ``head_nll_grad_w`` and ``attn`` / ``attn_grad``:
+``head_nll`` / ``head_nll_e`` / ``head_nll_grad_x`` / ``head_nll_grad_w`` and ``attn`` /
+``attn_grad``:
 block after block of the vocabulary (head) or of the keys (attention), each block's
 scores computed by one GEMM into a scratch block, folded into per-row statistics, and
 recomputed in the backward pass from those statistics.  Memory is linear in T: the
@@ -55,7 +56,8 @@ def _softcap(z, cap):
 class NumpyTiles:
     """The elementwise work on one block of scores, in NumPy: the reference.  A backend
     with kernels of its own (``backends/tiled_c.py``) passes an object with the same
-    methods as ``kern``; the GEMMs and the walk over the blocks stay the same."""
+    methods as ``kern``; the GEMMs and the walk over the blocks stay the same, unless
+    its ``fused_attn`` takes a whole attention call over."""
 
     @staticmethod
     def fused_attn(*args, **kwargs):

@@ -55,6 +55,7 @@ def test_take_rows_is_dequantize(qtype):
 @pytest.mark.parametrize("T", [1, 3, 4])
 def test_matvec_against_dequantize(qtype, T):
     rows, k = 67, 768  # rows not a multiple of the 16-row chunks or of the threads
+    # (the K-quants: three super-blocks, through the vector dots at T = 1 too)
     if ggml_vec.QTYPES[qtype][1] <= 32:
         k += 32  # an odd number of 32-blocks: the vector dots' (T = 1) last single block
     data = random_blocks(qtype, rows, k, seed=T)

@@ -5,10 +5,10 @@
    into registers / a 256-float scratch by ggml_blocks.h (bit-identical to
    gguf.quants.dequantize), then multiplied into 16 float32 lane
    accumulators per x row; the lanes are summed at the end of the row.  With AVX-512 or
-   AVX2 + FMA (gv_simd.h), Q4_0 / Q4_1 / Q8_0 rows against one x row and the prefill
-   GEMM's register block take vector fast paths (GV_W lanes, fused multiply-adds).  Only
-   the summation order differs from a float32 BLAS dot product.  Nothing here quantizes
-   the activations. */
+   AVX2 + FMA (gv_simd.h), Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows against one x row and
+   the prefill GEMM's register block take vector fast paths (GV_W lanes, fused
+   multiply-adds).  Only the summation order differs from a float32 BLAS dot product.
+   Nothing here quantizes the activations. */
 #include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -78,7 +78,7 @@ GV_DOT(dot_f16, 16, 32, deq_f16)
 GV_DOT(dot_bf16, 16, 32, deq_bf16)
 GV_DOT(dot_f32, 16, 64, deq_f32)
 
-/* --- vector single-row dots for the common 32-element types ----------------------------
+/* --- vector single-row dots (T = 1) of the common types --------------------------------
    The block scale is factored out of the block's sum: for Q4_1,
      sum_j (d q_j + m) x_j = d * sum_j q_j x_j + m * xs_b,   xs_b = sum_j x_j of block b
    (xs precomputed once per x for all rows), so a block costs 32 int->float converts and
@@ -132,10 +132,87 @@ static float NAME(const uint8_t *row, int64_t nb, const float *x, const float *x
 GV_DOT1(dot1_q4_0, T_Q4_0, 18)
 GV_DOT1(dot1_q4_1, T_Q4_1, 20)
 GV_DOT1(dot1_q8_0, T_Q8_0, 34)
+
+/* The K-quants' 256-value super-blocks, the same way, one scale per sub-block:
+     Q4_K  w = D_s nib - M_s (D_s = d sc_s, M_s = dmin mn_s, sub-blocks s of 32):
+           sum_j w_j x_j = sum_s D_s * sum_j nib_j x_j - dmin * sum_s mn_s xs_s
+           (xs_s: the sum of x over sub-block s, the 32-element sums above)
+     Q6_K  w = D_s (q - 32) (D_s = d scale_s, sub-blocks s of 16): the offset is taken
+           off in integers (gv_q6), D_s times each sub-block's q . x
+   The scaled accumulates go round several accumulators (Q4_K's sub-block s into a[s % 4],
+   Q6_K's value group g into a[g % 2]: four would spill on AVX2), so that they form short
+   chains rather than one long one. */
+/* the nib . x sums of the two Q4_K sub-blocks packed in 32 bytes qs: the low nibbles
+   (values xb[0, 32)) into *lo, the high nibbles (xb[32, 64)) into *hi, in GV_W lanes */
+static inline void gv_q4k_sums(const uint8_t *qs, const float *xb, gv_f *lo, gv_f *hi) {
+    gv_f l, h;
+    gv_nibs(qs, 0, &l, &h);
+    *lo = gv_mul(l, gv_load(xb));
+    *hi = gv_mul(h, gv_load(xb + 32));
+    for (int j = GV_W; j < 32; j += GV_W) {
+        gv_nibs(qs + j, 0, &l, &h);
+        *lo = gv_fma(l, gv_load(xb + j), *lo);
+        *hi = gv_fma(h, gv_load(xb + 32 + j), *hi);
+    }
+}
+static float dot1_q4_k(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    gv_f a[4] = {gv_zero(), gv_zero(), gv_zero(), gv_zero()};
+    float m = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 144 * b;
+        const float *xb = x + 256 * b, *xsb = xs + 8 * b;
+        const float d = gb_h2f(p), dmin = gb_h2f(p + 2);
+        int sc[8], mn[8];
+        k_scale_min(p + 4, sc, mn);
+        float mb = 0.0f;
+        for (int s = 0; s < 8; s++) mb += (float)mn[s] * xsb[s];
+        m += dmin * mb;
+        for (int s = 0; s < 8; s += 2) {  /* sub-blocks s, s + 1: the nibbles of 32 bytes */
+            gv_f lo, hi;
+            gv_q4k_sums(p + 16 + 16 * s, xb + 32 * s, &lo, &hi);
+            a[s & 3] = gv_fma(gv_set1(d * (float)sc[s]), lo, a[s & 3]);
+            a[(s + 1) & 3] = gv_fma(gv_set1(d * (float)sc[s + 1]), hi, a[(s + 1) & 3]);
+        }
+    }
+    return gv_sum(gv_add(gv_add(a[0], a[1]), gv_add(a[2], a[3]))) - m;
+}
+/* Q6_K's layout as in deq_q6_k: in half h, values 32 g + l (g < 4, l < 32) have their low
+   bits in ql[64 h + 32 (g % 2) + l] >> 4 (g / 2), their high bits in
+   qh[32 h + l] >> 2 g, their scale 8 h + 2 g + l / 16 */
+static float dot1_q6_k(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    (void)xs;  /* no min term */
+    gv_f a[2] = {gv_zero(), gv_zero()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 210 * b;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const float d = gb_h2f(p + 208);
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l += 16) {  /* one sub-block of 16 */
+                    const uint8_t *ql = p + 64 * h + 32 * (g & 1) + l;
+                    const uint8_t *qh = p + 128 + 32 * h + l;
+                    const float *xv = x + 256 * b + 128 * h + 32 * g + l;
+                    const int shl = 4 * (g >> 1), shh = 2 * g;
+                    gv_f s = gv_mul(gv_q6(ql, qh, shl, shh), gv_load(xv));
+                    for (int j = GV_W; j < 16; j += GV_W)
+                        s = gv_fma(gv_q6(ql + j, qh + j, shl, shh), gv_load(xv + j), s);
+                    const float D = d * (float)sc[8 * h + 2 * g + l / 16];
+                    a[g & 1] = gv_fma(gv_set1(D), s, a[g & 1]);
+                }
+    }
+    return gv_sum(gv_add(a[0], a[1]));
+}
+
 typedef float (*gv_dot1_fn)(const uint8_t *, int64_t, const float *, const float *);
 static gv_dot1_fn gv_fast1(int64_t type) {
-    return type == T_Q4_1 ? dot1_q4_1 : type == T_Q4_0 ? dot1_q4_0
-         : type == T_Q8_0 ? dot1_q8_0 : 0;
+    switch (type) {
+    case T_Q4_0: return dot1_q4_0;
+    case T_Q4_1: return dot1_q4_1;
+    case T_Q8_0: return dot1_q8_0;
+    case T_Q4_K: return dot1_q4_k;
+    case T_Q6_K: return dot1_q6_k;
+    }
+    return 0;
 }
 #endif
 
@@ -181,9 +258,9 @@ void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
     float o[4];
 #ifdef GV_FAST
     gv_dot1_fn f1 = gv_fast1(type);
-    if (T == 1 && f1 && nb <= 4096) {
-        float xs[4096];  /* block sums of x */
-        for (int64_t b = 0; b < nb; b++) {
+    if (T == 1 && f1 && k / 32 <= 4096) {
+        float xs[4096];  /* the sums of x over its 32-element (sub-)blocks */
+        for (int64_t b = 0; b < k / 32; b++) {
             gv_f v = gv_load(x + 32 * b);
             for (int j = GV_W; j < 32; j += GV_W) v = gv_add(v, gv_load(x + 32 * b + j));
             xs[b] = gv_sum(v);

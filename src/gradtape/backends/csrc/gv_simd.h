@@ -49,6 +49,14 @@ static inline gv_f gv_i8(const uint8_t *p) {
     for (int l = 0; l < GV_W; l++) v[l] = (float)(int8_t)p[l];
     return v;
 }
+/* lanes of Q6_K quants from GV_W bytes each of ql and qh, the offset 32 subtracted:
+   (((ql >> shl) & 15) | ((qh >> shh) & 3) << 4) - 32 */
+static inline gv_f gv_q6(const uint8_t *ql, const uint8_t *qh, int shl, int shh) {
+    gv_f v;
+    for (int l = 0; l < GV_W; l++)
+        v[l] = (float)((((ql[l] >> shl) & 15) | (((qh[l] >> shh) & 3) << 4)) - 32);
+    return v;
+}
 static inline gv_f gv_f16(const uint8_t *p) {
     gv_f v;
     for (int l = 0; l < GV_W; l++) {
@@ -73,10 +81,13 @@ static inline void gv_nibs(const uint8_t *qs, int h, gv_f *lo, gv_f *hi) {
     *lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, m4)));
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m4)));
 }
-/* lanes from GV_W signed bytes / IEEE halves at p */
-static inline gv_f gv_i8(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+/* GV_W bytes at p, and lanes from GV_W signed bytes (in a register / at p) */
+static inline __m128i gv_bytes(const uint8_t *p) {
+    return _mm_loadu_si128((const __m128i *)p);
 }
+static inline gv_f gv_i8v(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+static inline gv_f gv_i8(const uint8_t *p) { return gv_i8v(gv_bytes(p)); }
+/* lanes from GV_W IEEE halves at p */
 static inline gv_f gv_f16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
@@ -98,11 +109,24 @@ static inline void gv_nibs(const uint8_t *qs, int h, gv_f *lo, gv_f *hi) {
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15)));
     *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
 }
-static inline gv_f gv_i8(const uint8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+static inline __m128i gv_bytes(const uint8_t *p) {
+    return _mm_loadl_epi64((const __m128i *)p);
 }
+static inline gv_f gv_i8v(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+static inline gv_f gv_i8(const uint8_t *p) { return gv_i8v(gv_bytes(p)); }
 static inline gv_f gv_f16(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#endif
+
+#if defined(GV_W) && !defined(GV_EMULATE)
+/* gv_q6 (see the emulation) for either instruction set: the GV_W quants put together and
+   offset as bytes (each field shifted within its byte: the 16-bit shifts' spill into the
+   neighbouring byte is masked off), then widened */
+static inline gv_f gv_q6(const uint8_t *ql, const uint8_t *qh, int shl, int shh) {
+    const __m128i lo = _mm_and_si128(_mm_srli_epi16(gv_bytes(ql), shl), _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(gv_bytes(qh), shh), _mm_set1_epi8(3));
+    return gv_i8v(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
 }
 #endif
 #endif

@@ -150,54 +150,50 @@ class NumpyTiles:
 NUMPY_TILES = NumpyTiles()
 
 
-def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
-    """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
-    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``)."""
+def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
+    """The forward walk of the fused heads: ``out[:, :2] = (nll, lse)``, a ``chunk`` of
+    vocabulary rows at a time (``head_fwd``); where ``E [T, D]`` (zeros) is given, it
+    becomes ``softmax(z) @ W``, folded in like the row sums (rescaled by ``exp(m_old -
+    m_new)`` as the max grows)."""
     t, dtype = x.shape[0], out.dtype
     V = w.shape[0]
     m = np.full(t, -np.inf, dtype)
     s = np.zeros(t, dtype)
     picked = np.zeros(t, dtype)
     buf = np.empty((t, min(chunk, V)), dtype)
-    for v0 in range(0, V, chunk):
-        v1 = min(V, v0 + chunk)
-        z = buf[:, :v1 - v0]
-        np.matmul(x, _rows_of(w, v0, v1, qtype, dtype).T, out=z)
-        kern.head_fwd(z, m, s, picked, ids, v0, cap)
-    np.log(s, out=s)
-    s += m  # lse
-    out[:, 1] = s
-    np.subtract(s, picked, out=out[:, 0])
-
-
-def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
-    """``out = [nll | lse | E]``: ``fwd_head_nll``'s two columns (no cap) and ``E =
-    softmax(z) @ W [T, D]``, the softmax-weighted table rows, folded in block by block
-    like the row sums (rescaled by ``exp(m_old - m_new)`` as the max grows).  The
-    gradient w.r.t. ``x`` is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward
-    needs no second walk over the vocabulary (Liger's fused linear cross-entropy does
-    the same)."""
-    t, dtype = x.shape[0], out.dtype
-    V = w.shape[0]
-    m = np.full(t, -np.inf, dtype)
-    s = np.zeros(t, dtype)
-    picked = np.zeros(t, dtype)
-    buf = np.empty((t, min(chunk, V)), dtype)
-    E, prod = np.zeros((t, x.shape[1]), dtype), np.empty((t, x.shape[1]), dtype)
+    prod = np.empty_like(E) if E is not None else None
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z, wc = buf[:, :v1 - v0], _rows_of(w, v0, v1, qtype, dtype)
         np.matmul(x, wc.T, out=z)
-        m_old = m.copy()
-        kern.head_fwd(z, m, s, picked, ids, v0, 0.0)  # z: exp(z - m)
-        E *= np.exp(m_old - m)[:, None]  # 0 on the first block
-        np.matmul(z, wc, out=prod)
-        E += prod
-    out[:, 2:] = E / s[:, None]
+        m_old = m.copy() if E is not None else None
+        kern.head_fwd(z, m, s, picked, ids, v0, cap)  # z: exp(z - m)
+        if E is not None:
+            E *= np.exp(m_old - m)[:, None]  # 0 on the first block
+            np.matmul(z, wc, out=prod)
+            E += prod
+    if E is not None:
+        E /= s[:, None]
     np.log(s, out=s)
     s += m  # lse
     out[:, 1] = s
     np.subtract(s, picked, out=out[:, 0])
+
+
+def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
+    """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
+    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``)."""
+    _head_walk(out, x, w, ids, cap, chunk, qtype, kern)
+
+
+def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
+    """``out = [nll | lse | E]``: ``fwd_head_nll``'s two columns (no cap) and ``E =
+    softmax(z) @ W [T, D]``, the softmax-weighted table rows.  The gradient w.r.t. ``x``
+    is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward needs no second walk over
+    the vocabulary (Liger's fused linear cross-entropy does the same)."""
+    E = np.zeros((x.shape[0], x.shape[1]), out.dtype)
+    _head_walk(out, x, w, ids, 0.0, chunk, qtype, kern, E)
+    out[:, 2:] = E
 
 
 def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):

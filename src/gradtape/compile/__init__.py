@@ -1,7 +1,8 @@
 """Compilation: from recorded Vars to a replayable Program.
 
 ``compile_program`` runs the pipeline: ``build_graph`` prunes to the ops the requested
-outputs (and state updates) need, in recording order; ``rematerialize`` recomputes cheap
+outputs (and state updates) need, in recording order; ``merge_common`` computes repeated
+forward ops once; ``rematerialize`` recomputes cheap
 activations in backward instead of keeping them; then the passes the backend declares
 (``Backend.passes``: ``merge_matmuls``, ``fuse``) and the memory plan of the resulting
 schedule, every value a slice of a reusable buffer by liveness.  The backend lowers that

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..var import Var, fmt_shape
 from .checkpoint import checkpoint as checkpoint_pass
+from .cse import merge_common
 from .decompose import decompose
 from .fuse import fuse, plan_schedule_memory, unfused
 from .graph import build_graph
@@ -43,11 +44,14 @@ def compile_program(tape, outputs, backend_cls, updates=None, compute="float32",
 
 def passes(tape, outputs, updates, backend_cls, checkpoint=False):
     """Prune (``build_graph``); decompose the fused primitives ``backend_cls`` has no
-    kernel for; with ``checkpoint``, recompute in backward what the forward computed from
-    the tape's checkpoints (``compile.checkpoint``); rematerialize."""
+    kernel for; compute repeated forward ops once (``compile.cse``); with ``checkpoint``,
+    recompute in backward what the forward computed from the tape's checkpoints
+    (``compile.checkpoint``); rematerialize."""
     graph = decompose(build_graph(tape, outputs, updates), backend_cls.has_kernel)
+    graph, new_of = merge_common(graph, tape.backward_marks)
     if checkpoint:
-        graph = checkpoint_pass(graph, tape.backward_marks, tape.checkpoints)
+        keep = [new_of.get(v, v) for v in tape.checkpoints]
+        graph = checkpoint_pass(graph, tape.backward_marks, keep)
     return rematerialize(graph, tape.backward_marks)
 
 

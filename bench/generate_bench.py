@@ -241,7 +241,7 @@ def main(argv=None):
             print(f"{row['workload']}: gradtape prefill {row['gradtape_prefill_tok_s']:.0f} "
                   f"tok/s, decode {row['gradtape_decode_tok_s']:.1f} tok/s, with adapter "
                   f"{row['gradtape_adapter_decode_tok_s']:.1f} (cost "
-                  f"{row['adapter_cost']:.2f}x)", flush=True)
+                  f"{row['adapter_cost']:.2f}x); {row['cpu']}", flush=True)
             if row.get("peer"):
                 print(f"  llama.cpp prefill {row['peer_prefill_tok_s']:.0f} tok/s, decode "
                       f"{row['peer_decode_tok_s']:.1f} tok/s -> ratios prefill "

@@ -620,7 +620,7 @@ def main(argv=None):
                 print(f"{row['workload']:13s} {name:27s} vs {row['peer']:22s} "
                       f"{row['gradtape_s']:.4f} s vs {row['peer_s']:.4f} s -> "
                       f"{row['ratio']:.2f}x{floor}; {mem} {row['gradtape_peak_mb']:.0f} "
-                      f"MB vs {row['peer_peak_mb']:.0f} MB", flush=True)
+                      f"MB vs {row['peer_peak_mb']:.0f} MB; {row['cpu']}", flush=True)
                 if row.get("default") and row.get("split_s") and w not in split_shown:
                     split_shown.add(w)
                     print("  one default step: " + ", ".join(

@@ -26,7 +26,7 @@ def test_fused_attention_on_16_lanes(sixteen_lanes, t, nh, nkv, hd, cap, window,
     fused_attention_check(t, nh, nkv, hd, cap, window, n_seq, seg, past)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_ggml_products_on_16_lanes(sixteen_lanes, qtype, T):
     matvec_check(qtype, T)

@@ -5,8 +5,8 @@
    into registers / a 256-float scratch by ggml_blocks.h (bit-identical to
    gguf.quants.dequantize), then multiplied into 16 float32 lane
    accumulators per x row; the lanes are summed at the end of the row.  With AVX-512 or
-   AVX2 + FMA (gv_simd.h), Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows against one x row and
-   the prefill GEMM's register block take vector fast paths (GV_W lanes, fused
+   AVX2 + FMA (gv_simd.h), Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows against one x row
+   and the prefill GEMM's register block take vector fast paths (GV_W lanes, fused
    multiply-adds).  Only the summation order differs from a float32 BLAS dot product.
    Nothing here quantizes the activations. */
 #include <math.h>
@@ -142,6 +142,16 @@ GV_DOT1(dot1_q8_0, T_Q8_0, 34)
    The scaled accumulates go round several accumulators (Q4_K's sub-block s into a[s % 4],
    Q6_K's value group g into a[g % 2]: four would spill on AVX2), so that they form short
    chains rather than one long one. */
+/* a Q4_K / Q5_K super-block at p: its scale d, its sub-blocks' scales sc[8], and its min
+   term dmin * sum_s mn_s xs_s (xsb: the super-block's 8 sub-block sums of x) */
+static inline float k_head(const uint8_t *p, const float *xsb, float *d, int *sc) {
+    int mn[8];
+    *d = gb_h2f(p);
+    k_scale_min(p + 4, sc, mn);
+    float mb = 0.0f;
+    for (int s = 0; s < 8; s++) mb += (float)mn[s] * xsb[s];
+    return gb_h2f(p + 2) * mb;
+}
 /* the nib . x sums of the two Q4_K sub-blocks packed in 32 bytes qs: the low nibbles
    (values xb[0, 32)) into *lo, the high nibbles (xb[32, 64)) into *hi, in GV_W lanes */
 static inline void gv_q4k_sums(const uint8_t *qs, const float *xb, gv_f *lo, gv_f *hi) {
@@ -160,18 +170,38 @@ static float dot1_q4_k(const uint8_t *row, int64_t nb, const float *x, const flo
     float m = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 144 * b;
-        const float *xb = x + 256 * b, *xsb = xs + 8 * b;
-        const float d = gb_h2f(p), dmin = gb_h2f(p + 2);
-        int sc[8], mn[8];
-        k_scale_min(p + 4, sc, mn);
-        float mb = 0.0f;
-        for (int s = 0; s < 8; s++) mb += (float)mn[s] * xsb[s];
-        m += dmin * mb;
+        const float *xb = x + 256 * b;
+        float d;
+        int sc[8];
+        m += k_head(p, xs + 8 * b, &d, sc);
         for (int s = 0; s < 8; s += 2) {  /* sub-blocks s, s + 1: the nibbles of 32 bytes */
             gv_f lo, hi;
             gv_q4k_sums(p + 16 + 16 * s, xb + 32 * s, &lo, &hi);
             a[s & 3] = gv_fma(gv_set1(d * (float)sc[s]), lo, a[s & 3]);
             a[(s + 1) & 3] = gv_fma(gv_set1(d * (float)sc[s + 1]), hi, a[(s + 1) & 3]);
+        }
+    }
+    return gv_sum(gv_add(gv_add(a[0], a[1]), gv_add(a[2], a[3]))) - m;
+}
+/* Q5_K as Q4_K with a fifth bit (deq_q5_k): sub-block s's values have their low bits in
+   nibble s & 1 of qs[32 (s / 2) + l] and their high bit in qh[l] >> s */
+static float dot1_q5_k(const uint8_t *row, int64_t nb, const float *x, const float *xs) {
+    gv_f a[4] = {gv_zero(), gv_zero(), gv_zero(), gv_zero()};
+    float m = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 176 * b, *qh = p + 16;
+        const float *xb = x + 256 * b;
+        float d;
+        int sc[8];
+        m += k_head(p, xs + 8 * b, &d, sc);
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *ql = p + 48 + 32 * (s >> 1);
+            const float *xv = xb + 32 * s;
+            const int shl = 4 * (s & 1);
+            gv_f v = gv_mul(gv_q5(ql, qh, shl, s), gv_load(xv));
+            for (int j = GV_W; j < 32; j += GV_W)
+                v = gv_fma(gv_q5(ql + j, qh + j, shl, s), gv_load(xv + j), v);
+            a[s & 3] = gv_fma(gv_set1(d * (float)sc[s]), v, a[s & 3]);
         }
     }
     return gv_sum(gv_add(gv_add(a[0], a[1]), gv_add(a[2], a[3]))) - m;
@@ -210,6 +240,7 @@ static gv_dot1_fn gv_fast1(int64_t type) {
     case T_Q4_1: return dot1_q4_1;
     case T_Q8_0: return dot1_q8_0;
     case T_Q4_K: return dot1_q4_k;
+    case T_Q5_K: return dot1_q5_k;
     case T_Q6_K: return dot1_q6_k;
     }
     return 0;

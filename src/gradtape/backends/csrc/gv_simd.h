@@ -57,6 +57,14 @@ static inline gv_f gv_q6(const uint8_t *ql, const uint8_t *qh, int shl, int shh)
         v[l] = (float)((((ql[l] >> shl) & 15) | (((qh[l] >> shh) & 3) << 4)) - 32);
     return v;
 }
+/* lanes of Q5_K quants from GV_W bytes each of ql and qh: ((ql >> shl) & 15) |
+   ((qh >> shh) & 1) << 4 */
+static inline gv_f gv_q5(const uint8_t *ql, const uint8_t *qh, int shl, int shh) {
+    gv_f v;
+    for (int l = 0; l < GV_W; l++)
+        v[l] = (float)(((ql[l] >> shl) & 15) | (((qh[l] >> shh) & 1) << 4));
+    return v;
+}
 static inline gv_f gv_f16(const uint8_t *p) {
     gv_f v;
     for (int l = 0; l < GV_W; l++) {
@@ -127,6 +135,12 @@ static inline gv_f gv_q6(const uint8_t *ql, const uint8_t *qh, int shl, int shh)
     const __m128i lo = _mm_and_si128(_mm_srli_epi16(gv_bytes(ql), shl), _mm_set1_epi8(15));
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(gv_bytes(qh), shh), _mm_set1_epi8(3));
     return gv_i8v(_mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32)));
+}
+/* gv_q5 (see the emulation) the same way: one high bit, no offset */
+static inline gv_f gv_q5(const uint8_t *ql, const uint8_t *qh, int shl, int shh) {
+    const __m128i lo = _mm_and_si128(_mm_srli_epi16(gv_bytes(ql), shl), _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(gv_bytes(qh), shh), _mm_set1_epi8(1));
+    return gv_i8v(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)));
 }
 #endif
 #endif

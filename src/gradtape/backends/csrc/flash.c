@@ -9,10 +9,9 @@
      backward: p recomputed from lse, dV += p^T dO, dS = p * (dO V^T - D) (times 1 -
                tanh^2 under a cap) * iscale with D = rowsum(dO * O) - dlse, dQ += dS K,
                dK += dS^T Q.
-   The units are dealt to the threads in turn (OpenMP, static, the heaviest first); a
-   unit owns its rows' O, lse and dQ; dK and dV of a key row take adds from many units,
-   so each thread adds into a buffer of its own and the buffers are summed at the end,
-   in thread order: a replay gives the same bits (for a given number of threads).  The keys row i
+   The units are spread over the threads (OpenMP, the heaviest first); a unit owns its
+   rows' O, lse and dQ; dK and dV of a key row take adds from many units, so each thread
+   adds into a buffer of its own and the buffers are summed at the end.  The keys row i
    (at position past + i) sees are the positions [lo, hi): hi = past + i + 1 (causal),
    lo = its window's first key and its packed example's first row (starts), the same
    rules as tiled.AttnLayout; segment ids that are not contiguous runs take the NumPy
@@ -319,10 +318,7 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
             }
         }
         float *mdk = tid ? extra + (tid - 1) * 2 * kv : dk, *mdv = tid ? mdk + kv : dv;
-        /* static: each thread always takes the same units, so its dK, dV sums, and so
-           the result, are the same from run to run (dynamic scheduling made backward
-           differ in the last bits between replays); neighbouring units weigh the same */
-        _Pragma("omp for schedule(static, 1)")
+        _Pragma("omp for schedule(dynamic, 1)")
         for (long u = 0; u < fa_units(f); u++) {
             long b, h, i0, n;
             fa_unit(f, u, &b, &h, &i0, &n);

@@ -194,14 +194,17 @@ static float dot1_q5_k(const uint8_t *row, int64_t nb, const float *x, const flo
         float d;
         int sc[8];
         m += k_head(p, xs + 8 * b, &d, sc);
-        for (int s = 0; s < 8; s++) {
-            const uint8_t *ql = p + 48 + 32 * (s >> 1);
+        for (int s = 0; s < 8; s += 2) {  /* sub-blocks s, s + 1: the nibbles of 32 bytes */
+            const uint8_t *ql = p + 48 + 16 * s;
             const float *xv = xb + 32 * s;
-            const int shl = 4 * (s & 1);
-            gv_f v = gv_mul(gv_q5(ql, qh, shl, s), gv_load(xv));
-            for (int j = GV_W; j < 32; j += GV_W)
-                v = gv_fma(gv_q5(ql + j, qh + j, shl, s), gv_load(xv + j), v);
-            a[s & 3] = gv_fma(gv_set1(d * (float)sc[s]), v, a[s & 3]);
+            gv_f lo = gv_mul(gv_q5(ql, qh, 0, s), gv_load(xv));
+            gv_f hi = gv_mul(gv_q5(ql, qh, 4, s + 1), gv_load(xv + 32));
+            for (int j = GV_W; j < 32; j += GV_W) {
+                lo = gv_fma(gv_q5(ql + j, qh + j, 0, s), gv_load(xv + j), lo);
+                hi = gv_fma(gv_q5(ql + j, qh + j, 4, s + 1), gv_load(xv + 32 + j), hi);
+            }
+            a[s & 3] = gv_fma(gv_set1(d * (float)sc[s]), lo, a[s & 3]);
+            a[(s + 1) & 3] = gv_fma(gv_set1(d * (float)sc[s + 1]), hi, a[(s + 1) & 3]);
         }
     }
     return gv_sum(gv_add(gv_add(a[0], a[1]), gv_add(a[2], a[3]))) - m;

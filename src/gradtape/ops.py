@@ -14,6 +14,7 @@ layers and VJP rules call; they are thin wrappers over ``Tape.record``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -668,15 +669,25 @@ def _attn_scratch(v):
     """The backward's (the larger) scratch: three [nh, qt, kt] score blocks (p, dp, the
     cap's 1 - tanh^2), six [nh, qt, hd] row blocks (grouped q, do, o, their product, dq,
     ds k) and one [nkv, kt, hd] (a key tile's dk or dv, before its strided add); and the
-    fused C attention's (``csrc/flash.c``) six key-sized arrays: the keys and values
-    packed twice, and a second thread's dk, dv."""
+    fused C attention's (``csrc/flash.c``) key-sized arrays: the keys and values packed
+    twice, and each thread's but the first's dk, dv (``_omp_threads`` of them)."""
     a = v.attrs
     n_seq = a["n_seq"]
     # query rows: attn's q, attn_grad's g; key rows: attn's v, attn_grad's k
     qt, kt = tiled.attn_tiles(a["tile"], v.inputs[0].shape[0] // n_seq,
                               v.inputs[2].shape[0] // n_seq)
     return (a["nh"] * qt * (3 * kt + 6 * a["hd"]) + a["nkv"] * kt * a["hd"]
-            + 6 * v.inputs[2].size)
+            + (4 + 2 * (_omp_threads() - 1)) * v.inputs[2].size)
+
+
+def _omp_threads():
+    """The threads an OpenMP region takes by default: ``$OMP_NUM_THREADS`` (its first
+    number), else the CPUs this process may use."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
+    except ValueError:
+        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                   else os.cpu_count() or 1)
 
 
 def _attn_vjp(g, out, q, k, v, *seg, **attrs):

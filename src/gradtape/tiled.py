@@ -191,9 +191,9 @@ def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NU
     softmax(z) @ W [T, D]``, the softmax-weighted table rows.  The gradient w.r.t. ``x``
     is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward needs no second walk over
     the vocabulary (Liger's fused linear cross-entropy does the same)."""
-    E = np.zeros((x.shape[0], x.shape[1]), out.dtype)
+    E = out[:, 2:]  # folded in place
+    E.fill(0)
     _head_walk(out, x, w, ids, 0.0, chunk, qtype, kern, E)
-    out[:, 2:] = E
 
 
 def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):

@@ -38,6 +38,25 @@ def _rows_of(w, v0, v1, qtype, dtype):
     return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
 
 
+class HeadGemms:
+    """The fused head's two products with the table ``w [V, D]`` (ggml blocks when
+    ``qtype`` is set), a block of vocabulary rows at a time, in NumPy: ``rows(v0, v1)``
+    takes the block, then ``logits(z)``: ``z = x @ Wc^T``, ``weigh(z, out)``: ``out = z @
+    Wc``.  A backend's kernels may hand out another (``backends/tiled_c.py``: bf16)."""
+
+    def __init__(self, x, w, qtype):
+        self.x, self.w, self.qtype = x, w, qtype
+
+    def rows(self, v0, v1):
+        self.wc = _rows_of(self.w, v0, v1, self.qtype, self.x.dtype)
+
+    def logits(self, z):
+        np.matmul(self.x, self.wc.T, out=z)
+
+    def weigh(self, z, out):
+        np.matmul(z, self.wc, out=out)
+
+
 def _in_chunk(ids, v0, v1):
     rows = np.nonzero((ids >= v0) & (ids < v1))[0]
     return rows, ids[rows] - v0
@@ -63,6 +82,8 @@ class NumpyTiles:
     def fused_attn(*args, **kwargs):
         """The whole attention in one kernel: none here (``tiled_c.CTiles`` has one)."""
         return False
+
+    head_gemms = HeadGemms
 
     @staticmethod
     def head_fwd(z, m, s, picked, ids, v0, cap):
@@ -162,15 +183,17 @@ def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
     picked = np.zeros(t, dtype)
     buf = np.empty((t, min(chunk, V)), dtype)
     prod = np.empty_like(E) if E is not None else None
+    gemms = kern.head_gemms(x, w, qtype)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        z, wc = buf[:, :v1 - v0], _rows_of(w, v0, v1, qtype, dtype)
-        np.matmul(x, wc.T, out=z)
+        z = buf[:, :v1 - v0]
+        gemms.rows(v0, v1)
+        gemms.logits(z)
         m_old = m.copy() if E is not None else None
         kern.head_fwd(z, m, s, picked, ids, v0, cap)  # z: exp(z - m)
         if E is not None:
             E *= np.exp(m_old - m)[:, None]  # 0 on the first block
-            np.matmul(z, wc, out=prod)
+            gemms.weigh(z, prod)
             E += prod
     if E is not None:
         E /= s[:, None]
@@ -196,9 +219,9 @@ def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NU
     _head_walk(out, x, w, ids, 0.0, chunk, qtype, kern, E)
 
 
-def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):
-    """Yield ``(v0, v1, wc, dz)`` for every vocabulary block: its table rows and the
-    logits' gradient (recomputed from ``x`` and the forward's lse)."""
+def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern, gemms):
+    """Yield ``(v0, v1, dz)`` for every vocabulary block (its table rows taken by
+    ``gemms``): the logits' gradient, recomputed from ``x`` and the forward's lse."""
     t, V = x.shape[0], w.shape[0]
     buf = np.empty((t, min(chunk, V)), dtype)
     lse, b = np.ascontiguousarray(o[:, 1]), np.ascontiguousarray(g[:, 0])
@@ -206,10 +229,10 @@ def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern):
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = buf[:, :v1 - v0]
-        wc = _rows_of(w, v0, v1, qtype, dtype)
-        np.matmul(x, wc.T, out=z)
+        gemms.rows(v0, v1)
+        gemms.logits(z)
         kern.head_dz(z, lse, a, b, ids, v0, cap)
-        yield v0, v1, wc, z
+        yield v0, v1, z
 
 
 def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None, k=None,
@@ -217,16 +240,17 @@ def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None,
     """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``)."""
     out.fill(0)
     tmp = np.empty_like(out)
-    for _, _, wc, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype,
-                                          kern):
-        np.matmul(dz, wc, out=tmp)
+    gemms = kern.head_gemms(x, w, qtype)
+    for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype, kern,
+                                      gemms):
+        gemms.weigh(dz, tmp)
         out += tmp
 
 
 def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
     """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
-    for v0, v1, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype,
-                                           kern):
+    for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype,
+                                        kern, HeadGemms(x, w, None)):
         np.matmul(dz.T, x, out=out[v0:v1])
 
 

@@ -173,7 +173,7 @@ def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     assert rel_err(gz, wz) <= tol
 
 
-@pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", [
+ATTN_CASES = [
     (300, 9, 3, 64, 0.0, 0, 1, None, 0),  # SmolLM2's heads: two key tiles, many units
     (67, 4, 4, 32, 5.0, 0, 1, None, 0),  # no GQA, soft-capped
     (200, 8, 2, 96, 0.0, 37, 1, None, 0),  # Phi-3's head dim, a sliding window
@@ -182,10 +182,17 @@ def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     (40, 4, 2, 64, 0.0, 0, 1, None, 13),  # keys cached before the query rows
     (1, 2, 1, 8, 0.0, 0, 1, None, 0),  # one row
     (520, 2, 1, 80, 2.0, 300, 1, None, 0),  # a window across key tiles, capped
-])
-def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg, past):
-    """csrc/flash.c (float32, the whole attention and its VJP in one call each) against
-    the tiled walk of tiled.py in float64: within float32 rounding (~5e-7 observed)."""
+    (33, 3, 1, 6, 0.0, 0, 1, None, 0),  # odd rows and keys: bf16 pairs padded with a zero
+]
+# bf16 GEMM inputs: each operand rounded to 8 significant bits (relative 2^-9), and the
+# backward chains three rounded products (p or dS from scores, then dV, dK, dQ): a bound
+# of 8 * 2^-9; observed at most 1.8e-3 (forward) and 4.7e-3 (gradients)
+BF16_ATTN_TOL = 8 * 2.0 ** -9
+
+
+def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
+    """``((y, g) from csrc/flash.c, (y, g) of tiled.py's walk in float64)``: the forward
+    and the VJP, the fused ones in float32 data with float32 or ``bf16`` GEMMs."""
     from gradtape import tiled
     from gradtape.backends.tiled_c import kernels
 
@@ -201,14 +208,34 @@ def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg
     tiled.fwd_attn(y64, q, k, v, *segs, **kw)
     tiled.fwd_attn_grad(g64, gy, q, k, v, y64, *segs, **kw)
     f32 = [a.astype(np.float32) for a in (gy, q, k, v)]
-    c = kernels(np.float32)
+    c = kernels(np.float32, bf16)
     lay = tiled.AttnLayout(n, nk, n_seq, window, segs[0] if segs else None, 128)
     y32 = np.empty(y64.shape, np.float32)
     assert c.fused_attn(y32, *f32[1:], lay, nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5,
                         cap=cap, window=window)  # taken, not the walk
     g32 = np.empty(g64.shape, np.float32)
     tiled.fwd_attn_grad(g32, *f32, y32, *segs, **kw, kern=c)
+    return (y32, g32), (y64, g64)
+
+
+@pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
+def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg, past):
+    """csrc/flash.c (float32, the whole attention and its VJP in one call each) against
+    the tiled walk of tiled.py in float64: within float32 rounding (~5e-7 observed)."""
+    (y32, g32), (y64, g64) = _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg,
+                                              past, bf16=False)
     assert rel_err(y32, y64) <= 2e-5 and rel_err(g32, g64) <= 2e-5
+
+
+@pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
+def test_bf16_fused_attention_is_within_bf16_rounding(t, nh, nkv, hd, cap, window, n_seq,
+                                                       seg, past):
+    """The fused attention with bf16 GEMM inputs (--compute bf16) against the float64
+    walk: within the rounding of its inputs, and not float32's result (bf16 ran)."""
+    (y16, g16), (y64, g64) = _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg,
+                                              past, bf16=True)
+    for got, want in ((y16, y64), (g16, g64)):
+        assert 1e-5 < rel_err(got, want) <= BF16_ATTN_TOL
 
 
 def test_fused_attention_leaves_masked_segments_to_the_walk():
@@ -223,3 +250,42 @@ def test_fused_attention_leaves_masked_segments_to_the_walk():
                                               window=0)
     assert not kernels(np.float64).fused_attn(None, x, x, x, tiled.AttnLayout(
         6, 6, 1, 0, None, 128), nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0, window=0)
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_K"])
+def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
+    """The fused head's products with bf16 inputs (tiled_c.Bf16HeadGemms, --compute bf16)
+    against NumPy's in float64: the loss, lse, E and the gradient w.r.t. x, over a float
+    table and one kept in Q4_K blocks, the vocabulary in blocks with a narrower last one
+    (its logits a block of columns of the scratch); within the bound of the attention's
+    (BF16_ATTN_TOL: each product's inputs rounded to 8 bits), and not float32's."""
+    from gradtape import tiled
+    from gradtape.backends import onednn
+    from gradtape.backends.tiled_c import kernels
+    from gradtape.blocks import dequantize, random_blocks
+
+    if not onednn.available()[0]:
+        pytest.skip(onednn.available()[1])
+    rng = np.random.default_rng(5)
+    t, d, v, chunk = 40, 256, 700, 256  # blocks of 256, 256, 188 vocabulary rows
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    if qtype:
+        w = random_blocks(qtype, v, d, rng, std=0.1).data
+        w64 = dequantize(w, qtype).astype(np.float64)
+    else:
+        w = (rng.standard_normal((v, d)) * 0.1).astype(np.float32)
+        w64 = w.astype(np.float64)
+    ids = rng.integers(0, v, t)
+    g = rng.standard_normal((t, 2))
+    want = np.empty((t, 2 + d))
+    tiled.fwd_head_nll_e(want, x.astype(np.float64), w64, ids, chunk)
+    want_gx = np.empty((t, d))
+    tiled.fwd_head_nll_grad_x(want_gx, g, x.astype(np.float64), w64, ids, want, 3.0, chunk)
+    got = np.empty((t, 2 + d), np.float32)
+    k16 = kernels(np.float32, bf16=True)
+    tiled.fwd_head_nll_e(got, x, w, ids, chunk, qtype=qtype, kern=k16)
+    got_gx = np.empty((t, d), np.float32)
+    tiled.fwd_head_nll_grad_x(got_gx, g.astype(np.float32), x, w, ids, got, 3.0, chunk,
+                              qtype=qtype, kern=k16)
+    for a, b in ((got[:, :2], want[:, :2]), (got[:, 2:], want[:, 2:]), (got_gx, want_gx)):
+        assert 1e-5 < rel_err(a, b) <= BF16_ATTN_TOL

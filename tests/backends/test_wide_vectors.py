@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from support.lanes import sixteen_lanes  # noqa: F401 (a fixture)
+import numpy as np
+
+from support.compare import rel_err
+from support.lanes import emulate_sixteen_lanes, sixteen_lanes  # noqa: F401 (a fixture)
+from test_cpu_kernels import _fused_attention
+from test_cpu_kernels import test_bf16_fused_attention_is_within_bf16_rounding as bf16_check
 from test_cpu_kernels import test_fused_attention_equals_the_walk as fused_attention_check
 from test_ggml_vec import test_matmul_against_dequantize as matmul_check
 from test_ggml_vec import test_matvec_against_dequantize as matvec_check
@@ -24,6 +29,31 @@ from test_ggml_vec import test_matvec_against_dequantize as matvec_check
 def test_fused_attention_on_16_lanes(sixteen_lanes, t, nh, nkv, hd, cap, window, n_seq, seg,
                                      past):
     fused_attention_check(t, nh, nkv, hd, cap, window, n_seq, seg, past)
+
+
+@pytest.mark.parametrize("case", [(300, 9, 3, 64, 0.0, 0, 1, None, 0),
+                                  (33, 3, 1, 6, 2.0, 0, 1, None, 0)])
+def test_bf16_fused_attention_on_16_lanes(sixteen_lanes, case):
+    """The plain-C block of the bf16 GEMMs (what runs without AVX512-BF16)."""
+    bf16_check(*case)
+
+
+def test_bf16_instructions_equal_their_plain_c_block(monkeypatch, tmp_path):
+    """AVX512-BF16's vdpbf16ps against the plain-C block over the same bf16 pairs: the same
+    products summed in another order, so float32 rounding apart, except where a p or dS
+    then rounds to the other bf16 neighbour (2^-8 of that one value, carried into the
+    sums it enters): 1e-4 allows those; observed 7e-8 (forward) and 1.2e-5."""
+    from gradtape.backends.tiled_c import kernels
+
+    if not kernels(np.float32, True).bf16_native:
+        pytest.skip("no AVX512-BF16 on this CPU: only the plain-C block is built")
+    case = (300, 9, 3, 64, 0.0, 0, 1, None, 0)
+    native = _fused_attention(*case, bf16=True)[0]
+    emulate_sixteen_lanes(monkeypatch, tmp_path / "gtcache")
+    assert not kernels(np.float32, True).bf16_native
+    emulated = _fused_attention(*case, bf16=True)[0]
+    for a, b in zip(native, emulated):
+        assert rel_err(a, b) <= 1e-4
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "Q4_K", "Q5_K", "Q6_K"])

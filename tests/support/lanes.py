@@ -14,7 +14,13 @@ EMULATED = ("-DGV_EMULATE=16", "-Wno-psabi")
 
 @pytest.fixture
 def sixteen_lanes(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+    emulate_sixteen_lanes(monkeypatch, tmp_path_factory.getbasetemp() / "gtcache")
+
+
+def emulate_sixteen_lanes(monkeypatch, cache):
+    """From here to the end of the test, the kernels built with ``-DGV_EMULATE=16`` into
+    the cache folder ``cache``."""
+    monkeypatch.setenv("GRADTAPE_CACHE", str(cache))
     threads_flags = _cgen.threads_flags
     monkeypatch.setattr(_cgen, "threads_flags",
                         lambda flags=_cgen.FLAGS: threads_flags(flags) + EMULATED)

@@ -18,8 +18,9 @@ intermediates.
 leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
 is converted to bf16 once, the activation operand by a C kernel in the batch before each
 such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatmul_t``)
-do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).
-Everything else stays float32.
+do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).  The
+fused attention's GEMMs take bf16 inputs too (``csrc/flash.c``).  Everything else stays
+float32.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
 says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
@@ -218,9 +219,9 @@ class CpuBackend(HostBackend):
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C
+                kern = tiled_c.kernels(s.dtype, bf16=self.compute == "bf16")
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
-                                                      kern=tiled_c.kernels(s.dtype),
-                                                      **s.attrs)))
+                                                      kern=kern, **s.attrs)))
             else:
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       **s.attrs)))

@@ -187,6 +187,19 @@ class _Dnnl:
         return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
                               w.ctypes.data, out.ctypes.data)
 
+    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None):
+        """``bind_ptrs``' product run once now, its memory objects freed after: for
+        operands whose addresses change from call to call."""
+        prim, mds, _ = self.primitive(m, k, n, tb, ldc, False, lda)
+        mems = [self._memory(md, ptr) for md, ptr in zip(mds, (a, w, out))]
+        args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
+                            zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))
+        try:
+            self._runner(prim, args)()
+        finally:
+            for h in mems:
+                self.lib.dnnl_memory_destroy(h)
+
     def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None):
         """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
         (as in ``bind``), ``out`` float32 [m, n] with rows ``ldc`` apart, added to when

@@ -15,7 +15,9 @@ import ctypes
 
 import numpy as np
 
-from . import _cgen, qgemm
+from .. import tiled
+from ..blocks import BLOCK_TYPES
+from . import _cgen, onednn, qgemm
 
 _LIB = []
 
@@ -35,18 +37,23 @@ _L, _D = ctypes.c_long, ctypes.c_double
 
 
 class CTiles:
-    """``tiled.NumpyTiles``' methods as C loops, for one float dtype."""
+    """``tiled.NumpyTiles``' methods as C loops, for one float dtype; ``bf16``: the fused
+    attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``)."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, bf16=False):
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
         lib = _lib()
         self.f = {name: getattr(lib, f"gt_{name}_{self.suf}")
                   for name in ("head_fwd", "head_dz", "attn_fwd", "attn_p", "attn_ds")}
         for fn in self.f.values():
             fn.restype = None
-        self.flash = ((lib.gt_flash_fwd_f32, lib.gt_flash_bwd_f32) if self.suf == "f32"
-                      else None)
+        gemms = "bf16" if bf16 else "f32"
+        self.flash = ((getattr(lib, f"gt_flash_fwd_{gemms}"),
+                       getattr(lib, f"gt_flash_bwd_{gemms}")) if self.suf == "f32" else None)
         self.lanes = lib.gt_flash_lanes()  # of the GEMM blocks' vectors (0: plain C)
+        # whether the bf16 GEMMs are the CPU's instructions (else plain C: for the tests)
+        self.bf16_native = bool(lib.gt_flash_bf16_native())
+        self.head_gemms = Bf16HeadGemms if bf16 and self.suf == "f32" else tiled.HeadGemms
 
     def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
                    window):
@@ -104,14 +111,64 @@ class CTiles:
                           _L(ncol), _D(iscale), _D(cap))
 
 
+def _f32_bf16(x, out, n):
+    qgemm.lib().gt_f32_bf16(x.ctypes.data, out.ctypes.data, n)
+
+
+class Bf16HeadGemms:
+    """``tiled.HeadGemms`` with bf16 inputs and float32 sums, in oneDNN (``--compute
+    bf16``): ``x`` is rounded once, each block of table rows as it is taken (dequantized
+    straight into bf16 from its ggml blocks), each block of weights ``z`` before its
+    product."""
+
+    def __init__(self, x, w, qtype):
+        self.dnnl = onednn.dnnl()
+        self.T, self.D = x.shape
+        self.x16 = np.empty(x.shape, np.uint16)
+        _f32_bf16(np.ascontiguousarray(x), self.x16, x.size)
+        self.w, self.qtype = np.ascontiguousarray(w), qtype
+        self.wc16 = self.z16 = None
+
+    def rows(self, v0, v1):
+        c, D = v1 - v0, self.D
+        if self.wc16 is None or self.wc16.size < c * D:
+            self.wc16 = np.empty(c * D, np.uint16)
+        self.c = c
+        if self.qtype is None:
+            _f32_bf16(self.w[v0:v1], self.wc16, c * D)
+        else:
+            w = self.w
+            qgemm._check(qgemm.lib().gt_deq_tile_bf16(
+                BLOCK_TYPES[self.qtype].id, w.ctypes.data, w.strides[0], None, v0, c, 0, D,
+                self.wc16.ctypes.data, D), "dequantize")
+
+    def logits(self, z):
+        """z = x @ Wc^T; z may be a block of columns (rows further apart than its width)"""
+        assert z.strides[1] == 4 and z.shape == (self.T, self.c)
+        self.dnnl.gemm(self.T, self.D, self.c, True, self.x16.ctypes.data,
+                       self.wc16.ctypes.data, z.ctypes.data, ldc=z.strides[0] // 4)
+
+    def weigh(self, z, out):
+        """out = z @ Wc: z rounded to bf16 with its row stride kept (rows ``ld`` apart)"""
+        assert z.strides[1] == 4 and out.flags.c_contiguous
+        ld = z.strides[0] // 4
+        n = (self.T - 1) * ld + self.c  # from z's first value to its last
+        if self.z16 is None or self.z16.size < n:
+            self.z16 = np.empty(n, np.uint16)
+        qgemm.lib().gt_f32_bf16(z.ctypes.data, self.z16.ctypes.data, n)
+        self.dnnl.gemm(self.T, self.c, self.D, False, self.z16.ctypes.data,
+                       self.wc16.ctypes.data, out.ctypes.data, lda=ld)
+
+
 TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",
              "attn_grad")
 _KERNELS = {}
 
 
-def kernels(dtype):
-    """The CTiles of ``dtype`` (built once per process)."""
-    key = np.dtype(dtype).str
+def kernels(dtype, bf16=False):
+    """The CTiles of ``dtype`` (built once per process), with bf16 attention GEMMs where
+    ``bf16`` (float32 only)."""
+    key = (np.dtype(dtype).str, bool(bf16))
     if key not in _KERNELS:
-        _KERNELS[key] = CTiles(dtype)
+        _KERNELS[key] = CTiles(dtype, bf16)
     return _KERNELS[key]

@@ -16,7 +16,12 @@
    lo = its window's first key and its packed example's first row (starts), the same
    rules as tiled.AttnLayout; segment ids that are not contiguous runs take the NumPy
    walk.  Sums in float32 in another order than tiled.py's: equal to it within float32
-   rounding, not bitwise. */
+   rounding, not bitwise.
+
+   bf16 (gt_flash_*_bf16, for --compute bf16): the seven GEMMs take bf16 inputs and sum
+   in float32 (tile_gemm.h's tg_gemm16): the keys and values are packed as bf16 once,
+   each unit's q and dO once, and each tile's p and dS as they are made; the softmax,
+   its statistics, D and every sum stay float32. */
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -31,35 +36,55 @@ typedef struct {
     long n_seq, nh, nkv, hd, g, tq, tk, past, window, R;
     float iscale, cap;
     const int64_t *starts;  /* [n_seq * tq]: each row's example's first position, or 0 */
-    /* per sequence and kv head, packed once for all the units (tile_gemm.h's panels):
-       K^T and V^T as [hd, tk] (kt, vt), K and V as [tk, hd] (kr, vr); 0 if unused */
-    float *kt, *vt, *kr, *vr;
+    int bf16;               /* the GEMMs' inputs in bf16 (tg_gemm16), else float32 */
+    /* per sequence and kv head, packed once for all the units (tile_gemm.h's panels,
+       float32 or bf16): K^T and V^T as [hd, tk] (kt, vt), K and V as [tk, hd] (kr, vr);
+       0 if unused */
+    void *kt, *vt, *kr, *vr;
 } fa_t;
 
-/* floats of one sequence's and kv head's [hd, tk] panels, and of its [tk, hd] ones */
-static long fa_cols_size(const fa_t *f) { return tg_packed_size(f->hd, f->tk); }
-static long fa_rows_size(const fa_t *f) { return tg_packed_size(f->tk, f->hd); }
+/* bytes of one packed value */
+static long fa_esize(const fa_t *f) { return f->bf16 ? sizeof(tg_bf16) : sizeof(float); }
+/* values of one sequence's and kv head's [hd, tk] panels, and of its [tk, hd] ones */
+static long fa_cols_size(const fa_t *f) {
+    return f->bf16 ? tg_packed16_size(f->hd, f->tk) : tg_packed_size(f->hd, f->tk);
+}
+static long fa_rows_size(const fa_t *f) {
+    return f->bf16 ? tg_packed16_size(f->tk, f->hd) : tg_packed_size(f->tk, f->hd);
+}
+/* values of one panel of k rows (the panel stride) */
+static long fa_panel(const fa_t *f, long k) { return (f->bf16 ? 2 * tg_pairs(k) : k) * TG_NR; }
+/* B [k, n] (element (p, j) at B[p * rs + j * cs]) into panels at pb, in the GEMMs' type */
+static void fa_pack_b(const fa_t *f, const float *B, long rs, long cs, long k, long n,
+                      void *pb) {
+    if (f->bf16) tg_pack16(B, rs, cs, k, n, pb);
+    else tg_pack(B, rs, cs, k, n, pb);
+}
 
 /* x [n_seq * tk, nkv * hd] packed per sequence and kv head, transposed (into t) and as
    rows (into r), where those are asked for */
-static void fa_pack(const fa_t *f, const float *x, float *t, float *r) {
-    const long ld = f->nkv * f->hd;
+static void fa_pack(const fa_t *f, const float *x, void *t, void *r) {
+    const long ld = f->nkv * f->hd, es = fa_esize(f);
     _Pragma("omp for schedule(dynamic, 1)")
     for (long u = 0; u < 2 * f->n_seq * f->nkv; u++) {
         const long bh = u / 2;
         const float *src = x + bh / f->nkv * f->tk * ld + bh % f->nkv * f->hd;
-        if (u % 2 == 0 && t) tg_pack(src, 1, ld, f->hd, f->tk, t + bh * fa_cols_size(f));
-        if (u % 2 == 1 && r) tg_pack(src, ld, 1, f->tk, f->hd, r + bh * fa_rows_size(f));
+        if (u % 2 == 0 && t)
+            fa_pack_b(f, src, 1, ld, f->hd, f->tk, (char *)t + bh * fa_cols_size(f) * es);
+        if (u % 2 == 1 && r)
+            fa_pack_b(f, src, ld, 1, f->tk, f->hd, (char *)r + bh * fa_rows_size(f) * es);
     }
 }
 
 /* the panels of key tile j0 (a multiple of NR) of sequence b, kv head h in a [hd, tk]
-   packing (panel stride hd * NR) and a [tk, hd] one (panel stride tk * NR) */
-static inline const float *fa_tcols(const fa_t *f, const float *t, long b, long h, long j0) {
-    return t + (b * f->nkv + h) * fa_cols_size(f) + j0 / TG_NR * f->hd * TG_NR;
+   packing (panel stride fa_panel(hd)) and a [tk, hd] one (panel stride fa_panel(tk);
+   j0 * NR values in either type, j0 being even) */
+static inline const void *fa_tcols(const fa_t *f, const void *t, long b, long h, long j0) {
+    const long at = (b * f->nkv + h) * fa_cols_size(f) + j0 / TG_NR * fa_panel(f, f->hd);
+    return (const char *)t + at * fa_esize(f);
 }
-static inline const float *fa_trows(const fa_t *f, const float *r, long b, long h, long j0) {
-    return r + (b * f->nkv + h) * fa_rows_size(f) + j0 * TG_NR;
+static inline const void *fa_trows(const fa_t *f, const void *r, long b, long h, long j0) {
+    return (const char *)r + ((b * f->nkv + h) * fa_rows_size(f) + j0 * TG_NR) * fa_esize(f);
 }
 
 /* one thread's scratch, for blocks of up to M rows */
@@ -68,12 +93,17 @@ typedef struct {
     float *qb, *dob, *acc;             /* [M, hd]: the block's q, dO; O or dQ */
     float *s, *dp, *t;                 /* [M, FA_KT]: scores / p, dp / dS, 1 - tanh^2 */
     float *m, *l, *lse, *D;            /* [M] */
-    float *pq, *pdo;                   /* the block's q, dO packed */
+    void *pq, *pdo;                    /* the block's q, dO packed (float32 or bf16) */
+    tg_bf16 *q16, *do16;               /* bf16: q, dO as pairs along hd, [M, 2 * hdp] */
+    tg_bf16 *a16, *at16;               /* bf16: a tile's p or dS [M, FA_KT] and its
+                                          transpose (pairs along M) [M + 1, FA_KT] */
 } fa_buf;
 
 static fa_buf fa_alloc(const fa_t *f, float **mem) {
     const long M = f->g * f->R, hd = f->hd, rows = tg_packed_size(M, hd);
-    const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows;
+    /* bf16 copies, counted in floats (a float32 panel of M rows holds a bf16 one) */
+    const long hd2 = 2 * tg_pairs(hd), b16 = f->bf16 ? (2 * M * hd2 + (2 * M + 1) * FA_KT) / 2 + 1 : 0;
+    const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows + b16;
     fa_buf w;
     memset(&w, 0, sizeof w);
     long *ranges = malloc(2 * f->R * sizeof(long) + floats * sizeof(float));
@@ -85,7 +115,12 @@ static fa_buf fa_alloc(const fa_t *f, float **mem) {
     w.qb = p; p += M * hd;   w.dob = p; p += M * hd;   w.acc = p; p += M * hd;
     w.s = p; p += M * FA_KT; w.dp = p; p += M * FA_KT; w.t = p; p += M * FA_KT;
     w.m = p; p += M; w.l = p; p += M; w.lse = p; p += M; w.D = p; p += M;
-    w.pq = p; p += rows; w.pdo = p;
+    w.pq = p; p += rows; w.pdo = p; p += rows;
+    if (f->bf16) {
+        tg_bf16 *h = (tg_bf16 *)p;
+        w.q16 = h; h += M * hd2;  w.do16 = h; h += M * hd2;
+        w.a16 = h; h += M * FA_KT; w.at16 = h;
+    }
     return w;
 }
 
@@ -133,18 +168,54 @@ static inline float fa_scores(const fa_t *f, float *row, long a, long e, float *
     return rowmax_f32(row + a, 0, e - a) * f->iscale;
 }
 
+/* The three shapes of the seven GEMMs, in float32 or bf16 (x16, a16, at16: the bf16
+   copies' scratch).  c[M, kn] = x[M, hd] Y^T over key tile j0, Y^T packed as [hd, tk]
+   (yt): S = Q K^T, dP = dO V^T. */
+static void fa_mm_xyt(const fa_t *f, long M, long kn, const float *x, const tg_bf16 *x16,
+                      const void *yt, long b, long h, long j0, float *c) {
+    const void *pb = fa_tcols(f, yt, b, h, j0);
+    if (f->bf16)
+        tg_gemm16(M, kn, f->hd, x16, 2 * tg_pairs(f->hd), 2, pb, fa_panel(f, f->hd), c, FA_KT, 0);
+    else
+        tg_gemm(M, kn, f->hd, x, f->hd, 1, pb, fa_panel(f, f->hd), c, FA_KT, 0);
+}
+
+/* acc[M, hd] += a[M, kn] Y[j0 : j0 + kn], Y packed as [tk, hd] (yr): O += P V, dQ += dS K */
+static void fa_mm_ay(const fa_t *f, long M, long kn, const float *a, tg_bf16 *a16,
+                     const void *yr, long b, long h, long j0, float *acc) {
+    const void *pb = fa_trows(f, yr, b, h, j0);
+    if (f->bf16) {
+        tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
+        tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
+    } else {
+        tg_gemm(M, f->hd, kn, a, FA_KT, 1, pb, fa_panel(f, f->tk), acc, f->hd, 1);
+    }
+}
+
+/* d[kn, hd] (rows ldd apart) += a[M, kn]^T X, X [M, hd] packed (xp): dV += P^T dO,
+   dK += dS^T Q */
+static void fa_mm_atx(const fa_t *f, long M, long kn, const float *a, tg_bf16 *at16,
+                      const void *xp, float *d, long ldd) {
+    if (f->bf16) {
+        tg_cols16(a, FA_KT, M, kn, at16, FA_KT);
+        tg_gemm16(kn, f->hd, M, at16, 2, 2 * FA_KT, xp, fa_panel(f, M), d, ldd, 1);
+    } else {
+        tg_gemm(kn, f->hd, M, a, 1, FA_KT, xp, fa_panel(f, M), d, ldd, 1);
+    }
+}
+
 static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *out,
                         fa_buf *w) {
     const long M = f->g * n, hd = f->hd, ldo = f->nh * hd + f->nh;
     long jlo, jhi;
     fa_ranges(f, b, i0, n, w, &jlo, &jhi);
     fa_gather(f, f->q, f->nh * hd, b, h, i0, n, w->qb);
+    if (f->bf16) tg_rows16(w->qb, hd, M, hd, w->q16, 2 * tg_pairs(hd));
     for (long x = 0; x < M; x++) w->m[x] = -INFINITY, w->l[x] = 0.0f;
     memset(w->acc, 0, M * hd * sizeof(float));
     for (long j0 = jlo - jlo % TG_NR; j0 < jhi; j0 += FA_KT) {
         const long kn = jhi - j0 < FA_KT ? jhi - j0 : FA_KT;
-        tg_gemm(M, kn, hd, w->qb, hd, 1, fa_tcols(f, f->kt, b, h, j0), hd * TG_NR, w->s,
-                FA_KT, 0);
+        fa_mm_xyt(f, M, kn, w->qb, w->q16, f->kt, b, h, j0, w->s);
         for (long x = 0; x < M; x++) {
             float *row = w->s + x * FA_KT, sc;
             long a, e;
@@ -163,8 +234,7 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        tg_gemm(M, hd, kn, w->s, FA_KT, 1, fa_trows(f, f->vr, b, h, j0), f->tk * TG_NR,
-                w->acc, hd, 1);
+        fa_mm_ay(f, M, kn, w->s, w->a16, f->vr, b, h, j0, w->acc);
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++) {
@@ -194,13 +264,17 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             w->lse[x] = y[row * ldo + ldq + head];
         }
     memset(w->acc, 0, M * hd * sizeof(float));  /* dQ */
-    tg_pack(w->qb, hd, 1, M, hd, w->pq);
-    tg_pack(w->dob, hd, 1, M, hd, w->pdo);
+    fa_pack_b(f, w->qb, hd, 1, M, hd, w->pq);
+    fa_pack_b(f, w->dob, hd, 1, M, hd, w->pdo);
+    if (f->bf16) {
+        tg_rows16(w->qb, hd, M, hd, w->q16, 2 * tg_pairs(hd));
+        tg_rows16(w->dob, hd, M, hd, w->do16, 2 * tg_pairs(hd));
+    }
     for (long j0 = jlo - jlo % TG_NR; j0 < jhi; j0 += FA_KT) {
-        const long kn = jhi - j0 < FA_KT ? jhi - j0 : FA_KT, hp = hd * TG_NR;
+        const long kn = jhi - j0 < FA_KT ? jhi - j0 : FA_KT;
         float *dkj = dk + (b * f->tk + j0) * ldk + h * hd;
         float *dvj = dv + (b * f->tk + j0) * ldk + h * hd;
-        tg_gemm(M, kn, hd, w->qb, hd, 1, fa_tcols(f, f->kt, b, h, j0), hp, w->s, FA_KT, 0);
+        fa_mm_xyt(f, M, kn, w->qb, w->q16, f->kt, b, h, j0, w->s);
         for (long x = 0; x < M; x++) {  /* s: p */
             float *row = w->s + x * FA_KT, sc = f->iscale;
             long a, e;
@@ -219,9 +293,8 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        /* dV[j] += p^T dO: A = p^T, element (j, x) at s[x * FA_KT + j] */
-        tg_gemm(kn, hd, M, w->s, 1, FA_KT, w->pdo, M * TG_NR, dvj, ldk, 1);
-        tg_gemm(M, kn, hd, w->dob, hd, 1, fa_tcols(f, f->vt, b, h, j0), hp, w->dp, FA_KT, 0);
+        fa_mm_atx(f, M, kn, w->s, w->at16, w->pdo, dvj, ldk);  /* dV[j] += p^T dO */
+        fa_mm_xyt(f, M, kn, w->dob, w->do16, f->vt, b, h, j0, w->dp);
         for (long x = 0; x < M; x++) {  /* dp: dS (0 where p is) */
             float *row = w->dp + x * FA_KT;
             const float *pr = w->s + x * FA_KT, *tr = w->t + x * FA_KT, D = w->D[x];
@@ -236,9 +309,8 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        tg_gemm(kn, hd, M, w->dp, 1, FA_KT, w->pq, M * TG_NR, dkj, ldk, 1);  /* dK += dS^T Q */
-        tg_gemm(M, hd, kn, w->dp, FA_KT, 1, fa_trows(f, f->kr, b, h, j0), f->tk * TG_NR,
-                w->acc, hd, 1);  /* dQ += dS K */
+        fa_mm_atx(f, M, kn, w->dp, w->at16, w->pq, dkj, ldk);  /* dK += dS^T Q */
+        fa_mm_ay(f, M, kn, w->dp, w->a16, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++)
@@ -259,9 +331,9 @@ static inline void fa_unit(const fa_t *f, long u, long *b, long *h, long *i0, lo
 
 static fa_t fa_make(const float *q, const float *k, const float *v, const int64_t *starts,
                     long n_seq, long nq, long nk, long nh, long nkv, long hd, double iscale,
-                    double cap, long window) {
+                    double cap, long window, int bf16) {
     fa_t f = {q, k, v, n_seq, nh, nkv, hd, nh / nkv, nq / n_seq, nk / n_seq, 0, window, 0,
-              (float)iscale, (float)cap, starts, 0, 0, 0, 0};
+              (float)iscale, (float)cap, starts, bf16, 0, 0, 0, 0};
     f.past = f.tk - f.tq;
     f.R = 96 / f.g > 16 ? 96 / f.g : 16;  /* M = g * R: about a hundred rows */
     if (f.R > f.tq) f.R = f.tq;
@@ -287,15 +359,16 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     /* the packed keys and values; backward: thread t > 0 adds its dK, dV into
        extra + (t - 1) * 2 * kv, thread 0 into out */
     const long extra_floats = gy ? (nt - 1) * 2 * kv : 0;
-    float *packed = malloc((gy ? 2 * cols + 2 * rows : cols + rows) * sizeof(float));
+    const long es = fa_esize(f);
+    char *packed = malloc((gy ? 2 * cols + 2 * rows : cols + rows) * es);
     float *extra = extra_floats ? calloc(extra_floats, sizeof(float)) : 0;
     int failed = !packed || (extra_floats && !extra);
     if (!failed) {
         f->kt = packed;
-        f->vr = packed + cols;
+        f->vr = packed + cols * es;
         if (gy) {
-            f->kr = f->vr + rows;
-            f->vt = f->kr + rows;
+            f->kr = (char *)f->vr + rows * es;
+            f->vt = (char *)f->kr + rows * es;
             memset(dk, 0, 2 * kv * sizeof(float));
         }
     }
@@ -347,17 +420,31 @@ int gt_flash_lanes(void) {
 #endif
 }
 
-int gt_flash_fwd_f32(float *out, const float *q, const float *k, const float *v,
-                     const int64_t *starts, long n_seq, long nq, long nk, long nh, long nkv,
-                     long hd, double iscale, double cap, long window) {
-    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window);
-    return fa_run(&f, out, 0, 0);
+/* the entry points: float32 GEMMs (_f32) or bf16 ones (_bf16), float32 data either way */
+#define FA_ENTRY(suffix, bf16)                                                             \
+int gt_flash_fwd_##suffix(float *out, const float *q, const float *k, const float *v,      \
+                          const int64_t *starts, long n_seq, long nq, long nk, long nh,    \
+                          long nkv, long hd, double iscale, double cap, long window) {     \
+    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window,     \
+                     bf16);                                                                \
+    return fa_run(&f, out, 0, 0);                                                          \
+}                                                                                          \
+int gt_flash_bwd_##suffix(float *out, const float *gy, const float *q, const float *k,     \
+                          const float *v, const float *y, const int64_t *starts,           \
+                          long n_seq, long nq, long nk, long nh, long nkv, long hd,        \
+                          double iscale, double cap, long window) {                        \
+    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window,     \
+                     bf16);                                                                \
+    return fa_run(&f, out, gy, y);                                                         \
 }
+FA_ENTRY(f32, 0)
+FA_ENTRY(bf16, 1)
 
-int gt_flash_bwd_f32(float *out, const float *gy, const float *q, const float *k,
-                     const float *v, const float *y, const int64_t *starts, long n_seq,
-                     long nq, long nk, long nh, long nkv, long hd, double iscale,
-                     double cap, long window) {
-    fa_t f = fa_make(q, k, v, starts, n_seq, nq, nk, nh, nkv, hd, iscale, cap, window);
-    return fa_run(&f, out, gy, y);
+/* 1 where the bf16 GEMMs run on AVX512-BF16 instructions, 0 where plain C emulates them */
+int gt_flash_bf16_native(void) {
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE) && TG_NR == 32
+    return 1;
+#else
+    return 0;
+#endif
 }

@@ -15,6 +15,9 @@
 #define GT_TILE_GEMM_H
 #include "gt_prelude.h"
 #include "gv_simd.h"
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+#include <immintrin.h>
+#endif
 
 #define TG_MR 6  /* rows of C per register block */
 #ifdef GV_W
@@ -47,6 +50,21 @@ static void tg_pack(const float *B, long rs, long cs, long k, long n, float *pb)
     }
 }
 
+/* The last, partial panel of columns (nc < NR) goes through a local block `part`: C's
+   values copied in (zeros past nc, or everywhere when not accumulating), and out again. */
+static inline void tg_edge_in(long mr, long nc, const float *C, long ldc, float *part,
+                              float **c, long *ld, int *acc) {
+    for (long r = 0; r < mr; r++)
+        for (long j = 0; j < TG_NR; j++)
+            part[r * TG_NR + j] = *acc && j < nc ? C[r * ldc + j] : 0.0f;
+    *c = part;
+    *ld = TG_NR;
+    *acc = 1;
+}
+static inline void tg_edge_out(long mr, long nc, const float *part, float *C, long ldc) {
+    for (long r = 0; r < mr; r++) memcpy(C + r * ldc, part + r * TG_NR, nc * sizeof(float));
+}
+
 /* C[0:mr, 0:nc] (+)= A[0:mr, 0:k] b[0:k, 0:NR] (b one packed panel): mr <= MR rows,
    nc <= NR columns; rows past mr read row mr - 1 (computed, dropped) and a partial
    panel goes through a local block, so one unrolled body serves every edge. */
@@ -55,14 +73,7 @@ static inline void tg_block(long mr, long nc, long k, const float *A, long rsa, 
     float part[TG_MR * TG_NR];
     float *c = C;
     long ld = ldc;
-    if (nc < TG_NR) {  /* the last columns: through `part` */
-        for (long r = 0; r < mr; r++)
-            for (long j = 0; j < TG_NR; j++)
-                part[r * TG_NR + j] = acc && j < nc ? C[r * ldc + j] : 0.0f;
-        c = part;
-        ld = TG_NR;
-        acc = 1;
-    }
+    if (nc < TG_NR) tg_edge_in(mr, nc, C, ldc, part, &c, &ld, &acc);
     const float *a[TG_MR];
     for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
 #ifdef GV_W
@@ -96,8 +107,7 @@ static inline void tg_block(long mr, long nc, long k, const float *A, long rsa, 
         memcpy(c + r * ld, s, sizeof s);
     }
 #endif
-    if (c == part)
-        for (long r = 0; r < mr; r++) memcpy(C + r * ldc, part + r * TG_NR, nc * sizeof(float));
+    if (c == part) tg_edge_out(mr, nc, part, C, ldc);
 }
 
 /* C[m, n] (=|+=) A[m, k] B[k, n]: A element (i, p) at A[i * rsa + p * csa], B packed as
@@ -111,5 +121,140 @@ static void tg_gemm(long m, long n, long k, const float *A, long rsa, long csa,
             tg_block(m - i < TG_MR ? m - i : TG_MR, n - j < TG_NR ? n - j : TG_NR, k,
                      A + i * rsa, rsa, csa, pb + j / TG_NR * ps, C + i * ldc + j, ldc,
                      accumulate);
+}
+/* --- bf16 inputs, float32 sums (the fused attention under --compute bf16) ------------
+
+   The same register block over bf16 values: each pair of k (2p, 2p + 1) adds
+   A[i, 2p] B[2p, j] + A[i, 2p + 1] B[2p + 1, j] to a float32 sum, one AVX512-BF16
+   vdpbf16ps per row and vector (twice an FMA's products per instruction).  A panel of B
+   holds [kp][NR][2] values (kp = ceil(k / 2) pairs, a pair's two values adjacent, zeros
+   past k and past n); A holds its pairs adjacent too, pair p of row i at A + i * rsa +
+   p * csa (in bf16 values): a row-major copy (tg_rows16: csa = 2) or a transposed one
+   (tg_cols16: rsa = 2).  Values are rounded to nearest even once, on the way in
+   (gt_bf16).  Without AVX512-BF16 (or under GV_EMULATE) the block is plain C over the
+   same products: equal to the instruction within float32 rounding. */
+typedef uint16_t tg_bf16;
+
+static inline long tg_pairs(long k) { return (k + 1) / 2; }
+/* bf16 values of the packed panels of a [k, n] B */
+static inline long tg_packed16_size(long k, long n) {
+    return (n + TG_NR - 1) / TG_NR * TG_NR * 2 * tg_pairs(k);
+}
+static inline uint32_t tg_pair(float lo, float hi) {
+    return (uint32_t)gt_bf16(lo) | (uint32_t)gt_bf16(hi) << 16;
+}
+static inline float tg_f32(tg_bf16 h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* B [k, n], element (p, j) at B[p * rs + j * cs], into bf16 panels pb (tg_packed16_size):
+   panel c at pb + c * NR * 2 * kp */
+static void tg_pack16(const float *B, long rs, long cs, long k, long n, tg_bf16 *pb) {
+    const long kp = tg_pairs(k);
+    for (long j0 = 0; j0 < n; j0 += TG_NR) {
+        const long nc = n - j0 < TG_NR ? n - j0 : TG_NR;
+        uint32_t *dst = (uint32_t *)(pb + j0 * 2 * kp);
+        for (long p = 0; p < kp; p++) {
+            const float *r0 = B + 2 * p * rs + j0 * cs, *r1 = r0 + rs;
+            uint32_t *d = dst + p * TG_NR;
+            if (2 * p + 1 < k)
+                for (long j = 0; j < nc; j++) d[j] = tg_pair(r0[j * cs], r1[j * cs]);
+            else
+                for (long j = 0; j < nc; j++) d[j] = tg_pair(r0[j * cs], 0.0f);
+            for (long j = nc; j < TG_NR; j++) d[j] = 0;
+        }
+    }
+}
+
+/* a [m, k] (rows lda apart) as bf16 pairs along its rows: row i at dst + i * ldd
+   (ldd >= 2 * kp), a zero after an odd k */
+static void tg_rows16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldd) {
+    for (long i = 0; i < m; i++) {
+        const float *r = a + i * lda;
+        uint32_t *d = (uint32_t *)(dst + i * ldd);
+        _Pragma("omp simd")
+        for (long p = 0; p < k / 2; p++) d[p] = tg_pair(r[2 * p], r[2 * p + 1]);
+        if (k % 2) d[k / 2] = tg_pair(r[k - 1], 0.0f);
+    }
+}
+
+/* a [m, k] (rows lda apart) transposed, as bf16 pairs along its columns: row j of a^T,
+   pair p = (a[2p, j], a[2p + 1, j]) at dst + p * 2 * ldt + 2 * j (ldt >= k), a zero row
+   after an odd m */
+static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldt) {
+    for (long p = 0; p < m / 2; p++) {
+        const float *r0 = a + 2 * p * lda, *r1 = r0 + lda;
+        uint32_t *d = (uint32_t *)dst + p * ldt;
+        _Pragma("omp simd")
+        for (long j = 0; j < k; j++) d[j] = tg_pair(r0[j], r1[j]);
+    }
+    if (m % 2) {
+        const float *r0 = a + (m - 1) * lda;
+        uint32_t *d = (uint32_t *)dst + m / 2 * ldt;
+        for (long j = 0; j < k; j++) d[j] = tg_pair(r0[j], 0.0f);
+    }
+}
+
+/* C[0:mr, 0:nc] (+)= A[0:mr, 0:2kp] b[0:2kp, 0:NR] over bf16 pairs, edges as tg_block */
+static inline void tg_block16(long mr, long nc, long kp, const tg_bf16 *A, long rsa,
+                              long csa, const tg_bf16 *b, float *C, long ldc, int acc) {
+    float part[TG_MR * TG_NR];
+    float *c = C;
+    long ld = ldc;
+    if (nc < TG_NR) tg_edge_in(mr, nc, C, ldc, part, &c, &ld, &acc);
+    const tg_bf16 *a[TG_MR];
+    for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE) && TG_NR == 32
+    __m512 s[TG_MR][2];
+    _Pragma("GCC unroll 6")
+    for (int r = 0; r < TG_MR; r++) {
+        s[r][0] = acc && r < mr ? _mm512_loadu_ps(c + r * ld) : _mm512_setzero_ps();
+        s[r][1] = acc && r < mr ? _mm512_loadu_ps(c + r * ld + 16) : _mm512_setzero_ps();
+    }
+    for (long p = 0; p < kp; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR + TG_NR);
+        _Pragma("GCC unroll 6")
+        for (int r = 0; r < TG_MR; r++) {
+            uint32_t x;
+            memcpy(&x, a[r] + p * csa, 4);
+            const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)x);
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], xa, b0);
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], xa, b1);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(c + r * ld, s[r][0]);
+        _mm512_storeu_ps(c + r * ld + 16, s[r][1]);
+    }
+#else
+    for (long r = 0; r < mr; r++) {
+        float s[TG_NR];
+        for (long j = 0; j < TG_NR; j++) s[j] = acc ? c[r * ld + j] : 0.0f;
+        for (long p = 0; p < kp; p++) {
+            const float x0 = tg_f32(a[r][p * csa]), x1 = tg_f32(a[r][p * csa + 1]);
+            const tg_bf16 *bp = b + p * 2 * TG_NR;
+            for (long j = 0; j < TG_NR; j++)
+                s[j] += x0 * tg_f32(bp[2 * j]) + x1 * tg_f32(bp[2 * j + 1]);
+        }
+        memcpy(c + r * ld, s, sizeof s);
+    }
+#endif
+    if (c == part) tg_edge_out(mr, nc, part, C, ldc);
+}
+
+/* tg_gemm over bf16: C[m, n] (=|+=) A[m, k] B[k, n], A as pairs (rsa, csa in bf16
+   values), B in bf16 panels ps values apart */
+static void tg_gemm16(long m, long n, long k, const tg_bf16 *A, long rsa, long csa,
+                      const tg_bf16 *pb, long ps, float *C, long ldc, int accumulate) {
+    const long kp = tg_pairs(k);
+    for (long j = 0; j < n; j += TG_NR)
+        for (long i = 0; i < m; i += TG_MR)
+            tg_block16(m - i < TG_MR ? m - i : TG_MR, n - j < TG_NR ? n - j : TG_NR, kp,
+                       A + i * rsa, rsa, csa, pb + j / TG_NR * ps, C + i * ldc + j, ldc,
+                       accumulate);
 }
 #endif

@@ -111,14 +111,17 @@ def write_hf_folder(model, path):
 
 
 def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions=None,
-                      segments=None):
+                      segments=None, head_loss=False):
     """Record on ``tp`` (in its dtype) the next-token loss of ``ids`` through ``config``'s
     graph, the frozen ``weights`` as consts and ``adapter``'s A and B as params;
     ``(outputs, keys)``: ``[loss, dA, dB for each adapted (layer, target) in keys]`` and
     those keys, in order.  ``ids``: one sequence ``[T]`` (every next token a target), or
     rows ``[n, T]`` with their ``targets`` (and, for packed rows, ``positions`` and
-    ``segments``), all ``[n, T]``."""
+    ``segments``), all ``[n, T]``.  ``head_loss``: the training's own head and loss
+    (``model.head_loss``: fused from ``HEAD_FUSE_MIN`` logits on) instead of the
+    composed ``[N, V]`` logits and ``nn.cross_entropy_ids``."""
     from gradtape import nn
+    from gradtape.models import model
     from gradtape.models.model import record_forward, weight_consts
 
     dt = tp.dtype
@@ -131,10 +134,12 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
     layout = {} if positions is None else {
         "positions": tp.const(np.asarray(positions).reshape(-1)),
         "segments": tp.const(np.asarray(segments).reshape(-1))}
-    logits = record_forward(tp, config, W, tp.const(ids.reshape(-1)),
-                            1 if ids.ndim == 1 else len(ids), lora, adapter.scale, **layout)
-    tid, w = nn.ce_targets_fill(np.asarray(targets).reshape(-1))
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(w))
+    last = record_forward(tp, config, W, tp.const(ids.reshape(-1)),
+                          1 if ids.ndim == 1 else len(ids), lora, adapter.scale, **layout,
+                          head=not head_loss)
+    tid, w = (tp.const(a) for a in nn.ce_targets_fill(np.asarray(targets).reshape(-1)))
+    loss = (model.head_loss(tp, config, W, last, tid, w) if head_loss
+            else nn.cross_entropy_ids(tp, last, tid, w))
     grads = tp.backward(loss)
     keys = list(lora)
     return [loss] + [grads[p] for k in keys for p in lora[k]], keys

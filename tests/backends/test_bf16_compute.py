@@ -355,6 +355,41 @@ def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
     assert measured == [(256, 576, 1536), (256, 576, 64)] + [(256, 576, 1536)] * 2
 
 
+def test_tile_layout_is_the_faster_one_measured_once_per_cpu(monkeypatch, tmp_path):
+    """compute.blocked_tiles times the blocked and the plain product once per product
+    and shape on this CPU (then from the cache file), and picks the faster;
+    $GRADTAPE_BF16_LAYOUT decides without timing."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRADTAPE_BF16_LAYOUT", raising=False)
+    monkeypatch.setattr(onednn, "library", lambda: SimpleNamespace(version="3.2.0"))
+    calls = []
+    seconds = {"blocked": 0.02, "plain": 0.01}
+
+    def runner(name):
+        def run():
+            calls.append(name)
+            import time
+            time.sleep(seconds[name])
+        return run
+
+    blocked, plain = runner("blocked"), runner("plain")
+    assert compute.blocked_tiles("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
+    assert set(calls) == {"blocked", "plain"}
+    calls.clear()
+    assert compute.blocked_tiles("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
+    assert calls == []  # from the cache
+    seconds.update(blocked=0.001)
+    assert compute.blocked_tiles("qmatmul_t Q4_K", (256, 64, 32), blocked, plain) is True
+    calls.clear()
+    for layout in ("blocked", "plain"):
+        monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
+        assert compute.blocked_tiles("qmatmul Q6_K", (1, 2, 3), blocked, plain) is (
+            layout == "blocked")
+    assert calls == []
+
+
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
     """In a bf16 program the float32 matmuls left (LoRA, attention) run in oneDNN's float32
     matmul (one OpenMP thread pool with the bf16 GEMMs): transposed operands and batches

@@ -76,19 +76,24 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
 
 
 @pytest.mark.parametrize("rows,k,tile,backward", [(70, 768, 32 * 768, "columns"),
+                                                   (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward,
+@pytest.mark.parametrize("layout", ["blocked", "plain"])
+def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, layout,
                                                 monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
     one oneDNN GEMM per tile (float32 accumulation).  Tiles shrunk so that a [70, 768]
     weight takes 3 row tiles forward (the last partial) and 3 column tiles backward, and
-    a tall [1100, 512] one 4 row tiles both ways (backward: products summed into z)."""
+    a tall [1100, 512] one 4 row tiles both ways (backward: products summed into z); 71
+    rows: an odd K backward, padded in the blocked layout.  Tiles written in oneDNN's
+    blocked layout (where its kernel keeps that one) and in plain rows."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     r = np.random.default_rng(200 + TYPES.index(qtype))
     T = 9
     bm = random_blocks(qtype, rows, k, r)
@@ -106,6 +111,12 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward,
     y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
     prog = tp.compile([y, z], backend="cpu", compute="bf16")
     assert prog.executable.compute == "bf16" and len(prog.executable._q16) == 2
+    blocked = [s.blocked for s in prog.executable._steps if hasattr(s, "blocked")]
+    assert len(blocked) == 2
+    if layout == "plain" or not onednn.dnnl().vnni(T, k, 64):
+        assert not any(blocked)
+    else:  # a kernel that keeps the layout gt_deq_tile_vnni writes (AVX512-BF16 here)
+        assert all(blocked)
     got_y, got_z = prog.run()
     b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
     deq = b16(bm.dequantize())

@@ -167,6 +167,28 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
     return best(lambda: np.matmul(a, w, out=out)), bf16
 
 
+def blocked_tiles(what, shape, blocked, plain) -> bool:
+    """Whether the bf16 block-weight product ``blocked()`` (its tiles dequantized into the
+    blocked layout of oneDNN's kernel) beats ``plain()`` (plain rows, reordered by each
+    GEMM): both timed on the product ``what`` of ``shape`` once per CPU model and library
+    versions, the result cached like ``rates`` (a few seconds in all for an 8B model's
+    fourteen products, on its first step).
+    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain decides instead."""
+    import os
+
+    from .qgemm import one_blas_thread
+
+    forced = os.environ.get("GRADTAPE_BF16_LAYOUT")
+    if forced in ("blocked", "plain"):
+        return forced == "blocked"
+
+    def measure(*_):
+        with one_blas_thread():  # as in a bf16 replay
+            return [min(call_seconds(run, 2)) for run in (blocked, plain)]
+    (t_blocked, t_plain), _ = rates(f"bf16-tiles {what}", shape, measure)
+    return t_blocked < t_plain
+
+
 def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:
     """The precision that will run for ``requested``: ``decide(...)[0]``."""
     return decide(requested, applies, shape)[0]

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..compile.fuse import FusedGroup
 from ..ops import PRIMS, _mT
-from . import _cgen, onednn, qgemm, tiled_c
+from . import _cgen, compute, onednn, qgemm, tiled_c
 from .base import HostBackend
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
@@ -215,7 +215,7 @@ class CpuBackend(HostBackend):
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,
-                                                     self._qprod32)))
+                                                     self._qprod32, compute.blocked_tiles)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C

@@ -29,6 +29,13 @@ _CPU = 1  # dnnl_engine_kind_t
 _IN_ORDER = 1  # dnnl_stream_flags_t
 _ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17
 _QUERY_IMPL_INFO = 8  # dnnl_query_impl_info_str
+_QUERY_STRIDES, _QUERY_WEIGHTS_MD = 14, 131  # dnnl_query_t
+_QUERY_PADDED_DIMS, _QUERY_FORMAT_KIND = 260, 262
+_QUERY_INNER_NBLKS, _QUERY_INNER_BLKS, _QUERY_INNER_IDXS = 263, 264, 265
+_FORMAT_ANY, _FORMAT_BLOCKED = 1, 2  # dnnl_format_tag_any, dnnl_blocked
+# the weights layout of oneDNN's bf16 matmul kernels (BA16a64b2a): [K, N] in panels of 64
+# columns, each [K / 2][64][2] with K padded to 32 (csrc/qgemm.c's gt_deq_tile_vnni)
+VNNI_INNER = ((0, 16), (1, 64), (0, 2))
 _vp = ctypes.c_void_p
 _Dims = ctypes.c_int64 * 12
 
@@ -65,10 +72,13 @@ class _Dnnl:
                      "dnnl_memory_desc_create_with_strides", "dnnl_memory_create",
                      "dnnl_matmul_primitive_desc_create", "dnnl_primitive_desc_query",
                      "dnnl_primitive_create", "dnnl_primitive_execute", "dnnl_version",
+                     "dnnl_memory_desc_create_with_tag", "dnnl_memory_desc_query",
+                     "dnnl_memory_destroy",
                      "dnnl_post_ops_create", "dnnl_post_ops_append_sum",
                      "dnnl_primitive_attr_create", "dnnl_primitive_attr_set_post_ops"):
             getattr(lib, name)  # AttributeError: not a oneDNN 3 library
         lib.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)
+        lib.dnnl_primitive_desc_query_md.restype = _vp
         self.lib = lib
         v = lib.dnnl_version().contents
         self.version = f"{v[0]}.{v[1]}.{v[2]}"
@@ -106,31 +116,64 @@ class _Dnnl:
             self._sum_attr = attr
         return self._sum_attr
 
-    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None):
+    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None, vnni=False):
         """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
         with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16 with rows ``lda``
         apart (default ``k``), dst float32 with rows ``ldc`` apart (default ``n``);
-        ``acc``: added to dst instead of written."""
+        ``acc``: added to dst instead of written.  ``vnni``: W in the kernel's own blocked
+        layout (``VNNI_INNER``; ``tb`` ignored), or None where the kernel oneDNN picks on
+        this CPU keeps its weights in another."""
         ldc = n if ldc is None else ldc
         lda = k if lda is None else lda
-        key = (m, k, n, tb, ldc, acc, lda)
-        hit = self._prims.get(key)
-        if hit is None:
-            src = self._md((m, k), (lda, 1), _BF16)
+        key = (m, k, n, tb and not vnni, ldc, acc, lda, vnni)
+        if key in self._prims:
+            return self._prims[key]
+        src = self._md((m, k), (lda, 1), _BF16)
+        if vnni:
+            wei = _vp()
+            self._ok(self.lib.dnnl_memory_desc_create_with_tag(
+                ctypes.byref(wei), 2, _Dims(k, n), _BF16, _FORMAT_ANY), "memory_desc")
+        else:
             wei = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
-            dst = self._md((m, n), (ldc, 1), _F32)
-            pd = _vp()
-            self._ok(self.lib.dnnl_matmul_primitive_desc_create(
-                ctypes.byref(pd), self.engine, src, wei, None, dst,
-                self._accumulate() if acc else None),
-                f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
-            info = ctypes.c_char_p()
-            self._ok(self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0,
-                                                         ctypes.byref(info)), "query")
-            prim = _vp()
-            self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
-            hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
+        dst = self._md((m, n), (ldc, 1), _F32)
+        pd = _vp()
+        self._ok(self.lib.dnnl_matmul_primitive_desc_create(
+            ctypes.byref(pd), self.engine, src, wei, None, dst,
+            self._accumulate() if acc else None),
+            f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
+        if vnni:
+            wei = _vp(self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0))
+            if not self._is_vnni(wei, k, n):
+                self._prims[key] = None
+                return None
+        info = ctypes.c_char_p()
+        self._ok(self.lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO, 0,
+                                                     ctypes.byref(info)), "query")
+        prim = _vp()
+        self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
+        hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
         return hit
+
+    def _is_vnni(self, md, k, n):
+        """Whether the weights descriptor ``md`` of a ``[k, n]`` B is ``VNNI_INNER`` with
+        K padded to 32, N to 64 and the panels ``Kp * 64`` values apart."""
+        def query(what, ctype):
+            v = ctype()
+            self._ok(self.lib.dnnl_memory_desc_query(md, what, ctypes.byref(v)), "md query")
+            return v
+        kp, np_ = -(-k // 32) * 32, -(-n // 64) * 64
+        if query(_QUERY_FORMAT_KIND, ctypes.c_int).value != _FORMAT_BLOCKED:
+            return False
+        nb = query(_QUERY_INNER_NBLKS, ctypes.c_int).value
+        blks, idxs, pad, strides = (query(q, ctypes.POINTER(ctypes.c_int64)) for q in (
+            _QUERY_INNER_BLKS, _QUERY_INNER_IDXS, _QUERY_PADDED_DIMS, _QUERY_STRIDES))
+        return (tuple((idxs[i], blks[i]) for i in range(nb)) == VNNI_INNER
+                and (pad[0], pad[1]) == (kp, np_) and (strides[0], strides[1]) == (2048, kp * 64))
+
+    def vnni(self, m, k, n):
+        """Whether the bf16 matmul of ``[m, k] @ [k, n]`` takes its weights in the blocked
+        layout ``gt_deq_tile_vnni`` writes (then no reorder per call)."""
+        return self.primitive(m, k, n, False, vnni=True) is not None
 
     def bind_f32(self, out, a, b):
         """A callable computing ``out = a @ b`` in float32 (``np.matmul``'s rule, for 2-d
@@ -200,11 +243,12 @@ class _Dnnl:
             for h in mems:
                 self.lib.dnnl_memory_destroy(h)
 
-    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None):
+    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False):
         """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
-        (as in ``bind``), ``out`` float32 [m, n] with rows ``ldc`` apart, added to when
-        ``acc``; the memory must outlive the callable."""
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda)
+        (as in ``bind``, or in the blocked layout where ``vnni``: check ``vnni(m, k, n)``
+        first), ``out`` float32 [m, n] with rows ``ldc`` apart, added to when ``acc``;
+        the memory must outlive the callable."""
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni)
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))

@@ -65,8 +65,12 @@ def lib():
             getattr(so, name).restype = _i
         so.gt_deq_tile_bf16.argtypes = [_i, _p, _l, _p, _l, _l, _l, _l, _p, _l]
         so.gt_deq_tile_bf16.restype = _i
+        so.gt_deq_tile_vnni.argtypes = [_i, _p, _l, _l, _l, _l, _l, _i, _p]
+        so.gt_deq_tile_vnni.restype = _i
         so.gt_f32_bf16.argtypes = [_p, _p, _l]
         so.gt_f32_bf16.restype = None
+        so.gt_f32_bf16_block.argtypes = [_p, _l, _l, _l, _p]
+        so.gt_f32_bf16_block.restype = None
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
@@ -350,14 +354,16 @@ def bf16_scratch_elems(ops):
     for v in ops:
         a = v.attrs
         r, c = bf16_tile_shape(v.op == "qmatmul_t", a["qtype"], a["rows"], a["k"])
-        act, tile = max(act, v.inputs[0].size), max(tile, r * c)
+        # the blocked layout pads K to 32 and N to 64 values (gt_deq_tile_vnni)
+        pad = lambda n: -(-n // 64) * 64  # noqa: E731
+        act, tile = max(act, v.inputs[0].size), max(tile, pad(r) * pad(c))
         width = r if v.op == "qmatmul" else c  # the columns of the result one tile writes
         if width < v.shape[1]:
             prod = max(prod, v.shape[0] * width)
     return act, tile, prod
 
 
-def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32):
+def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
     then for each tile, the blocks are dequantized and rounded into ``tile16`` (C, both
@@ -365,6 +371,11 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32):
       qmatmul    y[:, r0:r0+R] = x16 @ tile[R, k]^T
       qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]   (whole columns), or
                  z (+)= g16[:, r0:r0+R] @ tile[R, k]    (whole rows)
+    The tiles are plain rows, which the GEMM reorders into its kernel's layout on every
+    call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it;
+    ``choose(op's name, shape, blocked run, plain run)`` says which (the blocked one
+    when None; ``compute.blocked_tiles`` times both: the blocked layout saves the GEMM's
+    reorder, 4-7% of it on AVX512-BF16, and costs a slower dequantization).
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or
     14336 floats) measured 15-20% slower than into contiguous rows."""
@@ -378,40 +389,73 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32):
     R, C = bf16_tile_shape(transposed, qtype, rows, k)
     L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
     xp, ap, tp, op = x.ctypes.data, act16.ctypes.data, tile16.ctypes.data, out.ctypes.data
-    width = out.shape[1]
-    tiles = []  # (dequantize args, bound GEMM, None or (columns, their offset in out))
+    width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
 
-    def columns(kk, n, tb, a_ptr, c0):
-        """the GEMM writing out[:, c0:c0+n], through prod32 unless that is all of out"""
-        if n == width:
-            return dnnl.bind_ptrs(T, kk, n, tb, a_ptr, tp, op), None
-        return dnnl.bind_ptrs(T, kk, n, tb, a_ptr, tp, prod32.ctypes.data), (n, op + 4 * c0)
+    def tiles(per_tile):
+        """per tile: W's rows [r0, r0 + n) and columns [c0, c0 + nc); its GEMM (K, N, the
+        tile is W^T (y = x W^T) or W, A, output, ldc, acc, lda); None or the (columns,
+        their address in out) it is moved into.  per_tile: each tile of a whole-rows
+        qmatmul_t rounds its own columns of g into act16, contiguous (else g16's columns
+        are read in place, rows `rows` apart)."""
+        def columns(c0, n):  # out[:, c0:c0+n] directly, or through prod32
+            return (op, None, None) if n == width else (pp, None, (n, op + 4 * c0))
+        out_ = []
+        if not transposed:
+            for r0 in range(0, rows, R):
+                n = min(R, rows - r0)
+                dst, ldc, into = columns(r0, n)
+                out_.append(((r0, n, 0, k), (k, n, True, ap, dst, ldc, False, None), into))
+        elif C == k:
+            for r0 in range(0, rows, R):
+                n = min(R, rows - r0)
+                a_ptr, lda = (ap, None) if per_tile else (ap + 2 * r0, rows)
+                out_.append(((r0, n, 0, k), (n, k, False, a_ptr, op, k, r0 > 0, lda), None))
+        else:
+            for c0 in range(0, k, C):
+                n = min(C, k - c0)
+                dst, ldc, into = columns(c0, n)
+                out_.append(((0, rows, c0, n), (rows, n, False, ap, dst, ldc, False, None),
+                             into))
+        return out_
 
-    if not transposed:
-        for r0 in range(0, rows, R):
-            n = min(R, rows - r0)
-            tiles.append(((tid, wp, rb, None, r0, n, 0, k, tp, k),
-                          *columns(k, n, True, ap, r0)))
-    elif C == k:  # whole rows: z (+)= g16[:, r0:r0+R] @ tile[R, k]
-        for r0 in range(0, rows, R):
-            n = min(R, rows - r0)
-            tiles.append(((tid, wp, rb, None, r0, n, 0, k, tp, k),
-                          dnnl.bind_ptrs(T, n, k, False, ap + 2 * r0, tp, op, k, acc=r0 > 0,
-                                         lda=rows), None))
-    else:  # whole columns: z[:, c0:c0+C] = g16 @ tile[rows, C]
-        for c0 in range(0, k, C):
-            n = min(C, k - c0)
-            tiles.append(((tid, wp, rb, None, 0, rows, c0, n, tp, n),
-                          *columns(rows, n, False, ap, c0)))
-    convert, deq, move = L.gt_f32_bf16, L.gt_deq_tile_bf16, L.gt_copy_cols
-    pp = prod32.ctypes.data if prod32 is not None else None
+    def bind(blocked):
+        """the callable running the tiles plain or blocked (None where oneDNN's kernel
+        keeps its weights in another layout than gt_deq_tile_vnni writes)"""
+        # oneDNN keeps the blocked weights only with a contiguous A
+        per_tile = blocked and transposed and C == k
+        ts = tiles(per_tile)
+        if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True)
+                               for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts):
+            return None
+        steps = []  # (A's columns to round or None, dequantize, its args, GEMM, into)
+        for (r0, n, c0, nc), (kk, nn, tb, a_ptr, dst, ldc, acc, lda), into in ts:
+            if blocked:
+                deq = (L.gt_deq_tile_vnni, (tid, wp, rb, r0, n, c0, nc, int(not transposed),
+                                            tp))
+            else:
+                deq = (L.gt_deq_tile_bf16, (tid, wp, rb, None, r0, n, c0, nc, tp, nc))
+            gemm = dnnl.bind_ptrs(T, kk, nn, tb, a_ptr, tp, dst, ldc, acc, lda, vnni=blocked)
+            cols = (xp + 4 * r0, x.shape[1], T, n, ap) if per_tile else None
+            steps.append((cols, *deq, gemm, into))
+        convert, convert_block, move = L.gt_f32_bf16, L.gt_f32_bf16_block, L.gt_copy_cols
 
-    def run():
-        convert(xp, ap, x.size)
-        for args, gemm, into in tiles:
-            _check(deq(*args), v.op)
-            gemm()
-            if into is not None:
-                move(pp, T, into[0], into[1], width)
-    run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-    return run
+        def run():
+            if not per_tile:
+                convert(xp, ap, x.size)
+            for cols, deq, args, gemm, into in steps:
+                if cols is not None:
+                    convert_block(*cols)
+                _check(deq(*args), v.op)
+                gemm()
+                if into is not None:
+                    move(pp, T, into[0], into[1], width)
+        run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
+        run.blocked = blocked
+        return run
+
+    blocked, plain = bind(True), bind(False)
+    if blocked is None:
+        return plain
+    if choose is None or choose(f"{v.op} {qtype}", (T, rows, k), blocked, plain):
+        return blocked
+    return plain

@@ -139,6 +139,130 @@ int gt_deq_tile_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long 
     return 0;
 }
 
+/* The same tile written straight into the blocked layout oneDNN's bf16 matmul keeps its
+   weights in (BA16a64b2a; onednn.py checks that the primitive asks for it), so that no
+   GEMM reorders it per call.  The GEMM's weights B [K, N] are cut into panels of 64
+   columns, each [Kp / 2][64][2]: the pair (B[2p, j], B[2p + 1, j]) is the 32-bit word
+   out32[(j / 64) * Kp * 32 + p * 64 + j % 64]; K is padded to Kp (a multiple of 32) and
+   N to a multiple of 64 with zeros.  by_rows: B = W[r0 : r0 + n, c0 : c0 + nc]^T (K =
+   nc, N = n; y = x W^T), else B = W[r0 : r0 + n, c0 : c0 + nc] (K = n, N = nc; z = g W).
+   Panels (by_rows) or pairs of W's rows (else) are split over the threads. */
+#define VN_N 64   /* columns of B per panel */
+#define VN_K 32   /* K is padded to a multiple of this */
+
+#ifdef __AVX512F__
+/* r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit words in registers */
+static inline void vn_t16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+#endif
+
+/* words p < np (a multiple of 16) of the 16 rows of t (ld words apart) into dst[p * 64
+   + i], row i: the slab transposed into 16 columns of a panel */
+static void vn_transpose16(const uint32_t *restrict t, long ld, long np,
+                           uint32_t *restrict dst) {
+#ifdef __AVX512F__
+    for (long p0 = 0; p0 < np; p0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(t + i * ld + p0);
+        vn_t16(r);
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (p0 + i) * VN_N, r[i]);
+    }
+#else
+    for (long p = 0; p < np; p++)
+        for (long i = 0; i < 16; i++) dst[p * VN_N + i] = t[i * ld + p];
+#endif
+}
+
+int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
+                     int by_rows, uint16_t *out) {
+    gb_deq_fn f; int bl, by;
+    if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
+    const long K = by_rows ? nc : n, N = by_rows ? n : nc;
+    const long kp = (K + VN_K - 1) / VN_K * VN_K, panels = (N + VN_N - 1) / VN_N;
+    const long pairs = kp / 2, panel = pairs * VN_N;  /* 32-bit words */
+    uint32_t *o32 = (uint32_t *)out;
+    int failed = 0;
+    if (by_rows) {
+        /* 16 rows of W at a time, each dequantized whole (as the plain tile's rows are:
+           W read in order) into a slab, then transposed into their 16 columns of the
+           panel; 64 rows a chunk, 64 streams over W, ran 3-4x slower (read misses) */
+        const long ld = nc / 2 + 16;  /* words; a cache line past a power of two */
+        #pragma omp parallel if (n * nc >= (1L << 16))
+        {
+            uint32_t *slab = malloc(16 * ld * sizeof(uint32_t));
+            if (!slab) failed = 1;
+            #pragma omp for schedule(static)
+            for (long c = 0; c < panels; c++) {
+                if (!slab) continue;
+                uint32_t *dst = o32 + c * panel;
+                for (long j0 = 0; j0 < VN_N; j0 += 16) {
+                    for (long i = 0; i < 16; i++) {
+                        const long r = c * VN_N + j0 + i;
+                        if (r < n) row_bf16(t, f, bl, by, w + (r0 + r) * rb, c0, nc,
+                                            (uint16_t *)(slab + i * ld));
+                        else memset(slab + i * ld, 0, nc / 2 * sizeof(uint32_t));
+                    }
+                    vn_transpose16(slab, ld, nc / 2, dst + j0);
+                }
+                memset(dst + nc / 2 * VN_N, 0, (pairs - nc / 2) * VN_N * sizeof(uint32_t));
+            }
+            free(slab);
+        }
+    } else {
+        /* a pair of W's rows (2p, 2p + 1) dequantized, interleaved into word row p of
+           every panel */
+        #pragma omp parallel if (n * nc >= (1L << 16))
+        {
+            uint16_t *lo = malloc(2 * panels * VN_N * sizeof(uint16_t)), *hi;
+            if (!lo) failed = 1;
+            else {
+                hi = lo + panels * VN_N;  /* zeros past nc: the padded columns */
+                memset(lo + nc, 0, (panels * VN_N - nc) * sizeof(uint16_t));
+                memset(hi + nc, 0, (panels * VN_N - nc) * sizeof(uint16_t));
+            }
+            #pragma omp for schedule(static)
+            for (long p = 0; p < pairs; p++) {
+                if (!lo) continue;
+                if (2 * p < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p) * rb, c0, nc, lo);
+                else memset(lo, 0, nc * sizeof(uint16_t));
+                if (2 * p + 1 < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p + 1) * rb, c0, nc, hi);
+                else memset(hi, 0, nc * sizeof(uint16_t));
+                for (long c = 0; c < panels; c++) {
+                    uint32_t *restrict dst = o32 + c * panel + p * VN_N;
+                    const uint16_t *l = lo + c * VN_N, *h = hi + c * VN_N;
+                    _Pragma("omp simd")
+                    for (long j = 0; j < VN_N; j++) dst[j] = (uint32_t)l[j] | (uint32_t)h[j] << 16;
+                }
+            }
+            free(lo);
+        }
+    }
+    return failed ? -2 : 0;
+}
+
 /* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into
    contiguous scratch, moved into its columns of the result (see qgemm.lower_bf16) */
 void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst, long ldd) {
@@ -150,6 +274,15 @@ void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst
 void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
     #pragma omp parallel for schedule(static) if (n >= (1L << 16))
     for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);
+}
+
+/* o [m, n] = bf16 of the block x [m, n] whose rows are ldx apart (a block of columns of
+   an activation, made one contiguous GEMM operand) */
+void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
+                       uint16_t *restrict o) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
+    for (long i = 0; i < m; i++)
+        for (long j = 0; j < n; j++) o[i * n + j] = gt_bf16(x[i * ldx + j]);
 }
 
 /* --- tiled GEMMs -------------------------------------------------------------------- */

@@ -1,0 +1,76 @@
+"""The long-context kernels alone, float32 against bf16 GEMM inputs: the fused attention
+(``csrc/flash.c``) and the fused LM head + loss (``tiled.fwd_head_nll_e``) at SmolLM2's
+shapes, each the median of ``--reps`` calls, with the bf16 results' error against the
+float32 ones.
+
+    python bench/long_kernels.py [--seq-len 2048] [--reps 5]
+
+The attention is one layer's (9 query heads, 3 KV heads, head dim 64, causal); the head
+is [T, 576] against a 49152-row table.  bf16 needs a CPU with AVX512-BF16 for the
+attention's instructions (plain C otherwise: slow, for the tests) and oneDNN for the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from gradtape import tiled
+from gradtape.backends.compute import cpu_summary
+from gradtape.backends.tiled_c import kernels
+
+
+def median_s(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def rel(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    t, nh, nkv, hd, d, vocab = args.seq_len, 9, 3, 64, 576, 49152
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((t, nh * hd), dtype=np.float32)
+    k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))
+    gy = rng.standard_normal((t, nh * hd + nh), dtype=np.float32)
+    x = rng.standard_normal((t, d), dtype=np.float32)
+    w = (rng.standard_normal((vocab, d)) * 0.05).astype(np.float32)
+    ids = rng.integers(0, vocab, t)
+    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    print(f"CPU: {cpu_summary()}; T={t}, median of {args.reps}")
+    got = {}
+    for bf16 in (False, True):
+        c = kernels(np.float32, bf16)
+        y = np.empty((t, nh * hd + nh), np.float32)
+        g = np.empty(t * nh * hd + 2 * t * nkv * hd, np.float32)
+        h = np.empty((t, 2 + d), np.float32)
+        fwd = median_s(lambda: tiled.fwd_attn(y, q, k, v, **kw, kern=c), args.reps)
+        bwd = median_s(lambda: tiled.fwd_attn_grad(g, gy, q, k, v, y, **kw, kern=c),
+                       args.reps)
+        head = median_s(lambda: tiled.fwd_head_nll_e(h, x, w, ids, tiled.head_chunk(t, vocab),
+                                                     kern=c), args.reps)
+        got[bf16] = (y, g, h)
+        name = "bf16" if bf16 else "float32"
+        print(f"{name:8s} attention forward {fwd * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms; "
+              f"head + loss {head * 1e3:.0f} ms")
+    errs = [rel(a, b) for a, b in zip(got[True], got[False])]
+    print("bf16 against float32 (max |diff| / max |float32|): attention {:.1e}, its "
+          "gradient {:.1e}, head {:.1e}".format(*errs))
+
+
+if __name__ == "__main__":
+    main()

@@ -102,7 +102,8 @@ typedef struct {
 static fa_buf fa_alloc(const fa_t *f, float **mem) {
     const long M = f->g * f->R, hd = f->hd, rows = tg_packed_size(M, hd);
     /* bf16 copies, counted in floats (a float32 panel of M rows holds a bf16 one) */
-    const long hd2 = 2 * tg_pairs(hd), b16 = f->bf16 ? (2 * M * hd2 + (2 * M + 1) * FA_KT) / 2 + 1 : 0;
+    const long hd2 = 2 * tg_pairs(hd);
+    const long b16 = f->bf16 ? (2 * M * hd2 + (2 * M + 1) * FA_KT) / 2 + 1 : 0;
     const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows + b16;
     fa_buf w;
     memset(&w, 0, sizeof w);

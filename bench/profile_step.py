@@ -42,15 +42,22 @@ def _name(step):
 
 def profile(steps, reps=1):
     """Each program step timed alone over ``reps`` replays: ``(seconds by name, seconds by
-    kind)``, per replay."""
+    kind)``, per replay.  A bf16 block-weight GEMM (``qgemm.lower_bf16``) is split into
+    its tiles' dequantization ("dequantize bf16"), their GEMMs ("block GEMM bf16") and the
+    rest of it (the activation's rounding, moves), under its own kind."""
     per, kinds = collections.Counter(), collections.Counter()
     for _ in range(reps):
         for step in steps:
             name, kind = _name(step)
+            split = {"dequantize": 0.0, "GEMM": 0.0} if hasattr(step, "blocked") else None
             t = time.perf_counter()
-            step()
+            step(split) if split is not None else step()
             dt = time.perf_counter() - t
             per[name] += dt / reps
+            if split is not None:
+                kinds["dequantize bf16"] += split["dequantize"] / reps
+                kinds["block GEMM bf16"] += split["GEMM"] / reps
+                dt -= split["dequantize"] + split["GEMM"]
             kinds[kind] += dt / reps
     return per, kinds
 

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -439,14 +440,22 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
             steps.append((cols, *deq, gemm, into))
         convert, convert_block, move = L.gt_f32_bf16, L.gt_f32_bf16_block, L.gt_copy_cols
 
-        def run():
+        def run(split=None):
+            """``split``: a dict whose "dequantize" and "GEMM" entries get the seconds of
+            each (a profile's; None in a replay)"""
             if not per_tile:
                 convert(xp, ap, x.size)
             for cols, deq, args, gemm, into in steps:
                 if cols is not None:
                     convert_block(*cols)
+                t0 = time.perf_counter() if split is not None else 0.0
                 _check(deq(*args), v.op)
+                if split is not None:
+                    t1 = time.perf_counter()
+                    split["dequantize"] += t1 - t0
                 gemm()
+                if split is not None:
+                    split["GEMM"] += time.perf_counter() - t1
                 if into is not None:
                     move(pp, T, into[0], into[1], width)
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"

@@ -219,7 +219,7 @@ def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NU
     _head_walk(out, x, w, ids, 0.0, chunk, qtype, kern, E)
 
 
-def _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, dtype, kern, gemms):
+def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
     """Yield ``(v0, v1, dz)`` for every vocabulary block (its table rows taken by
     ``gemms``): the logits' gradient, recomputed from ``x`` and the forward's lse."""
     t, V = x.shape[0], w.shape[0]
@@ -241,16 +241,15 @@ def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None,
     out.fill(0)
     tmp = np.empty_like(out)
     gemms = kern.head_gemms(x, w, qtype)
-    for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, qtype, out.dtype, kern,
-                                      gemms):
+    for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern, gemms):
         gemms.weigh(dz, tmp)
         out += tmp
 
 
 def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
     """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
-    for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, None, out.dtype,
-                                        kern, HeadGemms(x, w, None)):
+    for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern,
+                                        HeadGemms(x, w, None)):
         np.matmul(dz.T, x, out=out[v0:v1])
 
 

@@ -49,14 +49,14 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
 /* With AVX-512, Q4_K and Q6_K (the blocks of a Q4_K_M file) go straight to bf16 in
    registers, 16 values at a time: the same float32 operations as ggml_blocks.h (a
    multiply, then a subtract), rounded as gt_bf16 (nearest even, NaN kept quiet) with
-   integer operations, so the bits are the same as the scalar path's. */
+   integer operations, or by AVX512-BF16's conversion where the CPU has it, so the bits
+   are the same as the scalar path's. */
 static inline void bf16_store16(uint16_t *o, __m512 v) {
 #ifdef __AVX512BF16__
     /* one instruction, the same rounding (nearest even, NaN made quiet); it also takes
        denormal inputs as zero, which values scaled by float16 factors never are */
     _mm256_storeu_si256((__m256i *)o, (__m256i)_mm512_cvtneps_pbh(v));
-    return;
-#endif
+#else
     const __m512i u = _mm512_castps_si512(v);
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(
         _mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16),
@@ -65,6 +65,7 @@ static inline void bf16_store16(uint16_t *o, __m512 v) {
         _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
     const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q)));
+#endif
 }
 
 static void bf16_q4_k(const uint8_t *b, uint16_t *o) {

@@ -12,7 +12,9 @@ on AMD Zen 5, slower on CPUs that split 512-bit instructions (``docs/benchmarks.
 Asking for bf16 where it is not fast, or without oneDNN, says so once (a RuntimeWarning)
 and runs float32.
 
-This module decides and runs nothing but that one measurement.  ``cpu_summary()`` is what
+``blocked_tiles`` makes the one other decision of the kind for bf16 block-weight products:
+whether their tiles go into oneDNN's blocked weight layout or plain rows, timed the
+same way.  This module runs nothing but those measurements.  ``cpu_summary()`` is what
 ``gradtape bench`` prints beside its figures.
 """
 

@@ -22,6 +22,7 @@ has no bf16 matmul for this CPU (no AVX512-BF16, no AMX).
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 
 import numpy as np
@@ -442,3 +443,37 @@ def test_a_bf16_replay_gives_numpys_blas_its_threads_back(monkeypatch):
     with pytest.raises(RuntimeError, match="a step failed"):
         prog.run()
     assert get() == before
+
+
+@pytest.mark.parametrize("flags, asked, want", [
+    ({"avx512_bf16", "avx512f"}, None, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+    ({"amx_bf16", "avx512_bf16"}, None, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+    ({"avx2", "fma"}, None, ("OMP_WAIT_POLICY", "passive")),
+    ({"avx512_bf16"}, "passive", ("OMP_WAIT_POLICY", "passive")),
+    ({"avx2"}, "spin", ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+])
+def test_openmp_wait_policy_follows_the_cpu_or_the_command(monkeypatch, flags, asked, want):
+    """Before libgomp loads: a short spin where auto runs bf16 (every thread OpenMP's),
+    sleeping elsewhere, or what a command asked for; a user's setting stays."""
+    for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(_cgen, "cpu_info", lambda: {"model": "test", "flags": frozenset(flags)})
+    monkeypatch.setattr(_cgen, "_WAIT", [asked] if asked else [])
+    _cgen.quiet_openmp()
+    var, value = want
+    assert os.environ.get(var) == value
+    assert [v for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if v in os.environ] == [var]
+    monkeypatch.delenv(var)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    _cgen.quiet_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "active" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_finetune_in_float32_asks_openmp_to_sleep(monkeypatch, tmp_path):
+    from gradtape.cli.main import main
+
+    monkeypatch.setattr(_cgen, "_WAIT", [])
+    rc = main(["finetune", "--model", str(tmp_path / "missing.gguf"), "--data",
+               str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
+               "--compute", "float32"])
+    assert rc != 0 and _cgen._WAIT == ["passive"]

@@ -21,8 +21,10 @@ This module knows nothing of buffers or execution; ``cpu.py`` does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -500,12 +502,12 @@ def threads_flags(flags=FLAGS):
     """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
     row and elementwise loops then split over the cores), else ``flags`` unchanged.
 
-    Before the first OpenMP library is loaded, libgomp's idle threads are asked to sleep
-    at once (``OMP_WAIT_POLICY=passive``, unless the user set it or ``GOMP_SPINCOUNT``):
-    by default they spin for milliseconds after each parallel loop, taking a core from
-    the OpenBLAS threads of the GEMM that follows, and with other processes on the cores
-    a spinning team made steps 4x slower (measured); a sleeping one costs a wake-up of
-    microseconds per loop."""
+    Before the first OpenMP library is loaded, libgomp's idle-thread policy is set
+    (``quiet_openmp``): by default they spin for milliseconds after each parallel loop,
+    taking a core from the OpenBLAS threads of the GEMM that follows, and with other
+    processes on the cores a spinning team made steps 4x slower (measured); a sleeping
+    one costs a wake-up of microseconds per loop, a short spin neither where every
+    thread is OpenMP's."""
     cc, version = compiler()
     if (cc, version) not in _THREADS:
         probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
@@ -522,11 +524,56 @@ def threads_flags(flags=FLAGS):
     return tuple(flags) + ("-fopenmp",)
 
 
+# GOMP_SPINCOUNT where every thread of a step is OpenMP's (bf16 compute: oneDNN and our
+# kernels, NumPy's BLAS on one thread): idle threads spin this long, so the next parallel
+# region of a replay (there are thousands) finds them awake instead of paying a futex
+# wake-up.  SmolLM2's bf16 step on an AVX512-BF16 EPYC: 0.79-0.98 s sleeping, 0.64-0.69
+# s with 5000 (20000: the same; the default, 300000, slowed steps 4x beside other
+# processes).  A float32 step runs OpenBLAS's own threads beside ours, which a spinning
+# team slows: 1.11-1.57 s sleeping, 1.44-1.80 s with 5000.
+SPIN_BF16 = "5000"
+_WAIT = []  # a policy asked for before libgomp was loaded: "spin" or "passive"
+
+
+def prefer_openmp_wait(policy):
+    """Ask for libgomp's idle-thread policy, "spin" (short: ``SPIN_BF16``) or "passive"
+    (sleep at once), for this process: a command that knows it will run float32 asks for
+    "passive" before anything loads libgomp; without it, ``quiet_openmp`` picks by CPU."""
+    _WAIT[:] = [policy]
+
+
 def quiet_openmp():
-    """Ask libgomp's idle threads to sleep (see ``threads_flags``); call before loading
-    anything that loads libgomp (our kernels, oneDNN), as it reads this once."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    """Set libgomp's idle-thread policy before anything loads it (our kernels, oneDNN:
+    it is read once): the one ``prefer_openmp_wait`` asked for, else a short spin on a
+    CPU with bf16 matrix instructions (``auto`` runs bf16 there: every thread is
+    OpenMP's) and sleeping elsewhere (see ``threads_flags``).  A user's
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    flags = cpu_info()["flags"]
+    spin = _WAIT[0] == "spin" if _WAIT else bool({"amx_bf16", "avx512_bf16"} & flags)
+    if spin:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_BF16
+    else:
         os.environ["OMP_WAIT_POLICY"] = "passive"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict:
+    """``{"model": str, "flags": frozenset}`` from /proc/cpuinfo (empty where absent)."""
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and val.strip():
+                    model = val.strip()
+                elif key == "flags" and not flags:
+                    flags = frozenset(val.split())
+    except OSError:
+        pass
+    return {"model": model, "flags": flags}
 
 
 def compiler():

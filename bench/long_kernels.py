@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
 from gradtape import tiled
-from gradtape.backends.compute import cpu_summary
+from gradtape.backends.compute import call_seconds, cpu_summary
 from gradtape.backends.tiled_c import kernels
 
 
 def median_s(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    return statistics.median(call_seconds(fn, reps))
 
 
 def rel(a, b):

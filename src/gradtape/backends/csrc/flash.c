@@ -21,7 +21,12 @@
    bf16 (gt_flash_*_bf16, for --compute bf16): the seven GEMMs take bf16 inputs and sum
    in float32 (tile_gemm.h's tg_gemm16): the keys and values are packed as bf16 once,
    each unit's q and dO once, and each tile's p and dS as they are made; the softmax,
-   its statistics, D and every sum stay float32. */
+   its statistics, D and every sum stay float32.  D must equal sum_j p_j dP_j as the
+   backward computes them, or a row whose p sits on a few keys (an attention sink)
+   loses its dS to the cancellation in dP - D: so D takes dO rounded as dP's GEMM takes
+   it, and the forward's P V takes p in two bf16 terms (p and its remainder, one GEMM
+   more), as exact as the backward's float32 p (the sink key's dK 2-2.6e-2 -> 4-7e-3
+   relative, SmolLM2's first layer's dQ 2.1e-2 -> 1.4e-3 on random tokens). */
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -181,16 +186,29 @@ static void fa_mm_xyt(const fa_t *f, long M, long kn, const float *x, const tg_b
         tg_gemm(M, kn, f->hd, x, f->hd, 1, pb, fa_panel(f, f->hd), c, FA_KT, 0);
 }
 
-/* acc[M, hd] += a[M, kn] Y[j0 : j0 + kn], Y packed as [tk, hd] (yr): O += P V, dQ += dS K */
+/* acc[M, hd] += a[M, kn] Y[j0 : j0 + kn], Y packed as [tk, hd] (yr): O += P V, dQ += dS K.
+   bf16 with lo (the forward's P V): a in two bf16 terms, a16 + lo16 (lo: a's remainder,
+   [M, FA_KT] float32 scratch), two GEMMs */
 static void fa_mm_ay(const fa_t *f, long M, long kn, const float *a, tg_bf16 *a16,
-                     const void *yr, long b, long h, long j0, float *acc) {
+                     float *lo, tg_bf16 *lo16, const void *yr, long b, long h, long j0,
+                     float *acc) {
     const void *pb = fa_trows(f, yr, b, h, j0);
-    if (f->bf16) {
-        tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
-        tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
-    } else {
+    if (!f->bf16) {
         tg_gemm(M, f->hd, kn, a, FA_KT, 1, pb, fa_panel(f, f->tk), acc, f->hd, 1);
+        return;
     }
+    tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
+    tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
+    if (!lo) return;
+    for (long x = 0; x < M; x++) {
+        const float *ax = a + x * FA_KT;
+        const tg_bf16 *hx = a16 + x * FA_KT;
+        float *lx = lo + x * FA_KT;
+        _Pragma("omp simd")
+        for (long j = 0; j < kn; j++) lx[j] = ax[j] - tg_f32(hx[j]);
+    }
+    tg_rows16(lo, FA_KT, M, kn, lo16, FA_KT);
+    tg_gemm16(M, f->hd, kn, lo16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
 }
 
 /* d[kn, hd] (rows ldd apart) += a[M, kn]^T X, X [M, hd] packed (xp): dV += P^T dO,
@@ -235,7 +253,10 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        fa_mm_ay(f, M, kn, w->s, w->a16, f->vr, b, h, j0, w->acc);
+        /* p in two bf16 terms: O sums p V with p as exact as the backward's p (the
+           backward's D = rowsum(dO O) must equal sum_j p_j dP_j, or the dS of a row
+           whose p sits on few keys lose their digits in p (dP - D)) */
+        fa_mm_ay(f, M, kn, w->s, w->a16, w->t, w->at16, f->vr, b, h, j0, w->acc);
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++) {
@@ -260,7 +281,11 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             const long x = gi * n + r, row = b * f->tq + i0 + r, head = h * f->g + gi;
             const float *o = y + row * ldo + head * hd, *dob = w->dob + x * hd;
             float D = 0.0f;
-            for (long d = 0; d < hd; d++) D += dob[d] * o[d];
+            /* dO as dP = dO V^T sees it: rounded to bf16 there */
+            if (f->bf16)
+                for (long d = 0; d < hd; d++) D += tg_f32(gt_bf16(dob[d])) * o[d];
+            else
+                for (long d = 0; d < hd; d++) D += dob[d] * o[d];
             w->D[x] = D - gy[row * ldo + ldq + head];
             w->lse[x] = y[row * ldo + ldq + head];
         }
@@ -311,7 +336,7 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
         fa_mm_atx(f, M, kn, w->dp, w->at16, w->pq, dkj, ldk);  /* dK += dS^T Q */
-        fa_mm_ay(f, M, kn, w->dp, w->a16, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
+        fa_mm_ay(f, M, kn, w->dp, w->a16, 0, 0, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++)

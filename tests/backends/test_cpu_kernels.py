@@ -238,6 +238,32 @@ def test_bf16_fused_attention_is_within_bf16_rounding(t, nh, nkv, hd, cap, windo
         assert 1e-5 < rel_err(got, want) <= BF16_ATTN_TOL
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_attention_backward_is_the_same_in_every_call(bf16):
+    """dK and dV sum over units in per-thread buffers: with the units taken as threads
+    came free, each call grouped the terms otherwise (every call differed at T=600); a
+    resumed run must equal an uninterrupted one, so each thread's units are fixed."""
+    from gradtape import tiled
+    from gradtape.backends.tiled_c import kernels
+
+    t, nh, nkv, hd = 600, 9, 3, 64
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((t, nh * hd), dtype=np.float32)
+    k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))
+    gy = rng.standard_normal((t, nh * hd + nh), dtype=np.float32)
+    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    c = kernels(np.float32, bf16)
+    y = np.empty((t, nh * hd + nh), np.float32)
+    tiled.fwd_attn(y, q, k, v, **kw, kern=c)
+    first = None
+    for _ in range(5):
+        g = np.empty(t * nh * hd + 2 * t * nkv * hd, np.float32)
+        tiled.fwd_attn_grad(g, gy, q, k, v, y, **kw, kern=c)
+        if first is None:
+            first = g
+        assert np.array_equal(g, first)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     """Most rows put p ~ 0.99 on key 0: its dS = p (dP - D) is a small difference of

@@ -11,10 +11,12 @@
                dK += dS^T Q.
    The units are spread over the threads (OpenMP, the heaviest first); a unit owns its
    rows' O, lse and dQ; dK and dV of a key row take adds from many units, so each thread
-   adds into a buffer of its own and the buffers are summed at the end.  The keys row i
-   (at position past + i) sees are the positions [lo, hi): hi = past + i + 1 (causal),
-   lo = its window's first key and its packed example's first row (starts), the same
-   rules as tiled.AttnLayout; segment ids that are not contiguous runs take the NumPy
+   adds into a buffer of its own and the buffers are summed at the end; the backward's
+   units are dealt round robin, so each buffer sums the same terms in the same order in
+   every run (a resumed run equals an uninterrupted one).  The keys row i (at position
+   past + i) sees are the positions [lo, hi): hi = past + i + 1 (causal), lo = its
+   window's first key and its packed example's first row (starts), the same rules as
+   tiled.AttnLayout; segment ids that are not contiguous runs take the NumPy
    walk.  Sums in float32 in another order than tiled.py's: equal to it within float32
    rounding, not bitwise.
 
@@ -417,13 +419,22 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
             }
         }
         float *mdk = tid ? extra + (tid - 1) * 2 * kv : dk, *mdv = tid ? mdk + kv : dv;
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (long u = 0; u < fa_units(f); u++) {
-            long b, h, i0, n;
-            fa_unit(f, u, &b, &h, &i0, &n);
-            if (!mem) continue;
-            if (gy) fa_bwd_unit(f, b, h, i0, n, gy, y, dq, mdk, mdv, &w);
-            else fa_fwd_unit(f, b, h, i0, n, out, &w);
+        if (gy) {
+            /* each thread's units fixed (round robin over the heaviest-first order), so
+               each dK, dV buffer sums the same terms in the same order in every run */
+            _Pragma("omp for schedule(static, 1)")
+            for (long u = 0; u < fa_units(f); u++) {
+                long b, h, i0, n;
+                fa_unit(f, u, &b, &h, &i0, &n);
+                if (mem) fa_bwd_unit(f, b, h, i0, n, gy, y, dq, mdk, mdv, &w);
+            }
+        } else {
+            _Pragma("omp for schedule(dynamic, 1)")
+            for (long u = 0; u < fa_units(f); u++) {
+                long b, h, i0, n;
+                fa_unit(f, u, &b, &h, &i0, &n);
+                if (mem) fa_fwd_unit(f, b, h, i0, n, out, &w);
+            }
         }
         free(mem);
         if (extra) {

@@ -103,7 +103,8 @@ typedef struct {
     void *pq, *pdo;                    /* the block's q, dO packed (float32 or bf16) */
     tg_bf16 *q16, *do16;               /* bf16: q, dO as pairs along hd, [M, 2 * hdp] */
     tg_bf16 *a16, *at16;               /* bf16: a tile's p or dS [M, FA_KT] and its
-                                          transpose (pairs along M) [M + 1, FA_KT] */
+                                          transpose (pairs along M) [M + 1, FA_KT];
+                                          the forward's p remainder in t and at16 */
 } fa_buf;
 
 static fa_buf fa_alloc(const fa_t *f, float **mem) {
@@ -255,9 +256,8 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        /* p in two bf16 terms: O sums p V with p as exact as the backward's p (the
-           backward's D = rowsum(dO O) must equal sum_j p_j dP_j, or the dS of a row
-           whose p sits on few keys lose their digits in p (dP - D)) */
+        /* p in two bf16 terms (w->t, w->at16: the backward's scratch), so that the
+           backward's D = rowsum(dO O) is sum_j p_j dP_j (see the top of this file) */
         fa_mm_ay(f, M, kn, w->s, w->a16, w->t, w->at16, f->vr, b, h, j0, w->acc);
     }
     for (long gi = 0; gi < f->g; gi++)

@@ -163,11 +163,15 @@ def _cfg(tmp_path, name, data="text.txt", **kw):
     return FinetuneConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("data", ["text.txt", "chat.jsonl"])
-def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeypatch, data):
+@pytest.mark.parametrize("data, opts", [
+    ("text.txt", {}), ("chat.jsonl", {}),
+    # float32 rows past model.ATTN_TILED_MIN: the fused C attention, threads and all
+    ("text.txt", {"seq_len": 300, "dtype": "float32"})])
+def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeypatch, data,
+                                                               opts):
     m = tiny_model()
     quiet = lambda *a: None
-    full = finetune(_cfg(tmp_path, "full", data), model=m, log=quiet)
+    full = finetune(_cfg(tmp_path, "full", data, **opts), model=m, log=quiet)
     out = tmp_path / "full"
     for f in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors",
               "checkpoint/state.safetensors", "log.jsonl", "loss.png"):
@@ -191,12 +195,12 @@ def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeyp
 
     monkeypatch.setattr(TrainStep, "step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tmp_path, "split", data), model=m, log=quiet)
+        finetune(_cfg(tmp_path, "split", data, **opts), model=m, log=quiet)
     monkeypatch.setattr(TrainStep, "step", real_step)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "split/checkpoint/state.safetensors"), "np") as f:
         assert f.metadata()["step"] == "3"
-    finetune(_cfg(tmp_path, "split", data, resume=True), model=m, log=quiet)
+    finetune(_cfg(tmp_path, "split", data, resume=True, **opts), model=m, log=quiet)
     a = load_adapter(out / "adapter")
     b = load_adapter(tmp_path / "split" / "adapter")
     for k in a.weights:

@@ -75,6 +75,29 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_blocked_tile_is_the_plain_rows_rearranged(qtype):
+    """gt_deq_tile_vnni's tile, forward (B = W^T) and backward (B = W), with a partial
+    last panel and K padded: word (p, j) of panel c holds B[2p, 64c + j] in its low half
+    and B[2p + 1, 64c + j] in its high half, zeros past K and N, and the values are
+    gt_deq_tile_bf16's plain rows."""
+    rows, k = 200, 512
+    bm = random_blocks(qtype, rows, k, np.random.default_rng(7))
+    lib, tid = qgemm.lib(), BLOCK_TYPES[qtype].id
+    plain = np.empty((rows, k), np.uint16)
+    assert lib.gt_deq_tile_bf16(tid, bm.data.ctypes.data, bm.data.strides[0], None, 0, rows,
+                                0, k, plain.ctypes.data, k) == 0
+    for by_rows, B in ((1, plain.T), (0, plain)):  # B [K, N]
+        (K, N), kp, npan = B.shape, -(-B.shape[0] // 32) * 32, -(-B.shape[1] // 64)
+        tile = np.full(npan * 64 * kp, 0xFFFF, np.uint16)
+        assert lib.gt_deq_tile_vnni(tid, bm.data.ctypes.data, bm.data.strides[0], 0, rows,
+                                    0, k, by_rows, tile.ctypes.data) == 0
+        Bp = np.zeros((kp, npan * 64), np.uint16)
+        Bp[:K, :N] = B
+        np.testing.assert_array_equal(
+            tile, Bp.reshape(kp // 2, 2, npan, 64).transpose(2, 0, 3, 1).ravel())
+
+
 @pytest.mark.parametrize("rows,k,tile,backward", [(70, 768, 32 * 768, "columns"),
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])

@@ -180,6 +180,65 @@ def test_programs_share_a_weight_copy_until_one_is_fed():
     assert rel_err(p2.run()[0], 2 * ref) < 1e-5  # p2 still multiplies by the recorded w
 
 
+def _both_ways(tp, rng):
+    """``y = x @ W`` and its gradient through ``dY @ W^T``: one weight read both ways."""
+    x = tp.param(rng.standard_normal((40, 320)))
+    w = tp.const(rng.standard_normal((320, 288)) / np.sqrt(320))
+    y = ops.matmul(x, w)
+    g = tp.backward(ops.reduce_sum(ops.mul(y, y)))
+    return [y, g[x]], w
+
+
+def test_packed_weights_give_the_plain_copys_products(monkeypatch):
+    """Where oneDNN's kernel keeps its weights in a layout of its own, each direction's
+    copy is packed into it once; the products are those of the plain copy (float32 sums
+    of bf16 products, 1e-5), and no plain copy is kept once every GEMM reads a pack."""
+    _need_onednn()
+    from gradtape.backends import cpu
+
+    tp = gt.Tape(np.float32, eager=False)
+    outs, w = _both_ways(tp, np.random.default_rng(5))
+    prog = tp.compile(outs, backend="cpu", compute="bf16")
+    ex = prog.executable
+    assert len(ex._bf16) == 2
+    d = onednn.dnnl()
+    zeros = np.zeros(w.shape, np.uint16)
+    kernel_packs = [d.pack(*s.inputs[0].shape, s.shape[1], bool(s.attrs.get("tb")),
+                           zeros)[0] is not None for s in ex._bf16]
+    assert [packed for _, packed in ex._wb.values()] == kernel_packs
+    copies = ex._w16[w]
+    assert len(copies.packs) == sum(kernel_packs)
+    assert (copies.plain is None) == all(kernel_packs)
+    assert {id(a) for a in ex.bf16_weights()} == {id(a) for a in copies.arrays()}
+    got = prog.run()
+
+    monkeypatch.setattr(cpu, "PACK_SHARE", 0.0)  # no room for packs: the plain copy
+    tp2 = gt.Tape(np.float32, eager=False)
+    outs2, w2 = _both_ways(tp2, np.random.default_rng(5))
+    plain = tp2.compile(outs2, backend="cpu", compute="bf16")
+    assert not any(packed for _, packed in plain.executable._wb.values())
+    assert plain.executable._w16[w2].packs == []
+    for a, b in zip(got, plain.run()):
+        assert rel_err(a, b) < 1e-5
+    x16 = _bf16_exact(outs[0].inputs[0]._value)
+    assert rel_err(got[0], x16 @ _bf16_exact(w._value)) < 1e-5
+
+
+def test_a_packed_weight_fed_twice_follows_each_feed():
+    _need_onednn()
+    rng = np.random.default_rng(6)
+    tp = gt.Tape(np.float32, eager=False)
+    outs, w = _both_ways(tp, rng)
+    prog = tp.compile(outs, backend="cpu", compute="bf16")
+    x = outs[0].inputs[0]._value
+    for _ in range(2):
+        w2 = rng.standard_normal(w.shape).astype(np.float32)
+        y, gx = prog.run({w: w2})
+        w16 = _bf16_exact(w2)
+        assert rel_err(y, _bf16_exact(x) @ w16) < 1e-5
+        assert rel_err(gx, _bf16_exact(2 * y) @ w16.T) < 1e-5
+
+
 def test_float64_tape_ignores_bf16():
     _need_onednn()
     tp = gt.Tape(np.float64, eager=False)

@@ -75,6 +75,24 @@ def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
     assert "GiB (weights" in est.describe()
 
 
+def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
+    from gradtape.backends import compute, cpu, onednn
+
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(cpu, "BF16_MIN_WEIGHT", 0)  # the tiny weights in bf16 GEMMs too,
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))  # measured or not
+    model = llama.load(files / "tiny-q8.gguf")
+    adapter = init_adapter(model.config, 2, 4.0, seed=0)
+    step = TrainStep(model, adapter, 2, 16, backend="cpu", compute="bf16")
+    copies = {id(a): a.nbytes for p in (step.program, step.eval_program)
+              for a in p.executable.bf16_weights()}
+    assert copies  # a copy of each frozen weight, or two packs of it
+    est = estimate(model, step)
+    assert est.weights == sum(w.nbytes for w in model.weights.values()) + sum(copies.values())
+
+
 def test_not_enough_memory_is_one_clear_error_before_training(files, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(200 << 20))  # less than the runtime
     logs = []
@@ -101,12 +119,15 @@ def test_float32_that_does_not_fit_is_refused_before_loading(files, tmp_path, mo
 def test_auto_keeps_stored_weights_when_float32_would_not_fit(files, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(1.1 * OVERHEAD)))
     logs = []
-    s = finetune(_cfg(files, tmp_path / "auto"), log=logs.append)
+    # float32 GEMMs both times: `auto` times bf16 at this tiny shape, and a noisy
+    # measurement would put only the stored weights' tiles in bf16
+    s = finetune(_cfg(files, tmp_path / "auto", compute="float32"), log=logs.append)
     assert any("keeping them in their stored type" in line for line in logs)
     assert any(line.startswith("memory: this run needs about") for line in logs)
     # the same run with float32 weights ends with (nearly) the same adapter
     monkeypatch.delenv("GRADTAPE_MEM_AVAILABLE")
-    r = finetune(_cfg(files, tmp_path / "f32", weights="float32"), log=lambda *a: None)
+    r = finetune(_cfg(files, tmp_path / "f32", weights="float32", compute="float32"),
+                 log=lambda *a: None)
     a = llama.load_adapter(tmp_path / "auto" / "adapter")
     b = llama.load_adapter(tmp_path / "f32" / "adapter")
     for key in a.weights:

@@ -73,12 +73,16 @@ class _Dnnl:
                      "dnnl_matmul_primitive_desc_create", "dnnl_primitive_desc_query",
                      "dnnl_primitive_create", "dnnl_primitive_execute", "dnnl_version",
                      "dnnl_memory_desc_create_with_tag", "dnnl_memory_desc_query",
-                     "dnnl_memory_destroy",
+                     "dnnl_memory_destroy", "dnnl_memory_desc_equal",
+                     "dnnl_memory_desc_get_size", "dnnl_reorder_primitive_desc_create",
+                     "dnnl_primitive_destroy", "dnnl_primitive_desc_destroy",
                      "dnnl_post_ops_create", "dnnl_post_ops_append_sum",
                      "dnnl_primitive_attr_create", "dnnl_primitive_attr_set_post_ops"):
             getattr(lib, name)  # AttributeError: not a oneDNN 3 library
         lib.dnnl_version.restype = ctypes.POINTER(ctypes.c_int * 3)
         lib.dnnl_primitive_desc_query_md.restype = _vp
+        lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        lib.dnnl_memory_desc_equal.argtypes = [_vp, _vp]
         self.lib = lib
         v = lib.dnnl_version().contents
         self.version = f"{v[0]}.{v[1]}.{v[2]}"
@@ -116,20 +120,22 @@ class _Dnnl:
             self._sum_attr = attr
         return self._sum_attr
 
-    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None, vnni=False):
+    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None, vnni=False,
+                  packed=False):
         """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
         with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16 with rows ``lda``
         apart (default ``k``), dst float32 with rows ``ldc`` apart (default ``n``);
         ``acc``: added to dst instead of written.  ``vnni``: W in the kernel's own blocked
         layout (``VNNI_INNER``; ``tb`` ignored), or None where the kernel oneDNN picks on
-        this CPU keeps its weights in another."""
+        this CPU keeps its weights in another.  ``packed``: W in the kernel's own layout,
+        whichever it is (``pack`` writes it; ``tb`` ignored)."""
         ldc = n if ldc is None else ldc
         lda = k if lda is None else lda
-        key = (m, k, n, tb and not vnni, ldc, acc, lda, vnni)
+        key = (m, k, n, tb and not (vnni or packed), ldc, acc, lda, vnni, packed)
         if key in self._prims:
             return self._prims[key]
         src = self._md((m, k), (lda, 1), _BF16)
-        if vnni:
+        if vnni or packed:
             wei = _vp()
             self._ok(self.lib.dnnl_memory_desc_create_with_tag(
                 ctypes.byref(wei), 2, _Dims(k, n), _BF16, _FORMAT_ANY), "memory_desc")
@@ -141,9 +147,9 @@ class _Dnnl:
             ctypes.byref(pd), self.engine, src, wei, None, dst,
             self._accumulate() if acc else None),
             f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
-        if vnni:
+        if vnni or packed:
             wei = _vp(self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0))
-            if not self._is_vnni(wei, k, n):
+            if vnni and not self._is_vnni(wei, k, n):
                 self._prims[key] = None
                 return None
         info = ctypes.c_char_p()
@@ -169,6 +175,40 @@ class _Dnnl:
             _QUERY_INNER_BLKS, _QUERY_INNER_IDXS, _QUERY_PADDED_DIMS, _QUERY_STRIDES))
         return (tuple((idxs[i], blks[i]) for i in range(nb)) == VNNI_INNER
                 and (pad[0], pad[1]) == (kp, np_) and (strides[0], strides[1]) == (2048, kp * 64))
+
+    def pack(self, m, k, n, tb, w, out=None):
+        """``w`` (bf16 ``[k, n]``, or ``[n, k]`` when ``tb``) reordered into the layout
+        oneDNN's kernel for ``[m, k] @ [k, n]`` keeps its weights in, as a new uint8
+        array (or into ``out``, an earlier pack of the same product) with the layout's
+        descriptor: ``(array, md)``.  Where that kernel reads its weights in place (a
+        layout equal to ``w``'s own), ``(None, md)``."""
+        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
+        if self.lib.dnnl_memory_desc_equal(md, plain):
+            return None, md
+        if out is None:
+            out = np.empty(self.lib.dnnl_memory_desc_get_size(md), np.uint8)
+        pd, prim = _vp(), _vp()
+        self._ok(self.lib.dnnl_reorder_primitive_desc_create(
+            ctypes.byref(pd), plain, self.engine, md, self.engine, None), "reorder")
+        self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
+        mems = [self._memory(plain, w.ctypes.data), self._memory(md, out.ctypes.data)]
+        args = (_Arg * 2)(_Arg(_ARG_SRC, mems[0]), _Arg(_ARG_DST, mems[1]))
+        try:
+            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args), "execute")
+            self._ok(self.lib.dnnl_stream_wait(self.stream), "stream_wait")
+        finally:
+            for h in mems:
+                self.lib.dnnl_memory_destroy(h)
+            self.lib.dnnl_primitive_destroy(prim)
+            self.lib.dnnl_primitive_desc_destroy(pd)
+        return out, md
+
+    def same_layout(self, md, m, k, n):
+        """Whether the kernel for ``[m, k] @ [k, n]`` keeps its weights as ``md`` says
+        (then a weight ``pack`` wrote for another row count serves it too)."""
+        _, (_, want, _), _ = self.primitive(m, k, n, False, packed=True)
+        return bool(self.lib.dnnl_memory_desc_equal(md, want))
 
     def vnni(self, m, k, n):
         """Whether the bf16 matmul of ``[m, k] @ [k, n]`` takes its weights in the blocked
@@ -222,13 +262,13 @@ class _Dnnl:
                  "memory_create")
         return h
 
-    def bind(self, out, a, w, tb):
+    def bind(self, out, a, w, tb, packed=False):
         """A callable computing ``out = a @ op(w)`` (``a`` [m, k] bf16 as uint16, ``w`` bf16
-        ``[k, n]`` or ``[n, k]`` when ``tb``, ``out`` float32 [m, n]); the arrays must
-        stay alive and in place."""
+        ``[k, n]`` or ``[n, k]`` when ``tb``, or as ``pack`` wrote it where ``packed``;
+        ``out`` float32 [m, n]); the arrays must stay alive and in place."""
         self._keep.append((a, w, out))
         return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
-                              w.ctypes.data, out.ctypes.data)
+                              w.ctypes.data, out.ctypes.data, packed=packed)
 
     def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
@@ -243,12 +283,13 @@ class _Dnnl:
             for h in mems:
                 self.lib.dnnl_memory_destroy(h)
 
-    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False):
+    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False,
+                  packed=False):
         """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
         (as in ``bind``, or in the blocked layout where ``vnni``: check ``vnni(m, k, n)``
-        first), ``out`` float32 [m, n] with rows ``ldc`` apart, added to when ``acc``;
-        the memory must outlive the callable."""
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni)
+        first, or as ``pack`` wrote it where ``packed``), ``out`` float32 [m, n] with
+        rows ``ldc`` apart, added to when ``acc``; the memory must outlive the callable."""
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed)
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))

@@ -2,7 +2,8 @@
 what the machine has.
 
 A compiled step's memory is fixed before its first run: the weights (float arrays, or
-block matrices whose mapped pages are read every step), every program's memory plan (one
+block matrices whose mapped pages are read every step, and the bf16 copies a bf16 step's
+GEMMs read), every program's memory plan (one
 arena per dtype, allocated once; its pages are touched on the first run), the
 dequantization scratch of frozen weights kept in their stored type and the scratch blocks
 of fused primitives (``ops.Prim.scratch``), and the adapter with
@@ -86,6 +87,13 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Esti
                     scratch=_fused_scratch(graph), state=n_param * tape.dtype.itemsize * 5)
 
 
+def _bf16_copies(progs):
+    """Bytes of the bf16 weight copies the programs' GEMMs read (shared ones once)."""
+    arrays = {id(a): a for p in progs
+              for a in getattr(p.executable, "bf16_weights", list)()}
+    return sum(int(a.nbytes) for a in arrays.values())
+
+
 def estimate(model, step) -> Estimate:
     """What ``step`` (a compiled ``TrainStep``) on ``model`` holds once it runs."""
     progs = _programs(step)
@@ -93,7 +101,7 @@ def estimate(model, step) -> Estimate:
     n_param = sum(a.size + b.size for a, b in step.adapter.weights.values())
     # params, two moments, an accumulator, and a copy of each in the eval program
     state = n_param * dtype.itemsize * 5
-    return Estimate(weights=resident_bytes(model.weights),
+    return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),
                     activations=sum(int(p.memory.nbytes) for p in progs),
                     scratch=max((_scratch(p, model.weights, dtype) + _fused_scratch(p.graph)
                                  for p in progs), default=0),

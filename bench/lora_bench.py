@@ -57,7 +57,6 @@ import time
 
 import numpy as np
 
-from gradtape.backends import _cgen
 from gradtape.backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE, call_seconds
 
 WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
@@ -585,10 +584,6 @@ def main(argv=None):
                  f"{args.compute!r}")
     if args.device == "cuda":
         computes = ["float32"]  # the GPU path chooses its precision with --storage
-    if computes == ["float32"]:
-        # a float32 side (each side is a process of its own) as `finetune --compute
-        # float32` runs it: OpenMP's idle threads asleep (backends/_cgen.py: quiet_openmp)
-        _cgen.prefer_openmp_wait("passive")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.side_worker:

@@ -239,6 +239,57 @@ def test_a_packed_weight_fed_twice_follows_each_feed():
         assert rel_err(gx, _bf16_exact(2 * y) @ w16.T) < 1e-5
 
 
+@pytest.mark.parametrize("in_onednn", [True, False])
+def test_float32_gemms_run_where_measured(monkeypatch, in_onednn):
+    """A float32 program's matmuls go to oneDNN or NumPy's BLAS as ``f32_onednn``
+    decides at its biggest matmul, with the same float32 products either way."""
+    if in_onednn:
+        try:
+            onednn.library()
+        except onednn.DnnlError as e:
+            pytest.skip(str(e))
+    asked = []
+
+    def decide(shape):
+        asked.append(shape)
+        return in_onednn, "test"
+    monkeypatch.setattr(compute, "f32_onednn", decide)
+    rng = np.random.default_rng(7)
+    tp = gt.Tape(np.float32, eager=False)
+    x = tp.param(rng.standard_normal((256, 512)))
+    w = tp.const(rng.standard_normal((512, 640)) / 20)
+    y = ops.matmul(x, w)
+    g = tp.backward(ops.reduce_sum(ops.mul(y, y)))
+    prog = tp.compile([y, g[x]], backend="cpu", compute="float32")
+    assert asked == [(256, 512, 640)]  # the biggest: 2 * 256 * 512 * 640 FLOPs
+    assert prog.executable._f32_dnnl is in_onednn
+    labels = [getattr(f, "label", "") for f in prog.executable._steps]
+    assert any("oneDNN" in lab for lab in labels) is in_onednn
+    got = prog.run()
+    ref = tp.compile([y, g[x]], backend="numpy").run()
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+
+    small = gt.Tape(np.float32, eager=False)  # too small to measure: NumPy's BLAS
+    out = ops.matmul(small.const(np.ones((8, 16))), small.const(np.ones((16, 8))))
+    assert not small.compile([out], backend="cpu").executable._f32_dnnl
+    assert len(asked) == 1
+
+
+def test_f32_onednn_measures_once_and_says_what(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    try:
+        onednn.library()
+    except onednn.DnnlError as e:
+        pytest.skip(str(e))
+    fast, why = compute.f32_onednn((64, 256, 320))
+    assert isinstance(fast, bool)
+    assert why.endswith("GFLOP/s at 64x256x320 alone, measured on this CPU)")
+    assert ("in oneDNN, one thread pool" in why) is fast
+    again, why = compute.f32_onednn((64, 256, 320))
+    assert again is fast and why.endswith("measured before on this CPU)")
+
+
 def test_float64_tape_ignores_bf16():
     _need_onednn()
     tp = gt.Tape(np.float64, eager=False)
@@ -504,20 +555,17 @@ def test_a_bf16_replay_gives_numpys_blas_its_threads_back(monkeypatch):
     assert get() == before
 
 
-@pytest.mark.parametrize("flags, asked, want", [
-    ({"avx512_bf16", "avx512f"}, None, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
-    ({"amx_bf16", "avx512_bf16"}, None, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
-    ({"avx2", "fma"}, None, ("OMP_WAIT_POLICY", "passive")),
-    ({"avx512_bf16"}, "passive", ("OMP_WAIT_POLICY", "passive")),
-    ({"avx2"}, "spin", ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+@pytest.mark.parametrize("flags, want", [
+    ({"avx512_bf16", "avx512f"}, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+    ({"amx_bf16", "avx512_bf16"}, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+    ({"avx2", "fma"}, ("OMP_WAIT_POLICY", "passive")),
 ])
-def test_openmp_wait_policy_follows_the_cpu_or_the_command(monkeypatch, flags, asked, want):
-    """Before libgomp loads: a short spin where auto runs bf16 (every thread OpenMP's),
-    sleeping elsewhere, or what a command asked for; a user's setting stays."""
+def test_openmp_wait_policy_follows_the_cpu(monkeypatch, flags, want):
+    """Before libgomp loads: a short spin where every thread of a step is OpenMP's,
+    sleeping elsewhere; a user's setting stays."""
     for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(_cgen, "cpu_info", lambda: {"model": "test", "flags": frozenset(flags)})
-    monkeypatch.setattr(_cgen, "_WAIT", [asked] if asked else [])
     _cgen.quiet_openmp()
     var, value = want
     assert os.environ.get(var) == value
@@ -526,13 +574,3 @@ def test_openmp_wait_policy_follows_the_cpu_or_the_command(monkeypatch, flags, a
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     _cgen.quiet_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "active" and "GOMP_SPINCOUNT" not in os.environ
-
-
-def test_finetune_in_float32_asks_openmp_to_sleep(monkeypatch, tmp_path):
-    from gradtape.cli.main import main
-
-    monkeypatch.setattr(_cgen, "_WAIT", [])
-    rc = main(["finetune", "--model", str(tmp_path / "missing.gguf"), "--data",
-               str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
-               "--compute", "float32"])
-    assert rc != 0 and _cgen._WAIT == ["passive"]

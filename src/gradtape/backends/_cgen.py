@@ -524,35 +524,26 @@ def threads_flags(flags=FLAGS):
     return tuple(flags) + ("-fopenmp",)
 
 
-# GOMP_SPINCOUNT where every thread of a step is OpenMP's (bf16 compute: oneDNN and our
-# kernels, NumPy's BLAS on one thread): idle threads spin this long, so the next parallel
-# region of a replay (there are thousands) finds them awake instead of paying a futex
-# wake-up.  SmolLM2's bf16 step on an AVX512-BF16 EPYC: 0.79-0.98 s sleeping, 0.64-0.69
-# s with 5000 (20000: the same; the default, 300000, slowed steps 4x beside other
-# processes).  A float32 step runs OpenBLAS's own threads beside ours, which a spinning
-# team slows: 1.11-1.57 s sleeping, 1.44-1.80 s with 5000.
+# GOMP_SPINCOUNT where every thread of a step is OpenMP's (our kernels, oneDNN's bf16
+# GEMMs and, where measured fast, its float32 ones: compute.f32_onednn; NumPy's BLAS idle
+# or on one thread): idle threads spin this long, so the next parallel region of a replay
+# (there are thousands) finds them awake instead of paying a futex wake-up.  SmolLM2's
+# bf16 step on an AVX512-BF16 EPYC: 0.79-0.98 s sleeping, 0.64-0.69 s with 5000 (20000:
+# the same; the default, 300000, slowed steps 4x beside other processes); its float32
+# step with the GEMMs in oneDNN (Zen 4): 1.19-1.21 s sleeping, 1.04-1.09 s with 5000.
+# Beside OpenBLAS's own threads a spinning team slows a float32 step (1.11-1.57 s
+# sleeping, 1.44-1.80 s with 5000), which a CPU whose BLAS wins f32_onednn then pays.
 SPIN_BF16 = "5000"
-_WAIT = []  # a policy asked for before libgomp was loaded: "spin" or "passive"
-
-
-def prefer_openmp_wait(policy):
-    """Ask for libgomp's idle-thread policy, "spin" (short: ``SPIN_BF16``) or "passive"
-    (sleep at once), for this process: a command that knows it will run float32 asks for
-    "passive" before anything loads libgomp; without it, ``quiet_openmp`` picks by CPU."""
-    _WAIT[:] = [policy]
 
 
 def quiet_openmp():
     """Set libgomp's idle-thread policy before anything loads it (our kernels, oneDNN:
-    it is read once): the one ``prefer_openmp_wait`` asked for, else a short spin on a
-    CPU with bf16 matrix instructions (``auto`` runs bf16 there: every thread is
-    OpenMP's) and sleeping elsewhere (see ``threads_flags``).  A user's
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
+    it is read once): a short spin on a CPU with bf16 matrix instructions (every thread
+    of a step is OpenMP's there) and sleeping elsewhere (see ``threads_flags``).  A
+    user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
-    flags = cpu_info()["flags"]
-    spin = _WAIT[0] == "spin" if _WAIT else bool({"amx_bf16", "avx512_bf16"} & flags)
-    if spin:
+    if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]:
         os.environ["GOMP_SPINCOUNT"] = SPIN_BF16
     else:
         os.environ["OMP_WAIT_POLICY"] = "passive"

@@ -12,9 +12,10 @@ on AMD Zen 5, slower on CPUs that split 512-bit instructions (``docs/benchmarks.
 Asking for bf16 where it is not fast, or without oneDNN, says so once (a RuntimeWarning)
 and runs float32.
 
-``blocked_tiles`` makes the one other decision of the kind for bf16 block-weight products:
-whether their tiles go into oneDNN's blocked weight layout or plain rows, timed the
-same way.  This module runs nothing but those measurements.  ``cpu_summary()`` is what
+Two more decisions of the kind, timed the same way: ``blocked_tiles``, whether the
+tiles of a bf16 block-weight product go into oneDNN's blocked weight layout or plain
+rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool
+with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.  ``cpu_summary()`` is what
 ``gradtape bench`` prints beside its figures.
 """
 
@@ -124,32 +125,79 @@ def call_seconds(fn, reps):
     return ts
 
 
-def measured_rates(m=256, k=576, n=1536, reps=7):
-    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``, the
-    best of ``reps`` (the best resists other processes' noise); 3 reps for a GEMM of
-    over 10 GFLOP (an 8B model's FFN), so that it takes seconds."""
+def _operands(m, k, n, reps):
+    """Random float32 ``a [m, k]``, ``w [k, n]``, ``out [m, n]`` for a timed GEMM, and
+    ``best(fn)``: its FLOP/s, the best of ``reps`` calls (the best resists other
+    processes' noise); 3 for a GEMM of over 10 GFLOP (an 8B model's FFN), so that it
+    takes seconds."""
     import numpy as np
 
     if 2 * m * k * n > 1e10:
         reps = min(reps, 3)
-
-    from . import onednn
-
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    out = np.empty((m, n), np.float32)
-    a16, w16 = onednn.to_bf16(a), onednn.to_bf16(w)
-    gemm16 = onednn.dnnl().bind(out, a16, w16, False)
 
     def best(fn):
         return 2 * m * k * n / min(call_seconds(fn, reps))
+    return a, w, np.empty((m, n), np.float32), best
 
-    # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay (qgemm.one_blas_thread)
+
+def measured_rates(m=256, k=576, n=1536, reps=7):
+    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``."""
+    import numpy as np
+
+    from . import onednn
     from .qgemm import one_blas_thread
+
+    a, w, out, best = _operands(m, k, n, reps)
+    gemm16 = onednn.dnnl().bind(out, onednn.to_bf16(a), onednn.to_bf16(w), False)
+    # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay (qgemm.one_blas_thread)
     with one_blas_thread():
         bf16 = best(gemm16)
     return best(lambda: np.matmul(a, w, out=out)), bf16
+
+
+def f32_onednn(shape) -> tuple:
+    """``(True, why)`` where a float32 step's GEMMs should run in oneDNN (on OpenMP's
+    threads, as our kernels and oneDNN's bf16 GEMMs do), ``(False, why)`` where in
+    NumPy's BLAS.  Both are timed alone at ``shape`` (``(m, k, n)``, rows capped as in
+    ``bf16_fast``) once per CPU model and library versions; oneDNN runs them unless
+    NumPy's BLAS is more than ``F32_POOL_GAIN`` times faster alone, for what one thread
+    pool saves in a step."""
+    from . import onednn
+
+    try:
+        onednn.library()
+    except onednn.DnnlError as e:
+        return False, str(e)
+    shape = (min(shape[0], MEASURED_ROWS), *shape[1:])
+    (dnnl, blas), cached = rates("f32", shape, measured_f32_rates)
+    said = (f"oneDNN {dnnl / 1e9:.0f} vs NumPy's BLAS {blas / 1e9:.0f} GFLOP/s at "
+            f"{'x'.join(map(str, shape))} alone, measured{' before' if cached else ''} on "
+            f"this CPU")
+    if F32_POOL_GAIN * dnnl >= blas:
+        return True, f"float32 GEMMs in oneDNN, one thread pool ({said})"
+    return False, f"float32 GEMMs in NumPy's BLAS ({said})"
+
+
+# A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
+# of 1.41-1.55 s in C kernels whose OpenMP threads met OpenBLAS's still spinning ones;
+# with the GEMMs in oneDNN, 0.12-0.15 s of 1.04-1.09 s, at about equal GEMM rates alone
+F32_POOL_GAIN = 1.25
+
+
+def measured_f32_rates(m=256, k=576, n=1536, reps=7):
+    """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``; oneDNN first,
+    so that OpenBLAS's idle threads spin on no core it uses."""
+    import numpy as np
+
+    from . import onednn
+
+    a, w, out, best = _operands(m, k, n, reps)
+    gemm = onednn.library().bind_f32(out, a, w)
+    dnnl = 0.0 if gemm is None else best(gemm)
+    return dnnl, best(lambda: np.matmul(a, w, out=out))
 
 
 def blocked_tiles(what, shape, blocked, plain) -> bool:

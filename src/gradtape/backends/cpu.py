@@ -100,6 +100,15 @@ def _bf16_matmul(v):
 
 
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
+# a float32 program whose biggest matmul has fewer FLOPs keeps NumPy's BLAS, unmeasured
+F32_MEASURED_FLOPS = 1 << 26
+
+
+def _mkn(v):
+    """``(m, k, n)`` of a matmul op (batch dims folded into m)."""
+    a = v.inputs[0]
+    k = a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
+    return int(np.prod(v.shape[:-1])), int(k), int(v.shape[-1])
 
 
 def _float_dtype(graph):
@@ -167,6 +176,7 @@ class CpuBackend(HostBackend):
                     self.compute = "bf16"
         # frozen weights in their stored type: one float scratch tile, allocated once here
         qops = [s for s in qops if s not in self._q16]
+        self._f32_dnnl, self.f32_why = self._f32_gemms(schedule, qops)
         self._qscratch = np.empty(max(1, qgemm.scratch_elems(qops)),
                                   dtype or np.float32) if qops else None
         self.n_kernels = len(src.bodies)
@@ -186,6 +196,24 @@ class CpuBackend(HostBackend):
                 self._w16[w] = _W16.setdefault(w, _Bf16Weight())
         self._copy_weights(self._bf16)
         self._bind()
+
+    def _f32_gemms(self, schedule, qops):
+        """``(in oneDNN, why)`` for the float32 matmuls of a float32 program: oneDNN where
+        ``compute.f32_onednn`` measures it fast enough at the program's biggest matmul;
+        NumPy's BLAS where the program has float32 block-weight tiles (their GEMMs run
+        there: one pool either way) or only small matmuls.  A bf16 program runs them
+        in oneDNN where it can (``_matmul_step``)."""
+        if self.compute == "bf16" or self.dtype != np.float32:
+            return False, ""
+        if qops:
+            return False, "float32 GEMMs in NumPy's BLAS, as the block-weight tiles'"
+        shapes = [_mkn(s) for s in schedule.steps
+                  if not isinstance(s, FusedGroup) and s.op == "matmul"]
+        if not shapes:
+            return False, ""
+        if max(2 * m * k * n for m, k, n in shapes) < F32_MEASURED_FLOPS:
+            return False, "float32 GEMMs in NumPy's BLAS (small ones, not measured)"
+        return compute.f32_onednn(max(shapes, key=lambda mkn: mkn[0] * mkn[1] * mkn[2]))
 
     def _convert(self, leaf, out=None):
         x = np.ascontiguousarray(self._values[leaf], np.float32)
@@ -298,11 +326,12 @@ class CpuBackend(HostBackend):
         return out
 
     def _matmul_step(self, out, a, b, ta=False, tb=False):
-        """A float32 matmul: in a bf16 program through oneDNN where it can (its threads
-        are the OpenMP threads the bf16 GEMMs and our kernels use; NumPy's BLAS is kept
-        on one thread there, see ``run``), else NumPy's BLAS."""
-        if self.compute == "bf16":
-            run = self._dnnl.bind_f32(out, _mT(a, ta), _mT(b, tb))
+        """A float32 matmul: in a bf16 program, and in a float32 one that measured it
+        fast (``_f32_gemms``), through oneDNN where it can (its threads are the OpenMP
+        threads the bf16 GEMMs and our kernels use; in a bf16 replay NumPy's BLAS is kept
+        on one thread, see ``_execute``), else NumPy's BLAS."""
+        if self.compute == "bf16" or self._f32_dnnl:
+            run = onednn.library().bind_f32(out, _mT(a, ta), _mT(b, tb))
             if run is not None:
                 return run
         return _mm_step(out, a, b, ta, tb)

@@ -16,7 +16,6 @@ import sys
 import traceback
 import warnings
 
-from ..backends import _cgen
 from ..errors import GradtapeError
 from .options import check_args
 
@@ -71,9 +70,6 @@ def main(argv=None) -> int:
         parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     cmd = f"gradtape {args.command}"
     debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    if args.command in ("finetune", "demo") and getattr(args, "compute", None) == "float32":
-        # float32 steps run OpenBLAS's threads beside OpenMP's: no spinning OpenMP team
-        _cgen.prefer_openmp_wait("passive")
     try:
         check_args(parsers[args.command], args)
         return int(modules[args.command].run(args) or 0)

@@ -228,7 +228,9 @@ def _finetune(cfg, model, log, world, together):
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
                           memory_hint=hint)
-    log(f"compute: {step_prog.compute} ({step_prog.compute_why})")
+    f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
+    log(f"compute: {step_prog.compute} ({step_prog.compute_why})"
+        + (f"; {f32_why}" if f32_why else ""))
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (", with activation checkpointing" if step_prog.checkpointed else "")

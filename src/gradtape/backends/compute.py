@@ -189,13 +189,17 @@ F32_POOL_GAIN = 1.25
 
 def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``; oneDNN first,
-    so that OpenBLAS's idle threads spin on no core it uses."""
+    after OpenBLAS's idle threads (up to ~0.1 s of spinning after a call) have slept, so
+    that none spins on a core it uses."""
+    import time
+
     import numpy as np
 
     from . import onednn
 
     a, w, out, best = _operands(m, k, n, reps)
     gemm = onednn.library().bind_f32(out, a, w)
+    time.sleep(0.25)
     dnnl = 0.0 if gemm is None else best(gemm)
     return dnnl, best(lambda: np.matmul(a, w, out=out))
 

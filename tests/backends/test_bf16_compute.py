@@ -224,6 +224,20 @@ def test_packed_weights_give_the_plain_copys_products(monkeypatch):
     assert rel_err(got[0], x16 @ _bf16_exact(w._value)) < 1e-5
 
 
+def test_a_weight_that_cannot_be_packed_runs_from_the_plain_copy(monkeypatch):
+    _need_onednn()
+
+    def refuse(*args, **kwargs):
+        raise onednn.DnnlError("oneDNN reorder failed (status 3)")
+    monkeypatch.setattr(onednn._Dnnl, "pack", refuse)
+    tp = gt.Tape(np.float32, eager=False)
+    outs, w = _both_ways(tp, np.random.default_rng(5))
+    prog = tp.compile(outs, backend="cpu", compute="bf16")
+    assert not any(packed for _, packed in prog.executable._wb.values())
+    x16 = _bf16_exact(outs[0].inputs[0]._value)
+    assert rel_err(prog.run()[0], x16 @ _bf16_exact(w._value)) < 1e-5
+
+
 def test_a_packed_weight_fed_twice_follows_each_feed():
     _need_onednn()
     rng = np.random.default_rng(6)

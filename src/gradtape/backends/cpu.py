@@ -244,7 +244,10 @@ class CpuBackend(HostBackend):
             hit = next((a for t, md, a, _ in copies.packs
                         if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
             if hit is None and _packed_bytes() + 2 * w.size <= budget:
-                hit, md = self._dnnl.pack(m, k, n, tb, plain(w))
+                try:
+                    hit, md = self._dnnl.pack(m, k, n, tb, plain(w))
+                except onednn.DnnlError:  # no reorder into that layout: the plain copy
+                    hit = None
                 if hit is not None:
                     copies.packs.append((tb, md, hit, (m, k, n)))
             packed = hit is not None

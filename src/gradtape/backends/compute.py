@@ -15,8 +15,8 @@ and runs float32.
 Two more decisions of the kind, timed the same way: ``blocked_tiles``, whether the
 tiles of a bf16 block-weight product go into oneDNN's blocked weight layout or plain
 rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool
-with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.  ``cpu_summary()`` is what
-``gradtape bench`` prints beside its figures.
+with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
+``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     said = (f"bf16 {bf16 / 1e9:.0f} vs float32 {f32 / 1e9:.0f} GFLOP/s at "
             f"{'x'.join(map(str, shape))}, measured{' before' if cached else ''} on this CPU")
     if bf16 > 1.1 * f32:
-        return True, f"oneDNN {onednn.describe(shape)}: {said}"
+        return True, f"{onednn.describe(shape)}: {said}"
     return False, f"bf16 GEMMs are not faster here ({said})"
 
 
@@ -158,6 +158,12 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
     return best(lambda: np.matmul(a, w, out=out)), bf16
 
 
+# A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
+# of 1.41-1.55 s in C kernels whose OpenMP threads met OpenBLAS's still spinning ones;
+# with the GEMMs in oneDNN, 0.12-0.15 s of 1.04-1.09 s, at about equal GEMM rates alone
+F32_POOL_GAIN = 1.25
+
+
 def f32_onednn(shape) -> tuple:
     """``(True, why)`` where a float32 step's GEMMs should run in oneDNN (on OpenMP's
     threads, as our kernels and oneDNN's bf16 GEMMs do), ``(False, why)`` where in
@@ -179,12 +185,6 @@ def f32_onednn(shape) -> tuple:
     if F32_POOL_GAIN * dnnl >= blas:
         return True, f"float32 GEMMs in oneDNN, one thread pool ({said})"
     return False, f"float32 GEMMs in NumPy's BLAS ({said})"
-
-
-# A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
-# of 1.41-1.55 s in C kernels whose OpenMP threads met OpenBLAS's still spinning ones;
-# with the GEMMs in oneDNN, 0.12-0.15 s of 1.04-1.09 s, at about equal GEMM rates alone
-F32_POOL_GAIN = 1.25
 
 
 def measured_f32_rates(m=256, k=576, n=1536, reps=7):

@@ -8,16 +8,19 @@ generated C kernel (``_cgen``), compiled once per distinct program source with t
 C compiler and cached on disk.  Softmax and sums over the last axis of any rank, the fused
 loss (``nll_ids``) and its gradient, transposes, broadcasts and the data movement ops are
 C kernels too; row and elementwise loops split over the cores (OpenMP) when big enough.
-Matmuls go through NumPy's BLAS straight into their planned buffers (``np.matmul(...,
-out=)``); the remaining ops (gathers ...) run their NumPy forwards from ``ops.py``.
+Matmuls write straight into their planned buffers: in oneDNN's float32 matmul, on the
+same OpenMP threads, where ``compute.f32_onednn`` measured it fast enough at the
+program's biggest matmul, else in NumPy's BLAS (``np.matmul(..., out=)``); the remaining
+ops (gathers ...) run their NumPy forwards from ``ops.py``.
 Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 
 ``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
 leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
-is converted to bf16 once, the activation operand by a C kernel in the batch before each
-such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatmul_t``)
+is converted to bf16 once and reordered, per direction, into the layout oneDNN's kernel
+keeps its weights in (``_Bf16Weight``), the activation operand by a C kernel in the batch
+before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatmul_t``)
 do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).  The
 fused attention's GEMMs take bf16 inputs too (``csrc/flash.c``).  Everything else stays
 float32.

@@ -76,6 +76,7 @@ class _Dnnl:
                      "dnnl_memory_destroy", "dnnl_memory_desc_equal",
                      "dnnl_memory_desc_get_size", "dnnl_reorder_primitive_desc_create",
                      "dnnl_primitive_destroy", "dnnl_primitive_desc_destroy",
+                     "dnnl_memory_desc_destroy",
                      "dnnl_post_ops_create", "dnnl_post_ops_append_sum",
                      "dnnl_primitive_attr_create", "dnnl_primitive_attr_set_post_ops"):
             getattr(lib, name)  # AttributeError: not a oneDNN 3 library
@@ -185,6 +186,7 @@ class _Dnnl:
         _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
         plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
         if self.lib.dnnl_memory_desc_equal(md, plain):
+            self.lib.dnnl_memory_desc_destroy(plain)
             return None, md
         if out is None:
             out = np.empty(self.lib.dnnl_memory_desc_get_size(md), np.uint8)
@@ -202,6 +204,7 @@ class _Dnnl:
                 self.lib.dnnl_memory_destroy(h)
             self.lib.dnnl_primitive_destroy(prim)
             self.lib.dnnl_primitive_desc_destroy(pd)
+            self.lib.dnnl_memory_desc_destroy(plain)
         return out, md
 
     def same_layout(self, md, m, k, n):

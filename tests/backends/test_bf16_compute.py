@@ -458,7 +458,7 @@ def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(compute, "cpu_info", lambda: cpu)
     monkeypatch.setattr(onednn, "available", lambda: (True, ""))
     monkeypatch.setattr(onednn, "library", lambda: SimpleNamespace(version="3.2.0"))
-    monkeypatch.setattr(onednn, "describe", lambda shape: "3.2.0 (test kernel)")
+    monkeypatch.setattr(onednn, "describe", lambda shape: "oneDNN 3.2.0 (test kernel)")
     measured = []
 
     def rates(m, k, n):

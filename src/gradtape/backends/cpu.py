@@ -214,9 +214,10 @@ class CpuBackend(HostBackend):
                   if not isinstance(s, FusedGroup) and s.op == "matmul"]
         if not shapes:
             return False, ""
-        if max(2 * m * k * n for m, k, n in shapes) < F32_MEASURED_FLOPS:
+        biggest = max(shapes, key=np.prod)
+        if 2 * np.prod(biggest) < F32_MEASURED_FLOPS:
             return False, "float32 GEMMs in NumPy's BLAS (small ones, not measured)"
-        return compute.f32_onednn(max(shapes, key=lambda mkn: mkn[0] * mkn[1] * mkn[2]))
+        return compute.f32_onednn(biggest)
 
     def _convert(self, leaf, out=None):
         x = np.ascontiguousarray(self._values[leaf], np.float32)
@@ -228,35 +229,33 @@ class CpuBackend(HostBackend):
     def _copy_weights(self, steps):
         """Each bf16 step's copy of its weight (``self._wb``): a pack in its kernel's
         layout where one exists or fits in ``PACK_SHARE`` of the machine's memory, else
-        the plain copy; both made from the weight's value now."""
-        fresh = {}  # the weight at hand -> its plain bf16 copy, converted once
-
-        def plain(w):
-            if w not in fresh:
-                fresh.clear()  # the last weight's: dropped unless a GEMM reads it
-                fresh[w] = self._w16[w].plain if self._w16[w].plain is not None \
-                    else self._convert(w)
-            return fresh[w]
-
+        the plain copy; both made from the weight's value now, one weight at a time (a
+        plain copy converted only to be packed is dropped before the next)."""
         budget = PACK_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        order = {w: i for i, w in enumerate(dict.fromkeys(s.inputs[1] for s in steps))}
-        for s in sorted(steps, key=lambda s: order[s.inputs[1]]):  # weight by weight
-            w, tb = s.inputs[1], bool(s.attrs.get("tb"))
+        groups = {}
+        for s in steps:
+            groups.setdefault(s.inputs[1], []).append(s)
+        for w, group in groups.items():
             copies = self._w16[w]
-            (m, k), n = s.inputs[0].shape, s.shape[1]
-            hit = next((a for t, md, a, _ in copies.packs
-                        if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
-            if hit is None and _packed_bytes() + 2 * w.size <= budget:
-                try:
-                    hit, md = self._dnnl.pack(m, k, n, tb, plain(w))
-                except onednn.DnnlError:  # no reorder into that layout: the plain copy
-                    hit = None
-                if hit is not None:
-                    copies.packs.append((tb, md, hit, (m, k, n)))
-            packed = hit is not None
-            if not packed:
-                copies.plain = hit = plain(w)
-            self._wb[s] = (hit, packed)
+            plain = copies.plain
+            for s in group:
+                tb = bool(s.attrs.get("tb"))
+                (m, k), n = s.inputs[0].shape, s.shape[1]
+                hit = next((a for t, md, a, _ in copies.packs
+                            if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
+                if hit is None and _packed_bytes() + 2 * w.size <= budget:
+                    plain = self._convert(w) if plain is None else plain
+                    try:
+                        hit, md = self._dnnl.pack(m, k, n, tb, plain)
+                    except onednn.DnnlError:  # no reorder into that layout: plain copy
+                        hit = None
+                    if hit is not None:
+                        copies.packs.append((tb, md, hit, (m, k, n)))
+                packed = hit is not None
+                if not packed:
+                    plain = self._convert(w) if plain is None else plain
+                    copies.plain = hit = plain
+                self._wb[s] = (hit, packed)
 
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""

@@ -349,3 +349,45 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
                               qtype=qtype, kern=k16)
     for a, b in ((got[:, :2], want[:, :2]), (got[:, 2:], want[:, 2:]), (got_gx, want_gx)):
         assert 1e-5 < rel_err(a, b) <= BF16_ATTN_TOL
+
+
+@pytest.mark.parametrize("qtype", [None, "Q4_K"])
+def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
+    """The fused head's float32 products in oneDNN (tiled_c.OnednnHeadGemms, a float32
+    step whose GEMMs run there) against NumPy's HeadGemms: the loss, lse, E and the
+    gradient w.r.t. x, the vocabulary in blocks with a narrower last one (its logits a
+    block of columns of the scratch); float32 sums in another order, within 1e-5."""
+    from gradtape import tiled
+    from gradtape.backends import onednn
+    from gradtape.backends.tiled_c import OnednnHeadGemms, kernels
+    from gradtape.blocks import random_blocks
+
+    try:
+        onednn.library()
+    except onednn.DnnlError as e:
+        pytest.skip(str(e))
+    rng = np.random.default_rng(6)
+    t, d, v, chunk = 40, 256, 700, 256
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    w = (random_blocks(qtype, v, d, rng, std=0.1).data if qtype
+         else (rng.standard_normal((v, d)) * 0.1).astype(np.float32))
+    ids = rng.integers(0, v, t)
+    g = rng.standard_normal((t, 2)).astype(np.float32)
+    ran = []
+    real = onednn._Dnnl.matmul_f32
+
+    def counted(self, out, a, b):
+        ran.append(real(self, out, a, b))
+        return ran[-1]
+    monkeypatch.setattr(onednn._Dnnl, "matmul_f32", counted)
+    outs = []
+    for kern in (kernels(np.float32), kernels(np.float32, f32_onednn=True)):
+        e = np.empty((t, 2 + d), np.float32)
+        tiled.fwd_head_nll_e(e, x, w, ids, chunk, qtype=qtype, kern=kern)
+        gx = np.empty((t, d), np.float32)
+        tiled.fwd_head_nll_grad_x(gx, g, x, w, ids, e, 3.0, chunk, qtype=qtype, kern=kern)
+        outs.append((e, gx))
+    assert kernels(np.float32, f32_onednn=True).head_gemms is OnednnHeadGemms
+    assert ran and all(ran)  # every block's products in oneDNN
+    for a, b in zip(*outs):
+        assert rel_err(a, b) < 1e-5

@@ -218,28 +218,36 @@ class _Dnnl:
         layout ``gt_deq_tile_vnni`` writes (then no reorder per call)."""
         return self.primitive(m, k, n, False, vnni=True) is not None
 
-    def bind_f32(self, out, a, b):
-        """A callable computing ``out = a @ b`` in float32 (``np.matmul``'s rule, for 2-d
-        matrices or batches of equal shape; any element strides, such as a transposed
-        view), or None where oneDNN has no matmul for it."""
+    def _f32_primitive(self, out, a, b):
+        """``(primitive, (src, weights, dst) descs, "f32")`` of the float32 ``out = a @
+        b`` at these shapes and strides, or None where oneDNN has no matmul for it."""
         shapes = [x.shape for x in (a, b, out)]
         if (not all(x.dtype == np.float32 for x in (a, b, out)) or a.ndim != b.ndim
                 or a.ndim != out.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]
                 or a.shape[:-2] != out.shape[:-2] or 0 in a.shape + b.shape):
             return None
         key = ("f32", *shapes, a.strides, b.strides, out.strides)
-        hit = self._prims.get(key)
-        if hit is None:
+        if key not in self._prims:
             mds = [self._md(x.shape, tuple(st // 4 for st in x.strides), _F32)
                    for x in (a, b, out)]
             pd = _vp()
             if self.lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine,
                                                           mds[0], mds[1], None, mds[2],
                                                           None) != 0:
+                self._prims[key] = None
                 return None
             prim = _vp()
             self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
-            hit = self._prims[key] = (prim, mds, "f32")
+            self._prims[key] = (prim, mds, "f32")
+        return self._prims[key]
+
+    def bind_f32(self, out, a, b):
+        """A callable computing ``out = a @ b`` in float32 (``np.matmul``'s rule, for 2-d
+        matrices or batches of equal shape; any element strides, such as a transposed
+        view), or None where oneDNN has no matmul for it."""
+        hit = self._f32_primitive(out, a, b)
+        if hit is None:
+            return None
         prim, (src, wei, dst), _ = hit
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a.ctypes.data)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, b.ctypes.data)),
@@ -248,6 +256,16 @@ class _Dnnl:
         run = self._runner(prim, args)
         run.label = f"matmul f32 (oneDNN) {a.shape} x {b.shape}"
         return run
+
+    def matmul_f32(self, out, a, b):
+        """``out = a @ b`` in float32 run once now (``bind_f32``'s rule; for operands
+        whose addresses change from call to call), or False where oneDNN has no matmul
+        for it."""
+        hit = self._f32_primitive(out, a, b)
+        if hit is None:
+            return False
+        self._run_once(hit, (a.ctypes.data, b.ctypes.data, out.ctypes.data))
+        return True
 
     def _runner(self, prim, args):
         execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
@@ -276,8 +294,13 @@ class _Dnnl:
     def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
         operands whose addresses change from call to call."""
-        prim, mds, _ = self.primitive(m, k, n, tb, ldc, False, lda)
-        mems = [self._memory(md, ptr) for md, ptr in zip(mds, (a, w, out))]
+        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda), (a, w, out))
+
+    def _run_once(self, hit, ptrs):
+        """Execute the matmul ``hit`` (``primitive``'s triple) on the addresses ``ptrs``
+        (src, weights, dst), its memory objects freed after."""
+        prim, mds, _ = hit
+        mems = [self._memory(md, ptr) for md, ptr in zip(mds, ptrs)]
         args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
                             zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))
         try:

@@ -38,9 +38,11 @@ _L, _D = ctypes.c_long, ctypes.c_double
 
 class CTiles:
     """``tiled.NumpyTiles``' methods as C loops, for one float dtype; ``bf16``: the fused
-    attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``)."""
+    attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``);
+    ``f32_onednn``: the fused head's float32 GEMMs run in oneDNN (as the program's other
+    matmuls, ``cpu.CpuBackend._f32_gemms``)."""
 
-    def __init__(self, dtype, bf16=False):
+    def __init__(self, dtype, bf16=False, f32_onednn=False):
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
         lib = _lib()
         self.f = {name: getattr(lib, f"gt_{name}_{self.suf}")
@@ -53,7 +55,9 @@ class CTiles:
         self.lanes = lib.gt_flash_lanes()  # of the GEMM blocks' vectors (0: plain C)
         # whether the bf16 GEMMs are the CPU's instructions (else plain C: for the tests)
         self.bf16_native = bool(lib.gt_flash_bf16_native())
-        self.head_gemms = Bf16HeadGemms if bf16 and self.suf == "f32" else tiled.HeadGemms
+        self.head_gemms = tiled.HeadGemms
+        if self.suf == "f32" and (bf16 or f32_onednn):
+            self.head_gemms = Bf16HeadGemms if bf16 else OnednnHeadGemms
 
     def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
                    window):
@@ -160,15 +164,32 @@ class Bf16HeadGemms:
                        self.wc16.ctypes.data, out.ctypes.data, lda=ld)
 
 
+class OnednnHeadGemms(tiled.HeadGemms):
+    """``tiled.HeadGemms`` in oneDNN's float32 matmul, on OpenMP's threads as the C work
+    between the products (NumPy's where oneDNN has no matmul for a block)."""
+
+    def __init__(self, x, w, qtype):
+        super().__init__(x, w, qtype)
+        self.dnnl = onednn.library()
+
+    def logits(self, z):
+        if not self.dnnl.matmul_f32(z, self.x, self.wc.T):
+            super().logits(z)
+
+    def weigh(self, z, out):
+        if not self.dnnl.matmul_f32(out, z, self.wc):
+            super().weigh(z, out)
+
+
 TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",
              "attn_grad")
 _KERNELS = {}
 
 
-def kernels(dtype, bf16=False):
+def kernels(dtype, bf16=False, f32_onednn=False):
     """The CTiles of ``dtype`` (built once per process), with bf16 attention GEMMs where
-    ``bf16`` (float32 only)."""
-    key = (np.dtype(dtype).str, bool(bf16))
+    ``bf16`` (float32 only), the head's float32 GEMMs in oneDNN where ``f32_onednn``."""
+    key = (np.dtype(dtype).str, bool(bf16), bool(f32_onednn))
     if key not in _KERNELS:
-        _KERNELS[key] = CTiles(dtype, bf16)
+        _KERNELS[key] = CTiles(dtype, bf16, f32_onednn)
     return _KERNELS[key]

@@ -309,10 +309,13 @@ def _peak_mb():
 
 def _gemm_path(side):
     """What ran the step's big GEMMs: the library and ISA (oneDNN names its kernel; float32
-    goes through NumPy's BLAS)."""
+    goes through oneDNN or NumPy's BLAS, as the backend measured: ``f32_why``)."""
     if side.compute == "bf16":
         from gradtape.backends.onednn import describe
         return describe()
+    ex = getattr(side.step_prog.program, "executable", None)
+    if getattr(ex, "_f32_dnnl", False):
+        return ex.f32_why
     return "numpy matmul -> " + "; ".join(blas_info())
 
 

@@ -10,7 +10,7 @@ loss (``nll_ids``) and its gradient, transposes, broadcasts and the data movemen
 C kernels too; row and elementwise loops split over the cores (OpenMP) when big enough.
 Matmuls write straight into their planned buffers: in oneDNN's float32 matmul, on the
 same OpenMP threads, where ``compute.f32_onednn`` measured it fast enough at the
-program's biggest matmul, else in NumPy's BLAS (``np.matmul(..., out=)``); the remaining
+program's main matmul shape, else in NumPy's BLAS (``np.matmul(..., out=)``); the remaining
 ops (gathers ...) run their NumPy forwards from ``ops.py``.
 Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
@@ -32,6 +32,7 @@ RuntimeWarning).  Leaf storage and state updates are ``base.HostBackend``'s.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -103,7 +104,7 @@ def _bf16_matmul(v):
 
 
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
-# a float32 program whose biggest matmul has fewer FLOPs keeps NumPy's BLAS, unmeasured
+# a float32 program whose main matmul has fewer FLOPs keeps NumPy's BLAS, unmeasured
 F32_MEASURED_FLOPS = 1 << 26
 
 
@@ -202,7 +203,8 @@ class CpuBackend(HostBackend):
 
     def _f32_gemms(self, schedule, qops):
         """``(in oneDNN, why)`` for the float32 matmuls of a float32 program: oneDNN where
-        ``compute.f32_onednn`` measures it fast enough at the program's biggest matmul;
+        ``compute.f32_onednn`` measures it fast enough at the shape that carries most of
+        the program's matmul FLOPs (SmolLM2: its FFN's, not the LM head's);
         NumPy's BLAS where the program has float32 block-weight tiles (their GEMMs run
         there: one pool either way) or only small matmuls.  A bf16 program runs them
         in oneDNN where it can (``_matmul_step``)."""
@@ -210,14 +212,16 @@ class CpuBackend(HostBackend):
             return False, ""
         if qops:
             return False, "float32 GEMMs in NumPy's BLAS, as the block-weight tiles'"
-        shapes = [_mkn(s) for s in schedule.steps
-                  if not isinstance(s, FusedGroup) and s.op == "matmul"]
-        if not shapes:
+        flops = collections.Counter()  # (m, k, n) -> the FLOPs of all its matmuls
+        for s in schedule.steps:
+            if not isinstance(s, FusedGroup) and s.op == "matmul":
+                flops[_mkn(s)] += 2 * int(np.prod(_mkn(s)))
+        if not flops:
             return False, ""
-        biggest = max(shapes, key=np.prod)
-        if 2 * np.prod(biggest) < F32_MEASURED_FLOPS:
+        shape = max(flops, key=flops.get)  # the one that carries the most work
+        if 2 * np.prod(shape) < F32_MEASURED_FLOPS:
             return False, "float32 GEMMs in NumPy's BLAS (small ones, not measured)"
-        return compute.f32_onednn(biggest)
+        return compute.f32_onednn(shape)
 
     def _convert(self, leaf, out=None):
         x = np.ascontiguousarray(self._values[leaf], np.float32)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from ._cgen import cpu_info  # noqa: F401 (this module's name for it: tests replace it)
+from ._cgen import cpu_info  # this module's name for it: tests replace it here
 
 COMPUTE_CHOICES = ("float32", "bf16", "auto")
 DEFAULT_COMPUTE = "auto"

@@ -42,21 +42,23 @@ def _name(step):
 
 def profile(steps, reps=1):
     """Each program step timed alone over ``reps`` replays: ``(seconds by name, seconds by
-    kind)``, per replay.  A bf16 block-weight GEMM (``qgemm.lower_bf16``) is split into
-    its tiles' dequantization ("dequantize bf16"), their GEMMs ("block GEMM bf16") and the
-    rest of it (the activation's rounding, moves), under its own kind."""
+    kind)``, per replay.  A bf16 or int8 block-weight GEMM (``qgemm.lower_bf16`` /
+    ``lower_int8``) is split into its tiles' dequantization ("dequantize bf16"), their
+    GEMMs ("block GEMM bf16") and the rest of it (the activation's rounding, moves),
+    under its own kind."""
     per, kinds = collections.Counter(), collections.Counter()
     for _ in range(reps):
         for step in steps:
             name, kind = _name(step)
-            split = {"dequantize": 0.0, "GEMM": 0.0} if hasattr(step, "blocked") else None
+            precision = getattr(step, "precision", None)
+            split = {"dequantize": 0.0, "GEMM": 0.0} if precision else None
             t = time.perf_counter()
             step(split) if split is not None else step()
             dt = time.perf_counter() - t
             per[name] += dt / reps
             if split is not None:
-                kinds["dequantize bf16"] += split["dequantize"] / reps
-                kinds["block GEMM bf16"] += split["GEMM"] / reps
+                kinds[f"dequantize {precision}"] += split["dequantize"] / reps
+                kinds[f"block GEMM {precision}"] += split["GEMM"] / reps
                 dt -= split["dequantize"] + split["GEMM"]
             kinds[kind] += dt / reps
     return per, kinds

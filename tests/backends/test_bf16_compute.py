@@ -316,7 +316,7 @@ def test_float64_tape_ignores_bf16():
 
 def test_resolve_float32_and_bad_names():
     assert compute.resolve("float32") == "float32"
-    with pytest.raises(ValueError, match="compute must be one of float32, bf16, auto"):
+    with pytest.raises(ValueError, match="compute must be one of float32, bf16, int8, auto"):
         compute.resolve("fp8")
     tp = gt.Tape(np.float32)
     with pytest.raises(ValueError, match="compile: compute must be"):
@@ -366,7 +366,7 @@ def test_trainstep_on_numpy_backend_runs_float32_with_a_notice(monkeypatch):
 
     monkeypatch.setattr(compute, "_WARNED", set())
     m = tiny_model()
-    with pytest.warns(RuntimeWarning, match="applies to float32 steps on the cpu backend"):
+    with pytest.warns(RuntimeWarning, match="apply to float32 steps on the cpu backend"):
         st = TrainStep(m, init_adapter(m.config, 2, 4.0), 1, 8, backend="numpy",
                        compute="bf16")
     assert st.compute == "float32"

@@ -12,6 +12,14 @@ on AMD Zen 5, slower on CPUs that split 512-bit instructions (``docs/benchmarks.
 Asking for bf16 where it is not fast, or without oneDNN, says so once (a RuntimeWarning)
 and runs float32.
 
+``int8`` is bf16, except that the GEMMs against weights kept in their ggml blocks (a
+quantized GGUF) take int8 inputs: each activation row and each weight row (forward) or
+column (backward) rounded to 255 levels of its own scale, the products summed exactly in
+int32 (W8A8, ``qgemm.lower_int8``).  Twice bf16's rate where the CPU has int8 dot
+products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of about 1% error in
+each such product (``bench/bf16_cosine.py --compute int8`` measures what it does to the
+gradients).  Asked for where it is not faster, it says so once and runs bf16.
+
 Two more decisions of the kind, timed the same way: ``blocked_tiles``, whether the
 tiles of a bf16 block-weight product go into oneDNN's blocked weight layout or plain
 rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool
@@ -26,7 +34,7 @@ import warnings
 
 from ._cgen import cpu_info  # this module's name for it: tests replace it here
 
-COMPUTE_CHOICES = ("float32", "bf16", "auto")
+COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
 # the GEMM shape measured when the caller names none: SmolLM2's FFN at T=256
 DEFAULT_SHAPE = (256, 576, 1536)
@@ -62,6 +70,22 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     if bf16 > 1.1 * f32:
         return True, f"{onednn.describe(shape)}: {said}"
     return False, f"bf16 GEMMs are not faster here ({said})"
+
+
+def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
+    """``(True, why)`` where int8 GEMMs (oneDNN) beat bf16 ones on this CPU at
+    ``shape``, else ``(False, why)``; call it where ``bf16_fast`` said yes.  No int8 dot
+    products (AVX512-VNNI, AMX-INT8): no, without measuring."""
+    flags = cpu_info()["flags"]
+    if "avx512_vnni" not in flags and "amx_int8" not in flags:
+        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI"
+    shape = (min(shape[0], MEASURED_ROWS), *shape[1:])
+    (bf16, int8), cached = rates("int8", shape, measured_int8_rates)
+    said = (f"int8 {int8 / 1e9:.0f} vs bf16 {bf16 / 1e9:.0f} GFLOP/s at "
+            f"{'x'.join(map(str, shape))}, measured{' before' if cached else ''} on this CPU")
+    if int8 > 1.1 * bf16:
+        return True, said
+    return False, f"int8 GEMMs are not faster here ({said})"
 
 
 def _cache_file():
@@ -158,6 +182,24 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
     return best(lambda: np.matmul(a, w, out=out)), bf16
 
 
+def measured_int8_rates(m=256, k=576, n=1536, reps=7):
+    """(bf16, int8) oneDNN matmul OP/s at ``x [m, k] @ W [k, n]`` (int8: int32 sums)."""
+    import numpy as np
+
+    from . import onednn
+    from .qgemm import one_blas_thread
+
+    a, w, out, best = _operands(m, k, n, reps)
+    dnnl = onednn.dnnl()
+    gemm16 = dnnl.bind(out, onednn.to_bf16(a), onednn.to_bf16(w), False)
+    a8, w8 = np.ones((m, k), np.int8), np.ones((k, n), np.int8)
+    sums = out.view(np.int32)
+    gemm8 = dnnl.bind_ptrs(m, k, n, False, a8.ctypes.data, w8.ctypes.data, sums.ctypes.data,
+                           s8=True)
+    with one_blas_thread():  # as in a replay
+        return best(gemm16), best(gemm8)
+
+
 # A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
 # of 1.41-1.55 s in C kernels whose OpenMP threads met OpenBLAS's still spinning ones;
 # with the GEMMs in oneDNN, 0.12-0.15 s of 1.04-1.09 s, at about equal GEMM rates alone
@@ -233,9 +275,11 @@ def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:
 
 def decide(requested: str, applies=True, shape=DEFAULT_SHAPE) -> tuple:
     """``(precision, why)``: the precision that will run for ``requested`` (one of
-    COMPUTE_CHOICES), "float32" or "bf16", and a sentence saying why.  ``bf16`` where its
-    GEMMs are not fast (or oneDNN is missing) warns once and gives "float32"; ``auto``
-    gives bf16 where they are faster at ``shape`` (``bf16_fast``), silently.
+    COMPUTE_CHOICES), "float32", "bf16" or "int8", and a sentence saying why.  ``bf16``
+    where its GEMMs are not fast (or oneDNN is missing) warns once and gives "float32";
+    ``int8`` where int8 GEMMs are not faster than bf16 (``int8_fast``) warns once and
+    gives bf16's answer; ``auto`` gives bf16 where they are faster at ``shape``
+    (``bf16_fast``), silently.
     ``applies``: False, or a string saying why, where the caller has no bf16 path at all
     (another backend, a float64 step, generation)."""
     if requested not in COMPUTE_CHOICES:
@@ -246,12 +290,21 @@ def decide(requested: str, applies=True, shape=DEFAULT_SHAPE) -> tuple:
     if applies is True:
         fast, why = bf16_fast(tuple(int(d) for d in shape))
     else:
-        fast, why = False, applies or ("bf16 compute applies to float32 steps on the cpu "
-                                       "backend only")
+        fast, why = False, applies or ("bf16 and int8 compute apply to float32 steps on "
+                                       "the cpu backend only")
+    if fast and requested == "int8":
+        fast8, why8 = int8_fast(tuple(int(d) for d in shape))
+        if fast8:
+            return "int8", f"{why8}; the other frozen-weight GEMMs bf16 ({why})"
+        _warn_once(f"int8 compute asked for, running bf16: {why8}")
     if fast:
         return "bf16", why
-    if requested == "bf16" and why not in _WARNED:
-        _WARNED.add(why)
-        warnings.warn(f"gradtape: bf16 compute asked for, running float32: {why}",
-                      RuntimeWarning, stacklevel=3)
+    if requested in ("bf16", "int8"):
+        _warn_once(f"{requested} compute asked for, running float32: {why}")
     return "float32", why
+
+
+def _warn_once(said):
+    if said not in _WARNED:
+        _WARNED.add(said)
+        warnings.warn(f"gradtape: {said}", RuntimeWarning, stacklevel=4)

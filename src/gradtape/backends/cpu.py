@@ -23,7 +23,10 @@ keeps its weights in (``_Bf16Weight``), the activation operand by a C kernel in 
 before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``, ``qmatmul_t``)
 do the same tile by tile, dequantizing straight into bf16 (``qgemm.lower_bf16``).  The
 fused attention's GEMMs take bf16 inputs too (``csrc/flash.c``).  Everything else stays
-float32.
+float32.  ``compute="int8"`` is bf16's, except that the block-weight products take int8
+inputs, each row of the activation and each row (forward) or column (backward) of W with
+its own scale, summed in int32 (``qgemm.lower_int8``): twice bf16's rate where the CPU
+has int8 dot products (AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
 says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
@@ -156,12 +159,12 @@ class CpuBackend(HostBackend):
         # before its GEMM into one shared scratch (GEMMs run one at a time); the weights
         # are converted once, below.  GEMMs against block weights convert both operands
         # themselves (qgemm.lower_bf16), into scratch of their own.
-        self._bf16, self._q16 = {}, set()
-        if compute == "bf16" and dtype == np.float32:
+        self._bf16, self._q16, self._q8 = {}, set(), set()
+        if compute in ("bf16", "int8") and dtype == np.float32:
             try:
                 self._dnnl = onednn.dnnl()
             except onednn.DnnlError as e:
-                warnings.warn(f"gradtape: bf16 compute asked for, running float32: {e}",
+                warnings.warn(f"gradtape: {compute} compute asked for, running float32: {e}",
                               RuntimeWarning, stacklevel=5)
             else:
                 steps = [s for s in schedule.steps
@@ -171,15 +174,28 @@ class CpuBackend(HostBackend):
                     self._scratch16 = np.empty(max(s.inputs[0].size for s in steps),
                                                np.uint16)
                 self._q16 = {s for s in qops if qgemm.bf16_eligible(s)}
+                # int8 compute: the block-weight GEMMs whose sums fit int32 take int8
+                if compute == "int8":
+                    self._q8 = {s for s in self._q16 if qgemm.int8_eligible(s)}
+                    self._q16 -= self._q8
                 if self._q16:
                     act, tile, prod = qgemm.bf16_scratch_elems(self._q16)
                     self._qact16, self._qtile16, self._qprod32 = (
                         np.empty(act, np.uint16), np.empty(tile, np.uint16),
                         np.empty(prod, np.float32) if prod else None)
-                if self._bf16 or self._q16:
-                    self.compute = "bf16"
+                if self._q8:
+                    act, tile, scales, prod = qgemm.int8_scratch_elems(self._q8)
+                    self._q8scratch = (np.empty(act, np.int8), np.empty(tile, np.int8),
+                                       np.empty(scales, np.float32),
+                                       np.empty(scales, np.float32),
+                                       np.empty(prod, np.int32) if prod else None)
+                if self._bf16 or self._q16 or self._q8:
+                    self.compute = "int8" if self._q8 else "bf16"
+        # the column scales of the block weights int8 GEMMs read transposed (weight leaf
+        # -> qgemm.col_scales' pair), computed on their first use
+        self._qcols = {}
         # frozen weights in their stored type: one float scratch tile, allocated once here
-        qops = [s for s in qops if s not in self._q16]
+        qops = [s for s in qops if s not in self._q16 and s not in self._q8]
         self._f32_dnnl, self.f32_why = self._f32_gemms(schedule, qops)
         self._qscratch = np.empty(max(1, qgemm.scratch_elems(qops)),
                                   dtype or np.float32) if qops else None
@@ -208,7 +224,7 @@ class CpuBackend(HostBackend):
         NumPy's BLAS where the program has float32 block-weight tiles (their GEMMs run
         there: one pool either way) or only small matmuls.  A bf16 program runs them
         in oneDNN where it can (``_matmul_step``)."""
-        if self.compute == "bf16" or self.dtype != np.float32:
+        if self.low_precision or self.dtype != np.float32:
             return False, ""
         if qops:
             return False, "float32 GEMMs in NumPy's BLAS, as the block-weight tiles'"
@@ -307,6 +323,12 @@ class CpuBackend(HostBackend):
             ins = tuple(val[x] for x in s.inputs)
             if s.op == "matmul":
                 steps.append(("py", self._matmul_step(val[s], *ins, **s.attrs)))
+            elif s in self._q8:
+                leaf, a = s.inputs[1], s.attrs
+                columns = functools.partial(self._col_scales, leaf, a["qtype"], a["rows"],
+                                            a["k"])
+                steps.append(("py", qgemm.lower_int8(s, val[s], ins, self._dnnl,
+                                                     *self._q8scratch, columns)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,
@@ -314,7 +336,7 @@ class CpuBackend(HostBackend):
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C
-                kern = tiled_c.kernels(s.dtype, bf16=self.compute == "bf16",
+                kern = tiled_c.kernels(s.dtype, bf16=self.low_precision,
                                        f32_onednn=self._f32_dnnl)
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       kern=kern, **s.attrs)))
@@ -340,14 +362,27 @@ class CpuBackend(HostBackend):
         fast (``_f32_gemms``), through oneDNN where it can (its threads are the OpenMP
         threads the bf16 GEMMs and our kernels use; in a bf16 replay NumPy's BLAS is kept
         on one thread, see ``_execute``), else NumPy's BLAS."""
-        if self.compute == "bf16" or self._f32_dnnl:
+        if self.low_precision or self._f32_dnnl:
             run = onednn.library().bind_f32(out, _mT(a, ta), _mT(b, tb))
             if run is not None:
                 return run
         return _mm_step(out, a, b, ta, tb)
 
+    def _col_scales(self, leaf, qtype, rows, k):
+        """``qgemm.col_scales`` of the block weight ``leaf``, computed once per value"""
+        if leaf not in self._qcols:
+            self._qcols[leaf] = qgemm.col_scales(self._values[leaf], qtype, rows, k)
+        return self._qcols[leaf]
+
+    @property
+    def low_precision(self):
+        """Whether the frozen-weight GEMMs take bf16 or int8 inputs (oneDNN, on OpenMP's
+        threads)."""
+        return self.compute in ("bf16", "int8")
+
     def set_leaf(self, leaf, arr):
         super().set_leaf(leaf, arr)
+        self._qcols.pop(leaf, None)
         if leaf not in self._w16:
             return
         # a fed weight: this program's own bf16 copies from now on, refreshed on each feed
@@ -366,5 +401,5 @@ class CpuBackend(HostBackend):
     def _execute(self):
         # a bf16 replay runs on OpenMP's threads (oneDNN, our kernels): NumPy's BLAS, for
         # any float32 GEMM oneDNN did not take, on one thread (see qgemm.one_blas_thread)
-        with qgemm.one_blas_thread() if self.compute == "bf16" else contextlib.nullcontext():
+        with qgemm.one_blas_thread() if self.low_precision else contextlib.nullcontext():
             super()._execute()

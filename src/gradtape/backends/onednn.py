@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-_F32, _BF16 = 3, 2  # dnnl_data_type_t
+_F32, _BF16, _S32, _S8 = 3, 2, 4, 5  # dnnl_data_type_t
 _CPU = 1  # dnnl_engine_kind_t
 _IN_ORDER = 1  # dnnl_stream_flags_t
 _ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17
@@ -122,32 +122,34 @@ class _Dnnl:
         return self._sum_attr
 
     def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None, vnni=False,
-                  packed=False):
+                  packed=False, s8=False):
         """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
         with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16 with rows ``lda``
         apart (default ``k``), dst float32 with rows ``ldc`` apart (default ``n``);
         ``acc``: added to dst instead of written.  ``vnni``: W in the kernel's own blocked
         layout (``VNNI_INNER``; ``tb`` ignored), or None where the kernel oneDNN picks on
         this CPU keeps its weights in another.  ``packed``: W in the kernel's own layout,
-        whichever it is (``pack`` writes it; ``tb`` ignored)."""
+        whichever it is (``pack`` writes it; ``tb`` ignored).  ``s8``: src and W int8
+        (plain), dst int32 (the sums of the products, exact)."""
         ldc = n if ldc is None else ldc
         lda = k if lda is None else lda
-        key = (m, k, n, tb and not (vnni or packed), ldc, acc, lda, vnni, packed)
+        key = (m, k, n, tb and not (vnni or packed), ldc, acc, lda, vnni, packed, s8)
         if key in self._prims:
             return self._prims[key]
-        src = self._md((m, k), (lda, 1), _BF16)
+        inputs, name = (_S8, "int8") if s8 else (_BF16, "bf16")
+        src = self._md((m, k), (lda, 1), inputs)
         if vnni or packed:
             wei = _vp()
             self._ok(self.lib.dnnl_memory_desc_create_with_tag(
                 ctypes.byref(wei), 2, _Dims(k, n), _BF16, _FORMAT_ANY), "memory_desc")
         else:
-            wei = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
-        dst = self._md((m, n), (ldc, 1), _F32)
+            wei = self._md((k, n), (1, k) if tb else (n, 1), inputs)
+        dst = self._md((m, n), (ldc, 1), _S32 if s8 else _F32)
         pd = _vp()
         self._ok(self.lib.dnnl_matmul_primitive_desc_create(
             ctypes.byref(pd), self.engine, src, wei, None, dst,
             self._accumulate() if acc else None),
-            f"matmul [{m}, {k}] x [{k}, {n}] bf16 (no bf16 matmul on this CPU?)")
+            f"matmul [{m}, {k}] x [{k}, {n}] {name} (no {name} matmul on this CPU?)")
         if vnni or packed:
             wei = _vp(self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0))
             if vnni and not self._is_vnni(wei, k, n):
@@ -310,12 +312,13 @@ class _Dnnl:
                 self.lib.dnnl_memory_destroy(h)
 
     def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False,
-                  packed=False):
+                  packed=False, s8=False):
         """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
         (as in ``bind``, or in the blocked layout where ``vnni``: check ``vnni(m, k, n)``
         first, or as ``pack`` wrote it where ``packed``), ``out`` float32 [m, n] with
-        rows ``ldc`` apart, added to when ``acc``; the memory must outlive the callable."""
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed)
+        rows ``ldc`` apart, added to when ``acc``; the memory must outlive the callable.
+        ``s8``: ``a`` and ``w`` int8 (plain), ``out`` int32."""
+        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed, s8)
         args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
                           _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
                           _Arg(_ARG_DST, self._memory(dst, out)))

@@ -74,6 +74,14 @@ def lib():
         so.gt_f32_bf16_block.restype = None
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
+        so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _p]
+        so.gt_quant_rows_s8.restype = None
+        so.gt_deq_tile_s8.argtypes = [_i, _p, _l, _l, _l, _l, _l, _p, _p, _l, _p]
+        so.gt_deq_tile_s8.restype = _i
+        so.gt_col_absmax.argtypes = [_i, _p, _l, _l, _l, _p]
+        so.gt_col_absmax.restype = _i
+        so.gt_s32_scale.argtypes = [_p, _l, _l, _l, _p, _p, _p, _l]
+        so.gt_s32_scale.restype = None
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
                                           _i, _p]
@@ -459,7 +467,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
                 if into is not None:
                     move(pp, T, into[0], into[1], width)
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-        run.blocked = blocked
+        run.blocked, run.precision = blocked, "bf16"
         return run
 
     blocked, plain = bind(True), bind(False)
@@ -468,3 +476,118 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     if choose is None or choose(f"{v.op} {qtype}", (T, rows, k), blocked, plain):
         return blocked
     return plain
+
+
+# --- int8 compute ---------------------------------------------------------------------
+# An int8 GEMM sums products of at most 127 * 127 in int32: at most this many terms
+INT8_MAX_TERMS = (2**31 - 1) // (127 * 127)
+
+
+def int8_eligible(v):
+    """Whether block op ``v`` runs as int8 GEMMs under int8 compute: a bf16-eligible
+    product whose sums (over ``k`` forward, W's rows backward) fit int32."""
+    a = v.attrs
+    terms = a["k"] if v.op == "qmatmul" else a["rows"]
+    return bf16_eligible(v) and terms <= INT8_MAX_TERMS
+
+
+def int8_scratch_elems(ops):
+    """``(activation, tile, scales, product)``: the int8 values of the activation and of
+    one tile, the float32 scales (a row's per activation row, a row's or a column's per
+    W row or column), and the int32 values of a tile's product written as a block of
+    columns (see ``lower_int8``)."""
+    act, tile, prod = bf16_scratch_elems(ops)
+    scales = max(max(v.inputs[0].shape[0], v.attrs["rows"], v.attrs["k"]) for v in ops)
+    return act, tile, scales, prod
+
+
+def col_scales(w, qtype, rows, k):
+    """``(scale, inverse)``: float32 ``[k]``, each column of the block matrix ``w``'s
+    largest magnitude / 127, and 127 / it (0 for a column of zeros): the scales of W's
+    int8 copy as the right-hand operand of ``g @ W``."""
+    mx = np.empty(k, np.float32)
+    w = np.ascontiguousarray(w)
+    _check(lib().gt_col_absmax(_type_id(qtype), w.ctypes.data, w.strides[0], rows, k,
+                               mx.ctypes.data), "column maxima")
+    inv = np.zeros(k, np.float32)
+    np.divide(np.float32(127), mx, out=inv, where=mx > 0)
+    return mx / np.float32(127), inv
+
+
+def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, prod32, columns):
+    """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with int8
+    inputs, int32 sums and float32 scales (W8A8: ``int8_eligible`` ops only).  The
+    activation's rows are quantized into ``act8`` (a scale per row into ``ascale``),
+    then for each tile (``bf16_tile_shape``'s), the blocks are dequantized and
+    quantized into ``tile8`` and one oneDNN GEMM writes (or adds to) int32 sums, which
+    ``gt_s32_scale`` multiplies by both scales into their block of ``out``:
+      qmatmul    y[:, r0:r0+R] = x8 @ tile[R, k]^T, each row of W its own scale
+                 (``wscale``; the sum runs along the row)
+      qmatmul_t  z[:, c0:c0+C] = g8 @ tile[rows, C], or
+                 z (+)= g8[:, r0:r0+R] @ tile[R, k] summed in int32 over the tiles
+                 in place in ``out``, then scaled once;
+                 each column of W its own scale (the sum runs along the column), the
+                 same for every tile: ``columns()`` gives ``col_scales``' pair.
+    The int32 sums of a block of columns go to ``prod32`` (contiguous rows, as in
+    ``lower_bf16``), else straight into ``out``'s bytes."""
+    a = v.attrs
+    qtype, rows, k = a["qtype"], a["rows"], a["k"]
+    x, w = ins
+    T = x.shape[0]
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
+        raise RuntimeError(f"{v.op}: operands must be C-contiguous")
+    transposed = v.op == "qmatmul_t"
+    R, C = bf16_tile_shape(transposed, qtype, rows, k)
+    L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
+    xp, ap, tp, op = x.ctypes.data, act8.ctypes.data, tile8.ctypes.data, out.ctypes.data
+    sa, sw = ascale.ctypes.data, wscale.ctypes.data
+    width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
+    steps = []  # (dequantize's args but the scales, GEMM, scale's args but the scales)
+    if not transposed:
+        for r0 in range(0, rows, R):
+            n = min(R, rows - r0)
+            dst, ldc = (op, width) if n == width else (pp, n)
+            steps.append(((r0, n, 0, k, k), (T, k, n, True, ap, tp, dst, ldc, False, None),
+                          (dst, ldc, T, n, r0, op + 4 * r0, width)))
+    elif C == k:
+        for r0 in range(0, rows, R):
+            n = min(R, rows - r0)
+            steps.append(((r0, n, 0, k, k), (T, n, k, False, ap + r0, tp, op, k, r0 > 0, rows),
+                          None))
+    else:
+        for c0 in range(0, k, C):
+            n = min(C, k - c0)
+            dst, ldc = (op, width) if n == width else (pp, n)
+            steps.append(((0, rows, c0, n, n), (T, rows, n, False, ap, tp, dst, ldc, False,
+                                                None), (dst, ldc, T, n, c0, op + 4 * c0, width)))
+    gemms = [dnnl.bind_ptrs(*g, s8=True) for _, g, _ in steps]
+    quant, deq, scale = L.gt_quant_rows_s8, L.gt_deq_tile_s8, L.gt_s32_scale
+    cols = x.shape[1]
+
+    def run(split=None):
+        """``split``: as ``lower_bf16``'s run"""
+        quant(xp, cols, T, cols, ap, sa)
+        if transposed:
+            s, inv = columns()
+            scales, invp = s.ctypes.data, inv.ctypes.data
+        for ((r0, n, c0, nc, ldo), into), gemm in zip(
+                ((d, o) for d, _, o in steps), gemms):
+            t0 = time.perf_counter() if split is not None else 0.0
+            if transposed:
+                _check(deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, tp, ldo, None), v.op)
+            else:
+                _check(deq(tid, wp, rb, r0, n, c0, nc, None, tp, ldo, sw + 4 * r0), v.op)
+            if split is not None:
+                t1 = time.perf_counter()
+                split["dequantize"] += t1 - t0
+            gemm()
+            if split is not None:
+                split["GEMM"] += time.perf_counter() - t1
+            if into is not None:
+                src, ld, m, nn, j0, dst, ldo_ = into
+                scale(src, ld, m, nn, sa, (scales if transposed else sw) + 4 * j0, dst, ldo_)
+        if transposed and C == k:
+            scale(op, k, T, k, sa, scales, op, k)
+    run.label = f"{v.op} int8 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
+    run.precision = "int8"
+    return run

@@ -50,8 +50,9 @@ def add_arguments(parser):
     parser.add_argument("--compute", default="auto,float32,bf16",
                         help="gradtape GEMM precisions to time, comma-separated among auto (what "
                              "finetune runs with no options: the rows marked default), "
-                             "float32, bf16 (default: %(default)s; each runs once: bf16 runs "
-                             "float32 where the CPU has no fast bf16, and the rows say so)")
+                             "float32, bf16, int8 (default: %(default)s; each runs once: bf16 "
+                             "runs float32 where the CPU has no fast bf16, and the rows say "
+                             "so)")
     parser.add_argument("--no-autocast", action="store_true",
                         help="leave out the peer under torch.autocast(cpu, bfloat16)")
 

@@ -33,7 +33,8 @@ def add_arguments(parser):
            help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
     option(parser, "--compute", checks.one_of(*COMPUTE_CHOICES), default=DEFAULT_COMPUTE,
            help="precision of the training step's frozen-weight GEMMs: auto picks bf16 where "
-                "this CPU runs it faster, else float32 (default: %(default)s)")
+                "this CPU runs it faster, else float32; int8: bf16, and int8 GEMMs against a "
+                "quantized GGUF's weights (default: %(default)s)")
 
 
 def _run_folder(name, value):

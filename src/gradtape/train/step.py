@@ -118,10 +118,13 @@ class TrainStep:
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
                               training=False)
         self.eval_program = tp.compile([eval_loss], backend=backend, compute=self.compute)
-        # what runs: a model with no weight big enough for a bf16 GEMM stays float32
+        # what runs: a model with no weight big enough for a bf16 GEMM stays float32; int8
+        # is for the weights kept in their ggml blocks, the others bf16
         ran = getattr(self.eval_program.executable, "compute", "float32")
         if ran != self.compute:
-            self.compute, self.compute_why = ran, "no weight is big enough for a bf16 GEMM"
+            self.compute, self.compute_why = ran, (
+                "no weight is kept in ggml blocks for an int8 GEMM" if ran == "bf16"
+                else "no weight is big enough for a bf16 GEMM")
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return

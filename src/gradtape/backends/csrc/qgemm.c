@@ -292,6 +292,127 @@ void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
         for (long j = 0; j < n; j++) o[i * n + j] = gt_bf16(x[i * ldx + j]);
 }
 
+/* --- int8 tiles: the operands of the int8 GEMMs (``--compute int8``) ------------------
+   Symmetric quantization, q = round(v / s) with s = max|v| / 127 over the values sharing
+   s (ties away from zero; a zero range gives s = 0 and q = 0).  The GEMM (oneDNN, int32
+   accumulation) multiplies the integers; gt_s32_scale applies both operands' scales. */
+#define S8_CHUNK 1024  /* a multiple of every block size */
+
+static inline int8_t s8_round(float v) { return (int8_t)(v >= 0.0f ? v + 0.5f : v - 0.5f); }
+
+/* q[i, :] and s[i] of the rows x[i, :] (n values each, rows ldx apart), i < m */
+void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
+                      int8_t *restrict q, float *restrict s) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
+    for (long i = 0; i < m; i++) {
+        const float *xi = x + i * ldx;
+        float mx = 0.0f;
+        #pragma omp simd reduction(max : mx)
+        for (long j = 0; j < n; j++) {
+            const float a = fabsf(xi[j]);
+            mx = a > mx ? a : mx;
+        }
+        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+        for (long j = 0; j < n; j++) q[i * n + j] = s8_round(xi[j] * inv);
+        s[i] = mx / 127.0f;
+    }
+}
+
+/* out[i, j] = q of W[r0 + i, c0 + j] (i < n, j < nc; rows ldo apart), c0 and nc multiples
+   of the block.  inv NULL: each row's own scale, written to rs[i] (the tile must hold
+   whole rows); else column c0 + j is multiplied by inv[j], 1 / its scale (the scales
+   gt_col_absmax's maxima give, shared by every tile of W). */
+int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
+                   const float *restrict inv, int8_t *restrict out, long ldo,
+                   float *restrict rs) {
+    gb_deq_fn f; int bl, by;
+    if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
+    int failed = 0;
+    #pragma omp parallel if (n * nc >= (1L << 16))
+    {
+        /* a row's float values: the whole row where it gets its own scale */
+        const long len = inv ? (nc < S8_CHUNK ? nc : S8_CHUNK) : nc;
+        float *tmp = malloc(len * sizeof(float));
+        if (!tmp) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (long i = 0; i < n; i++) {
+            if (!tmp) continue;
+            const uint8_t *row = w + (r0 + i) * rb;
+            int8_t *o = out + i * ldo;
+            if (!inv) {
+                f(row + c0 / bl * by, tmp, nc / bl);
+                float mx = 0.0f;
+                #pragma omp simd reduction(max : mx)
+                for (long j = 0; j < nc; j++) {
+                    const float a = fabsf(tmp[j]);
+                    mx = a > mx ? a : mx;
+                }
+                const float r = mx > 0.0f ? 127.0f / mx : 0.0f;
+                for (long j = 0; j < nc; j++) o[j] = s8_round(tmp[j] * r);
+                rs[i] = mx / 127.0f;
+                continue;
+            }
+            for (long j = 0; j < nc; j += len) {
+                const long m = nc - j < len ? nc - j : len;
+                f(row + (c0 + j) / bl * by, tmp, m / bl);
+                for (long l = 0; l < m; l++) o[j + l] = s8_round(tmp[l] * inv[j + l]);
+            }
+        }
+        free(tmp);
+    }
+    return failed ? -2 : 0;
+}
+
+/* out[j] = max over the rows of |W[:, j]| (j < k): the column scales of W as the
+   right-hand operand of g @ W, where the sum runs over W's rows */
+int gt_col_absmax(int t, const uint8_t *w, long rb, long rows, long k, float *restrict out) {
+    gb_deq_fn f; int bl, by;
+    if (gb_layout(t, &f, &bl, &by)) return -1;
+    for (long j = 0; j < k; j++) out[j] = 0.0f;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *tmp = malloc(2 * k * sizeof(float)), *mx = tmp + k;
+        if (!tmp) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            for (long j = 0; j < k; j++) mx[j] = 0.0f;
+        }
+        #pragma omp for schedule(static)
+        for (long i = 0; i < rows; i++) {
+            if (!tmp) continue;
+            f(w + i * rb, tmp, k / bl);
+            for (long j = 0; j < k; j++) {
+                const float a = fabsf(tmp[j]);
+                mx[j] = a > mx[j] ? a : mx[j];
+            }
+        }
+        if (tmp) {
+            #pragma omp critical
+            for (long j = 0; j < k; j++) out[j] = mx[j] > out[j] ? mx[j] : out[j];
+        }
+        free(tmp);
+    }
+    return failed ? -2 : 0;
+}
+
+/* out[i, j] = acc[i, j] * sa[i] * sb[j] (i < m, j < n; rows lda and ldo apart): an int8
+   GEMM's int32 sums scaled back to float32; out may be acc itself (the same bytes) */
+void gt_s32_scale(const int32_t *acc, long lda, long m, long n, const float *restrict sa,
+                  const float *restrict sb, float *out, long ldo) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
+    for (long i = 0; i < m; i++) {
+        const int32_t *a = acc + i * lda;
+        float *o = out + i * ldo;
+        const float s = sa[i];
+        for (long j = 0; j < n; j++) o[j] = (float)a[j] * s * sb[j];
+    }
+}
+
 /* --- tiled GEMMs -------------------------------------------------------------------- */
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };

@@ -383,7 +383,7 @@ def test_finetune_cli_rejects_an_unknown_compute(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     assert res.stderr.strip().splitlines() == [
-        "gradtape finetune: error: --compute must be one of float32, bf16, auto, got 'fp8'"]
+        "gradtape finetune: error: --compute must be one of float32, bf16, int8, auto, got 'fp8'"]
 
 
 # --- SmolLM2 -------------------------------------------------------------------------------
@@ -444,6 +444,31 @@ def test_auto_follows_the_measurement_without_amx(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert compute.resolve("auto") == "float32"
+
+
+def test_int8_runs_only_when_asked_for_and_faster(monkeypatch):
+    """int8 is never auto's choice; asked for, it runs where the CPU has int8 dot
+    products and they measured faster than bf16, else it says so once and runs bf16 (or
+    float32, where bf16 is not fast either)."""
+    monkeypatch.setattr(compute, "_WARNED", set())
+    flags = {"avx512_bf16", "avx512f", "avx512_vnni"}
+    monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test",
+                                                      "flags": frozenset(flags)})
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "bf16 fast"))
+    monkeypatch.setattr(compute, "rates", lambda kind, shape, measure: ((100e9, 200e9), True))
+    assert compute.resolve("auto") == "bf16"
+    precision, why = compute.decide("int8")
+    assert precision == "int8" and why.startswith("int8 200 vs bf16 100 GFLOP/s")
+    monkeypatch.setattr(compute, "rates", lambda kind, shape, measure: ((100e9, 105e9), True))
+    with pytest.warns(RuntimeWarning, match="int8 compute asked for, running bf16: int8 "
+                                            "GEMMs are not faster here"):
+        assert compute.resolve("int8") == "bf16"
+    flags.discard("avx512_vnni")
+    with pytest.warns(RuntimeWarning, match="running bf16: this CPU has no int8 dot products"):
+        assert compute.resolve("int8") == "bf16"
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (False, "slower here"))
+    with pytest.warns(RuntimeWarning, match="int8 compute asked for, running float32: slower"):
+        assert compute.resolve("int8") == "float32"
 
 
 def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):

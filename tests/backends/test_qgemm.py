@@ -13,6 +13,11 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
   ``qmatmul_t`` against float64 arithmetic on the bf16-rounded operands, 1e-5 relative
   (the products of bf16 values are exact in float32; what is left is float32
   accumulation over k <= 1100 terms, about 1e-6 observed), on several tiles.
+* int8 compute (``--compute int8``): against a NumPy transcription of the same
+  quantization (smoothing factors, scales, rounding) with the integer sums exact, 1e-4
+  relative: what is left is float32 rounding of the scales' products and, rarely, a
+  value on a rounding tie quantized to the neighbouring integer (about 1e-7 observed);
+  and against the exact product, an error of int8's size (1e-3 to 5e-2), not bf16's.
 """
 
 from __future__ import annotations
@@ -225,3 +230,94 @@ def test_parked_blas_threads_come_back():
     qgemm.park_blas_threads()
     assert rel_err(a @ a.T, want) <= 1e-6
     assert (threads[0]() if threads else None) == before
+
+
+# --- int8 compute ---------------------------------------------------------------------------
+
+def _need_int8():
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+
+
+def _q8(v):
+    """v (float32, |v| <= 127.5) rounded half away from zero, as the C kernels do"""
+    return np.trunc(v + np.copysign(np.float32(0.5), v).astype(np.float32)).astype(np.int64)
+
+
+def _quant_rows(a):
+    """(integers, scale per row) of a float32 [m, n]: each row's max / 127"""
+    mx = np.abs(a).max(1, keepdims=True)
+    inv = np.zeros_like(mx)
+    np.divide(np.float32(127), mx, out=inv, where=mx > 0)
+    return _q8(a * inv), (mx / np.float32(127)).astype(np.float64)
+
+
+def _int8_reference(x, g, W):
+    """y = x W^T and z = g W as ``qgemm.lower_int8`` computes them, in NumPy: forward,
+    x's columns divided and W's multiplied by c = sqrt(max|x_j| / max|W_j|), then a scale
+    per row of each; backward, g a scale per row, W a scale per column; exact integer
+    sums, scaled in float64."""
+    aw, ax = np.abs(W).max(0), np.abs(x).max(0)
+    c = np.ones_like(aw)
+    np.divide(ax ** np.float32(0.5), aw ** np.float32(0.5), out=c, where=(ax > 0) & (aw > 0))
+    qx, sx = _quant_rows(x * (np.float32(1) / c))
+    qw, sw = _quant_rows(W * c)
+    y = (qx @ qw.T) * sx * sw.T
+    inv = np.zeros_like(aw)
+    np.divide(np.float32(127), aw, out=inv, where=aw > 0)
+    qg, sg = _quant_rows(g)
+    z = (qg @ _q8(W * inv)) * sg * (aw / np.float32(127)).astype(np.float64)
+    return y, z
+
+
+@pytest.mark.parametrize("rows,k,tile,backward", [(70, 768, 32 * 768, "columns"),
+                                                   (71, 768, 32 * 768, "columns"),
+                                                   (1100, 512, 320 * 512, "rows")])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_compute_matches_its_quantization(qtype, rows, k, tile, backward, monkeypatch):
+    """int8 compute, on the tiles of the bf16 test: 3 row tiles forward (the last
+    partial, each its rows' scales), 3 column tiles backward (each its columns' scales)
+    or 4 row tiles summed in int32 into z and scaled once."""
+    _need_int8()
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
+    r = np.random.default_rng(300 + TYPES.index(qtype))
+    T = 9
+    bm = random_blocks(qtype, rows, k, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)) * np.where(np.arange(k) % 97 == 0, 30, 1))
+    g = tp.param(r.standard_normal((T, rows)))
+    w = tp.const(bm)
+    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
+    prog = tp.compile([y, z], backend="cpu", compute="int8")
+    assert prog.executable.compute == "int8" and len(prog.executable._q8) == 2
+    got_y, got_z = prog.run()
+    deq = bm.dequantize()
+    ref_y, ref_z = _int8_reference(x.value, g.value, deq)
+    assert rel_err(got_y, ref_y) <= 1e-4
+    assert rel_err(got_z, ref_z) <= 1e-4
+    exact_y, exact_z = (x.value.astype(np.float64) @ deq.T, g.value.astype(np.float64) @ deq)
+    assert 1e-3 < rel_err(got_y, exact_y) < 5e-2
+    assert 1e-3 < rel_err(got_z, exact_z) < 5e-2
+
+
+def test_int8_follows_a_fed_weight_and_leaves_long_sums_to_bf16(monkeypatch):
+    """A block weight fed anew gets new column scales; a product summing more terms than
+    int32 holds at int8's largest products runs in bf16 (here: the limit lowered)."""
+    _need_int8()
+    r = np.random.default_rng(9)
+    a, b = (random_blocks("Q4_K", 64, 512, r) for _ in range(2))
+    tp = gt.Tape(np.float32)
+    x, g = tp.param(r.standard_normal((8, 512))), tp.param(r.standard_normal((8, 64)))
+    w = tp.const(a)
+    prog = tp.compile([ops.qmatmul(x, w), ops.qmatmul_t(g, w)], backend="cpu",
+                      compute="int8")
+    for bm in (a, b, a):
+        got = prog.run({w: bm.data})
+        for out, ref in zip(got, _int8_reference(x.value, g.value, bm.dequantize())):
+            assert rel_err(out, ref) <= 1e-4
+    monkeypatch.setattr(qgemm, "INT8_MAX_TERMS", 100)  # 512 terms forward, 64 backward
+    ex = tp.compile([ops.qmatmul(x, w), ops.qmatmul_t(g, w)], backend="cpu",
+                    compute="int8").executable
+    assert [s.op for s in ex._q8] == ["qmatmul_t"] and [s.op for s in ex._q16] == ["qmatmul"]

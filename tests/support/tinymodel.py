@@ -128,7 +128,11 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
     ids = np.asarray(ids)
     if targets is None:
         targets = np.r_[ids[1:], -100]
-    W = weight_consts(tp, {k: np.asarray(w).astype(dt, copy=False) for k, w in weights.items()})
+    from gradtape.blocks import BlockMatrix
+
+    W = weight_consts(tp, {k: w if isinstance(w, BlockMatrix)  # kept in its ggml blocks
+                           else np.asarray(w).astype(dt, copy=False)
+                           for k, w in weights.items()})
     lora = {k: (tp.param(a.astype(dt)), tp.param(b.astype(dt)))
             for k, (a, b) in adapter.weights.items()}
     layout = {} if positions is None else {

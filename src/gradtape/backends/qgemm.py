@@ -74,9 +74,11 @@ def lib():
         so.gt_f32_bf16_block.restype = None
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
-        so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _p]
+        so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _p, _p]
         so.gt_quant_rows_s8.restype = None
-        so.gt_deq_tile_s8.argtypes = [_i, _p, _l, _l, _l, _l, _l, _p, _p, _l, _p]
+        so.gt_absmax_cols.argtypes = [_p, _l, _l, _l, _p]
+        so.gt_absmax_cols.restype = None
+        so.gt_deq_tile_s8.argtypes = [_i, _p, _l, _l, _l, _l, _l, _p, _p, _p, _l, _p]
         so.gt_deq_tile_s8.restype = _i
         so.gt_col_absmax.argtypes = [_i, _p, _l, _l, _l, _p]
         so.gt_col_absmax.restype = _i
@@ -481,6 +483,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
 # --- int8 compute ---------------------------------------------------------------------
 # An int8 GEMM sums products of at most 127 * 127 in int32: at most this many terms
 INT8_MAX_TERMS = (2**31 - 1) // (127 * 127)
+SMOOTH_ALPHA = 0.5
 
 
 def int8_eligible(v):
@@ -563,20 +566,31 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, prod32, columns):
     gemms = [dnnl.bind_ptrs(*g, s8=True) for _, g, _ in steps]
     quant, deq, scale = L.gt_quant_rows_s8, L.gt_deq_tile_s8, L.gt_s32_scale
     cols = x.shape[1]
+    smooth = None if transposed else np.empty((3, k), np.float32)  # x's maxima, 1 / c, c
 
     def run(split=None):
         """``split``: as ``lower_bf16``'s run"""
-        quant(xp, cols, T, cols, ap, sa)
-        if transposed:
-            s, inv = columns()
-            scales, invp = s.ctypes.data, inv.ctypes.data
+        s, inv = columns()
+        scales, invp = s.ctypes.data, inv.ctypes.data
+        cx = cw = None
+        if smooth is not None and SMOOTH_ALPHA:
+            ax, rx, c = smooth
+            L.gt_absmax_cols(xp, cols, T, cols, ax.ctypes.data)
+            aw = s * np.float32(127)
+            c.fill(1)
+            ok = (ax > 0) & (aw > 0)
+            np.divide(ax ** SMOOTH_ALPHA, aw ** (1 - SMOOTH_ALPHA), out=c, where=ok)
+            np.divide(1, c, out=rx)
+            cx, cw = rx.ctypes.data, c.ctypes.data
+        quant(xp, cols, T, cols, cx, ap, sa)
         for ((r0, n, c0, nc, ldo), into), gemm in zip(
                 ((d, o) for d, _, o in steps), gemms):
             t0 = time.perf_counter() if split is not None else 0.0
             if transposed:
-                _check(deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, tp, ldo, None), v.op)
+                _check(deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, ldo, None),
+                       v.op)
             else:
-                _check(deq(tid, wp, rb, r0, n, c0, nc, None, tp, ldo, sw + 4 * r0), v.op)
+                _check(deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, ldo, sw + 4 * r0), v.op)
             if split is not None:
                 t1 = time.perf_counter()
                 split["dequantize"] += t1 - t0

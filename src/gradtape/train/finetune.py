@@ -146,7 +146,7 @@ class FinetuneConfig:
                                 "accumulation; where not faster: a notice and float32), or "
                                 "int8 (bf16, and the GEMMs against a quantized GGUF's "
                                 "weights in int8 with per-row scales: twice as fast with "
-                                "AVX512-VNNI or AMX, about 1% error per product)",
+                                "AVX512-VNNI or AMX; not exact: see docs/benchmarks.md)",
                         checks.one_of(*COMPUTE_CHOICES))
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "

@@ -300,31 +300,51 @@ void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
 
 static inline int8_t s8_round(float v) { return (int8_t)(v >= 0.0f ? v + 0.5f : v - 0.5f); }
 
-/* q[i, :] and s[i] of the rows x[i, :] (n values each, rows ldx apart), i < m */
+/* q[i, :] and s[i] of the rows x[i, :] * cm (n values each, rows ldx apart; cm: a factor
+   per column, or NULL for none), i < m */
 void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
-                      int8_t *restrict q, float *restrict s) {
-    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
-    for (long i = 0; i < m; i++) {
-        const float *xi = x + i * ldx;
-        float mx = 0.0f;
-        #pragma omp simd reduction(max : mx)
-        for (long j = 0; j < n; j++) {
-            const float a = fabsf(xi[j]);
-            mx = a > mx ? a : mx;
+                      const float *restrict cm, int8_t *restrict q, float *restrict s) {
+    #pragma omp parallel if (m * n >= (1L << 16))
+    {
+        float *tmp = cm ? malloc(n * sizeof(float)) : NULL;
+        #pragma omp for schedule(static)
+        for (long i = 0; i < m; i++) {
+            const float *xi = x + i * ldx;
+            if (tmp) {
+                for (long j = 0; j < n; j++) tmp[j] = xi[j] * cm[j];
+                xi = tmp;
+            }
+            float mx = 0.0f;
+            #pragma omp simd reduction(max : mx)
+            for (long j = 0; j < n; j++) {
+                const float a = fabsf(xi[j]);
+                mx = a > mx ? a : mx;
+            }
+            const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+            for (long j = 0; j < n; j++) q[i * n + j] = s8_round(xi[j] * inv);
+            s[i] = mx / 127.0f;
         }
-        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-        for (long j = 0; j < n; j++) q[i * n + j] = s8_round(xi[j] * inv);
-        s[i] = mx / 127.0f;
+        free(tmp);
     }
+}
+
+/* out[j] = max over the rows of |x[:, j]| (x [m, n], rows ldx apart) */
+void gt_absmax_cols(const float *restrict x, long ldx, long m, long n, float *restrict out) {
+    for (long j = 0; j < n; j++) out[j] = 0.0f;
+    for (long i = 0; i < m; i++)
+        for (long j = 0; j < n; j++) {
+            const float a = fabsf(x[i * ldx + j]);
+            out[j] = a > out[j] ? a : out[j];
+        }
 }
 
 /* out[i, j] = q of W[r0 + i, c0 + j] (i < n, j < nc; rows ldo apart), c0 and nc multiples
    of the block.  inv NULL: each row's own scale, written to rs[i] (the tile must hold
-   whole rows); else column c0 + j is multiplied by inv[j], 1 / its scale (the scales
+   whole rows), of the row times cm (a factor per column, or NULL for none); else column c0 + j is multiplied by inv[j], 1 / its scale (the scales
    gt_col_absmax's maxima give, shared by every tile of W). */
 int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
-                   const float *restrict inv, int8_t *restrict out, long ldo,
-                   float *restrict rs) {
+                   const float *restrict inv, const float *restrict cm,
+                   int8_t *restrict out, long ldo, float *restrict rs) {
     gb_deq_fn f; int bl, by;
     if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
     int failed = 0;
@@ -344,6 +364,8 @@ int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, l
             int8_t *o = out + i * ldo;
             if (!inv) {
                 f(row + c0 / bl * by, tmp, nc / bl);
+                if (cm)
+                    for (long j = 0; j < nc; j++) tmp[j] *= cm[j];
                 float mx = 0.0f;
                 #pragma omp simd reduction(max : mx)
                 for (long j = 0; j < nc; j++) {

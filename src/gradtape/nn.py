@@ -67,9 +67,11 @@ def linear_bias(tp, x, w, b):
 
 
 def linear_rows(tp, x, table):
-    """``x[T, D] @ table[V, D]^T -> [T, V]``: a weight stored ``[out, in]`` (a tied LM
-    head reading the embedding table), float or block matrix."""
-    return ops.qmatmul(x, table) if is_blocks(table) else ops.matmul(x, table, tb=True)
+    """``x[T, D] @ table[V, D]^T -> [T, V]``: a weight stored ``[out, in]`` (an LM head,
+    or a tied one reading the embedding table), float or block matrix; a block matrix's
+    product is ``precise`` (never int8: the loss reads the logits directly)."""
+    return (ops.qmatmul(x, table, precise=True) if is_blocks(table)
+            else ops.matmul(x, table, tb=True))
 
 
 def embedding(tp, table, ids):

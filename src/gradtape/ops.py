@@ -456,7 +456,7 @@ def _block_shape(w, qtype, rows, k):
                          f"(need {list(want)})")
 
 
-def _qmatmul_shape(shapes, qtype, rows, k):
+def _qmatmul_shape(shapes, qtype, rows, k, precise=False):
     x, w = shapes
     _block_shape(w, qtype, rows, k)
     if len(x) != 2 or x[1] != k:
@@ -464,7 +464,7 @@ def _qmatmul_shape(shapes, qtype, rows, k):
     return (x[0], rows)
 
 
-def _qmatmul_t_shape(shapes, qtype, rows, k):
+def _qmatmul_t_shape(shapes, qtype, rows, k, precise=False):
     g, w = shapes
     _block_shape(w, qtype, rows, k)
     if len(g) != 2 or g[1] != rows:
@@ -485,11 +485,11 @@ def _deq(w, qtype, dtype):
     return dequantize(w, qtype).astype(dtype, copy=False)  # [rows, k], one weight at a time
 
 
-def _fwd_qmatmul(out, x, w, qtype, rows, k):
+def _fwd_qmatmul(out, x, w, qtype, rows, k, precise=False):
     np.matmul(x, _deq(w, qtype, out.dtype).T, out=out)
 
 
-def _fwd_qmatmul_t(out, g, w, qtype, rows, k):
+def _fwd_qmatmul_t(out, g, w, qtype, rows, k, precise=False):
     np.matmul(g, _deq(w, qtype, out.dtype), out=out)
 
 
@@ -500,9 +500,11 @@ def _fwd_qtake_rows(out, w, ids, qtype, rows, k):
 
 
 _prim("qmatmul", _qmatmul_shape, _fwd_qmatmul,
-      lambda g, out, x, w, **a: (lambda: qmatmul_t(g, w), None), block_inputs=(1,))
+      lambda g, out, x, w, **a: (lambda: qmatmul_t(g, w, **_precise(a)), None),
+      block_inputs=(1,))
 _prim("qmatmul_t", _qmatmul_t_shape, _fwd_qmatmul_t,
-      lambda g, out, h, w, **a: (lambda: qmatmul(g, w), None), block_inputs=(1,))
+      lambda g, out, h, w, **a: (lambda: qmatmul(g, w, **_precise(a)), None),
+      block_inputs=(1,))
 _prim("qtake_rows", _qtake_rows_shape, _fwd_qtake_rows,
       lambda g, out, w, ids, **a: (None, None), index_inputs=(1,), block_inputs=(0,))
 
@@ -566,7 +568,7 @@ def _head_scratch(v):
 
 
 def _dec_head_nll(tp, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):
-    z = qmatmul(x, w) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
+    z = qmatmul(x, w, precise=True) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
     if cap:
         z = scale(tanh(scale(z, 1.0 / cap)), cap)
     return concat([nll_ids(z, ids), logsumexp(z, 1)], 1)
@@ -611,9 +613,9 @@ def _head_nll_e_vjp(g, out, x, w, ids, chunk, **attrs):
 
 
 def _dec_head_nll_e(tp, x, w, ids, chunk, qtype=None, rows=None, k=None):
-    z = qmatmul(x, w) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
+    z = qmatmul(x, w, precise=True) if qtype is not None else matmul(x, w, tb=True)  # [T, V]
     p = softmax(z, 1)
-    e = qmatmul_t(p, w) if qtype is not None else matmul(p, w)
+    e = qmatmul_t(p, w, precise=True) if qtype is not None else matmul(p, w)
     return concat([nll_ids(z, ids), logsumexp(z, 1), e], 1)
 
 
@@ -838,15 +840,23 @@ def _block_attrs(w, op):
     return {"qtype": attrs["qtype"], "rows": int(rows), "k": int(k)}
 
 
-def qmatmul(x, w):
+def qmatmul(x, w, precise=False):
     """``x[T, k] @ deq(w)^T -> [T, rows]`` for a block-matrix const ``w [rows, k]``: a
-    linear layer on a frozen weight kept in its stored type."""
-    return _rec("qmatmul", x, w, **_block_attrs(w, "qmatmul"))
+    linear layer on a frozen weight kept in its stored type.  ``precise``: never
+    computed in int8 (``--compute int8``), nor its gradient; for the LM head, whose
+    logits the loss reads directly."""
+    return _rec("qmatmul", x, w, **_block_attrs(w, "qmatmul"), **_precise({"precise": precise}))
 
 
-def qmatmul_t(g, w):
+def qmatmul_t(g, w, precise=False):
     """``g[T, rows] @ deq(w) -> [T, k]``: the transpose of ``qmatmul``."""
-    return _rec("qmatmul_t", g, w, **_block_attrs(w, "qmatmul_t"))
+    return _rec("qmatmul_t", g, w, **_block_attrs(w, "qmatmul_t"),
+                **_precise({"precise": precise}))
+
+
+def _precise(attrs):
+    """The ``precise`` attr of a block product as its op records it: only where true"""
+    return {"precise": True} if attrs.get("precise") else {}
 
 
 def qtake_rows(w, ids):

@@ -488,10 +488,11 @@ SMOOTH_ALPHA = 0.5
 
 def int8_eligible(v):
     """Whether block op ``v`` runs as int8 GEMMs under int8 compute: a bf16-eligible
-    product whose sums (over ``k`` forward, W's rows backward) fit int32."""
+    product, not marked ``precise`` (the LM head), whose sums (over ``k`` forward, W's
+    rows backward) fit int32."""
     a = v.attrs
     terms = a["k"] if v.op == "qmatmul" else a["rows"]
-    return bf16_eligible(v) and terms <= INT8_MAX_TERMS
+    return bf16_eligible(v) and not a.get("precise") and terms <= INT8_MAX_TERMS
 
 
 def int8_scratch_elems(ops):

@@ -68,7 +68,18 @@ static inline void bf16_store16(uint16_t *o, __m512 v) {
 #endif
 }
 
-static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
+/* a value vector stored as bf16 (to_bf16) or float32 at element i of o: the kernels
+   below are inlined with a constant to_bf16, so each copy has one kind of store */
+static inline __attribute__((always_inline)) void store16(void *o, long i, __m512 v,
+                                                          int to_bf16) {
+    if (to_bf16)
+        bf16_store16((uint16_t *)o + i, v);
+    else
+        _mm512_storeu_ps((float *)o + i, v);
+}
+
+static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, void *o,
+                                                            int to_bf16) {
     const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
     int sc[8], mn[8];
     k_scale_min(b + 4, sc, mn);
@@ -79,13 +90,14 @@ static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
         for (int h = 0; h < 2; h++) {
             __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
             v = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (s & 1)), lo4);
-            bf16_store16(o + 32 * s + 16 * h,
-                         _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(v)), M));
+            store16(o, 32 * s + 16 * h,
+                    _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(v)), M), to_bf16);
         }
     }
 }
 
-static void bf16_q6_k(const uint8_t *b, uint16_t *o) {
+static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, void *o,
+                                                            int to_bf16) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = gb_h2f(b + 208);
     const __m512i lo4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3);
@@ -108,12 +120,18 @@ static void bf16_q6_k(const uint8_t *b, uint16_t *o) {
                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hb, 6), two), 4))};
             for (int u = 0; u < 4; u++) {  /* value r = l + 32 u: scale r / 16 = is + 2 u */
                 const __m512 D = _mm512_set1_ps(d * (float)sc[8 * h + is + 2 * u]);
-                bf16_store16(o + 128 * h + l + 32 * u,
-                             _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(v[u], off))));
+                store16(o, 128 * h + l + 32 * u,
+                        _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(v[u], off))),
+                        to_bf16);
             }
         }
     }
 }
+
+static void bf16_q4_k(const uint8_t *b, uint16_t *o) { regs_q4_k(b, o, 1); }
+static void bf16_q6_k(const uint8_t *b, uint16_t *o) { regs_q6_k(b, o, 1); }
+static void f32_q4_k(const uint8_t *b, float *o) { regs_q4_k(b, o, 0); }
+static void f32_q6_k(const uint8_t *b, float *o) { regs_q6_k(b, o, 0); }
 #endif
 
 static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0,
@@ -298,6 +316,22 @@ void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
    accumulation) multiplies the integers; gt_s32_scale applies both operands' scales. */
 #define S8_CHUNK 1024  /* a multiple of every block size */
 
+/* values [c0, c0 + n) of a row as float32 into tmp (c0, n multiples of the block): Q4_K
+   and Q6_K in registers with AVX-512 (the same operations as ggml_blocks.h) */
+static void row_f32(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0, long n,
+                    float *restrict tmp) {
+#ifdef __AVX512F__
+    void (*direct)(const uint8_t *, float *) = t == T_Q4_K ? f32_q4_k
+                                               : t == T_Q6_K ? f32_q6_k : 0;
+    if (direct) {
+        for (long j = 0; j < n; j += 256) direct(row + (c0 + j) / 256 * by, tmp + j);
+        return;
+    }
+#endif
+    (void)t;
+    f(row + c0 / bl * by, tmp, n / bl);
+}
+
 static inline int8_t s8_round(float v) { return (int8_t)(v >= 0.0f ? v + 0.5f : v - 0.5f); }
 
 /* q[i, :] and s[i] of the rows x[i, :] * cm (n values each, rows ldx apart; cm: a factor
@@ -363,7 +397,7 @@ int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, l
             const uint8_t *row = w + (r0 + i) * rb;
             int8_t *o = out + i * ldo;
             if (!inv) {
-                f(row + c0 / bl * by, tmp, nc / bl);
+                row_f32(t, f, bl, by, row, c0, nc, tmp);
                 if (cm)
                     for (long j = 0; j < nc; j++) tmp[j] *= cm[j];
                 float mx = 0.0f;
@@ -379,7 +413,7 @@ int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, l
             }
             for (long j = 0; j < nc; j += len) {
                 const long m = nc - j < len ? nc - j : len;
-                f(row + (c0 + j) / bl * by, tmp, m / bl);
+                row_f32(t, f, bl, by, row, c0 + j, m, tmp);
                 for (long l = 0; l < m; l++) o[j + l] = s8_round(tmp[l] * inv[j + l]);
             }
         }
@@ -407,7 +441,7 @@ int gt_col_absmax(int t, const uint8_t *w, long rb, long rows, long k, float *re
         #pragma omp for schedule(static)
         for (long i = 0; i < rows; i++) {
             if (!tmp) continue;
-            f(w + i * rb, tmp, k / bl);
+            row_f32(t, f, bl, by, w + i * rb, 0, k, tmp);
             for (long j = 0; j < k; j++) {
                 const float a = fabsf(tmp[j]);
                 mx[j] = a > mx[j] ? a : mx[j];

@@ -279,7 +279,10 @@ def _int8_reference(x, g, W):
 def test_int8_compute_matches_its_quantization(qtype, rows, k, tile, backward, monkeypatch):
     """int8 compute, on the tiles of the bf16 test: 3 row tiles forward (the last
     partial, each its rows' scales), 3 column tiles backward (each its columns' scales)
-    or 4 row tiles summed in int32 into z and scaled once."""
+    or 4 row tiles summed in int32 into z and scaled once.  Tiles in plain rows and in
+    oneDNN's blocked layout (the activation as u8): the same integer sums, so the same
+    bits."""
+    from gradtape.backends import onednn
     _need_int8()
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
     r = np.random.default_rng(300 + TYPES.index(qtype))
@@ -290,9 +293,20 @@ def test_int8_compute_matches_its_quantization(qtype, rows, k, tile, backward, m
     g = tp.param(r.standard_normal((T, rows)))
     w = tp.const(bm)
     y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
-    prog = tp.compile([y, z], backend="cpu", compute="int8")
-    assert prog.executable.compute == "int8" and len(prog.executable._q8) == 2
-    got_y, got_z = prog.run()
+    runs = {}
+    for layout in ("plain", "blocked"):
+        monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
+        prog = tp.compile([y, z], backend="cpu", compute="int8")
+        assert prog.executable.compute == "int8" and len(prog.executable._q8) == 2
+        blocked = [s.blocked for s in prog.executable._steps if hasattr(s, "blocked")]
+        if layout == "plain" or not onednn.dnnl().vnni(T, k, 64, s8=True):
+            assert blocked == [False, False]
+        else:  # AVX512-VNNI's kernels keep the layout gt_deq_tile_s8_vnni writes
+            assert any(blocked)
+        runs[layout] = prog.run()
+    got_y, got_z = runs["plain"]
+    np.testing.assert_array_equal(got_y, runs["blocked"][0])
+    np.testing.assert_array_equal(got_z, runs["blocked"][1])
     deq = bm.dequantize()
     ref_y, ref_z = _int8_reference(x.value, g.value, deq)
     assert rel_err(got_y, ref_y) <= 1e-4

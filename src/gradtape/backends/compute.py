@@ -247,8 +247,8 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
 
 
 def blocked_tiles(what, shape, blocked, plain) -> bool:
-    """Whether the bf16 block-weight product ``blocked()`` (its tiles dequantized into the
-    blocked layout of oneDNN's kernel) beats ``plain()`` (plain rows, reordered by each
+    """Whether the bf16 or int8 block-weight product ``blocked()`` (its tiles dequantized
+    into the blocked layout of oneDNN's kernel) beats ``plain()`` (plain rows, reordered by each
     GEMM): both timed on the product ``what`` of ``shape`` once per CPU model and library
     versions, the result cached like ``rates`` (a few seconds in all for an 8B model's
     fourteen products, on its first step).

@@ -188,6 +188,7 @@ class CpuBackend(HostBackend):
                     self._q8scratch = (np.empty(act, np.int8), np.empty(tile, np.int8),
                                        np.empty(scales, np.float32),
                                        np.empty(scales, np.float32),
+                                       np.empty(scales, np.int32),
                                        np.empty(prod, np.int32) if prod else None)
                 if self._bf16 or self._q16 or self._q8:
                     self.compute = "int8" if self._q8 else "bf16"
@@ -328,7 +329,8 @@ class CpuBackend(HostBackend):
                 columns = functools.partial(self._col_scales, leaf, a["qtype"], a["rows"],
                                             a["k"])
                 steps.append(("py", qgemm.lower_int8(s, val[s], ins, self._dnnl,
-                                                     *self._q8scratch, columns)))
+                                                     *self._q8scratch, columns,
+                                                     compute.blocked_tiles)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,

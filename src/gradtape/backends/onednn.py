@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-_F32, _BF16, _S32, _S8 = 3, 2, 4, 5  # dnnl_data_type_t
+_F32, _BF16, _S32, _S8, _U8 = 3, 2, 4, 5, 6  # dnnl_data_type_t
 _CPU = 1  # dnnl_engine_kind_t
 _IN_ORDER = 1  # dnnl_stream_flags_t
 _ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17
@@ -36,6 +36,7 @@ _FORMAT_ANY, _FORMAT_BLOCKED = 1, 2  # dnnl_format_tag_any, dnnl_blocked
 # the weights layout of oneDNN's bf16 matmul kernels (BA16a64b2a): [K, N] in panels of 64
 # columns, each [K / 2][64][2] with K padded to 32 (csrc/qgemm.c's gt_deq_tile_vnni)
 VNNI_INNER = ((0, 16), (1, 64), (0, 2))
+VNNI_INNER_S8 = ((0, 16), (1, 64), (0, 4))  # BA16a64b4a: int8, four values of K a word
 _vp = ctypes.c_void_p
 _Dims = ctypes.c_int64 * 12
 
@@ -129,19 +130,22 @@ class _Dnnl:
         ``acc``: added to dst instead of written.  ``vnni``: W in the kernel's own blocked
         layout (``VNNI_INNER``; ``tb`` ignored), or None where the kernel oneDNN picks on
         this CPU keeps its weights in another.  ``packed``: W in the kernel's own layout,
-        whichever it is (``pack`` writes it; ``tb`` ignored).  ``s8``: src and W int8
-        (plain), dst int32 (the sums of the products, exact)."""
+        whichever it is (``pack`` writes it; ``tb`` ignored).  ``s8``: src and W int8,
+        dst int32 (the sums of the products, exact); with ``vnni``, src uint8 and W in
+        ``VNNI_INNER_S8``."""
         ldc = n if ldc is None else ldc
         lda = k if lda is None else lda
         key = (m, k, n, tb and not (vnni or packed), ldc, acc, lda, vnni, packed, s8)
         if key in self._prims:
             return self._prims[key]
         inputs, name = (_S8, "int8") if s8 else (_BF16, "bf16")
-        src = self._md((m, k), (lda, 1), inputs)
+        # int8 in the blocked layout: the activation as u8 (q + 128), whose kernels keep
+        # their weights without a compensation term of their own
+        src = self._md((m, k), (lda, 1), _U8 if s8 and vnni else inputs)
         if vnni or packed:
             wei = _vp()
             self._ok(self.lib.dnnl_memory_desc_create_with_tag(
-                ctypes.byref(wei), 2, _Dims(k, n), _BF16, _FORMAT_ANY), "memory_desc")
+                ctypes.byref(wei), 2, _Dims(k, n), inputs, _FORMAT_ANY), "memory_desc")
         else:
             wei = self._md((k, n), (1, k) if tb else (n, 1), inputs)
         dst = self._md((m, n), (ldc, 1), _S32 if s8 else _F32)
@@ -152,7 +156,7 @@ class _Dnnl:
             f"matmul [{m}, {k}] x [{k}, {n}] {name} (no {name} matmul on this CPU?)")
         if vnni or packed:
             wei = _vp(self.lib.dnnl_primitive_desc_query_md(pd, _QUERY_WEIGHTS_MD, 0))
-            if vnni and not self._is_vnni(wei, k, n):
+            if vnni and not self._is_vnni(wei, k, n, s8):
                 self._prims[key] = None
                 return None
         info = ctypes.c_char_p()
@@ -163,21 +167,24 @@ class _Dnnl:
         hit = self._prims[key] = (prim, (src, wei, dst), (info.value or b"?").decode())
         return hit
 
-    def _is_vnni(self, md, k, n):
+    def _is_vnni(self, md, k, n, s8=False):
         """Whether the weights descriptor ``md`` of a ``[k, n]`` B is ``VNNI_INNER`` with
-        K padded to 32, N to 64 and the panels ``Kp * 64`` values apart."""
+        K padded to 32, N to 64 and the panels ``Kp * 64`` values apart (``s8``:
+        ``VNNI_INNER_S8``, K padded to 64: what ``gt_deq_tile_s8_vnni`` writes)."""
         def query(what, ctype):
             v = ctype()
             self._ok(self.lib.dnnl_memory_desc_query(md, what, ctypes.byref(v)), "md query")
             return v
-        kp, np_ = -(-k // 32) * 32, -(-n // 64) * 64
+        kp, np_ = -(-k // (64 if s8 else 32)) * (64 if s8 else 32), -(-n // 64) * 64
         if query(_QUERY_FORMAT_KIND, ctypes.c_int).value != _FORMAT_BLOCKED:
             return False
         nb = query(_QUERY_INNER_NBLKS, ctypes.c_int).value
         blks, idxs, pad, strides = (query(q, ctypes.POINTER(ctypes.c_int64)) for q in (
             _QUERY_INNER_BLKS, _QUERY_INNER_IDXS, _QUERY_PADDED_DIMS, _QUERY_STRIDES))
-        return (tuple((idxs[i], blks[i]) for i in range(nb)) == VNNI_INNER
-                and (pad[0], pad[1]) == (kp, np_) and (strides[0], strides[1]) == (2048, kp * 64))
+        inner = VNNI_INNER_S8 if s8 else VNNI_INNER
+        return (tuple((idxs[i], blks[i]) for i in range(nb)) == inner
+                and (pad[0], pad[1]) == (kp, np_)
+                and (strides[0], strides[1]) == (4096 if s8 else 2048, kp * 64))
 
     def pack(self, m, k, n, tb, w, out=None):
         """``w`` (bf16 ``[k, n]``, or ``[n, k]`` when ``tb``) reordered into the layout
@@ -215,10 +222,11 @@ class _Dnnl:
         _, (_, want, _), _ = self.primitive(m, k, n, False, packed=True)
         return bool(self.lib.dnnl_memory_desc_equal(md, want))
 
-    def vnni(self, m, k, n):
+    def vnni(self, m, k, n, s8=False):
         """Whether the bf16 matmul of ``[m, k] @ [k, n]`` takes its weights in the blocked
-        layout ``gt_deq_tile_vnni`` writes (then no reorder per call)."""
-        return self.primitive(m, k, n, False, vnni=True) is not None
+        layout ``gt_deq_tile_vnni`` writes (then no reorder per call); ``s8``: the int8
+        one (u8 activation), in the layout of ``gt_deq_tile_s8_vnni``."""
+        return self.primitive(m, k, n, False, vnni=True, s8=s8) is not None
 
     def _f32_primitive(self, out, a, b):
         """``(primitive, (src, weights, dst) descs, "f32")`` of the float32 ``out = a @

@@ -74,7 +74,7 @@ def lib():
         so.gt_f32_bf16_block.restype = None
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
-        so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _p, _p]
+        so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _i, _p, _p]
         so.gt_quant_rows_s8.restype = None
         so.gt_absmax_cols.argtypes = [_p, _l, _l, _l, _p]
         so.gt_absmax_cols.restype = None
@@ -82,7 +82,9 @@ def lib():
         so.gt_deq_tile_s8.restype = _i
         so.gt_col_absmax.argtypes = [_i, _p, _l, _l, _l, _p]
         so.gt_col_absmax.restype = _i
-        so.gt_s32_scale.argtypes = [_p, _l, _l, _l, _p, _p, _p, _l]
+        so.gt_s32_scale.argtypes = [_p, _l, _l, _l, _p, _p, _p, _p, _l]
+        so.gt_deq_tile_s8_vnni.argtypes = [_i, _p, _l, _l, _l, _l, _l, _i, _p, _p, _p, _p, _p]
+        so.gt_deq_tile_s8_vnni.restype = _i
         so.gt_s32_scale.restype = None
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
@@ -481,8 +483,9 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
 
 
 # --- int8 compute ---------------------------------------------------------------------
-# An int8 GEMM sums products of at most 127 * 127 in int32: at most this many terms
-INT8_MAX_TERMS = (2**31 - 1) // (127 * 127)
+# An int8 GEMM sums products of at most 255 * 127 in int32 (the activation as u8, q + 128,
+# in the blocked layout): at most this many terms
+INT8_MAX_TERMS = (2**31 - 1) // (255 * 127)
 SMOOTH_ALPHA = 0.5
 
 
@@ -498,8 +501,8 @@ def int8_eligible(v):
 def int8_scratch_elems(ops):
     """``(activation, tile, scales, product)``: the int8 values of the activation and of
     one tile, the float32 scales (a row's per activation row, a row's or a column's per
-    W row or column), and the int32 values of a tile's product written as a block of
-    columns (see ``lower_int8``)."""
+    W row or column; as many int32 column sums), and the int32 values of a tile's
+    product written as a block of columns (see ``lower_int8``)."""
     act, tile, prod = bf16_scratch_elems(ops)
     scales = max(max(v.inputs[0].shape[0], v.attrs["rows"], v.attrs["k"]) for v in ops)
     return act, tile, scales, prod
@@ -518,7 +521,8 @@ def col_scales(w, qtype, rows, k):
     return mx / np.float32(127), inv
 
 
-def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, prod32, columns):
+def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, columns,
+               choose=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with int8
     inputs, int32 sums and float32 scales (W8A8: ``int8_eligible`` ops only).  The
     activation's rows are quantized into ``act8`` (a scale per row into ``ascale``),
@@ -526,14 +530,20 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, prod32, columns):
     quantized into ``tile8`` and one oneDNN GEMM writes (or adds to) int32 sums, which
     ``gt_s32_scale`` multiplies by both scales into their block of ``out``:
       qmatmul    y[:, r0:r0+R] = x8 @ tile[R, k]^T, each row of W its own scale
-                 (``wscale``; the sum runs along the row)
+                 (``wscale``; the sum runs along the row), after x's columns are divided
+                 and W's multiplied by c_j = sqrt(max|x_j| / max|W_j|) (``SMOOTH_ALPHA``:
+                 SmoothQuant's balance of the two ranges, taken afresh on each call)
       qmatmul_t  z[:, c0:c0+C] = g8 @ tile[rows, C], or
                  z (+)= g8[:, r0:r0+R] @ tile[R, k] summed in int32 over the tiles
                  in place in ``out``, then scaled once;
                  each column of W its own scale (the sum runs along the column), the
                  same for every tile: ``columns()`` gives ``col_scales``' pair.
-    The int32 sums of a block of columns go to ``prod32`` (contiguous rows, as in
-    ``lower_bf16``), else straight into ``out``'s bytes."""
+    The tiles are plain rows (oneDNN reorders them on every call) or, where oneDNN's
+    kernel keeps its weights in the layout ``gt_deq_tile_s8_vnni`` writes, already in it
+    with the activation as u8 (q + 128; the tiles' column sums, into ``csum``, take the
+    offset off): ``choose`` as in ``lower_bf16``.  The int32 sums of a block of columns
+    go to ``prod32`` (contiguous rows, as in ``lower_bf16``), else straight into
+    ``out``'s bytes."""
     a = v.attrs
     qtype, rows, k = a["qtype"], a["rows"], a["k"]
     x, w = ins
@@ -544,65 +554,110 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, prod32, columns):
     R, C = bf16_tile_shape(transposed, qtype, rows, k)
     L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
     xp, ap, tp, op = x.ctypes.data, act8.ctypes.data, tile8.ctypes.data, out.ctypes.data
-    sa, sw = ascale.ctypes.data, wscale.ctypes.data
+    sa, sw, cs = ascale.ctypes.data, wscale.ctypes.data, csum.ctypes.data
     width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
-    steps = []  # (dequantize's args but the scales, GEMM, scale's args but the scales)
+    cols = x.shape[1]
+    # per tile: W's rows [r0, r0 + n) and columns [c0, c0 + nc), the plain tile's row
+    # length; its GEMM (K, N, tb, A, output, ldc, acc, lda); None or the block of out
+    # its sums are scaled into (sums, ldc, rows, columns, first column, into, ldo)
+    steps = []
     if not transposed:
         for r0 in range(0, rows, R):
             n = min(R, rows - r0)
             dst, ldc = (op, width) if n == width else (pp, n)
-            steps.append(((r0, n, 0, k, k), (T, k, n, True, ap, tp, dst, ldc, False, None),
+            steps.append(((r0, n, 0, k, k), (k, n, True, ap, dst, ldc, False, None),
                           (dst, ldc, T, n, r0, op + 4 * r0, width)))
     elif C == k:
         for r0 in range(0, rows, R):
             n = min(R, rows - r0)
-            steps.append(((r0, n, 0, k, k), (T, n, k, False, ap + r0, tp, op, k, r0 > 0, rows),
-                          None))
+            steps.append(((r0, n, 0, k, k), (n, k, False, ap + r0, op, k, r0 > 0, rows), None))
     else:
         for c0 in range(0, k, C):
             n = min(C, k - c0)
             dst, ldc = (op, width) if n == width else (pp, n)
-            steps.append(((0, rows, c0, n, n), (T, rows, n, False, ap, tp, dst, ldc, False,
-                                                None), (dst, ldc, T, n, c0, op + 4 * c0, width)))
-    gemms = [dnnl.bind_ptrs(*g, s8=True) for _, g, _ in steps]
-    quant, deq, scale = L.gt_quant_rows_s8, L.gt_deq_tile_s8, L.gt_s32_scale
-    cols = x.shape[1]
+            steps.append(((0, rows, c0, n, n), (rows, n, False, ap, dst, ldc, False, None),
+                          (dst, ldc, T, n, c0, op + 4 * c0, width)))
     smooth = None if transposed else np.empty((3, k), np.float32)  # x's maxima, 1 / c, c
 
-    def run(split=None):
-        """``split``: as ``lower_bf16``'s run"""
-        s, inv = columns()
-        scales, invp = s.ctypes.data, inv.ctypes.data
-        cx = cw = None
-        if smooth is not None and SMOOTH_ALPHA:
-            ax, rx, c = smooth
-            L.gt_absmax_cols(xp, cols, T, cols, ax.ctypes.data)
-            aw = s * np.float32(127)
-            c.fill(1)
-            ok = (ax > 0) & (aw > 0)
-            np.divide(ax ** SMOOTH_ALPHA, aw ** (1 - SMOOTH_ALPHA), out=c, where=ok)
-            np.divide(1, c, out=rx)
-            cx, cw = rx.ctypes.data, c.ctypes.data
-        quant(xp, cols, T, cols, cx, ap, sa)
-        for ((r0, n, c0, nc, ldo), into), gemm in zip(
-                ((d, o) for d, _, o in steps), gemms):
-            t0 = time.perf_counter() if split is not None else 0.0
-            if transposed:
-                _check(deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, ldo, None),
-                       v.op)
-            else:
-                _check(deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, ldo, sw + 4 * r0), v.op)
-            if split is not None:
-                t1 = time.perf_counter()
-                split["dequantize"] += t1 - t0
-            gemm()
-            if split is not None:
-                split["GEMM"] += time.perf_counter() - t1
-            if into is not None:
-                src, ld, m, nn, j0, dst, ldo_ = into
-                scale(src, ld, m, nn, sa, (scales if transposed else sw) + 4 * j0, dst, ldo_)
-        if transposed and C == k:
-            scale(op, k, T, k, sa, scales, op, k)
-    run.label = f"{v.op} int8 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-    run.precision = "int8"
-    return run
+    def smoothing(s):
+        """(1 / c, c) addresses, or (None, None) (no smoothing: backward, or alpha 0)"""
+        if smooth is None or not SMOOTH_ALPHA:
+            return None, None
+        ax, rx, c = smooth
+        L.gt_absmax_cols(xp, cols, T, cols, ax.ctypes.data)
+        aw = s * np.float32(127)
+        c.fill(1)
+        np.divide(ax ** SMOOTH_ALPHA, aw ** (1 - SMOOTH_ALPHA), out=c, where=(ax > 0) & (aw > 0))
+        np.divide(1, c, out=rx)
+        return rx.ctypes.data, c.ctypes.data
+
+    def bind(blocked):
+        """the callable running the tiles plain or blocked (None where oneDNN's kernel
+        keeps its int8 weights in another layout than gt_deq_tile_s8_vnni writes)"""
+        # oneDNN keeps the blocked weights only with a contiguous A: each tile of a
+        # whole-rows qmatmul_t copies its columns of g8 into one
+        per_tile = blocked and transposed and C == k
+        gs = [g for _, g, _ in steps]
+        if per_tile:
+            a_tile = np.empty(T * R, np.uint8)
+            g8 = act8.view(np.uint8)[:T * rows].reshape(T, rows)
+            moves = [(a_tile[:T * n].reshape(T, n), g8[:, r0:r0 + n])
+                     for (r0, n, *_), _, _ in steps]
+            gs = [(kk, n, tb, a_tile.ctypes.data, dst, ldc, acc, None)
+                  for kk, n, tb, _, dst, ldc, acc, _ in gs]
+        if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True,
+                                              s8=True)
+                               for kk, n, _tb, _a, _o, ldc, acc, lda in gs):
+            return None
+        gemms = [dnnl.bind_ptrs(T, kk, n, tb and not blocked, a_ptr, tp, dst, ldc, acc, lda,
+                                vnni=blocked, s8=True)
+                 for kk, n, tb, a_ptr, dst, ldc, acc, lda in gs]
+        quant, scale = L.gt_quant_rows_s8, L.gt_s32_scale
+        deq = L.gt_deq_tile_s8_vnni if blocked else L.gt_deq_tile_s8
+        comp = cs if blocked else None
+
+        def run(split=None):
+            """``split``: as ``lower_bf16``'s run"""
+            s, inv = columns()
+            scales, invp = s.ctypes.data, inv.ctypes.data
+            cx, cw = smoothing(s)
+            quant(xp, cols, T, cols, cx, int(blocked), ap, sa)
+            if blocked:
+                csum.fill(0)
+            for i, (((r0, n, c0, nc, ldo), _, into), gemm) in enumerate(zip(steps, gemms)):
+                if per_tile:
+                    np.copyto(*moves[i])
+                t0 = time.perf_counter() if split is not None else 0.0
+                if blocked and transposed:
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, 0, invp + 4 * c0, None, tp, None,
+                             cs + 4 * c0)
+                elif blocked:
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, 1, None, cw, tp, sw + 4 * r0,
+                             cs + 4 * r0)
+                elif transposed:
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, ldo, None)
+                else:
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, ldo, sw + 4 * r0)
+                _check(rc, v.op)
+                if split is not None:
+                    t1 = time.perf_counter()
+                    split["dequantize"] += t1 - t0
+                gemm()
+                if split is not None:
+                    split["GEMM"] += time.perf_counter() - t1
+                if into is not None:
+                    src, ld, m, nn, j0, dst, ldo_ = into
+                    scale(src, ld, m, nn, sa, (scales if transposed else sw) + 4 * j0,
+                          comp + 4 * j0 if comp else None, dst, ldo_)
+            if transposed and C == k:
+                scale(op, k, T, k, sa, scales, comp, op, k)
+        run.label = f"{v.op} int8 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
+        run.blocked, run.precision = blocked, "int8"
+        return run
+
+    blocked, plain = bind(True), bind(False)
+    if blocked is None:
+        return plain
+    if choose is None or choose(f"{v.op} {qtype} int8", (T, rows, k), blocked, plain):
+        return blocked
+    return plain

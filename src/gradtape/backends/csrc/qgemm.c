@@ -335,9 +335,11 @@ static void row_f32(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long
 static inline int8_t s8_round(float v) { return (int8_t)(v >= 0.0f ? v + 0.5f : v - 0.5f); }
 
 /* q[i, :] and s[i] of the rows x[i, :] * cm (n values each, rows ldx apart; cm: a factor
-   per column, or NULL for none), i < m */
+   per column, or NULL for none), i < m; u8: q + 128 stored (unsigned, the activation
+   operand of a u8 x s8 GEMM) */
 void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
-                      const float *restrict cm, int8_t *restrict q, float *restrict s) {
+                      const float *restrict cm, int u8, int8_t *restrict q,
+                      float *restrict s) {
     #pragma omp parallel if (m * n >= (1L << 16))
     {
         float *tmp = cm ? malloc(n * sizeof(float)) : NULL;
@@ -355,7 +357,12 @@ void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
                 mx = a > mx ? a : mx;
             }
             const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-            for (long j = 0; j < n; j++) q[i * n + j] = s8_round(xi[j] * inv);
+            if (u8) {
+                uint8_t *qu = (uint8_t *)q + i * n;
+                for (long j = 0; j < n; j++) qu[j] = (uint8_t)(s8_round(xi[j] * inv) + 128);
+            } else {
+                for (long j = 0; j < n; j++) q[i * n + j] = s8_round(xi[j] * inv);
+            }
             s[i] = mx / 127.0f;
         }
         free(tmp);
@@ -376,6 +383,42 @@ void gt_absmax_cols(const float *restrict x, long ldx, long m, long n, float *re
    of the block.  inv NULL: each row's own scale, written to rs[i] (the tile must hold
    whole rows), of the row times cm (a factor per column, or NULL for none); else column c0 + j is multiplied by inv[j], 1 / its scale (the scales
    gt_col_absmax's maxima give, shared by every tile of W). */
+/* q[j] (j < nc) of row `row`'s values [c0, c0 + nc) (tmp: nc floats of scratch): with
+   its own scale, written to *rs, of the row times cm (a factor per column, or NULL) where
+   inv is NULL, else each value times inv[j]; the sum of the q[j] into *sum where not NULL */
+static void row_s8(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0, long nc,
+                   const float *restrict inv, const float *restrict cm, float *restrict tmp,
+                   int8_t *restrict q, float *rs, int32_t *sum) {
+    row_f32(t, f, bl, by, row, c0, nc, tmp);
+    float r;
+    if (inv) {
+        for (long j = 0; j < nc; j++) tmp[j] *= inv[j];
+        r = 1.0f;
+    } else {
+        if (cm)
+            for (long j = 0; j < nc; j++) tmp[j] *= cm[j];
+        float mx = 0.0f;
+        #pragma omp simd reduction(max : mx)
+        for (long j = 0; j < nc; j++) {
+            const float a = fabsf(tmp[j]);
+            mx = a > mx ? a : mx;
+        }
+        r = mx > 0.0f ? 127.0f / mx : 0.0f;
+        *rs = mx / 127.0f;
+    }
+    int32_t total = 0;
+    for (long j = 0; j < nc; j++) {
+        q[j] = s8_round(tmp[j] * r);
+        total += q[j];
+    }
+    if (sum) *sum += total;
+}
+
+/* out[i, j] = q of W[r0 + i, c0 + j] (i < n, j < nc; rows ldo apart), c0 and nc multiples
+   of the block.  inv NULL: each row's own scale, written to rs[i] (the tile must hold
+   whole rows), of the row times cm (a factor per column, or NULL for none); else column
+   c0 + j is multiplied by inv[j], 1 / its scale (the scales gt_col_absmax's maxima give,
+   shared by every tile of W). */
 int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
                    const float *restrict inv, const float *restrict cm,
                    int8_t *restrict out, long ldo, float *restrict rs) {
@@ -384,40 +427,113 @@ int gt_deq_tile_s8(int t, const uint8_t *w, long rb, long r0, long n, long c0, l
     int failed = 0;
     #pragma omp parallel if (n * nc >= (1L << 16))
     {
-        /* a row's float values: the whole row where it gets its own scale */
-        const long len = inv ? (nc < S8_CHUNK ? nc : S8_CHUNK) : nc;
-        float *tmp = malloc(len * sizeof(float));
+        float *tmp = malloc(nc * sizeof(float));
         if (!tmp) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (long i = 0; i < n; i++) {
-            if (!tmp) continue;
-            const uint8_t *row = w + (r0 + i) * rb;
-            int8_t *o = out + i * ldo;
-            if (!inv) {
-                row_f32(t, f, bl, by, row, c0, nc, tmp);
-                if (cm)
-                    for (long j = 0; j < nc; j++) tmp[j] *= cm[j];
-                float mx = 0.0f;
-                #pragma omp simd reduction(max : mx)
-                for (long j = 0; j < nc; j++) {
-                    const float a = fabsf(tmp[j]);
-                    mx = a > mx ? a : mx;
-                }
-                const float r = mx > 0.0f ? 127.0f / mx : 0.0f;
-                for (long j = 0; j < nc; j++) o[j] = s8_round(tmp[j] * r);
-                rs[i] = mx / 127.0f;
-                continue;
-            }
-            for (long j = 0; j < nc; j += len) {
-                const long m = nc - j < len ? nc - j : len;
-                row_f32(t, f, bl, by, row, c0 + j, m, tmp);
-                for (long l = 0; l < m; l++) o[j + l] = s8_round(tmp[l] * inv[j + l]);
-            }
-        }
+        for (long i = 0; i < n; i++)
+            if (tmp) row_s8(t, f, bl, by, w + (r0 + i) * rb, c0, nc, inv, cm, tmp,
+                            out + i * ldo, inv ? NULL : rs + i, NULL);
         free(tmp);
+    }
+    return failed ? -2 : 0;
+}
+
+/* The same tile in the blocked layout oneDNN's u8 x s8 matmul keeps its weights in with
+   AVX512-VNNI (BA16a64b4a; onednn.py checks that the primitive asks for it): B [K, N] cut
+   into panels of 64 columns, each [Kp / 4][64][4]: the quad B[4p .. 4p + 3, j] is the
+   32-bit word out32[(j / 64) * Kp * 16 + p * 64 + j % 64]; K padded to Kp (a multiple of
+   64) and N to a multiple of 64, with zeros.  by_rows: B = W[r0 : r0 + n, c0 : c0 +
+   nc]^T (K = nc, N = n; y = x W^T; each row of W its own scale, as inv NULL above), else
+   B = W[r0 : r0 + n, c0 : c0 + nc] (K = n, N = nc; z = g W; inv's column scales).  The
+   sums of B's columns are added to csum[j] (the activation goes in as q + 128, and the
+   caller takes 128 csum[j] off).  Panels (by_rows) or quads of W's rows (else) are split
+   over the threads. */
+#define Q8_K 64  /* K is padded to a multiple of this */
+
+int gt_deq_tile_s8_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
+                        int by_rows, const float *restrict inv, const float *restrict cm,
+                        uint32_t *restrict out, float *restrict rs, int32_t *restrict csum) {
+    gb_deq_fn f; int bl, by;
+    if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
+    const long K = by_rows ? nc : n, N = by_rows ? n : nc;
+    const long kp = (K + Q8_K - 1) / Q8_K * Q8_K, panels = (N + VN_N - 1) / VN_N;
+    const long quads = kp / 4, panel = quads * VN_N;  /* 32-bit words */
+    int failed = 0;
+    if (by_rows) {
+        /* 16 rows of W at a time into a slab of words (4 values of a row each, zeros
+           past nc), transposed into their 16 columns of the panel (as the bf16 tiles) */
+        const long ld = quads + 16;
+        #pragma omp parallel if (n * nc >= (1L << 16))
+        {
+            uint32_t *slab = calloc(16 * ld, sizeof(uint32_t));
+            float *tmp = malloc(nc * sizeof(float));
+            if (!slab || !tmp) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(static)
+            for (long c = 0; c < panels; c++) {
+                if (!slab || !tmp) continue;
+                for (long j0 = 0; j0 < VN_N; j0 += 16) {
+                    for (long i = 0; i < 16; i++) {
+                        const long r = c * VN_N + j0 + i;
+                        int8_t *q = (int8_t *)(slab + i * ld);
+                        if (r < n) row_s8(t, f, bl, by, w + (r0 + r) * rb, c0, nc, NULL, cm,
+                                          tmp, q, rs + r, csum + r);
+                        else memset(q, 0, nc);
+                    }
+                    vn_transpose16(slab, ld, quads, out + c * panel + j0);
+                }
+            }
+            free(slab);
+            free(tmp);
+        }
+    } else {
+        /* 4 rows of W quantized, interleaved into word row p of every panel; each
+           thread sums its columns, added into csum at the end */
+        const long width = panels * VN_N;
+        #pragma omp parallel if (n * nc >= (1L << 16))
+        {
+            int8_t *b = calloc(4 * width, 1);
+            int32_t *sums = calloc(width, sizeof(int32_t));
+            float *tmp = malloc(nc * sizeof(float));
+            if (!b || !sums || !tmp) {
+                #pragma omp atomic write
+                failed = 1;
+            }
+            #pragma omp for schedule(static)
+            for (long p = 0; p < quads; p++) {
+                if (!b || !sums || !tmp) continue;
+                for (int u = 0; u < 4; u++) {
+                    int8_t *q = b + u * width;
+                    if (4 * p + u < n) row_s8(t, f, bl, by, w + (r0 + 4 * p + u) * rb, c0, nc,
+                                              inv, NULL, tmp, q, NULL, NULL);
+                    else memset(q, 0, nc);
+                }
+                const uint8_t *q0 = (const uint8_t *)b, *q1 = q0 + width, *q2 = q1 + width,
+                              *q3 = q2 + width;
+                for (long j = 0; j < nc; j++)
+                    sums[j] += (int8_t)q0[j] + (int8_t)q1[j] + (int8_t)q2[j] + (int8_t)q3[j];
+                for (long c = 0; c < panels; c++) {
+                    uint32_t *restrict dst = out + c * panel + p * VN_N;
+                    const long o = c * VN_N;
+                    _Pragma("omp simd")
+                    for (long j = 0; j < VN_N; j++)
+                        dst[j] = (uint32_t)q0[o + j] | (uint32_t)q1[o + j] << 8
+                                 | (uint32_t)q2[o + j] << 16 | (uint32_t)q3[o + j] << 24;
+                }
+            }
+            if (sums) {
+                #pragma omp critical
+                for (long j = 0; j < nc; j++) csum[j] += sums[j];
+            }
+            free(b);
+            free(sums);
+            free(tmp);
+        }
     }
     return failed ? -2 : 0;
 }
@@ -456,16 +572,22 @@ int gt_col_absmax(int t, const uint8_t *w, long rb, long rows, long k, float *re
     return failed ? -2 : 0;
 }
 
-/* out[i, j] = acc[i, j] * sa[i] * sb[j] (i < m, j < n; rows lda and ldo apart): an int8
-   GEMM's int32 sums scaled back to float32; out may be acc itself (the same bytes) */
+/* out[i, j] = (acc[i, j] - 128 csum[j]) * sa[i] * sb[j] (i < m, j < n; rows lda and ldo
+   apart; csum NULL: no term): an int8 GEMM's int32 sums scaled back to float32, less
+   what the u8 activation's offset of 128 added (csum: the sums of B's columns); out may
+   be acc itself (the same bytes) */
 void gt_s32_scale(const int32_t *acc, long lda, long m, long n, const float *restrict sa,
-                  const float *restrict sb, float *out, long ldo) {
+                  const float *restrict sb, const int32_t *restrict csum, float *out,
+                  long ldo) {
     #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
     for (long i = 0; i < m; i++) {
         const int32_t *a = acc + i * lda;
         float *o = out + i * ldo;
         const float s = sa[i];
-        for (long j = 0; j < n; j++) o[j] = (float)a[j] * s * sb[j];
+        if (csum)
+            for (long j = 0; j < n; j++) o[j] = (float)(a[j] - 128 * csum[j]) * s * sb[j];
+        else
+            for (long j = 0; j < n; j++) o[j] = (float)a[j] * s * sb[j];
     }
 }
 

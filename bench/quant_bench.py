@@ -25,9 +25,11 @@ timed steps; reported are the median step time, tokens/s and the peak RSS (VmHWM
 each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).  gradtape runs
 once per ``--compute`` precision: auto (finetune's default: the row ``gradtape_default``,
 with ``compute_why``), float32 (tiles dequantized to float32, OpenBLAS sgemm) and bf16
-(tiles dequantized to bf16, oneDNN's bf16 matmul); each gradtape row splits one step's
-time by kind of work (``split_s``, ``profile_step.profile``: block-weight GEMMs with their
-dequantization, other GEMMs, C kernels, attention, the LM head, the rest).
+(tiles dequantized to bf16, oneDNN's bf16 matmul); on request int8 (``--compute int8``:
+tiles quantized to int8, oneDNN's int8 matmul; not exact, see the README).  Each
+gradtape row splits one step's time by kind of work (``split_s``,
+``profile_step.profile``: block-weight GEMMs with their dequantization, other GEMMs, C
+kernels, attention, the LM head, the rest).
 
     python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
     gradtape bench --workloads llama8b-q4km-lora
@@ -280,8 +282,9 @@ def main(argv=None):
     ap.add_argument("--compute", default="auto,float32,bf16",
                     help="gradtape GEMM precisions, comma-separated (a row each: "
                          "gradtape_default_s for auto, finetune's default; gradtape_s for "
-                         "float32, gradtape_bf16_s ...; bf16 runs float32 where the CPU has "
-                         "no fast bf16, and gradtape_bf16_compute says what ran)")
+                         "float32, gradtape_bf16_s, gradtape_int8_s ...; bf16 runs float32 "
+                         "where the CPU has no fast bf16, and gradtape_bf16_compute says what "
+                         "ran)")
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences of T=256 per step, both sides (default: 1; the issue's "
                          "second shape is 4)")

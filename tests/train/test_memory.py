@@ -136,3 +136,16 @@ def test_auto_keeps_stored_weights_when_float32_would_not_fit(files, tmp_path, m
     assert abs(s["final_loss"] - r["final_loss"]) <= 1e-5 * abs(r["final_loss"])
     cfgs = json.loads((tmp_path / "auto" / "gradtape-run.json").read_text())["config"]
     assert cfgs["weights"] == "auto"
+
+
+def test_int8_compute_keeps_the_weights_stored(files, tmp_path):
+    """--compute int8 computes from the file's blocks: --weights auto keeps them, and
+    says so (whichever precision this CPU then runs)."""
+    import warnings
+
+    logs = []
+    with warnings.catch_warnings():  # int8 may not be faster at this tiny shape: a notice
+        warnings.simplefilter("ignore", RuntimeWarning)
+        finetune(_cfg(files, tmp_path / "run", compute="int8"), log=logs.append)
+    assert "weights: kept in their stored type (--compute int8 computes from the file's " \
+           "blocks)" in logs

@@ -5,7 +5,7 @@ A backend class declares which of the optional compile passes it wants (``passes
 them and constructs it as ``Backend(graph, schedule, plan, compute=...)``.  It then
 offers ``run(arrays)`` (copy the given leaf arrays in, evaluate, apply the state
 updates, return copies of the outputs), ``set_leaf``, ``leaf_value``, ``plan`` and
-``compute`` (the precision that runs: "float32", or "bf16" where a backend took it).
+``compute`` (the precision that runs: "float32", or "bf16" / "int8" where a backend took it).
 
 ``HostBackend`` holds values in host NumPy arrays (the numpy and cpu backends): leaves
 share the tape's recorded arrays read-only until fed or updated, then get storage of

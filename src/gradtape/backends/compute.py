@@ -17,13 +17,14 @@ quantized GGUF) take int8 inputs: each activation row and each weight row (forwa
 column (backward) rounded to 255 levels of its own scale, the products summed exactly in
 int32 (W8A8, ``qgemm.lower_int8``).  Twice bf16's rate where the CPU has int8 dot
 products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of about 1% error in
-each such product (``bench/bf16_cosine.py --compute int8`` measures what it does to the
-gradients).  Asked for where it is not faster, it says so once and runs bf16.
+each such product (``bench/bf16_cosine.py --int8`` measures what it does to the
+gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
+is not faster, it says so once and runs bf16.
 
 Two more decisions of the kind, timed the same way: ``blocked_tiles``, whether the
-tiles of a bf16 block-weight product go into oneDNN's blocked weight layout or plain
-rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool
-with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
+tiles of a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or
+plain rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread
+pool with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
 

@@ -82,9 +82,9 @@ def lib():
         so.gt_deq_tile_s8.restype = _i
         so.gt_col_absmax.argtypes = [_i, _p, _l, _l, _l, _p]
         so.gt_col_absmax.restype = _i
-        so.gt_s32_scale.argtypes = [_p, _l, _l, _l, _p, _p, _p, _p, _l]
         so.gt_deq_tile_s8_vnni.argtypes = [_i, _p, _l, _l, _l, _l, _l, _i, _p, _p, _p, _p, _p]
         so.gt_deq_tile_s8_vnni.restype = _i
+        so.gt_s32_scale.argtypes = [_p, _l, _l, _l, _p, _p, _p, _p, _l]
         so.gt_s32_scale.restype = None
         for name in ("gt_qgemm_f32", "gt_qgemm_t_f32", "gt_qgemm_f64", "gt_qgemm_t_f64"):
             getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
@@ -486,6 +486,9 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
 # An int8 GEMM sums products of at most 255 * 127 in int32 (the activation as u8, q + 128,
 # in the blocked layout): at most this many terms
 INT8_MAX_TERMS = (2**31 - 1) // (255 * 127)
+# the forward's balance of activation and weight ranges, c_j = max|x_j|^a / max|W_j|^(1-a)
+# (SmoothQuant's alpha; 0: none): on SmolLM2, 0.5 gave the closest gradients of 0, 0.3,
+# 0.4, 0.5, 0.7 and 0.85 (docs/benchmarks.md)
 SMOOTH_ALPHA = 0.5
 
 
@@ -531,8 +534,8 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
     ``gt_s32_scale`` multiplies by both scales into their block of ``out``:
       qmatmul    y[:, r0:r0+R] = x8 @ tile[R, k]^T, each row of W its own scale
                  (``wscale``; the sum runs along the row), after x's columns are divided
-                 and W's multiplied by c_j = sqrt(max|x_j| / max|W_j|) (``SMOOTH_ALPHA``:
-                 SmoothQuant's balance of the two ranges, taken afresh on each call)
+                 and W's multiplied by c_j (``SMOOTH_ALPHA``: SmoothQuant's balance of
+                 the two ranges, taken afresh on each call)
       qmatmul_t  z[:, c0:c0+C] = g8 @ tile[rows, C], or
                  z (+)= g8[:, r0:r0+R] @ tile[R, k] summed in int32 over the tiles
                  in place in ``out``, then scaled once;
@@ -587,7 +590,8 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
         L.gt_absmax_cols(xp, cols, T, cols, ax.ctypes.data)
         aw = s * np.float32(127)
         c.fill(1)
-        np.divide(ax ** SMOOTH_ALPHA, aw ** (1 - SMOOTH_ALPHA), out=c, where=(ax > 0) & (aw > 0))
+        np.divide(ax ** SMOOTH_ALPHA, aw ** (1 - SMOOTH_ALPHA), out=c,
+                  where=(ax > 0) & (aw > 0))
         np.divide(1, c, out=rx)
         return rx.ctypes.data, c.ctypes.data
 

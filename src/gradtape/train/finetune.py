@@ -135,7 +135,7 @@ class FinetuneConfig:
                                 "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
                                 "mapped, dequantized tile by tile in the matmuls) or auto "
                                 "(stored when the float32 copy would leave less than a "
-                                "fifth of the available memory)",
+                                "fifth of the available memory, or with --compute int8)",
                         checks.one_of(*WEIGHT_MODES))
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
@@ -344,6 +344,10 @@ def _keep_quantized(cfg, path, available, log) -> bool:
     """Whether to keep the frozen weights in their stored type (``--weights``); refuses
     float32 weights that alone exceed the memory available, before loading them."""
     if cfg.weights == "stored":
+        return True
+    if cfg.weights == "auto" and cfg.compute == "int8":
+        log("weights: kept in their stored type (--compute int8 computes from the file's "
+            "blocks)")
         return True
     f32 = weight_bytes(path, keep_quantized=False)
     # float32 (today's default) unless it leaves under a fifth of the memory for the rest

@@ -381,8 +381,9 @@ void gt_absmax_cols(const float *restrict x, long ldx, long m, long n, float *re
 
 /* out[i, j] = q of W[r0 + i, c0 + j] (i < n, j < nc; rows ldo apart), c0 and nc multiples
    of the block.  inv NULL: each row's own scale, written to rs[i] (the tile must hold
-   whole rows), of the row times cm (a factor per column, or NULL for none); else column c0 + j is multiplied by inv[j], 1 / its scale (the scales
-   gt_col_absmax's maxima give, shared by every tile of W). */
+   whole rows), of the row times cm (a factor per column, or NULL for none); else column
+   c0 + j is multiplied by inv[j], 1 / its scale (the scales gt_col_absmax's maxima
+   give, shared by every tile of W). */
 /* q[j] (j < nc) of row `row`'s values [c0, c0 + nc) (tmp: nc floats of scratch): with
    its own scale, written to *rs, of the row times cm (a factor per column, or NULL) where
    inv is NULL, else each value times inv[j]; the sum of the q[j] into *sum where not NULL */

@@ -500,10 +500,10 @@ def _fwd_qtake_rows(out, w, ids, qtype, rows, k):
 
 
 _prim("qmatmul", _qmatmul_shape, _fwd_qmatmul,
-      lambda g, out, x, w, **a: (lambda: qmatmul_t(g, w, **_precise(a)), None),
+      lambda g, out, x, w, **a: (lambda: qmatmul_t(g, w, a.get("precise", False)), None),
       block_inputs=(1,))
 _prim("qmatmul_t", _qmatmul_t_shape, _fwd_qmatmul_t,
-      lambda g, out, h, w, **a: (lambda: qmatmul(g, w, **_precise(a)), None),
+      lambda g, out, h, w, **a: (lambda: qmatmul(g, w, a.get("precise", False)), None),
       block_inputs=(1,))
 _prim("qtake_rows", _qtake_rows_shape, _fwd_qtake_rows,
       lambda g, out, w, ids, **a: (None, None), index_inputs=(1,), block_inputs=(0,))
@@ -845,18 +845,18 @@ def qmatmul(x, w, precise=False):
     linear layer on a frozen weight kept in its stored type.  ``precise``: never
     computed in int8 (``--compute int8``), nor its gradient; for the LM head, whose
     logits the loss reads directly."""
-    return _rec("qmatmul", x, w, **_block_attrs(w, "qmatmul"), **_precise({"precise": precise}))
+    return _rec("qmatmul", x, w, **_block_attrs(w, "qmatmul"), **_precise(precise))
 
 
 def qmatmul_t(g, w, precise=False):
     """``g[T, rows] @ deq(w) -> [T, k]``: the transpose of ``qmatmul``."""
-    return _rec("qmatmul_t", g, w, **_block_attrs(w, "qmatmul_t"),
-                **_precise({"precise": precise}))
+    return _rec("qmatmul_t", g, w, **_block_attrs(w, "qmatmul_t"), **_precise(precise))
 
 
-def _precise(attrs):
-    """The ``precise`` attr of a block product as its op records it: only where true"""
-    return {"precise": True} if attrs.get("precise") else {}
+def _precise(flag):
+    """A block product's ``precise`` attr as its op records it: only where true (the
+    other products' attrs stay as they were)"""
+    return {"precise": True} if flag else {}
 
 
 def qtake_rows(w, ids):

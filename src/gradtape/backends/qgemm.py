@@ -502,13 +502,14 @@ def int8_eligible(v):
 
 
 def int8_scratch_elems(ops):
-    """``(activation, tile, scales, product)``: the int8 values of the activation and of
-    one tile, the float32 scales (a row's per activation row, a row's or a column's per
-    W row or column; as many int32 column sums), and the int32 values of a tile's
-    product written as a block of columns (see ``lower_int8``)."""
+    """``(activation, tile, scales, product)``: the int8 values of the activation (twice:
+    room for a tile's columns of it made contiguous) and of one tile, the float32 scales
+    (a row's per activation row, a row's or a column's per W row or column; as many
+    int32 column sums), and the int32 values of a tile's product written as a block of
+    columns (see ``lower_int8``)."""
     act, tile, prod = bf16_scratch_elems(ops)
     scales = max(max(v.inputs[0].shape[0], v.attrs["rows"], v.attrs["k"]) for v in ops)
-    return act, tile, scales, prod
+    return 2 * act, tile, scales, prod
 
 
 def col_scales(w, qtype, rows, k):
@@ -602,9 +603,9 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
         # whole-rows qmatmul_t copies its columns of g8 into one
         per_tile = blocked and transposed and C == k
         gs = [g for _, g, _ in steps]
-        if per_tile:
-            a_tile = np.empty(T * R, np.uint8)
+        if per_tile:  # the columns go after g8 in act8 (int8_scratch_elems)
             g8 = act8.view(np.uint8)[:T * rows].reshape(T, rows)
+            a_tile = act8.view(np.uint8)[T * rows:T * (rows + R)]
             moves = [(a_tile[:T * n].reshape(T, n), g8[:, r0:r0 + n])
                      for (r0, n, *_), _, _ in steps]
             gs = [(kk, n, tb, a_tile.ctypes.data, dst, ldc, acc, None)

@@ -272,6 +272,28 @@ def _int8_reference(x, g, W):
     return y, z
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+def test_int8_tiles_are_the_quantized_reference(qtype):
+    """Tiles for int8 compute, bit for bit: the reference dequantized, then rounded
+    (half away from zero) to a scale per row, or times a factor per column (the column
+    scales: in AVX-512 registers for Q4_K and Q6_K, plain C for the rest)."""
+    r = np.random.default_rng(70 + TYPES.index(qtype))
+    rows, k = 33, 512
+    bm = random_blocks(qtype, rows, k, r)
+    w = bm.dequantize()
+    lib, tid = qgemm.lib(), qgemm._type_id(qtype)
+    tile, rs = np.empty((rows, k), np.int8), np.empty(rows, np.float32)
+    inv = (127 / np.abs(w).max(0) * r.uniform(0.5, 1, k)).astype(np.float32)
+    assert lib.gt_deq_tile_s8(tid, bm.data.ctypes.data, bm.data.strides[0], 0, rows, 0, k,
+                              inv.ctypes.data, None, tile.ctypes.data, k, None) == 0
+    np.testing.assert_array_equal(tile, _q8(w * inv))
+    assert lib.gt_deq_tile_s8(tid, bm.data.ctypes.data, bm.data.strides[0], 0, rows, 0, k,
+                              None, None, tile.ctypes.data, k, rs.ctypes.data) == 0
+    q, s = _quant_rows(w)
+    np.testing.assert_array_equal(tile, q)
+    np.testing.assert_array_equal(rs, s.ravel().astype(np.float32))
+
+
 @pytest.mark.parametrize("rows,k,tile,backward", [(70, 768, 32 * 768, "columns"),
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])

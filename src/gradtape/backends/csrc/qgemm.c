@@ -68,18 +68,29 @@ static inline void bf16_store16(uint16_t *o, __m512 v) {
 #endif
 }
 
-/* a value vector stored as bf16 (to_bf16) or float32 at element i of o: the kernels
-   below are inlined with a constant to_bf16, so each copy has one kind of store */
+/* a value vector stored at element i of o as float32 (STORE_F32), bf16 (STORE_BF16) or
+   int8 (STORE_S8: times inv[i ..], rounded half away from zero, as s8_round below): the
+   kernels below are inlined with a constant kind, so each copy has one kind of store */
+enum { STORE_F32, STORE_BF16, STORE_S8 };
+
 static inline __attribute__((always_inline)) void store16(void *o, long i, __m512 v,
-                                                          int to_bf16) {
-    if (to_bf16)
+                                                          int kind, const float *inv) {
+    if (kind == STORE_BF16) {
         bf16_store16((uint16_t *)o + i, v);
-    else
+    } else if (kind == STORE_S8) {
+        const __m512 t = _mm512_mul_ps(v, _mm512_loadu_ps(inv + i));
+        const __m512 half = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_castps_si512(_mm512_set1_ps(0.5f)),
+            _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32((int)0x80000000))));
+        _mm_storeu_si128((__m128i *)((int8_t *)o + i),
+                         _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(_mm512_add_ps(t, half))));
+    } else {
         _mm512_storeu_ps((float *)o + i, v);
+    }
 }
 
 static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, void *o,
-                                                            int to_bf16) {
+                                                            int kind, const float *inv) {
     const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
     int sc[8], mn[8];
     k_scale_min(b + 4, sc, mn);
@@ -91,13 +102,13 @@ static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, vo
             __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
             v = _mm512_and_si512(_mm512_srli_epi32(v, 4 * (s & 1)), lo4);
             store16(o, 32 * s + 16 * h,
-                    _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(v)), M), to_bf16);
+                    _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(v)), M), kind, inv);
         }
     }
 }
 
 static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, void *o,
-                                                            int to_bf16) {
+                                                            int kind, const float *inv) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = gb_h2f(b + 208);
     const __m512i lo4 = _mm512_set1_epi32(0xF), two = _mm512_set1_epi32(3);
@@ -122,16 +133,22 @@ static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, vo
                 const __m512 D = _mm512_set1_ps(d * (float)sc[8 * h + is + 2 * u]);
                 store16(o, 128 * h + l + 32 * u,
                         _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_sub_epi32(v[u], off))),
-                        to_bf16);
+                        kind, inv);
             }
         }
     }
 }
 
-static void bf16_q4_k(const uint8_t *b, uint16_t *o) { regs_q4_k(b, o, 1); }
-static void bf16_q6_k(const uint8_t *b, uint16_t *o) { regs_q6_k(b, o, 1); }
-static void f32_q4_k(const uint8_t *b, float *o) { regs_q4_k(b, o, 0); }
-static void f32_q6_k(const uint8_t *b, float *o) { regs_q6_k(b, o, 0); }
+static void bf16_q4_k(const uint8_t *b, uint16_t *o) { regs_q4_k(b, o, STORE_BF16, 0); }
+static void bf16_q6_k(const uint8_t *b, uint16_t *o) { regs_q6_k(b, o, STORE_BF16, 0); }
+static void f32_q4_k(const uint8_t *b, float *o) { regs_q4_k(b, o, STORE_F32, 0); }
+static void f32_q6_k(const uint8_t *b, float *o) { regs_q6_k(b, o, STORE_F32, 0); }
+static void s8_q4_k(const uint8_t *b, int8_t *o, const float *inv) {
+    regs_q4_k(b, o, STORE_S8, inv);
+}
+static void s8_q6_k(const uint8_t *b, int8_t *o, const float *inv) {
+    regs_q6_k(b, o, STORE_S8, inv);
+}
 #endif
 
 static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0,
@@ -390,6 +407,14 @@ void gt_absmax_cols(const float *restrict x, long ldx, long m, long n, float *re
 static void row_s8(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0, long nc,
                    const float *restrict inv, const float *restrict cm, float *restrict tmp,
                    int8_t *restrict q, float *rs, int32_t *sum) {
+#ifdef __AVX512F__
+    void (*direct)(const uint8_t *, int8_t *, const float *) = t == T_Q4_K ? s8_q4_k
+                                                              : t == T_Q6_K ? s8_q6_k : 0;
+    if (inv && direct && !sum) {  /* column scales: quantized in registers */
+        for (long j = 0; j < nc; j += 256) direct(row + (c0 + j) / 256 * by, q + j, inv + j);
+        return;
+    }
+#endif
     row_f32(t, f, bl, by, row, c0, nc, tmp);
     float r;
     if (inv) {

@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--compute", default="float32", help="float32, bf16 or auto")
+    ap.add_argument("--compute", default="float32", help="float32, bf16, int8 or auto")
     ap.add_argument("--model", default="smollm2",
                     help="model path or name (default: smollm2)")
     ap.add_argument("--keep-quantized", action="store_true",

@@ -416,28 +416,32 @@ static void row_s8(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long 
     }
 #endif
     row_f32(t, f, bl, by, row, c0, nc, tmp);
-    float r;
+    float r = 1.0f;
     if (inv) {
         for (long j = 0; j < nc; j++) tmp[j] *= inv[j];
-        r = 1.0f;
     } else {
-        if (cm)
-            for (long j = 0; j < nc; j++) tmp[j] *= cm[j];
         float mx = 0.0f;
         #pragma omp simd reduction(max : mx)
         for (long j = 0; j < nc; j++) {
-            const float a = fabsf(tmp[j]);
+            const float v = cm ? tmp[j] * cm[j] : tmp[j];
+            const float a = fabsf(v);
+            tmp[j] = v;
             mx = a > mx ? a : mx;
         }
         r = mx > 0.0f ? 127.0f / mx : 0.0f;
         *rs = mx / 127.0f;
     }
+    if (!sum) {
+        for (long j = 0; j < nc; j++) q[j] = s8_round(tmp[j] * r);
+        return;
+    }
     int32_t total = 0;
+    #pragma omp simd reduction(+ : total)
     for (long j = 0; j < nc; j++) {
         q[j] = s8_round(tmp[j] * r);
         total += q[j];
     }
-    if (sum) *sum += total;
+    *sum += total;
 }
 
 /* out[i, j] = q of W[r0 + i, c0 + j] (i < n, j < nc; rows ldo apart), c0 and nc multiples

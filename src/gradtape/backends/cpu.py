@@ -370,6 +370,16 @@ class CpuBackend(HostBackend):
                 return run
         return _mm_step(out, a, b, ta, tb)
 
+    def scratch_bytes(self):
+        """Bytes of the block-weight products' scratch: float tiles, and the bf16 and int8
+        operands and products (for the memory estimate)."""
+        arrays = [self._qscratch]
+        if self._q16:
+            arrays += [self._qact16, self._qtile16, self._qprod32]
+        if self._q8:
+            arrays += list(self._q8scratch)
+        return sum(a.nbytes for a in arrays if a is not None)
+
     def _col_scales(self, leaf, qtype, rows, k):
         """``qgemm.col_scales`` of the block weight ``leaf``, computed once per value"""
         if leaf not in self._qcols:

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..blocks import BLOCK_TYPES
 from . import _cgen, ggml_vec
+from .onednn import DnnlError
 
 QOPS = ("qmatmul", "qmatmul_t", "qtake_rows")
 # A tile of W is at most this many values (16 MB in float32) and this many rows: BLAS
@@ -610,9 +611,12 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
                      for (r0, n, *_), _, _ in steps]
             gs = [(kk, n, tb, a_tile.ctypes.data, dst, ldc, acc, None)
                   for kk, n, tb, _, dst, ldc, acc, _ in gs]
-        if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True,
-                                              s8=True)
-                               for kk, n, _tb, _a, _o, ldc, acc, lda in gs):
+        try:
+            if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True,
+                                                  s8=True)
+                                   for kk, n, _tb, _a, _o, ldc, acc, lda in gs):
+                return None
+        except DnnlError:  # no u8 x s8 matmul of this kind here: plain rows only
             return None
         gemms = [dnnl.bind_ptrs(T, kk, n, tb and not blocked, a_ptr, tp, dst, ldc, acc, lda,
                                 vnni=blocked, s8=True)

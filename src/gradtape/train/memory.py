@@ -58,9 +58,8 @@ def _programs(step):
 
 def _scratch(prog, weights, dtype):
     ex = prog.executable
-    q = getattr(ex, "_qscratch", None)
-    if q is not None:
-        return int(q.nbytes)
+    if hasattr(ex, "scratch_bytes"):  # the cpu backend: its tiles and operands
+        return int(ex.scratch_bytes())
     if not any(v.op in ("qmatmul", "qmatmul_t") for v in prog.graph.ops):
         return 0
     # the NumPy reference dequantizes one whole weight at a time (float32, then the

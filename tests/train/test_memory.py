@@ -149,3 +149,41 @@ def test_int8_compute_keeps_the_weights_stored(files, tmp_path):
         finetune(_cfg(files, tmp_path / "run", compute="int8"), log=logs.append)
     assert "weights: kept in their stored type (--compute int8 computes from the file's " \
            "blocks)" in logs
+
+
+def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
+    """An int8 step is deterministic (exact integer sums; scales from maxima, whatever
+    the threads' order): a run stopped after its checkpoint and resumed ends with the
+    adapter of the run never stopped, bit for bit.  int8 is forced here, whatever this
+    CPU measures at the tiny shape."""
+    from gradtape.backends import onednn
+    from gradtape.train import step as step_module
+
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(step_module, "decide_compute", lambda *a, **k: ("int8", "forced"))
+    cfg = lambda out, **kw: _cfg(files, tmp_path / out, compute="int8", steps=4,  # noqa: E731
+                                 save_every=2, **kw)
+    logs = []
+    finetune(cfg("full"), log=logs.append)
+    assert "compute: int8 (forced)" in logs
+    real_step = TrainStep.step
+    calls = {"n": 0}
+
+    def dying_step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:  # after the checkpoint of step 2 and one step more
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(TrainStep, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(cfg("split"), log=lambda *a: None)
+    monkeypatch.setattr(TrainStep, "step", real_step)
+    finetune(cfg("split", resume=True), log=lambda *a: None)
+    a = llama.load_adapter(tmp_path / "full" / "adapter")
+    b = llama.load_adapter(tmp_path / "split" / "adapter")
+    for key in a.weights:
+        for x, y in zip(a.weights[key], b.weights[key]):
+            np.testing.assert_array_equal(x, y)

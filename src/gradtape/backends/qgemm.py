@@ -76,7 +76,7 @@ def lib():
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
         so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _i, _p, _p]
-        so.gt_quant_rows_s8.restype = None
+        so.gt_quant_rows_s8.restype = _i
         so.gt_absmax_cols.argtypes = [_p, _l, _l, _l, _p]
         so.gt_absmax_cols.restype = None
         so.gt_deq_tile_s8.argtypes = [_i, _p, _l, _l, _l, _l, _l, _p, _p, _p, _l, _p]
@@ -630,7 +630,7 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
             s, inv = columns()
             scales, invp = s.ctypes.data, inv.ctypes.data
             cx, cw = smoothing(s)
-            quant(xp, cols, T, cols, cx, int(blocked), ap, sa)
+            _check(quant(xp, cols, T, cols, cx, int(blocked), ap, sa), v.op)
             if blocked:
                 csum.fill(0)
             for i, (((r0, n, c0, nc, ldo), _, into), gemm) in enumerate(zip(steps, gemms)):

@@ -331,7 +331,6 @@ void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
    Symmetric quantization, q = round(v / s) with s = max|v| / 127 over the values sharing
    s (ties away from zero; a zero range gives s = 0 and q = 0).  The GEMM (oneDNN, int32
    accumulation) multiplies the integers; gt_s32_scale applies both operands' scales. */
-#define S8_CHUNK 1024  /* a multiple of every block size */
 
 /* values [c0, c0 + n) of a row as float32 into tmp (c0, n multiples of the block): Q4_K
    and Q6_K in registers with AVX-512 (the same operations as ggml_blocks.h) */
@@ -353,17 +352,23 @@ static inline int8_t s8_round(float v) { return (int8_t)(v >= 0.0f ? v + 0.5f : 
 
 /* q[i, :] and s[i] of the rows x[i, :] * cm (n values each, rows ldx apart; cm: a factor
    per column, or NULL for none), i < m; u8: q + 128 stored (unsigned, the activation
-   operand of a u8 x s8 GEMM) */
-void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
-                      const float *restrict cm, int u8, int8_t *restrict q,
-                      float *restrict s) {
+   operand of a u8 x s8 GEMM).  0, or -2 where scratch could not be allocated. */
+int gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
+                     const float *restrict cm, int u8, int8_t *restrict q,
+                     float *restrict s) {
+    int failed = 0;
     #pragma omp parallel if (m * n >= (1L << 16))
     {
         float *tmp = cm ? malloc(n * sizeof(float)) : NULL;
+        if (cm && !tmp) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         #pragma omp for schedule(static)
         for (long i = 0; i < m; i++) {
             const float *xi = x + i * ldx;
-            if (tmp) {
+            if (cm) {
+                if (!tmp) continue;
                 for (long j = 0; j < n; j++) tmp[j] = xi[j] * cm[j];
                 xi = tmp;
             }
@@ -384,6 +389,7 @@ void gt_quant_rows_s8(const float *restrict x, long ldx, long m, long n,
         }
         free(tmp);
     }
+    return failed ? -2 : 0;
 }
 
 /* out[j] = max over the rows of |x[:, j]| (x [m, n], rows ldx apart) */

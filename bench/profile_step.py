@@ -43,9 +43,9 @@ def _name(step):
 def profile(steps, reps=1):
     """Each program step timed alone over ``reps`` replays: ``(seconds by name, seconds by
     kind)``, per replay.  A bf16 or int8 block-weight GEMM (``qgemm.lower_bf16`` /
-    ``lower_int8``) is split into its tiles' dequantization ("dequantize bf16"), their
-    GEMMs ("block GEMM bf16") and the rest of it (the activation's rounding, moves),
-    under its own kind."""
+    ``lower_int8``) is split into its tiles' dequantization ("dequantize bf16" / "int8"),
+    their GEMMs ("block GEMM bf16" / "int8") and the rest of it (the activation's
+    rounding or quantization, moves), under its own kind."""
     per, kinds = collections.Counter(), collections.Counter()
     for _ in range(reps):
         for step in steps:

@@ -84,7 +84,8 @@ def run(args) -> int:
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
-    model = models.load("smollm2")
+    # int8 compute reads the file's blocks, as finetune keeps them for it
+    model = models.load("smollm2", keep_quantized=args.compute == "int8")
     # an answer still going past the longest reference (+ its end token) cannot match
     max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
     t = time.perf_counter()

@@ -377,6 +377,28 @@ def bf16_scratch_elems(ops):
     return act, tile, prod
 
 
+def _tiles(transposed, rows, k, R, C):
+    """The tiles of a block product of ``W [rows, k]`` cut as ``bf16_tile_shape`` says,
+    in order: ``(r0, n, c0, nc, K, N, tb, acc, j0)``: W's rows ``[r0, r0 + n)`` and
+    columns ``[c0, c0 + nc)``; the tile's GEMM ``[T, K] @ [K, N]`` (``tb``: the tile is
+    ``W^T``, y = x W^T; else W, z = g W), added to the result where ``acc``; ``j0``: the
+    first of the N result columns it writes, or None for a tile of whole rows of a
+    ``qmatmul_t``, whose product is summed into all of z (its A: g's columns
+    ``[r0, r0 + n)``)."""
+    if not transposed:
+        for r0 in range(0, rows, R):
+            n = min(R, rows - r0)
+            yield r0, n, 0, k, k, n, True, False, r0
+    elif C == k:
+        for r0 in range(0, rows, R):
+            n = min(R, rows - r0)
+            yield r0, n, 0, k, n, k, False, r0 > 0, None
+    else:
+        for c0 in range(0, k, C):
+            n = min(C, k - c0)
+            yield 0, rows, c0, n, rows, n, False, False, c0
+
+
 def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
@@ -411,25 +433,16 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
         their address in out) it is moved into.  per_tile: each tile of a whole-rows
         qmatmul_t rounds its own columns of g into act16, contiguous (else g16's columns
         are read in place, rows `rows` apart)."""
-        def columns(c0, n):  # out[:, c0:c0+n] directly, or through prod32
-            return (op, None, None) if n == width else (pp, None, (n, op + 4 * c0))
         out_ = []
-        if not transposed:
-            for r0 in range(0, rows, R):
-                n = min(R, rows - r0)
-                dst, ldc, into = columns(r0, n)
-                out_.append(((r0, n, 0, k), (k, n, True, ap, dst, ldc, False, None), into))
-        elif C == k:
-            for r0 in range(0, rows, R):
-                n = min(R, rows - r0)
+        for r0, n, c0, nc, K, N, tb, acc, j0 in _tiles(transposed, rows, k, R, C):
+            if j0 is None:
                 a_ptr, lda = (ap, None) if per_tile else (ap + 2 * r0, rows)
-                out_.append(((r0, n, 0, k), (n, k, False, a_ptr, op, k, r0 > 0, lda), None))
-        else:
-            for c0 in range(0, k, C):
-                n = min(C, k - c0)
-                dst, ldc, into = columns(c0, n)
-                out_.append(((0, rows, c0, n), (rows, n, False, ap, dst, ldc, False, None),
-                             into))
+                out_.append(((r0, n, c0, nc), (K, N, tb, a_ptr, op, k, acc, lda), None))
+            elif N == width:  # out[:, j0:j0+N] directly, or through prod32
+                out_.append(((r0, n, c0, nc), (K, N, tb, ap, op, None, acc, None), None))
+            else:
+                out_.append(((r0, n, c0, nc), (K, N, tb, ap, pp, None, acc, None),
+                             (N, op + 4 * j0)))
         return out_
 
     def bind(blocked):
@@ -562,26 +575,17 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
     sa, sw, cs = ascale.ctypes.data, wscale.ctypes.data, csum.ctypes.data
     width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
     cols = x.shape[1]
-    # per tile: W's rows [r0, r0 + n) and columns [c0, c0 + nc), the plain tile's row
-    # length; its GEMM (K, N, tb, A, output, ldc, acc, lda); None or the block of out
-    # its sums are scaled into (sums, ldc, rows, columns, first column, into, ldo)
+    # per tile: W's rows [r0, r0 + n) and columns [c0, c0 + nc) (nc: the plain tile's
+    # row length); its GEMM (K, N, tb, A, output, ldc, acc, lda); None or the block of
+    # out its sums are scaled into (sums, ldc, rows, columns, first column, into, ldo)
     steps = []
-    if not transposed:
-        for r0 in range(0, rows, R):
-            n = min(R, rows - r0)
-            dst, ldc = (op, width) if n == width else (pp, n)
-            steps.append(((r0, n, 0, k, k), (k, n, True, ap, dst, ldc, False, None),
-                          (dst, ldc, T, n, r0, op + 4 * r0, width)))
-    elif C == k:
-        for r0 in range(0, rows, R):
-            n = min(R, rows - r0)
-            steps.append(((r0, n, 0, k, k), (n, k, False, ap + r0, op, k, r0 > 0, rows), None))
-    else:
-        for c0 in range(0, k, C):
-            n = min(C, k - c0)
-            dst, ldc = (op, width) if n == width else (pp, n)
-            steps.append(((0, rows, c0, n, n), (rows, n, False, ap, dst, ldc, False, None),
-                          (dst, ldc, T, n, c0, op + 4 * c0, width)))
+    for r0, n, c0, nc, K, N, tb, acc, j0 in _tiles(transposed, rows, k, R, C):
+        if j0 is None:
+            steps.append(((r0, n, c0, nc), (K, N, tb, ap + r0, op, k, acc, rows), None))
+            continue
+        dst, ldc = (op, width) if N == width else (pp, N)
+        steps.append(((r0, n, c0, nc), (K, N, tb, ap, dst, ldc, acc, None),
+                      (dst, ldc, T, N, j0, op + 4 * j0, width)))
     smooth = None if transposed else np.empty((3, k), np.float32)  # x's maxima, 1 / c, c
 
     def smoothing(s):
@@ -633,7 +637,7 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
             _check(quant(xp, cols, T, cols, cx, int(blocked), ap, sa), v.op)
             if blocked:
                 csum.fill(0)
-            for i, (((r0, n, c0, nc, ldo), _, into), gemm) in enumerate(zip(steps, gemms)):
+            for i, (((r0, n, c0, nc), _, into), gemm) in enumerate(zip(steps, gemms)):
                 if per_tile:
                     np.copyto(*moves[i])
                 t0 = time.perf_counter() if split is not None else 0.0
@@ -644,9 +648,9 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
                     rc = deq(tid, wp, rb, r0, n, c0, nc, 1, None, cw, tp, sw + 4 * r0,
                              cs + 4 * r0)
                 elif transposed:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, ldo, None)
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, nc, None)
                 else:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, ldo, sw + 4 * r0)
+                    rc = deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, nc, sw + 4 * r0)
                 _check(rc, v.op)
                 if split is not None:
                     t1 = time.perf_counter()

@@ -319,6 +319,30 @@ def test_replay_with_feeds_and_updates(dtype):
     assert prog.state(w).shape == (5, 5)
 
 
+def test_float32_replay_flushes_denormals_and_puts_the_mode_back():
+    """A float32 replay takes denormals as zero (_cgen.DENORMALS: Intel cores pay a
+    microcode assist per denormal); float64, the exact reference, keeps them; the
+    caller's floating-point mode is the same after the replay."""
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the flush is MXCSR's, x86 only")
+    tiny = {np.float32: 1e-20, np.float64: 1e-160}  # squares: denormals of each
+    for dtype in (np.float32, np.float64):
+        tp = gt.Tape(dtype)
+        x = tp.const(np.full(64, tiny[dtype]))
+        sq = ops.mul(x, ops.add(x, x))  # one fused kernel: 2 * tiny^2, a denormal
+        prog = tp.compile([sq], backend="cpu")
+        got = prog.run()[0]
+        want = np.full(64, 2 * dtype(tiny[dtype]) ** 2, dtype)
+        assert 0 < want[0] < np.finfo(dtype).tiny  # a denormal in eager NumPy
+        if dtype == np.float32:
+            assert np.all(got == 0)
+        else:
+            np.testing.assert_array_equal(got, want)
+        # NumPy on this thread makes denormals again after the replay
+        assert 0 < np.float32(1e-20) * np.float32(1e-20) < np.finfo(np.float32).tiny
+
+
 # --- the fusion pass ------------------------------------------------------------------------
 
 def _schedule(outputs, **kw):

@@ -40,6 +40,28 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
 CSRC = Path(__file__).with_name("csrc")
 PRELUDE = (CSRC / "gt_prelude.h").read_text()  # the generated kernels' first lines
 
+# ``gt_denormals(flush)``: a float32 replay flushes denormals (MXCSR's FTZ and DAZ: results
+# below 1.2e-38 become zero, such inputs read as zero) on its thread and on every OpenMP
+# thread (our kernels', oneDNN's); it returns the caller's previous bits, which a second
+# call puts back.  Intel cores take a microcode assist of about a hundred cycles per
+# denormal operand or result: an 8B step's attention products, whose softmax underflows
+# into denormals, ran at 60 GFLOP/s where they run at 300 (AMX Xeon; TensorFlow flushes
+# them the same way).  A no-op (-1) off x86.
+DENORMALS = """\
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+int gt_denormals(int flush) {
+    const unsigned bits = 0x8040, old = _mm_getcsr() & bits;
+    #pragma omp parallel
+    _mm_setcsr(flush ? _mm_getcsr() | bits : _mm_getcsr() & ~bits);
+    _mm_setcsr(flush ? _mm_getcsr() | bits : _mm_getcsr() & ~bits);
+    return (int)old;
+}
+#else
+int gt_denormals(int flush) { (void)flush; return -1; }
+#endif
+"""
+
 
 C_ELEMENTWISE = frozenset(ELEMENTWISE)
 
@@ -477,6 +499,7 @@ class ProgramSource:
         parts.append("void gt_run(void **P, const int32_t *calls, int32_t n) {\n"
                      "    for (int32_t c = 0; c < n; c++) K[calls[2*c]](P + calls[2*c+1]);\n"
                      "}\n")
+        parts.append(DENORMALS)
         # weights are converted to bf16 once, when a bf16-compute program is bound
         parts.append("void gt_to_bf16(const float *restrict x, uint16_t *restrict o, long n) {\n"
                      "    #pragma omp parallel for simd schedule(static)\n"

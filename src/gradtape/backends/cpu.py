@@ -413,5 +413,21 @@ class CpuBackend(HostBackend):
     def _execute(self):
         # a bf16 replay runs on OpenMP's threads (oneDNN, our kernels): NumPy's BLAS, for
         # any float32 GEMM oneDNN did not take, on one thread (see qgemm.one_blas_thread)
-        with qgemm.one_blas_thread() if self.low_precision else contextlib.nullcontext():
+        with qgemm.one_blas_thread() if self.low_precision else contextlib.nullcontext(), \
+                self._flushing_denormals():
             super()._execute()
+
+    @contextlib.contextmanager
+    def _flushing_denormals(self):
+        """A float32 replay with denormals flushed to zero (``_cgen.DENORMALS``), the
+        caller's mode back after it; float64 programs, the exact reference, are left as
+        they are."""
+        if self.dtype != np.float32 or self.lib is None:
+            yield
+            return
+        old = self.lib.gt_denormals(1)
+        try:
+            yield
+        finally:
+            if old == 0:
+                self.lib.gt_denormals(0)

@@ -191,10 +191,13 @@ def _both_ways(tp, rng):
 
 def test_packed_weights_give_the_plain_copys_products(monkeypatch):
     """Where oneDNN's kernel keeps its weights in a layout of its own, each direction's
-    copy is packed into it once; the products are those of the plain copy (float32 sums
-    of bf16 products, 1e-5), and no plain copy is kept once every GEMM reads a pack."""
+    copy is packed into it once (where packs are asked for: on AMX they are measured
+    slower); the products are those of the plain copy (float32 sums of bf16 products,
+    1e-5), and no plain copy is kept once every GEMM reads a pack."""
     _need_onednn()
     from gradtape.backends import cpu
+
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "blocked")
 
     tp = gt.Tape(np.float32, eager=False)
     outs, w = _both_ways(tp, np.random.default_rng(5))
@@ -238,8 +241,9 @@ def test_a_weight_that_cannot_be_packed_runs_from_the_plain_copy(monkeypatch):
     assert rel_err(prog.run()[0], x16 @ _bf16_exact(w._value)) < 1e-5
 
 
-def test_a_packed_weight_fed_twice_follows_each_feed():
+def test_a_packed_weight_fed_twice_follows_each_feed(monkeypatch):
     _need_onednn()
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "blocked")
     rng = np.random.default_rng(6)
     tp = gt.Tape(np.float32, eager=False)
     outs, w = _both_ways(tp, rng)
@@ -544,7 +548,7 @@ def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
 
 
 def test_tile_layout_is_the_faster_one_measured_once_per_cpu(monkeypatch, tmp_path):
-    """compute.blocked_tiles times the blocked and the plain product once per product
+    """compute.blocked_faster times the blocked and the plain product once per product
     and shape on this CPU (then from the cache file), and picks the faster;
     $GRADTAPE_BF16_LAYOUT decides without timing."""
     from types import SimpleNamespace
@@ -563,19 +567,49 @@ def test_tile_layout_is_the_faster_one_measured_once_per_cpu(monkeypatch, tmp_pa
         return run
 
     blocked, plain = runner("blocked"), runner("plain")
-    assert compute.blocked_tiles("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
+    assert compute.blocked_faster("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
     assert set(calls) == {"blocked", "plain"}
     calls.clear()
-    assert compute.blocked_tiles("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
+    assert compute.blocked_faster("qmatmul Q4_K", (256, 64, 32), blocked, plain) is False
     assert calls == []  # from the cache
     seconds.update(blocked=0.001)
-    assert compute.blocked_tiles("qmatmul_t Q4_K", (256, 64, 32), blocked, plain) is True
+    assert compute.blocked_faster("qmatmul_t Q4_K", (256, 64, 32), blocked, plain) is True
     calls.clear()
     for layout in ("blocked", "plain"):
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
-        assert compute.blocked_tiles("qmatmul Q6_K", (1, 2, 3), blocked, plain) is (
+        assert compute.blocked_faster("qmatmul Q6_K", (1, 2, 3), blocked, plain) is (
             layout == "blocked")
     assert calls == []
+
+
+def test_dense_weights_are_packed_only_where_measured_faster(monkeypatch, tmp_path):
+    """A dense bf16 weight is packed into its kernel's layout where timing says the
+    pack is faster than the plain copy read in place, and kept plain where not (AMX:
+    the pack ran at half the rate); the products agree either way."""
+    _need_onednn()
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRADTAPE_BF16_LAYOUT", raising=False)
+    asked = []
+
+    def faster(what, shape, blocked, plain):
+        asked.append((what, shape))
+        blocked(), plain()  # both run: the packed and the in-place product
+        return verdict
+    monkeypatch.setattr(compute, "blocked_faster", faster)
+    results = []
+    for verdict in (True, False):
+        tp = gt.Tape(np.float32, eager=False)
+        outs, w = _both_ways(tp, np.random.default_rng(5))
+        prog = tp.compile(outs, backend="cpu", compute="bf16")
+        packs = [packed for _, packed in prog.executable._wb.values()]
+        assert not any(packs) if not verdict else packs == [
+            onednn.dnnl().pack(*s.inputs[0].shape, s.shape[1], bool(s.attrs.get("tb")),
+                               np.zeros(w.shape, np.uint16))[0] is not None
+            for s in prog.executable._bf16]
+        results.append(prog.run())
+    assert {what for what, _ in asked} <= {"pack W", "pack W^T"} and asked
+    for a, b in zip(*results):
+        assert rel_err(a, b) < 1e-5
 
 
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():

@@ -21,9 +21,9 @@ each such product (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
 
-Two more decisions of the kind, timed the same way: ``blocked_tiles``, whether the
+Three more decisions of the kind, timed the same way: ``blocked_faster``, whether the
 tiles of a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or
-plain rows; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread
+plain rows; ``packed_weights``, whether a dense weight is packed into it once; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread
 pool with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
@@ -247,13 +247,14 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     return dnnl, best(lambda: np.matmul(a, w, out=out))
 
 
-def blocked_tiles(what, shape, blocked, plain) -> bool:
-    """Whether the bf16 or int8 block-weight product ``blocked()`` (its tiles dequantized
-    into the blocked layout of oneDNN's kernel) beats ``plain()`` (plain rows, reordered by each
-    GEMM): both timed on the product ``what`` of ``shape`` once per CPU model and library
+def blocked_faster(what, shape, blocked, plain) -> bool:
+    """Whether the bf16 or int8 GEMM ``blocked()``, its weights in a blocked layout of
+    oneDNN's kernel (the tiles of a block-weight product dequantized into it, or a
+    weight packed once: ``packed_weights``), beats ``plain()``, the same GEMM reading
+    plain rows: both timed on ``what`` of ``shape`` once per CPU model and library
     versions, the result cached like ``rates`` (a few seconds in all for an 8B model's
-    fourteen products, on its first step).
-    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain decides instead."""
+    fourteen products, on its first step).  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain
+    decides instead."""
     import os
 
     from .qgemm import one_blas_thread
@@ -267,6 +268,35 @@ def blocked_tiles(what, shape, blocked, plain) -> bool:
             return [min(call_seconds(run, 2)) for run in (blocked, plain)]
     (t_blocked, t_plain), _ = rates(f"bf16-tiles {what}", shape, measure)
     return t_blocked < t_plain
+
+
+def packed_weights(m, k, n, tb) -> bool:
+    """Whether the bf16 GEMM ``[m, k] @ W [k, n]`` (W stored ``[n, k]`` where ``tb``) of
+    a dense weight should read W packed once into the layout oneDNN's kernel keeps
+    (``onednn.pack``) rather than in place, reordered by each call (``blocked_faster``
+    on random operands of that shape).  Packed was the faster with AVX512-BF16 (Zen 4:
+    411 -> 439 GFLOP/s at ``256 x 4096 x 14336``) and half as fast with AMX (SmolLM2's
+    ``256 x 576 x 1536``: 1071 against 2094 in place, W stored ``[n, k]``)."""
+    import numpy as np
+
+    from . import onednn
+
+    d = onednn.dnnl()
+    rng = np.random.default_rng(0)
+    a = onednn.to_bf16(rng.standard_normal((m, k), dtype=np.float32))
+    w = onednn.to_bf16(rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32))
+    out = np.empty((m, n), np.float32)
+    try:
+        pack, _ = d.pack(m, k, n, tb, w)
+    except onednn.DnnlError:  # no reorder into that layout: the plain copy
+        return False
+    if pack is None:  # the kernel reads W in place: nothing to pack
+        return False
+    ptrs = a.ctypes.data, w.ctypes.data, out.ctypes.data
+    return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n),
+                          lambda: d.gemm(m, k, n, tb, ptrs[0], pack.ctypes.data, ptrs[2],
+                                         packed=True),
+                          lambda: d.gemm(m, k, n, tb, *ptrs))
 
 
 def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:

@@ -249,8 +249,9 @@ class CpuBackend(HostBackend):
 
     def _copy_weights(self, steps):
         """Each bf16 step's copy of its weight (``self._wb``): a pack in its kernel's
-        layout where one exists or fits in ``PACK_SHARE`` of the machine's memory, else
-        the plain copy; both made from the weight's value now, one weight at a time (a
+        layout where one exists, is faster than the plain copy read in place
+        (``compute.packed_weights``) and fits in ``PACK_SHARE`` of the machine's memory,
+        else the plain copy; both made from the weight's value now, one weight at a time (a
         plain copy converted only to be packed is dropped before the next)."""
         budget = PACK_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         groups = {}
@@ -264,7 +265,8 @@ class CpuBackend(HostBackend):
                 (m, k), n = s.inputs[0].shape, s.shape[1]
                 hit = next((a for t, md, a, _ in copies.packs
                             if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
-                if hit is None and _packed_bytes() + 2 * w.size <= budget:
+                if (hit is None and _packed_bytes() + 2 * w.size <= budget
+                        and compute.packed_weights(m, k, n, tb)):
                     plain = self._convert(w) if plain is None else plain
                     try:
                         hit, md = self._dnnl.pack(m, k, n, tb, plain)
@@ -330,11 +332,11 @@ class CpuBackend(HostBackend):
                                             a["k"])
                 steps.append(("py", qgemm.lower_int8(s, val[s], ins, self._dnnl,
                                                      *self._q8scratch, columns,
-                                                     compute.blocked_tiles)))
+                                                     compute.blocked_faster)))
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,
-                                                     self._qprod32, compute.blocked_tiles)))
+                                                     self._qprod32, compute.blocked_faster)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C

@@ -301,10 +301,11 @@ class _Dnnl:
         return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
                               w.ctypes.data, out.ctypes.data, packed=packed)
 
-    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None):
+    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
         operands whose addresses change from call to call."""
-        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda), (a, w, out))
+        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, packed=packed),
+                       (a, w, out))
 
     def _run_once(self, hit, ptrs):
         """Execute the matmul ``hit`` (``primitive``'s triple) on the addresses ``ptrs``

@@ -410,7 +410,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     The tiles are plain rows, which the GEMM reorders into its kernel's layout on every
     call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it;
     ``choose(op's name, shape, blocked run, plain run)`` says which (the blocked one
-    when None; ``compute.blocked_tiles`` times both: the blocked layout saves the GEMM's
+    when None; ``compute.blocked_faster`` times both: the blocked layout saves the GEMM's
     reorder, 4-7% of it on AVX512-BF16, and costs a slower dequantization).
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or

@@ -23,8 +23,9 @@ is not faster, it says so once and runs bf16.
 
 Three more decisions of the kind, timed the same way: ``blocked_faster``, whether the
 tiles of a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or
-plain rows; ``packed_weights``, whether a dense weight is packed into it once; ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread
-pool with our kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
+plain rows; ``packed_weights``, whether a dense weight is packed into it once;
+``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool with our
+kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
 

@@ -251,8 +251,8 @@ class CpuBackend(HostBackend):
         """Each bf16 step's copy of its weight (``self._wb``): a pack in its kernel's
         layout where one exists, is faster than the plain copy read in place
         (``compute.packed_weights``) and fits in ``PACK_SHARE`` of the machine's memory,
-        else the plain copy; both made from the weight's value now, one weight at a time (a
-        plain copy converted only to be packed is dropped before the next)."""
+        else the plain copy; both made from the weight's value now, one weight at a time
+        (a plain copy converted only to be packed is dropped before the next)."""
         budget = PACK_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         groups = {}
         for s in steps:

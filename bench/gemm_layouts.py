@@ -8,7 +8,6 @@ NumPy's BLAS on one thread (as in a bf16 replay).  The figures behind
 """
 
 import argparse
-import time
 
 import numpy as np
 
@@ -16,16 +15,6 @@ from gradtape.backends import compute, onednn
 from gradtape.backends.qgemm import one_blas_thread
 
 SHAPES = "256x576x1536,256x1536x576,256x576x49152,256x4096x4096,256x4096x14336,256x14336x4096"
-
-
-def best(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main():
@@ -50,7 +39,7 @@ def main():
                 runs["packed"] = d.bind(out, a, pack, False, packed=True)
             flops = 2 * m * k * n
             print(f"{shape:>16}  " + "  ".join(
-                f"{name} {flops / best(run, args.reps) / 1e9:.0f}" for name, run in runs.items()))
+                f"{name} {flops / min(compute.call_seconds(run, args.reps)) / 1e9:.0f}" for name, run in runs.items()))
 
 
 if __name__ == "__main__":

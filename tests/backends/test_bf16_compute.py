@@ -582,6 +582,25 @@ def test_tile_layout_is_the_faster_one_measured_once_per_cpu(monkeypatch, tmp_pa
     assert calls == []
 
 
+def test_paths_are_timed_in_turn_so_that_noise_falls_on_both():
+    """best_seconds_in_turn warms each path once, then calls them in turn, round after
+    round: a slow spell of the machine (here the second round) slows both alike, and
+    each path's best call is what decides."""
+    calls = []
+
+    def runner(name, seconds):
+        def run():
+            import time
+            calls.append(name)
+            slow = 0.02 if len(calls) in (5, 6) else 0.0  # round 2: both slowed
+            time.sleep(seconds + slow)
+        return run
+
+    best = compute.best_seconds_in_turn((runner("a", 0.004), runner("b", 0.002)), rounds=3)
+    assert calls == ["a", "b"] * 4
+    assert best[1] < best[0] < 0.02
+
+
 def test_dense_weights_are_packed_only_where_measured_faster(monkeypatch, tmp_path):
     """A dense bf16 weight is packed into its kernel's layout where timing says the
     pack is faster than the plain copy read in place, and kept plain where not (AMX:

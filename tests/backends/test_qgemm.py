@@ -155,6 +155,40 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
 
 
+def test_a_lowered_block_product_keeps_its_buffers_alive():
+    """lower_bf16's callable holds raw addresses of its operands and scratch; it keeps
+    the arrays alive itself, so a caller that drops its own references (a benchmark,
+    a test) cannot leave it writing into freed memory."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    r = np.random.default_rng(5)
+    bm = random_blocks("Q4_K", 96, 512, r)
+
+    def lowered():
+        x = r.standard_normal((9, 512), dtype=np.float32)
+        out = np.empty((9, 96), np.float32)
+        v = SimpleNamespace(op="qmatmul", attrs=dict(qtype="Q4_K", rows=96, k=512),
+                            inputs=[x], shape=out.shape)
+        act, tile, prod = qgemm.bf16_scratch_elems([v])
+        scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
+                   np.empty(prod, np.float32) if prod else None]
+        run = qgemm.lower_bf16(v, out, (x, bm.data), onednn.dnnl(), *scratch)
+        refs = [weakref.ref(a) for a in (x, out, *scratch) if a is not None]
+        return run, refs, x.astype(np.float64) @ bm.dequantize().T
+
+    run, refs, want = lowered()
+    gc.collect()
+    assert all(ref() is not None for ref in refs)
+    run()
+    assert rel_err(refs[1](), want) < 1e-2  # bf16 inputs
+
+
 def _program_outputs(tp, outs):
     a = tp.compile(outs, backend="numpy").run()
     p = tp.compile(outs, backend="cpu")

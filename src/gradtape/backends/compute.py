@@ -31,7 +31,6 @@ kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 from ._cgen import cpu_info  # this module's name for it: tests replace it here
@@ -137,7 +136,6 @@ def _blas_name():
         return "numpy " + np.__version__
 
 
-@functools.lru_cache(maxsize=1)
 def call_seconds(fn, reps):
     """The seconds each of ``reps`` calls of ``fn`` took, after one warm-up call."""
     import time
@@ -149,6 +147,24 @@ def call_seconds(fn, reps):
         fn()
         ts.append(time.perf_counter() - t)
     return ts
+
+
+def best_seconds_in_turn(fns, rounds=3):
+    """The fewest seconds a call of each of ``fns`` took, the calls made in turn, one of
+    each a round, after a warm-up call of each: a burst of noise (another process, a
+    clock change) falls on all of them alike, where timing one after the other lets it
+    decide between two paths a few percent apart."""
+    import time
+
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
 
 
 def _operands(m, k, n, reps):
@@ -266,7 +282,7 @@ def blocked_faster(what, shape, blocked, plain) -> bool:
 
     def measure(*_):
         with one_blas_thread():  # as in a bf16 replay
-            return [min(call_seconds(run, 2)) for run in (blocked, plain)]
+            return best_seconds_in_turn((blocked, plain))
     (t_blocked, t_plain), _ = rates(f"bf16-tiles {what}", shape, measure)
     return t_blocked < t_plain
 

@@ -486,6 +486,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
                     move(pp, T, into[0], into[1], width)
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
         run.blocked, run.precision = blocked, "bf16"
+        # kept alive with run, which holds their addresses
+        run.buffers = x, w, out, act16, tile16, prod32
         return run
 
     blocked, plain = bind(True), bind(False)
@@ -666,6 +668,7 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
                 scale(op, k, T, k, sa, scales, comp, op, k)
         run.label = f"{v.op} int8 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
         run.blocked, run.precision = blocked, "int8"
+        run.buffers = x, w, out, act8, tile8, ascale, wscale, csum, prod32  # as lower_bf16
         return run
 
     blocked, plain = bind(True), bind(False)

@@ -319,6 +319,41 @@ def test_replay_with_feeds_and_updates(dtype):
     assert prog.state(w).shape == (5, 5)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "numpy"])
+def test_leaves_fed_for_the_first_time_bind_the_steps_once(backend, monkeypatch):
+    """A program fed many leaves it does not own yet (an eval program fed the adapter)
+    copies each, and binds its steps to the copies once before the replay, not once per
+    leaf; set_state then run does the same.  The results follow the feeds."""
+    rng = np.random.default_rng(4)
+    tp = gt.Tape(np.float32)
+    x = tp.const(rng.standard_normal((3, 4)))
+    ws = [tp.param(rng.standard_normal((4, 4))) for _ in range(6)]
+    y = x
+    for w in ws:
+        y = ops.matmul(y, w)
+    prog = tp.compile([ops.reduce_sum(y)], backend=backend)
+    ex = prog.executable
+    binds = []
+    real = ex._bind_steps
+    monkeypatch.setattr(ex, "_bind_steps", lambda val: binds.append(1) or real(val))
+    new = {w: rng.standard_normal((4, 4)).astype(np.float32) for w in ws}
+    (got,) = prog.run(new)
+    want = x.value
+    for w in ws:
+        want = want @ new[w]
+    assert len(binds) == 1
+    assert rel_err(got, want.sum()) < 1e-5
+    prog.run(new)
+    assert len(binds) == 1  # owned now: nothing to bind again
+    prog2 = tp.compile([ops.reduce_sum(y)], backend=backend)
+    real2, binds2 = prog2.executable._bind_steps, []
+    monkeypatch.setattr(prog2.executable, "_bind_steps",
+                        lambda val: binds2.append(1) or real2(val))
+    prog2.set_state(new)
+    (got2,) = prog2.run()
+    assert len(binds2) == 1 and rel_err(got2, want.sum()) < 1e-5
+
+
 def test_float32_replay_flushes_denormals_and_puts_the_mode_back():
     """A float32 replay takes denormals as zero (_cgen.DENORMALS: Intel cores pay a
     microcode assist per denormal); float64, the exact reference, keeps them; the

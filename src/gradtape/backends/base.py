@@ -77,6 +77,7 @@ class HostBackend(Backend):
 
     def _bind(self):
         """(Re)bind every step to the arrays values live in (after a leaf got storage)."""
+        self._stale = False
         val = self._values
         self._steps = self._bind_steps(val)
         targets = {leaf for leaf, _ in self.graph.updates}
@@ -99,17 +100,22 @@ class HostBackend(Backend):
         return self._values[leaf].copy()
 
     def set_leaf(self, leaf, arr):
-        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared)."""
+        """Copy ``arr`` into the leaf's storage (taking a private copy first if shared:
+        the steps are bound to it again before the next replay, once however many
+        leaves got storage; an eval program fed an 8B adapter's 450 leaves rebound
+        its 225 block products once per leaf, 97 s, before)."""
         if leaf not in self._values:
             return  # pruned: nothing reads this leaf
         if leaf not in self._owned:
             self._own(leaf)
-            self._bind()
+            self._stale = True
         np.copyto(self._values[leaf], arr)
 
     def run(self, arrays):
         for leaf, arr in arrays.items():
             self.set_leaf(leaf, arr)
+        if self._stale:
+            self._bind()
         self._execute()
         outs = [o.copy() for o in self._outputs]
         for src, snap in self._snaps:

@@ -405,7 +405,7 @@ class CpuBackend(HostBackend):
             self._w16[leaf] = _Bf16Weight()
             self._copy_weights([s for s in self._bf16 if s.inputs[1] is leaf])
             self._gemm16.clear()
-            self._bind()
+            self._stale = True  # bound again before the next replay
             return
         w16 = self._convert(leaf, copies.plain)
         for tb, _, a, (m, k, n) in copies.packs:

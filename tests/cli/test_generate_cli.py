@@ -28,7 +28,7 @@ def test_help(capsys):
     out = capsys.readouterr().out
     for opt in ("--model", "--prompt", "--chat", "--adapter", "--max-new-tokens",
                 "--temperature", "--top-p", "--seed", "smollm2", "--top-k", "--min-p",
-                "--repetition-penalty", "--stop", "--system", "Ctrl-D"):
+                "--repetition-penalty", "--stop", "--system", "Ctrl-D", "--weights"):
         assert opt in out
 
 
@@ -84,6 +84,36 @@ def test_errors_are_one_line(capsys, args, msg):
     err = capsys.readouterr().err
     assert err.startswith("gradtape generate: error:") and msg in err
     assert "Traceback" not in err
+
+
+def test_generation_reads_stored_weights_and_refuses_a_float32_copy_too_big(
+        smollm2_gguf, capsys, monkeypatch):
+    """--weights auto (the default) loads the file's blocks, which each token's C step
+    reads anyway: no float32 copy (an 8B Q4_K_M's 27.5 GiB grew the process past a 24 GB
+    machine before); --weights float32 loads the copy where it fits and is one error,
+    before anything is loaded, where it does not.  The answer is the same."""
+    from gradtape.models.memory import weight_bytes
+    from gradtape.train.memory import OVERHEAD
+
+    loads = []
+    real = models.load
+    monkeypatch.setattr(models, "load",
+                        lambda name, **kw: loads.append(kw) or real(name, **kw))
+    args = ["generate", "--model", str(smollm2_gguf), "--prompt", "The capital of France is",
+            "--max-new-tokens", "6"]
+    assert main(args) == 0
+    stored = capsys.readouterr().out
+    assert loads == [{"keep_quantized": True}]
+    assert main(args + ["--weights", "float32"]) == 0
+    assert loads[-1] == {"keep_quantized": False} and capsys.readouterr().out == stored
+    too_little = weight_bytes(smollm2_gguf) + OVERHEAD - 1
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(too_little))
+    assert main(args + ["--weights", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("gradtape generate: error: not enough memory: the float32 "
+                          "weights of") and "--weights stored" in err
+    assert len(loads) == 2  # refused before loading
+    assert main(args) == 0 and capsys.readouterr().out == stored
 
 
 def test_prompt_or_chat_is_required(capsys):

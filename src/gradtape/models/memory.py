@@ -5,7 +5,8 @@ and how much the machine has free (``/proc/meminfo``'s MemAvailable).
 (``n_elements * 4``), or with ``keep_quantized`` the stored bytes of every matrix a
 ``BlockMatrix`` keeps (the mapped file's pages; q/k also as a permuted copy) and float32
 for the rest.  Nothing is dequantized or allocated here; the headers are read with the
-validating readers.  What a training step adds on top is ``train.memory``'s business.
+validating readers.  ``keep_stored`` decides ``--weights`` (finetune, generate) from
+those figures.  What a training step adds on top is ``train.memory``'s business.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import os
 from pathlib import Path
 
 from ..blocks import BLOCK_TYPES
-from ..errors import FileFormatError
+from ..errors import FileFormatError, GradtapeError
 
 GiB = float(1 << 30)
+# --weights: float32 copies, the file's own blocks, or float32 where it leaves room
+WEIGHT_MODES = ("auto", "float32", "stored")
+# auto keeps float32 copies only where they (and the overhead) take at most this share
+# of the memory available: the rest is the run's own (activations, optimizer, KV cache)
+FLOAT32_SHARE = 0.8
 
 
 def mem_available() -> int | None:
@@ -78,3 +84,28 @@ def _hf_bytes(folder, keep):
 def resident_bytes(weights) -> int:
     """Bytes of a loaded weights dict (float arrays and block matrices)."""
     return sum(int(w.nbytes) for w in weights.values())
+
+
+def keep_stored(weights, path, available, log, name, overhead, ignore_memory=False) -> bool:
+    """Whether to load ``path``'s matrices in their stored type (``models.load``'s
+    ``keep_quantized``) for ``--weights`` = ``weights`` (one of WEIGHT_MODES): stored,
+    yes; float32, no, but refused before loading where the float32 copy (plus
+    ``overhead`` bytes) exceeds ``available`` (unless ``ignore_memory``); auto, float32
+    unless that copy leaves under a fifth of ``available``, then stored, said through
+    ``log``.  ``name``: the model as the user named it, for the messages."""
+    if weights == "stored":
+        return True
+    f32 = weight_bytes(path, keep_quantized=False)
+    if available is None or f32 + overhead <= FLOAT32_SHARE * available:
+        return False
+    if weights == "auto":
+        log(f"weights: the float32 copy would take {f32 / GiB:.1f} GiB of the "
+            f"{available / GiB:.1f} GiB available; keeping them in their stored type")
+        return True
+    if f32 + overhead > available and not ignore_memory:
+        kept = weight_bytes(path, keep_quantized=True)
+        raise GradtapeError(f"not enough memory: the float32 weights of {name} take "
+                            f"{f32 / GiB:.1f} GiB, more than the {available / GiB:.1f} GiB "
+                            f"available; --weights stored keeps them in the file's type "
+                            f"({kept / GiB:.1f} GiB)")
+    return False

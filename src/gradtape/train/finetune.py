@@ -45,11 +45,10 @@ from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
 from ..models.lora import init_adapter, parse_targets
-from ..models.memory import GiB, mem_available, resident_bytes, weight_bytes
+from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
 
 MARKER = "gradtape-run.json"
-WEIGHT_MODES = ("auto", "float32", "stored")
 CHECKPOINT = "state.safetensors"
 
 
@@ -341,29 +340,15 @@ def _rows(cfg, data_file, eval_file, tokenizer, log):
 
 
 def _keep_quantized(cfg, path, available, log) -> bool:
-    """Whether to keep the frozen weights in their stored type (``--weights``); refuses
-    float32 weights that alone exceed the memory available, before loading them."""
-    if cfg.weights == "stored":
-        return True
+    """Whether to keep the frozen weights in their stored type (``--weights``; int8
+    compute keeps them under auto); refuses float32 weights that alone exceed the memory
+    available, before loading them (``models.memory.keep_stored``)."""
     if cfg.weights == "auto" and cfg.compute == "int8":
         log("weights: kept in their stored type (--compute int8 computes from the file's "
             "blocks)")
         return True
-    f32 = weight_bytes(path, keep_quantized=False)
-    # float32 (today's default) unless it leaves under a fifth of the memory for the rest
-    if available is None or f32 + OVERHEAD <= 0.8 * available:
-        return False
-    if cfg.weights == "auto":
-        log(f"weights: the float32 copy would take {f32 / GiB:.1f} GiB of the "
-            f"{available / GiB:.1f} GiB available; keeping them in their stored type")
-        return True
-    if f32 + OVERHEAD > available and not cfg.ignore_memory:
-        kept = weight_bytes(path, keep_quantized=True)
-        raise GradtapeError(f"not enough memory: the float32 weights of {cfg.model} take "
-                            f"{f32 / GiB:.1f} GiB, more than the {available / GiB:.1f} GiB "
-                            f"available; --weights stored keeps them in the file's type "
-                            f"({kept / GiB:.1f} GiB)")
-    return False
+    return keep_stored(cfg.weights, path, available, log, cfg.model, OVERHEAD,
+                       cfg.ignore_memory)
 
 
 @contextlib.contextmanager

@@ -116,6 +116,25 @@ def test_float32_that_does_not_fit_is_refused_before_loading(files, tmp_path, mo
         finetune(_cfg(files, tmp_path / "run", weights="float32"), log=lambda *a: None)
 
 
+def test_loading_float_weights_that_do_not_fit_is_one_error(files, monkeypatch):
+    """llama.load refuses float32 (or float64) copies larger than the memory available,
+    before allocating them, and names keep_quantized=True; kept stored, or with
+    check_memory=False, it loads."""
+    path = files / "tiny-q8.gguf"
+    f32 = weight_bytes(path)
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(f32 - 1))
+    with pytest.raises(GradtapeError, match=r"not enough memory: the float32 weights of "
+                                            r".*tiny-q8.gguf take .* load\(\.\.\., "
+                                            r"keep_quantized=True\) keeps them"):
+        llama.load(path)
+    assert llama.load(path, keep_quantized=True).config.dim == 64
+    assert llama.load(path, check_memory=False).config.dim == 64
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(f32 + 1))
+    assert llama.load(path).config.dim == 64
+    with pytest.raises(GradtapeError, match="the float64 weights"):
+        llama.load(path, dtype=np.float64)
+
+
 def test_auto_keeps_stored_weights_when_float32_would_not_fit(files, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(1.1 * OVERHEAD)))
     logs = []

@@ -74,7 +74,8 @@ def model_source(name_or_path) -> tuple[Path, str]:
                         f"Face model folder, or '{DEFAULT_MODEL}')")
 
 
-def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> Llama:
+def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False,
+         check_memory=True) -> Llama:
     """Load ``"smollm2"`` (the embedded default), a ``.gguf`` file, or a Hugging Face
     folder (config.json + safetensors [+ tokenizer.json]).  Weights are kept as float32
     (``dtype`` float64 keeps a float64 copy instead).
@@ -82,14 +83,33 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False) -> 
     ``keep_quantized=True``: the matrices stay in their stored type (a GGUF's Q4_K,
     Q8_0 ... blocks, a folder's bf16 / f16), memory-mapped from the file as
     ``blocks.BlockMatrix`` and dequantized tile by tile inside the matmuls; norms (and
-    float32 matrices) are float arrays of ``dtype`` as usual."""
+    float32 matrices) are float arrays of ``dtype`` as usual.
+
+    Float copies larger than the memory available (an 8B model's 27.5 GiB on a 24 GB
+    machine) are refused before anything is allocated, naming ``keep_quantized=True``,
+    instead of growing the process until the kernel kills it; ``check_memory=False``
+    tries anyway."""
     from .load_gguf import load_gguf
     from .load_hf import load_hf_folder
+    from .memory import GiB, mem_available, weight_bytes
 
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise GradtapeError(f"load: dtype must be float32 or float64, got {dtype}")
     path, kind = model_source(name_or_path)
+    available = mem_available() if check_memory and not keep_quantized else None
+    if available is not None:
+        try:
+            need = weight_bytes(path) * dtype.itemsize // 4
+        except GradtapeError:  # a malformed model: the loader below says what is wrong
+            need = 0
+        if need > available:
+            kept = weight_bytes(path, keep_quantized=True)
+            raise GradtapeError(f"not enough memory: the {dtype} weights of {name_or_path} "
+                                f"take {need / GiB:.1f} GiB, more than the "
+                                f"{available / GiB:.1f} GiB available; "
+                                f"load(..., keep_quantized=True) keeps them in the file's "
+                                f"type ({kept / GiB:.1f} GiB)")
     if kind == "hf":
         cfg, weights, tok, name = load_hf_folder(path, keep_quantized=keep_quantized)
     else:

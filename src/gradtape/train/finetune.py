@@ -205,7 +205,8 @@ def _finetune(cfg, model, log, world, together):
     if model is None:
         available = mem_available()  # before the weights take their share
         keep = _keep_quantized(cfg, models.model_source(cfg.model)[0], available, log)
-        model = models.load(cfg.model, keep_quantized=keep)
+        model = models.load(cfg.model, keep_quantized=keep,
+                            check_memory=not cfg.ignore_memory)
     else:  # a model loaded by the caller: its weights are already resident
         available = mem_available()
         available = None if available is None else available + resident_bytes(model.weights)

@@ -71,9 +71,7 @@ def add_arguments(p):
                         "Q8_0, bf16 ... -- memory-mapped, as llama.cpp runs them) or "
                         "float32 (a dequantized copy, refused where it does not fit); "
                         "auto (default) is stored: each token's C step reads the stored "
-                        "blocks either way, so the copy only costs memory and load time "
-                        "(SmolLM2: 713 -> 179 MB, 2.4 -> 0.7 s; an 8B Q4_K_M: 27.5 GiB "
-                        "that a 24 GB machine does not have -> 4.6 GB)")
+                        "blocks either way, so a copy would only cost memory and time")
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="float32",
                    help="precision of the frozen-weight GEMMs (default float32; generation "
                         "runs float32 for now: bf16 says so and runs float32)")

@@ -3,6 +3,8 @@ token, greedy output, an unmerged adapter; the GGUF blocks are read as stored.""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,69 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
     nxt = int(np.argmax(ref))
     assert rel_err(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
                                                lora, 2.0)[-1]) < 2e-4
+
+
+def _bf16_fast():
+    from gradtape.backends.compute import bf16_fast
+    return bf16_fast()[0]
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_a_prompt_as_one_bf16_program_matches_the_graph(smollm2, with_lora):
+    """PromptStep in bf16, 70 rows padded to 128: the last row's logits and every
+    layer's keys / values within bf16's rounding of the float32 graph's (about 1e-2 of
+    the largest value after 30 layers; padding leaking into the real rows would be far
+    off), and decoding continues from its cache."""
+    if not _bf16_fast():
+        pytest.skip("bf16 GEMMs are not faster on this CPU (or oneDNN is missing)")
+    cfg = smollm2.config
+    lora = random_lora(cfg, rank=4, seed=2) if with_lora else None
+    ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
+    step = M.PromptStep(cfg, smollm2.weights, lora, 2.0, 128, "bf16")
+    assert step.prog.executable.compute == "bf16"
+    cache = M.KVCache.empty(cfg)
+    z = step(ids, cache)
+    ref_cache = M.KVCache.empty(cfg)
+    ref = M.forward_cached(cfg, smollm2.weights, ids, ref_cache, lora, 2.0)[-1]
+    assert cache.length == 70 and rel_err(z, ref) < 2e-2
+    for i in range(cfg.n_layers):
+        assert rel_err(cache.k[i], ref_cache.k[i]) < 6e-2
+        assert rel_err(cache.v[i], ref_cache.v[i]) < 6e-2
+    dec = E.BlockDecoder(smollm2, blocks_of(smollm2), lora, 2.0, cap=80)
+    dec.load(cache)
+    nxt = int(np.argmax(ref))
+    assert rel_err(dec.step(nxt), M.forward_cached(cfg, smollm2.weights, [nxt], ref_cache,
+                                                   lora, 2.0)[-1]) < 2e-2
+
+
+def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smollm2):
+    """compute="auto": a prompt below PROMPT_BF16_FLOPS of work decodes exactly as in
+    float32; from there on (where bf16 is fast) one compiled bf16 program, reused by
+    prompts of similar length, by either decoder."""
+    cfg = smollm2.config
+    ids = smollm2.tokenizer.encode("A long prompt goes through one program. " * 12)
+    assert smollm2._prompt_compute("auto", 12, np.float32) is None
+    assert (smollm2.generate(ids[:12], 5, stop_ids=()) ==
+            smollm2.generate(ids[:12], 5, compute="float32", stop_ids=()))
+    with warnings.catch_warnings():  # once per process: "bf16 asked for, running float32"
+        warnings.simplefilter("ignore")
+        assert smollm2._prompt_compute("bf16", 12, np.float64) is None  # float64 stays
+    if not _bf16_fast():
+        pytest.skip("bf16 GEMMs are not faster on this CPU (or oneDNN is missing)")
+    rows = -(-int(M.PROMPT_BF16_FLOPS) // (2 * M.linear_weights(cfg)))
+    assert smollm2._prompt_compute("auto", rows, np.float32) == "bf16"
+    assert smollm2._prompt_compute("auto", rows - 1, np.float32) is None
+    assert smollm2._prompt_compute("bf16", 12, np.float32) == "bf16"
+    smollm2._prompt_steps.clear()
+    prompt = ids[:70]
+    a = smollm2.generate(prompt, 4, compute="bf16", stop_ids=())
+    (step,) = [s for _, s in smollm2._prompt_steps.values()]
+    assert step.rows == 128
+    cache = M.KVCache.empty(cfg)
+    assert a[0] == int(np.argmax(step(prompt, cache)))
+    assert smollm2.generate(prompt, 4, compute="bf16", stop_ids=(), decoder="graph") == a
+    smollm2.generate(ids[:100], 2, compute="bf16", stop_ids=())
+    assert [s for _, s in smollm2._prompt_steps.values()] == [step]
 
 
 def test_changed_weights_do_not_decode_from_the_file(smollm2):

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
+from gradtape.errors import GradtapeError
 from gradtape.models import decode_engine as E
 from gradtape.models import model as M
 from gradtape.models.lora import model_targets, target_dims
@@ -191,6 +192,8 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     cfg = smollm2.config
     ids = smollm2.tokenizer.encode("A long prompt goes through one program. " * 12)
     assert smollm2._prompt_compute("auto", 12, np.float32) is None
+    with pytest.raises(GradtapeError, match="compute must be one of float32, bf16, int8, auto"):
+        smollm2.generate(ids[:3], 1, compute="fp8")
     assert (smollm2.generate(ids[:12], 5, stop_ids=()) ==
             smollm2.generate(ids[:12], 5, compute="float32", stop_ids=()))
     with warnings.catch_warnings():  # once per process: "bf16 asked for, running float32"

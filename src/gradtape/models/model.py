@@ -47,13 +47,13 @@ PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cach
 # generate's prompt as one compiled bf16 program (PromptStep): its rows are padded to a
 # multiple of PROMPT_PAD (of 16 below it; prompts of similar length share a program, the
 # last PROMPT_STEPS_KEPT are kept), and under compute "auto" it runs from
-# PROMPT_BF16_FLOPS of GEMM work on: building the program costs 0.3-0.5 s (a few seconds
+# PROMPT_BF16_FLOPS of GEMM work on: building the program costs 0.2-0.5 s (a few seconds
 # more the first time a size runs on a CPU: its GEMM layouts are measured).  Zen 5, an
 # 8B Q4_K_M: 8 rows took 1.0 s (program built) against 1.3 s row by row, 16 rows 1.0
 # against 2.1, 48 rows 1.8 against 5.4, 256 rows 5.6 against 20-27; SmolLM2 broke even
 # at about 256 rows (0.05 TFLOP) and took 1.1 s against 2.7 s at 1024
 PROMPT_PAD = 64
-PROMPT_STEPS_KEPT = 4
+PROMPT_STEPS_KEPT = 2
 PROMPT_BF16_FLOPS = 1.5e11
 
 
@@ -612,8 +612,11 @@ class Llama:
         prompt's work pays for compiling the program (``PROMPT_BF16_FLOPS``); ``bf16``
         wherever the prompt has more rows than the matrix-vector kernels take."""
         from ..backends import ggml_vec
-        from ..backends.compute import decide
+        from ..backends.compute import COMPUTE_CHOICES, decide
 
+        if compute not in COMPUTE_CHOICES:
+            raise GradtapeError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
+                                f"got {compute!r}")
         cfg = self.config
         if compute == "float32" or rows <= ggml_vec.MAX_ROWS:
             return None

@@ -1,0 +1,60 @@
+"""How long ``generate`` takes over a prompt, by ``--compute``: float32 (row by row in the
+decoder's C prefill) against auto (one compiled bf16 program where it pays,
+``model.PromptStep``).  Each prompt length runs one token after the prompt in each
+precision, the precisions alternating, ``--reps`` times after a warm-up each (the
+warm-up builds the program and measures its GEMM layouts the first time a size runs
+on this CPU); medians, and auto's ratio to float32.  Default model: the 8B Q4_K_M
+file that ``bench/quant_bench.py`` writes (4.2 GB; that bench makes it).
+
+    python bench/prompt_bench.py [--model PATH] [--rows 16,64,256] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gradtape import llama
+from gradtape.backends import compute
+
+COMPUTES = ("float32", "auto")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="a GGUF file or folder (default: the "
+                    "8B Q4_K_M of bench/quant_bench.py)")
+    ap.add_argument("--rows", default="16,64,256", help="comma-separated prompt lengths")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    path = args.model
+    if path is None:
+        qb = runpy.run_path(str(Path(__file__).with_name("quant_bench.py")))
+        path = str(qb["model_file"](32))
+    summary = compute.cpu_summary()
+    print(f"CPU: {summary['cpu']} ({', '.join(summary['flags'])}); {path}")
+    model = llama.load(path, keep_quantized=True)
+    rng = np.random.default_rng(0)
+    for rows in map(int, args.rows.split(",")):
+        ids = rng.integers(0, model.config.vocab_size, rows)
+        took = {c: [] for c in COMPUTES}
+        for c in COMPUTES:  # warm-up
+            model.generate(ids, 1, compute=c, stop_ids=())
+        for _ in range(args.reps):
+            for c in COMPUTES:
+                t = time.perf_counter()
+                model.generate(ids, 1, compute=c, stop_ids=())
+                took[c].append(time.perf_counter() - t)
+        med = {c: statistics.median(v) for c, v in took.items()}
+        ran = model._prompt_compute("auto", rows, np.float32) or "float32"
+        print(f"{rows:5d} rows: float32 {med['float32']:6.2f} s, auto ({ran}) "
+              f"{med['auto']:6.2f} s: {med['float32'] / med['auto']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -158,11 +158,15 @@ static void fa_gather(const fa_t *f, const float *src, long ld, long b, long h, 
                    f->hd * sizeof(float));
 }
 
-/* row x of the block: the visible columns [a, e) of the key tile at j0 (kn keys) */
+/* row x of the block: the visible columns [a, e) of the key tile at j0 (kn keys), 0 <=
+   a <= e <= kn; empty where the row sees none of it: a row past a packed example's
+   first row, in the block with rows of the example before, starts its keys at a later
+   tile than they do */
 static inline void fa_cols(const fa_buf *w, long x, long n, long j0, long kn, long *a,
                            long *e) {
     const long r = x % n;
     *a = w->lo[r] - j0 > 0 ? w->lo[r] - j0 : 0;
+    if (*a > kn) *a = kn;
     *e = w->hi[r] - j0 < kn ? w->hi[r] - j0 : kn;
     if (*e < *a) *e = *a;
 }

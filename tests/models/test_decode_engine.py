@@ -338,6 +338,30 @@ def test_family_decodes_through_the_c_step(family, family_models):
 
 
 @pytest.mark.parametrize("family", C_DECODE_FAMILIES)
+def test_family_prompt_as_one_program_is_the_graph(family, family_models):
+    """PromptStep (compiled, float32 here: any CPU) on each family's options, 14 rows
+    padded to 16, past Mistral's window of 5: its logits and every layer's keys and
+    values are the eager graph's up to float32 summation order, and the C step decodes
+    on from its cache as from the graph's."""
+    from gradtape import llama
+    folder, _ = family_models[family]
+    model = llama.load(str(folder))
+    cfg, prompt = model.config, _family_prompt(model)
+    step = M.PromptStep(cfg, model.weights, None, 1.0, 16, "float32")
+    cache, ref_cache = M.KVCache.empty(cfg), M.KVCache.empty(cfg)
+    z = step(prompt, cache)
+    ref = M.forward_cached(cfg, model.weights, prompt, ref_cache)[-1]
+    assert cache.length == len(prompt) and rel_err(z, ref) < 1e-4
+    for i in range(cfg.n_layers):
+        assert rel_err(cache.k[i], ref_cache.k[i]) < 1e-4
+        assert rel_err(cache.v[i], ref_cache.v[i]) < 1e-4
+    dec = E.BlockDecoder(model, E.block_weights(model), cap=32)
+    dec.load(cache)
+    nxt = int(np.argmax(ref))
+    assert rel_err(dec.step(nxt), M.forward_cached(cfg, model.weights, [nxt], ref_cache)[-1]) < 1e-4
+
+
+@pytest.mark.parametrize("family", C_DECODE_FAMILIES)
 def test_family_gguf_decodes_from_the_file(family, family_models):
     """The GGUF llama.cpp's converter makes: the C step reads its blocks (q / k rows
     un-permuted only where the converter permuted them) and gives the graph's logits."""

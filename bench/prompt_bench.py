@@ -1,6 +1,6 @@
 """How long ``generate`` takes over a prompt, by ``--compute``: float32 (row by row in the
-decoder's C prefill) against auto (one compiled bf16 program where it pays,
-``model.PromptStep``).  Each prompt length runs one token after the prompt in each
+decoder's C prefill; a float32 program from ``PROMPT_F32_ROWS`` rows on) against auto
+(one compiled bf16 program where it pays, ``model.PromptStep``).  Each prompt length runs one token after the prompt in each
 precision, the precisions alternating, ``--reps`` times after a warm-up each (the
 warm-up builds the program and measures its GEMM layouts the first time a size runs
 on this CPU); medians, and auto's ratio to float32.  Default model: the 8B Q4_K_M

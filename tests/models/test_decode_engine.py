@@ -199,6 +199,10 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     with warnings.catch_warnings():  # once per process: "bf16 asked for, running float32"
         warnings.simplefilter("ignore")
         assert smollm2._prompt_compute("bf16", 12, np.float64) is None  # float64 stays
+    # float32 from PROMPT_F32_ROWS rows on: the program's tiled attention
+    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS, np.float32) == "float32"
+    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS - 1, np.float32) is None
+    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS, np.float64) is None
     if not _bf16_fast():
         pytest.skip("bf16 GEMMs are not faster on this CPU (or oneDNN is missing)")
     rows = -(-int(M.PROMPT_BF16_FLOPS) // (2 * M.linear_weights(cfg)))

@@ -55,6 +55,10 @@ PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cach
 PROMPT_PAD = 64
 PROMPT_STEPS_KEPT = 2
 PROMPT_BF16_FLOPS = 1.5e11
+# float32 prompts of this many rows on run as a float32 program too: the C prefill
+# attends a row at a time.  SmolLM2 (Zen 5): 1024 rows 2.0 s either way, 3000 rows 6.2
+# against 12.6 s, 8000 rows 20.8 against 68.0 s
+PROMPT_F32_ROWS = 2048
 
 
 def linear_weights(cfg) -> int:
@@ -606,25 +610,26 @@ class Llama:
         return hit[1]
 
     def _prompt_compute(self, compute, rows, dtype):
-        """The precision ``generate`` runs a prompt of ``rows`` rows in as a compiled
-        ``PromptStep`` ("bf16", "int8"), or None: float32, row by row in the decoder's
-        own prefill.  ``auto`` takes bf16 where this CPU's bf16 GEMMs are faster and the
-        prompt's work pays for compiling the program (``PROMPT_BF16_FLOPS``); ``bf16``
-        wherever the prompt has more rows than the matrix-vector kernels take."""
+        """The precision ``generate`` runs a prompt of ``rows`` rows in as one compiled
+        ``PromptStep``, or None: row by row in the decoder's own prefill.  "bf16" (or
+        "int8") under ``auto`` where this CPU's bf16 GEMMs are faster and the prompt's
+        work pays for compiling the program (``PROMPT_BF16_FLOPS``), under ``bf16``
+        wherever the prompt has more rows than the matrix-vector kernels take; else
+        "float32" from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
         from ..backends import ggml_vec
         from ..backends.compute import COMPUTE_CHOICES, decide
 
         if compute not in COMPUTE_CHOICES:
             raise GradtapeError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
                                 f"got {compute!r}")
-        cfg = self.config
-        if compute == "float32" or rows <= ggml_vec.MAX_ROWS:
-            return None
-        if compute == "auto" and 2 * rows * linear_weights(cfg) < PROMPT_BF16_FLOPS:
-            return None
-        applies = np.dtype(dtype) == np.float32 or "generation in float64 runs float64"
-        precision, _ = decide(compute, applies, shape=(rows, cfg.dim, cfg.ffn_dim))
-        return None if precision == "float32" else precision
+        cfg, precision = self.config, "float32"
+        small = compute == "auto" and 2 * rows * linear_weights(cfg) < PROMPT_BF16_FLOPS
+        if compute != "float32" and rows > ggml_vec.MAX_ROWS and not small:
+            applies = np.dtype(dtype) == np.float32 or "generation in float64 runs float64"
+            precision, _ = decide(compute, applies, shape=(rows, cfg.dim, cfg.ffn_dim))
+        if precision != "float32":
+            return precision
+        return "float32" if np.dtype(dtype) == np.float32 and rows >= PROMPT_F32_ROWS else None
 
     def _prompt_step(self, adapter, lora, scale, rows, compute):
         """A PromptStep of ``rows`` rounded up to a multiple of ``PROMPT_PAD`` (of 16

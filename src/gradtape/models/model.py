@@ -45,15 +45,16 @@ from .rope import rope_tables
 
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
 # generate's prompt as one compiled bf16 program (PromptStep): its rows are padded to a
-# multiple of PROMPT_PAD (of 16 below it; prompts of similar length share a program, the
-# last PROMPT_STEPS_KEPT are kept), and under compute "auto" it runs from
-# PROMPT_BF16_FLOPS of GEMM work on: building the program costs 0.2-0.5 s (a few seconds
-# more the first time a size runs on a CPU: its GEMM layouts are measured).  Zen 5, an
-# 8B Q4_K_M: 8 rows took 1.0 s (program built) against 1.3 s row by row, 16 rows 1.0
-# against 2.1, 48 rows 1.8 against 5.4, 256 rows 5.6 against 20-27; SmolLM2 broke even
-# at about 256 rows (0.05 TFLOP) and took 1.1 s against 2.7 s at 1024
+# multiple of PROMPT_PAD (of 16 below it), so that prompts of similar length share a
+# program (the last PROMPT_STEPS_KEPT are kept: a chat's prompts only grow); under
+# compute "auto" it runs from PROMPT_BF16_FLOPS of GEMM work on.  Building the program
+# costs 0.2-0.5 s (a few seconds more the first time a size runs on a CPU: its GEMM
+# layouts are measured).  Zen 5, an 8B Q4_K_M: 8 rows took 1.0 s (program built)
+# against 1.3 s row by row, 16 rows 1.0 against 2.1, 48 rows 1.8 against 5.4, 256 rows
+# 5.6 against 20-27; SmolLM2 broke even at about 256 rows (0.05 TFLOP) and took 1.1 s
+# against 2.7 s at 1024
 PROMPT_PAD = 64
-PROMPT_STEPS_KEPT = 2
+PROMPT_STEPS_KEPT = 1
 PROMPT_BF16_FLOPS = 1.5e11
 # float32 prompts of this many rows on run as a float32 program too: the C prefill
 # attends a row at a time.  SmolLM2 (Zen 5): 1024 rows 2.0 s either way, 3000 rows 6.2
@@ -507,13 +508,14 @@ class PromptStep:
 
     def __call__(self, ids, cache: KVCache) -> np.ndarray:
         """Logits ``[V]`` after ``ids`` (at most ``rows``); ``cache`` (empty) gets their
-        keys and values."""
+        keys and values: views of the program's outputs, valid until its next call (a
+        decoder's ``load`` copies them; an 8B's at 8k rows are 2 GiB)."""
         n, L = len(ids), self.cfg.n_layers
         padded = np.zeros(self.rows, np.int64)
         padded[:n] = ids
         outs = self.prog.run({self.ids: padded, self.last: np.array([n - 1])})
-        cache.k = [o[:n].copy() for o in outs[1:1 + L]]
-        cache.v = [o[:n].copy() for o in outs[1 + L:]]
+        cache.k = [o[:n] for o in outs[1:1 + L]]
+        cache.v = [o[:n] for o in outs[1 + L:]]
         cache.length = n
         return outs[0][0]
 

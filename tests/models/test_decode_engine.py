@@ -190,7 +190,7 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     float32; from there on (where bf16 is fast) one compiled bf16 program, reused by
     prompts of similar length, by either decoder."""
     cfg = smollm2.config
-    ids = smollm2.tokenizer.encode("A long prompt goes through one program. " * 12)
+    ids = smollm2.tokenizer.encode("A long prompt goes through one program. " * 20)
     assert smollm2._prompt_compute("auto", 12, np.float32) is None
     with pytest.raises(GradtapeError, match="compute must be one of float32, bf16, int8, auto"):
         smollm2.generate(ids[:3], 1, compute="fp8")
@@ -209,16 +209,17 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert smollm2._prompt_compute("auto", rows, np.float32) == "bf16"
     assert smollm2._prompt_compute("auto", rows - 1, np.float32) is None
     assert smollm2._prompt_compute("bf16", 12, np.float32) == "bf16"
-    smollm2._prompt_steps.clear()
     prompt = ids[:70]
     a = smollm2.generate(prompt, 4, compute="bf16", stop_ids=())
-    (step,) = [s for _, s in smollm2._prompt_steps.values()]
+    step = smollm2._prompt[3]
     assert step.rows == 128
     cache = M.KVCache.empty(cfg)
     assert a[0] == int(np.argmax(step(prompt, cache)))
     assert smollm2.generate(prompt, 4, compute="bf16", stop_ids=(), decoder="graph") == a
-    smollm2.generate(ids[:100], 2, compute="bf16", stop_ids=())
-    assert [s for _, s in smollm2._prompt_steps.values()] == [step]
+    smollm2.generate(ids[:100], 2, compute="bf16", stop_ids=())  # also 128 rows: reused
+    assert smollm2._prompt[3] is step
+    smollm2.generate(ids[:130], 2, compute="bf16", stop_ids=())  # 192 rows: replaced
+    assert smollm2._prompt[3] is not step and smollm2._prompt[3].rows == 192
 
 
 def test_changed_weights_do_not_decode_from_the_file(smollm2):

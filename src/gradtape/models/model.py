@@ -46,15 +46,14 @@ from .rope import rope_tables
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
 # generate's prompt as one compiled bf16 program (PromptStep): its rows are padded to a
 # multiple of PROMPT_PAD (of 16 below it), so that prompts of similar length share a
-# program (the last PROMPT_STEPS_KEPT are kept: a chat's prompts only grow); under
-# compute "auto" it runs from PROMPT_BF16_FLOPS of GEMM work on.  Building the program
+# program (the last one is kept); under compute "auto" it runs from PROMPT_BF16_FLOPS of
+# GEMM work on.  Building the program
 # costs 0.2-0.5 s (a few seconds more the first time a size runs on a CPU: its GEMM
 # layouts are measured).  Zen 5, an 8B Q4_K_M: 8 rows took 1.0 s (program built)
 # against 1.3 s row by row, 16 rows 1.0 against 2.1, 48 rows 1.8 against 5.4, 256 rows
 # 5.6 against 20-27; SmolLM2 broke even at about 256 rows (0.05 TFLOP) and took 1.1 s
 # against 2.7 s at 1024
 PROMPT_PAD = 64
-PROMPT_STEPS_KEPT = 1
 PROMPT_BF16_FLOPS = 1.5e11
 # float32 prompts of this many rows on run as a float32 program too: the C prefill
 # attends a row at a time.  SmolLM2 (Zen 5): 1024 rows 2.0 s either way, 3000 rows 6.2
@@ -533,7 +532,7 @@ class Llama:
         self.name = name
         self.source = source
         self._decode_steps = {}  # (dtype, capacity) -> (adapter, DecodeStep): reused
-        self._prompt_steps = {}  # (rows, compute) -> (adapter, PromptStep): reused
+        self._prompt = None  # (adapter, rows, compute, PromptStep): the last one, reused
 
     def __repr__(self):
         c = self.config
@@ -635,20 +634,16 @@ class Llama:
 
     def _prompt_step(self, adapter, lora, scale, rows, compute):
         """A PromptStep of ``rows`` rounded up to a multiple of ``PROMPT_PAD`` (of 16
-        below it), reused across calls with the same adapter (the last
-        ``PROMPT_STEPS_KEPT`` sizes)."""
+        below it); the last one is kept and reused by the next prompt of its size,
+        adapter and precision (a chat's prompts only grow: older sizes are not)."""
         pad = PROMPT_PAD if rows > PROMPT_PAD else 16
-        rows = -(-rows // pad) * pad
-        key = (rows, compute)
-        hit = self._prompt_steps.pop(key, None)
-        if hit is None or hit[0] is not adapter:
-            if any(a is not adapter for a, _ in self._prompt_steps.values()):
-                self._prompt_steps.clear()  # another adapter: drop the old programs
-            hit = (adapter, PromptStep(self.config, self.weights, lora, scale, rows, compute))
-        self._prompt_steps[key] = hit  # the most recently used last
-        while len(self._prompt_steps) > PROMPT_STEPS_KEPT:
-            self._prompt_steps.pop(next(iter(self._prompt_steps)))
-        return hit[1]
+        key = (adapter, -(-rows // pad) * pad, compute)
+        hit = self._prompt
+        if hit is None or hit[0] is not key[0] or hit[1:3] != key[1:]:
+            self._prompt = None  # its buffers go before the next program's are made
+            hit = self._prompt = (*key, PromptStep(self.config, self.weights, lora, scale,
+                                                   key[1], compute))
+        return hit[3]
 
     def _use_blocks(self, decoder, dtype, lora):
         if decoder not in ("auto", "blocks", "graph"):
@@ -711,7 +706,7 @@ class Llama:
         compiled = self._prompt_compute(compute, len(ids), dtype)
 
         def prefill(prompt):
-            if compiled:  # one program, its GEMMs in bf16; the decoder takes its cache
+            if compiled:  # one compiled program; the decoder takes over its cache
                 logits = self._prompt_step(adapter, lora, scale, len(prompt),
                                            compiled)(prompt, cache)
                 if fast:

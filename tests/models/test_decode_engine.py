@@ -216,10 +216,49 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     cache = M.KVCache.empty(cfg)
     assert a[0] == int(np.argmax(step(prompt, cache)))
     assert smollm2.generate(prompt, 4, compute="bf16", stop_ids=(), decoder="graph") == a
-    smollm2.generate(ids[:100], 2, compute="bf16", stop_ids=())  # also 128 rows: reused
+    # prompts that do not start with the cached rows (those would be kept instead)
+    smollm2.generate(ids[1:101], 2, compute="bf16", stop_ids=())  # also 128 rows: reused
     assert smollm2._prompt[3] is step
-    smollm2.generate(ids[:130], 2, compute="bf16", stop_ids=())  # 192 rows: replaced
+    smollm2.generate(ids[2:132], 2, compute="bf16", stop_ids=())  # 192 rows: replaced
     assert smollm2._prompt[3] is not step and smollm2._prompt[3].rows == 192
+
+
+def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm2,
+                                                                          monkeypatch):
+    """A chat's next prompt starts with the last one and its answer: only the rows past
+    the cached ones are prefilled, and the logits are the graph's up to float32 order.
+    Rows cached with another adapter, or with this one before it changed in place, are
+    not kept."""
+    from gradtape.models.lora import init_adapter
+    tok, cfg = smollm2.tokenizer, smollm2.config
+    p1 = tok.encode("A chat's history stays in the cache between turns. " * 3)
+    out = smollm2.generate(p1, 6, compute="float32", stop_ids=())
+    dec = smollm2._block_dec[1]
+    assert dec.ids[:dec.length] == list(p1) + out[:-1]  # the last token was never fed
+    rows = []
+    real = E.BlockDecoder.prefill
+    monkeypatch.setattr(E.BlockDecoder, "prefill",
+                        lambda self, ids: rows.append(len(ids)) or real(self, ids))
+    p2 = list(p1) + out + tok.encode(" Then the user asks again.")
+    smollm2.generate(p2, 1, compute="float32", stop_ids=())
+    assert rows == [len(p2) - len(p1) - len(out) + 1]
+    ref = M.forward_cached(cfg, smollm2.weights, p2, M.KVCache.empty(cfg))[-1]
+    assert rel_err(dec.logits, ref) < 2e-4
+    ad = init_adapter(cfg, rank=2, targets=("q", "down"), base_model=smollm2.name)
+    for _, b in ad.weights.values():
+        b[...] = np.random.default_rng(0).normal(0, 0.05, b.shape)
+    p3 = p2 + tok.encode(" Once more.")
+    rows.clear()
+    smollm2.generate(p3, 1, adapter=ad, compute="float32", stop_ids=())
+    smollm2.generate(p3 + [p3[-1]], 1, adapter=ad, compute="float32", stop_ids=())
+    for _, b in ad.weights.values():
+        b *= 2  # trained in place
+    smollm2.generate(p3 + [p3[-1]] * 2, 1, adapter=ad, compute="float32", stop_ids=())
+    assert rows == [len(p3), 1, len(p3) + 2]
+    # room for more rows than the decoder has: a larger one takes over the cached rows
+    p4 = p3 + [p3[-1]] * 3
+    smollm2.generate(p4, dec.cap + 1 - len(p4), adapter=ad, compute="float32", stop_ids=())
+    assert smollm2._block_dec[1].cap > dec.cap and rows[-1] == 1
 
 
 def test_changed_weights_do_not_decode_from_the_file(smollm2):

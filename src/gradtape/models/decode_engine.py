@@ -277,6 +277,7 @@ class BlockDecoder:
         self._args = (ctypes.addressof(m), self.logits.ctypes.data)
         self._pbuf = None
         self.length = 0
+        self.ids = []  # the tokens of the cached rows, where known (see kept)
 
     def _lin(self, block):
         qtype, data = block
@@ -317,13 +318,31 @@ class BlockDecoder:
                 self.lora_keep += [at, b]
                 lin.at, lin.b, lin.r, lin.scale = at.ctypes.data, b.ctypes.data, a.shape[1], scale
 
-    def load(self, cache):
+    def load(self, cache, ids=()):
+        """Take over the rows of ``cache`` (a KVCache), the keys and values of the tokens
+        ``ids`` (where known)."""
         n = cache.length
         if n >= self.cap:
             raise ValueError(f"BlockDecoder: {n} cached rows do not fit capacity {self.cap}")
         for i in range(self.cfg.n_layers):
             self.kc[i, :n], self.vc[i, :n] = cache.k[i], cache.v[i]
         self.length = n
+        self.ids = [int(t) for t in ids]
+
+    def take(self, other: "BlockDecoder"):
+        """Take over the cached rows (and their tokens) of a smaller decoder."""
+        n = other.length
+        self.kc[:, :n], self.vc[:, :n] = other.kc[:, :n], other.vc[:, :n]
+        self.length, self.ids = n, list(other.ids[:n])
+
+    def kept(self, prompt) -> int:
+        """How many of the cached rows ``prompt`` starts with: those need no prefill (at
+        most ``len(prompt) - 1``: its last row is run again, for the logits)."""
+        n = min(self.length, len(self.ids), len(prompt) - 1)
+        if n <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(self.ids[:n]) != np.asarray(prompt[:n]))
+        return int(differ[0]) if differ.size else n
 
     def prefill(self, ids) -> np.ndarray:
         """Logits ``[V]`` after the rows ``ids`` (appended to the cache), computed
@@ -333,6 +352,7 @@ class BlockDecoder:
             raise ValueError(f"BlockDecoder: {self.length} + {len(ids)} rows do not fit "
                              f"capacity {self.cap}")
         lib = ggml_vec.lib()
+        self.ids[self.length:] = ids.tolist()
         if self._pbuf is None:
             n = lib.gd_prefill_floats(ctypes.addressof(self.m), PREFILL_ROWS)
             self._pbuf = np.zeros(n, np.float32)
@@ -348,5 +368,6 @@ class BlockDecoder:
         if p >= self.cap:
             raise ValueError(f"BlockDecoder: the cache is full ({self.cap} rows)")
         self._call(self._args[0], int(token), p, self._args[1])
+        self.ids[p:] = [int(token)]
         self.length = p + 1
         return self.logits

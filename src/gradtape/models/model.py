@@ -462,6 +462,16 @@ class DecodeStep:
         return outs[0][0]
 
 
+def _adapter_key(adapter, lora, scale):
+    """What the rows a decoder cached with an adapter depend on: the adapter object, its
+    scale and its values (a float64 sum of each matrix, so that an adapter trained in
+    place between two calls does not decode from rows of its old values); None without."""
+    if lora is None:
+        return None
+    sums = tuple(float(np.sum(m, dtype=np.float64)) for ab in lora.values() for m in ab)
+    return id(adapter), scale, sums
+
+
 class PromptStep:
     """A prompt of up to ``rows`` rows through the whole model as one compiled program
     on the cpu backend, whose frozen-weight GEMMs run in ``compute`` (bf16: the block
@@ -661,16 +671,24 @@ class Llama:
     def _block_decoder(self, adapter, lora, scale, need):
         """A ``decode_engine.BlockDecoder`` with room for ``need`` rows (capacity rounded
         up to a multiple of 256), reused across calls (its KV cache and the block views
-        of the weights, taken once per model); the adapter is set afresh every call."""
+        of the weights, taken once per model); the adapter is set afresh every call, and
+        the cached rows are forgotten where they were computed with another adapter, or
+        with this one before its values changed (``_adapter_key``)."""
         if getattr(self, "_blocks", None) is None:
             self._blocks = decode_engine.block_weights(self)
         hit = getattr(self, "_block_dec", None)
-        if hit is None or hit[1].cap < need:
+        if hit is None or hit[1].cap < need:  # (a larger one takes over the cached rows)
             cap = min(-(-need // 256) * 256, max(need, self.config.max_seq_len))
-            hit = self._block_dec = (None, decode_engine.BlockDecoder(self, self._blocks,
-                                                                      cap=cap))
-        hit[1].set_lora(lora, scale)
-        return hit[1]
+            grown = decode_engine.BlockDecoder(self, self._blocks, cap=cap)
+            if hit is not None:
+                grown.take(hit[1])
+            hit = (hit and hit[0], grown)
+        key, dec = _adapter_key(adapter, lora, scale), hit[1]
+        if key != hit[0]:
+            dec.ids = []
+        dec.set_lora(lora, scale)
+        self._block_dec = (key, dec)
+        return dec
 
     def generate(self, ids, max_new_tokens, temperature=0.0, adapter=None, seed=0, *,
                  top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, stop=None,
@@ -706,17 +724,20 @@ class Llama:
         compiled = self._prompt_compute(compute, len(ids), dtype)
 
         def prefill(prompt):
+            if fast:
+                dec = state["fast"] = self._block_decoder(adapter, lora, scale,
+                                                          len(prompt) + max_new_tokens)
+                kept = dec.kept(prompt)
+                if kept and kept >= len(prompt) - kept:  # a chat's history: the rest only
+                    dec.length = kept
+                    return dec.prefill(prompt[kept:])
             if compiled:  # one compiled program; the decoder takes over its cache
                 logits = self._prompt_step(adapter, lora, scale, len(prompt),
                                            compiled)(prompt, cache)
                 if fast:
-                    state["fast"] = self._block_decoder(adapter, lora, scale,
-                                                        len(prompt) + max_new_tokens)
-                    state["fast"].load(cache)
+                    dec.load(cache, prompt)
                 return logits
             if fast:  # many rows per C call, GEMMs from the stored blocks
-                dec = state["fast"] = self._block_decoder(adapter, lora, scale,
-                                                          len(prompt) + max_new_tokens)
                 dec.length = 0
                 return dec.prefill(prompt)
             for a in range(0, len(prompt), PREFILL_CHUNK):  # the batched graph, in chunks

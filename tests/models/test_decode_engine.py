@@ -221,6 +221,11 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert smollm2._prompt[3] is step
     smollm2.generate(ids[2:132], 2, compute="bf16", stop_ids=())  # 192 rows: replaced
     assert smollm2._prompt[3] is not step and smollm2._prompt[3].rows == 192
+    # rows from the bf16 program are kept for bf16, not where float32 is asked for
+    dec = smollm2._block_dec[1]
+    assert dec.kept(ids[2:140]) >= 130 and not dec.exact
+    smollm2.generate(ids[2:140], 1, compute="float32", stop_ids=())
+    assert dec.exact and smollm2._prompt[3].rows == 192
 
 
 def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm2,

@@ -278,6 +278,7 @@ class BlockDecoder:
         self._pbuf = None
         self.length = 0
         self.ids = []  # the tokens of the cached rows, where known (see kept)
+        self.exact = True  # whether the cached rows were computed in float32 (generate)
 
     def _lin(self, block):
         qtype, data = block
@@ -333,7 +334,7 @@ class BlockDecoder:
         """Take over the cached rows (and their tokens) of a smaller decoder."""
         n = other.length
         self.kc[:, :n], self.vc[:, :n] = other.kc[:, :n], other.vc[:, :n]
-        self.length, self.ids = n, list(other.ids[:n])
+        self.length, self.ids, self.exact = n, list(other.ids[:n]), other.exact
 
     def kept(self, prompt) -> int:
         """How many of the cached rows ``prompt`` starts with: those need no prefill (at

@@ -727,8 +727,9 @@ class Llama:
             if fast:
                 dec = state["fast"] = self._block_decoder(adapter, lora, scale,
                                                           len(prompt) + max_new_tokens)
-                kept = dec.kept(prompt)
-                if kept and kept >= len(prompt) - kept:  # a chat's history: the rest only
+                # a chat's history: the rest only (float32 asked for keeps float32 rows)
+                kept = dec.kept(prompt) if compute != "float32" or dec.exact else 0
+                if kept and kept >= len(prompt) - kept:
                     dec.length = kept
                     return dec.prefill(prompt[kept:])
             if compiled:  # one compiled program; the decoder takes over its cache
@@ -736,9 +737,10 @@ class Llama:
                                            compiled)(prompt, cache)
                 if fast:
                     dec.load(cache, prompt)
+                    dec.exact = compiled == "float32"
                 return logits
             if fast:  # many rows per C call, GEMMs from the stored blocks
-                dec.length = 0
+                dec.length, dec.exact = 0, True
                 return dec.prefill(prompt)
             for a in range(0, len(prompt), PREFILL_CHUNK):  # the batched graph, in chunks
                 last = forward_cached(self.config, W, prompt[a:a + PREFILL_CHUNK], cache,

@@ -186,7 +186,7 @@ def test_a_prompt_as_one_bf16_program_matches_the_graph(smollm2, with_lora):
 
 
 def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smollm2):
-    """compute="auto": a prompt below PROMPT_BF16_FLOPS of work decodes exactly as in
+    """compute="auto": a prompt below PROMPT_BF16_FLOPS of work decodes as it does in
     float32; from there on (where bf16 is fast) one compiled bf16 program, reused by
     prompts of similar length, by either decoder."""
     cfg = smollm2.config

@@ -194,8 +194,9 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert smollm2._prompt_compute("auto", 12, np.float32) is None
     with pytest.raises(GradtapeError, match="compute must be one of float32, bf16, int8, auto"):
         smollm2.generate(ids[:3], 1, compute="fp8")
-    assert (smollm2.generate(ids[:12], 5, stop_ids=()) ==
-            smollm2.generate(ids[:12], 5, compute="float32", stop_ids=()))
+    a = smollm2.generate(ids[:12], 5, stop_ids=())
+    smollm2._block_dec[1].ids = []  # the same arithmetic again, not the cached rows
+    assert a == smollm2.generate(ids[:12], 5, compute="float32", stop_ids=())
     with warnings.catch_warnings():  # once per process: "bf16 asked for, running float32"
         warnings.simplefilter("ignore")
         assert smollm2._prompt_compute("bf16", 12, np.float64) is None  # float64 stays

@@ -321,6 +321,23 @@ def _grouped_attention(tp, q, k, v, mask_tiled, nh, nkv, hd, iscale, softcap=0.0
     return ops.reshape(out, (tq, nh * hd))
 
 
+def _attend_cached(tp, cfg, i, q, k, v, ropes, past=None):
+    """Layer ``i``'s attention of new rows ``q [t, nh*hd]``, ``k, v [t, nkv*hd]`` after the
+    cached rows ``past`` (their roped keys and values, consts; None: none): ``(out [t,
+    nh*hd], the roped keys and the values of every row)``.  ``ropes``: ``_rope_tables``
+    of the new rows' positions for the query heads and for the kv heads.  Tiled over the
+    keys (``ops.attn``): no ``[t, past + t]`` scores per head."""
+    nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    (cq, sq), (ck, sk) = ropes
+    kr = _rope_all(tp, k, ck, sk, nkv, hd)  # [t, nkv*hd]
+    if past is not None:
+        kr, v = ops.concat([past[0], kr], 0), ops.concat([past[1], v], 0)
+    qr = _rope_all(tp, q, cq, sq, nh, hd)  # [t, nh*hd]
+    out = ops.attn(qr, kr, v, nh=nh, nkv=nkv, hd=hd, iscale=cfg.attn_iscale,
+                   cap=cfg.attn_softcap, window=cfg.window(i))
+    return ops.slice_(out, 1, 0, nh * hd), kr, v
+
+
 def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
                    dtype=np.float32, last_only=False) -> np.ndarray:
     """Logits ``[t, V]`` of ``t`` new rows after the ``cache.length`` rows in ``cache``
@@ -328,9 +345,7 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     arrays of ``dtype``; ``lora``: ``{(layer, target): (A, B)}`` arrays.  Each layer is
     recorded on its own eager tape from ``_block``."""
     ids = np.asarray(ids, dtype=np.int64)
-    t, start, hd = len(ids), cache.length, cfg.head_dim
-    nh, nkv = cfg.n_heads, cfg.n_kv_heads
-    iscale = cfg.attn_iscale
+    t, start = len(ids), cache.length
 
     tp = Tape(dtype)
     x = _embed(tp, cfg, _Consts(tp, weights), tp.const(ids)).value  # [t, D]
@@ -343,16 +358,11 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
         cos, sin = rope_tables(cfg, t, start, layer=i)  # [t, hd/2], positions start..
 
         def attend(q, k, v, i=i):
-            kr = _rope_all(tp, k, *_rope_tables(tp, cos, sin, nkv), nkv, hd)  # [t, nkv*hd]
-            if start:
-                kr = ops.concat([tp.const(cache.k[i]), kr], 0)  # [start+t, nkv*hd]
-                v = ops.concat([tp.const(cache.v[i]), v], 0)
-            kv["k"], kv["v"] = kr, v
-            qr = _rope_all(tp, q, *_rope_tables(tp, cos, sin, nh), nh, hd)  # [t, nh*hd]
-            # tiled over the keys: no [t, start+t] scores per head
-            out = ops.attn(qr, kr, v, nh=nh, nkv=nkv, hd=hd, iscale=iscale,
-                           cap=cfg.attn_softcap, window=cfg.window(i))
-            return ops.slice_(out, 1, 0, nh * hd)  # [t, nh*hd]
+            ropes = (_rope_tables(tp, cos, sin, cfg.n_heads),
+                     _rope_tables(tp, cos, sin, cfg.n_kv_heads))
+            past = (tp.const(cache.k[i]), tp.const(cache.v[i])) if start else None
+            out, kv["k"], kv["v"] = _attend_cached(tp, cfg, i, q, k, v, ropes, past)
+            return out
 
         out = _block(tp, cfg, W, i, tp.const(x), nn.ones(tp, cfg.dim),
                      _linear_fn(tp, W, lw, lora_scale), attend)
@@ -482,7 +492,6 @@ class PromptStep:
     kept.  The graph is ``forward_cached``'s at start 0, recorded once and compiled."""
 
     def __init__(self, cfg, weights, lora, lora_scale, rows, compute):
-        hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         self.cfg, self.rows = cfg, rows
         tp = Tape(np.float32, eager=False)
         W = _Consts(tp, weights)
@@ -498,18 +507,14 @@ class PromptStep:
             setting = cfg.rope_for(i)
             if setting not in tables:
                 cos, sin = rope_tables(cfg, rows, 0, layer=i)  # [rows, hd/2]
-                tables[setting] = (_rope_tables(tp, cos, sin, nh),
-                                   _rope_tables(tp, cos, sin, nkv))
-            (cq, sq), (ck, sk) = tables[setting]
+                tables[setting] = (_rope_tables(tp, cos, sin, cfg.n_heads),
+                                   _rope_tables(tp, cos, sin, cfg.n_kv_heads))
 
-            def attend(q, k, v, i=i, cq=cq, sq=sq, ck=ck, sk=sk):
-                kr = _rope_all(tp, k, ck, sk, nkv, hd)  # [rows, nkv*hd]
+            def attend(q, k, v, i=i, ropes=tables[setting]):
+                out, kr, vv = _attend_cached(tp, cfg, i, q, k, v, ropes)
                 keys.append(kr)
-                values.append(v)
-                qr = _rope_all(tp, q, cq, sq, nh, hd)  # [rows, nh*hd]
-                out = ops.attn(qr, kr, v, nh=nh, nkv=nkv, hd=hd, iscale=cfg.attn_iscale,
-                               cap=cfg.attn_softcap, window=cfg.window(i))
-                return ops.slice_(out, 1, 0, nh * hd)
+                values.append(vv)
+                return out
 
             x = _block(tp, cfg, W, i, x, ones, lin, attend)
         logits = _head(tp, cfg, W, ops.take_rows(x, self.last), ones)  # [1, V]

@@ -229,6 +229,45 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert dec.exact and smollm2._prompt[3].rows == 192
 
 
+def test_a_prompt_program_that_does_not_fit_prefills_row_by_row(smollm2, monkeypatch):
+    """A prompt program that would hold more than PROMPT_MEM_SHARE of the memory
+    available, or cannot be allocated, is not kept: one warning, and the prompt is
+    prefilled row by row, with the same tokens as a prompt too short for a program (the
+    same arithmetic)."""
+    cfg = smollm2.config
+    ids = smollm2.tokenizer.encode("A prompt too large for the memory left. " * 6)[:40]
+
+    def generate(decoder):
+        if getattr(smollm2, "_block_dec", None):
+            smollm2._block_dec[1].ids = []  # not the cached rows: a prefill
+        return smollm2.generate(ids, 3, compute="float32", stop_ids=(), decoder=decoder)
+
+    smollm2._prompt = None
+    row_by_row = {decoder: generate(decoder) for decoder in ("blocks", "graph")}
+    assert smollm2._prompt is None
+    monkeypatch.setattr(M, "PROMPT_F32_ROWS", 16)  # float32 programs from 16 rows
+    generate("blocks")
+    step = smollm2._prompt[3]
+    # at least its outputs: the keys and values of 48 padded rows in every layer
+    kv = 2 * cfg.n_layers * step.rows * cfg.n_kv_heads * cfg.head_dim * 4
+    assert step.rows == 48 and step.nbytes > kv
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(step.nbytes / M.PROMPT_MEM_SHARE)
+                                                     - 1))
+    for decoder, tokens in row_by_row.items():
+        smollm2._prompt = None
+        with pytest.warns(RuntimeWarning, match="prefilling it row by row"):
+            assert generate(decoder) == tokens
+        assert smollm2._prompt is None
+
+    def too_large(*args):
+        raise MemoryError  # an arena larger than the kernel lets one allocation have
+
+    monkeypatch.setattr(M, "PromptStep", too_large)
+    monkeypatch.delenv("GRADTAPE_MEM_AVAILABLE")
+    with pytest.warns(RuntimeWarning, match="more than it can have"):
+        assert generate("blocks") == row_by_row["blocks"]
+
+
 def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm2,
                                                                           monkeypatch):
     """A chat's next prompt starts with the last one and its answer: only the rows past

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ops import PRIMS
+
 ALIGN = 16  # elements: 64-byte aligned regions for float32 SIMD
 
 
@@ -40,6 +42,13 @@ class MemoryPlan:
         """The array of ``v`` inside ``buffers`` (allocated from ``buffer_sizes``)."""
         off = self.offset.get(v, 0)
         return buffers[self.slot[v]][off:off + v.size].reshape(v.shape)
+
+
+def fused_scratch_bytes(graph) -> int:
+    """The largest scratch a fused primitive of ``graph`` allocates while it runs (the
+    tiled head's logits block, attention's score tiles), in bytes: outside the plan."""
+    return max((PRIMS[v.op].scratch(v) * v.dtype.itemsize for v in graph.ops
+                if PRIMS[v.op].scratch is not None), default=0)
 
 
 def plan_liveness(steps, pinned) -> MemoryPlan:

@@ -29,18 +29,21 @@ on it (``linear``, ``embedding``, ``linear_rows``), so the graph code is the sam
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import nn, ops, tiled
 from ..blocks import is_block_matrix
+from ..compile.memplan import fused_scratch_bytes
 from ..errors import GradtapeError
 from ..tape import Tape
 from . import decode_engine
 from .config import LlamaConfig
 from .generate import Sampling, check_length, check_stop_strings, run_loop
 from .lora import check_adapter_fits
+from .memory import GiB, mem_available
 from .rope import rope_tables
 
 PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cached path
@@ -59,6 +62,10 @@ PROMPT_BF16_FLOPS = 1.5e11
 # attends a row at a time.  SmolLM2 (Zen 5): 1024 rows 2.0 s either way, 3000 rows 6.2
 # against 12.6 s, 8000 rows 20.8 against 68.0 s
 PROMPT_F32_ROWS = 2048
+# a prompt program runs only where what it holds (PromptStep.nbytes) is at most this
+# share of the memory available when it is built; else the prompt is prefilled row by
+# row, which needs the decoder's cache alone (an 8B's 8k-row program plans several GB)
+PROMPT_MEM_SHARE = 0.8
 
 
 def linear_weights(cfg) -> int:
@@ -520,6 +527,16 @@ class PromptStep:
         logits = _head(tp, cfg, W, ops.take_rows(x, self.last), ones)  # [1, V]
         self.prog = tp.compile([logits, *keys, *values], backend="cpu", compute=compute)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the program holds once it runs: its memory plan (allocated when it is
+        compiled, its pages touched on the first run), the block GEMMs' scratch, the bf16
+        copies of dense weights and the largest scratch of a fused primitive."""
+        ex = self.prog.executable
+        return int(self.prog.memory.nbytes + ex.scratch_bytes()
+                   + sum(a.nbytes for a in ex.bf16_weights())
+                   + fused_scratch_bytes(self.prog.graph))
+
     def __call__(self, ids, cache: KVCache) -> np.ndarray:
         """Logits ``[V]`` after ``ids`` (at most ``rows``); ``cache`` (empty) gets their
         keys and values: views of the program's outputs, valid until its next call (a
@@ -650,14 +667,28 @@ class Llama:
     def _prompt_step(self, adapter, lora, scale, rows, compute):
         """A PromptStep of ``rows`` rounded up to a multiple of ``PROMPT_PAD`` (of 16
         below it); the last one is kept and reused by the next prompt of its size,
-        adapter and precision (a chat's prompts only grow: older sizes are not)."""
+        adapter and precision (a chat's prompts only grow: older sizes are not).  None,
+        with a warning, where the program would hold more than ``PROMPT_MEM_SHARE`` of
+        the memory available: the caller prefills row by row."""
         pad = PROMPT_PAD if rows > PROMPT_PAD else 16
         key = (adapter, -(-rows // pad) * pad, compute)
         hit = self._prompt
         if hit is None or hit[0] is not key[0] or hit[1:3] != key[1:]:
             self._prompt = None  # its buffers go before the next program's are made
-            hit = self._prompt = (*key, PromptStep(self.config, self.weights, lora, scale,
-                                                   key[1], compute))
+            available = mem_available()
+            try:  # its arena is allocated here, its pages touched on the first run
+                step = PromptStep(self.config, self.weights, lora, scale, key[1], compute)
+            except MemoryError:  # more than the kernel lets one allocation have
+                step = None
+            if step is None or (available is not None
+                                and step.nbytes > PROMPT_MEM_SHARE * available):
+                held = f"{step.nbytes / GiB:.1f} GiB" if step else "more than it can have"
+                free = "" if available is None else f", {available / GiB:.1f} GiB available"
+                warnings.warn(f"gradtape: a prompt of {rows} rows as one program would "
+                              f"hold {held}{free}: prefilling it row by row",
+                              RuntimeWarning, stacklevel=3)
+                return None
+            hit = self._prompt = (*key, step)
         return hit[3]
 
     def _use_blocks(self, decoder, dtype, lora):
@@ -737,9 +768,11 @@ class Llama:
                 if kept and kept >= len(prompt) - kept:
                     dec.length = kept
                     return dec.prefill(prompt[kept:])
-            if compiled:  # one compiled program; the decoder takes over its cache
-                logits = self._prompt_step(adapter, lora, scale, len(prompt),
-                                           compiled)(prompt, cache)
+            # one compiled program, where it fits; the decoder takes over its cache
+            program = compiled and self._prompt_step(adapter, lora, scale, len(prompt),
+                                                     compiled)
+            if program:
+                logits = program(prompt, cache)
                 if fast:
                     dec.load(cache, prompt)
                     dec.exact = compiled == "float32"

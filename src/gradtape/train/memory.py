@@ -20,11 +20,10 @@ import numpy as np
 
 from ..backends import get_backend
 from ..blocks import is_block_matrix
-from ..compile.memplan import plan_memory
+from ..compile.memplan import fused_scratch_bytes, plan_memory
 from ..compile.program import passes
 from ..errors import GradtapeError
 from ..models.memory import GiB, resident_bytes
-from ..ops import PRIMS
 
 # the interpreter, NumPy / OpenBLAS thread buffers, the tokenizer, compiled kernels,
 # batches: measured about 250-350 MB on SmolLM2 runs; rounded up
@@ -69,13 +68,6 @@ def _scratch(prog, weights, dtype):
     return big * (4 + (np.dtype(dtype).itemsize if np.dtype(dtype) != np.float32 else 0))
 
 
-def _fused_scratch(graph):
-    """The largest scratch a fused primitive's forward allocates while it runs (the
-    tiled head's logits block, attention's score tiles), in bytes."""
-    return max((PRIMS[v.op].scratch(v) * v.dtype.itemsize for v in graph.ops
-                if PRIMS[v.op].scratch is not None), default=0)
-
-
 def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Estimate:
     """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
     the backend-independent passes and their memory plan, before any backend allocates
@@ -83,7 +75,7 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Esti
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
     return Estimate(weights=resident_bytes(model.weights),
                     activations=int(plan_memory(graph).nbytes),
-                    scratch=_fused_scratch(graph), state=n_param * tape.dtype.itemsize * 5)
+                    scratch=fused_scratch_bytes(graph), state=n_param * tape.dtype.itemsize * 5)
 
 
 def _bf16_copies(progs):
@@ -102,7 +94,7 @@ def estimate(model, step) -> Estimate:
     state = n_param * dtype.itemsize * 5
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),
                     activations=sum(int(p.memory.nbytes) for p in progs),
-                    scratch=max((_scratch(p, model.weights, dtype) + _fused_scratch(p.graph)
+                    scratch=max((_scratch(p, model.weights, dtype) + fused_scratch_bytes(p.graph)
                                  for p in progs), default=0),
                     state=state)
 

@@ -365,10 +365,11 @@ def time_split(side, reps=1):
     timed alone): GEMMs, C kernels, attention, the LM head + loss, the rest."""
     profile = runpy.run_path(os.path.join(os.path.dirname(__file__),
                                           "profile_step.py"))["profile"]
-    steps = getattr(side.step_prog.program.executable, "_steps", None)
-    if not steps or not callable(steps[0]):
+    ex = side.step_prog.program.executable
+    steps = getattr(ex, "_steps", None)
+    if not steps or not callable(steps[0]) or not hasattr(ex, "replay_context"):
         return {}  # a backend without per-step callables (numpy, cuda)
-    _, kinds = profile(steps, reps)
+    _, kinds = profile(ex, reps)
     return {k: round(v, 4) for k, v in kinds.most_common()}
 
 

@@ -40,27 +40,30 @@ def _name(step):
     return name, TILED.get(name, "numpy")
 
 
-def profile(steps, reps=1):
-    """Each program step timed alone over ``reps`` replays: ``(seconds by name, seconds by
-    kind)``, per replay.  A bf16 or int8 block-weight GEMM (``qgemm.lower_bf16`` /
-    ``lower_int8``) is split into its tiles' dequantization ("dequantize bf16" / "int8"),
-    their GEMMs ("block GEMM bf16" / "int8") and the rest of it (the activation's
-    rounding or quantization, moves), under its own kind."""
+def profile(executable, reps=1):
+    """Each step of a compiled program (its cpu ``executable``) timed alone over ``reps``
+    replays, inside the replay's own context (denormals flushed, NumPy's BLAS on one
+    thread in a bf16 replay): ``(seconds by name, seconds by kind)``, per replay.  A bf16
+    or int8 block-weight GEMM (``qgemm.lower_bf16`` / ``lower_int8``) is split into its
+    tiles' dequantization ("dequantize bf16" / "int8"), their GEMMs ("block GEMM bf16" /
+    "int8") and the rest of it (the activation's rounding or quantization, moves), under
+    its own kind."""
     per, kinds = collections.Counter(), collections.Counter()
-    for _ in range(reps):
-        for step in steps:
-            name, kind = _name(step)
-            precision = getattr(step, "precision", None)
-            split = {"dequantize": 0.0, "GEMM": 0.0} if precision else None
-            t = time.perf_counter()
-            step(split) if split is not None else step()
-            dt = time.perf_counter() - t
-            per[name] += dt / reps
-            if split is not None:
-                kinds[f"dequantize {precision}"] += split["dequantize"] / reps
-                kinds[f"block GEMM {precision}"] += split["GEMM"] / reps
-                dt -= split["dequantize"] + split["GEMM"]
-            kinds[kind] += dt / reps
+    with executable.replay_context():
+        for _ in range(reps):
+            for step in executable._steps:
+                name, kind = _name(step)
+                precision = getattr(step, "precision", None)
+                split = {"dequantize": 0.0, "GEMM": 0.0} if precision else None
+                t = time.perf_counter()
+                step(split) if split is not None else step()
+                dt = time.perf_counter() - t
+                per[name] += dt / reps
+                if split is not None:
+                    kinds[f"dequantize {precision}"] += split["dequantize"] / reps
+                    kinds[f"block GEMM {precision}"] += split["GEMM"] / reps
+                    dt -= split["dequantize"] + split["GEMM"]
+                kinds[kind] += dt / reps
     return per, kinds
 
 
@@ -86,9 +89,9 @@ def main():
     st.step([(ids, np.roll(ids, -1, 1))], 1, 1e-4)  # first run: binds fed leaves
     ex = st.program.executable
     steps = getattr(ex, "_steps", None)
-    if steps is None or not steps or not callable(steps[0]):
+    if not steps or not callable(steps[0]) or not hasattr(ex, "replay_context"):
         raise SystemExit(f"backend {args.backend!r} does not expose per-step callables")
-    per, kinds = profile(steps, args.reps)
+    per, kinds = profile(ex, args.reps)
     total = sum(kinds.values())
     print(f"{len(steps)} program steps, {total:.3f} s per replay (compute {st.compute})")
     for kind, t in kinds.most_common():

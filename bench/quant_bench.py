@@ -183,7 +183,7 @@ def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
         times.append(time.perf_counter() - t)
     # after the timed steps: one more, step by step
     profile = runpy.run_path(str(Path(__file__).with_name("profile_step.py")))["profile"]
-    _, kinds = profile(step.program.executable._steps)
+    _, kinds = profile(step.program.executable)
     return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
             "estimate_gb": est.total / 1e9, "compute": step.compute,
             "compute_why": step.compute_why,

@@ -413,11 +413,18 @@ class CpuBackend(HostBackend):
 
     # --- replay ------------------------------------------------------------------------
     def _execute(self):
-        # a bf16 replay runs on OpenMP's threads (oneDNN, our kernels): NumPy's BLAS, for
-        # any float32 GEMM oneDNN did not take, on one thread (see qgemm.one_blas_thread)
+        with self.replay_context():
+            super()._execute()
+
+    @contextlib.contextmanager
+    def replay_context(self):
+        """What a replay's steps run inside (and a profile timing them one by one): a bf16
+        replay runs on OpenMP's threads (oneDNN, our kernels), so NumPy's BLAS, for any
+        float32 GEMM oneDNN did not take, stays on one thread (``qgemm.one_blas_thread``);
+        a float32 one flushes denormals (``_flushing_denormals``)."""
         with qgemm.one_blas_thread() if self.low_precision else contextlib.nullcontext(), \
                 self._flushing_denormals():
-            super()._execute()
+            yield
 
     @contextlib.contextmanager
     def _flushing_denormals(self):

@@ -75,7 +75,8 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Esti
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
     return Estimate(weights=resident_bytes(model.weights),
                     activations=int(plan_memory(graph).nbytes),
-                    scratch=fused_scratch_bytes(graph), state=n_param * tape.dtype.itemsize * 5)
+                    scratch=fused_scratch_bytes(graph),
+                    state=n_param * tape.dtype.itemsize * 5)
 
 
 def _bf16_copies(progs):
@@ -94,8 +95,8 @@ def estimate(model, step) -> Estimate:
     state = n_param * dtype.itemsize * 5
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),
                     activations=sum(int(p.memory.nbytes) for p in progs),
-                    scratch=max((_scratch(p, model.weights, dtype) + fused_scratch_bytes(p.graph)
-                                 for p in progs), default=0),
+                    scratch=max((_scratch(p, model.weights, dtype)
+                                 + fused_scratch_bytes(p.graph) for p in progs), default=0),
                     state=state)
 
 

@@ -682,8 +682,8 @@ class Llama:
                 step = None
             if step is None or (available is not None
                                 and step.nbytes > PROMPT_MEM_SHARE * available):
-                held = f"{step.nbytes / GiB:.1f} GiB" if step else "more than it can have"
-                free = "" if available is None else f", {available / GiB:.1f} GiB available"
+                held = f"{step.nbytes / GiB:.2f} GiB" if step else "more than it can have"
+                free = "" if available is None else f", {available / GiB:.2f} GiB available"
                 warnings.warn(f"gradtape: a prompt of {rows} rows as one program would "
                               f"hold {held}{free}: prefilling it row by row",
                               RuntimeWarning, stacklevel=3)

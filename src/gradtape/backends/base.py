@@ -56,6 +56,18 @@ class Backend:
         raise NotImplementedError
 
 
+def page_aligned(n, dtype, page=4096):
+    """``np.empty(n, dtype)`` starting on a page boundary.  NumPy's own large arrays start
+    16 bytes into a page, so every 64-byte vector of a kernel over them straddles two
+    cache lines (a memory plan's regions are cache-line multiples from the arena's
+    start): SmolLM2's [256, 1536] SwiGLU kernels took 25 ms a step that way, 11 ms
+    aligned, and the bf16 step's C kernels 0.39 s against 0.32 s (AMX Xeon)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + page, np.uint8)
+    start = -raw.ctypes.data % page
+    return raw[start:start + n * dtype.itemsize].view(dtype)
+
+
 class HostBackend(Backend):
     @classmethod
     def has_kernel(cls, op):
@@ -63,7 +75,7 @@ class HostBackend(Backend):
 
     def __init__(self, graph, schedule, plan, compute="float32"):
         super().__init__(graph, schedule, plan, compute)
-        self._buffers = [np.empty(n, dtype) for dtype, n in plan.buffer_sizes]
+        self._buffers = [page_aligned(n, dtype) for dtype, n in plan.buffer_sizes]
         self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
         self._owned = set()
         for leaf, _ in graph.updates:

@@ -48,7 +48,7 @@ import numpy as np
 from ..compile.fuse import FusedGroup
 from ..ops import PRIMS, _mT
 from . import _cgen, compute, onednn, qgemm, tiled_c
-from .base import HostBackend
+from .base import HostBackend, page_aligned
 
 _LIBS = {}  # path -> loaded CDLL (one load per process)
 _W16 = weakref.WeakKeyDictionary()  # weight leaf -> its _Bf16Weight, shared by programs
@@ -171,8 +171,8 @@ class CpuBackend(HostBackend):
                          if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
                 self._bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
                 if steps:
-                    self._scratch16 = np.empty(max(s.inputs[0].size for s in steps),
-                                               np.uint16)
+                    self._scratch16 = page_aligned(max(s.inputs[0].size for s in steps),
+                                                   np.uint16)
                 self._q16 = {s for s in qops if qgemm.bf16_eligible(s)}
                 # int8 compute: the block-weight GEMMs whose sums fit int32 take int8
                 if compute == "int8":
@@ -181,8 +181,8 @@ class CpuBackend(HostBackend):
                 if self._q16:
                     act, tile, prod = qgemm.bf16_scratch_elems(self._q16)
                     self._qact16, self._qtile16, self._qprod32 = (
-                        np.empty(act, np.uint16), np.empty(tile, np.uint16),
-                        np.empty(prod, np.float32) if prod else None)
+                        page_aligned(act, np.uint16), page_aligned(tile, np.uint16),
+                        page_aligned(prod, np.float32) if prod else None)
                 if self._q8:
                     act, tile, scales, prod = qgemm.int8_scratch_elems(self._q8)
                     self._q8scratch = (np.empty(act, np.int8), np.empty(tile, np.int8),

@@ -116,7 +116,8 @@ def main():
         outs, keys = lora_loss_outputs(tp, model.config, model.weights, ad, ids)
         prog = tp.compile(outs, backend="numpy")
         ex = prog.executable
-        forward_out = {id(out) for (_, out, _, _), v in zip(ex._steps, ex.graph.ops)
+        # each step is partial(forward, out, *inputs, **attrs) (backends/numpy.py)
+        forward_out = {id(step.args[0]) for step, v in zip(ex._steps, ex.graph.ops)
                        if v.op == "matmul" and v.index <= outs[0].index}
         results = {}
         try:

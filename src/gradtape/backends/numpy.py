@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from ..compile.memplan import views_in_place
 from ..ops import PRIMS
 from .base import HostBackend
 
@@ -23,4 +24,5 @@ class NumpyBackend(HostBackend):
 
     def _bind_steps(self, val):
         return [functools.partial(PRIMS[v.op].forward, val[v], *(val[x] for x in v.inputs),
-                                  **v.attrs) for v in self.schedule.steps]
+                                  **v.attrs) for v in self.schedule.steps
+                if not views_in_place(v, val)]

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops import PRIMS
-from .memplan import MemoryPlan, plan_liveness
+from .memplan import MemoryPlan, plan_liveness, reshape_views
 
 REDUCE_OPS = ("sum", "softmax", "logsumexp")
 
@@ -220,8 +220,10 @@ def plan_schedule_memory(schedule) -> MemoryPlan:
     only values that leave a step get a buffer (group-internal values live in registers).
 
     A step's outputs are placed before its inputs are released, so no step writes over
-    what it reads.  Outputs and update sources keep buffers of their own.
+    what it reads.  Outputs and update sources keep buffers of their own.  A lone reshape
+    is its input's region seen in another shape (``reshape_views``): a copy saved.
     """
     graph = schedule.graph
     pinned = set(graph.outputs) | {src for _, src in graph.updates}
-    return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned)
+    return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned,
+                         reshape_views(schedule.steps))

@@ -57,9 +57,12 @@ def fused_scratch_bytes(graph) -> int:
                 if PRIMS[v.op].scratch is not None), default=0)
 
 
-def plan_liveness(steps, pinned) -> MemoryPlan:
+def plan_liveness(steps, pinned, views=None) -> MemoryPlan:
     """Plan regions for ``steps``, a list of ``(inputs, outputs)`` Var tuples in execution
-    order; every output gets a region, ``pinned`` ones live to the end."""
+    order; every output gets a region, ``pinned`` ones live to the end.  ``views``: ``{v:
+    x}`` for outputs that are the values of ``x`` reshaped: ``v`` shares ``x``'s region
+    (where ``x`` has one here), which then lives as long as either, and the step making
+    ``v`` has nothing left to do (``views_in_place``)."""
     born, dies = {}, {}
     for i, (inputs, outputs) in enumerate(steps):
         for v in outputs:
@@ -71,10 +74,19 @@ def plan_liveness(steps, pinned) -> MemoryPlan:
     for v in pinned:
         if v in born:
             dies[v] = end
+    root = {}  # a view -> the value whose region it shares
+    for v in born:
+        r = v
+        while r in (views or {}) and views[r] in born:
+            r = views[r]
+        if r is not v:
+            root[v] = r
+            dies[r] = max(dies[r], dies[v])
     slot, offset, sizes = {}, {}, []
     by_dtype = {}
     for v in born:
-        by_dtype.setdefault(v.dtype, []).append(v)
+        if v not in root:
+            by_dtype.setdefault(v.dtype, []).append(v)
     for dtype, values in by_dtype.items():
         values.sort(key=lambda v: (-v.size, born[v]))
         n = len(values)
@@ -97,7 +109,23 @@ def plan_liveness(steps, pinned) -> MemoryPlan:
             total = max(total, off + size)
             slot[v], offset[v] = len(sizes), off
         sizes.append((dtype, total))
+    for v, r in root.items():
+        slot[v], offset[v] = slot[r], offset[r]
     return MemoryPlan(buffer_sizes=tuple(sizes), slot=slot, offset=offset)
+
+
+def reshape_views(steps):
+    """``{v: x}`` for the steps that are a lone ``reshape`` of a computed value: ``x``'s
+    region in a row-major arena already holds ``v`` (``plan_liveness``'s ``views``)."""
+    return {s: s.inputs[0] for s in steps
+            if getattr(s, "op", None) == "reshape" and not s.inputs[0].is_leaf}
+
+
+def views_in_place(step, values) -> bool:
+    """Whether ``step`` is a reshape the plan put on its input's region (nothing to run;
+    ``values``: Var -> its array)."""
+    return (getattr(step, "op", None) == "reshape"
+            and values[step].ctypes.data == values[step.inputs[0]].ctypes.data)
 
 
 def plan_memory(graph) -> MemoryPlan:

@@ -35,7 +35,10 @@ from ..compile.fuse import prefix_level
 from .lowering import ELEMENTWISE, ROW_MATH, CTypes, expr
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd")
+         "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd",
+         # on an AVX-512 CPU, 512-bit vectors where GCC would pick 256 for -march=native
+         # (no effect elsewhere): SmolLM2's softmax kernel 0.65 -> 0.44 ms (AMX Xeon)
+         "-mprefer-vector-width=512")
 
 CSRC = Path(__file__).with_name("csrc")
 PRELUDE = (CSRC / "gt_prelude.h").read_text()  # the generated kernels' first lines

@@ -1,9 +1,10 @@
 """Where a SmolLM2 LoRA training step's time goes: each step of the compiled program timed
-on its own (matmuls by shape, generated C kernel runs, NumPy ops by name).
+on its own (matmuls by shape, generated C kernel runs, NumPy ops by name); with
+``--kernels N``, also each generated kernel call timed alone, the N costliest kinds.
 
     python bench/profile_step.py [--batch 1] [--seq-len 256] [--backend cpu] [--reps 2]
                                  [--compute float32|bf16|auto] [--model PATH]
-                                 [--keep-quantized] [--rank 8]
+                                 [--keep-quantized] [--rank 8] [--kernels 20]
 """
 
 import argparse
@@ -67,6 +68,22 @@ def profile(executable, reps=1):
     return per, kinds
 
 
+def profile_kernels(executable, reps=1):
+    """Each generated kernel call of a bound cpu ``executable`` timed alone over ``reps``
+    replays, in the replay's context: ``(seconds by label, calls by label)``, per replay."""
+    per, calls = collections.Counter(), collections.Counter()
+    runs = executable.kernel_calls()
+    with executable.replay_context():
+        for _ in range(reps):
+            for _step, label, run in runs:
+                t = time.perf_counter()
+                run()
+                per[label] += (time.perf_counter() - t) / reps
+    for _step, label, _run in runs:
+        calls[label] += 1
+    return per, calls
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -80,6 +97,9 @@ def main():
     ap.add_argument("--keep-quantized", action="store_true",
                     help="keep the GGUF's blocks (the block-weight GEMMs)")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also time each generated kernel call alone and list the N "
+                         "costliest kinds (cpu backend)")
     args = ap.parse_args()
     model = llama.load(args.model, keep_quantized=args.keep_quantized)
     st = TrainStep(model, init_adapter(model.config, args.rank, 2 * args.rank, seed=0),
@@ -98,6 +118,12 @@ def main():
         print(f"  {kind:15s} {t:.3f} s  {100 * t / total:4.1f}%")
     for name, t in per.most_common(args.top):
         print(f"    {t:.4f} s  {name}")
+    if args.kernels and hasattr(ex, "kernel_calls"):
+        per, calls = profile_kernels(ex, args.reps)
+        print(f"{sum(calls.values())} generated kernel calls, each alone: "
+              f"{sum(per.values()):.3f} s per replay")
+        for label, t in per.most_common(args.kernels):
+            print(f"    {1e3 * t:8.2f} ms  x{calls[label]:<4d} {label}")
 
 
 if __name__ == "__main__":

@@ -408,6 +408,30 @@ def test_chain_is_one_group_and_internals_need_no_buffer():
     assert set(plan.slot) == {y}  # scale, addc, mul live in registers
 
 
+def test_kernel_calls_one_at_a_time_are_the_replay():
+    """``kernel_calls`` (what bench/profile_step.py --kernels times) lists every generated
+    kernel call of the replay in order, each labelled: run one by one they compute what
+    the replay computes (this program has no other steps)."""
+    rng = np.random.default_rng(3)
+    tp = gt.Tape(np.float32)
+    x = tp.param(rng.standard_normal((6, 16)).astype(np.float32))
+    h = ops.reshape(ops.softmax(ops.scale(x, 0.5), 1), (2, 3, 16))
+    loss = ops.reduce_sum(ops.mul(h, h))
+    prog = cpu_program(tp, [loss, tp.backward(loss)[x]])
+    ex = prog.executable
+    want = [o.copy() for o in prog.run()]
+    calls = ex.kernel_calls()
+    assert all(getattr(f, "func", None) is ex.lib.gt_run for f in ex._steps)
+    assert sum(f.args[2] for f in ex._steps) == len(calls) > 1
+    assert "rowreduce [6, 16] [scale,softmax]" in [label for _, label, _ in calls]
+    for o in ex._outputs:
+        o.fill(np.nan)
+    for _, _, run in calls:
+        run()
+    for got, ref in zip(ex._outputs, want):
+        np.testing.assert_array_equal(got, ref)
+
+
 def test_no_fusion_across_matmul():
     tp = gt.Tape()
     x = tp.param(np.ones((4, 8)))

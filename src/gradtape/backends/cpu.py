@@ -294,7 +294,8 @@ class CpuBackend(HostBackend):
                     self._own(x)
         ptrs, calls = [], []
         steps = []  # python callables, in order
-        pending = []  # kernel calls not yet flushed into a gt_run step
+        pending = []  # kernel calls not yet flushed into a gt_run step: (kernel, offset)
+        owners = []  # the schedule step of each kernel call, in the order of calls
 
         def flush():
             if pending:
@@ -310,6 +311,7 @@ class CpuBackend(HostBackend):
                 off = len(ptrs)
                 ptrs.extend((val[a].ctypes.data, self._scratch16.ctypes.data))
                 pending.append((self._bf16[s], off))
+                owners.append(s)
                 flush()
                 if s not in self._gemm16:
                     a16 = self._scratch16[:a.size].reshape(a.shape)
@@ -324,6 +326,7 @@ class CpuBackend(HostBackend):
                 outs = s.outputs if isinstance(s, FusedGroup) else (s,)
                 ptrs.extend(val[m].ctypes.data for m in outs)
                 pending.append((self._kernel_of[s], off))
+                owners.append(s)
                 continue
             flush()
             ins = tuple(val[x] for x in s.inputs)
@@ -353,6 +356,7 @@ class CpuBackend(HostBackend):
         flush()
         self._ptrs = (ctypes.c_void_p * max(len(ptrs), 1))(*ptrs)
         self._calls = np.array(calls or [0], dtype=np.int32)
+        self._call_owners = owners
         base = self._calls.ctypes.data
         out = []
         for kind, *rest in steps:
@@ -362,6 +366,23 @@ class CpuBackend(HostBackend):
                 start, n = rest
                 out.append(functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
                                              base + 8 * start, n))
+        return out
+
+    def kernel_calls(self):
+        """Each generated-kernel call of the bound replay, in order: ``(schedule step,
+        label, callable running that call alone)``; the label names a bf16 GEMM's
+        activation conversion, a fused group's kind, domain and ops, or a lone op (a
+        profile's: ``bench/profile_step.py --kernels``)."""
+        base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
+        out = []
+        for i, s in enumerate(self._call_owners):
+            if s in self._bf16:
+                label = f"bf16 conversion {list(s.inputs[0].shape)}"
+            elif isinstance(s, FusedGroup):
+                label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
+            else:
+                label = f"{s.op} {list(s.shape)}"
+            out.append((s, label, functools.partial(self.lib.gt_run, ptrs, base + 8 * i, 1)))
         return out
 
     def _matmul_step(self, out, a, b, ta=False, tb=False):

@@ -155,6 +155,82 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
 
 
+def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(monkeypatch):
+    """A bf16 block product is bound with its tiles of each size (qgemm.bf16_tile_sizes)
+    in each layout oneDNN's kernel takes; compute.fastest is asked once per product with
+    all of them and the one it names runs: each gives the rounded reference's product."""
+    from gradtape.backends import compute, onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
+    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
+    assert qgemm.bf16_tile_sizes() == (320 * 512, 64 * 512)
+    r = np.random.default_rng(7)
+    T, rows, k = 9, 1100, 512
+    bm = random_blocks("Q4_K", rows, k, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)))
+    g = tp.param(r.standard_normal((T, rows)))
+    w = tp.const(bm)
+    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
+    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
+    deq = b16(bm.dequantize())
+    asked = []
+    for pick in ("plain 163840", "plain 32768", "blocked 32768"):
+        def fastest(what, shape, runs):
+            asked.append((what, sorted(runs)))
+            return pick if pick in runs else next(iter(runs))
+        monkeypatch.setattr(compute, "fastest", fastest)
+        prog = tp.compile([y, z], backend="cpu", compute="bf16")
+        tiles = [s.tile for s in prog.executable._steps if hasattr(s, "tile")]
+        small = pick.endswith("32768")
+        assert tiles[0] == ((64 if small else 320), k)  # forward: whole rows of W
+        got_y, got_z = prog.run()
+        assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
+        assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+    names = {n for _, ns in asked for n in ns}
+    assert {"plain 163840", "plain 32768"} <= names
+    assert {what for what, _ in asked} == {"qmatmul Q4_K", "qmatmul_t Q4_K"}
+
+
+def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_names(
+        monkeypatch, tmp_path):
+    """compute.fastest times every way in turn once per product and shape on this CPU
+    (then reads the cache file) and names the fastest; $GRADTAPE_BF16_LAYOUT and
+    $GRADTAPE_BF16_TILE keep only the ways they name, untimed when one is left."""
+    import time
+    from types import SimpleNamespace
+
+    from gradtape.backends import compute, onednn
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(onednn, "library", lambda: SimpleNamespace(version="3.2.0"))
+    seconds = {"blocked 16M": 0.012, "plain 16M": 0.016, "blocked 1M": 0.004,
+               "plain 1M": 0.008}
+    calls = []
+
+    def way(name):
+        def run():
+            calls.append(name)
+            time.sleep(seconds[name])
+        return run
+    runs = {n: way(n) for n in seconds}
+    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs) == "blocked 1M"
+    assert set(calls) == set(seconds)
+    calls.clear()
+    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs) == "blocked 1M"
+    assert calls == []  # from the cache
+    monkeypatch.setenv("GRADTAPE_BF16_TILE", "16M")
+    assert compute.fastest("qmatmul Q6_K", (256, 64, 32), runs) == "blocked 16M"
+    assert set(calls) == {"blocked 16M", "plain 16M"}
+    calls.clear()
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "plain")
+    assert compute.fastest("qmatmul_t Q6_K", (256, 64, 32), runs) == "plain 16M"
+    assert calls == []  # one way left: taken untimed
+
+
 def test_a_lowered_block_product_keeps_its_buffers_alive():
     """lower_bf16's callable holds raw addresses of its operands and scratch; it keeps
     the arrays alive itself, so a caller that drops its own references (a benchmark,

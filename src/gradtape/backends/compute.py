@@ -21,9 +21,9 @@ each such product (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
 
-Three more decisions of the kind, timed the same way: ``blocked_faster``, whether the
-tiles of a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or
-plain rows; ``packed_weights``, whether a dense weight is packed into it once;
+Three more decisions of the kind, timed the same way: ``fastest``, whether the tiles of
+a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or plain rows,
+and how large they are; ``packed_weights``, whether a dense weight is packed into it once;
 ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool with our
 kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
@@ -94,10 +94,11 @@ def _cache_file():
     return cache_dir() / "compute-decisions.json"
 
 
-def rates(kind, shape, measure):
-    """``((rate, rate), cached)``: ``measure(*shape)`` on this CPU, read from the cache
-    file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's version and the
-    shape), else measured (about a second) and written there atomically."""
+def rates(kind, shape, measure, n=2):
+    """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
+    read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
+    version and the shape), else measured (about a second) and written there
+    atomically."""
     import json
     import os
 
@@ -112,8 +113,8 @@ def rates(kind, shape, measure):
         table = {}
     table = table if isinstance(table, dict) else {}
     hit = table.get(key)
-    if isinstance(hit, list) and len(hit) == 2:
-        return (float(hit[0]), float(hit[1])), True
+    if isinstance(hit, list) and len(hit) == n:
+        return tuple(float(r) for r in hit), True
     got = tuple(float(r) for r in measure(*shape))
     table[key] = list(got)
     try:
@@ -264,27 +265,40 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     return dnnl, best(lambda: np.matmul(a, w, out=out))
 
 
-def blocked_faster(what, shape, blocked, plain) -> bool:
-    """Whether the bf16 or int8 GEMM ``blocked()``, its weights in a blocked layout of
-    oneDNN's kernel (the tiles of a block-weight product dequantized into it, or a
-    weight packed once: ``packed_weights``), beats ``plain()``, the same GEMM reading
-    plain rows: both timed on ``what`` of ``shape`` once per CPU model and library
-    versions, the result cached like ``rates`` (a few seconds in all for an 8B model's
-    fourteen products, on its first step).  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain
-    decides instead."""
+def fastest(what, shape, runs) -> str:
+    """The name of the fastest of ``runs`` (name -> a callable running one way of the
+    GEMM ``what`` of ``shape``), all timed in turn once per CPU model and library versions,
+    the result cached like ``rates`` (a few seconds in all for an 8B model's products, on
+    its first step).  The ways of a block-weight product: its tiles in oneDNN's blocked
+    weight layout or in plain rows, of ``qgemm.bf16_tile_sizes()`` values; the names say
+    which ("blocked 16M").  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain and
+    ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
+    taken untimed."""
     import os
 
     from .qgemm import one_blas_thread
 
-    forced = os.environ.get("GRADTAPE_BF16_LAYOUT")
-    if forced in ("blocked", "plain"):
-        return forced == "blocked"
+    names = list(runs)
+    for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
+        want = os.environ.get(var)
+        kept = [n for n in names if want in n.split()]
+        names = kept or names
+    if len(names) == 1:
+        return names[0]
 
     def measure(*_):
         with one_blas_thread():  # as in a bf16 replay
-            return best_seconds_in_turn((blocked, plain))
-    (t_blocked, t_plain), _ = rates(f"bf16-tiles {what}", shape, measure)
-    return t_blocked < t_plain
+            return best_seconds_in_turn([runs[n] for n in names])
+    seconds, _ = rates(f"bf16-tiles {what} [{', '.join(names)}]", shape, measure, len(names))
+    return names[seconds.index(min(seconds))]
+
+
+def blocked_faster(what, shape, blocked, plain) -> bool:
+    """Whether the bf16 or int8 GEMM ``blocked()``, its weights in a blocked layout of
+    oneDNN's kernel (the tiles of an int8 block-weight product quantized into it, or a
+    weight packed once: ``packed_weights``), beats ``plain()``, the same GEMM reading
+    plain rows (``fastest`` of the two)."""
+    return fastest(what, shape, {"blocked": blocked, "plain": plain}) == "blocked"
 
 
 def packed_weights(m, k, n, tb) -> bool:

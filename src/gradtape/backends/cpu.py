@@ -342,7 +342,7 @@ class CpuBackend(HostBackend):
             elif s in self._q16:
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,
-                                                     self._qprod32, compute.blocked_faster)))
+                                                     self._qprod32, compute.fastest)))
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C

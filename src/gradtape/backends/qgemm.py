@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import os
 import time
 from pathlib import Path
@@ -43,10 +44,14 @@ TILE_ELEMS = 1 << 22
 TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
 # bf16 compute (oneDNN): a tile is whole rows of W ([R, k]) or, backward, whole columns
 # ([rows, C]) where that gives the wider GEMM (bf16_tile_shape), so each tile is one GEMM.
-# 16M values (32 MB of bf16): oneDNN's bf16 matmul
-# at T=256 runs at 740-830 GFLOP/s from 4096 output columns up and 450 at 1024 (Zen 5
-# AVX512-BF16, measured), against 350-380 for OpenBLAS sgemm.
+# Two sizes, the faster per product measured on the CPU at hand (compute.fastest):
+# 16M values (32 MB of bf16), where oneDNN's bf16 matmul at T=256 ran at 740-830 GFLOP/s
+# from 4096 output columns up and 450 at 1024 (Zen 5, AVX512-BF16, in a loop); and
+# 1M values, a tile that stays in the cores' caches between its dequantization and its
+# GEMM: an 8B step 8% faster on Zen 5 (each product alone: [256, 4096] x [4096, 4096]
+# at 430 GFLOP/s in one 16M tile, 800 in 256-row tiles).
 BF16_TILE_ELEMS = 1 << 24
+BF16_SMALL_TILE_ELEMS = 1 << 20
 
 _LIB = None
 _BLAS = "unset"
@@ -335,19 +340,31 @@ def lower(v, out, ins, scratch):
 
 # --- bf16 compute ---------------------------------------------------------------------
 
-def bf16_tile_shape(transposed, qtype, rows, k):
-    """``(R, C)`` of a bf16 tile: ``[R, k]`` whole rows for ``qmatmul``; for
-    ``qmatmul_t`` either ``[rows, C]`` whole (block-aligned) columns, each tile writing
-    its own columns of z, or, when that leaves a narrower GEMM (a tall W: the LM head,
-    gate, up), whole rows ``[R, k]`` again, the tiles' products summed into z."""
-    fit = BF16_TILE_ELEMS // max(k, 1)
+def bf16_tile_sizes():
+    """The tile sizes (values) a bf16 block product is timed with, largest first."""
+    return tuple(sorted({BF16_TILE_ELEMS, min(BF16_SMALL_TILE_ELEMS, BF16_TILE_ELEMS)},
+                        reverse=True))
+
+
+def _size_name(elems):
+    return f"{elems >> 20}M" if elems % (1 << 20) == 0 else str(elems)
+
+
+def bf16_tile_shape(transposed, qtype, rows, k, elems=None):
+    """``(R, C)`` of a bf16 tile of about ``elems`` values (default ``BF16_TILE_ELEMS``):
+    ``[R, k]`` whole rows for ``qmatmul``; for ``qmatmul_t`` either ``[rows, C]`` whole
+    (block-aligned) columns, each tile writing its own columns of z, or, when that leaves
+    a narrower GEMM (a tall W: the LM head, gate, up), whole rows ``[R, k]`` again, the
+    tiles' products summed into z."""
+    elems = BF16_TILE_ELEMS if elems is None else elems
+    fit = elems // max(k, 1)
     if fit > 64:
         fit -= fit % 64  # the GEMM's N in whole 64-column blocks of oneDNN's kernels
     whole_rows = max(1, min(rows, fit)), k
     if not transposed:
         return whole_rows
     block = BLOCK_TYPES[qtype].block
-    cols = rows, max(block, min(k, BF16_TILE_ELEMS // max(rows, 1) // block * block))
+    cols = rows, max(block, min(k, elems // max(rows, 1) // block * block))
     # the GEMM's narrower side: columns [rows, C] -> (K rows, N C); rows -> (K R, N k)
     return whole_rows if min(whole_rows) > min(cols) else cols
 
@@ -365,9 +382,9 @@ def bf16_scratch_elems(ops):
     (the activation rounded once per product, one tile) and the float32 values of one
     tile's product when it is a block of columns of the result (see ``lower_bf16``)."""
     act = tile = prod = 0
-    for v in ops:
+    for v, elems in itertools.product(ops, bf16_tile_sizes()):
         a = v.attrs
-        r, c = bf16_tile_shape(v.op == "qmatmul_t", a["qtype"], a["rows"], a["k"])
+        r, c = bf16_tile_shape(v.op == "qmatmul_t", a["qtype"], a["rows"], a["k"], elems)
         # the blocked layout pads K to 32 and N to 64 values (gt_deq_tile_vnni)
         pad = lambda n: -(-n // 64) * 64  # noqa: E731
         act, tile = max(act, v.inputs[0].size), max(tile, pad(r) * pad(c))
@@ -408,10 +425,11 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
       qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]   (whole columns), or
                  z (+)= g16[:, r0:r0+R] @ tile[R, k]    (whole rows)
     The tiles are plain rows, which the GEMM reorders into its kernel's layout on every
-    call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it;
-    ``choose(op's name, shape, blocked run, plain run)`` says which (the blocked one
-    when None; ``compute.blocked_faster`` times both: the blocked layout saves the GEMM's
-    reorder, 4-7% of it on AVX512-BF16, and costs a slower dequantization).
+    call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it,
+    of each of ``bf16_tile_sizes()``; ``choose(op's name, shape, {name: run})`` says
+    which run (the blocked one of the largest tiles when None; ``compute.fastest`` times
+    them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
+    costs a slower dequantization; small tiles stay in cache between the two).
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or
     14336 floats) measured 15-20% slower than into contiguous rows."""
@@ -422,17 +440,16 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
         raise RuntimeError(f"{v.op}: operands must be C-contiguous")
     transposed = v.op == "qmatmul_t"
-    R, C = bf16_tile_shape(transposed, qtype, rows, k)
     L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
     xp, ap, tp, op = x.ctypes.data, act16.ctypes.data, tile16.ctypes.data, out.ctypes.data
     width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
 
-    def tiles(per_tile):
-        """per tile: W's rows [r0, r0 + n) and columns [c0, c0 + nc); its GEMM (K, N, the
-        tile is W^T (y = x W^T) or W, A, output, ldc, acc, lda); None or the (columns,
-        their address in out) it is moved into.  per_tile: each tile of a whole-rows
-        qmatmul_t rounds its own columns of g into act16, contiguous (else g16's columns
-        are read in place, rows `rows` apart)."""
+    def tiles(R, C, per_tile):
+        """per tile of ``[R, C]``: W's rows [r0, r0 + n) and columns [c0, c0 + nc); its
+        GEMM (K, N, the tile is W^T (y = x W^T) or W, A, output, ldc, acc, lda); None or
+        the (columns, their address in out) it is moved into.  per_tile: each tile of a
+        whole-rows qmatmul_t rounds its own columns of g into act16, contiguous (else
+        g16's columns are read in place, rows `rows` apart)."""
         out_ = []
         for r0, n, c0, nc, K, N, tb, acc, j0 in _tiles(transposed, rows, k, R, C):
             if j0 is None:
@@ -445,12 +462,14 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
                              (N, op + 4 * j0)))
         return out_
 
-    def bind(blocked):
-        """the callable running the tiles plain or blocked (None where oneDNN's kernel
-        keeps its weights in another layout than gt_deq_tile_vnni writes)"""
+    def bind(blocked, elems):
+        """the callable running the tiles of ``elems`` values plain or blocked (None where
+        oneDNN's kernel keeps its weights in another layout than gt_deq_tile_vnni
+        writes)"""
+        R, C = bf16_tile_shape(transposed, qtype, rows, k, elems)
         # oneDNN keeps the blocked weights only with a contiguous A
         per_tile = blocked and transposed and C == k
-        ts = tiles(per_tile)
+        ts = tiles(R, C, per_tile)
         if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True)
                                for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts):
             return None
@@ -485,17 +504,20 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
                 if into is not None:
                     move(pp, T, into[0], into[1], width)
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-        run.blocked, run.precision = blocked, "bf16"
+        run.blocked, run.precision, run.tile = blocked, "bf16", (R, C)
         # kept alive with run, which holds their addresses
         run.buffers = x, w, out, act16, tile16, prod32
         return run
 
-    blocked, plain = bind(True), bind(False)
-    if blocked is None:
-        return plain
-    if choose is None or choose(f"{v.op} {qtype}", (T, rows, k), blocked, plain):
-        return blocked
-    return plain
+    runs = {}
+    for elems in bf16_tile_sizes():  # largest first: the default
+        for blocked in (True, False):
+            run = bind(blocked, elems)
+            if run is not None:
+                runs[f"{'blocked' if blocked else 'plain'} {_size_name(elems)}"] = run
+    if choose is None:
+        return next(iter(runs.values()))
+    return runs[choose(f"{v.op} {qtype}", (T, rows, k), runs)]
 
 
 # --- int8 compute ---------------------------------------------------------------------

@@ -322,18 +322,18 @@ def _rope_rows(tp, x, cosc, sinc, n, hd):
 
 
 def tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, nh, nkv, hd, iscale, softcap=0.0,
-                    window=0, segments=None, tile=tiled.ATTN_TILE):
+                    window=0, segments=None, tile=tiled.ATTN_TILE, f32=False):
     """``gqa_attention_seqs`` with the causal (and sliding-window, ``window > 0``) mask
     applied by position, as one tiled primitive (``ops.attn``): memory linear in ``t``,
     the key tiles no query of a tile sees never computed.  ``segments [n_seq*t]`` (integer
     ids, ``0 <= id < n_seq*t``) also hides keys of other segments (packed examples).
     ``q [n_seq*t, nh*hd]``, ``k, v [n_seq*t, nkv*hd]``; rope tables ``[t, hd/2]`` (or one
-    row per row of ``q``); returns ``[n_seq*t, nh*hd]``."""
+    row per row of ``q``); returns ``[n_seq*t, nh*hd]``.  ``f32``: as ``ops.attn``'s."""
     _check_heads(nh, nkv)
     qr = _rope_rows(tp, q, cosc, sinc, nh, hd)
     kr = _rope_rows(tp, k, cosc, sinc, nkv, hd)
     out = ops.attn(qr, kr, v, segments, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=softcap,
-                   window=window, n_seq=n_seq, tile=tile)  # [N, nh*hd + nh]
+                   window=window, n_seq=n_seq, tile=tile, f32=f32)  # [N, nh*hd + nh]
     return ops.slice_(out, 1, 0, nh * hd)
 
 

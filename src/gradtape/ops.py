@@ -704,7 +704,7 @@ def _attn_vjp(g, out, q, k, v, *seg, **attrs):
     return (lambda: part(0), lambda: part(1), lambda: part(2)) + (None,) * len(seg)
 
 
-def _dec_attn(tp, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile):
+def _dec_attn(tp, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile, f32=False):
     """Composed: per sequence and query head, the scores with an additive mask (-1e9
     where hidden, as ``nn.causal_mask_fill``; segments through one-hot products)."""
     g, nq, nk = nh // nkv, q.shape[0] // n_seq, k.shape[0] // n_seq
@@ -886,14 +886,17 @@ def head_nll(x, table, ids, cap=0.0, *, grad_in_forward=False):
 
 
 def attn(q, k, v, seg=None, *, nh, nkv, hd, iscale, cap=0.0, window=0, n_seq=1,
-         tile=tiled.ATTN_TILE):
+         tile=tiled.ATTN_TILE, f32=False):
     """Tiled causal attention of already-roped ``q [Nq, nh*hd]`` over ``k, v [Nk,
     nkv*hd]`` (query head ``h`` reads kv head ``h // (nh // nkv)``), ``n_seq``
     sequences stacked as rows: ``[Nq, nh*hd + nh]``, the heads' outputs then each row's
     logsumexp per head.  ``cap > 0`` soft-caps the scaled scores; ``window > 0`` hides
     keys ``window`` or more positions back; ``seg [N]`` (integer ids) hides keys of
     other segments.  ``tile`` query rows per tile over key tiles ``tiled.ATTN_KEYS`` times
-    as wide: never more than a few such score blocks."""
+    as wide: never more than a few such score blocks.  ``f32``: its products stay
+    float32 in a bf16 program (where they otherwise take bf16 inputs), as the composed
+    attention's do."""
     attrs = dict(nh=int(nh), nkv=int(nkv), hd=int(hd), iscale=float(iscale),
-                 cap=float(cap), window=int(window), n_seq=int(n_seq), tile=int(tile))
+                 cap=float(cap), window=int(window), n_seq=int(n_seq), tile=int(tile),
+                 f32=bool(f32))
     return _rec("attn", q, k, v, *([seg] if seg is not None else []), **attrs)

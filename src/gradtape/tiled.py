@@ -395,12 +395,14 @@ def _block(buf, *shape):
     return buf[:int(np.prod(shape))].reshape(shape)
 
 
-def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
+def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile, f32=False,
              kern=NUMPY_TILES):
     """``out = [o | lse]``: per query head the softmax-weighted values ``o [N, nh*hd]`` and
     the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores, walking the key
     tiles with an online softmax (``attn_fwd``): at the end ``o = acc / l`` and ``lse =
-    m + log l``.  The scratch (score block, products) is allocated once per call."""
+    m + log l``.  The scratch (score block, products) is allocated once per call.
+    ``f32``: float32 products even in a bf16 program (read by the cpu backend when it
+    picks ``kern``)."""
     g, dtype = nh // nkv, out.dtype
     lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
     if kern.fused_attn(out, q, k, v, lay, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=cap,
@@ -429,7 +431,7 @@ def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
 
 
 def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
-                  kern=NUMPY_TILES):
+                  f32=False, kern=NUMPY_TILES):
     """The VJP of ``attn`` for all of q, k, v at once, ``out = [dq | dk | dv]`` flattened.
 
     Per key tile the probabilities are recomputed from the forward's ``lse``: ``p =

@@ -202,13 +202,84 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 ATTN_TILED_MIN = 2 * tiled.ATTN_TILE + 1
 
 
+def attention_from(cfg, n_seq, t, backend, compute):
+    """The rows per sequence from which a training step's attention is the fused
+    primitive: ``ATTN_TILED_MIN``, or ``t`` where ``t`` spans two query tiles (129-256
+    rows) and the fused attention, its products kept float32, measured faster than the
+    composed one on this CPU: a few layers' attention forward and backward at the step's
+    shape (``_time_attention``), both timed in turn, once per CPU (cached with the
+    compute decisions).  At 256 rows SmolLM2's step took 0.322 s fused against 0.371 s
+    composed on Zen 5; the fused one (with bf16 products) was the slower on Zen 4 and
+    the AMX Xeon (docs/benchmarks.md).  Other backends, and a machine without oneDNN to
+    key the cache by: ``ATTN_TILED_MIN``."""
+    if backend != "cpu" or not tiled.ATTN_TILE < t <= 2 * tiled.ATTN_TILE or \
+            t >= ATTN_TILED_MIN:
+        return ATTN_TILED_MIN
+    from ..backends import compute as _compute
+    from ..backends.onednn import DnnlError
+
+    shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
+    try:
+        (composed, fused), _ = _compute.rates(
+            f"attention {compute}", shape, lambda *_: _time_attention(cfg, n_seq, t, compute))
+    except DnnlError:
+        return ATTN_TILED_MIN
+    return t if fused < composed else ATTN_TILED_MIN
+
+
+# layers of the attention probe: one layer's attention stays in cache and ran both ways
+# at about one speed (3.2 against 3.4 ms, SmolLM2's, Zen 5); from four on, its activations
+# go through memory as a step's do, and the probe's ratio is the step's (30 layers: 168
+# against 107 ms composed / fused; whole steps 0.371 against 0.322 s)
+ATTN_PROBE_LAYERS = 4
+
+
+def _time_attention(cfg, n_seq, t, compute):
+    """The best seconds of a few layers' attention, forward and backward, composed and
+    fused (``attention_from``), as a training step records them: the residual rows ``x
+    [n_seq*t, D]`` projected to q, k, v and back by frozen weights (so that a bf16 step's
+    program is one here too), packed rows' rope tables and segments."""
+    from ..backends.compute import best_seconds_in_turn
+
+    rng = np.random.default_rng(0)
+    n, hd, window = n_seq * t, cfg.head_dim, cfg.window(0)
+    cos, sin = (np.tile(c, (n_seq, 1)) for c in rope_tables(cfg, t, layer=0))
+    scale = np.float32(1 / math.sqrt(cfg.dim))  # scores of a trained model's size
+
+    def frozen(tp, rows, cols):
+        return tp.const(scale * rng.standard_normal((rows, cols), dtype=np.float32))
+    runs = []
+    for fused in (False, True):
+        tp = Tape(np.float32, eager=False)
+        x0 = x = tp.param(rng.standard_normal((n, cfg.dim), dtype=np.float32))
+        cosc, sinc, segments = tp.const(cos), tp.const(sin), tp.const(np.zeros(n, np.int64))
+        mask = nn.segment_mask(tp, segments, tp.const(nn.causal_mask_fill(t, window=window)),
+                               n_seq, t)
+        for _ in range(min(cfg.n_layers, ATTN_PROBE_LAYERS)):
+            q, k, v = (ops.matmul(x, frozen(tp, cfg.dim, h * hd))
+                       for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+            if fused:
+                o = nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
+                                       cfg.n_kv_heads, hd, cfg.attn_iscale,
+                                       cfg.attn_softcap, window, segments, f32=True)
+            else:
+                o = nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t,
+                                          cfg.n_heads, cfg.n_kv_heads, hd, cfg.attn_iscale,
+                                          cfg.attn_softcap)
+            x = ops.add(x, ops.matmul(o, frozen(tp, cfg.n_heads * hd, cfg.dim)))
+        loss = ops.reduce_sum(ops.mul(x, tp.const(rng.standard_normal(x.shape,
+                                                                      dtype=np.float32))))
+        runs.append(tp.compile([tp.backward(loss)[x0]], backend="cpu", compute=compute).run)
+    return best_seconds_in_turn(runs)
+
+
 def _rope_keys(cfg):
     """``{layer: its rope setting}``; layers with equal settings share one table."""
     return {i: cfg.rope_for(i) for i in range(cfg.n_layers)}
 
 
 def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.0,
-                   ones=None, positions=None, segments=None, head=True):
+                   ones=None, positions=None, segments=None, head=True, fused_from=None):
     """Record the logits ``[n_seq*T, V]`` of ``n_seq`` sequences of length ``T`` (with
     ``head=False`` the last layer's rows ``[n_seq*T, D]``, for ``head_loss``).
 
@@ -221,7 +292,12 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     the example it belongs to; a token attends only to the earlier tokens of its example,
     so each example computes what it would alone.  Without them every sequence is one
     example at positions ``0..T-1``.
+
+    ``fused_from``: the rows per sequence from which attention is the fused primitive
+    (default ``ATTN_TILED_MIN``; a training step's ``attention_from``); below
+    ``ATTN_TILED_MIN`` its products stay float32, as the composed attention's.
     """
+    fused_from = ATTN_TILED_MIN if fused_from is None else fused_from
     n = ids.shape[0]
     if n_seq < 1 or n % n_seq:
         raise ValueError(f"record_forward: {n} ids do not split into {n_seq} equal sequences")
@@ -252,16 +328,16 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     x = _embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
         def attend(q, k, v, window=cfg.window(i), rope=tables[keys[i]]):
-            # all sequences and heads at once; from ATTN_TILED_MIN rows tiled: no [T, T]
+            # all sequences and heads at once; from fused_from rows tiled: no [T, T]
             # scores, the causal mask (and window, segments) applied by position
             cosc, sinc = rope
-            if t < ATTN_TILED_MIN:
+            if t < fused_from:
                 return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask_of(window), n_seq,
                                              t, cfg.n_heads, cfg.n_kv_heads, hd, iscale,
                                              cfg.attn_softcap)
             return nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
                                       cfg.n_kv_heads, hd, iscale, cfg.attn_softcap, window,
-                                      segments)
+                                      segments, f32=t < ATTN_TILED_MIN)
 
         # each layer's input rows: what a checkpointed step keeps (Tape.checkpoint)
         x = _block(tp, cfg, W, i, tp.checkpoint(x), ones, lin, attend)

@@ -36,7 +36,7 @@ from .memory import planned
 from ..backends.compute import DEFAULT_COMPUTE, decide as decide_compute
 from ..errors import GradtapeError
 from ..models.memory import GiB
-from ..models.model import head_loss, record_forward, weight_consts
+from ..models.model import attention_from, head_loss, record_forward, weight_consts
 from .data import IGNORE, empty_rows
 
 
@@ -107,9 +107,11 @@ class TrainStep:
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
         self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
+        # the attention, fused or composed below ATTN_TILED_MIN rows: what runs faster here
+        self.attention_from = attention_from(cfg, batch_size, seq_len, backend, self.compute)
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
                                 adapter.scale, positions=self.positions, segments=self.segments,
-                                head=False)  # [B*T, D]
+                                head=False, fused_from=self.attention_from)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
         self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
         grads = tp.backward(self.loss)

@@ -28,6 +28,7 @@ def cache(monkeypatch, tmp_path):
 
 def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache,
                                                                            monkeypatch):
+    monkeypatch.delenv("GRADTAPE_ATTENTION", raising=False)
     cfg = tiny_model().config
     timed = []
     verdict = {"seconds": (0.2, 0.1)}  # composed, fused
@@ -44,6 +45,10 @@ def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache
     # one query tile (nothing to skip), other backends, long rows: never timed
     for args in ((2, 128, "cpu"), (2, 256, "numpy"), (1, 1024, "cpu")):
         assert M.attention_from(cfg, *args, "float32") == M.ATTN_TILED_MIN
+    # $GRADTAPE_ATTENTION decides without timing
+    for forced, want in (("fused", 200), ("composed", M.ATTN_TILED_MIN)):
+        monkeypatch.setenv("GRADTAPE_ATTENTION", forced)
+        assert M.attention_from(cfg, 2, 200, "cpu", "int8") == want
     assert len(timed) == 2
 
 

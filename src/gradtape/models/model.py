@@ -211,10 +211,16 @@ def attention_from(cfg, n_seq, t, backend, compute):
     compute decisions).  At 256 rows SmolLM2's step took 0.322 s fused against 0.371 s
     composed on Zen 5; the fused one (with bf16 products) was the slower on Zen 4 and
     the AMX Xeon (docs/benchmarks.md).  Other backends, and a machine without oneDNN to
-    key the cache by: ``ATTN_TILED_MIN``."""
+    key the cache by: ``ATTN_TILED_MIN``.  ``$GRADTAPE_ATTENTION`` = fused | composed
+    decides instead of the timing."""
+    import os
+
     if backend != "cpu" or not tiled.ATTN_TILE < t <= 2 * tiled.ATTN_TILE or \
             t >= ATTN_TILED_MIN:
         return ATTN_TILED_MIN
+    forced = os.environ.get("GRADTAPE_ATTENTION")
+    if forced in ("fused", "composed"):
+        return t if forced == "fused" else ATTN_TILED_MIN
     from ..backends import compute as _compute
     from ..backends.onednn import DnnlError
 

@@ -633,6 +633,24 @@ def test_dense_weights_are_packed_only_where_measured_faster(monkeypatch, tmp_pa
         assert rel_err(a, b) < 1e-5
 
 
+def test_a_pack_decision_read_from_the_cache_makes_no_operands(monkeypatch, tmp_path):
+    """packed_weights times the packed and the in-place GEMM on random operands only
+    when its decision is not cached yet: a model's build with dense weights then costs
+    no random matrices (62 weights of 8B-sized layers: 15.6 s); where the kernel reads W
+    in place (``Dnnl.packs`` False) nothing is timed at all."""
+    _need_onednn()
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    monkeypatch.delenv("GRADTAPE_BF16_LAYOUT", raising=False)
+    shape = (64, 256, 128, True)
+    first = compute.packed_weights(*shape)
+    assert first is False or onednn.dnnl().packs(*shape)
+
+    def no_operands(*a, **kw):
+        raise AssertionError("random operands made for a cached decision")
+    monkeypatch.setattr(np.random, "default_rng", no_operands)
+    assert compute.packed_weights(*shape) is first
+
+
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
     """In a bf16 program the float32 matmuls left (LoRA, attention) run in oneDNN's float32
     matmul (one OpenMP thread pool with the bf16 GEMMs): transposed operands and batches

@@ -313,21 +313,35 @@ def packed_weights(m, k, n, tb) -> bool:
     from . import onednn
 
     d = onednn.dnnl()
-    rng = np.random.default_rng(0)
-    a = onednn.to_bf16(rng.standard_normal((m, k), dtype=np.float32))
-    w = onednn.to_bf16(rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32))
-    out = np.empty((m, n), np.float32)
+    if not d.packs(m, k, n, tb):  # the kernel reads W in place: nothing to pack
+        return False
+    made = {}
+
+    def operands():
+        """(a, w, out, pack) addresses, made on the first timed call only: a decision
+        read from the cache costs no random operands (62 weights of 8B-sized layers:
+        15.6 s)"""
+        if not made:
+            rng = np.random.default_rng(0)
+            a = onednn.to_bf16(rng.standard_normal((m, k), dtype=np.float32))
+            w = onednn.to_bf16(rng.standard_normal((n, k) if tb else (k, n),
+                                                   dtype=np.float32))
+            out = np.empty((m, n), np.float32)
+            pack, _ = d.pack(m, k, n, tb, w)
+            made.update(keep=(a, w, out, pack), ptrs=(a.ctypes.data, w.ctypes.data,
+                                                      out.ctypes.data, pack.ctypes.data))
+        return made["ptrs"]
+
+    def packed():
+        a, _, out, pack = operands()
+        d.gemm(m, k, n, tb, a, pack, out, packed=True)
+
+    def plain():
+        d.gemm(m, k, n, tb, *operands()[:3])
     try:
-        pack, _ = d.pack(m, k, n, tb, w)
+        return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n), packed, plain)
     except onednn.DnnlError:  # no reorder into that layout: the plain copy
         return False
-    if pack is None:  # the kernel reads W in place: nothing to pack
-        return False
-    ptrs = a.ctypes.data, w.ctypes.data, out.ctypes.data
-    return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n),
-                          lambda: d.gemm(m, k, n, tb, ptrs[0], pack.ctypes.data, ptrs[2],
-                                         packed=True),
-                          lambda: d.gemm(m, k, n, tb, *ptrs))
 
 
 def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:

@@ -216,6 +216,16 @@ class _Dnnl:
             self.lib.dnnl_memory_desc_destroy(plain)
         return out, md
 
+    def packs(self, m, k, n, tb):
+        """Whether ``pack`` would reorder a ``[k, n]`` W (``[n, k]`` where ``tb``) for the
+        kernel of ``[m, k] @ [k, n]``: False where that kernel reads it in place."""
+        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
+        try:
+            return not self.lib.dnnl_memory_desc_equal(md, plain)
+        finally:
+            self.lib.dnnl_memory_desc_destroy(plain)
+
     def same_layout(self, md, m, k, n):
         """Whether the kernel for ``[m, k] @ [k, n]`` keeps its weights as ``md`` says
         (then a weight ``pack`` wrote for another row count serves it too)."""

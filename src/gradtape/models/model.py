@@ -252,8 +252,12 @@ def _time_attention(cfg, n_seq, t, compute):
     cos, sin = (np.tile(c, (n_seq, 1)) for c in rope_tables(cfg, t, layer=0))
     scale = np.float32(1 / math.sqrt(cfg.dim))  # scores of a trained model's size
 
+    weights = {}  # one random matrix per shape, each layer's const a copy of it
+
     def frozen(tp, rows, cols):
-        return tp.const(scale * rng.standard_normal((rows, cols), dtype=np.float32))
+        if (rows, cols) not in weights:
+            weights[rows, cols] = scale * rng.standard_normal((rows, cols), dtype=np.float32)
+        return tp.const(weights[rows, cols])
     runs = []
     for fused in (False, True):
         tp = Tape(np.float32, eager=False)

@@ -203,8 +203,9 @@ ATTN_TILED_MIN = 2 * tiled.ATTN_TILE + 1
 
 
 def attention_from(cfg, n_seq, t, backend, compute):
-    """The rows per sequence from which a training step's attention is the fused
-    primitive: ``ATTN_TILED_MIN``, or ``t`` where ``t`` spans two query tiles (129-256
+    """``(rows, why)``: the rows per sequence from which a training step's attention is
+    the fused primitive, and a sentence saying why where it was decided here ("" where
+    not): ``ATTN_TILED_MIN``, or ``t`` where ``t`` spans two query tiles (129-256
     rows) and the fused attention, its products kept float32, measured faster than the
     composed one on this CPU: a few layers' attention forward and backward at the step's
     shape (``_time_attention``), both timed in turn, once per CPU (cached with the
@@ -217,20 +218,23 @@ def attention_from(cfg, n_seq, t, backend, compute):
 
     if backend != "cpu" or not tiled.ATTN_TILE < t <= 2 * tiled.ATTN_TILE or \
             t >= ATTN_TILED_MIN:
-        return ATTN_TILED_MIN
+        return ATTN_TILED_MIN, ""
     forced = os.environ.get("GRADTAPE_ATTENTION")
     if forced in ("fused", "composed"):
-        return t if forced == "fused" else ATTN_TILED_MIN
+        return (t if forced == "fused" else ATTN_TILED_MIN), f"{forced} ($GRADTAPE_ATTENTION)"
     from ..backends import compute as _compute
     from ..backends.onednn import DnnlError
 
     shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
     try:
-        (composed, fused), _ = _compute.rates(
+        (composed, fused), cached = _compute.rates(
             f"attention {compute}", shape, lambda *_: _time_attention(cfg, n_seq, t, compute))
     except DnnlError:
-        return ATTN_TILED_MIN
-    return t if fused < composed else ATTN_TILED_MIN
+        return ATTN_TILED_MIN, ""
+    why = (f"fused {1e3 * fused:.1f} vs composed {1e3 * composed:.1f} ms at {t} rows, "
+           f"timed {'before ' if cached else ''}on this CPU")
+    return (t if fused < composed else ATTN_TILED_MIN), ("fused" if fused < composed
+                                                        else "composed") + f" ({why})"
 
 
 # layers of the attention probe: one layer's attention stays in cache and ran both ways

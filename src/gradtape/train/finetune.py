@@ -234,6 +234,8 @@ def _finetune(cfg, model, log, world, together):
     f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
     log(f"compute: {step_prog.compute} ({step_prog.compute_why})"
         + (f"; {f32_why}" if f32_why else ""))
+    if step_prog.attention_why:
+        log(f"attention: {step_prog.attention_why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (", with activation checkpointing" if step_prog.checkpointed else "")

@@ -108,7 +108,8 @@ class TrainStep:
         self.segments = tp.const(np.zeros(rows, np.int64))
         self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
         # the attention, fused or composed below ATTN_TILED_MIN rows: what runs faster here
-        self.attention_from = attention_from(cfg, batch_size, seq_len, backend, self.compute)
+        self.attention_from, self.attention_why = attention_from(cfg, batch_size, seq_len,
+                                                                 backend, self.compute)
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
                                 adapter.scale, positions=self.positions, segments=self.segments,
                                 head=False, fused_from=self.attention_from)  # [B*T, D]

@@ -180,6 +180,30 @@ def test_programs_share_a_weight_copy_until_one_is_fed():
     assert rel_err(p2.run()[0], 2 * ref) < 1e-5  # p2 still multiplies by the recorded w
 
 
+def test_one_operand_of_several_bf16_gemms_is_rounded_once():
+    """q, k, v (gate, up) read one x: its bf16 copy is made once and read by the GEMMs
+    that follow it, until another operand is rounded; the products are those of
+    rounding it for each (the same bits)."""
+    _need_onednn()
+    rng = np.random.default_rng(4)
+    tp = gt.Tape(np.float32, eager=False)
+    x = tp.param(rng.standard_normal((24, 288)).astype(np.float32))
+    ws = [rng.standard_normal((288, n)).astype(np.float32) / 17 for n in (288, 320, 320)]
+    q, k, v = (ops.matmul(x, tp.const(w)) for w in ws)
+    h = ops.matmul(ops.mul(q, q), tp.const(ws[0]))  # another operand, then x's GEMMs done
+    prog = tp.compile([q, k, v, h], backend="cpu", compute="bf16")
+    ex = prog.executable
+    assert ex.compute == "bf16" and len(ex._bf16) == 4
+    labels = [label for _, label, _ in ex.kernel_calls()]
+    assert labels.count("bf16 conversion [24, 288]") == 2  # x once, q * q once
+    got = prog.run()
+    x16 = _bf16_exact(x.value)
+    for out, w in zip(got[:3], ws):
+        assert rel_err(out, x16 @ _bf16_exact(w)) < 1e-5
+    qq = _bf16_exact(got[0].astype(np.float64) ** 2)
+    assert rel_err(got[3], qq @ _bf16_exact(ws[0])) < 1e-5
+
+
 def _both_ways(tp, rng):
     """``y = x @ W`` and its gradient through ``dY @ W^T``: one weight read both ways."""
     x = tp.param(rng.standard_normal((40, 320)))

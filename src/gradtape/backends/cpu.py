@@ -303,15 +303,20 @@ class CpuBackend(HostBackend):
                 calls.extend(pending_flat for c in pending for pending_flat in c)
                 pending.clear()
 
+        last16 = None  # the operand whose bf16 copy _scratch16 holds
         for s in self.schedule.steps:
             if views_in_place(s, val):  # the plan put it on its input: nothing to run
                 continue
             if s in self._bf16:  # convert op(a) in the batch, then one oneDNN call
                 a = s.inputs[0]
-                off = len(ptrs)
-                ptrs.extend((val[a].ctypes.data, self._scratch16.ctypes.data))
-                pending.append((self._bf16[s], off))
-                owners.append(s)
+                # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
+                # these conversions write _scratch16; a, read here, is still live)
+                if a is not last16:
+                    off = len(ptrs)
+                    ptrs.extend((val[a].ctypes.data, self._scratch16.ctypes.data))
+                    pending.append((self._bf16[s], off))
+                    owners.append(s)
+                    last16 = a
                 flush()
                 if s not in self._gemm16:
                     a16 = self._scratch16[:a.size].reshape(a.shape)

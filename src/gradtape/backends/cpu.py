@@ -351,8 +351,8 @@ class CpuBackend(HostBackend):
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C
-                kern = tiled_c.kernels(s.dtype, bf16=self.low_precision and not s.attrs.get("f32"),
-                                       f32_onednn=self._f32_dnnl)
+                bf16 = self.low_precision and not s.attrs.get("f32")  # ops.attn's f32
+                kern = tiled_c.kernels(s.dtype, bf16=bf16, f32_onednn=self._f32_dnnl)
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       kern=kern, **s.attrs)))
             else:

@@ -48,8 +48,8 @@ TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
 # 16M values (32 MB of bf16), where oneDNN's bf16 matmul at T=256 ran at 740-830 GFLOP/s
 # from 4096 output columns up and 450 at 1024 (Zen 5, AVX512-BF16, in a loop); and
 # 1M values, a tile that stays in the cores' caches between its dequantization and its
-# GEMM: an 8B step 8% faster on Zen 5 (each product alone: [256, 4096] x [4096, 4096]
-# at 430 GFLOP/s in one 16M tile, 800 in 256-row tiles).
+# GEMM: on Zen 5 it won 9 of an 8B step's 14 products, and the step took 11.89 s against
+# 12.36 s with 16M tiles alone (medians, bench/step_ab.py; docs/benchmarks.md).
 BF16_TILE_ELEMS = 1 << 24
 BF16_SMALL_TILE_ELEMS = 1 << 20
 

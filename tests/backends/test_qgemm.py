@@ -197,6 +197,40 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     assert {what for what, _ in asked} == {"qmatmul Q4_K", "qmatmul_t Q4_K"}
 
 
+def test_block_products_of_one_activation_round_it_once(monkeypatch):
+    """q, k, v of block weights read one x: the first product rounds it to bf16, the
+    next ones of the same x read that copy (``rounded``); a backward product, or another
+    activation, rounds its own.  Each gives the rounded reference's product."""
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    r = np.random.default_rng(11)
+    T, k = 9, 512
+    bms = [random_blocks(q, rows, k, r) for q, rows in (("Q4_K", 96), ("Q6_K", 64),
+                                                         ("Q4_K", 64), ("Q6_K", 32))]
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)))
+    g = tp.param(r.standard_normal((T, 96)))
+    ws = [tp.const(bm) for bm in bms]
+    q, kk, v = (ops.qmatmul(x, w) for w in ws[:3])
+    z = ops.qmatmul_t(g, ws[0])  # rounds g
+    x2 = ops.scale(x, 0.5)
+    y2 = ops.qmatmul(x2, ws[1])  # another activation: rounded anew
+    y3 = ops.qmatmul(x, ws[3])  # x again, after others wrote the copy: rounded anew
+    prog = tp.compile([q, kk, v, z, y2, y3], backend="cpu", compute="bf16")
+    runs = [s for s in prog.executable._steps if hasattr(s, "rounded")]
+    assert [s.rounded for s in runs] == [False, True, True, False, False, False]
+    got = prog.run()
+    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
+    deq = [b16(bm.dequantize()) for bm in bms]
+    for out, d in zip(got[:3], deq):
+        assert rel_err(out, b16(x.value) @ d.T) <= 1e-5
+    assert rel_err(got[3], b16(g.value) @ deq[0]) <= 1e-5
+    assert rel_err(got[4], b16(0.5 * x.value) @ deq[1].T) <= 1e-5
+    assert rel_err(got[5], b16(x.value) @ deq[3].T) <= 1e-5
+
+
 def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_names(
         monkeypatch, tmp_path):
     """compute.fastest times every way in turn once per product and shape on this CPU

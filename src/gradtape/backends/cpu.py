@@ -303,7 +303,7 @@ class CpuBackend(HostBackend):
                 calls.extend(pending_flat for c in pending for pending_flat in c)
                 pending.clear()
 
-        last16 = None  # the operand whose bf16 copy _scratch16 holds
+        last16 = last_q16 = None  # the operands whose bf16 copies _scratch16, _qact16 hold
         for s in self.schedule.steps:
             if views_in_place(s, val):  # the plan put it on its input: nothing to run
                 continue
@@ -345,9 +345,14 @@ class CpuBackend(HostBackend):
                                                      *self._q8scratch, columns,
                                                      compute.blocked_faster)))
             elif s in self._q16:
+                # q, k, v (gate, up) of block weights read one x: rounded by the first
+                # (a forward product writes _qact16 only there; a backward one, anew)
+                x = s.inputs[0] if s.op == "qmatmul" else None
                 steps.append(("py", qgemm.lower_bf16(s, val[s], ins, self._dnnl,
                                                      self._qact16, self._qtile16,
-                                                     self._qprod32, compute.fastest)))
+                                                     self._qprod32, compute.fastest,
+                                                     rounded=x is not None and x is last_q16)))
+                last_q16 = x
             elif s.op in qgemm.QOPS:
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C

@@ -416,7 +416,7 @@ def _tiles(transposed, rows, k, R, C):
             yield 0, rows, c0, n, rows, n, False, False, c0
 
 
-def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
+def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=False):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
     then for each tile, the blocks are dequantized and rounded into ``tile16`` (C, both
@@ -432,7 +432,9 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     costs a slower dequantization; small tiles stay in cache between the two).
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or
-    14336 floats) measured 15-20% slower than into contiguous rows."""
+    14336 floats) measured 15-20% slower than into contiguous rows.  ``rounded``: act16
+    already holds x's bf16 copy when this runs (a ``qmatmul`` after another of the same
+    x, whose run wrote it and nothing since), so it is not rounded again."""
     a = v.attrs
     qtype, rows, k = a["qtype"], a["rows"], a["k"]
     x, w = ins
@@ -440,6 +442,9 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
     if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
         raise RuntimeError(f"{v.op}: operands must be C-contiguous")
     transposed = v.op == "qmatmul_t"
+    if rounded and transposed:
+        raise ValueError("lower_bf16: a qmatmul_t rounds its own operand (its tiles may "
+                         "write act16 column by column)")
     L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
     xp, ap, tp, op = x.ctypes.data, act16.ctypes.data, tile16.ctypes.data, out.ctypes.data
     width, pp = out.shape[1], prod32.ctypes.data if prod32 is not None else None
@@ -488,7 +493,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
         def run(split=None):
             """``split``: a dict whose "dequantize" and "GEMM" entries get the seconds of
             each (a profile's; None in a replay)"""
-            if not per_tile:
+            if not (per_tile or rounded):
                 convert(xp, ap, x.size)
             for cols, deq, args, gemm, into in steps:
                 if cols is not None:
@@ -504,7 +509,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None):
                 if into is not None:
                     move(pp, T, into[0], into[1], width)
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-        run.blocked, run.precision, run.tile = blocked, "bf16", (R, C)
+        run.blocked, run.precision, run.tile, run.rounded = blocked, "bf16", (R, C), rounded
         # kept alive with run, which holds their addresses
         run.buffers = x, w, out, act16, tile16, prod32
         return run

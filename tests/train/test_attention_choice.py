@@ -54,6 +54,10 @@ def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache
         assert M.attention_from(cfg, 2, 200, "cpu", "int8") == (
             want, f"{forced} ($GRADTAPE_ATTENTION)")
     assert len(timed) == 2
+    monkeypatch.setenv("GRADTAPE_ATTENTION", "flash")  # neither: said, then timed
+    with pytest.warns(RuntimeWarning, match="neither fused nor composed"):
+        assert M.attention_from(cfg, 2, 200, "cpu", "bf16")[0] == M.ATTN_TILED_MIN
+    assert len(timed) == 3
 
 
 def test_both_attentions_are_timed_for_real(cache):

@@ -282,6 +282,9 @@ def fastest(what, shape, runs) -> str:
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
         want = os.environ.get(var)
         kept = [n for n in names if want in n.split()]
+        if want and not kept:
+            _warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
+                       "timing them")
         names = kept or names
     if len(names) == 1:
         return names[0]

@@ -222,6 +222,9 @@ def attention_from(cfg, n_seq, t, backend, compute):
     forced = os.environ.get("GRADTAPE_ATTENTION")
     if forced in ("fused", "composed"):
         return (t if forced == "fused" else ATTN_TILED_MIN), f"{forced} ($GRADTAPE_ATTENTION)"
+    if forced:
+        warnings.warn(f"gradtape: $GRADTAPE_ATTENTION={forced} is neither fused nor composed: "
+                      "timing both", RuntimeWarning, stacklevel=2)
     from ..backends import compute as _compute
     from ..backends.onednn import DnnlError
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,6 @@ class _Dnnl:
                  "stream_create")
         self._prims = {}
         self._sum_attr = None
-        self._keep = []  # memory objects and arg arrays live as long as the process
 
     @staticmethod
     def _ok(status, what):
@@ -268,12 +268,9 @@ class _Dnnl:
         hit = self._f32_primitive(out, a, b)
         if hit is None:
             return None
-        prim, (src, wei, dst), _ = hit
-        args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a.ctypes.data)),
-                          _Arg(_ARG_WEIGHTS, self._memory(wei, b.ctypes.data)),
-                          _Arg(_ARG_DST, self._memory(dst, out.ctypes.data)))
-        self._keep.append((args, a, b, out))
-        run = self._runner(prim, args)
+        prim, mds, _ = hit
+        run = self._bound(prim, mds, (a.ctypes.data, b.ctypes.data, out.ctypes.data),
+                          keep=(a, b, out))
         run.label = f"matmul f32 (oneDNN) {a.shape} x {b.shape}"
         return run
 
@@ -287,14 +284,24 @@ class _Dnnl:
         self._run_once(hit, (a.ctypes.data, b.ctypes.data, out.ctypes.data))
         return True
 
-    def _runner(self, prim, args):
-        execute, wait, stream = self.lib.dnnl_primitive_execute, self.lib.dnnl_stream_wait, \
-            self.stream
-        ok = self._ok
+    def _bound(self, prim, mds, ptrs, keep=()):
+        """A callable executing the matmul ``prim`` on the addresses ``ptrs`` (src,
+        weights, dst; ``mds`` their descriptors).  Its memory objects, and the arrays
+        ``keep`` behind those addresses, live as long as the callable: a program dropped
+        frees its arena (a process that builds many, such as the attention probe's or a
+        chat's prompt sizes, held every one of them before)."""
+        mems = [self._memory(md, ptr) for md, ptr in zip(mds, ptrs)]
+        args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
+                            zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))
+        execute, wait, stream, ok = (self.lib.dnnl_primitive_execute,
+                                     self.lib.dnnl_stream_wait, self.stream, self._ok)
 
         def run():
             ok(execute(prim, stream, 3, args), "execute")
             ok(wait(stream), "stream_wait")
+        run.keep = keep
+        # the handles go with the callable (not at exit: the process frees them then)
+        weakref.finalize(run, _destroy, self.lib.dnnl_memory_destroy, mems).atexit = False
         return run
 
     def _memory(self, md, ptr):
@@ -306,10 +313,11 @@ class _Dnnl:
     def bind(self, out, a, w, tb, packed=False):
         """A callable computing ``out = a @ op(w)`` (``a`` [m, k] bf16 as uint16, ``w`` bf16
         ``[k, n]`` or ``[n, k]`` when ``tb``, or as ``pack`` wrote it where ``packed``;
-        ``out`` float32 [m, n]); the arrays must stay alive and in place."""
-        self._keep.append((a, w, out))
-        return self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
-                              w.ctypes.data, out.ctypes.data, packed=packed)
+        ``out`` float32 [m, n]); it keeps the arrays alive, which must stay in place."""
+        run = self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
+                             w.ctypes.data, out.ctypes.data, packed=packed)
+        run.keep = (a, w, out)
+        return run
 
     def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
@@ -319,16 +327,9 @@ class _Dnnl:
 
     def _run_once(self, hit, ptrs):
         """Execute the matmul ``hit`` (``primitive``'s triple) on the addresses ``ptrs``
-        (src, weights, dst), its memory objects freed after."""
+        (src, weights, dst), its memory objects freed after (with the callable)."""
         prim, mds, _ = hit
-        mems = [self._memory(md, ptr) for md, ptr in zip(mds, ptrs)]
-        args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
-                            zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))
-        try:
-            self._runner(prim, args)()
-        finally:
-            for h in mems:
-                self.lib.dnnl_memory_destroy(h)
+        self._bound(prim, mds, ptrs)()
 
     def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False,
                   packed=False, s8=False):
@@ -337,12 +338,13 @@ class _Dnnl:
         first, or as ``pack`` wrote it where ``packed``), ``out`` float32 [m, n] with
         rows ``ldc`` apart, added to when ``acc``; the memory must outlive the callable.
         ``s8``: ``a`` and ``w`` int8 (plain), ``out`` int32."""
-        prim, (src, wei, dst), _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed, s8)
-        args = (_Arg * 3)(_Arg(_ARG_SRC, self._memory(src, a)),
-                          _Arg(_ARG_WEIGHTS, self._memory(wei, w)),
-                          _Arg(_ARG_DST, self._memory(dst, out)))
-        self._keep.append(args)
-        return self._runner(prim, args)
+        prim, mds, _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed, s8)
+        return self._bound(prim, mds, (a, w, out))
+
+
+def _destroy(destroy, handles):
+    for h in handles:
+        destroy(h)
 
 
 @functools.lru_cache(maxsize=1)

@@ -225,6 +225,9 @@ def _finetune(cfg, model, log, world, together):
     hint = (": use a shorter --seq-len or a smaller --batch-size"
             + ("" if any(is_block_matrix(w) for w in model.weights.values())
                else ", or --weights stored") + " (or --ignore-memory to try anyway)")
+    log("building the training step (the first run on this CPU also times its GEMM "
+        "layouts and attention at these shapes: up to a minute for an 8B model)")
+    t_build = time.perf_counter()
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,
                           opt=AdamWConfig(weight_decay=cfg.weight_decay), clip=cfg.clip,
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
@@ -232,6 +235,7 @@ def _finetune(cfg, model, log, world, together):
                           memory_limit=None if cfg.ignore_memory else available,
                           memory_hint=hint)
     f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
+    build_s = time.perf_counter() - t_build
     log(f"compute: {step_prog.compute} ({step_prog.compute_why})"
         + (f"; {f32_why}" if f32_why else ""))
     if step_prog.attention_why:
@@ -253,7 +257,8 @@ def _finetune(cfg, model, log, world, together):
     log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
         f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
-        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else ""))
+        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
+        + f" (the step built in {build_s:.1f} s)")
 
     records = _read_log(out) if cfg.resume and world.is_root else []
     bar = _progress(steps, start, cfg.progress and world.is_root)

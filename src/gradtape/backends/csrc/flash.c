@@ -29,6 +29,7 @@
    it, and the forward's P V takes p in two bf16 terms (p and its remainder, one GEMM
    more), as exact as the backward's float32 p (the sink key's dK 2-2.6e-2 -> 4-7e-3
    relative, SmolLM2's first layer's dQ 2.1e-2 -> 1.4e-3 on random tokens). */
+#include <pthread.h>
 #include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -107,20 +108,25 @@ typedef struct {
                                           the forward's p remainder in t and at16 */
 } fa_buf;
 
-static fa_buf fa_alloc(const fa_t *f, float **mem) {
+/* bytes of one thread's scratch (fa_buf), a multiple of 64 */
+static long fa_buf_bytes(const fa_t *f) {
     const long M = f->g * f->R, hd = f->hd, rows = tg_packed_size(M, hd);
     /* bf16 copies, counted in floats (a float32 panel of M rows holds a bf16 one) */
     const long hd2 = 2 * tg_pairs(hd);
     const long b16 = f->bf16 ? (2 * M * hd2 + (2 * M + 1) * FA_KT) / 2 + 1 : 0;
     const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows + b16;
+    return (2 * f->R * (long)sizeof(long) + floats * (long)sizeof(float) + 63) / 64 * 64;
+}
+
+/* one thread's scratch laid out in mem (fa_buf_bytes) */
+static fa_buf fa_layout(const fa_t *f, char *mem) {
+    const long M = f->g * f->R, hd = f->hd, rows = tg_packed_size(M, hd);
+    const long hd2 = 2 * tg_pairs(hd);
     fa_buf w;
     memset(&w, 0, sizeof w);
-    long *ranges = malloc(2 * f->R * sizeof(long) + floats * sizeof(float));
-    *mem = (float *)ranges;
-    if (!ranges) return w;
-    w.lo = ranges;
-    w.hi = ranges + f->R;
-    float *p = (float *)(ranges + 2 * f->R);
+    w.lo = (long *)mem;
+    w.hi = w.lo + f->R;
+    float *p = (float *)(w.hi + f->R);
     w.qb = p; p += M * hd;   w.dob = p; p += M * hd;   w.acc = p; p += M * hd;
     w.s = p; p += M * FA_KT; w.dp = p; p += M * FA_KT; w.t = p; p += M * FA_KT;
     w.m = p; p += M; w.l = p; p += M; w.lse = p; p += M; w.D = p; p += M;
@@ -379,6 +385,27 @@ static long fa_units(const fa_t *f) {
 /* Forward (gy null): out [nq, nh * hd + nh] = [O | lse].  Backward: out = [dq | dk |
    dv] flattened (dq [nq, nh * hd], dk and dv [nk, nkv * hd]) from the cotangent gy and
    the forward's y.  Returns 0, or -1 when the scratch could not be allocated. */
+/* The scratch of every call (the packed keys and values, the threads' dK and dV, each
+   thread's fa_buf) is one block kept for the next call, grown as needed, so the call's
+   speed does not hang on the allocator's state: where malloc hands back fresh pages
+   (a process calling the attention alone, as bench/long_kernels.py), each faults once,
+   2300 of them a call at T=2048, and the first add into a zeroed page faults again and
+   interrupts the other core to flush its TLB (fwd + bwd 57-65 -> 44-48 ms there).  A
+   training step's allocations had kept that memory mapped: no change seen in a step.
+   One call at a time holds the block. */
+static pthread_mutex_t fa_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *fa_pool;
+static size_t fa_pool_bytes;
+
+static char *fa_pool_get(size_t bytes) {
+    if (bytes > fa_pool_bytes) {
+        free(fa_pool);
+        fa_pool = malloc(bytes);
+        fa_pool_bytes = fa_pool ? bytes : 0;
+    }
+    return fa_pool;
+}
+
 static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     const long kv = f->n_seq * f->tk * f->nkv * f->hd, bh = f->n_seq * f->nkv;
     const long cols = bh * fa_cols_size(f), rows = bh * fa_rows_size(f);
@@ -389,39 +416,38 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     const int nt = 1;
 #endif
     /* the packed keys and values; backward: thread t > 0 adds its dK, dV into
-       extra + (t - 1) * 2 * kv, thread 0 into out */
+       extra + (t - 1) * 2 * kv, thread 0 into out; then each thread's fa_buf */
     const long extra_floats = gy ? (nt - 1) * 2 * kv : 0;
     const long es = fa_esize(f);
-    char *packed = malloc((gy ? 2 * cols + 2 * rows : cols + rows) * es);
-    float *extra = extra_floats ? calloc(extra_floats, sizeof(float)) : 0;
-    int failed = !packed || (extra_floats && !extra);
-    if (!failed) {
-        f->kt = packed;
-        f->vr = packed + cols * es;
-        if (gy) {
-            f->kr = (char *)f->vr + rows * es;
-            f->vt = (char *)f->kr + rows * es;
-            memset(dk, 0, 2 * kv * sizeof(float));
-        }
+    const long packed_bytes = ((gy ? 2 * cols + 2 * rows : cols + rows) * es + 63) / 64 * 64;
+    const long buf_bytes = fa_buf_bytes(f);
+    const long extra_bytes = (extra_floats * (long)sizeof(float) + 63) / 64 * 64;
+    pthread_mutex_lock(&fa_pool_lock);
+    char *pool = fa_pool_get(packed_bytes + extra_bytes + nt * buf_bytes);
+    if (!pool) {
+        pthread_mutex_unlock(&fa_pool_lock);
+        return -1;
     }
-    _Pragma("omp parallel num_threads(nt) if (!failed)")
+    char *packed = pool, *bufs = pool + packed_bytes + extra_bytes;
+    float *extra = extra_floats ? (float *)(pool + packed_bytes) : 0;
+    if (extra) memset(extra, 0, extra_floats * sizeof(float));
+    f->kt = packed;
+    f->vr = packed + cols * es;
+    if (gy) {
+        f->kr = (char *)f->vr + rows * es;
+        f->vt = (char *)f->kr + rows * es;
+        memset(dk, 0, 2 * kv * sizeof(float));
+    }
+    _Pragma("omp parallel num_threads(nt)")
     {
 #ifdef _OPENMP
         const int tid = omp_get_thread_num();
 #else
         const int tid = 0;
 #endif
-        float *mem = 0;
-        fa_buf w;
-        if (!failed) {
-            fa_pack(f, f->k, f->kt, f->kr);
-            fa_pack(f, f->v, f->vt, f->vr);
-            w = fa_alloc(f, &mem);
-            if (!mem) {
-                _Pragma("omp atomic write")
-                failed = 1;
-            }
-        }
+        fa_pack(f, f->k, f->kt, f->kr);
+        fa_pack(f, f->v, f->vt, f->vr);
+        fa_buf w = fa_layout(f, bufs + tid * buf_bytes);
         float *mdk = tid ? extra + (tid - 1) * 2 * kv : dk, *mdv = tid ? mdk + kv : dv;
         if (gy) {
             /* each thread's units fixed (round robin over the heaviest-first order), so
@@ -430,26 +456,24 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
             for (long u = 0; u < fa_units(f); u++) {
                 long b, h, i0, n;
                 fa_unit(f, u, &b, &h, &i0, &n);
-                if (mem) fa_bwd_unit(f, b, h, i0, n, gy, y, dq, mdk, mdv, &w);
+                fa_bwd_unit(f, b, h, i0, n, gy, y, dq, mdk, mdv, &w);
             }
         } else {
             _Pragma("omp for schedule(dynamic, 1)")
             for (long u = 0; u < fa_units(f); u++) {
                 long b, h, i0, n;
                 fa_unit(f, u, &b, &h, &i0, &n);
-                if (mem) fa_fwd_unit(f, b, h, i0, n, out, &w);
+                fa_fwd_unit(f, b, h, i0, n, out, &w);
             }
         }
-        free(mem);
         if (extra) {
             _Pragma("omp for schedule(static)")
             for (long i = 0; i < 2 * kv; i++)
                 for (int t = 1; t < nt; t++) dk[i] += extra[(t - 1) * 2 * kv + i];
         }
     }
-    free(packed);
-    free(extra);
-    return failed ? -1 : 0;
+    pthread_mutex_unlock(&fa_pool_lock);
+    return 0;
 }
 
 /* float32 lanes of the GEMM register blocks' vectors (0: plain C) */

@@ -225,7 +225,7 @@ def _finetune(cfg, model, log, world, together):
     hint = (": use a shorter --seq-len or a smaller --batch-size"
             + ("" if any(is_block_matrix(w) for w in model.weights.values())
                else ", or --weights stored") + " (or --ignore-memory to try anyway)")
-    log("building the training step (the first run on this CPU also times its GEMM "
+    log("building the step (the first run on this CPU also times its GEMM "
         "layouts and attention at these shapes: up to a minute for an 8B model)")
     t_build = time.perf_counter()
     step_prog = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len,

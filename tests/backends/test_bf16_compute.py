@@ -699,6 +699,26 @@ def test_a_pack_decision_read_from_the_cache_makes_no_operands(monkeypatch, tmp_
     assert compute.packed_weights(*shape) is first
 
 
+def test_cached_decisions_are_parsed_once_while_the_file_stays(monkeypatch, tmp_path):
+    """``rates`` reads the cache file once while it is unchanged (an 8B step's first run
+    looks up 447 decisions), and reads it again when another process changed it."""
+    import json
+
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(json, "loads", lambda text: parsed.append(1) or real(text))
+    assert compute.rates("test", (2, 3), lambda a, b: (a, b)) == ((2.0, 3.0), False)
+    for _ in range(5):
+        assert compute.rates("test", (2, 3), lambda a, b: 1 / 0) == ((2.0, 3.0), True)
+    assert len(parsed) == 1
+    path = tmp_path / "compute-decisions.json"
+    table = real(path.read_text())
+    table[next(iter(table))] = [5.0, 7.0, 0.0]  # another process's writing, longer
+    path.write_text(json.dumps(table))
+    assert compute.rates("test", (2, 3), lambda a, b: 1 / 0, n=3) == ((5.0, 7.0, 0.0), True)
+
+
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
     """In a bf16 program the float32 matmuls left (LoRA, attention) run in oneDNN's float32
     matmul (one OpenMP thread pool with the bf16 GEMMs): transposed operands and batches

@@ -305,6 +305,42 @@ def test_a_lowered_block_product_keeps_its_buffers_alive():
     assert rel_err(refs[1](), want) < 1e-2  # bf16 inputs
 
 
+def test_only_the_chosen_way_of_a_block_product_is_bound(monkeypatch):
+    """lower_bf16 binds a way's GEMMs (a oneDNN memory object per operand and tile) when
+    it first runs: where the decision is cached, only the chosen way ever is."""
+    from types import SimpleNamespace
+
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 1 << 16)
+    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 1 << 14)
+    r = np.random.default_rng(6)
+    bm = random_blocks("Q4_K", 96, 512, r)
+    x = r.standard_normal((9, 512), dtype=np.float32)
+    out = np.empty((9, 96), np.float32)
+    v = SimpleNamespace(op="qmatmul", attrs=dict(qtype="Q4_K", rows=96, k=512),
+                        inputs=[x], shape=out.shape)
+    act, tile, prod = qgemm.bf16_scratch_elems([v])
+    scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
+               np.empty(prod, np.float32) if prod else None]
+    dnnl = onednn.dnnl()
+    bound = []
+    real = dnnl.bind_ptrs
+    monkeypatch.setattr(dnnl, "bind_ptrs", lambda *a, **kw: bound.append(a) or real(*a, **kw))
+    seen = {}
+
+    def choose(what, shape, runs):  # the small tiles, plain rows
+        seen.update(runs)
+        return [name for name in runs if name.startswith("plain")][-1]
+    run = qgemm.lower_bf16(v, out, (x, bm.data), dnnl, *scratch, choose=choose)
+    assert len(seen) >= 2 and run.tile == qgemm.bf16_tile_shape(False, "Q4_K", 96, 512, 1 << 14)
+    assert len(bound) == -(-96 // run.tile[0])  # the chosen way's tiles, no others
+    run()
+    assert rel_err(out, x.astype(np.float64) @ bm.dequantize().T) < 1e-2
+
+
 def _program_outputs(tp, outs):
     a = tp.compile(outs, backend="numpy").run()
     p = tp.compile(outs, backend="cpu")

@@ -94,6 +94,28 @@ def _cache_file():
     return cache_dir() / "compute-decisions.json"
 
 
+_TABLES = {}  # cache file -> ((mtime, size), its table): parsed again only when changed
+
+
+def _read_table(path):
+    """The decisions in cache file ``path`` ({} where there is none yet, or it does not
+    parse: measured and written anew).  An 8B step's first run looks up 447 of them:
+    parsing the file for each took 0.4 s."""
+    import json
+
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+        if path in _TABLES and _TABLES[path][0] == stamp:
+            return _TABLES[path][1]
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    table = table if isinstance(table, dict) else {}
+    _TABLES[path] = (stamp, table)
+    return table
+
+
 def rates(kind, shape, measure, n=2):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
     read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
@@ -107,15 +129,11 @@ def rates(kind, shape, measure, n=2):
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
                     _blas_name(), onednn.library().version, "x".join(map(str, shape))])
     path = _cache_file()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: measured and written anew
-        table = {}
-    table = table if isinstance(table, dict) else {}
-    hit = table.get(key)
+    hit = _read_table(path).get(key)
     if isinstance(hit, list) and len(hit) == n:
         return tuple(float(r) for r in hit), True
     got = tuple(float(r) for r in measure(*shape))
+    table = dict(_read_table(path))  # as it is now: another process may have added to it
     table[key] = list(got)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

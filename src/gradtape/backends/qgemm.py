@@ -416,6 +416,22 @@ def _tiles(transposed, rows, k, R, C):
             yield 0, rows, c0, n, rows, n, False, False, c0
 
 
+class _BoundOnFirstCall:
+    """A callable that ``bind()``s the one it stands for when first called (or asked for
+    it: ``bound``)."""
+
+    def __init__(self, bind):
+        self._bind, self._run = bind, None
+
+    def bound(self):
+        if self._run is None:
+            self._run = self._bind()
+        return self._run
+
+    def __call__(self, *args):
+        return self.bound()(*args)
+
+
 def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=False):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
@@ -467,10 +483,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                              (N, op + 4 * j0)))
         return out_
 
-    def bind(blocked, elems):
-        """the callable running the tiles of ``elems`` values plain or blocked (None where
-        oneDNN's kernel keeps its weights in another layout than gt_deq_tile_vnni
-        writes)"""
+    def way(blocked, elems):
+        """``(blocked, (R, C), tiles, per_tile)``: the tiles of ``elems`` values, plain or
+        blocked, or None where oneDNN's kernel keeps its weights in another layout than
+        gt_deq_tile_vnni writes"""
         R, C = bf16_tile_shape(transposed, qtype, rows, k, elems)
         # oneDNN keeps the blocked weights only with a contiguous A
         per_tile = blocked and transposed and C == k
@@ -478,6 +494,11 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True)
                                for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts):
             return None
+        return blocked, (R, C), ts, per_tile
+
+    def bind(blocked, R_C, ts, per_tile):
+        """the callable running ``way``'s tiles"""
+        R, C = R_C
         steps = []  # (A's columns to round or None, dequantize, its args, GEMM, into)
         for (r0, n, c0, nc), (kk, nn, tb, a_ptr, dst, ldc, acc, lda), into in ts:
             if blocked:
@@ -514,15 +535,18 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         run.buffers = x, w, out, act16, tile16, prod32
         return run
 
+    # each way bound on its first call: only where no decision is cached are they all
+    # timed (an 8B step's 447 products bound four ways took a second of its first step)
     runs = {}
     for elems in bf16_tile_sizes():  # largest first: the default
         for blocked in (True, False):
-            run = bind(blocked, elems)
-            if run is not None:
-                runs[f"{'blocked' if blocked else 'plain'} {_size_name(elems)}"] = run
-    if choose is None:
-        return next(iter(runs.values()))
-    return runs[choose(f"{v.op} {qtype}", (T, rows, k), runs)]
+            w = way(blocked, elems)
+            if w is not None:
+                name = f"{'blocked' if blocked else 'plain'} {_size_name(elems)}"
+                runs[name] = _BoundOnFirstCall(functools.partial(bind, *w))
+    name = next(iter(runs)) if choose is None else choose(f"{v.op} {qtype}", (T, rows, k),
+                                                            runs)
+    return runs[name].bound()
 
 
 # --- int8 compute ---------------------------------------------------------------------

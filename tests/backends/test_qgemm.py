@@ -271,33 +271,39 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
         assert compute.fastest("qmatmul_t Q4_K", (256, 64, 32), runs) == "plain 1M"
 
 
-def test_a_lowered_block_product_keeps_its_buffers_alive():
-    """lower_bf16's callable holds raw addresses of its operands and scratch; it keeps
-    the arrays alive itself, so a caller that drops its own references (a benchmark,
-    a test) cannot leave it writing into freed memory."""
-    import gc
-    import weakref
+def _lowered_qmatmul(r, bm, choose=None):
+    """``(run, x, out, scratch, want)``: ``qmatmul`` of a random ``x [9, 512]`` by ``bm``
+    (``[96, 512]``) lowered to bf16 GEMMs (``choose`` as lower_bf16 takes it), and the
+    float64 product it should give."""
     from types import SimpleNamespace
 
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    r = np.random.default_rng(5)
-    bm = random_blocks("Q4_K", 96, 512, r)
+    x = r.standard_normal((9, 512), dtype=np.float32)
+    out = np.empty((9, 96), np.float32)
+    v = SimpleNamespace(op="qmatmul", attrs=dict(qtype=bm.qtype, rows=96, k=512),
+                        inputs=[x], shape=out.shape)
+    act, tile, prod = qgemm.bf16_scratch_elems([v])
+    scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
+               np.empty(prod, np.float32) if prod else None]
+    run = qgemm.lower_bf16(v, out, (x, bm.data), onednn.dnnl(), *scratch, choose=choose)
+    return run, x, out, scratch, x.astype(np.float64) @ bm.dequantize().T
+
+
+def test_a_lowered_block_product_keeps_its_buffers_alive():
+    """lower_bf16's callable holds raw addresses of its operands and scratch; it keeps
+    the arrays alive itself, so a caller that drops its own references (a benchmark,
+    a test) cannot leave it writing into freed memory."""
+    import gc
+    import weakref
 
     def lowered():
-        x = r.standard_normal((9, 512), dtype=np.float32)
-        out = np.empty((9, 96), np.float32)
-        v = SimpleNamespace(op="qmatmul", attrs=dict(qtype="Q4_K", rows=96, k=512),
-                            inputs=[x], shape=out.shape)
-        act, tile, prod = qgemm.bf16_scratch_elems([v])
-        scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
-                   np.empty(prod, np.float32) if prod else None]
-        run = qgemm.lower_bf16(v, out, (x, bm.data), onednn.dnnl(), *scratch)
-        refs = [weakref.ref(a) for a in (x, out, *scratch) if a is not None]
-        return run, refs, x.astype(np.float64) @ bm.dequantize().T
-
+        run, x, out, scratch, want = _lowered_qmatmul(r, bm)
+        return run, [weakref.ref(a) for a in (x, out, *scratch) if a is not None], want
+    r = np.random.default_rng(5)
+    bm = random_blocks("Q4_K", 96, 512, r)
     run, refs, want = lowered()
     gc.collect()
     assert all(ref() is not None for ref in refs)
@@ -308,37 +314,25 @@ def test_a_lowered_block_product_keeps_its_buffers_alive():
 def test_only_the_chosen_way_of_a_block_product_is_bound(monkeypatch):
     """lower_bf16 binds a way's GEMMs (a oneDNN memory object per operand and tile) when
     it first runs: where the decision is cached, only the chosen way ever is."""
-    from types import SimpleNamespace
-
     from gradtape.backends import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 1 << 16)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 1 << 14)
-    r = np.random.default_rng(6)
-    bm = random_blocks("Q4_K", 96, 512, r)
-    x = r.standard_normal((9, 512), dtype=np.float32)
-    out = np.empty((9, 96), np.float32)
-    v = SimpleNamespace(op="qmatmul", attrs=dict(qtype="Q4_K", rows=96, k=512),
-                        inputs=[x], shape=out.shape)
-    act, tile, prod = qgemm.bf16_scratch_elems([v])
-    scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
-               np.empty(prod, np.float32) if prod else None]
-    dnnl = onednn.dnnl()
-    bound = []
-    real = dnnl.bind_ptrs
-    monkeypatch.setattr(dnnl, "bind_ptrs", lambda *a, **kw: bound.append(a) or real(*a, **kw))
-    seen = {}
+    bound, seen = [], {}
+    if onednn.available()[0]:
+        dnnl, real = onednn.dnnl(), onednn.dnnl().bind_ptrs
+        monkeypatch.setattr(dnnl, "bind_ptrs",
+                            lambda *a, **kw: bound.append(a) or real(*a, **kw))
 
     def choose(what, shape, runs):  # the small tiles, plain rows
         seen.update(runs)
         return [name for name in runs if name.startswith("plain")][-1]
-    run = qgemm.lower_bf16(v, out, (x, bm.data), dnnl, *scratch, choose=choose)
+    r = np.random.default_rng(6)
+    bm = random_blocks("Q4_K", 96, 512, r)
+    run, _, out, _, want = _lowered_qmatmul(r, bm, choose)
     assert len(seen) >= 2 and run.tile == qgemm.bf16_tile_shape(False, "Q4_K", 96, 512, 1 << 14)
     assert len(bound) == -(-96 // run.tile[0])  # the chosen way's tiles, no others
     run()
-    assert rel_err(out, x.astype(np.float64) @ bm.dequantize().T) < 1e-2
+    assert rel_err(out, want) < 1e-2
 
 
 def _program_outputs(tp, outs):

@@ -382,9 +382,6 @@ static long fa_units(const fa_t *f) {
     return (f->tq + f->R - 1) / f->R * f->n_seq * f->nkv;
 }
 
-/* Forward (gy null): out [nq, nh * hd + nh] = [O | lse].  Backward: out = [dq | dk |
-   dv] flattened (dq [nq, nh * hd], dk and dv [nk, nkv * hd]) from the cotangent gy and
-   the forward's y.  Returns 0, or -1 when the scratch could not be allocated. */
 /* The scratch of every call (the packed keys and values, the threads' dK and dV, each
    thread's fa_buf) is one block kept for the next call, grown as needed, so the call's
    speed does not hang on the allocator's state: where malloc hands back fresh pages
@@ -392,7 +389,8 @@ static long fa_units(const fa_t *f) {
    2300 of them a call at T=2048, and the first add into a zeroed page faults again and
    interrupts the other core to flush its TLB (fwd + bwd 57-65 -> 44-48 ms there).  A
    training step's allocations had kept that memory mapped: no change seen in a step.
-   One call at a time holds the block. */
+   One call at a time holds the block; the largest call's stays allocated (SmolLM2's
+   backward at T=2048: about 7 MB). */
 static pthread_mutex_t fa_pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *fa_pool;
 static size_t fa_pool_bytes;
@@ -406,6 +404,9 @@ static char *fa_pool_get(size_t bytes) {
     return fa_pool;
 }
 
+/* Forward (gy null): out [nq, nh * hd + nh] = [O | lse].  Backward: out = [dq | dk |
+   dv] flattened (dq [nq, nh * hd], dk and dv [nk, nkv * hd]) from the cotangent gy and
+   the forward's y.  Returns 0, or -1 when the scratch could not be allocated. */
 static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     const long kv = f->n_seq * f->tk * f->nkv * f->hd, bh = f->n_seq * f->nkv;
     const long cols = bh * fa_cols_size(f), rows = bh * fa_rows_size(f);

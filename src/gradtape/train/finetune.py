@@ -234,8 +234,8 @@ def _finetune(cfg, model, log, world, together):
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
                           memory_hint=hint)
-    f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
     build_s = time.perf_counter() - t_build
+    f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
     log(f"compute: {step_prog.compute} ({step_prog.compute_why})"
         + (f"; {f32_why}" if f32_why else ""))
     if step_prog.attention_why:

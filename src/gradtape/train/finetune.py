@@ -151,7 +151,7 @@ class FinetuneConfig:
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
                                         "or auto (on when the step would otherwise take "
-                                        "more than half the available memory)",
+                                        "more than 3/4 of the available memory)",
                                 checks.one_of("auto", "on", "off"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)

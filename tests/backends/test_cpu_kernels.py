@@ -271,9 +271,10 @@ def test_fused_attention_backward_is_the_same_in_every_call(bf16):
 def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     """Most rows put p ~ 0.99 on key 0: its dS = p (dP - D) is a small difference of
     large terms, exact only if D = rowsum(dO O) equals sum_j p_j dP_j as the bf16 GEMMs
-    make them (flash.c: D from dO rounded as dP's GEMM rounds it, O from p in two bf16
-    terms).  With D from the float32 dO and O from p rounded once, the sink's dK row
-    came out 1.9-2.6e-2 off; now 4-7e-3."""
+    make them (flash.c: D from dO rounded as dP's GEMM rounds it, O from bf16 p plus the
+    remainder of each large p).  With D from the float32 dO and O from p rounded once,
+    the sink's dK row came out 1.9-2.6e-2 off; now 4-7e-3 (the same with every p's
+    remainder added)."""
     from gradtape import tiled
     from gradtape.backends.tiled_c import kernels
 
@@ -299,6 +300,38 @@ def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     assert np.median(np.exp(q[:, :hd] @ k[0, :hd] * hd ** -0.5 - y[:, nh * hd])) > 0.95
     assert rel_err(dq, dq64) <= 1.2e-2 and rel_err(dk, dk64) <= 1e-2
     assert np.linalg.norm(dk[0] - dk64[0]) / np.linalg.norm(dk64[0]) <= 1e-2
+
+
+def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
+    """The forward's P V under bf16 takes p rounded to bf16 plus, for each p above 1/16
+    of its row's sum, the remainder p - bf16(p) (flash.c's fa_pv_remainder), so that
+    the backward's D = rowsum(dO O) matches its float32 p.  With q, k and v already bf16
+    values and every p of a row within a factor e^0.4 of the others (8 keys at most,
+    scores within +-0.2), every p is large: O comes out as exact as float32's rounding,
+    where p rounded once would leave it about 2^-9 off."""
+    from gradtape import tiled
+    from gradtape.backends.tiled_c import kernels
+
+    def bf16_values(a):  # float32 values with 8 significant bits, exact in bf16
+        u = a.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+        return u.view(np.float32)
+
+    t, nh, nkv, hd = 8, 4, 2, 64
+    rng = np.random.default_rng(0)
+    q = bf16_values(rng.uniform(-1, 1, (t, nh * hd)) / 8)
+    k = bf16_values(rng.uniform(-1, 1, (t, nkv * hd)) / 8)
+    v = bf16_values(rng.standard_normal((t, nkv * hd)))
+    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    y64 = np.empty((t, nh * hd + nh))
+    tiled.fwd_attn(y64, *(a.astype(np.float64) for a in (q, k, v)), **kw)
+    scores = [q[:, h * hd:(h + 1) * hd].astype(np.float64) @ k[:, h // 2 * hd:][:, :hd].T
+              for h in range(nh)]
+    assert max(np.abs(s).max() for s in scores) * hd ** -0.5 <= 0.2
+    y = np.empty(y64.shape, np.float32)
+    c = kernels(np.float32, True)
+    assert c.fused_attn(y, q, k, v, tiled.AttnLayout(t, t, 1, 0, None, 128), nh=nh, nkv=nkv,
+                        hd=hd, iscale=hd ** -0.5, cap=0.0, window=0)
+    assert rel_err(y, y64) <= 1e-5
 
 
 def test_fused_attention_leaves_masked_segments_to_the_walk():

@@ -26,9 +26,10 @@
    its statistics, D and every sum stay float32.  D must equal sum_j p_j dP_j as the
    backward computes them, or a row whose p sits on a few keys (an attention sink)
    loses its dS to the cancellation in dP - D: so D takes dO rounded as dP's GEMM takes
-   it, and the forward's P V takes p in two bf16 terms (p and its remainder, one GEMM
-   more), as exact as the backward's float32 p (the sink key's dK 2-2.6e-2 -> 4-7e-3
-   relative, SmolLM2's first layer's dQ 2.1e-2 -> 1.4e-3 on random tokens). */
+   it, and the forward's P V adds the remainder p - bf16(p) of every large p
+   (fa_pv_remainder), as exact as the backward's float32 p (the sink key's dK 2-2.6e-2
+   -> 4-7e-3 relative, SmolLM2's first layer's dQ 2.1e-2 -> 1.4e-3 on random tokens).
+   The softmax's exp is fa_exp, not gt_expf: the same polynomial, fused. */
 #include <pthread.h>
 #include <stdlib.h>
 #ifdef _OPENMP
@@ -101,11 +102,11 @@ typedef struct {
     float *qb, *dob, *acc;             /* [M, hd]: the block's q, dO; O or dQ */
     float *s, *dp, *t;                 /* [M, FA_KT]: scores / p, dp / dS, 1 - tanh^2 */
     float *m, *l, *lse, *D;            /* [M] */
+    float *lo_min;                     /* [M]: the forward's, see fa_pv_remainder */
     void *pq, *pdo;                    /* the block's q, dO packed (float32 or bf16) */
     tg_bf16 *q16, *do16;               /* bf16: q, dO as pairs along hd, [M, 2 * hdp] */
     tg_bf16 *a16, *at16;               /* bf16: a tile's p or dS [M, FA_KT] and its
-                                          transpose (pairs along M) [M + 1, FA_KT];
-                                          the forward's p remainder in t and at16 */
+                                          transpose (pairs along M) [M + 1, FA_KT] */
 } fa_buf;
 
 /* bytes of one thread's scratch (fa_buf), a multiple of 64 */
@@ -114,7 +115,7 @@ static long fa_buf_bytes(const fa_t *f) {
     /* bf16 copies, counted in floats (a float32 panel of M rows holds a bf16 one) */
     const long hd2 = 2 * tg_pairs(hd);
     const long b16 = f->bf16 ? (2 * M * hd2 + (2 * M + 1) * FA_KT) / 2 + 1 : 0;
-    const long floats = 3 * M * hd + 3 * M * FA_KT + 4 * M + 2 * rows + b16;
+    const long floats = 3 * M * hd + 3 * M * FA_KT + 5 * M + 2 * rows + b16;
     return (2 * f->R * (long)sizeof(long) + floats * (long)sizeof(float) + 63) / 64 * 64;
 }
 
@@ -130,6 +131,7 @@ static fa_buf fa_layout(const fa_t *f, char *mem) {
     w.qb = p; p += M * hd;   w.dob = p; p += M * hd;   w.acc = p; p += M * hd;
     w.s = p; p += M * FA_KT; w.dp = p; p += M * FA_KT; w.t = p; p += M * FA_KT;
     w.m = p; p += M; w.l = p; p += M; w.lse = p; p += M; w.D = p; p += M;
+    w.lo_min = p; p += M;
     w.pq = p; p += rows; w.pdo = p; p += rows;
     if (f->bf16) {
         tg_bf16 *h = (tg_bf16 *)p;
@@ -187,6 +189,42 @@ static inline float fa_scores(const fa_t *f, float *row, long a, long e, float *
     return rowmax_f32(row + a, 0, e - a) * f->iscale;
 }
 
+/* exp(x) for the softmax's x (a score less its row's max or lse: at most about 0), as
+   gt_expf (2^n exp(r), Cephes' polynomial) with its multiply-adds fused and one power
+   of two: a third of gt_expf's instructions.  0 below -87, where exp(x) (1.6e-38 at -87)
+   leaves float32's normal range; NaN stays NaN. */
+static inline float fa_exp(float x) {
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer n */
+    const float xc = x < -87.0f ? -87.0f : x;
+    const float fn = fmaf(xc, 1.44269504088896341f, magic), n = fn - magic;
+    float r = fmaf(n, -0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float y = fmaf(1.9875691500E-4f, r, 1.3981999507E-3f);
+    y = fmaf(y, r, 8.3334519073E-3f);
+    y = fmaf(y, r, 4.1665795894E-2f);
+    y = fmaf(y, r, 1.6666665459E-1f);
+    y = fmaf(y, r, 5.0000001201E-1f);
+    y = fmaf(y, r * r, r + 1.0f);
+    uint32_t bits;  /* fn's low bits hold n: shifted into the exponent, 2^n */
+    memcpy(&bits, &fn, 4);
+    bits = (bits << 23) + (127u << 23);
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.0f ? 0.0f : y * scale;
+}
+
+/* row[j] = exp(row[j] * sc - sub) over [0, n); their sum */
+static inline float fa_pexp(float *row, long n, float sc, float sub) {
+    float sum = 0.0f;
+    _Pragma("omp simd reduction(+:sum)")
+    for (long j = 0; j < n; j++) {
+        const float p = fa_exp(fmaf(row[j], sc, -sub));
+        row[j] = p;
+        sum += p;
+    }
+    return sum;
+}
+
 /* The three shapes of the seven GEMMs, in float32 or bf16 (x16, a16, at16: the bf16
    copies' scratch).  c[M, kn] = x[M, hd] Y^T over key tile j0, Y^T packed as [hd, tk]
    (yt): S = Q K^T, dP = dO V^T. */
@@ -199,29 +237,52 @@ static void fa_mm_xyt(const fa_t *f, long M, long kn, const float *x, const tg_b
         tg_gemm(M, kn, f->hd, x, f->hd, 1, pb, fa_panel(f, f->hd), c, FA_KT, 0);
 }
 
-/* acc[M, hd] += a[M, kn] Y[j0 : j0 + kn], Y packed as [tk, hd] (yr): O += P V, dQ += dS K.
-   bf16 with lo (the forward's P V): a in two bf16 terms, a16 + lo16 (lo: a's remainder,
-   [M, FA_KT] float32 scratch), two GEMMs */
+/* acc[M, hd] += a[M, kn] Y[j0 : j0 + kn], Y packed as [tk, hd] (yr): O += P V, dQ += dS K */
 static void fa_mm_ay(const fa_t *f, long M, long kn, const float *a, tg_bf16 *a16,
-                     float *lo, tg_bf16 *lo16, const void *yr, long b, long h, long j0,
-                     float *acc) {
+                     const void *yr, long b, long h, long j0, float *acc) {
     const void *pb = fa_trows(f, yr, b, h, j0);
-    if (!f->bf16) {
+    if (f->bf16) {
+        tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
+        tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
+    } else {
         tg_gemm(M, f->hd, kn, a, FA_KT, 1, pb, fa_panel(f, f->tk), acc, f->hd, 1);
-        return;
     }
-    tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
-    tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
-    if (!lo) return;
+}
+
+/* The forward's remainder under bf16: acc[x] += (p - bf16(p)) V16[j] for each p of the
+   tile above FA_LO_MIN of its row's sum so far, l, which is lo_min[x] (INFINITY where
+   the tile's largest p is not; p in s, its bf16 copy in a16 as fa_mm_ay left it; V16:
+   V's rows rounded as the packed ones), so that the backward's D
+   = rowsum(dO O) is sum_j p_j dP_j (see the top of this file).  The sum only grows, so
+   every p above FA_LO_MIN of the row's final sum is among them; the others leave out
+   terms of at most FA_LO_MIN 2^-9 of D: a sink's dS = p (dP - D) stays as accurate as
+   with every remainder, as only its own p is large.  In place of a second GEMM over
+   every p's remainder (a third of the forward's products). */
+#define FA_LO_MIN (1.0f / 16)
+static void fa_pv_remainder(const fa_t *f, long M, long kn, const float *s,
+                            const tg_bf16 *a16, const float *lo_min, long b, long h,
+                            long j0, float *acc) {
+    const long hd = f->hd, ld = f->nkv * hd;
+    const float *v = f->v + (b * f->tk + j0) * ld + h * hd;
     for (long x = 0; x < M; x++) {
-        const float *ax = a + x * FA_KT;
+        const float *px = s + x * FA_KT, min = lo_min[x];
+        if (min == INFINITY) continue;
         const tg_bf16 *hx = a16 + x * FA_KT;
-        float *lx = lo + x * FA_KT;
-        _Pragma("omp simd")
-        for (long j = 0; j < kn; j++) lx[j] = ax[j] - tg_f32(hx[j]);
+        float *ax = acc + x * hd;
+        for (long c = 0; c < kn; c += 16) {  /* 16 p at a time, most with none above */
+            const long e = kn - c < 16 ? kn : c + 16;
+            int any = 0;
+            _Pragma("omp simd reduction(|:any)")
+            for (long j = c; j < e; j++) any |= px[j] > min;
+            for (long j = c; any && j < e; j++) {
+                if (!(px[j] > min)) continue;
+                const float lo = px[j] - tg_f32(hx[j]);
+                const float *vj = v + j * ld;
+                _Pragma("omp simd")
+                for (long d = 0; d < hd; d++) ax[d] += lo * tg_f32(gt_bf16(vj[d]));
+            }
+        }
     }
-    tg_rows16(lo, FA_KT, M, kn, lo16, FA_KT);
-    tg_gemm16(M, f->hd, kn, lo16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
 }
 
 /* d[kn, hd] (rows ldd apart) += a[M, kn]^T X, X [M, hd] packed (xp): dV += P^T dO,
@@ -252,13 +313,18 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             float *row = w->s + x * FA_KT, sc;
             long a, e;
             fa_cols(w, x, n, j0, kn, &a, &e);
+            w->lo_min[x] = INFINITY;
             if (e > a) {
                 const float mx = fa_scores(f, row, a, e, &sc);
                 const float mn = w->m[x] > mx ? w->m[x] : mx;
                 const float alpha = w->m[x] == -INFINITY ? 0.0f : gt_expf(w->m[x] - mn);
-                const float sum = pexp_f32(row + a, 0, e - a, sc, mn);
+                const float sum = fa_pexp(row + a, e - a, sc, mn);
                 w->l[x] = w->l[x] * alpha + sum;
                 w->m[x] = mn;
+                /* the tile's largest p is exp(mx - mn) (with a margin for fa_exp's
+                   rounding): where it is not above FA_LO_MIN l, no p of the row is */
+                const float lo_min = FA_LO_MIN * w->l[x];
+                w->lo_min[x] = 1.001f * gt_expf(mx - mn) > lo_min ? lo_min : INFINITY;
                 float *ax = w->acc + x * hd;
                 _Pragma("omp simd")
                 for (long d = 0; d < hd; d++) ax[d] *= alpha;
@@ -266,9 +332,8 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
-        /* p in two bf16 terms (w->t, w->at16: the backward's scratch), so that the
-           backward's D = rowsum(dO O) is sum_j p_j dP_j (see the top of this file) */
-        fa_mm_ay(f, M, kn, w->s, w->a16, w->t, w->at16, f->vr, b, h, j0, w->acc);
+        fa_mm_ay(f, M, kn, w->s, w->a16, f->vr, b, h, j0, w->acc);
+        if (f->bf16) fa_pv_remainder(f, M, kn, w->s, w->a16, w->lo_min, b, h, j0, w->acc);
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++) {
@@ -327,7 +392,7 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
                 }
                 sc = 1.0f;
             }
-            pexp_f32(row + a, 0, e - a, sc, w->lse[x]);
+            fa_pexp(row + a, e - a, sc, w->lse[x]);
             memset(row, 0, a * sizeof(float));
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
@@ -348,7 +413,7 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             memset(row + e, 0, (kn - e) * sizeof(float));
         }
         fa_mm_atx(f, M, kn, w->dp, w->at16, w->pq, dkj, ldk);  /* dK += dS^T Q */
-        fa_mm_ay(f, M, kn, w->dp, w->a16, 0, 0, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
+        fa_mm_ay(f, M, kn, w->dp, w->a16, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
     }
     for (long gi = 0; gi < f->g; gi++)
         for (long r = 0; r < n; r++)

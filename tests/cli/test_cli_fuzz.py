@@ -21,6 +21,7 @@ import time
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -240,12 +241,15 @@ def argvs(draw, command, paths):
 
 
 def run(argv):
-    """(exit status or "reached", stderr) of ``gradtape ARGV`` in this process."""
+    """(exit status or "reached", stderr) of ``gradtape ARGV`` in this process, its
+    standard input empty (``generate`` without --prompt reads the chat from it; pytest's
+    own stdin refuses reads)."""
     out, err = io.StringIO(), io.StringIO()
     old = signal.signal(signal.SIGALRM, _hang)
     signal.setitimer(signal.ITIMER_REAL, MAX_SECONDS)
     try:
         with redirect_stdout(out), redirect_stderr(err), \
+                mock.patch("sys.stdin", io.StringIO("")), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -340,6 +344,7 @@ def test_the_fuzzer_reaches_success_and_every_kind_of_error(paths, stand_ins):
           P.fresh(), "--steps", "1", "--seq-len", "8", "--batch-size", "1"], 0),
         (["generate", "--model", P.p("model"), "--prompt", "hi", "--max-new-tokens", "2",
           "--adapter", P.p("adapter")], 0),
+        (["generate", "--chat", "--model", P.p("model"), "--seed", "0"], 0),  # stdin empty
         (["merge", "--model", P.p("model"), "--adapter", P.p("adapter"), "--out",
           P.fresh(".gguf")], 0),
         (["export-gguf-lora", "--model", P.p("model"), "--adapter", P.p("adapter"), "--out",

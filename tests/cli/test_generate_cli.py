@@ -159,6 +159,14 @@ def test_chat_repl_keeps_history(use_session_model, capsys, monkeypatch):
     assert prompts[1].endswith("And 3+3?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_chat_without_standard_input_is_one_error(use_session_model, capsys, monkeypatch):
+    """Started with stdin closed (``<&-``: Python's sys.stdin is None), the chat says so."""
+    monkeypatch.setattr("sys.stdin", None)
+    assert main(["generate", "--chat", "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err == ("gradtape generate: error: no standard input to read "
+                                       "the chat from; give --prompt\n")
+
+
 def test_chat_repl_under_a_terminal(smollm2_gguf, tmp_path):
     """In a pseudo-terminal: a banner, the '> ' prompt, an answer, and Ctrl-D leaves."""
     import os

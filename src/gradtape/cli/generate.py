@@ -198,6 +198,8 @@ def chat_repl(model, opts, max_new, system=None, stdin=None, out=None) -> int:
     answers each with the whole conversation as context.  The prompt marker is shown
     only on a terminal, so piped input gives just the answers."""
     stdin, out = stdin or sys.stdin, out or sys.stdout
+    if stdin is None:  # started with its standard input closed
+        raise GradtapeError("no standard input to read the chat from; give --prompt")
     tty = stdin.isatty()
     if tty:
         out.write(f"Chat with {model.name or 'the model'}"

@@ -198,6 +198,44 @@ static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
     }
 }
 
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE) && TG_NR == 32
+#define TG_WIDE16 1
+/* C[0:mr, 0:16 nv] (+)= A[0:mr, 0:2kp] B over nv / 2 whole panels of B (at b, b + ps):
+   AVX512-BF16's register block, 6 rows by nv vectors of sums.  nv = 4 (tg_gemm16's
+   blocks of two panels) keeps 24 sums in registers, so each loaded A pair feeds four
+   vdpbf16ps and a block's work is twice its fixed cost (the sums' loads and stores,
+   the first products' latency): one core, m = 96, n = 256 (a block of the attention's
+   scores), k = 64 277-297 -> 334-376 GFLOP/s, k = 128 316-320 -> 365-405 (Zen 5).  Each
+   sum takes the pairs in order whatever nv is. */
+static inline void tg_block16_vec(int nv, long mr, long kp, const tg_bf16 *A, long rsa,
+                                  long csa, const tg_bf16 *b, long ps, float *C, long ldc,
+                                  int acc) {
+    const tg_bf16 *a[TG_MR];
+    for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
+    __m512 s[TG_MR][4];
+    _Pragma("GCC unroll 6")
+    for (int r = 0; r < TG_MR; r++)
+        for (int v = 0; v < nv; v++)
+            s[r][v] = acc && r < mr ? _mm512_loadu_ps(C + r * ldc + 16 * v) : _mm512_setzero_ps();
+    for (long p = 0; p < kp; p++) {
+        __m512bh bv[4];
+        for (int v = 0; v < nv; v++)  /* vector v: panel v / 2, its half v % 2 */
+            bv[v] = (__m512bh)_mm512_loadu_si512(b + v / 2 * ps + p * 2 * TG_NR + v % 2 * TG_NR);
+        _Pragma("GCC unroll 6")
+        for (int r = 0; r < TG_MR; r++) {
+            uint32_t x;
+            memcpy(&x, a[r] + p * csa, 4);
+            const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)x);
+            for (int v = 0; v < nv; v++) s[r][v] = _mm512_dpbf16_ps(s[r][v], xa, bv[v]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(C + r * ldc + 16 * v, s[r][v]);
+}
+#else
+#define TG_WIDE16 0
+#endif
+
 /* C[0:mr, 0:nc] (+)= A[0:mr, 0:2kp] b[0:2kp, 0:NR] over bf16 pairs, edges as tg_block */
 static inline void tg_block16(long mr, long nc, long kp, const tg_bf16 *A, long rsa,
                               long csa, const tg_bf16 *b, float *C, long ldc, int acc) {
@@ -205,32 +243,11 @@ static inline void tg_block16(long mr, long nc, long kp, const tg_bf16 *A, long 
     float *c = C;
     long ld = ldc;
     if (nc < TG_NR) tg_edge_in(mr, nc, C, ldc, part, &c, &ld, &acc);
+#if TG_WIDE16
+    tg_block16_vec(2, mr, kp, A, rsa, csa, b, 0, c, ld, acc);
+#else
     const tg_bf16 *a[TG_MR];
     for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE) && TG_NR == 32
-    __m512 s[TG_MR][2];
-    _Pragma("GCC unroll 6")
-    for (int r = 0; r < TG_MR; r++) {
-        s[r][0] = acc && r < mr ? _mm512_loadu_ps(c + r * ld) : _mm512_setzero_ps();
-        s[r][1] = acc && r < mr ? _mm512_loadu_ps(c + r * ld + 16) : _mm512_setzero_ps();
-    }
-    for (long p = 0; p < kp; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR + TG_NR);
-        _Pragma("GCC unroll 6")
-        for (int r = 0; r < TG_MR; r++) {
-            uint32_t x;
-            memcpy(&x, a[r] + p * csa, 4);
-            const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)x);
-            s[r][0] = _mm512_dpbf16_ps(s[r][0], xa, b0);
-            s[r][1] = _mm512_dpbf16_ps(s[r][1], xa, b1);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(c + r * ld, s[r][0]);
-        _mm512_storeu_ps(c + r * ld + 16, s[r][1]);
-    }
-#else
     for (long r = 0; r < mr; r++) {
         float s[TG_NR];
         for (long j = 0; j < TG_NR; j++) s[j] = acc ? c[r * ld + j] : 0.0f;
@@ -246,61 +263,19 @@ static inline void tg_block16(long mr, long nc, long kp, const tg_bf16 *A, long 
     if (c == part) tg_edge_out(mr, nc, part, C, ldc);
 }
 
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE) && TG_NR == 32
-#define TG_WIDE16 1
-/* C[0:mr, 0:2 NR] (+)= A[0:mr, 0:2kp] b[0:2kp, 0:2 NR] over two whole panels (b and b
-   + ps): 24 sums in registers, twice tg_block16's, so each loaded A pair feeds four
-   vdpbf16ps and a block's work is twice its fixed cost (the sums' loads and stores,
-   the first products' latency).  One core, m = 96, n = 256 (a block of the attention's
-   scores): k = 64 277-297 -> 334-376 GFLOP/s, k = 128 316-320 -> 365-405 (Zen 5). */
-static inline void tg_block16_wide(long mr, long kp, const tg_bf16 *A, long rsa, long csa,
-                                   const tg_bf16 *b, long ps, float *C, long ldc, int acc) {
-    const tg_bf16 *a[TG_MR];
-    for (int r = 0; r < TG_MR; r++) a[r] = A + (r < mr ? r : mr - 1) * rsa;
-    __m512 s[TG_MR][4];
-    _Pragma("GCC unroll 6")
-    for (int r = 0; r < TG_MR; r++)
-        for (int c = 0; c < 4; c++)
-            s[r][c] = acc && r < mr ? _mm512_loadu_ps(C + r * ldc + 16 * c) : _mm512_setzero_ps();
-    const tg_bf16 *b2 = b + ps;
-    for (long p = 0; p < kp; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 2 * TG_NR + TG_NR);
-        const __m512bh b2_0 = (__m512bh)_mm512_loadu_si512(b2 + p * 2 * TG_NR);
-        const __m512bh b2_1 = (__m512bh)_mm512_loadu_si512(b2 + p * 2 * TG_NR + TG_NR);
-        _Pragma("GCC unroll 6")
-        for (int r = 0; r < TG_MR; r++) {
-            uint32_t x;
-            memcpy(&x, a[r] + p * csa, 4);
-            const __m512bh xa = (__m512bh)_mm512_set1_epi32((int)x);
-            s[r][0] = _mm512_dpbf16_ps(s[r][0], xa, b0);
-            s[r][1] = _mm512_dpbf16_ps(s[r][1], xa, b1);
-            s[r][2] = _mm512_dpbf16_ps(s[r][2], xa, b2_0);
-            s[r][3] = _mm512_dpbf16_ps(s[r][3], xa, b2_1);
-        }
-    }
-    for (int r = 0; r < mr; r++)
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(C + r * ldc + 16 * c, s[r][c]);
-}
-#else
-#define TG_WIDE16 0
-#endif
-
 /* tg_gemm over bf16: C[m, n] (=|+=) A[m, k] B[k, n], A as pairs (rsa, csa in bf16
    values), B in bf16 panels ps values apart; two whole panels at a time where
-   tg_block16_wide runs, the rest one panel at a time.  Each C element is the same sum
+   tg_block16_vec runs, the rest one panel at a time.  Each C element is the same sum
    in the same order either way. */
 static void tg_gemm16(long m, long n, long k, const tg_bf16 *A, long rsa, long csa,
                       const tg_bf16 *pb, long ps, float *C, long ldc, int accumulate) {
     const long kp = tg_pairs(k);
     long j = 0;
-    for (; TG_WIDE16 && j + 2 * TG_NR <= n; j += 2 * TG_NR)
-        for (long i = 0; i < m; i += TG_MR)
 #if TG_WIDE16
-            tg_block16_wide(m - i < TG_MR ? m - i : TG_MR, kp, A + i * rsa, rsa, csa,
-                            pb + j / TG_NR * ps, ps, C + i * ldc + j, ldc, accumulate);
-#else
-            ;
+    for (; j + 2 * TG_NR <= n; j += 2 * TG_NR)
+        for (long i = 0; i < m; i += TG_MR)
+            tg_block16_vec(4, m - i < TG_MR ? m - i : TG_MR, kp, A + i * rsa, rsa, csa,
+                           pb + j / TG_NR * ps, ps, C + i * ldc + j, ldc, accumulate);
 #endif
     for (; j < n; j += TG_NR)
         for (long i = 0; i < m; i += TG_MR)

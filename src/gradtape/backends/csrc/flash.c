@@ -250,14 +250,14 @@ static void fa_mm_ay(const fa_t *f, long M, long kn, const float *a, tg_bf16 *a1
 }
 
 /* The forward's remainder under bf16: acc[x] += (p - bf16(p)) V16[j] for each p of the
-   tile above FA_LO_MIN of its row's sum so far, l, which is lo_min[x] (INFINITY where
-   the tile's largest p is not; p in s, its bf16 copy in a16 as fa_mm_ay left it; V16:
-   V's rows rounded as the packed ones), so that the backward's D
-   = rowsum(dO O) is sum_j p_j dP_j (see the top of this file).  The sum only grows, so
-   every p above FA_LO_MIN of the row's final sum is among them; the others leave out
-   terms of at most FA_LO_MIN 2^-9 of D: a sink's dS = p (dP - D) stays as accurate as
-   with every remainder, as only its own p is large.  In place of a second GEMM over
-   every p's remainder (a third of the forward's products). */
+   tile above lo_min[x], FA_LO_MIN of its row's sum so far (INFINITY where the tile's
+   largest p is not above it), so that the backward's D = rowsum(dO O) is sum_j p_j dP_j
+   (see the top of this file).  p is in s, its bf16 copy in a16 as fa_mm_ay left it,
+   V16 is V's rows rounded as the packed ones.  The row's sum only grows (in the units
+   of its running max), so every p above FA_LO_MIN of the final sum is among these; each
+   other p leaves out at most FA_LO_MIN 2^-9 of the sum from O: a sink's dS = p (dP - D)
+   stays as accurate as with every remainder, as only its own p is large.  In place of
+   a second GEMM over every p's remainder (a third of the forward's products). */
 #define FA_LO_MIN (1.0f / 16)
 static void fa_pv_remainder(const fa_t *f, long M, long kn, const float *s,
                             const tg_bf16 *a16, const float *lo_min, long b, long h,

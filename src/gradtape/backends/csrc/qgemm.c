@@ -52,8 +52,9 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
    ggml_blocks.h (a multiply, then a subtract), rounded as gt_bf16 (nearest even, NaN
    kept quiet) with integer operations, or by AVX512-BF16's conversion where the CPU has
    it (32 values at a time), so the bits are the same as the scalar path's.  A
-   [256, 4096] tile in cache, one thread, Zen 5: Q4_K 14 -> 19, Q6_K 14 -> 17 G values/s;
-   weights streamed from memory are read at the memory's rate either way (10-12 GB/s). */
+   [256, 4096] tile in cache, one thread, Zen 5: Q4_K 14 -> 19, Q6_K 14 -> 17 G values/s
+   (Q4_K's scales as one vector since: two threads 21.5-24.6 -> 26-29); streamed from
+   memory, see PF_MIN_BYTES. */
 static inline void bf16_store16(uint16_t *o, __m512 v) {
 #ifdef __AVX512BF16__
     /* one instruction, the same rounding (nearest even, NaN made quiet); it also takes
@@ -106,19 +107,37 @@ static inline __attribute__((always_inline)) void store32(void *o, long i, __m51
     store16(o, i + 16, b, kind, inv);
 }
 
+/* Q4_K's eight 6-bit scales and mins (k_scale_min) as bytes: sc[0..8) then mn[0..8),
+   from the block's 12 scale bytes by 32-bit word operations */
+static inline void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
+    uint32_t w[3], r[4];
+    memcpy(w, s, 12);
+    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
+    r[0] = w[0] & six;                                       /* sc[0..4): s[j] & 63 */
+    r[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);       /* sc[4..8) */
+    r[2] = w[1] & six;                                       /* mn[0..4): s[j + 4] & 63 */
+    r[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  /* mn[4..8) */
+    memcpy(out, r, 16);
+}
+
 static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, void *o,
                                                             int kind, const float *inv) {
-    const float d = gb_h2f(b), dmin = gb_h2f(b + 2);
-    int sc[8], mn[8];
-    k_scale_min(b + 4, sc, mn);
+    uint8_t scm[16];
+    k_scale_min_bytes(b + 4, scm);
+    /* d sc[s] and dmin mn[s] for the eight sub-blocks, eight float32 products each (the
+       same products as the scalar path's), in lanes 0..8 and 8..16 */
+    const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_set1_ps(gb_h2f(b))), _mm256_castps_pd(_mm256_set1_ps(gb_h2f(b + 2))), 1));
+    const __m512 DM = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i *)scm))));
     const __m512i lo4 = _mm512_set1_epi32(0xF);
     for (int s = 0; s < 8; s += 2) {  /* sub-blocks s and s + 1: the low and high nibbles */
         const uint8_t *q = b + 16 + 16 * s;
         const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
         const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
         for (int u = 0; u < 2; u++) {
-            const __m512 D = _mm512_set1_ps(d * (float)sc[s + u]);
-            const __m512 M = _mm512_set1_ps(dmin * (float)mn[s + u]);
+            const __m512 D = _mm512_permutexvar_ps(_mm512_set1_epi32(s + u), DM);
+            const __m512 M = _mm512_permutexvar_ps(_mm512_set1_epi32(8 + s + u), DM);
             const __m512i x0 = u ? _mm512_srli_epi32(v0, 4) : _mm512_and_si512(v0, lo4);
             const __m512i x1 = u ? _mm512_srli_epi32(v1, 4) : _mm512_and_si512(v1, lo4);
             store32(o, 32 * (s + u), _mm512_sub_ps(_mm512_mul_ps(D, _mm512_cvtepi32_ps(x0)), M),
@@ -168,20 +187,50 @@ static void s8_q6_k(const uint8_t *b, int8_t *o, const float *inv) {
 }
 #endif
 
-static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row, long c0,
-                     long nc, uint16_t *restrict o) {
+/* Streaming a matrix's blocks row after row, two Zen 5 cores dequantized 11 GB/s of
+   them (Q4_K to bf16 rows: 19 G values a second; blocked tiles 6 GB/s); with each row's
+   blocks fetched while the row before is dequantized, 12-17 (blocked: 7.5-8.3).  Where
+   a tile takes less of each row (its columns of a tall W: one block a row, 2 KB apart)
+   the cores' own prefetchers keep up, and nothing is fetched ahead (pf_rows 0). */
+#define PF_MIN_BYTES 1024
+/* the rows ahead of the one dequantized whose blocks [c0, c0 + nc) are fetched, or 0 */
+static inline long pf_rows(long nc, int bl, int by) {
+    return nc / bl * by >= PF_MIN_BYTES ? 1 : 0;
+}
+/* the blocks of row i + d of n (rows rb bytes apart from w), or NULL past the last or
+   where d is 0 */
+static inline const uint8_t *pf_row(const uint8_t *w, long rb, const int64_t *ids, long r0,
+                                    long i, long d, long n) {
+    return d && i + d < n ? w + (ids ? ids[i + d] : r0 + i + d) * rb : 0;
+}
+
+/* the cache lines of [p, p + bytes) asked for */
+static inline void pf_bytes(const uint8_t *p, long bytes) {
+    for (long b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* bf16 of W's row (its blocks at row) over columns [c0, c0 + nc) into o; the same
+   columns of the row at ahead (or NULL) are asked for meanwhile, a block (or a chunk)
+   at a time */
+static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row,
+                     const uint8_t *ahead, long c0, long nc, uint16_t *restrict o) {
 #ifdef __AVX512F__
     void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k
                                                   : t == T_Q6_K ? bf16_q6_k : 0;
     if (direct) {
-        for (long j = 0; j < nc; j += 256) direct(row + (c0 + j) / 256 * by, o + j);
+        for (long j = 0; j < nc; j += 256) {
+            const long at = (c0 + j) / 256 * by;
+            if (ahead) pf_bytes(ahead + at, by);
+            direct(row + at, o + j);
+        }
         return;
     }
 #endif
     float tmp[BF16_CHUNK];
     for (long j = 0; j < nc; j += BF16_CHUNK) {
-        const long m = nc - j < BF16_CHUNK ? nc - j : BF16_CHUNK;
-        f(row + (c0 + j) / bl * by, tmp, m / bl);
+        const long m = nc - j < BF16_CHUNK ? nc - j : BF16_CHUNK, at = (c0 + j) / bl * by;
+        if (ahead) pf_bytes(ahead + at, m / bl * by);
+        f(row + at, tmp, m / bl);
         for (long i = 0; i < m; i++) o[j + i] = gt_bf16(tmp[i]);
     }
 }
@@ -192,9 +241,11 @@ int gt_deq_tile_bf16(int t, const uint8_t *w, long rb, const int64_t *ids, long 
                      long c0, long nc, uint16_t *out, long ldo) {
     gb_deq_fn f; int bl, by;
     if (gb_layout(t, &f, &bl, &by) || c0 % bl || nc % bl) return -1;
+    const long d = pf_rows(nc, bl, by);
     #pragma omp parallel for schedule(static) if (n * nc >= (1L << 16))
     for (long i = 0; i < n; i++)
-        row_bf16(t, f, bl, by, w + (ids ? ids[i] : r0 + i) * rb, c0, nc, out + i * ldo);
+        row_bf16(t, f, bl, by, w + (ids ? ids[i] : r0 + i) * rb,
+                 pf_row(w, rb, ids, r0, i, d, n), c0, nc, out + i * ldo);
     return 0;
 }
 
@@ -263,6 +314,7 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
     const long kp = (K + VN_K - 1) / VN_K * VN_K, panels = (N + VN_N - 1) / VN_N;
     const long pairs = kp / 2, panel = pairs * VN_N;  /* 32-bit words */
     uint32_t *o32 = (uint32_t *)out;
+    const long d = pf_rows(nc, bl, by);
     int failed = 0;
     if (by_rows) {
         /* 16 rows of W at a time, each dequantized whole (as the plain tile's rows are:
@@ -280,7 +332,8 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
                 for (long j0 = 0; j0 < VN_N; j0 += 16) {
                     for (long i = 0; i < 16; i++) {
                         const long r = c * VN_N + j0 + i;
-                        if (r < n) row_bf16(t, f, bl, by, w + (r0 + r) * rb, c0, nc,
+                        if (r < n) row_bf16(t, f, bl, by, w + (r0 + r) * rb,
+                                            pf_row(w, rb, 0, r0, r, d, n), c0, nc,
                                             (uint16_t *)(slab + i * ld));
                         else memset(slab + i * ld, 0, nc / 2 * sizeof(uint32_t));
                     }
@@ -305,9 +358,12 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
             #pragma omp for schedule(static)
             for (long p = 0; p < pairs; p++) {
                 if (!lo) continue;
-                if (2 * p < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p) * rb, c0, nc, lo);
+                if (2 * p < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p) * rb,
+                                        pf_row(w, rb, 0, r0, 2 * p, 2 * d, n), c0, nc, lo);
                 else memset(lo, 0, nc * sizeof(uint16_t));
-                if (2 * p + 1 < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p + 1) * rb, c0, nc, hi);
+                if (2 * p + 1 < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p + 1) * rb,
+                                            pf_row(w, rb, 0, r0, 2 * p + 1, 2 * d, n), c0,
+                                            nc, hi);
                 else memset(hi, 0, nc * sizeof(uint16_t));
                 for (long c = 0; c < panels; c++) {
                     uint32_t *restrict dst = o32 + c * panel + p * VN_N;

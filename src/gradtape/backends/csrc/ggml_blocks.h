@@ -95,14 +95,25 @@ static inline void deq_q8_0(const uint8_t *b, float *o) {
     const float d = gb_h2f(b); const int8_t *q = (const int8_t *)(b + 2);
     for (int l = 0; l < 32; l++) o[l] = (float)q[l] * d;
 }
-/* the 8 (scale, min) pairs of a Q4_K / Q5_K block, 6 bits each, packed in 12 bytes */
+/* the 8 (scale, min) pairs of a Q4_K / Q5_K block, 6 bits each, packed in 12 bytes s,
+   as bytes: out[0..8) the scales, out[8..16) the mins.  For j < 4: scale j is s[j] & 63
+   and min j is s[j + 4] & 63; scale j + 4 is the low nibble of s[j + 8] with the top two
+   bits of s[j] above it, min j + 4 the high nibble of s[j + 8] with those of s[j + 4]:
+   four bytes at a time in 32-bit words. */
+static inline void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
+    uint32_t w[3], r[4];
+    memcpy(w, s, 12);
+    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
+    r[0] = w[0] & six;
+    r[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);
+    r[2] = w[1] & six;
+    r[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);
+    memcpy(out, r, 16);
+}
 static inline void k_scale_min(const uint8_t *s, int *sc, int *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 2) & 0x30);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
-    }
+    uint8_t b[16];
+    k_scale_min_bytes(s, b);
+    for (int j = 0; j < 8; j++) sc[j] = b[j], mn[j] = b[8 + j];
 }
 /* Q4_K / Q5_K: sub-block s is nibble s & 1 of bytes 32 * (s / 2) .. (Q5_K: high bit s of
    qh[j]); loops of 32 independent values each (they vectorize) */

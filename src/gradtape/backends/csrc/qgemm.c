@@ -107,19 +107,6 @@ static inline __attribute__((always_inline)) void store32(void *o, long i, __m51
     store16(o, i + 16, b, kind, inv);
 }
 
-/* Q4_K's eight 6-bit scales and mins (k_scale_min) as bytes: sc[0..8) then mn[0..8),
-   from the block's 12 scale bytes by 32-bit word operations */
-static inline void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
-    uint32_t w[3], r[4];
-    memcpy(w, s, 12);
-    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
-    r[0] = w[0] & six;                                       /* sc[0..4): s[j] & 63 */
-    r[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);       /* sc[4..8) */
-    r[2] = w[1] & six;                                       /* mn[0..4): s[j + 4] & 63 */
-    r[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);  /* mn[4..8) */
-    memcpy(out, r, 16);
-}
-
 static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, void *o,
                                                             int kind, const float *inv) {
     uint8_t scm[16];

@@ -30,25 +30,23 @@ def head_chunk(t, v):
     return min(c, v)
 
 
-def _rows_of(w, v0, v1, qtype, dtype):
-    """Rows ``[v0, v1)`` of the ``[V, D]`` table as floats of ``dtype`` (dequantized from
-    its blocks when ``qtype`` is set; a view otherwise)."""
-    if qtype is None:
-        return w[v0:v1]
-    return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
-
-
 class HeadGemms:
     """The fused head's two products with the table ``w [V, D]`` (ggml blocks when
     ``qtype`` is set), a block of vocabulary rows at a time, in NumPy: ``rows(v0, v1)``
-    takes the block, then ``logits(z)``: ``z = x @ Wc^T``, ``weigh(z, out)``: ``out = z @
-    Wc``.  A backend's kernels may hand out another (``backends/tiled_c.py``: bf16)."""
+    takes the block (a view of a float table; a block table's rows dequantized by
+    ``kern.table_rows``), then ``logits(z)``: ``z = x @ Wc^T``, ``weigh(z, out)``: ``out
+    = z @ Wc``.  A backend's kernels may hand out another (``backends/tiled_c.py``:
+    bf16)."""
 
-    def __init__(self, x, w, qtype):
-        self.x, self.w, self.qtype = x, w, qtype
+    def __init__(self, x, w, qtype, kern):
+        self.x, self.w, self.qtype, self.kern = x, w, qtype, kern
 
     def rows(self, v0, v1):
-        self.wc = _rows_of(self.w, v0, v1, self.qtype, self.x.dtype)
+        if self.qtype is None:
+            self.wc = self.w[v0:v1]
+        else:
+            self.wc = self.kern.table_rows(self.w, v0, v1, self.qtype, self.x.shape[1],
+                                           self.x.dtype)
 
     def logits(self, z):
         np.matmul(self.x, self.wc.T, out=z)
@@ -84,6 +82,18 @@ class NumpyTiles:
         return False
 
     head_gemms = HeadGemms
+
+    @staticmethod
+    def buffer(name, shape, dtype):
+        """A scratch array for a walk (``name`` says which): a new one each call here; a
+        backend's kernels may keep theirs from call to call (``tiled_c.CTiles``)."""
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def table_rows(w, v0, v1, qtype, k, dtype):
+        """Rows ``[v0, v1)`` of the block table ``w`` as ``[v1 - v0, k]`` floats of
+        ``dtype``: ``gguf``'s dequantization."""
+        return dequantize(w[v0:v1], qtype).astype(dtype, copy=False)
 
     @staticmethod
     def head_fwd(z, m, s, picked, ids, v0, cap):
@@ -181,9 +191,9 @@ def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
     m = np.full(t, -np.inf, dtype)
     s = np.zeros(t, dtype)
     picked = np.zeros(t, dtype)
-    buf = np.empty((t, min(chunk, V)), dtype)
-    prod = np.empty_like(E) if E is not None else None
-    gemms = kern.head_gemms(x, w, qtype)
+    buf = kern.buffer("head logits", (t, min(chunk, V)), dtype)
+    prod = kern.buffer("head product", E.shape, dtype) if E is not None else None
+    gemms = kern.head_gemms(x, w, qtype, kern)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = buf[:, :v1 - v0]
@@ -223,7 +233,7 @@ def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
     """Yield ``(v0, v1, dz)`` for every vocabulary block (its table rows taken by
     ``gemms``): the logits' gradient, recomputed from ``x`` and the forward's lse."""
     t, V = x.shape[0], w.shape[0]
-    buf = np.empty((t, min(chunk, V)), dtype)
+    buf = kern.buffer("head logits", (t, min(chunk, V)), dtype)
     lse, b = np.ascontiguousarray(o[:, 1]), np.ascontiguousarray(g[:, 0])
     a = b + g[:, 1]
     for v0 in range(0, V, chunk):
@@ -239,8 +249,8 @@ def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None,
                         kern=NUMPY_TILES):
     """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``)."""
     out.fill(0)
-    tmp = np.empty_like(out)
-    gemms = kern.head_gemms(x, w, qtype)
+    tmp = kern.buffer("head product", out.shape, out.dtype)
+    gemms = kern.head_gemms(x, w, qtype, kern)
     for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern, gemms):
         gemms.weigh(dz, tmp)
         out += tmp
@@ -249,7 +259,7 @@ def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None,
 def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
     """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
     for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern,
-                                        HeadGemms(x, w, None)):
+                                        HeadGemms(x, w, None, kern)):
         np.matmul(dz.T, x, out=out[v0:v1])
 
 

@@ -427,3 +427,43 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
     assert ran and all(ran)  # every block's products in oneDNN
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_head_keeps_its_scratch_between_calls(bf16):
+    """A program's CTiles keep the fused head's scratch (the logits block, the products,
+    a block table's dequantized rows) for the next call instead of new arrays each step:
+    the second call of a shape reuses the first's memory, a larger one grows it, and every
+    result equals that of kernels that never ran before, bit for bit (nothing of an
+    earlier call leaks in).  A block table's rows come from the C kernels, gguf's bits."""
+    from gradtape import tiled
+    from gradtape.backends import onednn
+    from gradtape.backends.tiled_c import CTiles
+    from gradtape.blocks import dequantize, random_blocks
+
+    if bf16 and not onednn.available()[0]:
+        pytest.skip(onednn.available()[1])
+    rng = np.random.default_rng(8)
+    d, v, chunk = 256, 700, 256
+    w = random_blocks("Q4_K", v, d, rng, std=0.1).data
+    kept = CTiles(np.float32, bf16)
+
+    def head(kern, t):
+        x = np.random.default_rng(t).standard_normal((t, d)).astype(np.float32)
+        ids = np.random.default_rng(t + 1).integers(0, v, t)
+        e = np.empty((t, 2 + d), np.float32)
+        tiled.fwd_head_nll_e(e, x, w, ids, chunk, qtype="Q4_K", kern=kern)
+        gx = np.empty((t, d), np.float32)
+        g = np.ones((t, 2), np.float32)
+        tiled.fwd_head_nll_grad_x(gx, g, x, w, ids, e, 0.0, chunk, qtype="Q4_K", kern=kern)
+        return e, gx
+
+    for t in (40, 40, 72, 24):
+        before = {name: a.ctypes.data for name, a in kept._buffers.items()}
+        for a, b in zip(head(kept, t), head(CTiles(np.float32, bf16), t)):
+            np.testing.assert_array_equal(a, b)
+        if t == 40 and before:  # the second call of a shape: the same memory
+            assert {name: a.ctypes.data for name, a in kept._buffers.items()} == before
+    assert "head logits" in kept._buffers
+    rows = kept.table_rows(w, 100, 356, "Q4_K", d, np.float32)
+    np.testing.assert_array_equal(rows, dequantize(w[100:356], "Q4_K"))

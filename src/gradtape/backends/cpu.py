@@ -210,6 +210,7 @@ class CpuBackend(HostBackend):
         self._w16 = {}  # weight leaf -> its _Bf16Weight
         self._wb = {}  # bf16 step -> (the copy of its weight it reads, whether packed)
         self._gemm16 = {}  # step -> bound oneDNN call
+        self._tiles = {}  # (dtype, bf16) -> tiled_c.CTiles (_tiled_kernels)
         # programs of one tape (a training step and its eval) share the copies of a
         # weight none of them was fed (copy on feed, in set_leaf)
         for s in self._bf16:
@@ -285,6 +286,14 @@ class CpuBackend(HostBackend):
         """The bf16 weight copies this program reads (for the memory estimate)."""
         return [a for w in self._w16.values() for a in w.arrays()]
 
+    def _tiled_kernels(self, dtype, bf16):
+        """This program's ``tiled_c.CTiles`` for ``dtype``: the scratch the fused head
+        keeps from step to step lives as long as the program."""
+        key = (np.dtype(dtype).str, bf16)
+        if key not in self._tiles:
+            self._tiles[key] = tiled_c.CTiles(dtype, bf16, self._f32_dnnl)
+        return self._tiles[key]
+
     # --- binding ---------------------------------------------------------------------
     def _bind_steps(self, val):
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
@@ -357,7 +366,7 @@ class CpuBackend(HostBackend):
                 steps.append(("py", qgemm.lower(s, val[s], ins, self._qscratch)))
             elif s.op in tiled_c.TILED_OPS:  # the blocks' elementwise work in C
                 bf16 = self.low_precision and not s.attrs.get("f32")  # ops.attn's f32
-                kern = tiled_c.kernels(s.dtype, bf16=bf16, f32_onednn=self._f32_dnnl)
+                kern = self._tiled_kernels(s.dtype, bf16)
                 steps.append(("py", functools.partial(PRIMS[s.op].forward, val[s], *ins,
                                                       kern=kern, **s.attrs)))
             else:

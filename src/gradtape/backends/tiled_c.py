@@ -18,6 +18,7 @@ import numpy as np
 from .. import tiled
 from ..blocks import BLOCK_TYPES
 from . import _cgen, onednn, qgemm
+from .base import page_aligned
 
 _LIB = []
 
@@ -58,6 +59,28 @@ class CTiles:
         self.head_gemms = tiled.HeadGemms
         if self.suf == "f32" and (bf16 or f32_onednn):
             self.head_gemms = Bf16HeadGemms if bf16 else OnednnHeadGemms
+        self._buffers = {}
+
+    def buffer(self, name, shape, dtype):
+        """The scratch array ``name`` of a walk, kept for its next call (grown when that
+        asks for more).  A new array of tens of MB each call costs its page faults each
+        step again, and where NumPy asks for huge pages for it, the kernel's compaction
+        to find them: the 8B's fused head at batch 4 x 256 dequantized its table in 340
+        ms a step that way, 35 ms into a kept buffer (docs/benchmarks.md)."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        raw = self._buffers.get(name)
+        if raw is None or raw.size < n:
+            raw = self._buffers[name] = page_aligned(n, np.uint8)
+        return raw[:n].view(dtype).reshape(shape)
+
+    def table_rows(self, w, v0, v1, qtype, k, dtype):
+        """``tiled.NumpyTiles.table_rows`` by the C kernels (the same bits as gguf's),
+        into a kept buffer; float64 by the reference."""
+        if np.dtype(dtype) != np.float32:
+            return tiled.NUMPY_TILES.table_rows(w, v0, v1, qtype, k, dtype)
+        out = self.buffer("head rows", (v1 - v0, k), np.float32)
+        return qgemm.deq_rows(w[v0:v1], qtype, k, out=out)
 
     def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
                    window):
@@ -125,18 +148,16 @@ class Bf16HeadGemms:
     straight into bf16 from its ggml blocks), each block of weights ``z`` before its
     product."""
 
-    def __init__(self, x, w, qtype):
-        self.dnnl = onednn.dnnl()
+    def __init__(self, x, w, qtype, kern):
+        self.dnnl, self.kern = onednn.dnnl(), kern
         self.T, self.D = x.shape
-        self.x16 = np.empty(x.shape, np.uint16)
+        self.x16 = kern.buffer("head x16", x.shape, np.uint16)
         _f32_bf16(np.ascontiguousarray(x), self.x16, x.size)
         self.w, self.qtype = np.ascontiguousarray(w), qtype
-        self.wc16 = self.z16 = None
 
     def rows(self, v0, v1):
         c, D = v1 - v0, self.D
-        if self.wc16 is None or self.wc16.size < c * D:
-            self.wc16 = np.empty(c * D, np.uint16)
+        self.wc16 = self.kern.buffer("head rows16", (c * D,), np.uint16)
         self.c = c
         if self.qtype is None:
             _f32_bf16(self.w[v0:v1], self.wc16, c * D)
@@ -157,8 +178,7 @@ class Bf16HeadGemms:
         assert z.strides[1] == 4 and out.flags.c_contiguous
         ld = z.strides[0] // 4
         n = (self.T - 1) * ld + self.c  # from z's first value to its last
-        if self.z16 is None or self.z16.size < n:
-            self.z16 = np.empty(n, np.uint16)
+        self.z16 = self.kern.buffer("head z16", (n,), np.uint16)
         qgemm.lib().gt_f32_bf16(z.ctypes.data, self.z16.ctypes.data, n)
         self.dnnl.gemm(self.T, self.c, self.D, False, self.z16.ctypes.data,
                        self.wc16.ctypes.data, out.ctypes.data, lda=ld)
@@ -168,8 +188,8 @@ class OnednnHeadGemms(tiled.HeadGemms):
     """``tiled.HeadGemms`` in oneDNN's float32 matmul, on OpenMP's threads as the C work
     between the products (NumPy's where oneDNN has no matmul for a block)."""
 
-    def __init__(self, x, w, qtype):
-        super().__init__(x, w, qtype)
+    def __init__(self, x, w, qtype, kern):
+        super().__init__(x, w, qtype, kern)
         self.dnnl = onednn.library()
 
     def logits(self, z):

@@ -51,10 +51,16 @@ class MemoryPlan:
 
 
 def fused_scratch_bytes(graph) -> int:
-    """The largest scratch a fused primitive of ``graph`` allocates while it runs (the
-    tiled head's logits block, attention's score tiles), in bytes: outside the plan."""
-    return max((PRIMS[v.op].scratch(v) * v.dtype.itemsize for v in graph.ops
-                if PRIMS[v.op].scratch is not None), default=0)
+    """The scratch of ``graph``'s fused primitives, in bytes, outside the plan: the fused
+    head's (its logits block, products, dequantized rows), which the cpu backend keeps
+    from call to call (``tiled_c.CTiles.buffer``), and the largest other one's
+    (attention's score tiles), allocated while it runs."""
+    kept, other = [0], [0]
+    for v in graph.ops:
+        if PRIMS[v.op].scratch is not None:
+            (kept if v.op.startswith("head_nll") else other).append(
+                PRIMS[v.op].scratch(v) * v.dtype.itemsize)
+    return max(kept) + max(other)
 
 
 def plan_liveness(steps, pinned, views=None) -> MemoryPlan:

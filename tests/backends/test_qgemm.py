@@ -197,6 +197,49 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     assert {what for what, _ in asked} == {"qmatmul Q4_K", "qmatmul_t Q4_K"}
 
 
+@pytest.mark.parametrize("k", [512, 256])
+def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatch):
+    """Past BF16_SMALL_TILE_ROWS rows (batch 4 x 256), a small tile's GEMM runs over
+    that many rows of the activation at a time, the last block shorter (here 9 rows by
+    4: 4, 4, 1), in both layouts: a way of its own ("... by 4 rows", timed anew), the
+    large tiles' ways unsplit; each gives the rounded reference's product, forward and
+    backward (k = 256: the backward's small tile is all of W, its rows)."""
+    from gradtape.backends import compute, onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
+    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
+    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ROWS", 4)
+    r = np.random.default_rng(17)
+    T, rows = 9, 1100
+    bm = random_blocks("Q4_K", rows, k, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)))
+    g = tp.param(r.standard_normal((T, rows)))
+    w = tp.const(bm)
+    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
+    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
+    deq = b16(bm.dequantize())
+    for layout in ("plain", "blocked"):
+        ran = []
+
+        def fastest(what, shape, runs):
+            small = [n for n in runs if n.startswith(layout) and n.endswith("by 4 rows")]
+            assert {n for n in runs if "by" not in n} == {
+                n for n in runs if n.endswith(" 163840")}
+            ran.append(small[0] if small else next(iter(runs)))
+            return ran[-1]
+        monkeypatch.setattr(compute, "fastest", fastest)
+        prog = tp.compile([y, z], backend="cpu", compute="bf16")
+        got_y, got_z = prog.run()
+        assert len(ran) == 2
+        if layout == "plain":  # (the blocked one where oneDNN's kernel takes its layout)
+            assert ran == ["plain 32768 by 4 rows"] * 2
+        assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
+        assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+
+
 def test_block_products_of_one_activation_round_it_once(monkeypatch):
     """q, k, v of block weights read one x: the first product rounds it to bf16, the
     next ones of the same x read that copy (``rounded``); a backward product, or another

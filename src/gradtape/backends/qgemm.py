@@ -52,6 +52,11 @@ TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
 # 12.36 s with 16M tiles alone (medians, bench/step_ab.py; docs/benchmarks.md).
 BF16_TILE_ELEMS = 1 << 24
 BF16_SMALL_TILE_ELEMS = 1 << 20
+# A small tile's GEMM takes the activation this many rows at a time (its tile, 2 MB, stays
+# in cache across them): at batch 4 x 256 one GEMM of all 1024 rows re-reads an 8 MB
+# activation per tile, and oneDNN's bf16 matmul with a [256, N] B, packed, ran at 666-714
+# GFLOP/s over 1024 rows against 752-759 as four calls of 256 (Zen 5)
+BF16_SMALL_TILE_ROWS = 256
 
 _LIB = None
 _BLAS = "unset"
@@ -416,6 +421,21 @@ def _tiles(transposed, rows, k, R, C):
             yield 0, rows, c0, n, rows, n, False, False, c0
 
 
+def _row_blocks(dnnl, T, m, k, n, tb, a, w, out, ldc, acc, lda, vnni):
+    """``dnnl.bind_ptrs``' product of ``T`` rows as GEMMs of ``m`` rows at a time (the
+    same rows of a, bf16, and out, float32): one callable."""
+    if m >= T:
+        return dnnl.bind_ptrs(T, k, n, tb, a, w, out, ldc, acc, lda, vnni=vnni)
+    lda, ldc = k if lda is None else lda, n if ldc is None else ldc
+    calls = [dnnl.bind_ptrs(min(m, T - r), k, n, tb, a + 2 * lda * r, w, out + 4 * ldc * r,
+                            ldc, acc, lda, vnni=vnni) for r in range(0, T, m)]
+
+    def run():
+        for call in calls:
+            call()
+    return run
+
+
 class _BoundOnFirstCall:
     """A callable that ``bind()``s the one it stands for when first called (or asked for
     it: ``bound``)."""
@@ -445,7 +465,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     of each of ``bf16_tile_sizes()``; ``choose(op's name, shape, {name: run})`` says
     which run (the blocked one of the largest tiles when None; ``compute.fastest`` times
     them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
-    costs a slower dequantization; small tiles stay in cache between the two).
+    costs a slower dequantization; small tiles stay in cache between the two, and their
+    GEMMs take ``BF16_SMALL_TILE_ROWS`` rows of the activation at a time, "by 256 rows").
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or
     14336 floats) measured 15-20% slower than into contiguous rows.  ``rounded``: act16
@@ -484,19 +505,22 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         return out_
 
     def way(blocked, elems):
-        """``(blocked, (R, C), tiles, per_tile)``: the tiles of ``elems`` values, plain or
-        blocked, or None where oneDNN's kernel keeps its weights in another layout than
-        gt_deq_tile_vnni writes"""
+        """``(blocked, (R, C), tiles, per_tile, m)``: the tiles of ``elems`` values, plain
+        or blocked, each GEMM over ``m`` rows of the activation at a time; or None where
+        oneDNN's kernel keeps its weights in another layout than gt_deq_tile_vnni
+        writes"""
         R, C = bf16_tile_shape(transposed, qtype, rows, k, elems)
+        m = min(T, BF16_SMALL_TILE_ROWS) if elems <= BF16_SMALL_TILE_ELEMS else T
         # oneDNN keeps the blocked weights only with a contiguous A
         per_tile = blocked and transposed and C == k
         ts = tiles(R, C, per_tile)
-        if blocked and not all(dnnl.primitive(T, kk, n, False, ldc, acc, lda, vnni=True)
-                               for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts):
+        if blocked and not all(dnnl.primitive(mm, kk, n, False, ldc, acc, lda, vnni=True)
+                               for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts
+                               for mm in {m, T - (T - 1) // m * m}):
             return None
-        return blocked, (R, C), ts, per_tile
+        return blocked, (R, C), ts, per_tile, m
 
-    def bind(blocked, R_C, ts, per_tile):
+    def bind(blocked, R_C, ts, per_tile, m):
         """the callable running ``way``'s tiles"""
         R, C = R_C
         steps = []  # (A's columns to round or None, dequantize, its args, GEMM, into)
@@ -506,7 +530,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                                             tp))
             else:
                 deq = (L.gt_deq_tile_bf16, (tid, wp, rb, None, r0, n, c0, nc, tp, nc))
-            gemm = dnnl.bind_ptrs(T, kk, nn, tb, a_ptr, tp, dst, ldc, acc, lda, vnni=blocked)
+            gemm = _row_blocks(dnnl, T, m, kk, nn, tb, a_ptr, tp, dst, ldc, acc, lda, blocked)
             cols = (xp + 4 * r0, x.shape[1], T, n, ap) if per_tile else None
             steps.append((cols, *deq, gemm, into))
         convert, convert_block, move = L.gt_f32_bf16, L.gt_f32_bf16_block, L.gt_copy_cols
@@ -543,6 +567,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
             w = way(blocked, elems)
             if w is not None:
                 name = f"{'blocked' if blocked else 'plain'} {_size_name(elems)}"
+                if w[-1] < T:  # a new way: timed anew where a decision was cached
+                    name += f" by {w[-1]} rows"
                 runs[name] = _BoundOnFirstCall(functools.partial(bind, *w))
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {qtype}", (T, rows, k),
                                                             runs)

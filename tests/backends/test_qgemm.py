@@ -147,12 +147,28 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
         # AVX512-BF16; another CPU's kernel may want another for some of the tiles)
         assert any(blocked)
     got_y, got_z = prog.run()
-    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
-    deq = b16(bm.dequantize())
-    assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
-    assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+    deq = _b16(bm.dequantize())
+    assert rel_err(got_y, _b16(x.value) @ deq.T) <= 1e-5
+    assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
     # and it is bf16, not float32: the error against float32 inputs is bf16's
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
+
+
+def _b16(a):
+    """``a`` rounded to bf16, as float64"""
+    from gradtape.backends import onednn
+    return onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)
+
+
+def _bf16_product_pair(r, T, rows, k):
+    """A tape with ``y = x W^T`` and ``z = g W`` over a random Q4_K ``W [rows, k]``:
+    ``(tape, x, g, y, z, W dequantized and rounded to bf16, float64)``."""
+    bm = random_blocks("Q4_K", rows, k, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, k)))
+    g = tp.param(r.standard_normal((T, rows)))
+    w = tp.const(bm)
+    return tp, x, g, ops.qmatmul(x, w), ops.qmatmul_t(g, w), _b16(bm.dequantize())
 
 
 def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(monkeypatch):
@@ -166,16 +182,7 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
     assert qgemm.bf16_tile_sizes() == (320 * 512, 64 * 512)
-    r = np.random.default_rng(7)
-    T, rows, k = 9, 1100, 512
-    bm = random_blocks("Q4_K", rows, k, r)
-    tp = gt.Tape(np.float32)
-    x = tp.param(r.standard_normal((T, k)))
-    g = tp.param(r.standard_normal((T, rows)))
-    w = tp.const(bm)
-    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
-    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
-    deq = b16(bm.dequantize())
+    tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(7), 9, 1100, 512)
     asked = []
     for pick in ("plain 163840", "plain 32768", "blocked 32768"):
         picked = {}
@@ -188,10 +195,10 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
         prog = tp.compile([y, z], backend="cpu", compute="bf16")
         tiles = [s.tile for s in prog.executable._steps if hasattr(s, "tile")]
         small = picked["qmatmul Q4_K"].endswith(" 32768")
-        assert tiles[0] == ((64 if small else 320), k)  # forward: whole rows of W
+        assert tiles[0] == ((64 if small else 320), 512)  # forward: whole rows of W
         got_y, got_z = prog.run()
-        assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
-        assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+        assert rel_err(got_y, _b16(x.value) @ deq.T) <= 1e-5
+        assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
     names = {n for _, ns in asked for n in ns}
     assert {"plain 163840", "plain 32768"} <= names
     assert {what for what, _ in asked} == {"qmatmul Q4_K", "qmatmul_t Q4_K"}
@@ -211,16 +218,7 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ROWS", 4)
-    r = np.random.default_rng(17)
-    T, rows = 9, 1100
-    bm = random_blocks("Q4_K", rows, k, r)
-    tp = gt.Tape(np.float32)
-    x = tp.param(r.standard_normal((T, k)))
-    g = tp.param(r.standard_normal((T, rows)))
-    w = tp.const(bm)
-    y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
-    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
-    deq = b16(bm.dequantize())
+    tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(17), 9, 1100, k)
     for layout in ("plain", "blocked"):
         ran = []
 
@@ -236,8 +234,8 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
         assert len(ran) == 2
         if layout == "plain":  # (the blocked one where oneDNN's kernel takes its layout)
             assert ran == ["plain 32768 by 4 rows"] * 2
-        assert rel_err(got_y, b16(x.value) @ deq.T) <= 1e-5
-        assert rel_err(got_z, b16(g.value) @ deq) <= 1e-5
+        assert rel_err(got_y, _b16(x.value) @ deq.T) <= 1e-5
+        assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
 
 
 def test_block_products_of_one_activation_round_it_once(monkeypatch):
@@ -265,13 +263,12 @@ def test_block_products_of_one_activation_round_it_once(monkeypatch):
     runs = [s for s in prog.executable._steps if hasattr(s, "rounded")]
     assert [s.rounded for s in runs] == [False, True, True, False, False, False]
     got = prog.run()
-    b16 = lambda a: onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)  # noqa: E731
-    deq = [b16(bm.dequantize()) for bm in bms]
+    deq = [_b16(bm.dequantize()) for bm in bms]
     for out, d in zip(got[:3], deq):
-        assert rel_err(out, b16(x.value) @ d.T) <= 1e-5
-    assert rel_err(got[3], b16(g.value) @ deq[0]) <= 1e-5
-    assert rel_err(got[4], b16(0.5 * x.value) @ deq[1].T) <= 1e-5
-    assert rel_err(got[5], b16(x.value) @ deq[3].T) <= 1e-5
+        assert rel_err(out, _b16(x.value) @ d.T) <= 1e-5
+    assert rel_err(got[3], _b16(g.value) @ deq[0]) <= 1e-5
+    assert rel_err(got[4], _b16(0.5 * x.value) @ deq[1].T) <= 1e-5
+    assert rel_err(got[5], _b16(x.value) @ deq[3].T) <= 1e-5
 
 
 def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_names(

@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import runpy
+import signal
 import statistics
 import subprocess
 import sys
@@ -249,6 +250,10 @@ def _side(side, layers, warmup, reps, backend, compute, timeout, batch):
            str(warmup), "--reps", str(reps), "--backend", backend, "--compute", compute,
            "--batch", str(batch)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode == -signal.SIGKILL:  # its stderr holds warnings only
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return {"error": f"killed (SIGKILL): out of memory, most likely (this machine has "
+                         f"{total:.1f} GiB)"}
     if res.returncode != 0:
         return {"error": res.stderr.strip()[-1500:] or f"exit status {res.returncode}"}
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -129,9 +129,9 @@ def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     the recomputed probabilities, their gradient and the fused head's two blocks, with and
     without visible ranges, a mask and a soft-cap (hidden entries exactly 0 in both)."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
-    ref, c = tiled.NUMPY_TILES, kernels(dtype)
+    ref, c = tiled.NUMPY_TILES, CTiles(dtype)
     tol = 1e-13 if dtype == np.float64 else 2e-5
     rng = np.random.default_rng(int(cap) + len(masked or ""))
     s, vis = _tile_args(rng, dtype, cap, masked)
@@ -197,7 +197,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     """``((y, g) from csrc/flash.c, (y, g) of tiled.py's walk in float64)``: the forward
     and the VJP, the fused ones in float32 data with float32 or ``bf16`` GEMMs."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
     rng = np.random.default_rng(t + nh)
     n, nk = n_seq * t, n_seq * (t + past)
@@ -211,7 +211,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     tiled.fwd_attn(y64, q, k, v, *segs, **kw)
     tiled.fwd_attn_grad(g64, gy, q, k, v, y64, *segs, **kw)
     f32 = [a.astype(np.float32) for a in (gy, q, k, v)]
-    c = kernels(np.float32, bf16)
+    c = CTiles(np.float32, bf16)
     lay = tiled.AttnLayout(n, nk, n_seq, window, segs[0] if segs else None, 128)
     y32 = np.empty(y64.shape, np.float32)
     assert c.fused_attn(y32, *f32[1:], lay, nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5,
@@ -247,7 +247,7 @@ def test_fused_attention_backward_is_the_same_in_every_call(bf16):
     came free, each call grouped the terms otherwise (every call differed at T=600); a
     resumed run must equal an uninterrupted one, so each thread's units are fixed."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
     t, nh, nkv, hd = 600, 9, 3, 64
     rng = np.random.default_rng(0)
@@ -255,7 +255,7 @@ def test_fused_attention_backward_is_the_same_in_every_call(bf16):
     k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))
     gy = rng.standard_normal((t, nh * hd + nh), dtype=np.float32)
     kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
-    c = kernels(np.float32, bf16)
+    c = CTiles(np.float32, bf16)
     y = np.empty((t, nh * hd + nh), np.float32)
     tiled.fwd_attn(y, q, k, v, **kw, kern=c)
     first = None
@@ -276,7 +276,7 @@ def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     the sink's dK row came out 1.9-2.6e-2 off; now 4-7e-3 (the same with every p's
     remainder added)."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
     t, nh, nkv, hd = 256, 4, 2, 64
     rng = np.random.default_rng(seed)
@@ -290,7 +290,7 @@ def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     gy[:, :nh * hd] = rng.standard_normal((t, nh * hd))
     kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
     got = []
-    for kern, dt in ((tiled.NUMPY_TILES, np.float64), (kernels(np.float32, True), np.float32)):
+    for kern, dt in ((tiled.NUMPY_TILES, np.float64), (CTiles(np.float32, True), np.float32)):
         a = [x.astype(dt) for x in (gy, q, k, v)]
         y, g = np.empty((t, nh * hd + nh), dt), np.empty(t * nh * hd + 2 * t * nkv * hd, dt)
         tiled.fwd_attn(y, *a[1:], **kw, kern=kern)
@@ -310,7 +310,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
     scores within +-0.2), every p is large: O comes out as exact as float32's rounding,
     where p rounded once would leave it about 2^-9 off."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
     def bf16_values(a):  # float32 values with 8 significant bits, exact in bf16
         u = a.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
@@ -328,7 +328,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
               for h in range(nh)]
     assert max(np.abs(s).max() for s in scores) * hd ** -0.5 <= 0.2
     y = np.empty(y64.shape, np.float32)
-    c = kernels(np.float32, True)
+    c = CTiles(np.float32, True)
     assert c.fused_attn(y, q, k, v, tiled.AttnLayout(t, t, 1, 0, None, 128), nh=nh, nkv=nkv,
                         hd=hd, iscale=hd ** -0.5, cap=0.0, window=0)
     assert rel_err(y, y64) <= 1e-5
@@ -336,15 +336,15 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
 
 def test_fused_attention_leaves_masked_segments_to_the_walk():
     from gradtape import tiled
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
     seg = np.array([0, 0, 1, 1, 0, 0])  # id 0 twice: a mask, not column ranges
     lay = tiled.AttnLayout(6, 6, 1, 0, seg, 128)
     x = np.zeros((6, 4), np.float32)
-    assert not kernels(np.float32).fused_attn(np.empty((6, 5), np.float32), x, x, x, lay,
+    assert not CTiles(np.float32).fused_attn(np.empty((6, 5), np.float32), x, x, x, lay,
                                               nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0,
                                               window=0)
-    assert not kernels(np.float64).fused_attn(None, x, x, x, tiled.AttnLayout(
+    assert not CTiles(np.float64).fused_attn(None, x, x, x, tiled.AttnLayout(
         6, 6, 1, 0, None, 128), nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0, window=0)
 
 
@@ -357,7 +357,7 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
     (BF16_ATTN_TOL: each product's inputs rounded to 8 bits), and not float32's."""
     from gradtape import tiled
     from gradtape.backends import onednn
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
     if not onednn.available()[0]:
@@ -378,7 +378,7 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
     want_gx = np.empty((t, d))
     tiled.fwd_head_nll_grad_x(want_gx, g, x.astype(np.float64), w64, ids, want, 3.0, chunk)
     got = np.empty((t, 2 + d), np.float32)
-    k16 = kernels(np.float32, bf16=True)
+    k16 = CTiles(np.float32, bf16=True)
     tiled.fwd_head_nll_e(got, x, w, ids, chunk, qtype=qtype, kern=k16)
     got_gx = np.empty((t, d), np.float32)
     tiled.fwd_head_nll_grad_x(got_gx, g.astype(np.float32), x, w, ids, got, 3.0, chunk,
@@ -395,7 +395,7 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
     block of columns of the scratch); float32 sums in another order, within 1e-5."""
     from gradtape import tiled
     from gradtape.backends import onednn
-    from gradtape.backends.tiled_c import OnednnHeadGemms, kernels
+    from gradtape.backends.tiled_c import CTiles, OnednnHeadGemms
     from gradtape.blocks import random_blocks
 
     try:
@@ -417,13 +417,13 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
         return ran[-1]
     monkeypatch.setattr(onednn._Dnnl, "matmul_f32", counted)
     outs = []
-    for kern in (kernels(np.float32), kernels(np.float32, f32_onednn=True)):
+    for kern in (CTiles(np.float32), CTiles(np.float32, f32_onednn=True)):
         e = np.empty((t, 2 + d), np.float32)
         tiled.fwd_head_nll_e(e, x, w, ids, chunk, qtype=qtype, kern=kern)
         gx = np.empty((t, d), np.float32)
         tiled.fwd_head_nll_grad_x(gx, g, x, w, ids, e, 3.0, chunk, qtype=qtype, kern=kern)
         outs.append((e, gx))
-    assert kernels(np.float32, f32_onednn=True).head_gemms is OnednnHeadGemms
+    assert CTiles(np.float32, f32_onednn=True).head_gemms is OnednnHeadGemms
     assert ran and all(ran)  # every block's products in oneDNN
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-5

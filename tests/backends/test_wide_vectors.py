@@ -43,14 +43,14 @@ def test_bf16_instructions_equal_their_plain_c_block(monkeypatch, tmp_path):
     products summed in another order, so float32 rounding apart, except where a p or dS
     then rounds to the other bf16 neighbour (2^-8 of that one value, carried into the
     sums it enters): 1e-4 allows those; observed 7e-8 (forward) and 1.2e-5."""
-    from gradtape.backends.tiled_c import kernels
+    from gradtape.backends.tiled_c import CTiles
 
-    if not kernels(np.float32, True).bf16_native:
+    if not CTiles(np.float32, True).bf16_native:
         pytest.skip("no AVX512-BF16 on this CPU: only the plain-C block is built")
     case = (300, 9, 3, 64, 0.0, 0, 1, None, 0)
     native = _fused_attention(*case, bf16=True)[0]
     emulate_sixteen_lanes(monkeypatch, tmp_path / "gtcache")
-    assert not kernels(np.float32, True).bf16_native
+    assert not CTiles(np.float32, True).bf16_native
     emulated = _fused_attention(*case, bf16=True)[0]
     for a, b in zip(native, emulated):
         assert rel_err(a, b) <= 1e-4

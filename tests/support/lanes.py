@@ -25,7 +25,6 @@ def emulate_sixteen_lanes(monkeypatch, cache):
     monkeypatch.setattr(_cgen, "threads_flags",
                         lambda flags=_cgen.FLAGS: threads_flags(flags) + EMULATED)
     monkeypatch.setattr(tiled_c, "_LIB", [])
-    monkeypatch.setattr(tiled_c, "_KERNELS", {})
     monkeypatch.setattr(ggml_vec, "FLAGS", ggml_vec.FLAGS + EMULATED)
     monkeypatch.setattr(ggml_vec, "_LIB", [])
-    assert tiled_c.kernels(np.float32).lanes == 16 and ggml_vec.lib().gv_lanes() == 16
+    assert tiled_c.CTiles(np.float32).lanes == 16 and ggml_vec.lib().gv_lanes() == 16

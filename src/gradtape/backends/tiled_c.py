@@ -203,13 +203,3 @@ class OnednnHeadGemms(tiled.HeadGemms):
 
 TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",
              "attn_grad")
-_KERNELS = {}
-
-
-def kernels(dtype, bf16=False, f32_onednn=False):
-    """The CTiles of ``dtype`` (built once per process), with bf16 attention GEMMs where
-    ``bf16`` (float32 only), the head's float32 GEMMs in oneDNN where ``f32_onednn``."""
-    key = (np.dtype(dtype).str, bool(bf16), bool(f32_onednn))
-    if key not in _KERNELS:
-        _KERNELS[key] = CTiles(dtype, bf16, f32_onednn)
-    return _KERNELS[key]

@@ -434,8 +434,9 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     """A program's CTiles keep the fused head's scratch (the logits block, the products,
     a block table's dequantized rows) for the next call instead of new arrays each step:
     the second call of a shape reuses the first's memory, a larger one grows it, and every
-    result equals that of kernels that never ran before, bit for bit (nothing of an
-    earlier call leaks in).  A block table's rows come from the C kernels, gguf's bits."""
+    result equals that of kernels that never ran before, bit for bit (the same kernels on
+    the same shapes and page-aligned buffers, summing in the same order: nothing of an
+    earlier call may leak in).  A block table's rows come from the C kernels, gguf's bits."""
     from gradtape import tiled
     from gradtape.backends import onednn
     from gradtape.backends.tiled_c import CTiles

@@ -162,7 +162,39 @@ static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, vo
     }
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+/* Q4_K to bf16 by table: a sub-block's 32 values take 16 distinct ones, D q - M for the
+   nibbles q = 0..15 (the float32 products and difference of regs_q4_k, rounded by the
+   same conversion), so the 16 of two sub-blocks are made as one vector of 32 bf16 words
+   and each nibble, widened to a word, picks its value from it (vpermw).  The same bits
+   as regs_q4_k at 1.3x its rate (one Zen 5 thread, a [256, 4096] tile: 15.5 -> 20.5 G
+   values/s; in L1: 17 -> 23). */
+static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
+    uint8_t scm[16];
+    k_scale_min_bytes(b + 4, scm);
+    const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castps_pd(_mm512_set1_ps(gb_h2f(b))), _mm256_castps_pd(_mm256_set1_ps(gb_h2f(b + 2))), 1));
+    float dm[16];  /* D for sub-blocks 0..8, then M */
+    _mm512_storeu_ps(dm, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128((const __m128i *)scm)))));
+    const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i lo4 = _mm512_set1_epi16(0xF), upper = _mm512_set1_epi16(16);
+    for (int s = 0; s < 8; s += 2) {  /* sub-blocks s and s + 1: the low and high nibbles */
+        const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dm[s]), q16),
+                                        _mm512_set1_ps(dm[8 + s]));
+        const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dm[s + 1]), q16),
+                                        _mm512_set1_ps(dm[9 + s]));
+        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  /* words 0..16: s */
+        const __m512i q = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256((const __m256i *)(b + 16 + 16 * s)));
+        _mm512_storeu_si512(o + 32 * s, _mm512_permutexvar_epi16(_mm512_and_si512(q, lo4), table));
+        _mm512_storeu_si512(o + 32 * s + 32, _mm512_permutexvar_epi16(
+            _mm512_or_si512(_mm512_srli_epi16(q, 4), upper), table));
+    }
+}
+#else
 static void bf16_q4_k(const uint8_t *b, uint16_t *o) { regs_q4_k(b, o, STORE_BF16, 0); }
+#endif
 static void bf16_q6_k(const uint8_t *b, uint16_t *o) { regs_q6_k(b, o, STORE_BF16, 0); }
 static void f32_q4_k(const uint8_t *b, float *o) { regs_q4_k(b, o, STORE_F32, 0); }
 static void f32_q6_k(const uint8_t *b, float *o) { regs_q6_k(b, o, STORE_F32, 0); }

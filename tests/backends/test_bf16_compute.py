@@ -719,6 +719,19 @@ def test_cached_decisions_are_parsed_once_while_the_file_stays(monkeypatch, tmp_
     assert compute.rates("test", (2, 3), lambda a, b: 1 / 0, n=3) == ((5.0, 7.0, 0.0), True)
 
 
+def test_cached_decisions_are_timed_again_when_the_kernels_change(monkeypatch, tmp_path):
+    """A cached figure times our C kernels too (a tile's dequantization, the attention):
+    after they change (``_cgen.csrc_version``), it is measured anew, once."""
+    from gradtape.backends import _cgen
+
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    assert compute.rates("test", (2, 3), lambda a, b: (a, b)) == ((2.0, 3.0), False)
+    assert compute.rates("test", (2, 3), lambda a, b: 1 / 0) == ((2.0, 3.0), True)
+    monkeypatch.setattr(_cgen, "csrc_version", lambda: "other")
+    assert compute.rates("test", (2, 3), lambda a, b: (b, a)) == ((3.0, 2.0), False)
+    assert compute.rates("test", (2, 3), lambda a, b: 1 / 0) == ((3.0, 2.0), True)
+
+
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():
     """In a bf16 program the float32 matmuls left (LoRA, attention) run in oneDNN's float32
     matmul (one OpenMP thread pool with the bf16 GEMMs): transposed operands and batches

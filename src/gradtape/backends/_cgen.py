@@ -608,13 +608,23 @@ def compiler():
     return cc, _VERSIONS[cc]
 
 
+def _csrc_texts():
+    return [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
+
+
 def build_csrc(names, flags=FLAGS, prefix="gt"):
     """The files ``names`` of ``csrc/`` compiled as one translation unit (each includes
     the headers it needs; each also compiles alone), cached like ``build``: the key
     covers every file in ``csrc/``."""
     unit = "".join(f'#include "{name}"\n' for name in names)
-    depends = [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
-    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=depends)
+    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
+
+
+@functools.cache
+def csrc_version():
+    """A short hash of every file in ``csrc/``: what a cached timing of these kernels
+    (``compute.rates``) was measured with."""
+    return hashlib.sha256("\0".join(_csrc_texts()).encode()).hexdigest()[:12]
 
 
 def cache_dir():

@@ -119,15 +119,17 @@ def _read_table(path):
 def rates(kind, shape, measure, n=2):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
     read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
-    version and the shape), else measured (about a second) and written there
-    atomically."""
+    version, our C kernels' (a faster dequantization can change which tiles win) and
+    the shape), else measured (about a second) and written there atomically."""
     import json
     import os
 
     from . import onednn
+    from ._cgen import csrc_version
 
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
-                    _blas_name(), onednn.library().version, "x".join(map(str, shape))])
+                    _blas_name(), onednn.library().version, f"kernels {csrc_version()}",
+                    "x".join(map(str, shape))])
     path = _cache_file()
     hit = _read_table(path).get(key)
     if isinstance(hit, list) and len(hit) == n:

@@ -558,13 +558,16 @@ def _head_grad_w_shape(shapes, **attrs):
 
 def _head_scratch(v):
     """A [T, chunk] logits block (two under a cap: the tanh is kept), the [T, D] product
-    of a gradient block (head_nll_e: and its sum E) and, for a block table, its
-    dequantized [chunk, D] rows."""
+    of a gradient block (head_nll_e: and its sum E), for a block table its dequantized
+    [chunk, D] rows (in float32, or twice in bf16: the blocked layouts of both products,
+    ``tiled_c.Bf16HeadGemms``) and, under bf16 compute, x's and the block's bf16 copies
+    (half a value each)."""
     x = v.inputs[1] if v.op not in ("head_nll", "head_nll_e") else v.inputs[0]
     rows = v.attrs["chunk"] * x.shape[1] if v.attrs.get("qtype") else 0
     capped = 2 if v.attrs.get("cap") else 1
     products = 2 if v.op == "head_nll_e" else 1
-    return x.shape[0] * v.attrs["chunk"] * capped + products * x.size + rows
+    logits = x.shape[0] * v.attrs["chunk"]
+    return logits * capped + products * x.size + rows + (x.size + logits) // 2
 
 
 def _dec_head_nll(tp, x, w, ids, cap, chunk, qtype=None, rows=None, k=None):

@@ -191,12 +191,12 @@ def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
     m = np.full(t, -np.inf, dtype)
     s = np.zeros(t, dtype)
     picked = np.zeros(t, dtype)
-    buf = kern.buffer("head logits", (t, min(chunk, V)), dtype)
+    buf = kern.buffer("head logits", (t * min(chunk, V),), dtype)
     prod = kern.buffer("head product", E.shape, dtype) if E is not None else None
     gemms = kern.head_gemms(x, w, qtype, kern)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        z = buf[:, :v1 - v0]
+        z = _block(buf, t, v1 - v0)
         gemms.rows(v0, v1)
         gemms.logits(z)
         m_old = m.copy() if E is not None else None
@@ -233,12 +233,12 @@ def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
     """Yield ``(v0, v1, dz)`` for every vocabulary block (its table rows taken by
     ``gemms``): the logits' gradient, recomputed from ``x`` and the forward's lse."""
     t, V = x.shape[0], w.shape[0]
-    buf = kern.buffer("head logits", (t, min(chunk, V)), dtype)
+    buf = kern.buffer("head logits", (t * min(chunk, V),), dtype)
     lse, b = np.ascontiguousarray(o[:, 1]), np.ascontiguousarray(g[:, 0])
     a = b + g[:, 1]
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        z = buf[:, :v1 - v0]
+        z = _block(buf, t, v1 - v0)
         gemms.rows(v0, v1)
         gemms.logits(z)
         kern.head_dz(z, lse, a, b, ids, v0, cap)

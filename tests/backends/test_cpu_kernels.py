@@ -468,3 +468,46 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     assert "head logits" in kept._buffers
     rows = kept.table_rows(w, 100, 356, "Q4_K", d, np.float32)
     np.testing.assert_array_equal(rows, dequantize(w[100:356], "Q4_K"))
+
+
+def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
+    """Under bf16 compute the fused head dequantizes a block table's rows either into
+    plain rows or straight into the blocked layout of both its products (``compute.
+    fastest`` picks; ``$GRADTAPE_BF16_LAYOUT`` leaves one way): the outputs agree (the
+    same bf16 operands, float32 sums), only the chosen way's scratch is kept, and the
+    choice is made once, on the first block."""
+    from gradtape import tiled
+    from gradtape.backends import compute, onednn
+    from gradtape.backends.tiled_c import Bf16HeadGemms, CTiles
+    from gradtape.blocks import random_blocks
+
+    if not onednn.available()[0]:
+        pytest.skip(onednn.available()[1])
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
+    rng = np.random.default_rng(9)
+    t, d, v, chunk = 48, 256, 768, 256  # whole blocks, each of the probed shape
+    w = random_blocks("Q6_K", v, d, rng, std=0.1).data
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    ids = rng.integers(0, v, t)
+    g = rng.standard_normal((t, 2)).astype(np.float32)
+    probe = Bf16HeadGemms(x, w, "Q6_K", CTiles(np.float32, True))
+    if not probe._blocks(chunk):
+        pytest.skip("oneDNN's bf16 kernel here keeps its weights in another layout")
+    asked, real = [], compute.fastest
+    monkeypatch.setattr(compute, "fastest",
+                        lambda what, shape, runs: asked.append(what) or real(what, shape, runs))
+    outs = {}
+    for layout in ("blocked", "plain"):
+        monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
+        kern = CTiles(np.float32, True)
+        e = np.empty((t, 2 + d), np.float32)
+        tiled.fwd_head_nll_e(e, x, w, ids, chunk, qtype="Q6_K", kern=kern)
+        gx = np.empty((t, d), np.float32)
+        tiled.fwd_head_nll_grad_x(gx, g, x, w, ids, e, 0.0, chunk, qtype="Q6_K", kern=kern)
+        outs[layout] = e, gx
+        kept = set(kern._buffers)
+        assert ("head rows16 W^T" in kept) == (layout == "blocked")
+        assert ("head rows16" in kept) == (layout == "plain")
+    assert asked == ["head Q6_K"] * 4  # each walk decided on its first block
+    for a, b in zip(*outs.values()):
+        assert rel_err(a, b) < 1e-5

@@ -319,10 +319,10 @@ class _Dnnl:
         run.keep = (a, w, out)
         return run
 
-    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False):
+    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False, vnni=False):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
         operands whose addresses change from call to call."""
-        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, packed=packed),
+        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, vnni=vnni, packed=packed),
                        (a, w, out))
 
     def _run_once(self, hit, ptrs):

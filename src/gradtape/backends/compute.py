@@ -170,22 +170,29 @@ def call_seconds(fn, reps):
     return ts
 
 
-def best_seconds_in_turn(fns, rounds=3):
-    """The fewest seconds a call of each of ``fns`` took, the calls made in turn, one of
-    each a round, after a warm-up call of each: a burst of noise (another process, a
-    clock change) falls on all of them alike, where timing one after the other lets it
-    decide between two paths a few percent apart."""
+def seconds_in_turn(fns, rounds=3):
+    """The seconds a call of each of ``fns`` takes, the calls made in turn, one of each a
+    round, after a warm-up call of each: a slow (or fast) spell of the machine falls on
+    all of them alike.  Each figure is the median, over the rounds, of the call's time
+    relative to its round's mean, times the mean of those means.  So a spell covering a
+    round cancels out, and no single call caught in a burst, slower or faster, decides
+    between two paths a few percent apart.  (The best call did: on a shared host, the
+    fused head's blocked layout, 181-187 ms a block against 200-214 plain, lost to one
+    plain call of 180 ms.)"""
+    import statistics
     import time
 
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(rounds):
+    times = [[0.0] * rounds for _ in fns]
+    for r in range(rounds):
         for i, fn in enumerate(fns):
             t = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t)
-    return best
+            times[i][r] = time.perf_counter() - t
+    means = [sum(t[r] for t in times) / len(fns) for r in range(rounds)]
+    scale = sum(means) / rounds
+    return [statistics.median(t[r] / means[r] for r in range(rounds)) * scale for t in times]
 
 
 def _operands(m, k, n, reps):
@@ -311,7 +318,7 @@ def fastest(what, shape, runs) -> str:
 
     def measure(*_):
         with one_blas_thread():  # as in a bf16 replay
-            return best_seconds_in_turn([runs[n] for n in names])
+            return seconds_in_turn([runs[n] for n in names])
     seconds, _ = rates(f"bf16-tiles {what} [{', '.join(names)}]", shape, measure, len(names))
     return names[seconds.index(min(seconds))]
 

@@ -248,11 +248,12 @@ ATTN_PROBE_LAYERS = 4
 
 
 def _time_attention(cfg, n_seq, t, compute):
-    """The best seconds of a few layers' attention, forward and backward, composed and
-    fused (``attention_from``), as a training step records them: the residual rows ``x
-    [n_seq*t, D]`` projected to q, k, v and back by frozen weights (so that a bf16 step's
-    program is one here too), packed rows' rope tables and segments."""
-    from ..backends.compute import best_seconds_in_turn
+    """The seconds (``compute.seconds_in_turn``) of a few layers' attention, forward and
+    backward, composed and fused (``attention_from``), as a training step records them:
+    the residual rows ``x [n_seq*t, D]`` projected to q, k, v and back by frozen weights
+    (so that a bf16 step's program is one here too), packed rows' rope tables and
+    segments."""
+    from ..backends.compute import seconds_in_turn
 
     rng = np.random.default_rng(0)
     n, hd, window = n_seq * t, cfg.head_dim, cfg.window(0)
@@ -287,7 +288,7 @@ def _time_attention(cfg, n_seq, t, compute):
         loss = ops.reduce_sum(ops.mul(x, tp.const(rng.standard_normal(x.shape,
                                                                       dtype=np.float32))))
         runs.append(tp.compile([tp.backward(loss)[x0]], backend="cpu", compute=compute).run)
-    return best_seconds_in_turn(runs)
+    return seconds_in_turn(runs)
 
 
 def _rope_keys(cfg):

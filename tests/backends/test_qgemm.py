@@ -80,13 +80,14 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
+@pytest.mark.parametrize("rows", [200, 201])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
-def test_blocked_tile_is_the_plain_rows_rearranged(qtype):
+def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
     """gt_deq_tile_vnni's tile, forward (B = W^T) and backward (B = W), with a partial
-    last panel and K padded: word (p, j) of panel c holds B[2p, 64c + j] in its low half
-    and B[2p + 1, 64c + j] in its high half, zeros past K and N, and the values are
-    gt_deq_tile_bf16's plain rows."""
-    rows, k = 200, 512
+    last panel and K padded (an odd row count: a last pair of one row): word (p, j) of
+    panel c holds B[2p, 64c + j] in its low half and B[2p + 1, 64c + j] in its high half,
+    zeros past K and N, and the values are gt_deq_tile_bf16's plain rows."""
+    k = 512
     bm = random_blocks(qtype, rows, k, np.random.default_rng(7))
     lib, tid = qgemm.lib(), BLOCK_TYPES[qtype].id
     plain = np.empty((rows, k), np.uint16)

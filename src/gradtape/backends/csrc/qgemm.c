@@ -169,7 +169,9 @@ static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, vo
    and each nibble, widened to a word, picks its value from it (vpermw).  The same bits
    as regs_q4_k at 1.3x its rate (one Zen 5 thread, a [256, 4096] tile: 15.5 -> 20.5 G
    values/s; in L1: 17 -> 23). */
-static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
+#define Q4K_TABLES
+/* the tables of block b's sub-block pairs (0, 1), (2, 3), ...: words 0..16 the first's */
+static inline void q4k_tables(const uint8_t *b, __m512i tab[4]) {
     uint8_t scm[16];
     k_scale_min_bytes(b + 4, scm);
     const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(
@@ -178,18 +180,50 @@ static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
     _mm512_storeu_ps(dm, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
         _mm_loadu_si128((const __m128i *)scm)))));
     const __m512 q16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i lo4 = _mm512_set1_epi16(0xF), upper = _mm512_set1_epi16(16);
-    for (int s = 0; s < 8; s += 2) {  /* sub-blocks s and s + 1: the low and high nibbles */
+    for (int s = 0; s < 8; s += 2) {
         const __m512 t0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dm[s]), q16),
                                         _mm512_set1_ps(dm[8 + s]));
         const __m512 t1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dm[s + 1]), q16),
                                         _mm512_set1_ps(dm[9 + s]));
-        const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  /* words 0..16: s */
-        const __m512i q = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256((const __m256i *)(b + 16 + 16 * s)));
-        _mm512_storeu_si512(o + 32 * s, _mm512_permutexvar_epi16(_mm512_and_si512(q, lo4), table));
-        _mm512_storeu_si512(o + 32 * s + 32, _mm512_permutexvar_epi16(
-            _mm512_or_si512(_mm512_srli_epi16(q, 4), upper), table));
+        tab[s / 2] = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    }
+}
+/* the values of sub-blocks s (the low nibbles of 32 bytes) and s + 1 (the high), s even */
+static inline void q4k_pair(const uint8_t *b, __m512i tab, int s, __m512i *lo, __m512i *hi) {
+    const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 16 * s)));
+    *lo = _mm512_permutexvar_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0xF)), tab);
+    *hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(q, 4),
+                                                   _mm512_set1_epi16(16)), tab);
+}
+static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
+    __m512i tab[4], lo, hi;
+    q4k_tables(b, tab);
+    for (int s = 0; s < 8; s += 2) {
+        q4k_pair(b, tab[s / 2], s, &lo, &hi);
+        _mm512_storeu_si512(o + 32 * s, lo);
+        _mm512_storeu_si512(o + 32 * s + 32, hi);
+    }
+}
+/* The same block of two rows, a = W[2p, j] and b = W[2p + 1, j], as the 32-bit words (a
+   in the low half) of four rows of 64 words of gt_deq_tile_vnni's panels, panel words
+   apart from dst: the two rows' values interleaved in registers (vpermt2w) instead of
+   through a row of each in memory. */
+static void vnni_pair_q4_k(const uint8_t *a, const uint8_t *b, uint32_t *dst, long panel) {
+    const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                           41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                           34, 2, 33, 1, 32, 0);
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    __m512i ta[4], tb[4], alo, ahi, blo, bhi;
+    q4k_tables(a, ta);
+    q4k_tables(b, tb);
+    for (int s = 0; s < 8; s += 2) {  /* values 32 s .. 32 s + 64: one panel's row */
+        uint32_t *o = dst + s / 2 * panel;
+        q4k_pair(a, ta[s / 2], s, &alo, &ahi);
+        q4k_pair(b, tb[s / 2], s, &blo, &bhi);
+        _mm512_storeu_si512(o, _mm512_permutex2var_epi16(alo, first, blo));
+        _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi16(alo, second, blo));
+        _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(ahi, first, bhi));
+        _mm512_storeu_si512(o + 48, _mm512_permutex2var_epi16(ahi, second, bhi));
     }
 }
 #else
@@ -376,6 +410,19 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
             }
             #pragma omp for schedule(static)
             for (long p = 0; p < pairs; p++) {
+#ifdef Q4K_TABLES
+                if (t == T_Q4_K && 2 * p + 1 < n) {  /* both rows: straight into words */
+                    const uint8_t *ra = w + (r0 + 2 * p) * rb, *ahead =
+                        pf_row(w, rb, 0, r0, 2 * p + 1, 2 * d, n);  /* a row of a pair ahead */
+                    for (long j = 0; j < nc; j += 256) {
+                        const long at = (c0 + j) / 256 * by;
+                        if (ahead) pf_bytes(ahead + at, by);
+                        vnni_pair_q4_k(ra + at, ra + rb + at, o32 + j / VN_N * panel + p * VN_N,
+                                       panel);
+                    }
+                    continue;
+                }
+#endif
                 if (!lo) continue;
                 if (2 * p < n) row_bf16(t, f, bl, by, w + (r0 + 2 * p) * rb,
                                         pf_row(w, rb, 0, r0, 2 * p, 2 * d, n), c0, nc, lo);

@@ -188,12 +188,22 @@ static inline void q4k_tables(const uint8_t *b, __m512i tab[4]) {
         tab[s / 2] = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
     }
 }
-/* the values of sub-blocks s (the low nibbles of 32 bytes) and s + 1 (the high), s even */
+/* the 32 bytes of nibbles of sub-blocks s and s + 1 (s even), as words */
+static inline __m512i q4k_nibbles(const uint8_t *b, int s) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 16 * s)));
+}
+/* the values of sub-block s (the low nibbles) or s + 1 (the high) */
+static inline __m512i q4k_lo(__m512i q, __m512i tab) {
+    return _mm512_permutexvar_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0xF)), tab);
+}
+static inline __m512i q4k_hi(__m512i q, __m512i tab) {
+    return _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(q, 4),
+                                                    _mm512_set1_epi16(16)), tab);
+}
 static inline void q4k_pair(const uint8_t *b, __m512i tab, int s, __m512i *lo, __m512i *hi) {
-    const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 16 + 16 * s)));
-    *lo = _mm512_permutexvar_epi16(_mm512_and_si512(q, _mm512_set1_epi16(0xF)), tab);
-    *hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(q, 4),
-                                                   _mm512_set1_epi16(16)), tab);
+    const __m512i q = q4k_nibbles(b, s);
+    *lo = q4k_lo(q, tab);
+    *hi = q4k_hi(q, tab);
 }
 static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
     __m512i tab[4], lo, hi;
@@ -359,6 +369,38 @@ static void vn_transpose16(const uint32_t *restrict t, long ld, long np,
 #endif
 }
 
+#ifdef Q4K_TABLES
+/* A panel's 64 rows of a Q4_K W (rows rb bytes apart from w), columns [c0, c0 + nc), as
+   its 64 columns (B = W^T: word p of row i at dst[p * 64 + i]), a block at a time: for
+   each 16 rows, each sub-block's 16 words a row made from the tables in registers and
+   transposed there (vn_t16), so the block's 128 rows of the panel (32 KB) are written
+   while in L1, instead of each row going through a slab and each 16 rows walking the
+   whole panel.  The 64 rows' next blocks are asked for meanwhile (64 streams over W,
+   which the cores' prefetchers leave behind).  A [256, 4096] tile: 0.068 -> 0.046 ms. */
+static void vnni_panel_q4_k(const uint8_t *w, long rb, long c0, long nc, int by,
+                            uint32_t *dst) {
+    __m512i tab[16][4], r[16];
+    for (long j = 0; j < nc; j += 256) {
+        const long at = (c0 + j) / 256 * by;
+        if (j + 256 < nc)
+            for (int i = 0; i < VN_N; i++) pf_bytes(w + i * rb + at + by, by);
+        for (int g = 0; g < VN_N; g += 16) {
+            const uint8_t *rows = w + g * rb + at;
+            for (int i = 0; i < 16; i++) q4k_tables(rows + i * rb, tab[i]);
+            for (int s = 0; s < 8; s++) {  /* sub-block s: words (j + 32 s) / 2 .. + 16 */
+                for (int i = 0; i < 16; i++) {
+                    const __m512i q = q4k_nibbles(rows + i * rb, s & ~1);
+                    r[i] = s & 1 ? q4k_hi(q, tab[i][s / 2]) : q4k_lo(q, tab[i][s / 2]);
+                }
+                vn_t16(r);
+                uint32_t *o = dst + (j + 32 * s) / 2 * VN_N + g;
+                for (int p = 0; p < 16; p++) _mm512_storeu_si512(o + p * VN_N, r[p]);
+            }
+        }
+    }
+}
+#endif
+
 int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0, long nc,
                      int by_rows, uint16_t *out) {
     gb_deq_fn f; int bl, by;
@@ -382,6 +424,13 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
             for (long c = 0; c < panels; c++) {
                 if (!slab) continue;
                 uint32_t *dst = o32 + c * panel;
+#ifdef Q4K_TABLES
+                if (t == T_Q4_K && (c + 1) * VN_N <= n) {  /* a whole panel, no slab */
+                    vnni_panel_q4_k(w + (r0 + c * VN_N) * rb, rb, c0, nc, by, dst);
+                    memset(dst + nc / 2 * VN_N, 0, (pairs - nc / 2) * VN_N * sizeof(uint32_t));
+                    continue;
+                }
+#endif
                 for (long j0 = 0; j0 < VN_N; j0 += 16) {
                     for (long i = 0; i < 16; i++) {
                         const long r = c * VN_N + j0 + i;

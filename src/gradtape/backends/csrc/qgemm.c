@@ -133,26 +133,31 @@ static inline __attribute__((always_inline)) void regs_q4_k(const uint8_t *b, vo
     }
 }
 
+/* the 6-bit values 128 h + l + 32 u (l < 32) of a Q6_K block's half h as bytes, minus 32
+   (u = 0..4): low nibbles of ql, high bits 2u, 2u + 1 of qh[l] (16-bit shifts, masked to
+   their bytes) */
+static inline void q6k_half(const uint8_t *b, int h, __m256i q[4]) {
+    const __m256i lo4 = _mm256_set1_epi8(0xF), hi2 = _mm256_set1_epi8(0x30);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(c, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(hb, hi2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), lo4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2));
+    for (int u = 0; u < 4; u++) q[u] = _mm256_sub_epi8(q[u], _mm256_set1_epi8(32));
+}
+
 static inline __attribute__((always_inline)) void regs_q6_k(const uint8_t *b, void *o,
                                                             int kind, const float *inv) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = gb_h2f(b + 208);
-    const __m256i lo4 = _mm256_set1_epi8(0xF), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i off = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {  /* a half: 128 values, 32 bytes at a time */
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        /* the 6-bit values l + 32 u (l < 32) as bytes, minus 32: low nibbles of ql,
-           high bits 2u, 2u + 1 of qh[l] (16-bit shifts, masked to their bytes) */
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2)),
-            _mm256_or_si256(_mm256_and_si256(c, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(hb, hi2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), lo4),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2))};
+        __m256i q[4];
+        q6k_half(b, h, q);
         for (int u = 0; u < 4; u++) {  /* values l + 32 u: scale (l + 32 u) / 16 */
-            const __m256i v = _mm256_sub_epi8(q[u], off);
+            const __m256i v = q[u];
             const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
             const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
             store32(o, 128 * h + 32 * u,
@@ -201,20 +206,11 @@ static void vecs_q4_k(const uint8_t *b, __m512i *v) {
 static void vecs_q6_k(const uint8_t *b, __m512i *v) {
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = gb_h2f(b + 208);
-    const __m256i lo4 = _mm256_set1_epi8(0xF), hi2 = _mm256_set1_epi8(0x30);
-    const __m256i off = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; h++) {
-        const __m256i a = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-        const __m256i c = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), hi2)),
-            _mm256_or_si256(_mm256_and_si256(c, lo4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), hi2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(hb, hi2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), lo4),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), hi2))};
+        __m256i q[4];
+        q6k_half(b, h, q);
         for (int u = 0; u < 4; u++) {
-            const __m256i x = _mm256_sub_epi8(q[u], off);
+            const __m256i x = q[u];
             const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
             const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
             v[4 * h + u] = (__m512i)_mm512_cvtne2ps_pbh(

@@ -482,11 +482,15 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
             for (long p = 0; p < pairs; p++) {
 #ifdef BF16_VECS
                 if (bf16_vecs(t) && 2 * p + 1 < n) {  /* both rows: straight into words */
+                    /* the second row of the pair d pairs ahead, where it exists */
                     const uint8_t *ra = w + (r0 + 2 * p) * rb, *ahead =
-                        pf_row(w, rb, 0, r0, 2 * p + 1, 2 * d, n);  /* a row of a pair ahead */
+                        pf_row(w, rb, 0, r0, 2 * p + 1, 2 * d, n);
                     for (long j = 0; j < nc; j += 256) {
                         const long at = (c0 + j) / 256 * by;
-                        if (ahead) pf_bytes(ahead + at, by);
+                        if (ahead) {
+                            pf_bytes(ahead - rb + at, by);
+                            pf_bytes(ahead + at, by);
+                        }
                         vnni_pair(bf16_vecs(t), ra + at, ra + rb + at,
                                   o32 + j / VN_N * panel + p * VN_N, panel);
                     }

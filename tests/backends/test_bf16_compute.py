@@ -636,16 +636,17 @@ def test_paths_are_timed_in_turn_so_that_noise_falls_on_both():
     call caught faster than its path runs (the third round's b) does not decide."""
     calls = []
 
-    def runner(name, seconds, lucky=0.0):
+    def runner(name, seconds, slow=0.0, lucky=0.0):
         def run():
             import time
             calls.append(name)
-            slow = 0.02 if len(calls) in (5, 6) else 0.0  # round 2: both slowed
+            spell = slow if len(calls) in (5, 6) else 0.0  # round 2: both slowed
             fast = lucky if len(calls) == 8 else 0.0  # round 3: b's call only
-            time.sleep(seconds + slow - fast)
+            time.sleep(seconds + spell - fast)
         return run
 
-    took = compute.seconds_in_turn((runner("a", 0.004), runner("b", 0.002)), rounds=3)
+    took = compute.seconds_in_turn((runner("a", 0.004, slow=0.02),
+                                    runner("b", 0.002, slow=0.02)), rounds=3)
     assert calls == ["a", "b"] * 4
     assert took[1] < took[0] < 0.02
     calls.clear()

@@ -560,8 +560,8 @@ def _head_scratch(v):
     """A [T, chunk] logits block (two under a cap: the tanh is kept), the [T, D] product
     of a gradient block (head_nll_e: and its sum E), for a block table its dequantized
     [chunk, D] rows (in float32, or twice in bf16: the blocked layouts of both products,
-    ``tiled_c.Bf16HeadGemms``) and, under bf16 compute, x's and the block's bf16 copies
-    (half a value each)."""
+    ``tiled_c.Bf16HeadGemms``) and x's and the block's bf16 copies (half a value each;
+    counted whatever the compute, which this estimate does not know)."""
     x = v.inputs[1] if v.op not in ("head_nll", "head_nll_e") else v.inputs[0]
     rows = v.attrs["chunk"] * x.shape[1] if v.attrs.get("qtype") else 0
     capped = 2 if v.attrs.get("cap") else 1

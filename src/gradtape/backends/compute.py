@@ -192,7 +192,8 @@ def seconds_in_turn(fns, rounds=3):
             times[i][r] = time.perf_counter() - t
     means = [sum(t[r] for t in times) / len(fns) for r in range(rounds)]
     scale = sum(means) / rounds
-    return [statistics.median(t[r] / means[r] for r in range(rounds)) * scale for t in times]
+    return [statistics.median(t[r] / means[r] for r in range(rounds)) * scale
+            for t in times]
 
 
 def _operands(m, k, n, reps):

@@ -322,8 +322,8 @@ class _Dnnl:
     def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False, vnni=False):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
         operands whose addresses change from call to call."""
-        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, vnni=vnni, packed=packed),
-                       (a, w, out))
+        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, vnni=vnni,
+                                      packed=packed), (a, w, out))
 
     def _run_once(self, hit, ptrs):
         """Execute the matmul ``hit`` (``primitive``'s triple) on the addresses ``ptrs``

@@ -172,7 +172,7 @@ class Bf16HeadGemms:
     def rows(self, v0, v1):
         if self.qtype is not None and self.blocked is None:
             self.blocked = self._blocked_faster(v0, v1)
-        self._take(v0, v1, self.blocked and self._blocks(v1 - v0))
+        self._take(v0, v1, bool(self.blocked) and self._blocks(v1 - v0))
 
     def _blocks(self, c):
         """whether oneDNN's kernels of both products of a ``c``-row block keep their

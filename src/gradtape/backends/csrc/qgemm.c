@@ -440,9 +440,11 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
             first = full;
         }
 #endif
-        /* 16 rows of W at a time, each dequantized whole (as the plain tile's rows are:
-           W read in order) into a slab, then transposed into their 16 columns of the
-           panel; 64 rows a chunk, 64 streams over W, ran 3-4x slower (read misses) */
+        /* the other panels (a last one of fewer than 64 rows; every panel of a type
+           without vectors of its own): 16 rows of W at a time, each dequantized whole
+           (W read in order) into a slab, then transposed into their 16 columns of the
+           panel (each row a chunk at a time, 64 streams over W without prefetching, ran
+           3-4x slower: read misses) */
         const long ld = nc / 2 + 16;  /* words; a cache line past a power of two */
         #pragma omp parallel if ((panels - first) * VN_N * nc >= (1L << 16))
         {

@@ -726,16 +726,21 @@ def test_cached_decisions_are_parsed_once_while_the_file_stays(monkeypatch, tmp_
 
 
 def test_cached_decisions_are_timed_again_when_the_kernels_change(monkeypatch, tmp_path):
-    """A cached figure times our C kernels too (a tile's dequantization, the attention):
-    after they change (``_cgen.csrc_version``), it is measured anew, once."""
+    """A cached figure that times our C kernels (a tile's dequantization, the attention:
+    ``kernels=True``) is measured anew, once, after they change (``_cgen.
+    csrc_version``); the libraries' own GEMM rates are not."""
     from gradtape.backends import _cgen
 
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
-    assert compute.rates("test", (2, 3), lambda a, b: (a, b)) == ((2.0, 3.0), False)
-    assert compute.rates("test", (2, 3), lambda a, b: 1 / 0) == ((2.0, 3.0), True)
+    for kernels in (True, False):
+        assert compute.rates(f"test {kernels}", (2, 3), lambda a, b: (a, b),
+                             kernels=kernels) == ((2.0, 3.0), False)
     monkeypatch.setattr(_cgen, "csrc_version", lambda: "other")
-    assert compute.rates("test", (2, 3), lambda a, b: (b, a)) == ((3.0, 2.0), False)
-    assert compute.rates("test", (2, 3), lambda a, b: 1 / 0) == ((3.0, 2.0), True)
+    assert compute.rates("test True", (2, 3), lambda a, b: (b, a),
+                         kernels=True) == ((3.0, 2.0), False)
+    assert compute.rates("test True", (2, 3), lambda a, b: 1 / 0,
+                         kernels=True) == ((3.0, 2.0), True)
+    assert compute.rates("test False", (2, 3), lambda a, b: 1 / 0) == ((2.0, 3.0), True)
 
 
 def test_float32_matmuls_of_a_bf16_program_run_in_onednn_exactly_as_float32():

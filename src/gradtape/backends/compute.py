@@ -116,11 +116,14 @@ def _read_table(path):
     return table
 
 
-def rates(kind, shape, measure, n=2):
+def rates(kind, shape, measure, n=2, kernels=False):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
     read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
-    version, our C kernels' (a faster dequantization can change which tiles win) and
-    the shape), else measured (about a second) and written there atomically."""
+    version, the shape and, where ``kernels`` (the measure times our C kernels: a
+    faster dequantization can change which tiles win), their version), else measured
+    (about a second) and written there atomically.  The libraries' own GEMM rates are
+    not timed again when only our kernels change: each new timing is another chance
+    for a noisy host to decide wrong."""
     import json
     import os
 
@@ -128,7 +131,8 @@ def rates(kind, shape, measure, n=2):
     from ._cgen import csrc_version
 
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
-                    _blas_name(), onednn.library().version, f"kernels {csrc_version()}",
+                    _blas_name(), onednn.library().version,
+                    *([f"kernels {csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])
     path = _cache_file()
     hit = _read_table(path).get(key)
@@ -320,7 +324,8 @@ def fastest(what, shape, runs) -> str:
     def measure(*_):
         with one_blas_thread():  # as in a bf16 replay
             return seconds_in_turn([runs[n] for n in names])
-    seconds, _ = rates(f"bf16-tiles {what} [{', '.join(names)}]", shape, measure, len(names))
+    seconds, _ = rates(f"bf16-tiles {what} [{', '.join(names)}]", shape, measure, len(names),
+                       kernels=True)
     return names[seconds.index(min(seconds))]
 
 

@@ -231,7 +231,8 @@ def attention_from(cfg, n_seq, t, backend, compute):
     shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
     try:
         (composed, fused), cached = _compute.rates(
-            f"attention {compute}", shape, lambda *_: _time_attention(cfg, n_seq, t, compute))
+            f"attention {compute}", shape, lambda *_: _time_attention(cfg, n_seq, t, compute),
+            kernels=True)
     except DnnlError:
         return ATTN_TILED_MIN, ""
     why = (f"fused {1e3 * fused:.1f} vs composed {1e3 * composed:.1f} ms at {t} rows, "

@@ -108,7 +108,7 @@ def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("layout", ["blocked", "plain"])
+@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped"])
 def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, layout,
                                                 monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
@@ -116,7 +116,8 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     weight takes 3 row tiles forward (the last partial) and 3 column tiles backward, and
     a tall [1100, 512] one 4 row tiles both ways (backward: products summed into z); 71
     rows: an odd K backward, padded in the blocked layout.  Tiles written in oneDNN's
-    blocked layout (where its kernel keeps that one) and in plain rows."""
+    blocked layout (where its kernel keeps that one) and in plain rows, and the forward
+    swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded)."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
@@ -140,19 +141,48 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
     prog = tp.compile([y, z], backend="cpu", compute="bf16")
     assert prog.executable.compute == "bf16" and len(prog.executable._q16) == 2
-    blocked = [s.blocked for s in prog.executable._steps if hasattr(s, "blocked")]
-    assert len(blocked) == 2
-    if layout == "plain" or not onednn.dnnl().vnni(T, k, 64):
-        assert not any(blocked)
+    layouts = [s.layout for s in prog.executable._steps if hasattr(s, "layout")]
+    assert len(layouts) == 2
+    if layout == "swapped":  # the forward product (x is its GEMM's packed weights)
+        assert layouts[0] == "swapped"
+    elif layout == "plain" or not onednn.dnnl().vnni(T, k, 64):
+        assert "blocked" not in layouts
     else:  # a kernel that keeps the layout gt_deq_tile_vnni writes (all of them with
         # AVX512-BF16; another CPU's kernel may want another for some of the tiles)
-        assert any(blocked)
+        assert "blocked" in layouts
     got_y, got_z = prog.run()
     deq = _b16(bm.dequantize())
     assert rel_err(got_y, _b16(x.value) @ deq.T) <= 1e-5
     assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
     # and it is bf16, not float32: the error against float32 inputs is bf16's
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
+
+
+@pytest.mark.parametrize("m,k", [(9, 768), (70, 512), (64, 256)])
+def test_swapped_operands_are_packed_and_products_moved_exactly(m, k):
+    """A swapped product's two copies are the same values rearranged: gt_rows_vnni's
+    x16^T is oneDNN's own reorder of it, bit for bit, where its kernel keeps that layout
+    (rows past m zeros; a last group of fewer than 16 rows); gt_copy_cols_t writes the
+    [m, n] product's transpose into columns of a wider result, touching nothing else."""
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    d, L = onednn.dnnl(), qgemm.lib()
+    r = np.random.default_rng(m + k)
+    x16 = onednn.to_bf16(r.standard_normal((m, k), dtype=np.float32))
+    room = d.packed_bytes(256, k, m)
+    mine, theirs = np.full(room // 2, 7, np.uint16), np.full(room // 2, 9, np.uint16)
+    if not d.vnni(256, k, m):
+        pytest.skip("oneDNN's kernel keeps another layout here: its own reorder packs")
+    L.gt_rows_vnni(x16.ctypes.data, m, k, mine.ctypes.data)
+    d.bind_pack(256, k, m, True, x16.ctypes.data, theirs.ctypes.data, room)()
+    np.testing.assert_array_equal(mine, theirs)
+    prod = r.standard_normal((m, 48), dtype=np.float32)
+    out = np.full((48, m + 21), -1.0, np.float32)
+    L.gt_copy_cols_t(prod.ctypes.data, m, 48, out[:, 5:].ctypes.data, m + 21)
+    np.testing.assert_array_equal(out[:, 5:5 + m], prod.T)
+    assert (out[:, :5] == -1).all() and (out[:, 5 + m:] == -1).all()
 
 
 def _b16(a):
@@ -185,7 +215,8 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     assert qgemm.bf16_tile_sizes() == (320 * 512, 64 * 512)
     tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(7), 9, 1100, 512)
     asked = []
-    for pick in ("plain 163840", "plain 32768", "blocked 32768"):
+    for pick in ("plain 163840", "plain 32768", "blocked 32768", "swapped 163840",
+                 "swapped 32768"):
         picked = {}
 
         def fastest(what, shape, runs):
@@ -211,7 +242,8 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     that many rows of the activation at a time, the last block shorter (here 9 rows by
     4: 4, 4, 1), in both layouts: a way of its own ("... by 4 rows", timed anew), the
     large tiles' ways unsplit; each gives the rounded reference's product, forward and
-    backward (k = 256: the backward's small tile is all of W, its rows)."""
+    backward (k = 256: the backward's small tile is all of W, its rows).  A swapped
+    product's tiles are not split: x is its GEMM's weights."""
     from gradtape.backends import compute, onednn
     ok, why = onednn.available()
     if not ok:
@@ -225,8 +257,9 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
 
         def fastest(what, shape, runs):
             small = [n for n in runs if n.startswith(layout) and n.endswith("by 4 rows")]
-            assert {n for n in runs if "by" not in n} == {
-                n for n in runs if n.endswith(" 163840")}
+            # (a swapped product's GEMM takes all rows of x as its N, unsplit)
+            assert {n for n in runs if "by" not in n and "swapped" not in n} == {
+                n for n in runs if n.endswith(" 163840") and "swapped" not in n}
             ran.append(small[0] if small else next(iter(runs)))
             return ran[-1]
         monkeypatch.setattr(compute, "fastest", fastest)
@@ -239,14 +272,18 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
         assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
 
 
-def test_block_products_of_one_activation_round_it_once(monkeypatch):
+@pytest.mark.parametrize("layout", [None, "swapped"])
+def test_block_products_of_one_activation_round_it_once(layout, monkeypatch):
     """q, k, v of block weights read one x: the first product rounds it to bf16, the
     next ones of the same x read that copy (``rounded``); a backward product, or another
-    activation, rounds its own.  Each gives the rounded reference's product."""
+    activation, rounds its own.  Each gives the rounded reference's product.  Swapped
+    forward products pack x^T past that copy, which the next ones still read."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
+    if layout:
+        monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     r = np.random.default_rng(11)
     T, k = 9, 512
     bms = [random_blocks(q, rows, k, r) for q, rows in (("Q4_K", 96), ("Q6_K", 64),
@@ -263,6 +300,8 @@ def test_block_products_of_one_activation_round_it_once(monkeypatch):
     prog = tp.compile([q, kk, v, z, y2, y3], backend="cpu", compute="bf16")
     runs = [s for s in prog.executable._steps if hasattr(s, "rounded")]
     assert [s.rounded for s in runs] == [False, True, True, False, False, False]
+    if layout:
+        assert [s.layout for s in runs if s.label.startswith("qmatmul ")] == [layout] * 5
     got = prog.run()
     deq = [_b16(bm.dequantize()) for bm in bms]
     for out, d in zip(got[:3], deq):

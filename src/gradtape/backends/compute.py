@@ -303,7 +303,8 @@ def fastest(what, shape, runs) -> str:
     the result cached like ``rates`` (a few seconds in all for an 8B model's products, on
     its first step).  The ways of a block-weight product: its tiles in oneDNN's blocked
     weight layout or in plain rows, of ``qgemm.bf16_tile_sizes()`` values; the names say
-    which ("blocked 16M").  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain and
+    which ("blocked 16M"; "swapped": a forward product as ``y^T = W x^T``, see
+    ``qgemm.lower_bf16``).  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped and
     ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
     taken untimed."""
     import os
@@ -314,7 +315,8 @@ def fastest(what, shape, runs) -> str:
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
         want = os.environ.get(var)
         kept = [n for n in names if want in n.split()]
-        if want and not kept:
+        # (a backward product has no swapped way: its own are timed, unsaid)
+        if want and not kept and not (want == "swapped" and what.startswith("qmatmul_t")):
             _warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
                        "timing them")
         names = kept or names

@@ -216,6 +216,40 @@ class _Dnnl:
             self.lib.dnnl_memory_desc_destroy(plain)
         return out, md
 
+    def bind_pack(self, m, k, n, tb, w, out, room):
+        """A callable doing ``pack``'s reorder on raw addresses, again on each call: ``w``
+        bf16 ``[k, n]`` (``[n, k]`` where ``tb``) into ``out`` (``room`` bytes), for the
+        kernel of ``[m, k] @ [k, n]`` (at most ``room``
+        bytes: ``packed_bytes`` says how many it needs).  The memory must outlive the
+        callable."""
+        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        if self.lib.dnnl_memory_desc_get_size(md) > room:
+            raise ValueError(f"bind_pack: {room} bytes for a packed [{k}, {n}]")
+        plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
+        pd, prim = _vp(), _vp()
+        self._ok(self.lib.dnnl_reorder_primitive_desc_create(
+            ctypes.byref(pd), plain, self.engine, md, self.engine, None), "reorder")
+        self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
+        self.lib.dnnl_primitive_desc_destroy(pd)
+        mems = [self._memory(plain, w), self._memory(md, out)]
+        args = (_Arg * 2)(_Arg(_ARG_SRC, mems[0]), _Arg(_ARG_DST, mems[1]))
+        execute, wait, stream, ok = (self.lib.dnnl_primitive_execute,
+                                     self.lib.dnnl_stream_wait, self.stream, self._ok)
+
+        def run():
+            ok(execute(prim, stream, 2, args), "execute")
+            ok(wait(stream), "stream_wait")
+        lib = self.lib
+        weakref.finalize(run, _destroy, lib.dnnl_memory_destroy, mems).atexit = False
+        weakref.finalize(run, _destroy, lib.dnnl_primitive_destroy, [prim]).atexit = False
+        weakref.finalize(run, _destroy, lib.dnnl_memory_desc_destroy, [plain]).atexit = False
+        return run
+
+    def packed_bytes(self, m, k, n):
+        """The bytes of ``pack``'s layout for the kernel of ``[m, k] @ [k, n]``."""
+        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        return self.lib.dnnl_memory_desc_get_size(md)
+
     def packs(self, m, k, n, tb):
         """Whether ``pack`` would reorder a ``[k, n]`` W (``[n, k]`` where ``tb``) for the
         kernel of ``[m, k] @ [k, n]``: False where that kernel reads it in place."""

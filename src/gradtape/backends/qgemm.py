@@ -85,6 +85,10 @@ def lib():
         so.gt_f32_bf16_block.restype = None
         so.gt_copy_cols.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols.restype = None
+        so.gt_copy_cols_t.argtypes = [_p, _l, _l, _p, _l]
+        so.gt_copy_cols_t.restype = None
+        so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]
+        so.gt_rows_vnni.restype = None
         so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _i, _p, _p]
         so.gt_quant_rows_s8.restype = _i
         so.gt_absmax_cols.argtypes = [_p, _l, _l, _l, _p]
@@ -384,18 +388,23 @@ def bf16_eligible(v):
 
 def bf16_scratch_elems(ops):
     """``(activation, tile, product)``: the bf16 values the bf16 block GEMMs ``ops`` need
-    (the activation rounded once per product, one tile) and the float32 values of one
-    tile's product when it is a block of columns of the result (see ``lower_bf16``)."""
+    (the activation rounded once per product, and for a ``qmatmul`` its swapped GEMMs'
+    blocked copy; one tile) and the float32 values of one tile's product when it is a
+    block of columns of the result or a swapped product (see ``lower_bf16``)."""
     act = tile = prod = 0
     for v, elems in itertools.product(ops, bf16_tile_sizes()):
         a = v.attrs
         r, c = bf16_tile_shape(v.op == "qmatmul_t", a["qtype"], a["rows"], a["k"], elems)
         # the blocked layout pads K to 32 and N to 64 values (gt_deq_tile_vnni)
         pad = lambda n: -(-n // 64) * 64  # noqa: E731
-        act, tile = max(act, v.inputs[0].size), max(tile, pad(r) * pad(c))
-        width = r if v.op == "qmatmul" else c  # the columns of the result one tile writes
-        if width < v.shape[1]:
-            prod = max(prod, v.shape[0] * width)
+        T, width = v.shape[0], r if v.op == "qmatmul" else c  # the columns a tile writes
+        tile = max(tile, pad(r) * pad(c))
+        if v.op == "qmatmul":  # x16, then x16^T blocked; each [r, T] swapped product
+            act, prod = max(act, T * a["k"] + pad(T) * a["k"]), max(prod, T * width)
+        else:
+            act = max(act, v.inputs[0].size)
+            if width < v.shape[1]:
+                prod = max(prod, T * width)
     return act, tile, prod
 
 
@@ -461,8 +470,11 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
       qmatmul_t  z[:, c0:c0+C] = g16 @ tile[rows, C]   (whole columns), or
                  z (+)= g16[:, r0:r0+R] @ tile[R, k]    (whole rows)
     The tiles are plain rows, which the GEMM reorders into its kernel's layout on every
-    call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it,
-    of each of ``bf16_tile_sizes()``; ``choose(op's name, shape, {name: run})`` says
+    call, or, where that layout is the one ``gt_deq_tile_vnni`` writes, already in it;
+    or, forward, "swapped": y^T = W x^T, the tile's plain rows the GEMM's A, read in
+    place, and x16^T its weights, packed once per product past x16 in act16 (the small
+    operand; W is not rearranged at all), each ``[R, T]`` product transposed into y;
+    tiles of each of ``bf16_tile_sizes()``; ``choose(op's name, shape, {name: run})`` says
     which run (the blocked one of the largest tiles when None; ``compute.fastest`` times
     them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
     costs a slower dequantization; small tiles stay in cache between the two, and their
@@ -504,12 +516,22 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                              (N, op + 4 * j0)))
         return out_
 
-    def way(blocked, elems):
-        """``(blocked, (R, C), tiles, per_tile, m)``: the tiles of ``elems`` values, plain
-        or blocked, each GEMM over ``m`` rows of the activation at a time; or None where
-        oneDNN's kernel keeps its weights in another layout than gt_deq_tile_vnni
-        writes"""
+    def way(layout, elems):
+        """``(layout, (R, C), tiles, per_tile, m)``: the tiles of ``elems`` values, in
+        ``layout`` ("plain", "blocked", "swapped"), each GEMM over ``m`` rows of the
+        activation at a time; or None where oneDNN's kernel keeps its weights in another
+        layout than gt_deq_tile_vnni writes (or a swapped ``qmatmul_t``)"""
         R, C = bf16_tile_shape(transposed, qtype, rows, k, elems)
+        if layout == "swapped":
+            # the GEMM's weights are x^T, packed, its N all of T (its rows the tile's);
+            # one packing serves every tile, the last one's too
+            if transposed or dnnl.packed_bytes(R, k, T) > 2 * (act16.size - T * k):
+                return None
+            md = dnnl.primitive(R, k, T, False, packed=True)[1][1]
+            last = rows - (rows - 1) // R * R
+            return (layout, (R, C), None, False, T) if dnnl.same_layout(md, last, k, T) \
+                else None
+        blocked = layout == "blocked"
         m = min(T, BF16_SMALL_TILE_ROWS) if elems <= BF16_SMALL_TILE_ELEMS else T
         # oneDNN keeps the blocked weights only with a contiguous A
         per_tile = blocked and transposed and C == k
@@ -518,29 +540,54 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                                for _, (kk, n, _tb, _a, _o, ldc, acc, lda), _ in ts
                                for mm in {m, T - (T - 1) // m * m}):
             return None
-        return blocked, (R, C), ts, per_tile, m
+        return layout, (R, C), ts, per_tile, m
 
-    def bind(blocked, R_C, ts, per_tile, m):
+    def swapped_tiles(R):
+        """``(calls before the tiles, the tiles)`` of y^T = W x^T a tile at a time: x16^T
+        packed once (after x16 in act16) into the layout of oneDNN's kernel, the
+        GEMMs' weights; each tile's plain rows their A; each ``[n, T]`` product
+        transposed into its columns of y."""
+        xt = ap + 2 * T * k
+        if dnnl.vnni(R, k, T):  # the layout gt_rows_vnni writes, 10x oneDNN's reorder
+            pack = functools.partial(L.gt_rows_vnni, ap, T, k, xt)
+        else:
+            pack = dnnl.bind_pack(R, k, T, True, ap, xt, 2 * (act16.size - T * k))
+        steps = [(None, L.gt_deq_tile_bf16, (tid, wp, rb, None, r0, n, 0, k, tp, k),
+                  dnnl.bind_ptrs(n, k, T, False, tp, xt, pp, packed=True),
+                  (L.gt_copy_cols_t, (pp, n, T, op + 4 * r0, width)))
+                 for r0, n, *_ in _tiles(False, rows, k, R, k)]
+        return [(pack, ())], steps
+
+    def bind(layout, R_C, ts, per_tile, m):
         """the callable running ``way``'s tiles"""
         R, C = R_C
-        steps = []  # (A's columns to round or None, dequantize, its args, GEMM, into)
-        for (r0, n, c0, nc), (kk, nn, tb, a_ptr, dst, ldc, acc, lda), into in ts:
-            if blocked:
+        first = []  # calls before the tiles'
+        if not (per_tile or rounded):
+            first.append((L.gt_f32_bf16, (xp, ap, x.size)))
+        # (A's columns to round or None, dequantize, its args, GEMM, move and its args)
+        steps = []
+        if layout == "swapped":
+            more, steps = swapped_tiles(R)
+            first += more
+        for (r0, n, c0, nc), (kk, nn, tb, a_ptr, dst, ldc, acc, lda), into in ts or ():
+            if layout == "blocked":
                 deq = (L.gt_deq_tile_vnni, (tid, wp, rb, r0, n, c0, nc, int(not transposed),
                                             tp))
             else:
                 deq = (L.gt_deq_tile_bf16, (tid, wp, rb, None, r0, n, c0, nc, tp, nc))
-            gemm = _row_blocks(dnnl, T, m, kk, nn, tb, a_ptr, tp, dst, ldc, acc, lda, blocked)
+            gemm = _row_blocks(dnnl, T, m, kk, nn, tb, a_ptr, tp, dst, ldc, acc, lda,
+                               layout == "blocked")
             cols = (xp + 4 * r0, x.shape[1], T, n, ap) if per_tile else None
-            steps.append((cols, *deq, gemm, into))
-        convert, convert_block, move = L.gt_f32_bf16, L.gt_f32_bf16_block, L.gt_copy_cols
+            move = (L.gt_copy_cols, (pp, T, into[0], into[1], width)) if into else None
+            steps.append((cols, *deq, gemm, move))
+        convert_block = L.gt_f32_bf16_block
 
         def run(split=None):
             """``split``: a dict whose "dequantize" and "GEMM" entries get the seconds of
             each (a profile's; None in a replay)"""
-            if not (per_tile or rounded):
-                convert(xp, ap, x.size)
-            for cols, deq, args, gemm, into in steps:
+            for f, args in first:
+                f(*args)
+            for cols, deq, args, gemm, move in steps:
                 if cols is not None:
                     convert_block(*cols)
                 t0 = time.perf_counter() if split is not None else 0.0
@@ -551,10 +598,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                 gemm()
                 if split is not None:
                     split["GEMM"] += time.perf_counter() - t1
-                if into is not None:
-                    move(pp, T, into[0], into[1], width)
+                if move is not None:
+                    move[0](*move[1])
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
-        run.blocked, run.precision, run.tile, run.rounded = blocked, "bf16", (R, C), rounded
+        run.layout, run.precision, run.tile, run.rounded = layout, "bf16", (R, C), rounded
         # kept alive with run, which holds their addresses
         run.buffers = x, w, out, act16, tile16, prod32
         return run
@@ -563,10 +610,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     # timed (an 8B step's 447 products bound four ways took a second of its first step)
     runs = {}
     for elems in bf16_tile_sizes():  # largest first: the default
-        for blocked in (True, False):
-            w = way(blocked, elems)
+        for layout in ("blocked", "plain", "swapped"):
+            w = way(layout, elems)
             if w is not None:
-                name = f"{'blocked' if blocked else 'plain'} {_size_name(elems)}"
+                name = f"{layout} {_size_name(elems)}"
                 if w[-1] < T:  # a new way: timed anew where a decision was cached
                     name += f" by {w[-1]} rows"
                 runs[name] = _BoundOnFirstCall(functools.partial(bind, *w))
@@ -600,7 +647,8 @@ def int8_scratch_elems(ops):
     (a row's per activation row, a row's or a column's per W row or column; as many
     int32 column sums), and the int32 values of a tile's product written as a block of
     columns (see ``lower_int8``)."""
-    act, tile, prod = bf16_scratch_elems(ops)
+    _, tile, prod = bf16_scratch_elems(ops)  # (its activation has room for a swapped way)
+    act = max(v.inputs[0].size for v in ops)
     scales = max(max(v.inputs[0].shape[0], v.attrs["rows"], v.attrs["k"]) for v in ops)
     return 2 * act, tile, scales, prod
 

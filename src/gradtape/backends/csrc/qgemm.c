@@ -527,6 +527,52 @@ void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst
     for (long i = 0; i < m; i++) memcpy(dst + i * ldd, src + i * n, n * sizeof(float));
 }
 
+/* The activation's bf16 rows x16 [m, k] (k a multiple of 32) as the weights of a
+   swapped product, B = x16^T [K = k, N = m] in gt_deq_tile_vnni's layout: a word of a
+   row of x16 is already a pair of K, so each 16 rows' words are transposed into their
+   16 columns of a panel (rows past m: zeros).  oneDNN's own reorder took 0.9 ms for a
+   [256, 4096] x (Zen 5).  See qgemm.lower_bf16. */
+void gt_rows_vnni(const uint16_t *restrict x16, long m, long k, uint16_t *restrict out) {
+    const long words = k / 2, panel = words * VN_N;
+    const uint32_t *x32 = (const uint32_t *)x16;
+    uint32_t *o32 = (uint32_t *)out;
+    #pragma omp parallel for schedule(static) if (m * k >= (1L << 16))
+    for (long r = 0; r < (m + VN_N - 1) / VN_N * VN_N; r += 16) {
+        uint32_t *dst = o32 + r / VN_N * panel + r % VN_N;
+        if (r + 16 <= m) {
+            vn_transpose16(x32 + r * words, words, words, dst);
+        } else {  /* a last group of fewer than 16 rows, or none */
+            for (long p = 0; p < words; p++)
+                for (long i = 0; i < 16; i++)
+                    dst[p * VN_N + i] = r + i < m ? x32[(r + i) * words + p] : 0;
+        }
+    }
+}
+
+/* dst[j * ldd + i] = src[i * n + j] for i < m, j < n: a swapped product's [m, n] block
+   (y^T's rows) transposed into its columns of the result, 16 x 16 words in registers */
+void gt_copy_cols_t(const float *restrict src, long m, long n, float *restrict dst,
+                    long ldd) {
+    #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
+    for (long j0 = 0; j0 < n; j0 += 16) {
+        for (long i0 = 0; i0 < m; i0 += 16) {
+#ifdef __AVX512F__
+            if (i0 + 16 <= m && j0 + 16 <= n) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++)
+                    r[i] = _mm512_loadu_si512(src + (i0 + i) * n + j0);
+                vn_t16(r);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512(dst + (j0 + j) * ldd + i0, r[j]);
+                continue;
+            }
+#endif
+            for (long j = j0; j < n && j < j0 + 16; j++)
+                for (long i = i0; i < m && i < i0 + 16; i++) dst[j * ldd + i] = src[i * n + j];
+        }
+    }
+}
+
 /* o[i] = bf16 of x[i]: the activation operand of a bf16 GEMM */
 void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
     #pragma omp parallel for schedule(static) if (n >= (1L << 16))

@@ -193,35 +193,18 @@ class _Dnnl:
         descriptor: ``(array, md)``.  Where that kernel reads its weights in place (a
         layout equal to ``w``'s own), ``(None, md)``."""
         _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
-        plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
-        if self.lib.dnnl_memory_desc_equal(md, plain):
-            self.lib.dnnl_memory_desc_destroy(plain)
+        if not self.packs(m, k, n, tb):
             return None, md
         if out is None:
             out = np.empty(self.lib.dnnl_memory_desc_get_size(md), np.uint8)
-        pd, prim = _vp(), _vp()
-        self._ok(self.lib.dnnl_reorder_primitive_desc_create(
-            ctypes.byref(pd), plain, self.engine, md, self.engine, None), "reorder")
-        self._ok(self.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive")
-        mems = [self._memory(plain, w.ctypes.data), self._memory(md, out.ctypes.data)]
-        args = (_Arg * 2)(_Arg(_ARG_SRC, mems[0]), _Arg(_ARG_DST, mems[1]))
-        try:
-            self._ok(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args), "execute")
-            self._ok(self.lib.dnnl_stream_wait(self.stream), "stream_wait")
-        finally:
-            for h in mems:
-                self.lib.dnnl_memory_destroy(h)
-            self.lib.dnnl_primitive_destroy(prim)
-            self.lib.dnnl_primitive_desc_destroy(pd)
-            self.lib.dnnl_memory_desc_destroy(plain)
+        self.bind_pack(m, k, n, tb, w.ctypes.data, out.ctypes.data, out.nbytes)()
         return out, md
 
     def bind_pack(self, m, k, n, tb, w, out, room):
-        """A callable doing ``pack``'s reorder on raw addresses, again on each call: ``w``
-        bf16 ``[k, n]`` (``[n, k]`` where ``tb``) into ``out`` (``room`` bytes), for the
-        kernel of ``[m, k] @ [k, n]`` (at most ``room``
-        bytes: ``packed_bytes`` says how many it needs).  The memory must outlive the
-        callable."""
+        """``pack``'s reorder on raw addresses, as a callable doing it again on each call:
+        ``w`` bf16 ``[k, n]`` (``[n, k]`` where ``tb``) into ``out``, ``room`` bytes (at
+        least ``packed_bytes``).  The memory must outlive the callable, whose oneDNN
+        handles go with it."""
         _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
         if self.lib.dnnl_memory_desc_get_size(md) > room:
             raise ValueError(f"bind_pack: {room} bytes for a packed [{k}, {n}]")
@@ -240,9 +223,10 @@ class _Dnnl:
             ok(execute(prim, stream, 2, args), "execute")
             ok(wait(stream), "stream_wait")
         lib = self.lib
-        weakref.finalize(run, _destroy, lib.dnnl_memory_destroy, mems).atexit = False
-        weakref.finalize(run, _destroy, lib.dnnl_primitive_destroy, [prim]).atexit = False
-        weakref.finalize(run, _destroy, lib.dnnl_memory_desc_destroy, [plain]).atexit = False
+        for destroy, handles in ((lib.dnnl_memory_destroy, mems),
+                                 (lib.dnnl_primitive_destroy, [prim]),
+                                 (lib.dnnl_memory_desc_destroy, [plain])):
+            weakref.finalize(run, _destroy, destroy, handles).atexit = False
         return run
 
     def packed_bytes(self, m, k, n):

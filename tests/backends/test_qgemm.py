@@ -22,6 +22,8 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -315,7 +317,8 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
         monkeypatch, tmp_path):
     """compute.fastest times every way in turn once per product and shape on this CPU
     (then reads the cache file) and names the fastest; $GRADTAPE_BF16_LAYOUT and
-    $GRADTAPE_BF16_TILE keep only the ways they name, untimed when one is left."""
+    $GRADTAPE_BF16_TILE keep only the ways they name, untimed when one is left; the
+    swapped layout, only forward products have, leaves the others all timed."""
     import time
     from types import SimpleNamespace
 
@@ -349,6 +352,15 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
     monkeypatch.setenv("GRADTAPE_BF16_TILE", "2M")  # names no way: said, then all timed
     with pytest.warns(RuntimeWarning, match=r"GRADTAPE_BF16_TILE=2M names none"):
         assert compute.fastest("qmatmul_t Q4_K", (256, 64, 32), runs) == "plain 1M"
+    # a layout only forward products have: the others' ways all timed, without a word
+    monkeypatch.delenv("GRADTAPE_BF16_TILE")
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "swapped")
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compute.fastest("qmatmul_t Q4_K", (256, 32, 64), runs) == "blocked 1M"
+        assert compute.fastest("head Q6_K", (256, 32, 64), runs) == "blocked 1M"
+    assert set(calls) == set(seconds)
 
 
 def _lowered_qmatmul(r, bm, choose=None):

@@ -315,8 +315,8 @@ def fastest(what, shape, runs) -> str:
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
         want = os.environ.get(var)
         kept = [n for n in names if want in n.split()]
-        # (a backward product has no swapped way: its own are timed, unsaid)
-        if want and not kept and not (want == "swapped" and what.startswith("qmatmul_t")):
+        # (only a forward block product has a swapped way: the others are timed, unsaid)
+        if want and not kept and not (want == "swapped" and not what.startswith("qmatmul ")):
             _warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
                        "timing them")
         names = kept or names

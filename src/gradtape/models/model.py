@@ -742,10 +742,11 @@ class Llama:
         ``PromptStep``, or None: row by row in the decoder's own prefill.  "bf16" (or
         "int8") under ``auto`` where this CPU's bf16 GEMMs are faster and the prompt's
         work pays for compiling the program (``PROMPT_BF16_FLOPS``), under ``bf16``
-        wherever the prompt has more rows than the matrix-vector kernels take; else
-        "float32" from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
+        wherever the prompt has more rows than the matrix-vector kernels take and this
+        CPU's bf16 GEMMs are fast at the model's width (at 256 rows); else "float32"
+        from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
         from ..backends import ggml_vec
-        from ..backends.compute import COMPUTE_CHOICES, decide
+        from ..backends.compute import COMPUTE_CHOICES, DEFAULT_SHAPE, decide
 
         if compute not in COMPUTE_CHOICES:
             raise GradtapeError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
@@ -754,7 +755,10 @@ class Llama:
         small = compute == "auto" and 2 * rows * linear_weights(cfg) < PROMPT_BF16_FLOPS
         if compute != "float32" and rows > ggml_vec.MAX_ROWS and not small:
             applies = np.dtype(dtype) == np.float32 or "generation in float64 runs float64"
-            precision, _ = decide(compute, applies, shape=(rows, cfg.dim, cfg.ffn_dim))
+            # asked for by name: wherever this CPU's bf16 GEMMs are fast at the model's
+            # width (a short prompt's own rows, timed anew for each length, were noise)
+            m = rows if compute == "auto" else DEFAULT_SHAPE[0]
+            precision, _ = decide(compute, applies, shape=(m, cfg.dim, cfg.ffn_dim))
         if precision != "float32":
             return precision
         return "float32" if np.dtype(dtype) == np.float32 and rows >= PROMPT_F32_ROWS else None

@@ -725,6 +725,15 @@ def test_cached_decisions_are_parsed_once_while_the_file_stays(monkeypatch, tmp_
     assert compute.rates("test", (2, 3), lambda a, b: 1 / 0, n=3) == ((5.0, 7.0, 0.0), True)
 
 
+def test_rates_are_measured_at_a_few_row_counts():
+    """A GEMM rate is measured with its rows rounded up to a power of two, at most
+    MEASURED_ROWS: a model's prompts and batches take a few timings, and a handful of
+    rows is not timed alone (noise)."""
+    got = [compute.measured_shape((m, 576, 1536))[0] for m in (1, 12, 16, 17, 256, 707, 4096)]
+    assert got == [1, 16, 16, 32, 256, 512, 512] and compute.MEASURED_ROWS == 512
+    assert compute.measured_shape((300, 4096, 14336)) == (512, 4096, 14336)
+
+
 def test_cached_decisions_are_timed_again_when_the_kernels_change(monkeypatch, tmp_path):
     """A cached figure that times our C kernels (a tile's dequantization, the attention:
     ``kernels=True``) is measured anew, once, after they change (``_cgen.

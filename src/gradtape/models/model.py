@@ -740,9 +740,8 @@ class Llama:
     def _prompt_compute(self, compute, rows, dtype):
         """The precision ``generate`` runs a prompt of ``rows`` rows in as one compiled
         ``PromptStep``, or None: row by row in the decoder's own prefill.  "bf16" (or
-        "int8") under ``auto`` where this CPU's bf16 GEMMs are faster (at the power of
-        two of rows at or above the prompt's) and the prompt's work pays for compiling
-        the program (``PROMPT_BF16_FLOPS``), under ``bf16``
+        "int8") under ``auto`` where this CPU's bf16 GEMMs are faster and the prompt's
+        work pays for compiling the program (``PROMPT_BF16_FLOPS``), under ``bf16``
         wherever the prompt has more rows than the matrix-vector kernels take and this
         CPU's bf16 GEMMs are fast at the model's width (at 256 rows); else "float32"
         from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
@@ -756,11 +755,9 @@ class Llama:
         small = compute == "auto" and 2 * rows * linear_weights(cfg) < PROMPT_BF16_FLOPS
         if compute != "float32" and rows > ggml_vec.MAX_ROWS and not small:
             applies = np.dtype(dtype) == np.float32 or "generation in float64 runs float64"
-            # auto: timed at the power of two of rows at or above the prompt's (a few
-            # timings per model, not one per prompt length); asked for by name: wherever
-            # this CPU's bf16 GEMMs are fast at the model's width (12 rows' own timing
-            # was noise)
-            m = 1 << (rows - 1).bit_length() if compute == "auto" else DEFAULT_SHAPE[0]
+            # asked for by name: wherever this CPU's bf16 GEMMs are fast at the model's
+            # width, whatever the prompt's length
+            m = rows if compute == "auto" else DEFAULT_SHAPE[0]
             precision, _ = decide(compute, applies, shape=(m, cfg.dim, cfg.ffn_dim))
         if precision != "float32":
             return precision

@@ -110,7 +110,7 @@ def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped"])
+@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped", "fused"])
 def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, layout,
                                                 monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
@@ -146,7 +146,11 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     assert prog.executable.compute == "bf16" and len(prog.executable._q16) == 2
     layouts = [s.layout for s in prog.executable._steps if hasattr(s, "layout")]
     assert len(layouts) == 2
-    if layout == "swapped":  # the forward product (x is its GEMM's packed weights)
+    if layout == "fused":  # where this build has the kernel and the shapes fit it
+        fits = [qgemm.lib().gt_fused_scratch(qgemm._type_id(qtype), rows, k, back) > 0
+                for back in (0, 1)]
+        assert [lay == "fused" for lay in layouts] == fits
+    elif layout == "swapped":  # the forward product (x is its GEMM's packed weights)
         swapped = any("swapped" in n for n in offered[f"qmatmul {qtype}"])
         assert (layouts[0] == "swapped") == swapped
     elif layout == "plain" or not onednn.dnnl().vnni(T, k, 64):
@@ -160,6 +164,39 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     assert rel_err(got_z, _b16(g.value) @ deq) <= 1e-5
     # and it is bf16, not float32: the error against float32 inputs is bf16's
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_fused_products_match_rounded_reference(qtype, monkeypatch):
+    """The fused way (gt_qgemm_bf16_fused: each core dequantizes its own panels of W a
+    chunk of K at a time and multiplies them with our GEMM) at the edges of its blocking:
+    forward over W [192, 768], three panels (a group of four left partial) and K in
+    chunks of 512 and 256; backward over W [1030, 512], two groups of columns and W's rows
+    in chunks of 512, 512 and 6; T = 13, a last block of one row of A."""
+    from gradtape.backends import onednn
+    ok, why = onednn.available()
+    if not ok:
+        pytest.skip(why)
+    tid = qgemm._type_id(qtype)
+    if not (qgemm.lib().gt_fused_scratch(tid, 192, 768, 0) and
+            qgemm.lib().gt_fused_scratch(tid, 1030, 512, 1)):
+        pytest.skip("no fused kernel on this CPU (it needs AVX512-BF16)")
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "fused")
+    r = np.random.default_rng(300 + TYPES.index(qtype))
+    T = 13
+    w1, w2 = random_blocks(qtype, 192, 768, r), random_blocks(qtype, 1030, 512, r)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((T, 768)))
+    g = tp.param(r.standard_normal((T, 1030)))
+    y, z = ops.qmatmul(x, tp.const(w1)), ops.qmatmul_t(g, tp.const(w2))
+    prog = tp.compile([y, z], backend="cpu", compute="bf16")
+    assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == ["fused"] * 2
+    got_y, got_z = prog.run()
+    assert rel_err(got_y, _b16(x.value) @ _b16(w1.dequantize()).T) <= 1e-5
+    assert rel_err(got_z, _b16(g.value) @ _b16(w2.dequantize())) <= 1e-5
+    # and the widths that do not fit its blocking are not offered it
+    assert qgemm.lib().gt_fused_scratch(tid, 70, 768, 0) == 0  # rows: not whole panels
+    assert qgemm.lib().gt_fused_scratch(tid, 71, 768, 1) == 0  # an odd K backward
 
 
 @pytest.mark.parametrize("m,k", [(9, 768), (70, 512), (64, 256)])
@@ -275,9 +312,11 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
 
         def fastest(what, shape, runs):
             small = [n for n in runs if n.startswith(layout) and n.endswith("by 4 rows")]
-            # (a swapped product's GEMM takes all rows of x as its N, unsplit)
-            assert {n for n in runs if "by" not in n and "swapped" not in n} == {
-                n for n in runs if n.endswith(" 163840") and "swapped" not in n}
+            # (a swapped product's GEMM takes all rows of x as its N, unsplit; a fused
+            # one has no tiles)
+            tiled = [n for n in runs if "swapped" not in n and n != "fused"]
+            assert {n for n in tiled if "by" not in n} == {
+                n for n in tiled if n.endswith(" 163840")}
             ran.append(small[0] if small else next(iter(runs)))
             return ran[-1]
         monkeypatch.setattr(compute, "fastest", fastest)

@@ -312,8 +312,9 @@ def fastest(what, shape, runs) -> str:
     the result cached like ``rates`` (a few seconds in all for an 8B model's products, on
     its first step).  The ways of a block-weight product: its tiles in oneDNN's blocked
     weight layout or in plain rows, of ``qgemm.bf16_tile_sizes()`` values; the names say
-    which ("blocked 16M"; "swapped": a forward product as ``y^T = W x^T``, see
-    ``qgemm.lower_bf16``).  ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped and
+    which ("blocked 16M"; "swapped": a forward product as ``y^T = W x^T``; "fused": one
+    call dequantizing and multiplying with our own GEMM, see ``qgemm.lower_bf16``).
+    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped | fused and
     ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
     taken untimed."""
     import os

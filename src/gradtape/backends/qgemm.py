@@ -87,6 +87,10 @@ def lib():
         so.gt_copy_cols.restype = None
         so.gt_copy_cols_t.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols_t.restype = None
+        so.gt_fused_scratch.argtypes = [_i, _l, _l, _i]
+        so.gt_fused_scratch.restype = _l
+        so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _l, _p, _p, _l]
+        so.gt_qgemm_bf16_fused.restype = _i
         so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]
         so.gt_rows_vnni.restype = None
         so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _i, _p, _p]
@@ -398,7 +402,8 @@ def bf16_scratch_elems(ops):
         # the blocked layout pads K to 32 and N to 64 values (gt_deq_tile_vnni)
         pad = lambda n: -(-n // 64) * 64  # noqa: E731
         T, width = v.shape[0], r if v.op == "qmatmul" else c  # the columns a tile writes
-        tile = max(tile, pad(r) * pad(c))
+        tile = max(tile, pad(r) * pad(c), lib().gt_fused_scratch(
+            _type_id(a["qtype"]), a["rows"], a["k"], int(v.op == "qmatmul_t")))
         if v.op == "qmatmul":  # x16, then x16^T blocked; each [r, T] swapped product
             act, prod = max(act, T * a["k"] + pad(T) * a["k"]), max(prod, T * width)
         else:
@@ -474,9 +479,12 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     or, forward, "swapped": y^T = W x^T, the tile's plain rows the GEMM's A, read in
     place, and x16^T its weights, packed once per product past x16 in act16 (the small
     operand; W is not rearranged at all), each ``[R, T]`` product transposed into y;
-    tiles of each of ``bf16_tile_sizes()``; ``choose(op's name, shape, {name: run})`` says
-    which run (the blocked one of the largest tiles when None; ``compute.fastest`` times
-    them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
+    tiles of each of ``bf16_tile_sizes()``; or "fused", one call of our own
+    (``gt_qgemm_bf16_fused``) in which each core dequantizes its own panels of W a chunk
+    at a time into the blocked layout and multiplies them at once with our AVX512-BF16
+    GEMM, where the CPU has it and W's shape fits its blocking (no tiles, no oneDNN).
+    ``choose(op's name, shape, {name: run})`` says which run (the blocked one of the
+    largest tiles when None; ``compute.fastest`` times them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
     costs a slower dequantization; small tiles stay in cache between the two, and their
     GEMMs take ``BF16_SMALL_TILE_ROWS`` rows of the activation at a time, "by 256 rows").
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
@@ -606,6 +614,27 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         run.buffers = x, w, out, act16, tile16, prod32
         return run
 
+    def bind_fused():
+        """the callable running the product as one fused call (``gt_qgemm_bf16_fused``:
+        each core dequantizes its own panels of W a chunk at a time and multiplies them
+        while they are in its cache, with a GEMM of ours); its time all "GEMM" in a
+        profile's split"""
+        first = (L.gt_f32_bf16, (xp, ap, x.size)) if not rounded else None
+        args = (tid, wp, rb, rows, k, int(transposed), ap, T, op, tp, tile16.size)
+        fused = L.gt_qgemm_bf16_fused
+
+        def run(split=None):
+            if first is not None:
+                first[0](*first[1])
+            t0 = time.perf_counter() if split is not None else 0.0
+            _check(fused(*args), v.op)
+            if split is not None:
+                split["GEMM"] += time.perf_counter() - t0
+        run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
+        run.layout, run.precision, run.tile, run.rounded = "fused", "bf16", None, rounded
+        run.buffers = x, w, out, act16, tile16
+        return run
+
     # each way bound on its first call: only where no decision is cached are they all
     # timed (an 8B step's 447 products bound four ways took a second of its first step)
     runs = {}
@@ -617,6 +646,9 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                 if w[-1] < T:  # a new way: timed anew where a decision was cached
                     name += f" by {w[-1]} rows"
                 runs[name] = _BoundOnFirstCall(functools.partial(bind, *w))
+    need = L.gt_fused_scratch(tid, rows, k, int(transposed))
+    if need and tile16.size >= need:
+        runs["fused"] = _BoundOnFirstCall(bind_fused)
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {qtype}", (T, rows, k),
                                                             runs)
     return runs[name].bound()

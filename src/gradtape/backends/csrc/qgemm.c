@@ -11,6 +11,9 @@
    Tiles are dequantized with their rows split over the threads (OpenMP).  Type ids are
    ggml's.  This file knows nothing of Python; ../qgemm.py loads it. */
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include "gt_prelude.h"
 #include "ggml_blocks.h"
 
@@ -518,6 +521,167 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
         }
     }
     return failed ? -2 : 0;
+}
+
+/* --- fused: dequantization and GEMM in one pass, each core on its own part of W -------
+   y = x W^T (forward) or z = g W (backward), bf16 operands, float32 sums, for W's blocks
+   as stored (Q4_K, Q6_K).  The cores split the result's columns, FUSED_GROUP panels of
+   64 at a time (W's rows forward, its columns backward); each dequantizes its panels
+   FUSED_KC values of K at a time into its own part of the scratch, in the blocked layout
+   (vnni_panel forward, vnni_pair backward), and multiplies them at once, while they are
+   in its L2: no tile is shared between the cores and no barrier is crossed per tile, as
+   with a oneDNN GEMM per tile.  The GEMM is ours: a micro-kernel keeping a 6 x 64 block
+   of C in 24 registers, adding per pair of K the panel's 4 vectors times each of A's 6
+   rows' pair (a 32-bit broadcast; vdpbf16ps sums two bf16 products into each float32
+   lane).  A (x16 or g16) is read in place, its rows lda apart.
+   Zen 5, 2 cores (the vdpbf16ps peak 1095 GFLOP/s; the micro-kernel alone, one core, on
+   operands in L2: 97% of its 550): the 8B's LM head backward ([256, 49152] x Q6_K, the
+   4-layer bench file) 112 ms against 124 for oneDNN's GEMM per tile (whose product
+   [256, 4096] is re-read and re-written per tile); gate's products within 2% of the
+   tiled ways either way (docs/benchmarks.md). */
+#if defined(BF16_VECS) && defined(__AVX512BW__)
+#define FUSED
+#define GEMM_MR 6
+#define GEMM_AHEAD 8      /* pairs: B asked for ahead of the micro-kernel */
+#define GEMM_AHEAD_A 64   /* and A */
+#define FUSED_KC 512    /* values of K dequantized and multiplied at a time */
+#define FUSED_GROUP 4   /* panels of 64 a core takes at a time */
+#define FUSED_PANEL (FUSED_KC / 2 * VN_N)  /* 32-bit words of a panel's chunk */
+
+/* s[r][q] += A's row r's pair p (a 32-bit word) times the panel's row of pairs b */
+static inline __attribute__((always_inline)) void gemm_pair(
+        __m512 s[GEMM_MR][4], int mr, const uint16_t *a, long lda, long p, const uint32_t *b) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + 16);
+    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(b + 32);
+    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(b + 48);
+    for (int r = 0; r < mr; r++) {
+        uint32_t pair;
+        memcpy(&pair, a + r * lda + 2 * p, 4);
+        const __m512bh ar = (__m512bh)_mm512_set1_epi32((int)pair);
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], ar, b0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], ar, b1);
+        s[r][2] = _mm512_dpbf16_ps(s[r][2], ar, b2);
+        s[r][3] = _mm512_dpbf16_ps(s[r][3], ar, b3);
+    }
+}
+
+/* C's block [mr, 64] (+= where add) A's rows' first 2 * pairs values times the panel's
+   rows of pairs b; the lines GEMM_AHEAD(_A) pairs on asked for meanwhile (2% on Zen 5) */
+static inline __attribute__((always_inline)) void gemm_tile(
+        int mr, const uint16_t *a, long lda, const uint32_t *b, long pairs, float *c, long ldc,
+        int add) {
+    __m512 s[GEMM_MR][4];
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++)
+            s[r][q] = add ? _mm512_loadu_ps(c + r * ldc + 16 * q) : _mm512_setzero_ps();
+    for (long p = 0; p < pairs; p++) {
+        if (p % 16 == 0)  /* A's rows: a cache line of pairs GEMM_AHEAD_A pairs on */
+            for (int r = 0; r < mr; r++)
+                _mm_prefetch((const char *)(a + r * lda + 2 * (p + GEMM_AHEAD_A)), _MM_HINT_T0);
+        for (int q = 0; q < 4; q++)  /* the panel's row GEMM_AHEAD pairs on */
+            _mm_prefetch((const char *)(b + VN_N * (p + GEMM_AHEAD) + 16 * q), _MM_HINT_T0);
+        gemm_pair(s, mr, a, lda, p, b + VN_N * p);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < 4; q++) _mm512_storeu_ps(c + r * ldc + 16 * q, s[r][q]);
+}
+
+/* gemm_tile for mr rows of A, each count a copy of its own (its loops unrolled) */
+static void gemm_rows(int mr, const uint16_t *a, long lda, const uint32_t *b, long pairs,
+                      float *c, long ldc, int add) {
+    switch (mr) {
+    case 6: gemm_tile(6, a, lda, b, pairs, c, ldc, add); break;
+    case 5: gemm_tile(5, a, lda, b, pairs, c, ldc, add); break;
+    case 4: gemm_tile(4, a, lda, b, pairs, c, ldc, add); break;
+    case 3: gemm_tile(3, a, lda, b, pairs, c, ldc, add); break;
+    case 2: gemm_tile(2, a, lda, b, pairs, c, ldc, add); break;
+    default: gemm_tile(1, a, lda, b, pairs, c, ldc, add); break;
+    }
+}
+
+/* forward: the panels [j, j + np) (W's rows 64 j ..) over K's values [k0, k0 + kc) as
+   B = W^T's chunk; backward: W's rows [k0, k0 + kc) over its columns 64 j .. (a block
+   of 256 per four panels) as B = W's chunk, pairs of rows, the rows 8 ahead asked for */
+static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, int backward,
+                        long j, long np, long k0, long kc, uint32_t *buf) {
+    if (!backward) {
+        for (long q = 0; q < np; q++)
+            vnni_panel(vecs, w + (j + q) * VN_N * rb, rb, k0, kc, by, buf + q * FUSED_PANEL);
+        return;
+    }
+    const long first = j * VN_N / 256 * by, bytes = np / 4 * by;
+    for (long p = 0; p < kc / 2; p++) {
+        const uint8_t *ra = w + (k0 + 2 * p) * rb + first;
+        if (2 * p + 8 < kc) {
+            pf_bytes(ra + 8 * rb, bytes);
+            pf_bytes(ra + 9 * rb, bytes);
+        }
+        for (long b = 0; b < np / 4; b++)
+            vnni_pair(vecs, ra + b * by, ra + rb + b * by,
+                      buf + 4 * b * FUSED_PANEL + p * VN_N, FUSED_PANEL);
+    }
+}
+#endif
+
+/* the bf16 values of scratch gt_qgemm_bf16_fused needs (each core's chunk of panels),
+   or 0 where this build has no fused kernel for type t and W [rows, k] (forward: rows a
+   multiple of 64, k of 256; backward: rows even, k a multiple of 256) */
+long gt_fused_scratch(int t, long rows, long k, int backward) {
+#ifdef FUSED
+    if (!bf16_vecs(t) || k % 256 || (backward ? rows % 2 : rows % VN_N)) return 0;
+#ifdef _OPENMP
+    const long nt = omp_get_max_threads();
+#else
+    const long nt = 1;
+#endif
+    return nt * FUSED_GROUP * FUSED_PANEL * 2;
+#else
+    (void)t; (void)rows; (void)k; (void)backward;
+    return 0;
+#endif
+}
+
+/* forward: c [T, rows] = a [T, k] W^T; backward: c [T, k] = a [T, rows] W.  a: bf16
+   rows; scratch: at least gt_fused_scratch values.  -1 where that is 0. */
+int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int backward,
+                        const uint16_t *a, long T, float *c, uint16_t *scratch,
+                        long scratch_elems) {
+    const long need = gt_fused_scratch(t, rows, k, backward);
+    if (!need || scratch_elems < need) return -1;
+#ifdef FUSED
+    gb_deq_fn f; int bl, by;
+    if (gb_layout(t, &f, &bl, &by)) return -1;
+    const vecs_fn vecs = bf16_vecs(t);
+    const long K = backward ? rows : k, N = backward ? k : rows;
+    const long panels = N / VN_N, groups = (panels + FUSED_GROUP - 1) / FUSED_GROUP;
+    #pragma omp parallel
+    {
+#ifdef _OPENMP
+        const long nt = omp_get_num_threads(), id = omp_get_thread_num();
+#else
+        const long nt = 1, id = 0;
+#endif
+        uint32_t *buf = (uint32_t *)scratch + id * FUSED_GROUP * FUSED_PANEL;
+        for (long g = groups * id / nt; g < groups * (id + 1) / nt; g++) {
+            const long j = g * FUSED_GROUP;
+            const long np = panels - j < FUSED_GROUP ? panels - j : FUSED_GROUP;
+            for (long k0 = 0; k0 < K; k0 += FUSED_KC) {
+                const long kc = K - k0 < FUSED_KC ? K - k0 : FUSED_KC;
+                fused_chunk(vecs, by, w, rb, backward, j, np, k0, kc, buf);
+                for (long q = 0; q < np; q++)
+                    for (long i = 0; i < T; i += GEMM_MR)
+                        gemm_rows(T - i < GEMM_MR ? T - i : GEMM_MR, a + i * K + k0, K,
+                                  buf + q * FUSED_PANEL, kc / 2, c + i * N + (j + q) * VN_N,
+                                  N, k0 > 0);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)w; (void)rb; (void)a; (void)T; (void)c; (void)scratch;
+    return -1;
+#endif
 }
 
 /* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into

@@ -147,7 +147,7 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     layouts = [s.layout for s in prog.executable._steps if hasattr(s, "layout")]
     assert len(layouts) == 2
     if layout == "fused":  # where this build has the kernel and the shapes fit it
-        fits = [qgemm.lib().gt_fused_scratch(qgemm._type_id(qtype), rows, k, back) > 0
+        fits = [qgemm.lib().gt_fused_scratch(qgemm._type_id(qtype), rows, k, T, back) > 0
                 for back in (0, 1)]
         assert [lay == "fused" for lay in layouts] == fits
     elif layout == "swapped":  # the forward product (x is its GEMM's packed weights)
@@ -168,23 +168,24 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_fused_products_match_rounded_reference(qtype, monkeypatch):
-    """The fused way (gt_qgemm_bf16_fused: each core dequantizes its own panels of W a
-    chunk of K at a time and multiplies them with our GEMM) at the edges of its blocking:
-    forward over W [192, 768], three panels (a group of four left partial) and K in
-    chunks of 512 and 256; backward over W [1030, 512], two groups of columns and W's rows
-    in chunks of 512, 512 and 6; T = 13, a last block of one row of A."""
+    """The fused way (gt_qgemm_bf16_fused: each core dequantizes its own part of W a
+    chunk of K at a time and multiplies it with our GEMM) at the edges of its blocking:
+    forward over W [200, 768], W's rows in groups of 96, 96 and 8 (its last block of 6
+    rows partial), K in chunks of 512 and 256, T = 13 (x^T's panel padded, the sums of
+    13 columns moved into y); backward over W [1030, 512], two groups of columns and W's
+    rows in chunks of 512, 512 and 6, T = 13 (a last block of one row of g)."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
     tid = qgemm._type_id(qtype)
-    if not (qgemm.lib().gt_fused_scratch(tid, 192, 768, 0) and
-            qgemm.lib().gt_fused_scratch(tid, 1030, 512, 1)):
+    if not (qgemm.lib().gt_fused_scratch(tid, 200, 768, 13, 0) and
+            qgemm.lib().gt_fused_scratch(tid, 1030, 512, 13, 1)):
         pytest.skip("no fused kernel on this CPU (it needs AVX512-BF16)")
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "fused")
     r = np.random.default_rng(300 + TYPES.index(qtype))
     T = 13
-    w1, w2 = random_blocks(qtype, 192, 768, r), random_blocks(qtype, 1030, 512, r)
+    w1, w2 = random_blocks(qtype, 200, 768, r), random_blocks(qtype, 1030, 512, r)
     tp = gt.Tape(np.float32)
     x = tp.param(r.standard_normal((T, 768)))
     g = tp.param(r.standard_normal((T, 1030)))
@@ -195,8 +196,8 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     assert rel_err(got_y, _b16(x.value) @ _b16(w1.dequantize()).T) <= 1e-5
     assert rel_err(got_z, _b16(g.value) @ _b16(w2.dequantize())) <= 1e-5
     # and the widths that do not fit its blocking are not offered it
-    assert qgemm.lib().gt_fused_scratch(tid, 70, 768, 0) == 0  # rows: not whole panels
-    assert qgemm.lib().gt_fused_scratch(tid, 71, 768, 1) == 0  # an odd K backward
+    assert qgemm.lib().gt_fused_scratch(tid, 71, 768, 13, 1) == 0  # an odd K backward
+    assert qgemm.lib().gt_fused_scratch(tid, 64, 100 * 32, 13, 0) == 0  # k: not blocks
 
 
 @pytest.mark.parametrize("m,k", [(9, 768), (70, 512), (64, 256)])

@@ -87,9 +87,9 @@ def lib():
         so.gt_copy_cols.restype = None
         so.gt_copy_cols_t.argtypes = [_p, _l, _l, _p, _l]
         so.gt_copy_cols_t.restype = None
-        so.gt_fused_scratch.argtypes = [_i, _l, _l, _i]
+        so.gt_fused_scratch.argtypes = [_i, _l, _l, _l, _i]
         so.gt_fused_scratch.restype = _l
-        so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _l, _p, _p, _l]
+        so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _p, _l, _p, _p, _l]
         so.gt_qgemm_bf16_fused.restype = _i
         so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]
         so.gt_rows_vnni.restype = None
@@ -403,7 +403,7 @@ def bf16_scratch_elems(ops):
         pad = lambda n: -(-n // 64) * 64  # noqa: E731
         T, width = v.shape[0], r if v.op == "qmatmul" else c  # the columns a tile writes
         tile = max(tile, pad(r) * pad(c), lib().gt_fused_scratch(
-            _type_id(a["qtype"]), a["rows"], a["k"], int(v.op == "qmatmul_t")))
+            _type_id(a["qtype"]), a["rows"], a["k"], T, int(v.op == "qmatmul_t")))
         if v.op == "qmatmul":  # x16, then x16^T blocked; each [r, T] swapped product
             act, prod = max(act, T * a["k"] + pad(T) * a["k"]), max(prod, T * width)
         else:
@@ -480,9 +480,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     place, and x16^T its weights, packed once per product past x16 in act16 (the small
     operand; W is not rearranged at all), each ``[R, T]`` product transposed into y;
     tiles of each of ``bf16_tile_sizes()``; or "fused", one call of our own
-    (``gt_qgemm_bf16_fused``) in which each core dequantizes its own panels of W a chunk
-    at a time into the blocked layout and multiplies them at once with our AVX512-BF16
-    GEMM, where the CPU has it and W's shape fits its blocking (no tiles, no oneDNN).
+    (``gt_qgemm_bf16_fused``) in which each core dequantizes its own part of W a chunk
+    at a time and multiplies it at once with our AVX512-BF16 GEMM (forward swapped, x16^T
+    packed once past x16), where the CPU has it and W's shape fits its blocking (no
+    tiles, no oneDNN).
     ``choose(op's name, shape, {name: run})`` says which run (the blocked one of the
     largest tiles when None; ``compute.fastest`` times them all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
     costs a slower dequantization; small tiles stay in cache between the two, and their
@@ -616,16 +617,20 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
 
     def bind_fused():
         """the callable running the product as one fused call (``gt_qgemm_bf16_fused``:
-        each core dequantizes its own panels of W a chunk at a time and multiplies them
-        while they are in its cache, with a GEMM of ours); its time all "GEMM" in a
-        profile's split"""
-        first = (L.gt_f32_bf16, (xp, ap, x.size)) if not rounded else None
-        args = (tid, wp, rb, rows, k, int(transposed), ap, T, op, tp, tile16.size)
+        each core dequantizes its own part of W a chunk at a time and multiplies it
+        while it is in its cache, with a GEMM of ours; forward as y^T = W x^T, x16^T
+        packed once past x16 as in the swapped way); its time all "GEMM" in a profile's
+        split"""
+        first = [] if rounded else [(L.gt_f32_bf16, (xp, ap, x.size))]
+        xt = None if transposed else ap + 2 * T * k
+        if xt is not None:
+            first.append((L.gt_rows_vnni, (ap, T, k, xt)))
+        args = (tid, wp, rb, rows, k, int(transposed), ap, xt, T, op, tp, tile16.size)
         fused = L.gt_qgemm_bf16_fused
 
         def run(split=None):
-            if first is not None:
-                first[0](*first[1])
+            for f, f_args in first:
+                f(*f_args)
             t0 = time.perf_counter() if split is not None else 0.0
             _check(fused(*args), v.op)
             if split is not None:
@@ -646,7 +651,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
                 if w[-1] < T:  # a new way: timed anew where a decision was cached
                     name += f" by {w[-1]} rows"
                 runs[name] = _BoundOnFirstCall(functools.partial(bind, *w))
-    need = L.gt_fused_scratch(tid, rows, k, int(transposed))
+    need = L.gt_fused_scratch(tid, rows, k, T, int(transposed))
     if need and tile16.size >= need:
         runs["fused"] = _BoundOnFirstCall(bind_fused)
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {qtype}", (T, rows, k),

@@ -523,22 +523,43 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
     return failed ? -2 : 0;
 }
 
+/* dst[j * ldd + i] = src[i * lds + j] for i < m, j in [j0, j1) (at most 16 columns):
+   16 x 16 words at a time transposed in registers */
+static void cols_t(const float *restrict src, long lds, long m, long j0, long j1,
+                   float *restrict dst, long ldd) {
+    for (long i0 = 0; i0 < m; i0 += 16) {
+#ifdef __AVX512F__
+        if (i0 + 16 <= m && j1 - j0 == 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + (i0 + i) * lds + j0);
+            vn_t16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (j0 + j) * ldd + i0, r[j]);
+            continue;
+        }
+#endif
+        for (long j = j0; j < j1; j++)
+            for (long i = i0; i < m && i < i0 + 16; i++) dst[j * ldd + i] = src[i * lds + j];
+    }
+}
+
 /* --- fused: dequantization and GEMM in one pass, each core on its own part of W -------
    y = x W^T (forward) or z = g W (backward), bf16 operands, float32 sums, for W's blocks
-   as stored (Q4_K, Q6_K).  The cores split the result's columns, FUSED_GROUP panels of
-   64 at a time (W's rows forward, its columns backward); each dequantizes its panels
-   FUSED_KC values of K at a time into its own part of the scratch, in the blocked layout
-   (vnni_panel forward, vnni_pair backward), and multiplies them at once, while they are
-   in its L2: no tile is shared between the cores and no barrier is crossed per tile, as
-   with a oneDNN GEMM per tile.  The GEMM is ours: a micro-kernel keeping a 6 x 64 block
-   of C in 24 registers, adding per pair of K the panel's 4 vectors times each of A's 6
-   rows' pair (a 32-bit broadcast; vdpbf16ps sums two bf16 products into each float32
-   lane).  A (x16 or g16) is read in place, its rows lda apart.
+   as stored (Q4_K, Q6_K).  Each core takes its own part of W and dequantizes it
+   FUSED_KC values of K at a time into its own part of the scratch, then multiplies the
+   chunk at once, while it is in its L2: no tile is shared between the cores and no
+   barrier is crossed per tile, as with a oneDNN GEMM per tile.  Forward, as y^T = W x^T
+   (the swapped way's orientation): FUSED_ROWS of W's rows at a time, plain rows (the
+   fastest dequantization), times x16^T packed once in the blocked layout; their [rows,
+   T] sums are transposed into y at the end.  Backward: four panels of 64 of z's columns
+   at a time, W's chunk in the blocked layout (vnni_pair), times g16 read in place.
+   The GEMM is ours: a micro-kernel keeping a 6 x 64 block of C in 24 registers, adding
+   per pair of K the panel's 4 vectors times each of A's 6 rows' pair (a 32-bit
+   broadcast; vdpbf16ps sums two bf16 products into each float32 lane).
    Zen 5, 2 cores (the vdpbf16ps peak 1095 GFLOP/s; the micro-kernel alone, one core, on
    operands in L2: 97% of its 550): the 8B's LM head backward ([256, 49152] x Q6_K, the
-   4-layer bench file) 112 ms against 124 for oneDNN's GEMM per tile (whose product
-   [256, 4096] is re-read and re-written per tile); gate's products within 2% of the
-   tiled ways either way (docs/benchmarks.md). */
+   4-layer bench file) 110-115 ms against 118-126 for oneDNN's GEMM per tile (whose
+   product [256, 4096] is re-read and re-written per tile); the other products within
+   1-3% of the tiled ways either way (docs/benchmarks.md). */
 #if defined(BF16_VECS) && defined(__AVX512BW__)
 #define FUSED
 #define GEMM_MR 6
@@ -547,6 +568,8 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
 #define FUSED_KC 512    /* values of K dequantized and multiplied at a time */
 #define FUSED_GROUP 4   /* panels of 64 a core takes at a time */
 #define FUSED_PANEL (FUSED_KC / 2 * VN_N)  /* 32-bit words of a panel's chunk */
+#define FUSED_ROWS 96   /* W's rows a core takes at a time, forward (16 blocks of 6) */
+#define FUSED_LDA (FUSED_KC + 32)  /* values between their rows: off the 4 KB sets */
 
 /* s[r][q] += A's row r's pair p (a 32-bit word) times the panel's row of pairs b */
 static inline __attribute__((always_inline)) void gemm_pair(
@@ -600,16 +623,10 @@ static void gemm_rows(int mr, const uint16_t *a, long lda, const uint32_t *b, lo
     }
 }
 
-/* forward: the panels [j, j + np) (W's rows 64 j ..) over K's values [k0, k0 + kc) as
-   B = W^T's chunk; backward: W's rows [k0, k0 + kc) over its columns 64 j .. (a block
-   of 256 per four panels) as B = W's chunk, pairs of rows, the rows 8 ahead asked for */
-static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, int backward,
-                        long j, long np, long k0, long kc, uint32_t *buf) {
-    if (!backward) {
-        for (long q = 0; q < np; q++)
-            vnni_panel(vecs, w + (j + q) * VN_N * rb, rb, k0, kc, by, buf + q * FUSED_PANEL);
-        return;
-    }
+/* backward: W's rows [k0, k0 + kc) over its columns 64 j .. (a block of 256 per four
+   panels) as B = W's chunk in the blocked layout, pairs of rows, the rows 8 on asked for */
+static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, long j, long np,
+                        long k0, long kc, uint32_t *buf) {
     const long first = j * VN_N / 256 * by, bytes = np / 4 * by;
     for (long p = 0; p < kc / 2; p++) {
         const uint8_t *ra = w + (k0 + 2 * p) * rb + first;
@@ -622,64 +639,125 @@ static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, int bac
                       buf + 4 * b * FUSED_PANEL + p * VN_N, FUSED_PANEL);
     }
 }
+
+/* forward: W's rows [r0, r0 + n) over K's values [k0, k0 + kc) as plain bf16 rows
+   FUSED_LDA apart (A of y^T = W x^T), the row 4 on asked for */
+static void fused_rows(void (*direct)(const uint8_t *, uint16_t *), int by, const uint8_t *w,
+                       long rb, long r0, long n, long k0, long kc, uint16_t *tile) {
+    const long first = k0 / 256 * by, blocks = kc / 256;
+    for (long i = 0; i < n; i++) {
+        const uint8_t *row = w + (r0 + i) * rb + first;
+        if (i + 4 < n) pf_bytes(row + 4 * rb, blocks * by);
+        for (long b = 0; b < blocks; b++) direct(row + b * by, tile + i * FUSED_LDA + 256 * b);
+    }
+}
+
+static long pad64(long n) { return (n + VN_N - 1) / VN_N * VN_N; }
+
+/* the calling core's number and its share [g0, g1) of n groups (in a parallel region) */
+static void core_share(long n, long *id, long *g0, long *g1) {
+#ifdef _OPENMP
+    const long nt = omp_get_num_threads();
+    *id = omp_get_thread_num();
+#else
+    const long nt = 1;
+    *id = 0;
+#endif
+    *g0 = n * *id / nt;
+    *g1 = n * (*id + 1) / nt;
+}
+
+/* a core's scratch: backward, its chunk of panels; forward, its rows' chunk and their
+   float32 sums [FUSED_ROWS, pad64(T)] (bf16 values) */
+static long core_elems(int backward, long T) {
+    return backward ? FUSED_GROUP * FUSED_PANEL * 2
+                    : FUSED_ROWS * FUSED_LDA + 2 * FUSED_ROWS * pad64(T);
+}
 #endif
 
-/* the bf16 values of scratch gt_qgemm_bf16_fused needs (each core's chunk of panels),
-   or 0 where this build has no fused kernel for type t and W [rows, k] (forward: rows a
-   multiple of 64, k of 256; backward: rows even, k a multiple of 256) */
-long gt_fused_scratch(int t, long rows, long k, int backward) {
+/* the bf16 values of scratch gt_qgemm_bf16_fused needs for T rows of the activation,
+   or 0 where this build has no fused kernel for type t and W [rows, k] (k a multiple
+   of 256; backward, rows even) */
+long gt_fused_scratch(int t, long rows, long k, long T, int backward) {
 #ifdef FUSED
-    if (!bf16_vecs(t) || k % 256 || (backward ? rows % 2 : rows % VN_N)) return 0;
+    if (!bf16_vecs(t) || k % 256 || (backward && rows % 2)) return 0;
 #ifdef _OPENMP
     const long nt = omp_get_max_threads();
 #else
     const long nt = 1;
 #endif
-    return nt * FUSED_GROUP * FUSED_PANEL * 2;
+    return nt * core_elems(backward, T);
 #else
-    (void)t; (void)rows; (void)k; (void)backward;
+    (void)t; (void)rows; (void)k; (void)T; (void)backward;
     return 0;
 #endif
 }
 
-/* forward: c [T, rows] = a [T, k] W^T; backward: c [T, k] = a [T, rows] W.  a: bf16
-   rows; scratch: at least gt_fused_scratch values.  -1 where that is 0. */
+/* forward: c [T, rows] = a [T, k] W^T, as y^T = W x^T: xt, a^T in the blocked layout
+   (gt_rows_vnni's), is the GEMM's B, each core's rows of W (dequantized FUSED_ROWS at a
+   time, plain) its A, their [rows, T] sums transposed into c's columns at the end;
+   backward: c [T, k] = a [T, rows] W, a the GEMM's A, each core's panels of W its B.
+   a: bf16 rows; scratch: at least gt_fused_scratch values.  -1 where that is 0. */
 int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int backward,
-                        const uint16_t *a, long T, float *c, uint16_t *scratch,
-                        long scratch_elems) {
-    const long need = gt_fused_scratch(t, rows, k, backward);
+                        const uint16_t *a, const uint16_t *xt, long T, float *c,
+                        uint16_t *scratch, long scratch_elems) {
+    const long need = gt_fused_scratch(t, rows, k, T, backward);
     if (!need || scratch_elems < need) return -1;
 #ifdef FUSED
     gb_deq_fn f; int bl, by;
     if (gb_layout(t, &f, &bl, &by)) return -1;
+    const long each = core_elems(backward, T);
+    if (!backward) {
+        void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k : bf16_q6_k;
+        const long Tp = pad64(T), groups = (rows + FUSED_ROWS - 1) / FUSED_ROWS;
+        const uint32_t *b = (const uint32_t *)xt;
+        #pragma omp parallel
+        {
+            long id, g0, g1;
+            core_share(groups, &id, &g0, &g1);
+            uint16_t *tile = scratch + id * each;
+            float *sums = (float *)(tile + FUSED_ROWS * FUSED_LDA);
+            for (long g = g0; g < g1; g++) {
+                const long r0 = g * FUSED_ROWS;
+                const long n = rows - r0 < FUSED_ROWS ? rows - r0 : FUSED_ROWS;
+                for (long k0 = 0; k0 < k; k0 += FUSED_KC) {
+                    const long kc = k - k0 < FUSED_KC ? k - k0 : FUSED_KC;
+                    fused_rows(direct, by, w, rb, r0, n, k0, kc, tile);
+                    for (long q = 0; q < Tp / VN_N; q++)
+                        for (long i = 0; i < n; i += GEMM_MR)
+                            gemm_rows(n - i < GEMM_MR ? n - i : GEMM_MR, tile + i * FUSED_LDA,
+                                      FUSED_LDA, b + q * (k / 2 * VN_N) + k0 / 2 * VN_N,
+                                      kc / 2, sums + i * Tp + q * VN_N, Tp, k0 > 0);
+                }
+                for (long j0 = 0; j0 < T; j0 += 16)
+                    cols_t(sums, Tp, n, j0, j0 + 16 < T ? j0 + 16 : T, c + r0, rows);
+            }
+        }
+        return 0;
+    }
     const vecs_fn vecs = bf16_vecs(t);
-    const long K = backward ? rows : k, N = backward ? k : rows;
-    const long panels = N / VN_N, groups = (panels + FUSED_GROUP - 1) / FUSED_GROUP;
+    const long panels = k / VN_N, groups = panels / FUSED_GROUP;
     #pragma omp parallel
     {
-#ifdef _OPENMP
-        const long nt = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const long nt = 1, id = 0;
-#endif
-        uint32_t *buf = (uint32_t *)scratch + id * FUSED_GROUP * FUSED_PANEL;
-        for (long g = groups * id / nt; g < groups * (id + 1) / nt; g++) {
+        long id, g0, g1;
+        core_share(groups, &id, &g0, &g1);
+        uint32_t *buf = (uint32_t *)(scratch + id * each);
+        for (long g = g0; g < g1; g++) {
             const long j = g * FUSED_GROUP;
-            const long np = panels - j < FUSED_GROUP ? panels - j : FUSED_GROUP;
-            for (long k0 = 0; k0 < K; k0 += FUSED_KC) {
-                const long kc = K - k0 < FUSED_KC ? K - k0 : FUSED_KC;
-                fused_chunk(vecs, by, w, rb, backward, j, np, k0, kc, buf);
-                for (long q = 0; q < np; q++)
+            for (long k0 = 0; k0 < rows; k0 += FUSED_KC) {
+                const long kc = rows - k0 < FUSED_KC ? rows - k0 : FUSED_KC;
+                fused_chunk(vecs, by, w, rb, j, FUSED_GROUP, k0, kc, buf);
+                for (long q = 0; q < FUSED_GROUP; q++)
                     for (long i = 0; i < T; i += GEMM_MR)
-                        gemm_rows(T - i < GEMM_MR ? T - i : GEMM_MR, a + i * K + k0, K,
-                                  buf + q * FUSED_PANEL, kc / 2, c + i * N + (j + q) * VN_N,
-                                  N, k0 > 0);
+                        gemm_rows(T - i < GEMM_MR ? T - i : GEMM_MR, a + i * rows + k0, rows,
+                                  buf + q * FUSED_PANEL, kc / 2, c + i * k + (j + q) * VN_N,
+                                  k, k0 > 0);
             }
         }
     }
     return 0;
 #else
-    (void)w; (void)rb; (void)a; (void)T; (void)c; (void)scratch;
+    (void)w; (void)rb; (void)a; (void)xt; (void)T; (void)c; (void)scratch;
     return -1;
 #endif
 }
@@ -714,27 +792,13 @@ void gt_rows_vnni(const uint16_t *restrict x16, long m, long k, uint16_t *restri
 }
 
 /* dst[j * ldd + i] = src[i * n + j] for i < m, j < n: a swapped product's [m, n] block
-   (y^T's rows) transposed into its columns of the result, 16 x 16 words in registers */
+   (y^T's rows) transposed into its columns of the result (cols_t, its columns split
+   over the threads) */
 void gt_copy_cols_t(const float *restrict src, long m, long n, float *restrict dst,
                     long ldd) {
     #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
-    for (long j0 = 0; j0 < n; j0 += 16) {
-        for (long i0 = 0; i0 < m; i0 += 16) {
-#ifdef __AVX512F__
-            if (i0 + 16 <= m && j0 + 16 <= n) {
-                __m512i r[16];
-                for (int i = 0; i < 16; i++)
-                    r[i] = _mm512_loadu_si512(src + (i0 + i) * n + j0);
-                vn_t16(r);
-                for (int j = 0; j < 16; j++)
-                    _mm512_storeu_si512(dst + (j0 + j) * ldd + i0, r[j]);
-                continue;
-            }
-#endif
-            for (long j = j0; j < n && j < j0 + 16; j++)
-                for (long i = i0; i < m && i < i0 + 16; i++) dst[j * ldd + i] = src[i * n + j];
-        }
-    }
+    for (long j0 = 0; j0 < n; j0 += 16)
+        cols_t(src, n, m, j0, j0 + 16 < n ? j0 + 16 : n, dst, ldd);
 }
 
 /* o[i] = bf16 of x[i]: the activation operand of a bf16 GEMM */

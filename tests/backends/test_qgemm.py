@@ -191,10 +191,16 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     g = tp.param(r.standard_normal((T, 1030)))
     y, z = ops.qmatmul(x, tp.const(w1)), ops.qmatmul_t(g, tp.const(w2))
     prog = tp.compile([y, z], backend="cpu", compute="bf16")
-    assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == ["fused"] * 2
+    runs = [s for s in prog.executable._steps if hasattr(s, "layout")]
+    assert [s.layout for s in runs] == ["fused"] * 2
     got_y, got_z = prog.run()
     assert rel_err(got_y, _b16(x.value) @ _b16(w1.dequantize()).T) <= 1e-5
     assert rel_err(got_z, _b16(g.value) @ _b16(w2.dequantize())) <= 1e-5
+    # a profile's split: the cores' time dequantizing apart from the GEMM's
+    split = {"dequantize": 0.0, "GEMM": 0.0}
+    for run in runs:
+        run(split)
+    assert split["dequantize"] > 0 and split["GEMM"] > 0
     # and the widths that do not fit its blocking are not offered it
     assert qgemm.lib().gt_fused_scratch(tid, 71, 768, 13, 1) == 0  # an odd K backward
     assert qgemm.lib().gt_fused_scratch(tid, 64, 100 * 32, 13, 0) == 0  # k: not blocks

@@ -89,7 +89,8 @@ def lib():
         so.gt_copy_cols_t.restype = None
         so.gt_fused_scratch.argtypes = [_i, _l, _l, _l, _i]
         so.gt_fused_scratch.restype = _l
-        so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _p, _l, _p, _p, _l]
+        so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _p, _l, _p, _p, _l,
+                                           _p]
         so.gt_qgemm_bf16_fused.restype = _i
         so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]
         so.gt_rows_vnni.restype = None
@@ -619,8 +620,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         """the callable running the product as one fused call (``gt_qgemm_bf16_fused``:
         each core dequantizes its own part of W a chunk at a time and multiplies it
         while it is in its cache, with a GEMM of ours; forward as y^T = W x^T, x16^T
-        packed once past x16 as in the swapped way); its time all "GEMM" in a profile's
-        split"""
+        packed once past x16 as in the swapped way).  In a profile's split the cores'
+        mean time dequantizing counts as "dequantize", the rest as "GEMM"."""
         first = [] if rounded else [(L.gt_f32_bf16, (xp, ap, x.size))]
         xt = None if transposed else ap + 2 * T * k
         if xt is not None:
@@ -631,10 +632,13 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         def run(split=None):
             for f, f_args in first:
                 f(*f_args)
-            t0 = time.perf_counter() if split is not None else 0.0
-            _check(fused(*args), v.op)
-            if split is not None:
-                split["GEMM"] += time.perf_counter() - t0
+            if split is None:
+                _check(fused(*args, None), v.op)
+                return
+            deq, t0 = ctypes.c_double(0.0), time.perf_counter()
+            _check(fused(*args, ctypes.byref(deq)), v.op)
+            split["dequantize"] += deq.value
+            split["GEMM"] += time.perf_counter() - t0 - deq.value
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
         run.layout, run.precision, run.tile, run.rounded = "fused", "bf16", None, rounded
         run.buffers = x, w, out, act16, tile16

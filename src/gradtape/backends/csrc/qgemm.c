@@ -667,6 +667,24 @@ static void core_share(long n, long *id, long *g0, long *g1) {
     *g1 = n * (*id + 1) / nt;
 }
 
+/* seconds, for a profile's split */
+static double now(void) {
+#ifdef _OPENMP
+    return omp_get_wtime();
+#else
+    return 0.0;
+#endif
+}
+
+/* *total += this core's seconds over the number of cores (in a parallel region) */
+static void add_mean(double *total, double seconds) {
+#ifdef _OPENMP
+    seconds /= omp_get_num_threads();
+#endif
+    #pragma omp atomic
+    *total += seconds;
+}
+
 /* a core's scratch: backward, its chunk of panels; forward, its rows' chunk and their
    float32 sums [FUSED_ROWS, pad64(T)] (bf16 values) */
 static long core_elems(int backward, long T) {
@@ -697,10 +715,12 @@ long gt_fused_scratch(int t, long rows, long k, long T, int backward) {
    (gt_rows_vnni's), is the GEMM's B, each core's rows of W (dequantized FUSED_ROWS at a
    time, plain) its A, their [rows, T] sums transposed into c's columns at the end;
    backward: c [T, k] = a [T, rows] W, a the GEMM's A, each core's panels of W its B.
-   a: bf16 rows; scratch: at least gt_fused_scratch values.  -1 where that is 0. */
+   a: bf16 rows; scratch: at least gt_fused_scratch values.  deq: NULL, or where the
+   seconds the cores spent dequantizing (their mean) are added (a profile's split).
+   -1 where the scratch needed is 0. */
 int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int backward,
                         const uint16_t *a, const uint16_t *xt, long T, float *c,
-                        uint16_t *scratch, long scratch_elems) {
+                        uint16_t *scratch, long scratch_elems, double *deq) {
     const long need = gt_fused_scratch(t, rows, k, T, backward);
     if (!need || scratch_elems < need) return -1;
 #ifdef FUSED
@@ -717,12 +737,15 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
             core_share(groups, &id, &g0, &g1);
             uint16_t *tile = scratch + id * each;
             float *sums = (float *)(tile + FUSED_ROWS * FUSED_LDA);
+            double spent = 0.0;
             for (long g = g0; g < g1; g++) {
                 const long r0 = g * FUSED_ROWS;
                 const long n = rows - r0 < FUSED_ROWS ? rows - r0 : FUSED_ROWS;
                 for (long k0 = 0; k0 < k; k0 += FUSED_KC) {
                     const long kc = k - k0 < FUSED_KC ? k - k0 : FUSED_KC;
+                    const double t0 = deq ? now() : 0.0;
                     fused_rows(direct, by, w, rb, r0, n, k0, kc, tile);
+                    if (deq) spent += now() - t0;
                     for (long q = 0; q < Tp / VN_N; q++)
                         for (long i = 0; i < n; i += GEMM_MR)
                             gemm_rows(n - i < GEMM_MR ? n - i : GEMM_MR, tile + i * FUSED_LDA,
@@ -732,6 +755,7 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
                 for (long j0 = 0; j0 < T; j0 += 16)
                     cols_t(sums, Tp, n, j0, j0 + 16 < T ? j0 + 16 : T, c + r0, rows);
             }
+            if (deq) add_mean(deq, spent);
         }
         return 0;
     }
@@ -742,11 +766,14 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
         long id, g0, g1;
         core_share(groups, &id, &g0, &g1);
         uint32_t *buf = (uint32_t *)(scratch + id * each);
+        double spent = 0.0;
         for (long g = g0; g < g1; g++) {
             const long j = g * FUSED_GROUP;
             for (long k0 = 0; k0 < rows; k0 += FUSED_KC) {
                 const long kc = rows - k0 < FUSED_KC ? rows - k0 : FUSED_KC;
+                const double t0 = deq ? now() : 0.0;
                 fused_chunk(vecs, by, w, rb, j, FUSED_GROUP, k0, kc, buf);
+                if (deq) spent += now() - t0;
                 for (long q = 0; q < FUSED_GROUP; q++)
                     for (long i = 0; i < T; i += GEMM_MR)
                         gemm_rows(T - i < GEMM_MR ? T - i : GEMM_MR, a + i * rows + k0, rows,
@@ -754,10 +781,11 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
                                   k, k0 > 0);
             }
         }
+        if (deq) add_mean(deq, spent);
     }
     return 0;
 #else
-    (void)w; (void)rb; (void)a; (void)xt; (void)T; (void)c; (void)scratch;
+    (void)w; (void)rb; (void)a; (void)xt; (void)T; (void)c; (void)scratch; (void)deq;
     return -1;
 #endif
 }

@@ -11,6 +11,7 @@
    Tiles are dequantized with their rows split over the threads (OpenMP).  Type ids are
    ggml's.  This file knows nothing of Python; ../qgemm.py loads it. */
 #include <stdlib.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -669,11 +670,9 @@ static void core_share(long n, long *id, long *g0, long *g1) {
 
 /* seconds, for a profile's split */
 static double now(void) {
-#ifdef _OPENMP
-    return omp_get_wtime();
-#else
-    return 0.0;
-#endif
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
 /* *total += this core's seconds over the number of cores (in a parallel region) */

@@ -20,6 +20,11 @@ even) in the NumPy reference and multiply in float32, so each isolates one round
   weights only     W rounded, the activation kept float32
   hi/lo split      bf16, with the forward activation carried in two bf16 terms
                    (x = hi + lo): 1.5x the GEMMs of bf16
+  int8 x/32        the forward activation quantized to int8 per 32 values of K
+                   (symmetric, nearest; Q8_0's blocks), W exact, so an int8 GEMM
+                   summing whole blocks of a Q4 weight's integers (llama.cpp's dot
+                   products) would compute it; the backward as bf16
+  int8 x/256       the same per 256 values (Q8_K's blocks, Q4_K's super-blocks)
 The last row, ``cpu backend bf16``, is the real path (oneDNN, bf16 inputs, float32
 accumulation).  What it shows: the smallest gradients (norm 0.01-0.05; the largest is
 0.66) come out 3-8% off from GEMM inputs rounded by at most 2^-9, so their cosine sits at
@@ -56,7 +61,7 @@ TEXTS = {
              '"Paris"} Extract the fields as JSON. Bob Jones is 51 and lives in Oslo. ') * 3,
 }
 SCHEMES = ("bf16", "forward only", "backward only", "activations only", "weights only",
-           "hi/lo split")
+           "hi/lo split", "int8 x/32", "int8 x/256")
 BIG = 1 << 16  # the cpu backend's BF16_MIN_WEIGHT
 
 
@@ -64,6 +69,18 @@ def bf16(x):
     """x rounded to bf16 (nearest even), as float32 (finite inputs)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+def int8_blocks(a, n):
+    """a [T, K] quantized to int8 per n values of each row (the last block may be
+    shorter): scale max|block| / 127, nearest, as float32."""
+    T, K = a.shape
+    blocks = np.zeros((T, -(-K // n) * n), np.float32)
+    blocks[:, :K] = a
+    blocks = blocks.reshape(T, -1, n)
+    scale = np.abs(blocks).max(-1, keepdims=True) / 127
+    scale[scale == 0] = 1
+    return (np.rint(blocks / scale) * scale).reshape(T, -1)[:, :K]
 
 
 def rounding_matmul(scheme, is_forward):
@@ -76,6 +93,9 @@ def rounding_matmul(scheme, is_forward):
         if (scheme == "float32" or b.size < BIG or a.ndim != 2
                 or scheme == "forward only" and not fwd or scheme == "backward only" and fwd):
             np.matmul(a, b, out=out)
+            return
+        if scheme.startswith("int8") and fwd:
+            np.matmul(int8_blocks(a, int(scheme.split("/")[1])), b, out=out)
             return
         a16 = a if scheme == "weights only" else bf16(a)
         w16 = b if scheme == "activations only" else bf16(b)

@@ -170,10 +170,12 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
 def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     """The fused way (gt_qgemm_bf16_fused: each core dequantizes its own part of W a
     chunk of K at a time and multiplies it with our GEMM) at the edges of its blocking:
-    forward over W [200, 768], W's rows in groups of 96, 96 and 8 (its last block of 6
-    rows partial), K in chunks of 512 and 256, T = 13 (x^T's panel padded, the sums of
-    13 columns moved into y); backward over W [1030, 512], two groups of columns and W's
-    rows in chunks of 512, 512 and 6, T = 13 (a last block of one row of g)."""
+    forward over W [200, 768], each core's share of W's rows (in blocks of 6; two cores:
+    102 and 98) in groups of 96 and the rest (a last block partial), K in chunks of 512
+    and 256, T = 13 (x^T's panel padded, the sums of 13 columns moved into y), and over
+    W [5, 256], one block of rows (a core without a share); backward over W [1030, 512],
+    two groups of columns and W's rows in chunks of 512, 512 and 6, T = 13 (a last block
+    of one row of g)."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
@@ -186,16 +188,20 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     r = np.random.default_rng(300 + TYPES.index(qtype))
     T = 13
     w1, w2 = random_blocks(qtype, 200, 768, r), random_blocks(qtype, 1030, 512, r)
+    w3 = random_blocks(qtype, 5, 256, r)
     tp = gt.Tape(np.float32)
     x = tp.param(r.standard_normal((T, 768)))
     g = tp.param(r.standard_normal((T, 1030)))
+    x3 = tp.param(r.standard_normal((T, 256)))
     y, z = ops.qmatmul(x, tp.const(w1)), ops.qmatmul_t(g, tp.const(w2))
-    prog = tp.compile([y, z], backend="cpu", compute="bf16")
+    y3 = ops.qmatmul(x3, tp.const(w3))
+    prog = tp.compile([y, z, y3], backend="cpu", compute="bf16")
     runs = [s for s in prog.executable._steps if hasattr(s, "layout")]
-    assert [s.layout for s in runs] == ["fused"] * 2
-    got_y, got_z = prog.run()
+    assert [s.layout for s in runs] == ["fused"] * 3
+    got_y, got_z, got_y3 = prog.run()
     assert rel_err(got_y, _b16(x.value) @ _b16(w1.dequantize()).T) <= 1e-5
     assert rel_err(got_z, _b16(g.value) @ _b16(w2.dequantize())) <= 1e-5
+    assert rel_err(got_y3, _b16(x3.value) @ _b16(w3.dequantize()).T) <= 1e-5
     # a profile's split: the cores' time dequantizing apart from the GEMM's
     split = {"dequantize": 0.0, "GEMM": 0.0}
     for run in runs:

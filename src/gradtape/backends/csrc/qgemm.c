@@ -728,18 +728,21 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
     const long each = core_elems(backward, T);
     if (!backward) {
         void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k : bf16_q6_k;
-        const long Tp = pad64(T), groups = (rows + FUSED_ROWS - 1) / FUSED_ROWS;
+        const long Tp = pad64(T), blocks = (rows + GEMM_MR - 1) / GEMM_MR;
         const uint32_t *b = (const uint32_t *)xt;
         #pragma omp parallel
         {
+            /* each core's share of W's rows in blocks of the micro-kernel's, FUSED_ROWS
+               at a time (shared as whole FUSED_ROWS, W [1024, 4096]'s 11 went 6 to 5:
+               2.46 against 2.32 ms, Zen 5) */
             long id, g0, g1;
-            core_share(groups, &id, &g0, &g1);
+            core_share(blocks, &id, &g0, &g1);
+            const long first = g0 * GEMM_MR, end = g1 * GEMM_MR < rows ? g1 * GEMM_MR : rows;
             uint16_t *tile = scratch + id * each;
             float *sums = (float *)(tile + FUSED_ROWS * FUSED_LDA);
             double spent = 0.0;
-            for (long g = g0; g < g1; g++) {
-                const long r0 = g * FUSED_ROWS;
-                const long n = rows - r0 < FUSED_ROWS ? rows - r0 : FUSED_ROWS;
+            for (long r0 = first; r0 < end; r0 += FUSED_ROWS) {
+                const long n = end - r0 < FUSED_ROWS ? end - r0 : FUSED_ROWS;
                 for (long k0 = 0; k0 < k; k0 += FUSED_KC) {
                     const long kc = k - k0 < FUSED_KC ? k - k0 : FUSED_KC;
                     const double t0 = deq ? now() : 0.0;

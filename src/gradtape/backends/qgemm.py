@@ -467,6 +467,16 @@ class _BoundOnFirstCall:
         return self.bound()(*args)
 
 
+def _gemm_operands(v, out, ins):
+    """``(qtype, rows, k, x, w, T, transposed)`` of block product ``v`` (``qmatmul`` or
+    ``qmatmul_t``) for the oneDNN lowerings, which read their operands in place."""
+    a = v.attrs
+    x, w = ins
+    if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
+        raise RuntimeError(f"{v.op}: operands must be C-contiguous")
+    return a["qtype"], a["rows"], a["k"], x, w, x.shape[0], v.op == "qmatmul_t"
+
+
 def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=False):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` with bf16
     inputs and float32 accumulation: the activation is rounded to bf16 into ``act16``,
@@ -494,13 +504,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     14336 floats) measured 15-20% slower than into contiguous rows.  ``rounded``: act16
     already holds x's bf16 copy when this runs (a ``qmatmul`` after another of the same
     x, whose run wrote it and nothing since), so it is not rounded again."""
-    a = v.attrs
-    qtype, rows, k = a["qtype"], a["rows"], a["k"]
-    x, w = ins
-    T = x.shape[0]
-    if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
-        raise RuntimeError(f"{v.op}: operands must be C-contiguous")
-    transposed = v.op == "qmatmul_t"
+    qtype, rows, k, x, w, T, transposed = _gemm_operands(v, out, ins)
     if rounded and transposed:
         raise ValueError("lower_bf16: a qmatmul_t rounds its own operand (its tiles may "
                          "write act16 column by column)")
@@ -730,13 +734,7 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
     offset off): ``choose`` as in ``lower_bf16``.  The int32 sums of a block of columns
     go to ``prod32`` (contiguous rows, as in ``lower_bf16``), else straight into
     ``out``'s bytes."""
-    a = v.attrs
-    qtype, rows, k = a["qtype"], a["rows"], a["k"]
-    x, w = ins
-    T = x.shape[0]
-    if not (x.flags.c_contiguous and out.flags.c_contiguous and w.strides[1] == 1):
-        raise RuntimeError(f"{v.op}: operands must be C-contiguous")
-    transposed = v.op == "qmatmul_t"
+    qtype, rows, k, x, w, T, transposed = _gemm_operands(v, out, ins)
     R, C = bf16_tile_shape(transposed, qtype, rows, k)
     L, tid, wp, rb = lib(), _type_id(qtype), w.ctypes.data, w.strides[0]
     xp, ap, tp, op = x.ctypes.data, act8.ctypes.data, tile8.ctypes.data, out.ctypes.data

@@ -191,7 +191,8 @@ class Tape:
         ``compute="bf16"``: the cpu backend runs GEMMs against frozen float32 weights
         with bf16 inputs and float32 accumulation (see ``backends.compute``).
         ``checkpoint=True``: recompute forward values in backward from the values marked
-        with ``Tape.checkpoint`` (activation checkpointing; same values, less memory).
+        with ``Tape.checkpoint`` (activation checkpointing; same values, less memory); a
+        number n: only those of the first n marked layers, the others keep theirs.
         """
         return compile_program(self, outputs, get_backend(backend), updates, compute,
                                checkpoint)

@@ -22,9 +22,10 @@ def _batch(t=24, vocab=257, seed=0):
     return ids, tg
 
 
-def _run(model, backend, mode, dtype, t=24, steps=3):
+def _run(model, backend, mode, dtype, t=24, steps=3, limit=None):
     ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1, dtype=dtype), 2, t,
-                   backend=backend, dtype=dtype, grad_checkpoint=mode, compute="float32")
+                   backend=backend, dtype=dtype, grad_checkpoint=mode, compute="float32",
+                   memory_limit=limit)
     ids, tg = _batch(t)
     losses = [ts.step([(ids, tg)], i + 1, 1e-2) for i in range(steps)]
     return ts, losses, ts.adapter_weights()
@@ -88,6 +89,33 @@ def test_checkpointing_needs_less_memory():
     assert on.program.memory.nbytes < 0.6 * off.program.memory.nbytes
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_auto_recomputes_the_fewest_layers_that_fit(backend, monkeypatch):
+    """Between the plans without checkpointing and with every layer recomputed, ``auto``
+    recomputes the first layers only, as few as keep the plan within the share; those
+    steps train as the others do (numpy: bitwise; cpu: float64 rounding)."""
+    from gradtape.models import model as M
+
+    monkeypatch.setattr(M, "ATTN_TILED_MIN", 0)  # an "attn" op per layer and recompute
+    model = tiny_model(seed=2, n_layers=4)
+    dtype = np.float32 if backend == "numpy" else np.float64
+    probe = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1, dtype=dtype), 2,
+                      64, backend=backend, dtype=dtype, compute="float32")
+    need = [probe.planned_memory(n).total for n in range(3)]
+    assert need[0] > need[1] > need[2] > probe.planned_memory(True).total - 2**20
+    off, l_off, w_off = _run(model, backend, "off", dtype, t=64)
+    for n in (1, 2):
+        part, l_part, w_part = _run(model, backend, "auto", dtype, t=64,
+                                    limit=need[n] / AUTO_SHARE)
+        assert part.checkpointed == n
+        assert sum(v.op == "attn" for v in part.program.graph.ops) == 4 + n
+        tol = 0.0 if backend == "numpy" else 1e-12
+        assert rel_err(np.array(l_part), np.array(l_off)) <= tol
+        for key in w_off:
+            for a, b in zip(w_part[key], w_off[key]):
+                assert rel_err(a, b) <= tol, key
+
+
 def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     model = tiny_model(seed=2, n_layers=4)
     t = 64
@@ -101,7 +129,10 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     assert need_on < need_off
     share = AUTO_SHARE
     assert not step("auto", need_off / share).checkpointed  # fits as it is, with room
-    assert step("auto", need_off / share - 1).checkpointed  # would take over the share
+    # would take over the share: recomputes some layers, all where only that fits
+    assert 1 <= step("auto", need_off / share - 1).checkpointed <= 4
+    assert step("auto", need_on / share).checkpointed == 4
+    assert step("on", None).checkpointed == 4
     with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
                                             r"[\d.]+ GiB \(weights .*activations .*\) with "
                                             r"activation checkpointing, but only 0\.4 GiB "

@@ -12,7 +12,14 @@ is about one more forward pass.  The clones are the same ops on the same inputs:
 values, hence every gradient, are bitwise those of the graph without checkpointing.
 
 Unlike ``remat`` (cheap elementwise values, a few levels deep), any op is recomputed here,
-GEMMs and the tiled attention included.  The pass returns a new Graph; the tape is not
+GEMMs and the tiled attention included.
+
+Checkpointing can stop part way: with ``layers`` = n, only the first n checkpointed layers
+are recomputed, and every forward value from the n-th checkpoint on (the last layers, the
+head) stays as without checkpointing.  Backward reaches the last layers first, so their
+kept activations are freed before the recomputed layers need room: memory falls by
+about a layer's activations for each layer recomputed, and time rises by about a
+layer's forward (``TrainStep``'s ``auto`` recomputes the fewest layers that fit).  The pass returns a new Graph; the tape is not
 modified.
 """
 
@@ -22,17 +29,24 @@ from .graph import Graph
 from .remat import _with_inputs
 
 
-def checkpoint(graph: Graph, marks, keep) -> Graph:
+def checkpoint(graph: Graph, marks, keep, layers=None) -> Graph:
     """Recompute every forward value read after the first backward mark from ``keep``
-    (checkpoint Vars), leaves and pinned values."""
+    (checkpoint Vars, one per layer in forward order), leaves and pinned values; with
+    ``layers`` (0 to ``len(keep)``; None: all), only those computed before the
+    ``layers``-th checkpoint."""
     ops = list(graph.ops)
-    if not marks or not ops or not keep:
+    if layers is None:
+        layers = len(keep)
+    if not marks or not ops or not keep or layers <= 0:
         return graph
     first = min(marks)
     start = next((i for i, v in enumerate(ops) if v.index >= first), None)
     if start is None:
         return graph
-    forward = set(ops[:start])
+    pos = {v: i for i, v in enumerate(ops)}
+    # the forward values recomputed: those before the first layer kept whole
+    end = min((pos[v] for v in keep[layers:] if v in pos), default=start)
+    forward = set(ops[:min(start, end)])
     stays = set(keep) | set(graph.outputs) | {src for _, src in graph.updates}
 
     def cloned(x):
@@ -50,7 +64,6 @@ def checkpoint(graph: Graph, marks, keep) -> Graph:
             for x in v.inputs:
                 if cloned(x) and at.get(x, len(ops)) > at[v]:
                     at[x] = at[v]
-    pos = {v: i for i, v in enumerate(ops)}
     if not at:
         return graph
     before = {}

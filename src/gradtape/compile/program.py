@@ -47,12 +47,14 @@ def passes(tape, outputs, updates, backend_cls, checkpoint=False):
     """Prune (``build_graph``); decompose the fused primitives ``backend_cls`` has no
     kernel for; compute repeated forward ops once (``compile.cse``); with ``checkpoint``,
     recompute in backward what the forward computed from the tape's checkpoints
-    (``compile.checkpoint``); rematerialize."""
+    (``compile.checkpoint``: True recomputes every checkpointed layer, a number n only
+    the first n); rematerialize."""
     graph = decompose(build_graph(tape, outputs, updates), backend_cls.has_kernel)
     graph, new_of = merge_common(graph, tape.backward_marks)
     if checkpoint:
         keep = [new_of.get(v, v) for v in tape.checkpoints]
-        graph = checkpoint_pass(graph, tape.backward_marks, keep)
+        layers = None if checkpoint is True else int(checkpoint)
+        graph = checkpoint_pass(graph, tape.backward_marks, keep, layers)
     return rematerialize(graph, tape.backward_marks)
 
 

@@ -150,8 +150,8 @@ class FinetuneConfig:
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
-                                        "or auto (on when the step would otherwise take "
-                                        "more than 3/4 of the available memory)",
+                                        "or auto (as few layers recomputed as keep the "
+                                        "step within 3/4 of the available memory)",
                                 checks.one_of("auto", "on", "off"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
@@ -242,7 +242,9 @@ def _finetune(cfg, model, log, world, together):
         log(f"attention: {step_prog.attention_why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
-        + (", with activation checkpointing" if step_prog.checkpointed else "")
+        + (f", with activation checkpointing ({step_prog.checkpointed} of "
+           f"{len(step_prog.tape.checkpoints)} layers recomputed)"
+           if step_prog.checkpointed else "")
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
     if not cfg.ignore_memory:
         check_memory(est, available, hint=hint)

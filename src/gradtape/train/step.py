@@ -57,12 +57,13 @@ class Schedule:
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
 
 
-# --grad-checkpoint auto recomputes the layers when the step would otherwise take more
-# than this share of the memory available; the rest stays for the machine's other work
-# and the estimate's error.  Recomputing costs about one more forward pass: the 8B Q4_K_M
-# at batch 4 x 256 planned 12.2 of 22.7 GiB without it and stepped in 48.6 s, against
-# 66.1 s checkpointed (AMD Zen 5, 2 cores); at T=2048 it planned 20.7 of 22.9 GiB
-# without it, 8.3 GiB with it.
+# --grad-checkpoint auto recomputes as few layers as keep the step within this share of
+# the memory available; the rest stays for the machine's other work and the estimate's
+# error.  Recomputing every layer costs about one more forward pass: the 8B Q4_K_M at
+# batch 4 x 256 planned 12.2 of 22.7 GiB without it and stepped in 48.6 s, against
+# 66.1 s checkpointed (AMD Zen 5, 2 cores); at T=2048 it plans 18.8 GiB without it, 7.7
+# with every layer recomputed, and with 23 GiB available recomputes 5 layers (17.0 GiB):
+# 79 s a step against 102 s with all 32.
 AUTO_SHARE = 0.75
 
 
@@ -75,9 +76,10 @@ class TrainStep:
                  memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
                              "--ignore-memory to try anyway)"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
-        only the layers' input rows), "off" keeps the activations, "auto" checkpoints
-        when the step without it would need more than ``AUTO_SHARE`` of ``memory_limit``
-        bytes (and, with no limit given, never).  With
+        only the layers' input rows), "off" keeps the activations, "auto" recomputes the
+        fewest layers (the first ones) that keep the step within ``AUTO_SHARE`` of
+        ``memory_limit`` bytes (none with no limit given); ``checkpointed`` says how many
+        layers it recomputes.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
         ``memory_hint``)."""
@@ -160,33 +162,57 @@ class TrainStep:
                                   compute=self.compute, checkpoint=self.checkpointed)
 
     def planned_memory(self, checkpoint):
-        """The ``memory.Estimate`` of the step's program compiled with or without
-        activation checkpointing, from the passes' memory plan (nothing allocated)."""
+        """The ``memory.Estimate`` of the step's program compiled with activation
+        checkpointing (True: every layer recomputed; a number n: the first n), or
+        without it (False or 0), from the passes' memory plan (nothing allocated)."""
         outputs, updates = self._step_graph
         n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
         return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
                        self.backend)
 
     def _decide_checkpoint(self, outputs, updates):
-        """Whether to compile ``outputs`` with activation checkpointing, from the memory
-        plans of both choices (no allocation); refuses a step that fits neither way."""
+        """How many layers to recompute in backward (0: none; all the tape's checkpointed
+        layers with "on"; with "auto", the fewest whose step fits ``AUTO_SHARE`` of the
+        limit), from the memory plans (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
+        layers = len(self.tape.checkpoints)
         if mode == "off" and limit is None:
-            return False
-        if mode == "auto" and (limit is None
-                               or self.planned_memory(False).total <= AUTO_SHARE * limit):
-            return False
-        on = mode != "off"
-        est = self.planned_memory(on)
+            return 0
+        if mode == "auto":
+            if limit is None:
+                return 0
+            need_off = self.planned_memory(0).total
+            if need_off <= AUTO_SHARE * limit:
+                return 0
+        n = layers if mode != "off" else 0
+        est = self.planned_memory(n)
         if limit is not None and est.total > limit:
-            how = "with" if on else "without"
+            how = "with" if n else "without"
             raise GradtapeError(
                 f"not enough memory: this run needs {est.describe()} {how} activation "
                 f"checkpointing, but only {limit / GiB:.1f} GiB is available"
-                + ("" if on else " (--grad-checkpoint on would need less)")
+                + ("" if n else " (--grad-checkpoint on would need less)")
                 + self.memory_hint)
-        return on
+        if mode == "auto" and est.total < AUTO_SHARE * limit:
+            n = self._fewest_recomputed(need_off, est.total, AUTO_SHARE * limit)
+        return n
+
+    def _fewest_recomputed(self, need_none, need_all, budget):
+        """The fewest layers to recompute for a plan within ``budget`` bytes, given the
+        plans recomputing none (over it) and all (within it): each layer recomputed
+        saves about the same, so each guess interpolates between the closest plans on
+        either side (two or three plans for an 8B model)."""
+        lo, hi = (0, need_none), (len(self.tape.checkpoints), need_all)
+        while hi[0] - lo[0] > 1:
+            guess = lo[0] + math.ceil((hi[0] - lo[0]) * (lo[1] - budget) / (lo[1] - hi[1]))
+            n = min(max(guess, lo[0] + 1), hi[0] - 1)
+            need = self.planned_memory(n).total
+            if need <= budget:
+                hi = (n, need)
+            else:
+                lo = (n, need)
+        return hi[0]
 
     def _compile_split(self, params, g, opt, clip, backend):
         """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""

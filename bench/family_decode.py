@@ -7,6 +7,7 @@ overhead, not GEMM speed.
     python bench/family_decode.py
 """
 
+import argparse
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ def rate(model, prompt, n, decoder, reps=3):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     root = Path(tempfile.mkdtemp())
     prompt = list(range(3, 19))
     for fam in C_DECODE_FAMILIES:

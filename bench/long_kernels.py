@@ -19,7 +19,7 @@ import numpy as np
 
 from gradtape import tiled
 from gradtape.backends.compute import call_seconds, cpu_summary
-from gradtape.backends.tiled_c import kernels
+from gradtape.backends.tiled_c import CTiles
 
 
 def median_s(fn, reps):
@@ -47,7 +47,7 @@ def main():
     print(f"CPU: {cpu_summary()}; T={t}, median of {args.reps}")
     got = {}
     for bf16 in (False, True):
-        c = kernels(np.float32, bf16)
+        c = CTiles(np.float32, bf16)
         y = np.empty((t, nh * hd + nh), np.float32)
         g = np.empty(t * nh * hd + 2 * t * nkv * hd, np.float32)
         h = np.empty((t, 2 + d), np.float32)

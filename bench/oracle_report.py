@@ -11,6 +11,7 @@ primitive and layer.  Needs torch (a test-only dependency).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -37,6 +38,7 @@ def line(title, res, tol):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     t0 = time.perf_counter()
     blk = []
     for c in block.CONFIGS:

@@ -1,0 +1,27 @@
+"""Every script in bench/ still runs against the package: each answers ``--help`` (its
+imports resolve and its options parse), as a user would call it first.  A renamed or
+removed function the scripts use fails here rather than in a later session's
+measurement."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py"))
+
+
+def test_the_scripts_are_found():
+    assert {"quant_bench.py", "profile_step.py", "long_kernels.py"} <= {p.name for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bench_script_answers_help(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    monkeypatch.syspath_prepend(str(BENCH))
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -44,8 +44,9 @@ def checkpoint(graph: Graph, marks, keep, layers=None) -> Graph:
     if start is None:
         return graph
     pos = {v: i for i, v in enumerate(ops)}
-    # the forward values recomputed: those before the first layer kept whole
-    end = min((pos[v] for v in keep[layers:] if v in pos), default=start)
+    # the forward values recomputed: those before the first layer kept whole (counting
+    # the checkpoints of this graph only: a tape can hold another program's too)
+    end = min((pos[v] for v in [v for v in keep if v in pos][layers:]), default=start)
     forward = set(ops[:min(start, end)])
     stays = set(keep) | set(graph.outputs) | {src for _, src in graph.updates}
 

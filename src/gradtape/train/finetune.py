@@ -243,7 +243,7 @@ def _finetune(cfg, model, log, world, together):
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "
-           f"{len(step_prog.tape.checkpoints)} layers recomputed)"
+           f"{model.config.n_layers} layers recomputed)"
            if step_prog.checkpointed else "")
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
     if not cfg.ignore_memory:

@@ -176,7 +176,7 @@ class TrainStep:
         limit), from the memory plans (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
-        layers = len(self.tape.checkpoints)
+        layers = self.model.config.n_layers
         if mode == "off" and limit is None:
             return 0
         if mode == "auto":
@@ -203,7 +203,7 @@ class TrainStep:
         plans recomputing none (over it) and all (within it): each layer recomputed
         saves about the same, so each guess interpolates between the closest plans on
         either side (two or three plans for an 8B model)."""
-        lo, hi = (0, need_none), (len(self.tape.checkpoints), need_all)
+        lo, hi = (0, need_none), (self.model.config.n_layers, need_all)
         while hi[0] - lo[0] > 1:
             guess = lo[0] + math.ceil((hi[0] - lo[0]) * (lo[1] - budget) / (lo[1] - hi[1]))
             n = min(max(guess, lo[0] + 1), hi[0] - 1)

@@ -3,10 +3,11 @@
 shapes, each the median of ``--reps`` calls, with the bf16 results' error against the
 float32 ones.
 
-    python bench/long_kernels.py [--seq-len 2048] [--reps 5]
+    python bench/long_kernels.py [--seq-len 2048] [--reps 5] [--heads 32,8,128]
 
-The attention is one layer's (9 query heads, 3 KV heads, head dim 64, causal); the head
-is [T, 576] against a 49152-row table.  bf16 needs a CPU with AVX512-BF16 for the
+The attention is one layer's (by default SmolLM2's 9 query heads, 3 KV heads, head dim
+64; causal), with its rate counting the causal half of the products (the backward's as
+2.5 forwards); the head is [T, 576] against a 49152-row table.  bf16 needs a CPU with AVX512-BF16 for the
 attention's instructions (plain C otherwise: slow, for the tests) and oneDNN for the head.
 """
 
@@ -34,8 +35,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--heads", default="9,3,64",
+                    help="the attention's query heads, KV heads and head dim (default "
+                         "SmolLM2's 9,3,64; an 8B LLaMA's: 32,8,128)")
     args = ap.parse_args()
-    t, nh, nkv, hd, d, vocab = args.seq_len, 9, 3, 64, 576, 49152
+    nh, nkv, hd = (int(x) for x in args.heads.split(","))
+    t, d, vocab = args.seq_len, 576, 49152
+    flop = 2 * t * t * hd * nh  # QK^T and PV, the causal half of each
     rng = np.random.default_rng(0)
     q = rng.standard_normal((t, nh * hd), dtype=np.float32)
     k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))
@@ -58,7 +64,8 @@ def main():
                                                      kern=c), args.reps)
         got[bf16] = (y, g, h)
         name = "bf16" if bf16 else "float32"
-        print(f"{name:8s} attention forward {fwd * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms; "
+        print(f"{name:8s} attention forward {fwd * 1e3:.1f} ms ({flop / fwd / 1e9:.0f} "
+              f"GFLOP/s), backward {bwd * 1e3:.1f} ms ({2.5 * flop / bwd / 1e9:.0f}); "
               f"head + loss {head * 1e3:.0f} ms")
     errs = [rel(a, b) for a, b in zip(got[True], got[False])]
     print("bf16 against float32 (max |diff| / max |float32|): attention {:.1e}, its "

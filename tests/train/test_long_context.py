@@ -116,6 +116,24 @@ def test_auto_recomputes_the_fewest_layers_that_fit(backend, monkeypatch):
                 assert rel_err(a, b) <= tol, key
 
 
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_the_plan_auto_weighs_is_the_whole_run(backend, mode):
+    """``planned_memory`` counts what the built run holds beside the step's own arena
+    (the eval program's arena, copies and scratch): within 10% of the built estimate, so
+    ``AUTO_SHARE`` is a share of the run, not of the step alone."""
+    from gradtape.train.memory import estimate
+
+    model = tiny_model(seed=2, n_layers=4)
+    ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, 64,
+                   backend=backend, grad_checkpoint=mode, compute="float32")
+    plan, built = ts.planned_memory(ts.checkpointed), estimate(model, ts)
+    assert abs(plan.activations - built.activations) <= 0.1 * built.activations
+    assert ts.eval_program.memory.nbytes > 0.1 * built.activations  # it is counted
+    assert (plan.weights, plan.scratch, plan.state) == (built.weights, built.scratch,
+                                                        built.state)
+
+
 def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     model = tiny_model(seed=2, n_layers=4)
     t = 64

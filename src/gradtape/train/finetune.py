@@ -151,7 +151,7 @@ class FinetuneConfig:
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
                                         "or auto (as few layers recomputed as keep the "
-                                        "step within 3/4 of the available memory)",
+                                        "run within 3/4 of the available memory)",
                                 checks.one_of("auto", "on", "off"))
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)

@@ -68,14 +68,20 @@ def _scratch(prog, weights, dtype):
     return big * (4 + (np.dtype(dtype).itemsize if np.dtype(dtype) != np.float32 else 0))
 
 
-def planned(model, tape, outputs, updates, n_param, checkpoint, backend) -> Estimate:
+def planned(model, tape, outputs, updates, n_param, checkpoint, backend, built=()) -> Estimate:
     """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
     the backend-independent passes and their memory plan, before any backend allocates
-    anything (the cpu backend's fused plan needs somewhat less)."""
+    anything (the cpu backend's own plan differs by a few percent), with what the programs
+    ``built`` beside it hold (the eval program: its arena, its bf16 weight copies, which
+    the step shares, and its scratch)."""
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
-    return Estimate(weights=resident_bytes(model.weights),
-                    activations=int(plan_memory(graph).nbytes),
-                    scratch=fused_scratch_bytes(graph),
+    built = list(built)
+    return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
+                    activations=int(plan_memory(graph).nbytes)
+                    + sum(int(p.memory.nbytes) for p in built),
+                    scratch=max([fused_scratch_bytes(graph)]
+                                + [_scratch(p, model.weights, tape.dtype)
+                                   + fused_scratch_bytes(p.graph) for p in built]),
                     state=n_param * tape.dtype.itemsize * 5)
 
 

@@ -57,13 +57,14 @@ class Schedule:
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
 
 
-# --grad-checkpoint auto recomputes as few layers as keep the step within this share of
-# the memory available; the rest stays for the machine's other work and the estimate's
-# error.  Recomputing every layer costs about one more forward pass: the 8B Q4_K_M at
-# batch 4 x 256 planned 12.2 of 22.7 GiB without it and stepped in 48.6 s, against
-# 66.1 s checkpointed (AMD Zen 5, 2 cores); at T=2048 it plans 18.8 GiB without it, 7.7
-# with every layer recomputed, and with 23 GiB available recomputes 5 layers (17.0 GiB):
-# 79 s a step against 102 s with all 32.
+# --grad-checkpoint auto recomputes as few layers as keep the run (the step's plan, the
+# eval program, the weights) within this share of the memory available; the rest stays
+# for the machine's other work and the estimate's error.  Recomputing every layer costs
+# about one more forward pass: the 8B Q4_K_M at batch 4 x 256 plans 12.6 of 22.7 GiB
+# without it and stepped in 48.6 s, against
+# 66.1 s checkpointed (AMD Zen 5, 2 cores); at T=2048 it plans 19.6 GiB without it, 8.5
+# with every layer recomputed, and with 23 GiB available recomputes 7 layers (17.0 GiB):
+# 76-80 s a step against 102-104 s with all 32.
 AUTO_SHARE = 0.75
 
 
@@ -77,7 +78,7 @@ class TrainStep:
                              "--ignore-memory to try anyway)"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes the
-        fewest layers (the first ones) that keep the step within ``AUTO_SHARE`` of
+        fewest layers (the first ones) that keep the run within ``AUTO_SHARE`` of
         ``memory_limit`` bytes (none with no limit given); ``checkpointed`` says how many
         layers it recomputes.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
@@ -162,13 +163,14 @@ class TrainStep:
                                   compute=self.compute, checkpoint=self.checkpointed)
 
     def planned_memory(self, checkpoint):
-        """The ``memory.Estimate`` of the step's program compiled with activation
-        checkpointing (True: every layer recomputed; a number n: the first n), or
-        without it (False or 0), from the passes' memory plan (nothing allocated)."""
+        """The ``memory.Estimate`` of the run with the step's program compiled with
+        activation checkpointing (True: every layer recomputed; a number n: the first
+        n), or without it (False or 0), from the passes' memory plan (nothing allocated),
+        and the eval program built before it."""
         outputs, updates = self._step_graph
         n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
         return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
-                       self.backend)
+                       self.backend, built=[self.eval_program])
 
     def _decide_checkpoint(self, outputs, updates):
         """How many layers to recompute in backward (0: none; all the tape's checkpointed

@@ -7,8 +7,9 @@ float32 ones.
 
 The attention is one layer's (by default SmolLM2's 9 query heads, 3 KV heads, head dim
 64; causal), with its rate counting the causal half of the products (the backward's as
-2.5 forwards); the head is [T, 576] against a 49152-row table.  bf16 needs a CPU with AVX512-BF16 for the
-attention's instructions (plain C otherwise: slow, for the tests) and oneDNN for the head.
+2.5 forwards); the head is [T, 576] against a 49152-row table.  bf16 needs a CPU with
+AVX512-BF16 for the attention's instructions (plain C otherwise: slow, for the tests)
+and oneDNN for the head.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ SCRIPTS = sorted(p for p in BENCH.glob("*.py"))
 
 
 def test_the_scripts_are_found():
-    assert {"quant_bench.py", "profile_step.py", "long_kernels.py"} <= {p.name for p in SCRIPTS}
+    names = {p.name for p in SCRIPTS}
+    assert {"quant_bench.py", "profile_step.py", "long_kernels.py"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -102,7 +102,7 @@ def test_auto_recomputes_the_fewest_layers_that_fit(backend, monkeypatch):
     probe = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1, dtype=dtype), 2,
                       64, backend=backend, dtype=dtype, compute="float32")
     need = [probe.planned_memory(n).total for n in range(3)]
-    assert need[0] > need[1] > need[2] > probe.planned_memory(True).total - 2**20
+    assert need[0] > need[1] > need[2]  # each layer recomputed saves memory
     off, l_off, w_off = _run(model, backend, "off", dtype, t=64)
     for n in (1, 2):
         part, l_part, w_part = _run(model, backend, "auto", dtype, t=64,

@@ -19,8 +19,9 @@ are recomputed, and every forward value from the n-th checkpoint on (the last la
 head) stays as without checkpointing.  Backward reaches the last layers first, so their
 kept activations are freed before the recomputed layers need room: memory falls by
 about a layer's activations for each layer recomputed, and time rises by about a
-layer's forward (``TrainStep``'s ``auto`` recomputes the fewest layers that fit).  The pass returns a new Graph; the tape is not
-modified.
+layer's forward (``TrainStep``'s ``auto`` recomputes the fewest layers that fit).
+
+The pass returns a new Graph; the tape is not modified.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def _scratch(prog, weights, dtype):
     return big * (4 + (np.dtype(dtype).itemsize if np.dtype(dtype) != np.float32 else 0))
 
 
-def planned(model, tape, outputs, updates, n_param, checkpoint, backend, built=()) -> Estimate:
+def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
+            built=()) -> Estimate:
     """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
     the backend-independent passes and their memory plan, before any backend allocates
     anything (the cpu backend's own plan differs by a few percent), with what the programs

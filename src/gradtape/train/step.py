@@ -61,10 +61,10 @@ class Schedule:
 # eval program, the weights) within this share of the memory available; the rest stays
 # for the machine's other work and the estimate's error.  Recomputing every layer costs
 # about one more forward pass: the 8B Q4_K_M at batch 4 x 256 plans 12.6 of 22.7 GiB
-# without it and stepped in 48.6 s, against
-# 66.1 s checkpointed (AMD Zen 5, 2 cores); at T=2048 it plans 19.6 GiB without it, 8.5
-# with every layer recomputed, and with 23 GiB available recomputes 7 layers (17.0 GiB):
-# 76-80 s a step against 102-104 s with all 32.
+# without it and stepped in 48.6 s, against 66.1 s with every layer recomputed (AMD Zen
+# 5, 2 cores); at T=2048 it plans 19.6 GiB without it, 8.5 with every layer recomputed,
+# and with 23 GiB available recomputes 7 layers (17.0 GiB): 76-80 s a step against
+# 102-104 s with all 32.
 AUTO_SHARE = 0.75
 
 
@@ -173,9 +173,9 @@ class TrainStep:
                        self.backend, built=[self.eval_program])
 
     def _decide_checkpoint(self, outputs, updates):
-        """How many layers to recompute in backward (0: none; all the tape's checkpointed
-        layers with "on"; with "auto", the fewest whose step fits ``AUTO_SHARE`` of the
-        limit), from the memory plans (no allocation); refuses a step that fits no way."""
+        """How many layers to recompute in backward (0: none; every layer with "on"; with
+        "auto", the fewest for a run within ``AUTO_SHARE`` of the limit), from the memory
+        plans (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
         layers = self.model.config.n_layers

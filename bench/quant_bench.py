@@ -4,7 +4,7 @@ Face transformers + PEFT in bf16.
 Workload ``llama8b-q4km-lora``: Llama-3-8B's blocks (32 layers, dim 4096, 32 heads, 8 KV
 heads, head_dim 128, ffn 14336, rope base 500000) with SmolLM2's tokenizer (vocab 49152,
 untied output) and random weights, one LoRA training step of r=16 (alpha 32) on all 7
-targets, one sequence of T=256 (``--batch 4``: four), AdamW.
+targets, one sequence of T=256 (``--batch 4``: four; ``--seq-len 2048``: longer), AdamW.
 
 The model file is written once and cached (``~/.cache/gradtape/bench/``, or
 ``$GRADTAPE_CACHE/bench``; about 4.2 GiB for 32 layers).  Its blocks are random but valid:
@@ -15,9 +15,13 @@ first and last eighth of the layers and every third one between: its ``use_more_
 No quantizer runs; writing takes about a minute, mostly disk.
 
 gradtape loads it with ``keep_quantized=True`` (blocks memory-mapped, dequantized tile by
-tile in the matmuls) on the ``cpu`` backend.  The peer is ``LlamaForCausalLM`` of the
+tile in the matmuls) on the ``cpu`` backend, with finetune's memory defaults
+(``--grad-checkpoint auto`` against MemAvailable: at long rows it recomputes the fewest
+layers that fit; the row's ``checkpointed`` says how many).  The peer is ``LlamaForCausalLM`` of the
 same shape in bfloat16, built on the ``meta`` device, then ``to_empty`` and a random
-uniform fill (a normal init of 8B weights takes minutes), LoRA by PEFT, torch's AdamW.
+uniform fill (a normal init of 8B weights takes minutes), LoRA by PEFT, torch's AdamW;
+with ``--peer-checkpoint``, transformers' gradient checkpointing (every layer recomputed:
+without it the peer's T=2048 step needs more than 24 GB).
 
 The two sides cannot share one process here (the peer alone holds about 16 GB), so each
 runs alone in a fresh subprocess, one after the other: ``--warmup`` steps, then ``--reps``
@@ -32,6 +36,7 @@ gradtape row splits one step's time by kind of work (``split_s``,
 kernels, attention, the LM head, the rest).
 
     python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
+    python bench/quant_bench.py --seq-len 2048 --peer-checkpoint --compute auto --reps 1
     gradtape bench --workloads llama8b-q4km-lora
 """
 
@@ -53,7 +58,8 @@ import numpy as np
 WORKLOAD = "llama8b-q4km-lora"
 SHAPE = dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336, vocab=49152,
              rope_base=500000.0, eps=1e-5)
-RANK, ALPHA, LR, T = 16, 32.0, 1e-4, 256
+RANK, ALPHA, LR = 16, 32.0, 1e-4
+T = 256  # the rows of a sequence (--seq-len sets it in each side's process)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -171,9 +177,13 @@ def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
     from gradtape.train.step import TrainStep
 
     t0 = time.perf_counter()
+    from gradtape.models.memory import mem_available
+
     model = llama.load(str(path), keep_quantized=True)
     ad = init_adapter(model.config, RANK, ALPHA, seed=0)
-    step = TrainStep(model, ad, batch, T, backend=backend, clip=0.0, compute=compute)
+    # finetune's memory defaults: layers recomputed only where the step would not fit
+    step = TrainStep(model, ad, batch, T, backend=backend, clip=0.0, compute=compute,
+                     grad_checkpoint="auto", memory_limit=mem_available())
     build_s = time.perf_counter() - t0
     est = estimate(model, step)
     data = [_batch(model.config.vocab_size, batch)]
@@ -187,11 +197,11 @@ def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
     _, kinds = profile(step.program.executable)
     return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
             "estimate_gb": est.total / 1e9, "compute": step.compute,
-            "compute_why": step.compute_why,
+            "compute_why": step.compute_why, "checkpointed": step.checkpointed,
             "split_s": {k: round(v, 3) for k, v in kinds.most_common()}}
 
 
-def run_peer(layers, warmup, reps, batch=1):
+def run_peer(layers, warmup, reps, batch=1, checkpoint=False):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -219,6 +229,10 @@ def run_peer(layers, warmup, reps, batch=1):
     lcfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lcfg)
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False})
+        model.enable_input_require_grads()
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     ids = torch.tensor(_batch(s["vocab"], batch)[0])
@@ -235,20 +249,22 @@ def run_peer(layers, warmup, reps, batch=1):
             "torch_threads": torch.get_num_threads()}
 
 
-def worker(side, layers, warmup, reps, backend, compute, batch):
+def worker(side, layers, warmup, reps, backend, compute, batch, peer_checkpoint):
     if side == "gradtape":
         res = run_gradtape(model_file(layers, log=lambda *a: None), warmup, reps, backend,
                            compute, batch)
     else:
-        res = run_peer(layers, warmup, reps, batch)
+        res = run_peer(layers, warmup, reps, batch, peer_checkpoint)
     res["peak_mb"] = _peak_mb()
     print(json.dumps(res), flush=True)
 
 
-def _side(side, layers, warmup, reps, backend, compute, timeout, batch):
+def _side(side, layers, warmup, reps, backend, compute, timeout, batch, peer_checkpoint):
     cmd = [sys.executable, __file__, "--worker", side, "--layers", str(layers), "--warmup",
            str(warmup), "--reps", str(reps), "--backend", backend, "--compute", compute,
-           "--batch", str(batch)]
+           "--batch", str(batch), "--seq-len", str(T)]
+    if peer_checkpoint:
+        cmd.append("--peer-checkpoint")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode == -signal.SIGKILL:  # its stderr holds warnings only
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -276,6 +292,7 @@ def cpu_info():
 
 
 def main(argv=None):
+    global T  # read by the functions above; each side's process gets --seq-len
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--workloads", default=WORKLOAD, help=f"only {WORKLOAD}")
@@ -291,17 +308,23 @@ def main(argv=None):
                          "where the CPU has no fast bf16, and gradtape_bf16_compute says what "
                          "ran)")
     ap.add_argument("--batch", type=int, default=1,
-                    help="sequences of T=256 per step, both sides (default: 1; the issue's "
-                         "second shape is 4)")
+                    help="sequences per step, both sides (default: 1; the issue's second "
+                         "shape is 4)")
+    ap.add_argument("--seq-len", type=int, default=T,
+                    help=f"rows of a sequence (default: {T})")
+    ap.add_argument("--peer-checkpoint", action="store_true",
+                    help="the peer with transformers' gradient checkpointing (what fits "
+                         "its T=2048 step in 24 GB)")
     ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    T = args.seq_len
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
         worker(args.worker, args.layers, args.warmup, args.reps, args.backend, args.compute,
-               args.batch)
+               args.batch, args.peer_checkpoint)
         return 0
     for w in args.workloads.split(","):
         if w != WORKLOAD:
@@ -309,7 +332,7 @@ def main(argv=None):
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     path = model_file(args.layers, log)
     row = {"workload": WORKLOAD, "layers": args.layers, "T": T, "batch": args.batch,
-           "rank": RANK,
+           "rank": RANK, "peer_checkpoint": args.peer_checkpoint,
            "targets": 7, "file_gib": path.stat().st_size / 2**30, "backend": args.backend,
            **cpu_info()}
     try:
@@ -330,7 +353,7 @@ def main(argv=None):
         log(f"[{WORKLOAD}] {label}: {args.warmup} warm-up + {args.reps} timed steps, alone "
             "in a subprocess ...")
         r = _side(side, args.layers, args.warmup, args.reps, args.backend, compute,
-                  args.timeout, args.batch)
+                  args.timeout, args.batch, args.peer_checkpoint)
         if "error" in r:
             log(f"[{WORKLOAD}] {label} failed: {r['error']}")
             row[f"{label}_error"] = r["error"]
@@ -340,7 +363,7 @@ def main(argv=None):
                     f"{label}_peak_mb": r["peak_mb"], f"{label}_build_s": r["build_s"],
                     f"{label}_first_step_s": r["first_step_s"]})
         if "estimate_gb" in r:
-            for key in ("estimate_gb", "compute", "compute_why", "split_s"):
+            for key in ("estimate_gb", "compute", "compute_why", "checkpointed", "split_s"):
                 row[f"{label}_{key}"] = r[key]
         log(f"[{WORKLOAD}] {label}: step {med:.2f} s ({args.batch * T / med:.1f} tokens/s), "
             f"peak RSS "

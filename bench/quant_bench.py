@@ -4,7 +4,8 @@ Face transformers + PEFT in bf16.
 Workload ``llama8b-q4km-lora``: Llama-3-8B's blocks (32 layers, dim 4096, 32 heads, 8 KV
 heads, head_dim 128, ffn 14336, rope base 500000) with SmolLM2's tokenizer (vocab 49152,
 untied output) and random weights, one LoRA training step of r=16 (alpha 32) on all 7
-targets, one sequence of T=256 (``--batch 4``: four; ``--seq-len 2048``: longer), AdamW.
+targets, one sequence of T=256 (``--batch 4``: four), AdamW.  Workload
+``llama8b-q4km-lora-2k``: the same at T=2048, the peer with gradient checkpointing.
 
 The model file is written once and cached (``~/.cache/gradtape/bench/``, or
 ``$GRADTAPE_CACHE/bench``; about 4.2 GiB for 32 layers).  Its blocks are random but valid:
@@ -56,6 +57,9 @@ from pathlib import Path
 import numpy as np
 
 WORKLOAD = "llama8b-q4km-lora"
+# the workloads: (rows of a sequence, peer with gradient checkpointing, default --reps);
+# at T=2048 the peer's step fits in 24 GB only checkpointed
+WORKLOADS = {WORKLOAD: (256, False, 3), f"{WORKLOAD}-2k": (2048, True, 1)}
 SHAPE = dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336, vocab=49152,
              rope_base=500000.0, eps=1e-5)
 RANK, ALPHA, LR = 16, 32.0, 1e-4
@@ -295,10 +299,13 @@ def main(argv=None):
     global T  # read by the functions above; each side's process gets --seq-len
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--workloads", default=WORKLOAD, help=f"only {WORKLOAD}")
+    ap.add_argument("--workloads", default=WORKLOAD,
+                    help=f"comma-separated among {', '.join(WORKLOADS)} (default: %(default)s;"
+                         " -2k: T=2048, the peer with gradient checkpointing)")
     ap.add_argument("--layers", type=int, default=32,
                     help="decoder layers (32: the 8B shape; fewer to check the benchmark)")
-    ap.add_argument("--reps", type=int, default=3, help="timed steps per side")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed steps per side (default: 3; 1 for -2k)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--backend", default="cpu", help="gradtape backend (default: cpu)")
     ap.add_argument("--compute", default="auto,float32,bf16",
@@ -310,29 +317,41 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1,
                     help="sequences per step, both sides (default: 1; the issue's second "
                          "shape is 4)")
-    ap.add_argument("--seq-len", type=int, default=T,
-                    help=f"rows of a sequence (default: {T})")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="rows of a sequence (default: the workload's, 256 or 2048)")
     ap.add_argument("--peer-checkpoint", action="store_true",
                     help="the peer with transformers' gradient checkpointing (what fits "
-                         "its T=2048 step in 24 GB)")
+                         "its T=2048 step in 24 GB; -2k's default)")
     ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    T = args.seq_len
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.worker:
+        T = args.seq_len
         worker(args.worker, args.layers, args.warmup, args.reps, args.backend, args.compute,
                args.batch, args.peer_checkpoint)
         return 0
-    for w in args.workloads.split(","):
-        if w != WORKLOAD:
-            raise SystemExit(f"unknown workload {w!r}; this script runs {WORKLOAD}")
+    names = args.workloads.split(",")
+    for w in names:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; this script runs "
+                             f"{', '.join(WORKLOADS)}")
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     path = model_file(args.layers, log)
-    row = {"workload": WORKLOAD, "layers": args.layers, "T": T, "batch": args.batch,
-           "rank": RANK, "peer_checkpoint": args.peer_checkpoint,
+    for w in names:
+        seq_len, peer_checkpoint, reps = WORKLOADS[w]
+        T = args.seq_len or seq_len
+        bench_workload(w, args, path, args.peer_checkpoint or peer_checkpoint,
+                       args.reps if args.reps is not None else reps, log)
+    return 0
+
+
+def bench_workload(name, args, path, peer_checkpoint, reps, log):
+    """One workload's row: each side (and gradtape per --compute) in its subprocess."""
+    row = {"workload": name, "layers": args.layers, "T": T, "batch": args.batch,
+           "rank": RANK, "peer_checkpoint": peer_checkpoint,
            "targets": 7, "file_gib": path.stat().st_size / 2**30, "backend": args.backend,
            **cpu_info()}
     try:
@@ -350,12 +369,12 @@ def main(argv=None):
         else:
             runs.append((side, side, "float32"))
     for label, side, compute in runs:
-        log(f"[{WORKLOAD}] {label}: {args.warmup} warm-up + {args.reps} timed steps, alone "
+        log(f"[{name}] {label}: {args.warmup} warm-up + {reps} timed steps, alone "
             "in a subprocess ...")
-        r = _side(side, args.layers, args.warmup, args.reps, args.backend, compute,
-                  args.timeout, args.batch, args.peer_checkpoint)
+        r = _side(side, args.layers, args.warmup, reps, args.backend, compute,
+                  args.timeout, args.batch, peer_checkpoint)
         if "error" in r:
-            log(f"[{WORKLOAD}] {label} failed: {r['error']}")
+            log(f"[{name}] {label} failed: {r['error']}")
             row[f"{label}_error"] = r["error"]
             continue
         med = statistics.median(r["step_times"])
@@ -365,7 +384,7 @@ def main(argv=None):
         if "estimate_gb" in r:
             for key in ("estimate_gb", "compute", "compute_why", "checkpointed", "split_s"):
                 row[f"{label}_{key}"] = r[key]
-        log(f"[{WORKLOAD}] {label}: step {med:.2f} s ({args.batch * T / med:.1f} tokens/s), "
+        log(f"[{name}] {label}: step {med:.2f} s ({args.batch * T / med:.1f} tokens/s), "
             f"peak RSS "
             f"{r['peak_mb'] / 1024:.2f} GiB")
     for label, side, _ in runs:
@@ -382,11 +401,11 @@ def main(argv=None):
                     f"({row[f'{label}_tokens_per_s']:.1f} tok/s), peak RSS "
                     f"{row[f'{label}_peak_mb'] / 1024:.2f} GiB"
                     + (f", {ratio:.2f}x the peer" if ratio else ""))
-        print(f"{WORKLOAD} ({args.layers} layers, {row['file_gib']:.2f} GiB file, CPU "
+        print(f"{name} (T={T}, {args.layers} layers, {row['file_gib']:.2f} GiB file, CPU "
               f"{row['cpu']}, AMX {row['amx_bf16']}): "
               + "; ".join(fmt(label) for label, _, _ in runs)
-              + " (peer: transformers + PEFT, bf16)", flush=True)
-    return 0
+              + " (peer: transformers + PEFT, bf16"
+              + (", gradient checkpointing" if peer_checkpoint else "") + ")", flush=True)
 
 
 if __name__ == "__main__":

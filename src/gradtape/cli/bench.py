@@ -4,7 +4,8 @@ Hugging Face transformers + PEFT (eager float32 and under bf16 autocast), with t
 GEMM floor (measured in a clean process), the peak memory of each, the CPU and the GEMM
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
 same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
-model kept quantized (``llama8b-q4km-lora``, bench/quant_bench.py).  Needs a source
+model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
+bench/quant_bench.py).  Needs a source
 checkout (the peer code lives in bench/, not in the package); the training workloads
 need the test extras (torch, transformers, peft), the generation peer needs
 llama-cpp-python (skipped with a note without it).
@@ -25,6 +26,7 @@ from .options import option
 SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 # workloads with a script of their own (the rest go to lora_bench.py)
 SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
+           "llama8b-q4km-lora-2k": SCRIPT.with_name("quant_bench.py"),
            "smollm2-generate": SCRIPT.with_name("generate_bench.py")}
 NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"]}
 
@@ -42,7 +44,9 @@ def add_arguments(parser):
                              "llama8b-q4km-lora: "
                              "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "
                              "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
-                             "4.2 GiB file once, needs about 20 GB of memory for the peer)")
+                             "4.2 GiB file once, needs about 20 GB of memory for the peer); "
+                             "llama8b-q4km-lora-2k: the same at T=2048, the peer with "
+                             "gradient checkpointing (about 10 minutes)")
     option(parser, "--backend", checks.one_of(*BACKENDS), default="cpu",
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,

@@ -18,9 +18,10 @@ No quantizer runs; writing takes about a minute, mostly disk.
 gradtape loads it with ``keep_quantized=True`` (blocks memory-mapped, dequantized tile by
 tile in the matmuls) on the ``cpu`` backend, with finetune's memory defaults
 (``--grad-checkpoint auto`` against MemAvailable: at long rows it recomputes the fewest
-layers that fit; the row's ``checkpointed`` says how many).  The peer is ``LlamaForCausalLM`` of the
-same shape in bfloat16, built on the ``meta`` device, then ``to_empty`` and a random
-uniform fill (a normal init of 8B weights takes minutes), LoRA by PEFT, torch's AdamW;
+layers that fit; the row's ``checkpointed`` says how many).  The peer is
+``LlamaForCausalLM`` of the same shape in bfloat16, built on the ``meta`` device, then
+``to_empty`` and a random uniform fill (a normal init of 8B weights takes minutes), LoRA
+by PEFT, torch's AdamW;
 with ``--peer-checkpoint``, transformers' gradient checkpointing (every layer recomputed:
 without it the peer's T=2048 step needs more than 24 GB).
 
@@ -177,12 +178,11 @@ def _batch(vocab, batch=1):
 def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
     from gradtape import llama
     from gradtape.models.lora import init_adapter
+    from gradtape.models.memory import mem_available
     from gradtape.train.memory import estimate
     from gradtape.train.step import TrainStep
 
     t0 = time.perf_counter()
-    from gradtape.models.memory import mem_available
-
     model = llama.load(str(path), keep_quantized=True)
     ad = init_adapter(model.config, RANK, ALPHA, seed=0)
     # finetune's memory defaults: layers recomputed only where the step would not fit
@@ -298,7 +298,8 @@ def cpu_info():
 def main(argv=None):
     global T  # read by the functions above; each side's process gets --seq-len
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object per workload")
     ap.add_argument("--workloads", default=WORKLOAD,
                     help=f"comma-separated among {', '.join(WORKLOADS)} (default: %(default)s;"
                          " -2k: T=2048, the peer with gradient checkpointing)")

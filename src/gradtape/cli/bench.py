@@ -5,10 +5,9 @@ GEMM floor (measured in a clean process), the peak memory of each, the CPU and t
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
 same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
 model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
-bench/quant_bench.py).  Needs a source
-checkout (the peer code lives in bench/, not in the package); the training workloads
-need the test extras (torch, transformers, peft), the generation peer needs
-llama-cpp-python (skipped with a note without it).
+bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
+the package); the training workloads need the test extras (torch, transformers, peft),
+the generation peer needs llama-cpp-python (skipped with a note without it).
 """
 
 from __future__ import annotations

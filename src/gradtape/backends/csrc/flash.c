@@ -32,6 +32,9 @@
    The softmax's exp is fa_exp, not gt_expf: the same polynomial, fused. */
 #include <pthread.h>
 #include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -156,14 +159,18 @@ static void fa_ranges(const fa_t *f, long b, long i0, long n, fa_buf *w, long *j
     }
 }
 
-/* the block's rows of a [N, nh * hd (+ ...)] array, head by head, into dst [M, hd] */
-static void fa_gather(const fa_t *f, const float *src, long ld, long b, long h, long i0,
-                      long n, float *dst) {
+/* the block's rows of a [N, nh * hd (+ ...)] array, head by head, into dst [M, hd]
+   (copied in the loop, not by memcpy: a call per row of 64-128 values cost more) */
+static void fa_gather(const fa_t *f, const float *restrict src, long ld, long b, long h,
+                      long i0, long n, float *restrict dst) {
+    const long hd = f->hd;
     for (long gi = 0; gi < f->g; gi++)
-        for (long r = 0; r < n; r++)
-            memcpy(dst + (gi * n + r) * f->hd,
-                   src + (b * f->tq + i0 + r) * ld + (h * f->g + gi) * f->hd,
-                   f->hd * sizeof(float));
+        for (long r = 0; r < n; r++) {
+            const float *restrict s = src + (b * f->tq + i0 + r) * ld + (h * f->g + gi) * hd;
+            float *restrict d = dst + (gi * n + r) * hd;
+            _Pragma("omp simd")
+            for (long c = 0; c < hd; c++) d[c] = s[c];
+        }
 }
 
 /* row x of the block: the visible columns [a, e) of the key tile at j0 (kn keys), 0 <=
@@ -213,8 +220,10 @@ static inline float fa_exp(float x) {
     return x < -87.0f ? 0.0f : y * scale;
 }
 
-/* row[j] = exp(row[j] * sc - sub) over [0, n); their sum */
-static inline float fa_pexp(float *row, long n, float sc, float sub) {
+/* row[j] = exp(row[j] * sc - sub) over [0, n); their sum.  Inlined into the row loops,
+   so the polynomial's constants stay in registers across rows (a short tile's rows are
+   a hundred values: a call each spent more on its set-up than on its exps) */
+static inline __attribute__((always_inline)) float fa_pexp(float *row, long n, float sc, float sub) {
     float sum = 0.0f;
     _Pragma("omp simd reduction(+:sum)")
     for (long j = 0; j < n; j++) {
@@ -271,11 +280,16 @@ static void fa_pv_remainder(const fa_t *f, long M, long kn, const float *s,
         float *ax = acc + x * hd;
         for (long c = 0; c < kn; c += 16) {  /* 16 p at a time, most with none above */
             const long e = kn - c < 16 ? kn : c + 16;
-            int any = 0;
-            _Pragma("omp simd reduction(|:any)")
-            for (long j = c; j < e; j++) any |= px[j] > min;
-            for (long j = c; any && j < e; j++) {
-                if (!(px[j] > min)) continue;
+            uint32_t above = 0;  /* bit j - c: p_j above min */
+#ifdef __AVX512F__
+            if (e - c == 16)
+                above = _mm512_cmp_ps_mask(_mm512_loadu_ps(px + c), _mm512_set1_ps(min),
+                                           _CMP_GT_OQ);
+            else
+#endif
+                for (long j = c; j < e; j++) above |= (uint32_t)(px[j] > min) << (j - c);
+            for (; above; above &= above - 1) {
+                const long j = c + __builtin_ctz(above);
                 const float lo = px[j] - tg_f32(hx[j]);
                 const float *vj = v + j * ld;
                 _Pragma("omp simd")
@@ -340,6 +354,7 @@ static void fa_fwd_unit(const fa_t *f, long b, long h, long i0, long n, float *o
             const long x = gi * n + r, head = h * f->g + gi;
             float *o = out + (b * f->tq + i0 + r) * ldo;
             const float inv = 1.0f / w->l[x];
+            _Pragma("omp simd")
             for (long d = 0; d < hd; d++) o[head * hd + d] = w->acc[x * hd + d] * inv;
             o[f->nh * hd + head] = w->m[x] + logf(w->l[x]);
         }
@@ -359,10 +374,13 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
             const float *o = y + row * ldo + head * hd, *dob = w->dob + x * hd;
             float D = 0.0f;
             /* dO as dP = dO V^T sees it: rounded to bf16 there */
-            if (f->bf16)
+            if (f->bf16) {
+                _Pragma("omp simd reduction(+:D)")
                 for (long d = 0; d < hd; d++) D += tg_f32(gt_bf16(dob[d])) * o[d];
-            else
+            } else {
+                _Pragma("omp simd reduction(+:D)")
                 for (long d = 0; d < hd; d++) D += dob[d] * o[d];
+            }
             w->D[x] = D - gy[row * ldo + ldq + head];
             w->lse[x] = y[row * ldo + ldq + head];
         }
@@ -416,9 +434,12 @@ static void fa_bwd_unit(const fa_t *f, long b, long h, long i0, long n, const fl
         fa_mm_ay(f, M, kn, w->dp, w->a16, f->kr, b, h, j0, w->acc);  /* dQ += dS K */
     }
     for (long gi = 0; gi < f->g; gi++)
-        for (long r = 0; r < n; r++)
-            memcpy(dq + (b * f->tq + i0 + r) * ldq + (h * f->g + gi) * hd,
-                   w->acc + (gi * n + r) * hd, hd * sizeof(float));
+        for (long r = 0; r < n; r++) {
+            float *restrict d = dq + (b * f->tq + i0 + r) * ldq + (h * f->g + gi) * hd;
+            const float *restrict s = w->acc + (gi * n + r) * hd;
+            _Pragma("omp simd")
+            for (long c = 0; c < hd; c++) d[c] = s[c];
+        }
 }
 
 /* the units, heaviest first: unit u is block nblk - 1 - u / (n_seq * nkv) of its

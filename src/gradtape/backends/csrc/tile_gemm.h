@@ -170,13 +170,21 @@ static void tg_pack16(const float *B, long rs, long cs, long k, long n, tg_bf16 
 }
 
 /* a [m, k] (rows lda apart) as bf16 pairs along its rows: row i at dst + i * ldd
-   (ldd >= 2 * kp), a zero after an odd k */
+   (ldd >= 2 * kp), a zero after an odd k.  With AVX512-BF16, 32 values at a time by its
+   own conversion: the same rounding (nearest even, NaN made quiet), denormal inputs
+   taken as zero (the attention's p is 0 or above 1.6e-38, see fa_exp) */
 static void tg_rows16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldd) {
     for (long i = 0; i < m; i++) {
         const float *r = a + i * lda;
         uint32_t *d = (uint32_t *)(dst + i * ldd);
+        long p = 0;
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+        for (; p + 16 <= k / 2; p += 16)
+            _mm512_storeu_si512(d + p, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_loadu_ps(r + 2 * p + 16), _mm512_loadu_ps(r + 2 * p)));
+#endif
         _Pragma("omp simd")
-        for (long p = 0; p < k / 2; p++) d[p] = tg_pair(r[2 * p], r[2 * p + 1]);
+        for (long q = p; q < k / 2; q++) d[q] = tg_pair(r[2 * q], r[2 * q + 1]);
         if (k % 2) d[k / 2] = tg_pair(r[k - 1], 0.0f);
     }
 }
@@ -185,11 +193,23 @@ static void tg_rows16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
    pair p = (a[2p, j], a[2p + 1, j]) at dst + p * 2 * ldt + 2 * j (ldt >= k), a zero row
    after an odd m */
 static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldt) {
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+    /* words 2i and 2i + 1 of a pair vector: word i of the first row's 16, of the next */
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                         25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                         18, 2, 17, 1, 16, 0);
+#endif
     for (long p = 0; p < m / 2; p++) {
         const float *r0 = a + 2 * p * lda, *r1 = r0 + lda;
         uint32_t *d = (uint32_t *)dst + p * ldt;
+        long j = 0;
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE)  /* as tg_rows16's */
+        for (; j + 16 <= k; j += 16)
+            _mm512_storeu_si512(d + j, _mm512_permutexvar_epi16(zip, (__m512i)
+                _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r1 + j), _mm512_loadu_ps(r0 + j))));
+#endif
         _Pragma("omp simd")
-        for (long j = 0; j < k; j++) d[j] = tg_pair(r0[j], r1[j]);
+        for (long q = j; q < k; q++) d[q] = tg_pair(r0[q], r1[q]);
     }
     if (m % 2) {
         const float *r0 = a + (m - 1) * lda;

@@ -480,13 +480,8 @@ class ProgramSource:
     def bf16_kernel(self, n):
         """A kernel converting ``n`` float32 values (``p[0]``) to bf16 bits (``p[1]``): the
         activation operand of a bf16-compute GEMM, converted inside the kernel batch."""
-        par = _omp_for(n)
-        body = ["    const float *restrict x = (const float *)p[0];",
-                "    uint16_t *restrict o = (uint16_t *)p[1];",
-                "    #pragma omp parallel for simd schedule(static)" if par else
-                "    #pragma GCC ivdep",
-                f"    for (long i = 0; i < {n}L; i++) o[i] = gt_bf16(x[i]);"]
-        return self._add("\n".join(body))
+        call = "gt_bf16_par" if _omp_for(n) else "gt_bf16_n"
+        return self._add(f"    {call}((const float *)p[0], (uint16_t *)p[1], {n}L);")
 
     def _add(self, body):
         if body not in self.bodies:
@@ -505,8 +500,7 @@ class ProgramSource:
         parts.append(DENORMALS)
         # weights are converted to bf16 once, when a bf16-compute program is bound
         parts.append("void gt_to_bf16(const float *restrict x, uint16_t *restrict o, long n) {\n"
-                     "    #pragma omp parallel for simd schedule(static)\n"
-                     "    for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);\n"
+                     "    gt_bf16_par(x, o, n);\n"
                      "}\n")
         return "\n".join(parts)
 

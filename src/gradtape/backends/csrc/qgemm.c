@@ -833,8 +833,8 @@ void gt_copy_cols_t(const float *restrict src, long m, long n, float *restrict d
 
 /* o[i] = bf16 of x[i]: the activation operand of a bf16 GEMM */
 void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
-    #pragma omp parallel for schedule(static) if (n >= (1L << 16))
-    for (long i = 0; i < n; i++) o[i] = gt_bf16(x[i]);
+    if (n >= (1L << 16)) gt_bf16_par(x, o, n);
+    else gt_bf16_n(x, o, n);
 }
 
 /* o [m, n] = bf16 of the block x [m, n] whose rows are ldx apart (a block of columns of
@@ -842,8 +842,7 @@ void gt_f32_bf16(const float *restrict x, uint16_t *restrict o, long n) {
 void gt_f32_bf16_block(const float *restrict x, long ldx, long m, long n,
                        uint16_t *restrict o) {
     #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
-    for (long i = 0; i < m; i++)
-        for (long j = 0; j < n; j++) o[i * n + j] = gt_bf16(x[i * ldx + j]);
+    for (long i = 0; i < m; i++) gt_bf16_n(x + i * ldx, o + i * n, n);
 }
 
 /* --- int8 tiles: the operands of the int8 GEMMs (``--compute int8``) ------------------

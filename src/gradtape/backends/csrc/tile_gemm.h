@@ -170,22 +170,12 @@ static void tg_pack16(const float *B, long rs, long cs, long k, long n, tg_bf16 
 }
 
 /* a [m, k] (rows lda apart) as bf16 pairs along its rows: row i at dst + i * ldd
-   (ldd >= 2 * kp), a zero after an odd k.  With AVX512-BF16, 32 values at a time by its
-   own conversion: the same rounding (nearest even, NaN made quiet), denormal inputs
-   taken as zero (the attention's p is 0 or above 1.6e-38, see fa_exp) */
+   (ldd >= 2 * kp), a zero after an odd k (the pairs of a row are its values in order) */
 static void tg_rows16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldd) {
     for (long i = 0; i < m; i++) {
         const float *r = a + i * lda;
-        uint32_t *d = (uint32_t *)(dst + i * ldd);
-        long p = 0;
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
-        for (; p + 16 <= k / 2; p += 16)
-            _mm512_storeu_si512(d + p, (__m512i)_mm512_cvtne2ps_pbh(
-                _mm512_loadu_ps(r + 2 * p + 16), _mm512_loadu_ps(r + 2 * p)));
-#endif
-        _Pragma("omp simd")
-        for (long q = p; q < k / 2; q++) d[q] = tg_pair(r[2 * q], r[2 * q + 1]);
-        if (k % 2) d[k / 2] = tg_pair(r[k - 1], 0.0f);
+        gt_bf16_n(r, dst + i * ldd, k - k % 2);
+        if (k % 2) ((uint32_t *)(dst + i * ldd))[k / 2] = tg_pair(r[k - 1], 0.0f);
     }
 }
 
@@ -203,7 +193,10 @@ static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
         const float *r0 = a + 2 * p * lda, *r1 = r0 + lda;
         uint32_t *d = (uint32_t *)dst + p * ldt;
         long j = 0;
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)  /* as tg_rows16's */
+#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+        /* AVX512-BF16's conversion (as gt_bf16_n's) of 16 values of each row, then
+           interleaved; a denormal becomes 0 here, not a bf16 denormal: the same to
+           vdpbf16ps, the only reader of these pairs where this is compiled */
         for (; j + 16 <= k; j += 16)
             _mm512_storeu_si512(d + j, _mm512_permutexvar_epi16(zip, (__m512i)
                 _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r1 + j), _mm512_loadu_ps(r0 + j))));

@@ -223,7 +223,8 @@ static inline float fa_exp(float x) {
 /* row[j] = exp(row[j] * sc - sub) over [0, n); their sum.  Inlined into the row loops,
    so the polynomial's constants stay in registers across rows (a short tile's rows are
    a hundred values: a call each spent more on its set-up than on its exps) */
-static inline __attribute__((always_inline)) float fa_pexp(float *row, long n, float sc, float sub) {
+static inline __attribute__((always_inline)) float fa_pexp(float *row, long n, float sc,
+                                                           float sub) {
     float sum = 0.0f;
     _Pragma("omp simd reduction(+:sum)")
     for (long j = 0; j < n; j++) {

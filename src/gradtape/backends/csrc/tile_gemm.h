@@ -194,12 +194,16 @@ static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
         uint32_t *d = (uint32_t *)dst + p * ldt;
         long j = 0;
 #if defined(__AVX512BF16__) && !defined(GV_EMULATE)
-        /* AVX512-BF16's conversion (as gt_bf16_n's) of 16 values of each row, then
-           interleaved; a denormal becomes 0 here, not a bf16 denormal: the same to
-           vdpbf16ps, the only reader of these pairs where this is compiled */
-        for (; j + 16 <= k; j += 16)
-            _mm512_storeu_si512(d + j, _mm512_permutexvar_epi16(zip, (__m512i)
-                _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r1 + j), _mm512_loadu_ps(r0 + j))));
+        /* AVX512-BF16's conversion of 16 values of each row, then interleaved; where
+           they hold a denormal, tg_pair's (as gt_bf16_n) */
+        for (; j + 16 <= k; j += 16) {
+            const __m512 a0 = _mm512_loadu_ps(r0 + j), a1 = _mm512_loadu_ps(r1 + j);
+            if (_mm512_fpclass_ps_mask(a0, 0x20) | _mm512_fpclass_ps_mask(a1, 0x20))
+                for (long q = j; q < j + 16; q++) d[q] = tg_pair(r0[q], r1[q]);
+            else
+                _mm512_storeu_si512(d + j, _mm512_permutexvar_epi16(
+                    zip, (__m512i)_mm512_cvtne2ps_pbh(a1, a0)));
+        }
 #endif
         _Pragma("omp simd")
         for (long q = j; q < k; q++) d[q] = tg_pair(r0[q], r1[q]);

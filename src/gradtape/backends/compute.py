@@ -125,10 +125,16 @@ def _read_table(path):
     return table
 
 
+# the way the timings are made, in every cache key: a decision timed before a fix to the
+# timing is timed again (2: OpenBLAS's spinning workers parked before OpenMP work is
+# timed; before, bf16 could measure at half its rate and be cached as not faster)
+TIMING = 2
+
+
 def rates(kind, shape, measure, n=2, kernels=False):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
     read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
-    version, the shape and, where ``kernels`` (the measure times our C kernels: a
+    version, ``TIMING``, the shape and, where ``kernels`` (the measure times our C kernels: a
     faster dequantization can change which tiles win), their version), else measured
     (about a second) and written there atomically.  The libraries' own GEMM rates are
     not timed again when only our kernels change: each new timing is another chance
@@ -140,7 +146,7 @@ def rates(kind, shape, measure, n=2, kernels=False):
     from ._cgen import csrc_version
 
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
-                    _blas_name(), onednn.library().version,
+                    _blas_name(), onednn.library().version, f"timing {TIMING}",
                     *([f"kernels {csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])
     path = _cache_file()
@@ -291,17 +297,16 @@ def f32_onednn(shape) -> tuple:
 
 def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``; oneDNN first,
-    after OpenBLAS's idle threads (up to ~0.1 s of spinning after a call) have slept, so
-    that none spins on a core it uses."""
-    import time
-
+    OpenBLAS's idle threads (up to ~0.1 s of spinning after a call) parked, so that none
+    spins on a core it uses."""
     import numpy as np
 
     from . import onednn
+    from .qgemm import park_blas_threads
 
     a, w, out, best = _operands(m, k, n, reps)
     gemm = onednn.library().bind_f32(out, a, w)
-    time.sleep(0.25)
+    park_blas_threads()
     dnnl = 0.0 if gemm is None else best(gemm)
     return dnnl, best(lambda: np.matmul(a, w, out=out))
 

@@ -198,7 +198,10 @@ def one_blas_thread():
     """NumPy's BLAS on one thread inside the block, its own count again after it (also
     after an exception).  For work whose threads are OpenMP's (oneDNN, our kernels):
     OpenBLAS's idle threads spin for up to ~0.1 s after each call, on the cores those
-    threads need (the bf16 GEMMs of an 8B step ran at half speed, measured)."""
+    threads need (the bf16 GEMMs of an 8B step ran at half speed, measured), so the ones
+    a GEMM before the block left spinning are parked on entry: ``bf16_fast``'s timing
+    right after a NumPy GEMM measured bf16 at 195 GFLOP/s against float32's 208 (441
+    parked; SmolLM2's shape, Zen 5), and cached that bf16 was not faster."""
     threads = blas_threads()
     if threads is None:
         yield
@@ -206,6 +209,7 @@ def one_blas_thread():
     get, set_ = threads
     n = get()
     set_(1)
+    park_blas_threads()
     try:
         yield
     finally:

@@ -233,27 +233,46 @@ def _operands(m, k, n, reps):
     return a, w, np.empty((m, n), np.float32), best
 
 
+def _best_in_turn(timings, rounds=2):
+    """The largest of ``rounds`` figures of each of ``timings`` (callables returning a
+    rate, each the best of its own calls), taken in turn: a slow spell of a shared host
+    that spans one's calls would have to span its next ones too, while the others ran
+    at full speed, to decide between them."""
+    got = [[timing() for timing in timings] for _ in range(rounds)]
+    return tuple(max(figures) for figures in zip(*got))
+
+
+def _replay_rate(best, gemm):
+    """A timing for ``_best_in_turn``: ``best(gemm)`` with NumPy's BLAS on one thread and
+    its idle workers parked, as in a bf16 replay (``qgemm.one_blas_thread``)."""
+    from .qgemm import one_blas_thread
+
+    def rate():
+        with one_blas_thread():
+            return best(gemm)
+    return rate
+
+
 def measured_rates(m=256, k=576, n=1536, reps=7):
-    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``."""
+    """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``, in
+    turn (``_best_in_turn``); bf16 with NumPy's BLAS on one thread, its idle workers
+    parked, as in a bf16 replay (``qgemm.one_blas_thread``)."""
     import numpy as np
 
     from . import onednn
-    from .qgemm import one_blas_thread
 
     a, w, out, best = _operands(m, k, n, reps)
     gemm16 = onednn.dnnl().bind(out, onednn.to_bf16(a), onednn.to_bf16(w), False)
-    # bf16 first, with NumPy's BLAS on one thread as in a bf16 replay (qgemm.one_blas_thread)
-    with one_blas_thread():
-        bf16 = best(gemm16)
-    return best(lambda: np.matmul(a, w, out=out)), bf16
+    return _best_in_turn([lambda: best(lambda: np.matmul(a, w, out=out)),
+                          _replay_rate(best, gemm16)])
 
 
 def measured_int8_rates(m=256, k=576, n=1536, reps=7):
-    """(bf16, int8) oneDNN matmul OP/s at ``x [m, k] @ W [k, n]`` (int8: int32 sums)."""
+    """(bf16, int8) oneDNN matmul OP/s at ``x [m, k] @ W [k, n]`` (int8: int32 sums), in
+    turn (``_best_in_turn``)."""
     import numpy as np
 
     from . import onednn
-    from .qgemm import one_blas_thread
 
     a, w, out, best = _operands(m, k, n, reps)
     dnnl = onednn.dnnl()
@@ -262,8 +281,7 @@ def measured_int8_rates(m=256, k=576, n=1536, reps=7):
     sums = out.view(np.int32)
     gemm8 = dnnl.bind_ptrs(m, k, n, False, a8.ctypes.data, w8.ctypes.data, sums.ctypes.data,
                            s8=True)
-    with one_blas_thread():  # as in a replay
-        return best(gemm16), best(gemm8)
+    return _best_in_turn([_replay_rate(best, gemm16), _replay_rate(best, gemm8)])
 
 
 # A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
@@ -296,9 +314,9 @@ def f32_onednn(shape) -> tuple:
 
 
 def measured_f32_rates(m=256, k=576, n=1536, reps=7):
-    """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``; oneDNN first,
-    OpenBLAS's idle threads (up to ~0.1 s of spinning after a call) parked, so that none
-    spins on a core it uses."""
+    """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``, in turn
+    (``_best_in_turn``); oneDNN with OpenBLAS's idle threads (up to ~0.1 s of spinning
+    after a call) parked, so that none spins on a core it uses."""
     import numpy as np
 
     from . import onednn
@@ -306,9 +324,11 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
 
     a, w, out, best = _operands(m, k, n, reps)
     gemm = onednn.library().bind_f32(out, a, w)
-    park_blas_threads()
-    dnnl = 0.0 if gemm is None else best(gemm)
-    return dnnl, best(lambda: np.matmul(a, w, out=out))
+
+    def dnnl():
+        park_blas_threads()
+        return 0.0 if gemm is None else best(gemm)
+    return _best_in_turn([dnnl, lambda: best(lambda: np.matmul(a, w, out=out))])
 
 
 def fastest(what, shape, runs) -> str:

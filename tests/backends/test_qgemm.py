@@ -22,6 +22,7 @@ reference (``gguf.quants.dequantize``, then the matmul), for every ggml type we 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -576,29 +577,25 @@ def test_parked_blas_threads_come_back():
     assert (threads[0]() if threads else None) == before
 
 
-def _threads():
-    import os
-    return len(os.listdir("/proc/self/task"))
-
-
 def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
     """Inside one_blas_thread no OpenBLAS worker is left from a GEMM before it (they spin
     on the cores OpenMP's threads need: bf16_fast measured bf16 at half its rate); after
-    it, BLAS runs on its own thread count again."""
-    import os
+    it, BLAS runs on its own thread count again.  Threads counted in /proc/self/task."""
     threads = qgemm.blas_threads()
     if threads is None or threads[0]() < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("NumPy's BLAS is not a multithreaded OpenBLAS here")
+
+    def alive():
+        return len(os.listdir("/proc/self/task"))
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     a @ a  # the workers run, then spin
-    with_workers = _threads()
-    n = threads[0]()
+    with_workers, n = alive(), threads[0]()
     with qgemm.one_blas_thread():
-        assert _threads() < with_workers
+        assert alive() < with_workers
         assert threads[0]() == 1
     assert threads[0]() == n
     a @ a
-    assert _threads() == with_workers
+    assert alive() == with_workers
 
 
 # --- int8 compute ---------------------------------------------------------------------------

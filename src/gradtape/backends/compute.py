@@ -127,7 +127,8 @@ def _read_table(path):
 
 # the way the timings are made, in every cache key: a decision timed before a fix to the
 # timing is timed again (2: OpenBLAS's spinning workers parked before OpenMP work is
-# timed; before, bf16 could measure at half its rate and be cached as not faster)
+# timed, each pair of rates timed twice in turn; before, bf16 could measure at half its
+# rate and be cached as not faster)
 TIMING = 2
 
 

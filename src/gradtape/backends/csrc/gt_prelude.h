@@ -39,12 +39,16 @@ static inline uint16_t gt_bf16(float f) {
    conversion, the same rounding (NaN made quiet alike), except that it takes denormal
    inputs as zero: 32 values holding a denormal take gt_bf16 instead, so the bits are
    gt_bf16's always */
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    !defined(GV_EMULATE)
+#define GT_CVT16 1  /* the conversion instruction (and the checks and permutes around it) */
 #include <immintrin.h>
+#else
+#define GT_CVT16 0
 #endif
 static inline void gt_bf16_n(const float *restrict x, uint16_t *restrict o, long n) {
     long i = 0;
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+#if GT_CVT16
     for (; i + 32 <= n; i += 32) {
         const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
         if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20))

@@ -183,7 +183,7 @@ static void tg_rows16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
    pair p = (a[2p, j], a[2p + 1, j]) at dst + p * 2 * ldt + 2 * j (ldt >= k), a zero row
    after an odd m */
 static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, long ldt) {
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+#if GT_CVT16
     /* words 2i and 2i + 1 of a pair vector: word i of the first row's 16, of the next */
     const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
                                          25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
@@ -193,7 +193,7 @@ static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
         const float *r0 = a + 2 * p * lda, *r1 = r0 + lda;
         uint32_t *d = (uint32_t *)dst + p * ldt;
         long j = 0;
-#if defined(__AVX512BF16__) && !defined(GV_EMULATE)
+#if GT_CVT16
         /* AVX512-BF16's conversion of 16 values of each row, then interleaved; where
            they hold a denormal, tg_pair's (as gt_bf16_n) */
         for (; j + 16 <= k; j += 16) {

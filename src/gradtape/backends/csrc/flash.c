@@ -160,7 +160,8 @@ static void fa_ranges(const fa_t *f, long b, long i0, long n, fa_buf *w, long *j
 }
 
 /* the block's rows of a [N, nh * hd (+ ...)] array, head by head, into dst [M, hd]
-   (copied in the loop, not by memcpy: a call per row of 64-128 values cost more) */
+   (copied in the loop: memcpy, a call per row of 64-128 values, took 7% of a T=256
+   backward under perf) */
 static void fa_gather(const fa_t *f, const float *restrict src, long ld, long b, long h,
                       long i0, long n, float *restrict dst) {
     const long hd = f->hd;

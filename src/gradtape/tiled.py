@@ -16,6 +16,8 @@ This module knows nothing of tapes; ``ops.py`` declares the shapes and the VJPs.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .blocks import dequantize
@@ -365,7 +367,16 @@ class AttnLayout:
 def run_starts(seg, t):
     """For segment ids ``seg`` of sequences of ``t`` rows, each row's position (within
     its sequence) of the first row of its run of equal ids, where every id of a sequence
-    is one run; else None (the ids need a mask)."""
+    is one run; else None (the ids need a mask).  Read-only, and computed once for the
+    ids of a step: each layer's attention, forward and backward, asks again (0.11 ms a
+    call, 7 ms of a SmolLM2 step at T=256)."""
+    seg = np.asarray(seg)
+    return _run_starts(seg.tobytes(), seg.dtype.str, t)
+
+
+@functools.lru_cache(maxsize=4)
+def _run_starts(raw, dtype, t):
+    seg = np.frombuffer(raw, dtype)
     starts = np.empty(len(seg), np.int64)
     for b0 in range(0, len(seg), t):
         s = np.asarray(seg[b0:b0 + t])
@@ -374,6 +385,7 @@ def run_starts(seg, t):
         if len(heads) != len(np.unique(s)):
             return None
         starts[b0:b0 + t] = heads[np.cumsum(new) - 1]
+    starts.flags.writeable = False
     return starts
 
 

@@ -368,8 +368,8 @@ def run_starts(seg, t):
     """For segment ids ``seg`` of sequences of ``t`` rows, each row's position (within
     its sequence) of the first row of its run of equal ids, where every id of a sequence
     is one run; else None (the ids need a mask).  Read-only, and computed once for the
-    ids of a step: each layer's attention, forward and backward, asks again (0.11 ms a
-    call, 7 ms of a SmolLM2 step at T=256)."""
+    ids of a step: each layer's attention, forward and backward, asks again (SmolLM2: 60
+    calls a step, 25 us each at T=256 and 73 at T=2048 against 8 from the cache)."""
     seg = np.asarray(seg)
     return _run_starts(seg.tobytes(), seg.dtype.str, t)
 

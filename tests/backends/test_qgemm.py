@@ -111,7 +111,7 @@ def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped", "fused"])
+@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped", "fused", "direct"])
 def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, layout,
                                                 monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
@@ -120,7 +120,8 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     a tall [1100, 512] one 4 row tiles both ways (backward: products summed into z); 71
     rows: an odd K backward, padded in the blocked layout.  Tiles written in oneDNN's
     blocked layout (where its kernel keeps that one) and in plain rows, and the forward
-    swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded)."""
+    swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded); a BF16 W
+    also read where it lies (direct: one GEMM, no tiles)."""
     from gradtape.backends import onednn
     ok, why = onednn.available()
     if not ok:
@@ -151,6 +152,8 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
         fits = [qgemm.lib().gt_fused_scratch(qgemm._type_id(qtype), rows, k, T, back) > 0
                 for back in (0, 1)]
         assert [lay == "fused" for lay in layouts] == fits
+    elif layout == "direct":  # only a BF16 W has it (the other types' ways are timed)
+        assert (layouts == ["direct"] * 2) == (qtype == "BF16")
     elif layout == "swapped":  # the forward product (x is its GEMM's packed weights)
         swapped = any("swapped" in n for n in offered[f"qmatmul {qtype}"])
         assert (layouts[0] == "swapped") == swapped

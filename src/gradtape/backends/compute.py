@@ -339,8 +339,9 @@ def fastest(what, shape, runs) -> str:
     its first step).  The ways of a block-weight product: its tiles in oneDNN's blocked
     weight layout or in plain rows, of ``qgemm.bf16_tile_sizes()`` values; the names say
     which ("blocked 16M"; "swapped": a forward product as ``y^T = W x^T``; "fused": one
-    call dequantizing and multiplying with our own GEMM, see ``qgemm.lower_bf16``).
-    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped | fused and
+    call dequantizing and multiplying with our own GEMM; "direct": a BF16 W read in
+    place, see ``qgemm.lower_bf16``).
+    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped | fused | direct and
     ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
     taken untimed."""
     import os

@@ -498,7 +498,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     (``gt_qgemm_bf16_fused``) in which each core dequantizes its own part of W a chunk
     at a time and multiplies it at once with our AVX512-BF16 GEMM (forward swapped, x16^T
     packed once past x16), where the CPU has it and W's shape fits its blocking (no
-    tiles, no oneDNN).  ``choose(op's name, shape, {name: run})`` says which run (the
+    tiles, no oneDNN); or, for a BF16 W (its bits are the tiles'), "direct": one oneDNN
+    GEMM reading W where it lies.  ``choose(op's name, shape, {name: run})`` says which run (the
     blocked one of the largest tiles when None; ``compute.fastest`` times them all: the
     blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and costs a
     slower dequantization; small tiles stay in cache between the two, and their
@@ -652,6 +653,28 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
         run.buffers = x, w, out, act16, tile16
         return run
 
+    def bind_direct():
+        """the callable running the product as one oneDNN GEMM on W where it lies: a BF16
+        W's bits are its tiles' (its rows contiguous), so nothing is dequantized or
+        copied, and the GEMM streams W from memory while it computes."""
+        first = [] if rounded else [(L.gt_f32_bf16, (xp, ap, x.size))]
+        if transposed:  # z [T, k] = g16 [T, rows] @ W [rows, k]
+            gemm = dnnl.bind_ptrs(T, rows, k, False, ap, wp, op)
+        else:  # y [T, rows] = x16 [T, k] @ W^T
+            gemm = dnnl.bind_ptrs(T, k, rows, True, ap, wp, op)
+
+        def run(split=None):
+            for f, f_args in first:
+                f(*f_args)
+            t0 = time.perf_counter() if split is not None else 0.0
+            gemm()
+            if split is not None:
+                split["GEMM"] += time.perf_counter() - t0
+        run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
+        run.layout, run.precision, run.tile, run.rounded = "direct", "bf16", None, rounded
+        run.buffers = x, w, out, act16
+        return run
+
     # each way bound on its first call: only where no decision is cached are they all
     # timed (an 8B step's 447 products bound four ways took a second of its first step)
     runs = {}
@@ -666,6 +689,8 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     need = L.gt_fused_scratch(tid, rows, k, T, int(transposed))
     if need and tile16.size >= need:
         runs["fused"] = _BoundOnFirstCall(bind_fused)
+    if qtype == "BF16" and rb == 2 * k:
+        runs["direct"] = _BoundOnFirstCall(bind_direct)
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {qtype}", (T, rows, k),
                                                             runs)
     return runs[name].bound()

@@ -583,13 +583,17 @@ def test_parked_blas_threads_come_back():
 def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
     """Inside one_blas_thread no OpenBLAS worker is left from a GEMM before it (they spin
     on the cores OpenMP's threads need: bf16_fast measured bf16 at half its rate); after
-    it, BLAS runs on its own thread count again.  Threads counted in /proc/self/task."""
+    it, BLAS runs on its own thread count again.  Threads counted in /proc/self/task,
+    less Python's own (in a whole suite a Python thread, such as a progress bar's monitor,
+    may start or end meanwhile; the native ones, OpenMP's and OpenBLAS's, stay)."""
+    import threading
     threads = qgemm.blas_threads()
     if threads is None or threads[0]() < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("NumPy's BLAS is not a multithreaded OpenBLAS here")
 
     def alive():
-        return len(os.listdir("/proc/self/task"))
+        tasks = {int(t) for t in os.listdir("/proc/self/task")}
+        return len(tasks - {t.native_id for t in threading.enumerate()})
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     a @ a  # the workers run, then spin
     with_workers, n = alive(), threads[0]()

@@ -583,26 +583,26 @@ def test_parked_blas_threads_come_back():
 def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
     """Inside one_blas_thread no OpenBLAS worker is left from a GEMM before it (they spin
     on the cores OpenMP's threads need: bf16_fast measured bf16 at half its rate); after
-    it, BLAS runs on its own thread count again.  Threads counted in /proc/self/task,
-    less Python's own (in a whole suite a Python thread, such as a progress bar's monitor,
-    may start or end meanwhile; the native ones, OpenMP's and OpenBLAS's, stay)."""
-    import threading
+    it, BLAS runs on its own thread count again and its next GEMM starts its workers.
+    The process's threads by id (/proc/self/task): which ones stopped and started, so
+    that another thread starting meanwhile in a whole suite (a count once failed so)
+    changes nothing."""
     threads = qgemm.blas_threads()
     if threads is None or threads[0]() < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("NumPy's BLAS is not a multithreaded OpenBLAS here")
 
-    def alive():
-        tasks = {int(t) for t in os.listdir("/proc/self/task")}
-        return len(tasks - {t.native_id for t in threading.enumerate()})
+    def tasks():
+        return {int(t) for t in os.listdir("/proc/self/task")}
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     a @ a  # the workers run, then spin
-    with_workers, n = alive(), threads[0]()
+    with_workers, n = tasks(), threads[0]()
     with qgemm.one_blas_thread():
-        assert alive() < with_workers
+        inside = tasks()
         assert threads[0]() == 1
+    assert with_workers - inside  # the workers the GEMM left are stopped
     assert threads[0]() == n
     a @ a
-    assert alive() == with_workers
+    assert tasks() - inside  # and the next GEMM starts them again
 
 
 # --- int8 compute ---------------------------------------------------------------------------

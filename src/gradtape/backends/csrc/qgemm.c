@@ -310,7 +310,7 @@ static void row_bf16(int t, gb_deq_fn f, int bl, int by, const uint8_t *row,
         const long m = nc - j < BF16_CHUNK ? nc - j : BF16_CHUNK, at = (c0 + j) / bl * by;
         if (ahead) pf_bytes(ahead + at, m / bl * by);
         f(row + at, tmp, m / bl);
-        for (long i = 0; i < m; i++) o[j + i] = gt_bf16(tmp[i]);
+        gt_bf16_n(tmp, o + j, m);
     }
 }
 

@@ -499,10 +499,10 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
     at a time and multiplies it at once with our AVX512-BF16 GEMM (forward swapped, x16^T
     packed once past x16), where the CPU has it and W's shape fits its blocking (no
     tiles, no oneDNN); or, for a BF16 W (its bits are the tiles'), "direct": one oneDNN
-    GEMM reading W where it lies.  ``choose(op's name, shape, {name: run})`` says which run (the
-    blocked one of the largest tiles when None; ``compute.fastest`` times them all: the
-    blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and costs a
-    slower dequantization; small tiles stay in cache between the two, and their
+    GEMM reading W where it lies.  ``choose(op's name, shape, {name: run})`` says which
+    run (the blocked one of the largest tiles when None; ``compute.fastest`` times them
+    all: the blocked layout saves the GEMM's reorder, 4-7% of it on AVX512-BF16, and
+    costs a slower dequantization; small tiles stay in cache between the two, and their
     GEMMs take ``BF16_SMALL_TILE_ROWS`` rows of the activation at a time, "by 256 rows").
     A block of columns is written into ``prod32`` (float32 ``[T, width]``) and then moved
     into place: oneDNN's GEMM writing rows 16-56 KB apart (the result's own rows, 4096 or

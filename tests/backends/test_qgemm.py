@@ -83,6 +83,28 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_plain_halves_every_bit_pattern(qtype):
+    """F16 and BF16 weights go to float32 and to bf16 tiles 8 or 32 values at a time:
+    every one of the 65536 bit patterns (NaNs with their payloads, infinities,
+    subnormals), in rows of 1000 (a partial last vector), the float32 bitwise gguf's, the
+    bf16 the reference rounded as gguf rounds; a tile from column 8 on the same."""
+    from gguf import GGMLQuantizationType, quants
+    halves = np.concatenate([np.arange(1 << 16), np.arange(464)]).astype(np.uint16)
+    data = halves.view(np.uint8).reshape(66, 2000)
+    bm = BlockMatrix(qtype, (66, 1000), data)
+    ref = bm.dequantize()
+    assert np.array_equal(qgemm.deq_rows(data, qtype, 1000).view(np.uint32),
+                          ref.view(np.uint32))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref16 = quants.quantize(ref, GGMLQuantizationType.BF16).view(np.uint16)
+    np.testing.assert_array_equal(qgemm.deq_rows_bf16(data, qtype, 1000), ref16)
+    tile = np.empty((66, 992), np.uint16)
+    assert qgemm.lib().gt_deq_tile_bf16(BLOCK_TYPES[qtype].id, data.ctypes.data, 2000, None,
+                                        0, 66, 8, 992, tile.ctypes.data, 992) == 0
+    np.testing.assert_array_equal(tile, ref16[:, 8:])
+
+
 @pytest.mark.parametrize("rows", [200, 201])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):

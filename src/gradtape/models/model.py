@@ -54,10 +54,11 @@ PREFILL_CHUNK = 256  # rows per tape when running a long prompt through the cach
 # costs 0.2-0.5 s (a few seconds more the first time a size runs on a CPU: its GEMM
 # layouts are measured).  Zen 5, an 8B Q4_K_M: 8 rows took 1.0 s (program built)
 # against 1.3 s row by row, 16 rows 1.0 against 2.1, 48 rows 1.8 against 5.4, 256 rows
-# 5.6 against 20-27; SmolLM2 broke even at about 256 rows (0.05 TFLOP) and took 1.1 s
-# against 2.7 s at 1024
+# 5.6 against 20-27.  SmolLM2 (Zen 5, a slow host, the first prompt of a fresh process,
+# its program built): 256 rows 0.88 s against 0.70 s row by row, 512 rows (0.1 TFLOP)
+# 1.29 against 1.44 s, then 0.36 against 1.2 s each later prompt of that size
 PROMPT_PAD = 64
-PROMPT_BF16_FLOPS = 1.5e11
+PROMPT_BF16_FLOPS = 1e11
 # float32 prompts of this many rows on run as a float32 program too: the C prefill
 # attends a row at a time.  SmolLM2 (Zen 5): 1024 rows 2.0 s either way, 3000 rows 6.2
 # against 12.6 s, 8000 rows 20.8 against 68.0 s

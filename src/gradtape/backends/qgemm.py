@@ -253,6 +253,22 @@ def _check(rc, what):
         raise RuntimeError(f"gradtape: {what} failed in the C kernel (status {rc})")
 
 
+def _tile(split, what, deq, args, gemm):
+    """One tile: ``deq(*args)`` (a C kernel's status, checked), then ``gemm()``; with a
+    profile's ``split`` (None in a replay), the seconds of each added to its
+    "dequantize" and "GEMM" entries."""
+    if split is None:
+        _check(deq(*args), what)
+        gemm()
+        return
+    t0 = time.perf_counter()
+    _check(deq(*args), what)
+    t1 = time.perf_counter()
+    gemm()
+    split["dequantize"] += t1 - t0
+    split["GEMM"] += time.perf_counter() - t1
+
+
 def _rows(w, ids, what):
     """``(w, n, ids, ids address)``: block data made contiguous and the rows asked for
     (all when ``ids`` is None), checked against the matrix's rows."""
@@ -609,14 +625,7 @@ def lower_bf16(v, out, ins, dnnl, act16, tile16, prod32, choose=None, rounded=Fa
             for cols, deq, args, gemm, move in steps:
                 if cols is not None:
                     convert_block(*cols)
-                t0 = time.perf_counter() if split is not None else 0.0
-                _check(deq(*args), v.op)
-                if split is not None:
-                    t1 = time.perf_counter()
-                    split["dequantize"] += t1 - t0
-                gemm()
-                if split is not None:
-                    split["GEMM"] += time.perf_counter() - t1
+                _tile(split, v.op, deq, args, gemm)
                 if move is not None:
                     move[0](*move[1])
         run.label = f"{v.op} bf16 [{T}, {x.shape[1]}] x {qtype}[{rows}, {k}]"
@@ -835,24 +844,17 @@ def lower_int8(v, out, ins, dnnl, act8, tile8, ascale, wscale, csum, prod32, col
             for i, (((r0, n, c0, nc), _, into), gemm) in enumerate(zip(steps, gemms)):
                 if per_tile:
                     np.copyto(*moves[i])
-                t0 = time.perf_counter() if split is not None else 0.0
                 if blocked and transposed:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, 0, invp + 4 * c0, None, tp, None,
-                             cs + 4 * c0)
+                    args = (tid, wp, rb, r0, n, c0, nc, 0, invp + 4 * c0, None, tp, None,
+                            cs + 4 * c0)
                 elif blocked:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, 1, None, cw, tp, sw + 4 * r0,
-                             cs + 4 * r0)
+                    args = (tid, wp, rb, r0, n, c0, nc, 1, None, cw, tp, sw + 4 * r0,
+                            cs + 4 * r0)
                 elif transposed:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, nc, None)
+                    args = (tid, wp, rb, r0, n, c0, nc, invp + 4 * c0, None, tp, nc, None)
                 else:
-                    rc = deq(tid, wp, rb, r0, n, c0, nc, None, cw, tp, nc, sw + 4 * r0)
-                _check(rc, v.op)
-                if split is not None:
-                    t1 = time.perf_counter()
-                    split["dequantize"] += t1 - t0
-                gemm()
-                if split is not None:
-                    split["GEMM"] += time.perf_counter() - t1
+                    args = (tid, wp, rb, r0, n, c0, nc, None, cw, tp, nc, sw + 4 * r0)
+                _tile(split, v.op, deq, args, gemm)
                 if into is not None:
                     src, ld, m, nn, j0, dst, ldo_ = into
                     scale(src, ld, m, nn, sa, (scales if transposed else sw) + 4 * j0,

@@ -3,7 +3,7 @@
 A ``BlockMatrix`` is a frozen ``[rows, k]`` weight (ggml / torch orientation: ``rows``
 output units, ``k`` input features) kept as the bytes it is stored in: ``data`` is a
 ``uint8 [rows, row_bytes]`` array, usually a view of a memory-mapped file, where every
-row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, F16, BF16).  It is
+row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ4_XS, F16, BF16).  It is
 never expanded to a float copy as a whole; ``dequantize`` (the NumPy reference, llama.cpp's
 own ``gguf.quants.dequantize``, bit for bit) makes float32 rows one weight or a few rows
 at a time.  The tape takes it as a uint8 const (``Tape.const``) that only the block
@@ -30,7 +30,8 @@ class GGMLType:
 
 
 # The ggml types a BlockMatrix holds (ids and block layouts as in ggml.h / ggml-common.h).
-# Together with F32 they make up the Q4_K_M, Q5_K_M, Q6_K and Q8_0 files people use.
+# Together with F32 they make up the Q2_K, Q3_K_S/M/L, Q4_K_M, Q5_K_M, Q6_K, Q8_0 and
+# IQ4_XS / IQ4_NL files people use (not the IQ1-IQ3 and ternary types).
 BLOCK_TYPES = {t.name: t for t in (
     GGMLType("F16", 1, 1, 2),
     GGMLType("Q4_0", 2, 32, 2 + 16),            # d f16, 32 4-bit quants
@@ -41,6 +42,10 @@ BLOCK_TYPES = {t.name: t for t in (
     GGMLType("Q4_K", 12, 256, 2 + 2 + 12 + 128),  # d, dmin, 8 x 6-bit (scale, min), nibbles
     GGMLType("Q5_K", 13, 256, 2 + 2 + 12 + 32 + 128),
     GGMLType("Q6_K", 14, 256, 128 + 64 + 16 + 2),  # low nibbles, high 2 bits, int8 scales, d
+    GGMLType("Q2_K", 10, 256, 16 + 64 + 2 + 2),  # 4-bit (scale, min) pairs, 2-bit quants, d, dmin
+    GGMLType("Q3_K", 11, 256, 32 + 64 + 12 + 2),  # high bits, 2-bit quants, 6-bit scales, d
+    GGMLType("IQ4_NL", 20, 32, 2 + 16),         # d, 32 4-bit indices into a value table
+    GGMLType("IQ4_XS", 23, 256, 2 + 2 + 4 + 128),  # d, 8 x 6-bit scales, 4-bit indices
     GGMLType("BF16", 30, 1, 2),
 )}
 F32 = GGMLType("F32", 0, 1, 4)
@@ -141,6 +146,9 @@ _SCALE_FIELDS = {
     "Q4_K": ((0, 1 / (31.5 * 4.6)), (2, 8 / (31.5 * 4.6))),
     "Q5_K": ((0, 1 / (31.5 * 9.2)), (2, 16 / (31.5 * 9.2))),
     "Q6_K": ((208, 1 / (64 * 18.5)),),
+    "Q2_K": ((80, 1 / (7.5 * 1.1)), (82, 1.5 / (7.5 * 1.1))),
+    "Q3_K": ((108, 1 / (18.5 * 2.3)),),
+    "IQ4_NL": ((0, 1 / 68.0),), "IQ4_XS": ((0, 1 / (18.5 * 68.0)),),
 }
 
 

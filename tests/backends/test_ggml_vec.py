@@ -14,7 +14,8 @@ if not ggml_vec.available():
 
 # byte ranges of the f16 scales inside one block (the rest are quant bits: any value)
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+          "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
+          "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_blocks(qtype, rows, k, seed=0):

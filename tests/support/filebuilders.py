@@ -20,13 +20,15 @@ _LINEARS = {"q", "k", "v", "o", "gate", "up", "down"}
 
 
 def write_tiny_gguf(model, path, arch="llama", with_tokenizer=True, skip=(), f16=False,
-                    qtype=None):
+                    qtype=None, rng=None):
     """``model`` (tinymodel's) as a llama GGUF: F32 (or F16) tensors in llama.cpp's layout
     (linears ``[out, in]``, q/k rows permuted to the interleaved rope), llama metadata and
     a byte-level BPE vocabulary (bytes 0..255, ``<eos>``, ``Ġt`` when the vocabulary
     has room).  ``skip``: our tensor
     names to leave out.  ``qtype`` (a ggml type name gguf can quantize, e.g. "Q8_0"):
-    the matrices are stored in that type instead (llama.cpp's own quantizer)."""
+    the matrices are stored in that type instead (llama.cpp's own quantizer); with
+    ``rng``, random valid blocks of it (``blocks.random_blocks``, any type we run: gguf
+    cannot quantize the K and IQ types) in place of the model's values."""
     from gguf import GGUFWriter
 
     path = Path(path)
@@ -72,8 +74,12 @@ def write_tiny_gguf(model, path, arch="llama", with_tokenizer=True, skip=(), f16
         if qtype is not None and a.ndim == 2:
             from gguf import GGMLQuantizationType, quants
             q = GGMLQuantizationType[qtype]
-            w.add_tensor(name, quants.quantize(np.ascontiguousarray(a, np.float32), q),
-                         raw_dtype=q)
+            if rng is not None:
+                from gradtape.blocks import random_blocks
+                data = random_blocks(qtype, *a.shape, rng, std=float(a.std())).data
+            else:
+                data = quants.quantize(np.ascontiguousarray(a, np.float32), q)
+            w.add_tensor(name, data, raw_dtype=q)
             continue
         w.add_tensor(name, np.ascontiguousarray(a, dtype=dt if a.ndim == 2 else np.float32))
     w.write_header_to_file()

@@ -17,18 +17,26 @@
      Q5_K 176 B / 256: as Q4_K plus qh[32] (bit s of qh[l]: 5th bit of sub-block s, l)
      Q6_K 210 B / 256: ql[128], qh[64], i8 scales[16], f16 d
                        w = (d * scale) * ((4 low | 2 high bits) - 32), 16 sub-blocks of 16
+     Q2_K  84 B / 256: u8 scales[16] (4-bit scale, 4-bit min), qs[64], f16 d, f16 dmin
+                       w = (d * sc) * q2 - (dmin * m), 16 sub-blocks of 16
+     Q3_K 110 B / 256: hmask[32], qs[64], 16 x 6-bit scales in 12 bytes, f16 d
+                       w = (d * (sc - 32)) * (q2 - (hmask bit clear ? 4 : 0))
+     IQ4_NL 18 B / 32: f16 d, qs[16]           w = d * kvalues[nib]
+     IQ4_XS 136 B / 256: f16 d, u16 scales_h, u8 scales_l[4], qs[128]
+                       w = (d * (sc - 32)) * kvalues[nib], 8 sub-blocks of 32
      F16 / BF16 / F32: plain values.
    Type ids are ggml's (GGMLQuantizationType). */
 #ifndef GT_GGML_BLOCKS_H
 #define GT_GGML_BLOCKS_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+       T_IQ4_XS = 23, T_BF16 = 30 };
 
 /* IEEE half -> float, exact, NaN payloads kept as they are (numpy's conversion) */
 static inline float gb_h2f_bits(const uint8_t *p) {
@@ -166,6 +174,83 @@ static inline void deq_q6_k(const uint8_t *b, float *o) {
     }
 }
 
+/* Q2_K: 16 sub-blocks of 16, scale and min 4 bits each in scales[s]; value j is bits
+   2 (j % 128 / 32) of qs[32 (j / 128) + j % 32], w = (d sc) q - (dmin m) */
+static inline void deq_q2_k(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b + 80), dmin = gb_h2f(b + 82);
+    const uint8_t *q = b + 16;
+    for (int s = 0; s < 16; s++) {
+        const float D = d * (float)(b[s] & 0xF), M = dmin * (float)(b[s] >> 4);
+        const uint8_t *qs = q + 32 * (s / 8) + 16 * (s & 1);
+        const int sh = 2 * (s % 8 / 2);
+        for (int l = 0; l < 16; l++) o[16 * s + l] = D * (float)((qs[l] >> sh) & 3) - M;
+    }
+}
+/* Q3_K: hmask[32], qs[64], 16 6-bit scales in 12 bytes, d; value j has its low 2 bits
+   as Q2_K's, and 4 is taken off where bit j / 32 of hmask[j % 32] is clear; scale s is
+   the nibble s / 8 of byte s % 8 with bits 2 (s / 4) of byte 8 + s % 4 above it, less
+   32; w = (d scale) q */
+static inline void deq_q3_k(const uint8_t *b, float *o) {
+    const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
+    const float d = gb_h2f(b + 108);
+    for (int s = 0; s < 16; s++) {
+        const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF, hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const float D = d * (float)((int8_t)(lo | hi << 4) - 32);
+        const uint8_t *qs = q + 32 * (s / 8) + 16 * (s & 1), *h = hm + 16 * (s & 1);
+        const int sh = 2 * (s % 8 / 2), hb = s / 2;
+#ifdef __AVX512F__
+        const __m128i q2 = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)qs),
+                                                       _mm_cvtsi32_si128(sh)), _mm_set1_epi8(3));
+        const __m128i clear = _mm_andnot_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)h),
+                                                             _mm_cvtsi32_si128(hb)), _mm_set1_epi8(1));
+        _mm512_storeu_ps(o + 16 * s, _mm512_mul_ps(_mm512_set1_ps(D), _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_sub_epi8(q2, _mm_slli_epi16(clear, 2))))));
+#else
+        for (int l = 0; l < 16; l++)
+            o[16 * s + l] = D * (float)((int)((qs[l] >> sh) & 3) - (((h[l] >> hb) & 1) ? 0 : 4));
+#endif
+    }
+}
+/* IQ4_NL / IQ4_XS: 4-bit indices into a table of 16 non-linear values (llama.cpp's
+   kvalues_iq4nl); in 32 values, j < 16 is the low nibble of qs[j], j + 16 its high one */
+static const int8_t gb_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                    1, 13, 25, 38, 53, 69, 89, 113};
+static inline void gb_iq4_32(float D, const uint8_t *qs, float *o) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    /* the 16 lookups of each nibble row by one byte shuffle of the table */
+    const __m128i tab = _mm_loadu_si128((const __m128i *)gb_iq4nl), q = _mm_loadu_si128(
+        (const __m128i *)qs), m4 = _mm_set1_epi8(0xF);
+    const __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(q, m4)),
+                          _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(q, 4), m4))};
+    for (int h = 0; h < 2; h++) {
+#ifdef __AVX512F__
+        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(_mm512_set1_ps(D),
+                                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v[h]))));
+#else
+        for (int e = 0; e < 2; e++)
+            _mm256_storeu_ps(o + 16 * h + 8 * e, _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(e ? _mm_srli_si128(v[h], 8) : v[h]))));
+#endif
+    }
+#else
+    for (int l = 0; l < 16; l++) {
+        o[l] = D * (float)gb_iq4nl[qs[l] & 0xF];
+        o[l + 16] = D * (float)gb_iq4nl[qs[l] >> 4];
+    }
+#endif
+}
+static inline void deq_iq4_nl(const uint8_t *b, float *o) { gb_iq4_32(gb_h2f(b), b + 2, o); }
+/* IQ4_XS: 8 sub-blocks of 32, scale s 6 bits: the nibble s % 2 of scales_l[s / 2] with
+   bits 2 s of the 16-bit scales_h above it, less 32; w = (d scale) value */
+static inline void deq_iq4_xs(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    const unsigned sh = (unsigned)(b[2] | b[3] << 8);
+    for (int s = 0; s < 8; s++) {
+        const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF, hi = (sh >> (2 * s)) & 3;
+        gb_iq4_32(d * (float)((int8_t)(lo | hi << 4) - 32), b + 8 + 16 * s, o + 32 * s);
+    }
+}
+
 /* --- whole rows: nb blocks (F16 / BF16 / F32: nb values) -> float32 ------------------- */
 
 typedef void (*gb_deq_fn)(const uint8_t *b, float *restrict y, long nb);
@@ -182,6 +267,10 @@ GB_BLOCKS(deq_q8_0, 32, 34)
 GB_BLOCKS(deq_q4_k, 256, 144)
 GB_BLOCKS(deq_q5_k, 256, 176)
 GB_BLOCKS(deq_q6_k, 256, 210)
+GB_BLOCKS(deq_q2_k, 256, 84)
+GB_BLOCKS(deq_q3_k, 256, 110)
+GB_BLOCKS(deq_iq4_nl, 32, 18)
+GB_BLOCKS(deq_iq4_xs, 256, 136)
 
 /* Plain values: eight halves at a time by F16C's conversion (exact), except where one of
    the eight is a NaN, whose payload the instruction would change (it quiets a signalling
@@ -223,6 +312,10 @@ static int gb_layout(int64_t t, gb_deq_fn *f, int *block, int *bytes) {
     case T_Q4_K: *f = deq_q4_k_blocks; *block = 256; *bytes = 144; return 0;
     case T_Q5_K: *f = deq_q5_k_blocks; *block = 256; *bytes = 176; return 0;
     case T_Q6_K: *f = deq_q6_k_blocks; *block = 256; *bytes = 210; return 0;
+    case T_Q2_K: *f = deq_q2_k_blocks; *block = 256; *bytes = 84;  return 0;
+    case T_Q3_K: *f = deq_q3_k_blocks; *block = 256; *bytes = 110; return 0;
+    case T_IQ4_NL: *f = deq_iq4_nl_blocks; *block = 32; *bytes = 18; return 0;
+    case T_IQ4_XS: *f = deq_iq4_xs_blocks; *block = 256; *bytes = 136; return 0;
     }
     return -1;
 }

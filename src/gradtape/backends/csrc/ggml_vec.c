@@ -74,6 +74,10 @@ GV_DOT(dot_q8_0, 32, 34, deq_q8_0)
 GV_DOT(dot_q4_k, 256, 144, deq_q4_k)
 GV_DOT(dot_q5_k, 256, 176, deq_q5_k)
 GV_DOT(dot_q6_k, 256, 210, deq_q6_k)
+GV_DOT(dot_q2_k, 256, 84, deq_q2_k)
+GV_DOT(dot_q3_k, 256, 110, deq_q3_k)
+GV_DOT(dot_iq4_nl, 32, 18, deq_iq4_nl)
+GV_DOT(dot_iq4_xs, 256, 136, deq_iq4_xs)
 GV_DOT(dot_f16, 16, 32, deq_f16)
 GV_DOT(dot_bf16, 16, 32, deq_bf16)
 GV_DOT(dot_f32, 16, 64, deq_f32)
@@ -263,6 +267,10 @@ static int gv_qk(int64_t type, gv_dot_fn *fn) {
     case T_Q4_K: *fn = dot_q4_k; return 256;
     case T_Q5_K: *fn = dot_q5_k; return 256;
     case T_Q6_K: *fn = dot_q6_k; return 256;
+    case T_Q2_K: *fn = dot_q2_k; return 256;
+    case T_Q3_K: *fn = dot_q3_k; return 256;
+    case T_IQ4_NL: *fn = dot_iq4_nl; return 32;
+    case T_IQ4_XS: *fn = dot_iq4_xs; return 256;
     case T_F16: *fn = dot_f16; return 16;
     case T_BF16: *fn = dot_bf16; return 16;
     case T_F32: *fn = dot_f32; return 16;

@@ -1,0 +1,89 @@
+"""The low-bit types of llama.cpp's smaller files (Q2_K, Q3_K as in Q3_K_S/M/L, IQ4_NL,
+IQ4_XS), kept as stored: a tiny llama GGUF whose matrices are random valid blocks of one
+type, loaded with ``keep_quantized=True`` against the same file dequantized to float32 by
+gguf at load.  Their blocks dequantize bit for bit as gguf's (tests/backends/test_qgemm.py,
+test_ggml_vec.py); here the whole model agrees: logits, one LoRA step's gradients on the
+cpu backend in float32 and in bf16 compute (the block-weight GEMMs' tiles), and greedy
+generation through the C decoder that reads the blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gradtape import llama, nn
+from gradtape.backends import compute
+from gradtape.blocks import BlockMatrix
+from gradtape.models.lora import init_adapter
+from gradtape.models.model import record_forward, weight_consts
+from gradtape.tape import Tape
+
+from support.compare import rel_err
+from support.filebuilders import write_tiny_gguf
+from support.tinymodel import tiny_model
+
+TYPES = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def pair(request, tmp_path_factory):
+    """(the model kept in ``qtype`` blocks, the same file dequantized to float32)"""
+    qtype = request.param
+    m = tiny_model(seed=3, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=258)
+    path = write_tiny_gguf(m, tmp_path_factory.mktemp(qtype) / f"{qtype}.gguf", qtype=qtype,
+                           rng=np.random.default_rng(TYPES.index(qtype)))
+    return llama.load(path, keep_quantized=True), llama.load(path)
+
+
+def test_kept_as_stored(pair):
+    q, f = pair
+    w = q.weights["layers.1.down"]
+    assert isinstance(w, BlockMatrix) and w.qtype in TYPES
+    np.testing.assert_array_equal(w.dequantize().T, f.weights["layers.1.down"])
+    ids = np.arange(40) * 7 % 256
+    assert rel_err(q.logits(ids), f.logits(ids)) <= 1e-5
+
+
+def _grads(model, compute_kind):
+    """One LoRA step's loss and adapter gradients (flattened), on the cpu backend."""
+    adapter = init_adapter(model.config, rank=4, alpha=8.0, seed=1, base_model="tiny")
+    r = np.random.default_rng(0)
+    for _, b in adapter.weights.values():  # B != 0: A gets a gradient too
+        b[...] = r.standard_normal(b.shape).astype(np.float32) * 0.02
+    ids = (np.arange(33) * 11 % 256).astype(np.int64)
+    tp = Tape(np.float32, eager=False)
+    lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
+    logits = record_forward(tp, model.config, weight_consts(tp, model), tp.const(ids[:32]),
+                            1, lora, adapter.scale)
+    tid, wts = nn.ce_targets_fill(ids[1:])
+    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(np.float32)))
+    g = tp.backward(loss)
+    params = [p for pair in lora.values() for p in pair]
+    out = tp.compile([loss, *(g[p] for p in params)], backend="cpu",
+                     compute=compute_kind).run()
+    return float(out[0]), np.concatenate([a.ravel() for a in out[1:]])
+
+
+@pytest.mark.parametrize("compute_kind", ["float32", "bf16"])
+def test_a_lora_step_matches_the_dequantized_model(pair, compute_kind):
+    if compute_kind == "bf16" and not compute.bf16_fast():
+        pytest.skip("no fast bf16 GEMMs on this CPU (or oneDNN is missing)")
+    q, f = pair
+    (lq, gq), (lf, gf) = _grads(q, compute_kind), _grads(f, compute_kind)
+    # float32: the same products summed in another order (tiles against one GEMM);
+    # bf16: the same rounded weights either way
+    tol = 1e-5 if compute_kind == "float32" else 1e-2
+    assert abs(lq - lf) <= tol * abs(lf)
+    cos = gq @ gf / np.linalg.norm(gq) / np.linalg.norm(gf)
+    assert cos >= (1 - 1e-9 if compute_kind == "float32" else 0.999), cos
+
+
+def test_greedy_generation_matches(pair):
+    q, f = pair
+    ids = list(np.arange(20) * 5 % 256)
+    assert q.generate(ids, 6, stop_ids=()) == f.generate(ids, 6, stop_ids=())

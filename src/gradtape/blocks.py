@@ -3,7 +3,7 @@
 A ``BlockMatrix`` is a frozen ``[rows, k]`` weight (ggml / torch orientation: ``rows``
 output units, ``k`` input features) kept as the bytes it is stored in: ``data`` is a
 ``uint8 [rows, row_bytes]`` array, usually a view of a memory-mapped file, where every
-row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ4_XS, F16, BF16).  It is
+row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ2_XXS ... IQ4_XS, F16, BF16).  It is
 never expanded to a float copy as a whole; ``dequantize`` (the NumPy reference, llama.cpp's
 own ``gguf.quants.dequantize``, bit for bit) makes float32 rows one weight or a few rows
 at a time.  The tape takes it as a uint8 const (``Tape.const``) that only the block
@@ -31,7 +31,7 @@ class GGMLType:
 
 # The ggml types a BlockMatrix holds (ids and block layouts as in ggml.h / ggml-common.h).
 # Together with F32 they make up the Q2_K, Q3_K_S/M/L, Q4_K_M, Q5_K_M, Q6_K, Q8_0 and
-# IQ4_XS / IQ4_NL files people use (not the IQ1-IQ3 and ternary types).
+# IQ2 / IQ3 / IQ4 files people use (not the IQ1 and ternary types).
 BLOCK_TYPES = {t.name: t for t in (
     GGMLType("F16", 1, 1, 2),
     GGMLType("Q4_0", 2, 32, 2 + 16),            # d f16, 32 4-bit quants
@@ -46,6 +46,11 @@ BLOCK_TYPES = {t.name: t for t in (
     GGMLType("Q3_K", 11, 256, 32 + 64 + 12 + 2),  # high bits, 2-bit quants, 6-bit scales, d
     GGMLType("IQ4_NL", 20, 32, 2 + 16),         # d, 32 4-bit indices into a value table
     GGMLType("IQ4_XS", 23, 256, 2 + 2 + 4 + 128),  # d, 8 x 6-bit scales, 4-bit indices
+    GGMLType("IQ2_XXS", 16, 256, 2 + 64),       # d, per 32: 4 grid rows, signs, scale
+    GGMLType("IQ2_XS", 17, 256, 2 + 64 + 8),    # d, 32 x (9-bit row, 7-bit signs), scales
+    GGMLType("IQ2_S", 22, 256, 2 + 32 + 32 + 8 + 8),  # d, rows, signs, high bits, scales
+    GGMLType("IQ3_XXS", 18, 256, 2 + 64 + 32),  # d, 64 grid rows, per 32: signs, scale
+    GGMLType("IQ3_S", 21, 256, 2 + 64 + 8 + 32 + 4),  # d, rows, high bits, signs, scales
     GGMLType("BF16", 30, 1, 2),
 )}
 F32 = GGMLType("F32", 0, 1, 4)
@@ -149,6 +154,10 @@ _SCALE_FIELDS = {
     "Q2_K": ((80, 1 / (7.5 * 1.1)), (82, 1.5 / (7.5 * 1.1))),
     "Q3_K": ((108, 1 / (18.5 * 2.3)),),
     "IQ4_NL": ((0, 1 / 68.0),), "IQ4_XS": ((0, 1 / (18.5 * 68.0)),),
+    # the IQ2 / IQ3 types: d (0.5 + s) / 4 (IQ3_XXS: / 2; IQ3_S: d (1 + 2 s)) times grid
+    # values of about 25 (IQ3_XXS 30, IQ3_S 8), s about 8
+    "IQ2_XXS": ((0, 1 / 53.0),), "IQ2_XS": ((0, 1 / 53.0),), "IQ2_S": ((0, 1 / 53.0),),
+    "IQ3_XXS": ((0, 1 / 127.0),), "IQ3_S": ((0, 1 / 128.0),),
 }
 
 

@@ -15,7 +15,8 @@ if not ggml_vec.available():
 # byte ranges of the f16 scales inside one block (the rest are quant bits: any value)
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
-          "IQ4_NL": [0], "IQ4_XS": [0]}
+          "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0],
+          "IQ3_XXS": [0], "IQ3_S": [0]}
 
 
 def random_blocks(qtype, rows, k, seed=0):
@@ -81,8 +82,8 @@ def test_bad_shapes_are_refused():
         ggml_vec.matvec("Q4_1", data, np.zeros((5, 64), np.float32))
     with pytest.raises(ValueError, match="Q4_1 blocks must be uint8"):
         ggml_vec.matvec("Q4_1", data[:, :30], np.zeros((1, 64), np.float32))
-    with pytest.raises(ValueError, match="IQ2_XS is not supported"):
-        ggml_vec.matvec("IQ2_XS", data, np.zeros((1, 64), np.float32))
+    with pytest.raises(ValueError, match="IQ1_S is not supported"):
+        ggml_vec.matvec("IQ1_S", data, np.zeros((1, 64), np.float32))
     with pytest.raises(ValueError, match="out of range"):
         ggml_vec.take_rows("Q4_1", data, [4])
 

@@ -20,7 +20,7 @@ def test_type_table_matches_gguf():
         q = GGMLQuantizationType[name]
         assert int(q) == t.id
         assert GGML_QUANT_SIZES[q] == (t.block, t.nbytes), name
-    assert ggml_type(16).name == "IQ2_XXS"  # a type we do not run still has a layout
+    assert ggml_type(19).name == "IQ1_S"  # a type we do not run still has a layout
     assert ggml_type(9999) is None
 
 
@@ -28,7 +28,7 @@ def test_block_matrix_checks_its_bytes():
     ok = np.zeros((3, row_bytes("Q4_0", 64)), np.uint8)
     BlockMatrix("Q4_0", (3, 64), ok)
     with pytest.raises(ValueError, match="not one we run"):
-        BlockMatrix("IQ2_XXS", (3, 256), np.zeros((3, 66), np.uint8))
+        BlockMatrix("IQ1_S", (3, 256), np.zeros((3, 50), np.uint8))
     with pytest.raises(ValueError, match=r"data must be uint8 \[3, 36\]"):
         BlockMatrix("Q4_0", (3, 64), ok[:, :30])
     with pytest.raises(ValueError, match="whole number of 32-element blocks"):

@@ -609,9 +609,33 @@ def _csrc_texts():
 def build_csrc(names, flags=FLAGS, prefix="gt"):
     """The files ``names`` of ``csrc/`` compiled as one translation unit (each includes
     the headers it needs; each also compiles alone), cached like ``build``: the key
-    covers every file in ``csrc/``."""
-    unit = "".join(f'#include "{name}"\n' for name in names)
+    covers every file in ``csrc/``.  The unit starts with ``iq_tables``."""
+    unit = iq_tables() + "".join(f'#include "{name}"\n' for name in names)
     return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
+
+
+@functools.cache
+def iq_tables():
+    """C definitions of the tables the IQ2 / IQ3 types index (``GB_IQ_TABLES`` in
+    ``csrc/ggml_blocks.h``): the sign bytes and value grids as gguf's own dequantizer
+    builds them, so that the C blocks index the very tables gguf.quants does."""
+    from gguf import GGMLQuantizationType, quants
+
+    def array(name, a):  # a 1-d or 2-d array of bytes
+        rows = [",".join(map(str, r)) for r in a.reshape(-1, a.shape[-1])]
+        body = rows[0] if a.ndim == 1 else ",\n".join("{" + r + "}" for r in rows)
+        dims = "".join(f"[{n}]" for n in a.shape)
+        return f"static const uint8_t {name}{dims} = {{\n{body}}};\n"
+
+    out = ["#include <stdint.h>\n#define GB_IQ_TABLES 1\n",
+           array("gb_ksigns", np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))]
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"):
+        t = quants._type_traits[GGMLQuantizationType[name]]
+        t.init_grid()
+        grid = t.grid.reshape(t.grid_shape)
+        assert np.array_equal(grid, grid.astype(np.uint8)), name  # small whole values
+        out.append(array(f"gb_grid_{name.lower()}", grid.astype(np.uint8)))
+    return "".join(out)
 
 
 @functools.cache

@@ -24,6 +24,8 @@
      IQ4_NL 18 B / 32: f16 d, qs[16]           w = d * kvalues[nib]
      IQ4_XS 136 B / 256: f16 d, u16 scales_h, u8 scales_l[4], qs[128]
                        w = (d * (sc - 32)) * kvalues[nib], 8 sub-blocks of 32
+     IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: rows of a value grid with signs, where a
+     unit's source defines GB_IQ_TABLES (see deq_iq2_xxs)
      F16 / BF16 / F32: plain values.
    Type ids are ggml's (GGMLQuantizationType). */
 #ifndef GT_GGML_BLOCKS_H
@@ -35,7 +37,8 @@
 #endif
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
-       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+       T_Q2_K = 10, T_Q3_K = 11, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ2_XXS = 16,
+       T_IQ2_XS = 17, T_IQ3_XXS = 18, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22,
        T_IQ4_XS = 23, T_BF16 = 30 };
 
 /* IEEE half -> float, exact, NaN payloads kept as they are (numpy's conversion) */
@@ -251,6 +254,104 @@ static inline void deq_iq4_xs(const uint8_t *b, float *o) {
     }
 }
 
+#ifdef GB_IQ_TABLES
+/* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: rows of a value grid (gb_grid_*: 8 values a
+   row, IQ3's 4), each value times its group's factor db and a sign, w = (db * grid) *
+   sign.  The tables are gguf's own (_cgen.iq_tables writes them before the units that
+   include this header); sign bit k of byte sg is value k's, a 7-bit sign index picks its
+   byte in gb_ksigns.  Eight values at a time: */
+static inline void gb_grid8(float db, const uint8_t *g, unsigned sg, float *o) {
+#ifdef __AVX512VL__
+    /* the 8 values widened, times db, times +-1 picked by the sign bits */
+    const __m256 v = _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g))));
+    _mm256_storeu_ps(o, _mm256_mul_ps(v, _mm256_mask_blend_ps(
+        (__mmask8)sg, _mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f))));
+#else
+    for (int k = 0; k < 8; k++) {
+        /* +-1 as bits, multiplied as gguf multiplies: a select of -x would flip a NaN's
+           sign, which the multiplication keeps */
+        const uint32_t u = 0x3F800000u | ((sg >> k) & 1u) << 31;
+        float sign;
+        memcpy(&sign, &u, 4);
+        o[k] = db * (float)g[k] * sign;
+    }
+#endif
+}
+/* IQ3's two rows of 4 values (g0, g1) as one of 8 */
+static inline void gb_grid4x2(float db, const uint8_t *g0, const uint8_t *g1, unsigned sg,
+                              float *o) {
+    uint8_t g[8];
+    memcpy(g, g0, 4);
+    memcpy(g + 4, g1, 4);
+    gb_grid8(db, g, sg, o);
+}
+/* IQ2_XXS  66 B / 256: f16 d; per 32 values two u32: four grid rows (the bytes of the
+   first), four sign indices (bits 7 l of the second) and the scale s (its bits 28-31);
+   db = (d (0.5 + s)) 0.25 */
+static inline void deq_iq2_xxs(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t a[2];
+        memcpy(a, b + 2 + 8 * ib, 8);
+        const float db = d * (0.5f + (float)(a[1] >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++)
+            gb_grid8(db, gb_grid_iq2_xxs[(a[0] >> 8 * l) & 255],
+                     gb_ksigns[(a[1] >> 7 * l) & 127], o + 32 * ib + 8 * l);
+    }
+}
+/* IQ2_XS  74 B / 256: f16 d, 32 u16 (a 9-bit grid row, a 7-bit sign index, 8 values
+   each), 16 4-bit scales (one per 16 values) */
+static inline void deq_iq2_xs(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    for (int g = 0; g < 16; g++) {  /* 16 values a scale */
+        const float db = d * (0.5f + (float)((b[66 + g / 2] >> (4 * (g % 2))) & 0xF)) * 0.25f;
+        for (int i = 2 * g; i < 2 * g + 2; i++) {
+            const unsigned q = (unsigned)(b[2 + 2 * i] | b[3 + 2 * i] << 8);
+            gb_grid8(db, gb_grid_iq2_xs[q & 511], gb_ksigns[q >> 9], o + 8 * i);
+        }
+    }
+}
+/* IQ2_S  82 B / 256: f16 d, 32 grid row bytes, 32 sign bytes, 2 high bits of each row
+   (8 bytes), 16 4-bit scales */
+static inline void deq_iq2_s(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    for (int g = 0; g < 16; g++) {  /* 16 values a scale */
+        const float db = d * (0.5f + (float)((b[74 + g / 2] >> (4 * (g % 2))) & 0xF)) * 0.25f;
+        for (int i = 2 * g; i < 2 * g + 2; i++) {
+            const int row = b[2 + i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8;
+            gb_grid8(db, gb_grid_iq2_s[row], b[34 + i], o + 8 * i);
+        }
+    }
+}
+/* IQ3_XXS  98 B / 256: f16 d, 64 grid row bytes (4 values each), per 32 values a u32 of
+   four sign indices and the scale s (bits 28-31); db = (d (0.5 + s)) 0.5 */
+static inline void deq_iq3_xxs(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    for (int ib = 0; ib < 8; ib++) {
+        uint32_t a;
+        memcpy(&a, b + 66 + 4 * ib, 4);
+        const float db = d * (0.5f + (float)(a >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++)
+            gb_grid4x2(db, gb_grid_iq3_xxs[b[2 + 8 * ib + 2 * l]],
+                          gb_grid_iq3_xxs[b[3 + 8 * ib + 2 * l]],
+                          gb_ksigns[(a >> 7 * l) & 127], o + 32 * ib + 8 * l);
+    }
+}
+/* IQ3_S  110 B / 256: f16 d, 64 grid row bytes, their high bits (8 bytes), 256 sign
+   bits, 8 4-bit scales (one per 32 values); db = d (1 + 2 s) */
+static inline void deq_iq3_s(const uint8_t *b, float *o) {
+    const float d = gb_h2f(b);
+    for (int g = 0; g < 8; g++) {  /* 32 values a scale */
+        const float db = d * (float)(1 + 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 0xF));
+        for (int i = 8 * g; i < 8 * g + 8; i += 2)  /* two rows of 4, one sign byte */
+            gb_grid4x2(db, gb_grid_iq3_s[b[2 + i] | ((b[66 + g] >> (i % 8)) & 1) << 8],
+                          gb_grid_iq3_s[b[3 + i] | ((b[66 + g] >> (i % 8 + 1)) & 1) << 8],
+                          b[74 + i / 2], o + 4 * i);
+    }
+}
+#endif
+
 /* --- whole rows: nb blocks (F16 / BF16 / F32: nb values) -> float32 ------------------- */
 
 typedef void (*gb_deq_fn)(const uint8_t *b, float *restrict y, long nb);
@@ -271,6 +372,13 @@ GB_BLOCKS(deq_q2_k, 256, 84)
 GB_BLOCKS(deq_q3_k, 256, 110)
 GB_BLOCKS(deq_iq4_nl, 32, 18)
 GB_BLOCKS(deq_iq4_xs, 256, 136)
+#ifdef GB_IQ_TABLES
+GB_BLOCKS(deq_iq2_xxs, 256, 66)
+GB_BLOCKS(deq_iq2_xs, 256, 74)
+GB_BLOCKS(deq_iq2_s, 256, 82)
+GB_BLOCKS(deq_iq3_xxs, 256, 98)
+GB_BLOCKS(deq_iq3_s, 256, 110)
+#endif
 
 /* Plain values: eight halves at a time by F16C's conversion (exact), except where one of
    the eight is a NaN, whose payload the instruction would change (it quiets a signalling
@@ -316,6 +424,13 @@ static int gb_layout(int64_t t, gb_deq_fn *f, int *block, int *bytes) {
     case T_Q3_K: *f = deq_q3_k_blocks; *block = 256; *bytes = 110; return 0;
     case T_IQ4_NL: *f = deq_iq4_nl_blocks; *block = 32; *bytes = 18; return 0;
     case T_IQ4_XS: *f = deq_iq4_xs_blocks; *block = 256; *bytes = 136; return 0;
+#ifdef GB_IQ_TABLES
+    case T_IQ2_XXS: *f = deq_iq2_xxs_blocks; *block = 256; *bytes = 66; return 0;
+    case T_IQ2_XS: *f = deq_iq2_xs_blocks; *block = 256; *bytes = 74; return 0;
+    case T_IQ2_S: *f = deq_iq2_s_blocks; *block = 256; *bytes = 82; return 0;
+    case T_IQ3_XXS: *f = deq_iq3_xxs_blocks; *block = 256; *bytes = 98; return 0;
+    case T_IQ3_S: *f = deq_iq3_s_blocks; *block = 256; *bytes = 110; return 0;
+#endif
     }
     return -1;
 }

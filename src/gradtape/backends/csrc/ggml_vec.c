@@ -78,6 +78,13 @@ GV_DOT(dot_q2_k, 256, 84, deq_q2_k)
 GV_DOT(dot_q3_k, 256, 110, deq_q3_k)
 GV_DOT(dot_iq4_nl, 32, 18, deq_iq4_nl)
 GV_DOT(dot_iq4_xs, 256, 136, deq_iq4_xs)
+#ifdef GB_IQ_TABLES
+GV_DOT(dot_iq2_xxs, 256, 66, deq_iq2_xxs)
+GV_DOT(dot_iq2_xs, 256, 74, deq_iq2_xs)
+GV_DOT(dot_iq2_s, 256, 82, deq_iq2_s)
+GV_DOT(dot_iq3_xxs, 256, 98, deq_iq3_xxs)
+GV_DOT(dot_iq3_s, 256, 110, deq_iq3_s)
+#endif
 GV_DOT(dot_f16, 16, 32, deq_f16)
 GV_DOT(dot_bf16, 16, 32, deq_bf16)
 GV_DOT(dot_f32, 16, 64, deq_f32)
@@ -271,6 +278,13 @@ static int gv_qk(int64_t type, gv_dot_fn *fn) {
     case T_Q3_K: *fn = dot_q3_k; return 256;
     case T_IQ4_NL: *fn = dot_iq4_nl; return 32;
     case T_IQ4_XS: *fn = dot_iq4_xs; return 256;
+#ifdef GB_IQ_TABLES
+    case T_IQ2_XXS: *fn = dot_iq2_xxs; return 256;
+    case T_IQ2_XS: *fn = dot_iq2_xs; return 256;
+    case T_IQ2_S: *fn = dot_iq2_s; return 256;
+    case T_IQ3_XXS: *fn = dot_iq3_xxs; return 256;
+    case T_IQ3_S: *fn = dot_iq3_s; return 256;
+#endif
     case T_F16: *fn = dot_f16; return 16;
     case T_BF16: *fn = dot_bf16; return 16;
     case T_F32: *fn = dot_f32; return 16;

@@ -3,10 +3,10 @@
 A ``BlockMatrix`` is a frozen ``[rows, k]`` weight (ggml / torch orientation: ``rows``
 output units, ``k`` input features) kept as the bytes it is stored in: ``data`` is a
 ``uint8 [rows, row_bytes]`` array, usually a view of a memory-mapped file, where every
-row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ2_XXS ... IQ4_XS, F16, BF16).  It is
-never expanded to a float copy as a whole; ``dequantize`` (the NumPy reference, llama.cpp's
-own ``gguf.quants.dequantize``, bit for bit) makes float32 rows one weight or a few rows
-at a time.  The tape takes it as a uint8 const (``Tape.const``) that only the block
+row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ2_XXS ... IQ4_XS, F16,
+BF16).  It is never expanded to a float copy as a whole; ``dequantize`` (the NumPy
+reference, llama.cpp's own ``gguf.quants.dequantize``, bit for bit) makes float32 rows
+one weight or a few rows at a time.  The tape takes it as a uint8 const (``Tape.const``) that only the block
 primitives (``ops.qmatmul``, ``qmatmul_t``, ``qtake_rows``) read.
 
 The table of ggml types lives here, in the core, rather than in ``formats``: the
@@ -42,7 +42,7 @@ BLOCK_TYPES = {t.name: t for t in (
     GGMLType("Q4_K", 12, 256, 2 + 2 + 12 + 128),  # d, dmin, 8 x 6-bit (scale, min), nibbles
     GGMLType("Q5_K", 13, 256, 2 + 2 + 12 + 32 + 128),
     GGMLType("Q6_K", 14, 256, 128 + 64 + 16 + 2),  # low nibbles, high 2 bits, int8 scales, d
-    GGMLType("Q2_K", 10, 256, 16 + 64 + 2 + 2),  # 4-bit (scale, min) pairs, 2-bit quants, d, dmin
+    GGMLType("Q2_K", 10, 256, 16 + 64 + 2 + 2),  # 4-bit (scale, min), 2-bit quants, d, dmin
     GGMLType("Q3_K", 11, 256, 32 + 64 + 12 + 2),  # high bits, 2-bit quants, 6-bit scales, d
     GGMLType("IQ4_NL", 20, 32, 2 + 16),         # d, 32 4-bit indices into a value table
     GGMLType("IQ4_XS", 23, 256, 2 + 2 + 4 + 128),  # d, 8 x 6-bit scales, 4-bit indices

@@ -197,42 +197,48 @@ static inline void deq_q3_k(const uint8_t *b, float *o) {
     const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
     const float d = gb_h2f(b + 108);
     for (int s = 0; s < 16; s++) {
-        const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF, hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF;
+        const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
         const float D = d * (float)((int8_t)(lo | hi << 4) - 32);
         const uint8_t *qs = q + 32 * (s / 8) + 16 * (s & 1), *h = hm + 16 * (s & 1);
         const int sh = 2 * (s % 8 / 2), hb = s / 2;
 #ifdef __AVX512F__
+        /* the 16 quants as bytes (the 16-bit shifts' spill masked off), then widened */
         const __m128i q2 = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)qs),
-                                                       _mm_cvtsi32_si128(sh)), _mm_set1_epi8(3));
-        const __m128i clear = _mm_andnot_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)h),
-                                                             _mm_cvtsi32_si128(hb)), _mm_set1_epi8(1));
+                                                       _mm_cvtsi32_si128(sh)),
+                                         _mm_set1_epi8(3));
+        const __m128i clear = _mm_andnot_si128(
+            _mm_srl_epi16(_mm_loadu_si128((const __m128i *)h), _mm_cvtsi32_si128(hb)),
+            _mm_set1_epi8(1));
         _mm512_storeu_ps(o + 16 * s, _mm512_mul_ps(_mm512_set1_ps(D), _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_sub_epi8(q2, _mm_slli_epi16(clear, 2))))));
 #else
         for (int l = 0; l < 16; l++)
-            o[16 * s + l] = D * (float)((int)((qs[l] >> sh) & 3) - (((h[l] >> hb) & 1) ? 0 : 4));
+            o[16 * s + l] = D * (float)((int)((qs[l] >> sh) & 3) - ((h[l] >> hb) & 1 ? 0 : 4));
 #endif
     }
 }
-/* IQ4_NL / IQ4_XS: 4-bit indices into a table of 16 non-linear values (llama.cpp's
-   kvalues_iq4nl); in 32 values, j < 16 is the low nibble of qs[j], j + 16 its high one */
+/* IQ4_NL / IQ4_XS: 4-bit indices into a table of 16 non-linear values (the format's,
+   gguf.quants.IQ4_NL.kvalues); in 32 values, j < 16 is the low nibble of qs[j], j + 16
+   its high one */
 static const int8_t gb_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                     1, 13, 25, 38, 53, 69, 89, 113};
 static inline void gb_iq4_32(float D, const uint8_t *qs, float *o) {
 #if defined(__AVX512F__) || defined(__AVX2__)
     /* the 16 lookups of each nibble row by one byte shuffle of the table */
-    const __m128i tab = _mm_loadu_si128((const __m128i *)gb_iq4nl), q = _mm_loadu_si128(
-        (const __m128i *)qs), m4 = _mm_set1_epi8(0xF);
+    const __m128i tab = _mm_loadu_si128((const __m128i *)gb_iq4nl);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(0xF);
     const __m128i v[2] = {_mm_shuffle_epi8(tab, _mm_and_si128(q, m4)),
                           _mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(q, 4), m4))};
     for (int h = 0; h < 2; h++) {
 #ifdef __AVX512F__
-        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(_mm512_set1_ps(D),
-                                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v[h]))));
+        _mm512_storeu_ps(o + 16 * h, _mm512_mul_ps(
+            _mm512_set1_ps(D), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v[h]))));
 #else
         for (int e = 0; e < 2; e++)
-            _mm256_storeu_ps(o + 16 * h + 8 * e, _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(
-                _mm256_cvtepi8_epi32(e ? _mm_srli_si128(v[h], 8) : v[h]))));
+            _mm256_storeu_ps(o + 16 * h + 8 * e, _mm256_mul_ps(
+                _mm256_set1_ps(D), _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(e ? _mm_srli_si128(v[h], 8) : v[h]))));
 #endif
     }
 #else
@@ -305,7 +311,8 @@ static inline void deq_iq2_xxs(const uint8_t *b, float *o) {
 static inline void deq_iq2_xs(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
     for (int g = 0; g < 16; g++) {  /* 16 values a scale */
-        const float db = d * (0.5f + (float)((b[66 + g / 2] >> (4 * (g % 2))) & 0xF)) * 0.25f;
+        const int s = (b[66 + g / 2] >> (4 * (g % 2))) & 0xF;
+        const float db = d * (0.5f + (float)s) * 0.25f;
         for (int i = 2 * g; i < 2 * g + 2; i++) {
             const unsigned q = (unsigned)(b[2 + 2 * i] | b[3 + 2 * i] << 8);
             gb_grid8(db, gb_grid_iq2_xs[q & 511], gb_ksigns[q >> 9], o + 8 * i);
@@ -317,7 +324,8 @@ static inline void deq_iq2_xs(const uint8_t *b, float *o) {
 static inline void deq_iq2_s(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
     for (int g = 0; g < 16; g++) {  /* 16 values a scale */
-        const float db = d * (0.5f + (float)((b[74 + g / 2] >> (4 * (g % 2))) & 0xF)) * 0.25f;
+        const int s = (b[74 + g / 2] >> (4 * (g % 2))) & 0xF;
+        const float db = d * (0.5f + (float)s) * 0.25f;
         for (int i = 2 * g; i < 2 * g + 2; i++) {
             const int row = b[2 + i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8;
             gb_grid8(db, gb_grid_iq2_s[row], b[34 + i], o + 8 * i);
@@ -334,8 +342,8 @@ static inline void deq_iq3_xxs(const uint8_t *b, float *o) {
         const float db = d * (0.5f + (float)(a >> 28)) * 0.5f;
         for (int l = 0; l < 4; l++)
             gb_grid4x2(db, gb_grid_iq3_xxs[b[2 + 8 * ib + 2 * l]],
-                          gb_grid_iq3_xxs[b[3 + 8 * ib + 2 * l]],
-                          gb_ksigns[(a >> 7 * l) & 127], o + 32 * ib + 8 * l);
+                       gb_grid_iq3_xxs[b[3 + 8 * ib + 2 * l]], gb_ksigns[(a >> 7 * l) & 127],
+                       o + 32 * ib + 8 * l);
     }
 }
 /* IQ3_S  110 B / 256: f16 d, 64 grid row bytes, their high bits (8 bytes), 256 sign
@@ -346,8 +354,8 @@ static inline void deq_iq3_s(const uint8_t *b, float *o) {
         const float db = d * (float)(1 + 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 0xF));
         for (int i = 8 * g; i < 8 * g + 8; i += 2)  /* two rows of 4, one sign byte */
             gb_grid4x2(db, gb_grid_iq3_s[b[2 + i] | ((b[66 + g] >> (i % 8)) & 1) << 8],
-                          gb_grid_iq3_s[b[3 + i] | ((b[66 + g] >> (i % 8 + 1)) & 1) << 8],
-                          b[74 + i / 2], o + 4 * i);
+                       gb_grid_iq3_s[b[3 + i] | ((b[66 + g] >> (i % 8 + 1)) & 1) << 8],
+                       b[74 + i / 2], o + 4 * i);
     }
 }
 #endif

@@ -6,8 +6,8 @@ output units, ``k`` input features) kept as the bytes it is stored in: ``data`` 
 row is a whole number of blocks of its ``qtype`` (Q4_0 ... Q6_K, IQ2_XXS ... IQ4_XS, F16,
 BF16).  It is never expanded to a float copy as a whole; ``dequantize`` (the NumPy
 reference, llama.cpp's own ``gguf.quants.dequantize``, bit for bit) makes float32 rows
-one weight or a few rows at a time.  The tape takes it as a uint8 const (``Tape.const``) that only the block
-primitives (``ops.qmatmul``, ``qmatmul_t``, ``qtake_rows``) read.
+one weight or a few rows at a time.  The tape takes it as a uint8 const (``Tape.const``)
+that only the block primitives (``ops.qmatmul``, ``qmatmul_t``, ``qtake_rows``) read.
 
 The table of ggml types lives here, in the core, rather than in ``formats``: the
 primitives' shape rules need it and the core never imports ``formats`` (the GGUF reader

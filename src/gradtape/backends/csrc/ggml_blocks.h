@@ -264,17 +264,17 @@ static inline void deq_iq4_xs(const uint8_t *b, float *o) {
 /* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: rows of a value grid (gb_grid_*: 8 values a
    row, IQ3's 4), each value times its group's factor db and a sign, w = (db * grid) *
    sign.  The tables are gguf's own (_cgen.iq_tables writes them before the units that
-   include this header); sign bit k of byte sg is value k's, a 7-bit sign index picks its
-   byte in gb_ksigns.  Eight values at a time: */
-static inline void gb_grid8(float db, const uint8_t *g, unsigned sg, float *o) {
-#ifdef __AVX512VL__
-    /* the 8 values widened, times db, times +-1 picked by the sign bits */
-    const __m256 v = _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g))));
-    _mm256_storeu_ps(o, _mm256_mul_ps(v, _mm256_mask_blend_ps(
-        (__mmask8)sg, _mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f))));
+   include this header); a 7-bit sign index picks a byte of 8 signs in gb_ksigns.
+   Sixteen values at a time, g their grid values, bit k of sg value k's sign: */
+static inline void gb_grid16(float db, const uint8_t g[16], unsigned sg, float *o) {
+#ifdef __AVX512F__
+    /* widened, times db, times +-1 picked by the sign bits */
+    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(db), _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)g))));
+    _mm512_storeu_ps(o, _mm512_mul_ps(v, _mm512_mask_blend_ps(
+        (__mmask16)sg, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f))));
 #else
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < 16; k++) {
         /* +-1 as bits, multiplied as gguf multiplies: a select of -x would flip a NaN's
            sign, which the multiplication keeps */
         const uint32_t u = 0x3F800000u | ((sg >> k) & 1u) << 31;
@@ -284,78 +284,94 @@ static inline void gb_grid8(float db, const uint8_t *g, unsigned sg, float *o) {
     }
 #endif
 }
-/* IQ3's two rows of 4 values (g0, g1) as one of 8 */
-static inline void gb_grid4x2(float db, const uint8_t *g0, const uint8_t *g1, unsigned sg,
-                              float *o) {
-    uint8_t g[8];
-    memcpy(g, g0, 4);
-    memcpy(g + 4, g1, 4);
-    gb_grid8(db, g, sg, o);
+/* two grid rows of 8 values, or four of 4, as 16 */
+static inline void gb_rows8(const uint8_t *r0, const uint8_t *r1, uint8_t g[16]) {
+    memcpy(g, r0, 8);
+    memcpy(g + 8, r1, 8);
+}
+static inline void gb_rows4(const uint8_t *r0, const uint8_t *r1, const uint8_t *r2,
+                            const uint8_t *r3, uint8_t g[16]) {
+    memcpy(g, r0, 4);
+    memcpy(g + 4, r1, 4);
+    memcpy(g + 8, r2, 4);
+    memcpy(g + 12, r3, 4);
 }
 /* IQ2_XXS  66 B / 256: f16 d; per 32 values two u32: four grid rows (the bytes of the
    first), four sign indices (bits 7 l of the second) and the scale s (its bits 28-31);
    db = (d (0.5 + s)) 0.25 */
 static inline void deq_iq2_xxs(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
+    uint8_t g[16];
     for (int ib = 0; ib < 8; ib++) {
         uint32_t a[2];
         memcpy(a, b + 2 + 8 * ib, 8);
         const float db = d * (0.5f + (float)(a[1] >> 28)) * 0.25f;
-        for (int l = 0; l < 4; l++)
-            gb_grid8(db, gb_grid_iq2_xxs[(a[0] >> 8 * l) & 255],
-                     gb_ksigns[(a[1] >> 7 * l) & 127], o + 32 * ib + 8 * l);
+        for (int l = 0; l < 4; l += 2) {
+            gb_rows8(gb_grid_iq2_xxs[(a[0] >> 8 * l) & 255],
+                     gb_grid_iq2_xxs[(a[0] >> 8 * (l + 1)) & 255], g);
+            gb_grid16(db, g, gb_ksigns[(a[1] >> 7 * l) & 127] |
+                             gb_ksigns[(a[1] >> 7 * (l + 1)) & 127] << 8, o + 32 * ib + 8 * l);
+        }
     }
 }
 /* IQ2_XS  74 B / 256: f16 d, 32 u16 (a 9-bit grid row, a 7-bit sign index, 8 values
    each), 16 4-bit scales (one per 16 values) */
 static inline void deq_iq2_xs(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
-    for (int g = 0; g < 16; g++) {  /* 16 values a scale */
-        const int s = (b[66 + g / 2] >> (4 * (g % 2))) & 0xF;
-        const float db = d * (0.5f + (float)s) * 0.25f;
-        for (int i = 2 * g; i < 2 * g + 2; i++) {
-            const unsigned q = (unsigned)(b[2 + 2 * i] | b[3 + 2 * i] << 8);
-            gb_grid8(db, gb_grid_iq2_xs[q & 511], gb_ksigns[q >> 9], o + 8 * i);
-        }
+    uint8_t g[16];
+    for (int i = 0; i < 16; i++) {  /* 16 values a scale */
+        const int s = (b[66 + i / 2] >> (4 * (i % 2))) & 0xF;
+        const unsigned q0 = (unsigned)(b[2 + 4 * i] | b[3 + 4 * i] << 8);
+        const unsigned q1 = (unsigned)(b[4 + 4 * i] | b[5 + 4 * i] << 8);
+        gb_rows8(gb_grid_iq2_xs[q0 & 511], gb_grid_iq2_xs[q1 & 511], g);
+        gb_grid16(d * (0.5f + (float)s) * 0.25f, g,
+                  gb_ksigns[q0 >> 9] | gb_ksigns[q1 >> 9] << 8, o + 16 * i);
     }
 }
 /* IQ2_S  82 B / 256: f16 d, 32 grid row bytes, 32 sign bytes, 2 high bits of each row
    (8 bytes), 16 4-bit scales */
 static inline void deq_iq2_s(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
-    for (int g = 0; g < 16; g++) {  /* 16 values a scale */
-        const int s = (b[74 + g / 2] >> (4 * (g % 2))) & 0xF;
-        const float db = d * (0.5f + (float)s) * 0.25f;
-        for (int i = 2 * g; i < 2 * g + 2; i++) {
-            const int row = b[2 + i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8;
-            gb_grid8(db, gb_grid_iq2_s[row], b[34 + i], o + 8 * i);
-        }
+    uint8_t g[16];
+    for (int i = 0; i < 16; i++) {  /* 16 values a scale: rows 2 i, 2 i + 1 */
+        const int s = (b[74 + i / 2] >> (4 * (i % 2))) & 0xF, h = b[66 + i / 2] >> 4 * (i % 2);
+        gb_rows8(gb_grid_iq2_s[b[2 + 2 * i] | (h & 3) << 8],
+                 gb_grid_iq2_s[b[3 + 2 * i] | (h >> 2 & 3) << 8], g);
+        gb_grid16(d * (0.5f + (float)s) * 0.25f, g, b[34 + 2 * i] | b[35 + 2 * i] << 8,
+                  o + 16 * i);
     }
 }
 /* IQ3_XXS  98 B / 256: f16 d, 64 grid row bytes (4 values each), per 32 values a u32 of
    four sign indices and the scale s (bits 28-31); db = (d (0.5 + s)) 0.5 */
 static inline void deq_iq3_xxs(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
+    uint8_t g[16];
     for (int ib = 0; ib < 8; ib++) {
         uint32_t a;
         memcpy(&a, b + 66 + 4 * ib, 4);
         const float db = d * (0.5f + (float)(a >> 28)) * 0.5f;
-        for (int l = 0; l < 4; l++)
-            gb_grid4x2(db, gb_grid_iq3_xxs[b[2 + 8 * ib + 2 * l]],
-                       gb_grid_iq3_xxs[b[3 + 8 * ib + 2 * l]], gb_ksigns[(a >> 7 * l) & 127],
-                       o + 32 * ib + 8 * l);
+        for (int l = 0; l < 4; l += 2) {
+            const uint8_t *r = b + 2 + 8 * ib + 2 * l;
+            gb_rows4(gb_grid_iq3_xxs[r[0]], gb_grid_iq3_xxs[r[1]], gb_grid_iq3_xxs[r[2]],
+                     gb_grid_iq3_xxs[r[3]], g);
+            gb_grid16(db, g, gb_ksigns[(a >> 7 * l) & 127] |
+                             gb_ksigns[(a >> 7 * (l + 1)) & 127] << 8, o + 32 * ib + 8 * l);
+        }
     }
 }
 /* IQ3_S  110 B / 256: f16 d, 64 grid row bytes, their high bits (8 bytes), 256 sign
    bits, 8 4-bit scales (one per 32 values); db = d (1 + 2 s) */
 static inline void deq_iq3_s(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
-    for (int g = 0; g < 8; g++) {  /* 32 values a scale */
-        const float db = d * (float)(1 + 2 * ((b[106 + g / 2] >> (4 * (g % 2))) & 0xF));
-        for (int i = 8 * g; i < 8 * g + 8; i += 2)  /* two rows of 4, one sign byte */
-            gb_grid4x2(db, gb_grid_iq3_s[b[2 + i] | ((b[66 + g] >> (i % 8)) & 1) << 8],
-                       gb_grid_iq3_s[b[3 + i] | ((b[66 + g] >> (i % 8 + 1)) & 1) << 8],
-                       b[74 + i / 2], o + 4 * i);
+    uint8_t g[16];
+    for (int i = 0; i < 16; i++) {  /* 16 values: rows 4 i .. 4 i + 3 */
+        const int s = (b[106 + i / 4] >> (4 * (i / 2 % 2))) & 0xF;
+        const uint8_t *r = b + 2 + 4 * i;
+        const int h = b[66 + i / 2] >> 4 * (i % 2);
+        gb_rows4(gb_grid_iq3_s[r[0] | (h & 1) << 8], gb_grid_iq3_s[r[1] | (h >> 1 & 1) << 8],
+                 gb_grid_iq3_s[r[2] | (h >> 2 & 1) << 8],
+                 gb_grid_iq3_s[r[3] | (h >> 3 & 1) << 8], g);
+        gb_grid16(d * (float)(1 + 2 * s), g, b[74 + 2 * i] | b[75 + 2 * i] << 8, o + 16 * i);
     }
 }
 #endif

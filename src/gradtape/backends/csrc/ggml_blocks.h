@@ -177,44 +177,85 @@ static inline void deq_q6_k(const uint8_t *b, float *o) {
     }
 }
 
-/* Q2_K: 16 sub-blocks of 16, scale and min 4 bits each in scales[s]; value j is bits
-   2 (j % 128 / 32) of qs[32 (j / 128) + j % 32], w = (d sc) q - (dmin m) */
+/* Q2_K and Q3_K: 16 sub-blocks of 16 values, whose 2-bit quants lie in qs[64]: value j
+   of sub-block s is bits 2 (s % 8 / 2) of byte 32 (s / 8) + 16 (s % 2) + j.  So the four
+   sub-blocks 8 H + P + 2 i (i < 4) read the same 16 bytes, each with its own shift; with
+   AVX-512 they are made together, one 128-bit lane each (gb_k2_lanes), then widened. */
+#ifdef __AVX512BW__
+/* the 16 bytes at p in each 128-bit lane i, shifted right by sh + step i (within each
+   byte: the 16-bit shifts' spill is masked off by the caller) */
+static inline __m512i gb_k2_lanes(const uint8_t *p, int sh, int step) {
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+    const __m512i n = _mm512_add_epi16(_mm512_set1_epi16((short)sh), _mm512_set_epi64(
+        3 * step * 0x0001000100010001LL, 3 * step * 0x0001000100010001LL,
+        2 * step * 0x0001000100010001LL, 2 * step * 0x0001000100010001LL,
+        step * 0x0001000100010001LL, step * 0x0001000100010001LL, 0, 0));
+    return _mm512_srlv_epi16(v, n);
+}
+/* lane i of the int8 values v as 16 floats */
+#define GB_LANE_F32(v, i) \
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, i)))
+#endif
+/* Q2_K: scale and min 4 bits each in scales[s], w = (d sc) q - (dmin m) */
 static inline void deq_q2_k(const uint8_t *b, float *o) {
     const float d = gb_h2f(b + 80), dmin = gb_h2f(b + 82);
-    const uint8_t *q = b + 16;
+    float D[16], M[16];
     for (int s = 0; s < 16; s++) {
-        const float D = d * (float)(b[s] & 0xF), M = dmin * (float)(b[s] >> 4);
-        const uint8_t *qs = q + 32 * (s / 8) + 16 * (s & 1);
-        const int sh = 2 * (s % 8 / 2);
-        for (int l = 0; l < 16; l++) o[16 * s + l] = D * (float)((qs[l] >> sh) & 3) - M;
+        D[s] = d * (float)(b[s] & 0xF);
+        M[s] = dmin * (float)(b[s] >> 4);
+    }
+    for (int hp = 0; hp < 4; hp++) {  /* the sub-blocks 8 H + P + 2 i: hp = 2 H + P */
+        const int s0 = 8 * (hp / 2) + hp % 2;
+        const uint8_t *q = b + 16 + 16 * hp;
+#ifdef __AVX512BW__
+        const __m512i v = _mm512_and_si512(gb_k2_lanes(q, 0, 2), _mm512_set1_epi8(3));
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + 2 * i;
+            _mm512_storeu_ps(o + 16 * s, _mm512_sub_ps(
+                _mm512_mul_ps(_mm512_set1_ps(D[s]), GB_LANE_F32(v, i)), _mm512_set1_ps(M[s])));
+        }
+#else
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + 2 * i;
+            for (int l = 0; l < 16; l++)
+                o[16 * s + l] = D[s] * (float)((q[l] >> 2 * i) & 3) - M[s];
+        }
+#endif
     }
 }
-/* Q3_K: hmask[32], qs[64], 16 6-bit scales in 12 bytes, d; value j has its low 2 bits
-   as Q2_K's, and 4 is taken off where bit j / 32 of hmask[j % 32] is clear; scale s is
-   the nibble s / 8 of byte s % 8 with bits 2 (s / 4) of byte 8 + s % 4 above it, less
-   32; w = (d scale) q */
+/* Q3_K: hmask[32], qs[64], 16 6-bit scales in 12 bytes, d; 4 is taken off value j of
+   sub-block s where bit s / 2 of hmask[16 (s % 2) + j] is clear; scale s is the nibble
+   s / 8 of byte s % 8 with bits 2 (s / 4) of byte 8 + s % 4 above it, less 32;
+   w = (d scale) q */
 static inline void deq_q3_k(const uint8_t *b, float *o) {
-    const uint8_t *hm = b, *q = b + 32, *sc = b + 96;
+    const uint8_t *sc = b + 96;
     const float d = gb_h2f(b + 108);
+    float D[16];
     for (int s = 0; s < 16; s++) {
         const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF;
         const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-        const float D = d * (float)((int8_t)(lo | hi << 4) - 32);
-        const uint8_t *qs = q + 32 * (s / 8) + 16 * (s & 1), *h = hm + 16 * (s & 1);
-        const int sh = 2 * (s % 8 / 2), hb = s / 2;
-#ifdef __AVX512F__
-        /* the 16 quants as bytes (the 16-bit shifts' spill masked off), then widened */
-        const __m128i q2 = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)qs),
-                                                       _mm_cvtsi32_si128(sh)),
-                                         _mm_set1_epi8(3));
-        const __m128i clear = _mm_andnot_si128(
-            _mm_srl_epi16(_mm_loadu_si128((const __m128i *)h), _mm_cvtsi32_si128(hb)),
-            _mm_set1_epi8(1));
-        _mm512_storeu_ps(o + 16 * s, _mm512_mul_ps(_mm512_set1_ps(D), _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_sub_epi8(q2, _mm_slli_epi16(clear, 2))))));
+        D[s] = d * (float)((int8_t)(lo | hi << 4) - 32);
+    }
+    for (int hp = 0; hp < 4; hp++) {  /* the sub-blocks 8 H + P + 2 i: hp = 2 H + P */
+        const int s0 = 8 * (hp / 2) + hp % 2;
+        const uint8_t *q = b + 32 + 16 * hp, *h = b + 16 * (hp % 2);
+#ifdef __AVX512BW__
+        const __m512i q2 = _mm512_and_si512(gb_k2_lanes(q, 0, 2), _mm512_set1_epi8(3));
+        const __m512i clear = _mm512_andnot_si512(gb_k2_lanes(h, 4 * (hp / 2), 1),
+                                                  _mm512_set1_epi8(1));
+        const __m512i v = _mm512_sub_epi8(q2, _mm512_slli_epi16(clear, 2));
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + 2 * i;
+            _mm512_storeu_ps(o + 16 * s,
+                             _mm512_mul_ps(_mm512_set1_ps(D[s]), GB_LANE_F32(v, i)));
+        }
 #else
-        for (int l = 0; l < 16; l++)
-            o[16 * s + l] = D * (float)((int)((qs[l] >> sh) & 3) - ((h[l] >> hb) & 1 ? 0 : 4));
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + 2 * i;
+            for (int l = 0; l < 16; l++)
+                o[16 * s + l] = D[s] * (float)((int)((q[l] >> 2 * i) & 3) -
+                                               ((h[l] >> (s / 2)) & 1 ? 0 : 4));
+        }
 #endif
     }
 }

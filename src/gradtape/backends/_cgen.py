@@ -619,7 +619,7 @@ def iq_tables():
     """C definitions of the tables the IQ2 / IQ3 types index (``GB_IQ_TABLES`` in
     ``csrc/ggml_blocks.h``): the sign bytes and value grids as gguf's own dequantizer
     builds them, so that the C blocks index the very tables gguf.quants does."""
-    from gguf import GGMLQuantizationType, quants
+    from gguf import quants
 
     def array(name, a):  # a 1-d or 2-d array of bytes
         rows = [",".join(map(str, r)) for r in a.reshape(-1, a.shape[-1])]
@@ -630,7 +630,7 @@ def iq_tables():
     out = ["#include <stdint.h>\n#define GB_IQ_TABLES 1\n",
            array("gb_ksigns", np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))]
     for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"):
-        t = quants._type_traits[GGMLQuantizationType[name]]
+        t = getattr(quants, name)  # gguf's dequantizer of the type (gguf >= 0.10)
         t.init_grid()
         grid = t.grid.reshape(t.grid_shape)
         assert np.array_equal(grid, grid.astype(np.uint8)), name  # small whole values

@@ -1,10 +1,11 @@
 """The low-bit types of llama.cpp's smaller files (Q2_K, Q3_K as in Q3_K_S/M/L, the IQ2,
 IQ3 and IQ4 types), kept as stored: a tiny llama GGUF whose matrices are random valid
 blocks of one type, loaded with ``keep_quantized=True`` against the same file dequantized
-to float32 by gguf at load.  Their blocks dequantize bit for bit as gguf's (tests/backends/test_qgemm.py,
-test_ggml_vec.py); here the whole model agrees: logits, one LoRA step's gradients on the
-cpu backend in float32 and in bf16 compute (the block-weight GEMMs' tiles), and greedy
-generation through the C decoder that reads the blocks."""
+to float32 by gguf at load.  Their blocks dequantize bit for bit as gguf's
+(tests/backends/test_qgemm.py, test_ggml_vec.py); here the whole model agrees: logits,
+one LoRA step's gradients on the cpu backend in float32 and in bf16 compute (the
+block-weight GEMMs' tiles), and greedy generation through the C decoder that reads the
+blocks."""
 
 from __future__ import annotations
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradtape import llama, nn
+from gradtape import llama
 from gradtape.backends import compute
 from gradtape.blocks import BlockMatrix
-from gradtape.models.lora import init_adapter
-from gradtape.models.model import record_forward, weight_consts
-from gradtape.tape import Tape
 
+from support.adapters import lora_grads, random_adapter
 from support.compare import rel_err
 from support.filebuilders import write_tiny_gguf
 from support.tinymodel import tiny_model
@@ -53,21 +51,9 @@ def test_kept_as_stored(pair):
 
 def _grads(model, compute_kind):
     """One LoRA step's loss and adapter gradients (flattened), on the cpu backend."""
-    adapter = init_adapter(model.config, rank=4, alpha=8.0, seed=1, base_model="tiny")
-    r = np.random.default_rng(0)
-    for _, b in adapter.weights.values():  # B != 0: A gets a gradient too
-        b[...] = r.standard_normal(b.shape).astype(np.float32) * 0.02
     ids = (np.arange(33) * 11 % 256).astype(np.int64)
-    tp = Tape(np.float32, eager=False)
-    lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
-    logits = record_forward(tp, model.config, weight_consts(tp, model), tp.const(ids[:32]),
-                            1, lora, adapter.scale)
-    tid, wts = nn.ce_targets_fill(ids[1:])
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(np.float32)))
-    g = tp.backward(loss)
-    params = [p for pair in lora.values() for p in pair]
-    out = tp.compile([loss, *(g[p] for p in params)], backend="cpu",
-                     compute=compute_kind).run()
+    out = lora_grads(model, random_adapter(model.config, b_scale=0.02, seed=1), ids[:32],
+                     ids[1:], "cpu", compute=compute_kind)
     return float(out[0]), np.concatenate([a.ravel() for a in out[1:]])
 
 

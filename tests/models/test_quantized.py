@@ -18,12 +18,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradtape import llama, nn
+from gradtape import llama
 from gradtape.blocks import BlockMatrix
 from gradtape.models.lora import init_adapter
-from gradtape.models.model import record_forward, weight_consts
-from gradtape.tape import Tape
 
+from support.adapters import lora_grads
 from support.compare import rel_err
 
 pytestmark = pytest.mark.model
@@ -69,19 +68,6 @@ def test_logits_equal_the_dequantized_model(smollm2_q, smollm2):
     assert rel_err(a, b) <= TOL
 
 
-def _grads(model, adapter, ids, targets, backend, dtype=np.float32):
-    tp = Tape(dtype, eager=False)
-    lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
-    idc = tp.const(ids)
-    logits = record_forward(tp, model.config, weight_consts(tp, model), idc, 1, lora,
-                            adapter.scale)
-    tid, wts = nn.ce_targets_fill(targets)
-    loss = nn.cross_entropy_ids(tp, logits, tp.const(tid), tp.const(wts.astype(dtype)))
-    g = tp.backward(loss)
-    params = [p for pair in lora.values() for p in pair]
-    return tp.compile([loss, *(g[p] for p in params)], backend=backend).run()
-
-
 def _case(smollm2):
     adapter = init_adapter(smollm2.config, rank=4, alpha=8.0, seed=1, base_model="smollm2")
     r = np.random.default_rng(0)
@@ -94,8 +80,8 @@ def _case(smollm2):
 
 def test_lora_gradients_equal_the_dequantized_model(smollm2_q, smollm2):
     adapter, ids, targets = _case(smollm2)
-    got = _grads(smollm2_q, adapter, ids, targets, "numpy")
-    ref = _grads(smollm2, adapter, ids, targets, "numpy")
+    got = lora_grads(smollm2_q, adapter, ids, targets, "numpy")
+    ref = lora_grads(smollm2, adapter, ids, targets, "numpy")
     assert len(got) == 1 + 2 * 7 * smollm2.config.n_layers
     for a, b in zip(got, ref):
         assert rel_err(a, b) <= TOL
@@ -106,9 +92,9 @@ def test_lora_gradients_on_the_cpu_backend(smollm2_q, smollm2, tmp_path_factory,
                                            monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
     adapter, ids, targets = _case(smollm2)
-    q = _grads(smollm2_q, adapter, ids, targets, "cpu")
-    dense = _grads(smollm2, adapter, ids, targets, "cpu")
-    ref64 = _grads(smollm2, adapter, ids, targets, "numpy", np.float64)
+    q = lora_grads(smollm2_q, adapter, ids, targets, "cpu")
+    dense = lora_grads(smollm2, adapter, ids, targets, "cpu")
+    ref64 = lora_grads(smollm2, adapter, ids, targets, "numpy", np.float64)
     assert rel_err(q[0], ref64[0]) <= TOL  # the loss
     eq = np.array([rel_err(a, r) for a, r in zip(q, ref64)])
     ed = np.array([rel_err(a, r) for a, r in zip(dense, ref64)])

@@ -74,6 +74,9 @@ def test_a_lora_step_matches_the_dequantized_model(pair, compute_kind):
 
 
 def test_greedy_generation_matches(pair):
+    """The same tokens, though the decoders may sum in another order: every step's top two
+    logits here lie at least 3e-3 of the largest apart (measured), float32's order moves
+    them by about 1e-6."""
     q, f = pair
     ids = list(np.arange(20) * 5 % 256)
     assert q.generate(ids, 6, stop_ids=()) == f.generate(ids, 6, stop_ids=())

@@ -2,15 +2,18 @@
 and every module imports alone in a fresh interpreter.
 
 The layers, lowest first (a module may import its own layer's modules and lower ones):
-the core (``errors``, ``io``, ``checks``, ``blocks`` below the primitive table ``ops``
-with its tiled forwards and the Var it records, below the tape and the layers on it:
-``tape``, ``nn``, ``optim``), ``compile`` (the passes and the pipeline), ``backends``
-(each receives a compiled schedule), ``formats`` (file readers), ``models``, ``infer``
-(inference on a model), ``train``, and the entry points (``cli``, ``llama``, the package
-itself).  Every import counts, module-level or inside a function: a lazy import may keep
-an optional dependency cheap, never hide a cycle.  One upward edge is allowed, by name
+the core (``errors``, ``io``, ``checks``, ``blocks``, ``settings`` below the primitive
+table ``ops`` with its tiled forwards and the Var it records, below the tape and the
+layers on it: ``tape``, ``nn``, ``optim``), ``compile`` (the passes and the pipeline),
+``backends`` (each receives a compiled schedule), ``formats`` (file readers),
+``models``, ``plan`` (the execution plan), ``infer`` (inference on a model), ``llama``
+(the public facade), ``train``, and the entry points (``cli``, the package itself).
+Every import counts, module-level or inside a function: a lazy import may keep an
+optional dependency cheap, never hide a cycle.  One upward edge is allowed, by name
 (``DOORS``): ``Tape.compile`` reaching the compiler.
 """
+
+from __future__ import annotations
 
 import ast
 import subprocess
@@ -23,16 +26,18 @@ import gradtape
 
 ROOT = Path(gradtape.__file__).parent
 LAYERS = [
-    {"errors", "io", "checks", "blocks"},  # the core: plain helpers
+    {"errors", "io", "checks", "blocks", "settings"},  # the core: plain helpers
     {"ops", "var", "tiled"},  # the core: the primitive table and the Var it records
     {"tape", "nn", "optim"},  # the core: recording, backward, the layers, the optimizer
     {"compile"},
     {"backends"},
     {"formats"},
     {"models"},
+    {"plan"},  # the execution plan
     {"infer"},
+    {"llama"},  # the public facade
     {"train"},
-    {"cli", "llama", ""},
+    {"cli", ""},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # the upward edges allowed, each with its reason; no other

@@ -137,7 +137,8 @@ _prim("put", _put_shape, _fwd_put,
 # builders
 
 def transpose(x, perm=None):
-    return _rec("transpose", x, perm=tuple(perm) if perm is not None else tuple(range(x.ndim))[::-1])
+    perm = tuple(perm) if perm is not None else tuple(range(x.ndim))[::-1]
+    return _rec("transpose", x, perm=perm)
 
 
 def reshape(x, shape): return _rec("reshape", x, shape=tuple(int(d) for d in shape))

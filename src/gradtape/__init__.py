@@ -7,8 +7,16 @@ fine-tuner in ``gradtape.models`` and ``gradtape.train`` (``gradtape.llama`` re-
 the public names).
 """
 
-from .compile import Program
 from .tape import Tape, Var
 
 __version__ = "0.1.0"
 __all__ = ["Tape", "Var", "Program", "__version__"]
+
+
+def __getattr__(name):
+    # ``Program`` loads the compile package on first use: ``import gradtape``, recording
+    # and ``backward`` stay free of it
+    if name == "Program":
+        from .compile import Program
+        return Program
+    raise AttributeError(f"module 'gradtape' has no attribute {name!r}")

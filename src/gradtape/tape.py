@@ -7,8 +7,9 @@ from ``ops.PRIMS``.  Shapes and dtypes are checked when an op is recorded, never
 inputs' gradients, reduces broadcast gradients, and sums contributions — all by recording
 ops, so the gradients are graph that compiles and replays like any other op.
 
-``Var`` itself lives in ``var.py``; compiling and replaying is ``gradtape.compile``'s
-(``Tape.compile`` hands it the backend named).
+``Var`` itself lives in ``var.py``.  The tape is the core: it imports neither
+``gradtape.compile`` nor any backend.  ``Tape.compile`` reaches them through one door,
+``backends.compile_tape``, imported only when a tape compiles.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
-from .backends import get_backend
 from .blocks import BlockMatrix
-from .compile import compile_program
 from .ops import PRIMS, ShapeError
 from .var import FLOAT_DTYPES, Var, is_scalar, fmt_shape, is_blocks
 
@@ -194,5 +193,5 @@ class Tape:
         with ``Tape.checkpoint`` (activation checkpointing; same values, less memory); a
         number n: only those of the first n marked layers, the others keep theirs.
         """
-        return compile_program(self, outputs, get_backend(backend), updates, compute,
-                               checkpoint)
+        from .backends import compile_tape  # the core's one door upward (see the module doc)
+        return compile_tape(self, outputs, backend, updates, compute, checkpoint)

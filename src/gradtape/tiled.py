@@ -1,17 +1,17 @@
 """NumPy forwards of the tiled primitives: an LM head fused with its cross-entropy, and
 attention with an online softmax; neither ever holds a ``[T, V]`` or ``[T, T]`` array.
 
-These are the reference definitions the primitive table (``ops.py``) registers for
-``head_nll`` / ``head_nll_e`` / ``head_nll_grad_x`` / ``head_nll_grad_w`` and ``attn`` /
-``attn_grad``:
-block after block of the vocabulary (head) or of the keys (attention), each block's
-scores computed by one GEMM into a scratch block, folded into per-row statistics, and
-recomputed in the backward pass from those statistics.  Memory is linear in T: the
-scratch is a fixed budget of elements (``HEAD_BUDGET``) or a few ``[tile, ATTN_KEYS *
-tile]`` score blocks per head.  The sums run in another order than the composed ops (``nn.
-cross_entropy_ids``, ``nn.gqa_attention``): equal to them up to rounding, not bitwise.
+These are the reference definitions the primitive table (``ops.lm_head``,
+``ops.attention``) registers for ``head_nll`` / ``head_nll_e`` / ``head_nll_grad_x`` /
+``head_nll_grad_w`` and ``attn`` / ``attn_grad``: block after block of the vocabulary
+(head) or of the keys (attention), each block's scores computed by one GEMM into a
+scratch block, folded into per-row statistics, and recomputed in the backward pass from
+those statistics.  Memory is linear in T: the scratch is a fixed budget of elements
+(``HEAD_BUDGET``) or a few ``[tile, ATTN_KEYS * tile]`` score blocks per head.  The sums
+run in another order than the composed ops (``nn.cross_entropy_ids``,
+``nn.gqa_attention``): equal to them up to rounding, not bitwise.
 
-This module knows nothing of tapes; ``ops.py`` declares the shapes and the VJPs.
+This module knows nothing of tapes; ``ops`` declares the shapes and the VJPs.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class HeadGemms:
     ``qtype`` is set), a block of vocabulary rows at a time, in NumPy: ``rows(v0, v1)``
     takes the block (a view of a float table; a block table's rows dequantized by
     ``kern.table_rows``), then ``logits(z)``: ``z = x @ Wc^T``, ``weigh(z, out)``: ``out
-    = z @ Wc``.  A backend's kernels may hand out another (``backends/tiled_c.py``:
-    bf16)."""
+    = z @ Wc``.  A backend's kernels may hand out another (the cpu backend's C
+    tiles: bf16)."""
 
     def __init__(self, x, w, qtype, kern):
         self.x, self.w, self.qtype, self.kern = x, w, qtype, kern
@@ -74,13 +74,13 @@ def _softcap(z, cap):
 
 class NumpyTiles:
     """The elementwise work on one block of scores, in NumPy: the reference.  A backend
-    with kernels of its own (``backends/tiled_c.py``) passes an object with the same
+    with kernels of its own (the cpu backend's C tiles) passes an object with the same
     methods as ``kern``; the GEMMs and the walk over the blocks stay the same, unless
     its ``fused_attn`` takes a whole attention call over."""
 
     @staticmethod
     def fused_attn(*args, **kwargs):
-        """The whole attention in one kernel: none here (``tiled_c.CTiles`` has one)."""
+        """The whole attention in one kernel: none here (the cpu backend's ``CTiles`` has one)."""
         return False
 
     head_gemms = HeadGemms
@@ -88,7 +88,7 @@ class NumpyTiles:
     @staticmethod
     def buffer(name, shape, dtype):
         """A scratch array for a walk (``name`` says which): a new one each call here; a
-        backend's kernels may keep theirs from call to call (``tiled_c.CTiles``)."""
+        backend's kernels may keep theirs from call to call (the cpu backend's ``CTiles``)."""
         return np.empty(shape, dtype)
 
     @staticmethod
@@ -368,8 +368,7 @@ def run_starts(seg, t):
     """For segment ids ``seg`` of sequences of ``t`` rows, each row's position (within
     its sequence) of the first row of its run of equal ids, where every id of a sequence
     is one run; else None (the ids need a mask).  Read-only, and computed once for the
-    ids of a step: each layer's attention, forward and backward, asks again (SmolLM2: 60
-    calls a step, 25 us each at T=256 and 73 at T=2048 against 8 from the cache)."""
+    ids of a step: each layer's attention, forward and backward, asks again."""
     seg = np.asarray(seg)
     return _run_starts(seg.tobytes(), seg.dtype.str, t)
 

@@ -4,12 +4,15 @@
 schedule, plan, compute=...)``; it offers ``run``, ``set_leaf``, ``leaf_value``,
 ``plan``, ``compute``), and ``base.HostBackend`` the host storage the numpy and cpu
 backends share.  NumPy is the reference every other backend is tested against.
+``compile_tape`` is the core's one door to compilation (``Tape.compile`` calls it).
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
+
+from ..compile import compile_program
 
 # name -> "module:Class"; imported on first use so optional backends cost nothing unless used
 BACKENDS = {
@@ -34,3 +37,12 @@ def get_backend(name):
                       f"({why})", RuntimeWarning, stacklevel=3)
         return get_backend(backend.fallback)
     return backend
+
+
+def compile_tape(tape, outputs, backend="numpy", updates=None, compute="float32",
+                 checkpoint=False):
+    """``Tape.compile``'s body: the backend named resolved here (``get_backend``), then
+    the compile pipeline (``compile.compile_program``).  The core imports neither
+    ``compile`` nor any backend: this function, imported when a tape compiles, is its
+    only way up, so recording and ``backward`` load neither."""
+    return compile_program(tape, outputs, get_backend(backend), updates, compute, checkpoint)

@@ -75,9 +75,9 @@ def run(args) -> int:
     refs = [t["messages"][1]["content"] for t in test]
 
     out = Path(args.out).expanduser()
-    # the records (51-87 tokens) packed into rows of 352 (95% filled): about 18 records a
-    # step where 4 padded rows of 88 held 4, for about 1.6x the step's time (a step's cost
-    # is far from proportional to its rows: bench/packing_rate.py)
+    # the records (51-87 tokens) packed into rows of 352: about 18 records a step where 4
+    # padded rows of 88 held 4, for far less than 4x the step's time (a step's cost is far
+    # from proportional to its rows: bench/packing_rate.py)
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
                          seq_len=352, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          eval_every=20, save_every=20, backend=backend, compute=args.compute,

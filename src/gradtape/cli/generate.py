@@ -75,9 +75,8 @@ def add_arguments(p):
     p.add_argument("--compute", choices=COMPUTE_CHOICES, default="auto",
                    help="precision of the prompt's GEMMs: auto (default) runs a long "
                         "prompt as one compiled bf16 program where this CPU's bf16 GEMMs "
-                        "are faster (an 8B model's prompt of 256 tokens: 4-5x faster "
-                        "than float32 row by row), else float32; bf16 asks for it on any "
-                        "prompt. New tokens are always decoded in float32")
+                        "are faster than float32 row by row, else float32; bf16 asks "
+                        "for it on any prompt. New tokens are always decoded in float32")
 
 
 class StreamPrinter:

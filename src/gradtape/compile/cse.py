@@ -3,8 +3,8 @@
 Model code records per layer what is the same in every layer; the rope tables that
 ``nn.tiled_attention`` broadcasts to its heads are the example.  Each copy is a
 forward value that backward reads again, so each stays alive to the end of backward:
-SmolLM2 at T=8192 kept 30 copies of four [T*n, hd/2] tables, 0.7 GiB.  Here the second
-and later copies read the first instead.
+one copy of four [T*n, hd/2] tables per layer.  Here the second and later copies read
+the first instead.
 
 Only forward values merge (recorded before the first backward mark): a backward op equal
 to a forward one would keep the forward value alive across the step, the memory that

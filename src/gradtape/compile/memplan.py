@@ -25,8 +25,7 @@ ALIGN = 16  # elements: 64-byte aligned regions for float32 SIMD (in a page-alig
 # Regions are padded by 0..STAGGER-1 more ALIGN units (by rank in the placement order), so
 # that values live together do not all start at the same offset within a 4 KiB page: a
 # kernel storing one while loading another at the same page offset stalls on every
-# vector (4K aliasing): a SwiGLU kernel over [256, 1536] ran 1.3-2x slower with its
-# five arrays page-aligned than 1 KiB apart (AMX Xeon, measured).
+# vector (4K aliasing).
 STAGGER = 61
 
 
@@ -53,7 +52,7 @@ class MemoryPlan:
 def fused_scratch_bytes(graph) -> int:
     """The scratch of ``graph``'s fused primitives, in bytes, outside the plan: the fused
     head's (its logits block, products, dequantized rows), which the cpu backend keeps
-    from call to call (``tiled_c.CTiles.buffer``), and the largest other one's
+    from call to call (its ``CTiles.buffer``), and the largest other one's
     (attention's score tiles), allocated while it runs."""
     kept, other = [0], [0]
     for v in graph.ops:

@@ -144,8 +144,8 @@ class FinetuneConfig:
                                 "else float32), float32, bf16 (bf16 inputs, float32 "
                                 "accumulation; where not faster: a notice and float32), or "
                                 "int8 (bf16, and the GEMMs against a quantized GGUF's "
-                                "weights in int8 with per-row scales: twice as fast with "
-                                "AVX512-VNNI or AMX; not exact: see docs/benchmarks.md)",
+                                "weights in int8 with per-row scales: faster where the CPU "
+                                "has AVX512-VNNI or AMX; not exact: see docs/benchmarks.md)",
                         checks.one_of(*COMPUTE_CHOICES))
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
@@ -182,23 +182,79 @@ def finetune(cfg: FinetuneConfig, model=None, log=print):
                          world, together)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the loop of one run needs besides the step: where it writes, who trains, and
+    how many steps of how many sequences."""
+    cfg: FinetuneConfig
+    out: Path
+    world: distributed.World
+    together: distributed.Together
+    steps: int  # the run's last step (a resumed run starts later)
+    micro_size: int  # sequences per global micro-batch
+
+    @property
+    def per_step(self):
+        return self.micro_size * self.cfg.grad_accum
+
+
 def _finetune(cfg, model, log, world, together):
-    from .. import models
-    from .step import Schedule, TrainStep
-    from ..optim import AdamWConfig
+    from .step import Schedule
 
     # the paths first (the config's values were checked when it was made): a mistake
     # costs seconds, before a model is loaded or a step is run
     out = Path(cfg.out).expanduser()
-    # every record checked (its file and line or row in a message), the schema stated
+    data_file, eval_file = _read_data(cfg, log)
+    if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
+        _claim_folder(out, cfg.resume)
+    model, available = _load_model(cfg, model, log)
+    targets = parse_targets(cfg.targets, model.config)
+    train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
+    micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
+    per_step = micro_size * cfg.grad_accum
+    steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
+    dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
+
+    adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
+                           base_model=model.name, dtype=dtype)
+    step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
+    schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
+    start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
+    if world.is_root:
+        if not cfg.resume:
+            (out / "log.jsonl").write_text("")
+        atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
+                                         "config": dataclasses.asdict(cfg)})
+    together.sync()  # every rank is ready (or all stop with the first setup error)
+    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
+        f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
+        f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
+        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
+        + f" (the step built in {build_s:.1f} s)")
+
+    run = _Run(cfg, out, world, together, steps, micro_size)
+    records = _read_log(out) if cfg.resume and world.is_root else []
+    _train_steps(run, step_prog, train, held, schedule, start, records, log)
+    return _finish(run, adapter, step_prog, records, log)
+
+
+def _read_data(cfg, log):
+    """The training (and eval) data files, every record checked (its file and line or row
+    in a message), each one's schema stated."""
     data_file = data_mod.read_data(cfg.data, "--data", cfg.columns)
     log(f"data: {data_file.describe()}")
     eval_file = None
     if cfg.eval_data:
         eval_file = data_mod.read_data(cfg.eval_data, "--eval-data", cfg.columns, split="eval")
         log(f"eval data: {eval_file.describe()}")
-    if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
-        _claim_folder(out, cfg.resume)
+    return data_file, eval_file
+
+
+def _load_model(cfg, model, log):
+    """``(model, bytes available for the run)``: the model loaded as ``--weights`` says
+    (``model`` itself when the caller loaded one), checked against ``--seq-len``."""
+    from .. import models
+
     if cfg.weights not in WEIGHT_MODES:
         raise GradtapeError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got "
                             f"{cfg.weights!r}")
@@ -213,15 +269,15 @@ def _finetune(cfg, model, log, world, together):
     if cfg.seq_len > model.config.max_seq_len:
         raise GradtapeError(f"--seq-len {cfg.seq_len} is longer than the model's context "
                             f"({model.config.max_seq_len})")
-    targets = parse_targets(cfg.targets, model.config)
-    train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
-    micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
-    per_step = micro_size * cfg.grad_accum
-    steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
-    dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
+    return model, available
 
-    adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
-                           base_model=model.name, dtype=dtype)
+
+def _build_step(cfg, model, adapter, dtype, world, available, log):
+    """``(TrainStep, seconds it took to build)``, its choices and memory logged; refuses
+    a step that would not fit in ``available`` bytes (unless ``--ignore-memory``)."""
+    from ..optim import AdamWConfig
+    from .step import TrainStep
+
     hint = (": use a shorter --seq-len or a smaller --batch-size"
             + ("" if any(is_block_matrix(w) for w in model.weights.values())
                else ", or --weights stored") + " (or --ignore-memory to try anyway)")
@@ -248,30 +304,24 @@ def _finetune(cfg, model, log, world, together):
         + (f"; {available / GiB:.1f} GiB available" if available is not None else ""))
     if not cfg.ignore_memory:
         check_memory(est, available, hint=hint)
-    schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
-    start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
-    if world.is_root:
-        if not cfg.resume:
-            (out / "log.jsonl").write_text("")
-        atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
-                                         "config": dataclasses.asdict(cfg)})
-    together.sync()  # every rank is ready (or all stop with the first setup error)
-    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
-        f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
-        f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
-        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
-        + f" (the step built in {build_s:.1f} s)")
+    return step_prog, build_s
 
-    records = _read_log(out) if cfg.resume and world.is_root else []
-    bar = _progress(steps, start, cfg.progress and world.is_root)
+
+def _train_steps(run, step_prog, train, held, schedule, start, records, log):
+    """Steps ``start`` to ``run.steps``, each appended to ``records`` (and, on rank 0, to
+    the log file), checkpoints saved as ``--save-every`` says.  A non-finite loss stops
+    every rank with an error; an interrupt saves a checkpoint and raises
+    ``KeyboardInterrupt`` at the same step on every rank."""
+    cfg, out, world = run.cfg, run.out, run.world
+    bar = _progress(run.steps, start, cfg.progress and world.is_root)
     t0, tokens_done = time.perf_counter(), 0
     # closing: the bar ends its line before an error message is printed
     with _deferred_interrupt() as interrupted, contextlib.closing(bar):
-        for step in range(start, steps):
-            idx = data_mod.batch_indices(len(train), per_step, step, cfg.seed)
+        for step in range(start, run.steps):
+            idx = data_mod.batch_indices(len(train), run.per_step, step, cfg.seed)
             # this rank's rows of each global micro-batch
-            mine = [idx[i:i + micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
-                    for i in range(0, per_step, micro_size)]
+            mine = [idx[i:i + run.micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
+                    for i in range(0, run.per_step, run.micro_size)]
             micro = [train.batch(m) for m in mine]
             n_tokens = int((train.targets[idx] != data_mod.IGNORE).sum())  # whole global step
             lr = schedule(step)
@@ -279,11 +329,7 @@ def _finetune(cfg, model, log, world, together):
                                          stop=interrupted())
             if not math.isfinite(loss):  # the summed loss: every rank stops here
                 bar.close()
-                kept = (f"the last good checkpoint in {out / 'checkpoint'} is kept"
-                        if (out / "checkpoint" / CHECKPOINT).is_file() else
-                        "no checkpoint was written yet")
-                raise together.everywhere(f"loss became {loss} at step {step + 1}; stopped, "
-                                          f"{kept} (lower --lr or --alpha?)")
+                raise _diverged(run, loss, step)
             # ranks stop together, at the step where any of them got the signal
             stopping = step_prog.stop_agreed if world.size > 1 else interrupted()
             tokens_done += n_tokens
@@ -291,7 +337,8 @@ def _finetune(cfg, model, log, world, together):
             rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm,
                    "tokens_per_s": tokens_done / elapsed, "elapsed_s": elapsed}
             if world.is_root and len(held) and (
-                    (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == steps):
+                    (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
+                    or step + 1 == run.steps):
                 rec["eval_loss"] = step_prog.eval_loss(held)
             records.append(rec)
             if world.is_root:
@@ -299,7 +346,7 @@ def _finetune(cfg, model, log, world, together):
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")
-            if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == steps
+            if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == run.steps
                                   or stopping):
                 _save_checkpoint(out, step_prog, step + 1, cfg, world.size)
             if stopping:
@@ -310,11 +357,25 @@ def _finetune(cfg, model, log, world, together):
                     f"{out / 'checkpoint'}; continue with --resume")
                 raise KeyboardInterrupt
     bar.close()
+
+
+def _diverged(run, loss, step):
+    """The error every rank raises when the loss of step ``step`` is not finite."""
+    kept = (f"the last good checkpoint in {run.out / 'checkpoint'} is kept"
+            if (run.out / "checkpoint" / CHECKPOINT).is_file() else
+            "no checkpoint was written yet")
+    return run.together.everywhere(f"loss became {loss} at step {step + 1}; stopped, "
+                                   f"{kept} (lower --lr or --alpha?)")
+
+
+def _finish(run, adapter, step_prog, records, log):
+    """Rank 0 writes the adapter and the loss curve; the run's summary."""
+    out, world = run.out, run.world
     if world.is_root:
         adapter.weights = step_prog.adapter_weights()
         adapter.save(out / "adapter")
         plot_losses(records, out / "loss.png")
-    summary = {"steps": steps, "final_loss": records[-1]["loss"] if records else None,
+    summary = {"steps": run.steps, "final_loss": records[-1]["loss"] if records else None,
                "eval_loss": next((r["eval_loss"] for r in reversed(records)
                                   if "eval_loss" in r), None),
                "tokens_per_s": records[-1]["tokens_per_s"] if records else None,

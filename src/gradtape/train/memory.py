@@ -26,7 +26,7 @@ from ..errors import GradtapeError
 from ..models.memory import GiB, resident_bytes
 
 # the interpreter, NumPy / OpenBLAS thread buffers, the tokenizer, compiled kernels,
-# batches: measured about 250-350 MB on SmolLM2 runs; rounded up
+# batches: a margin above what SmolLM2 runs were seen to need
 OVERHEAD = 400 << 20
 
 

@@ -6,7 +6,8 @@ the primitive table, its tiled forwards and the Var it records (``ops``, ``tiled
 ``var``: with ``errors``, ``blocks`` and the option checks below them), ``compile`` (the
 passes and the pipeline), ``backends`` (each receives a compiled schedule), the tape and
 the layers on it (``tape``, ``nn``, ``optim``), ``formats`` (file readers), ``models``,
-``train``, and the entry points (``cli``, ``llama``, the package itself).  Every import
+``infer`` (logits and generation: never imports training), ``train``, and the entry
+points (``cli``, ``llama``, the package itself).  Every import
 counts, module-level or inside a function: a lazy import may keep an optional dependency
 cheap, never hide a cycle.
 """
@@ -31,6 +32,7 @@ LAYERS = [
     {"tape", "nn", "optim"},
     {"formats"},
     {"models"},
+    {"infer"},
     {"train"},
     {"cli", "llama", ""},
 ]

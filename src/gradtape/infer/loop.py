@@ -20,14 +20,15 @@ from .sampling import Sampling, sample_next
 
 @dataclass(frozen=True)
 class Stopping:
-    """When generation stops besides its length: after a token in ``ids`` (None: the
-    model's own ``stop_ids``), or after the token that completes one of the ``strings``
-    (checked by ``check_stop_strings``)."""
+    """When generation stops besides its length: after a token in ``ids`` (any iterable
+    of token ids; None: the model's own ``stop_ids``), or after the token that completes
+    one of the ``strings`` (checked by ``check_stop_strings``)."""
     strings: tuple = ()
-    ids: frozenset | None = None
+    ids: object = None
 
 
-def check_stop_strings(stop):
+def check_stop_strings(stop) -> tuple:
+    """``stop`` (None, one string or several) as a tuple of non-empty strings."""
     stop = [stop] if isinstance(stop, str) else list(stop or ())
     for s in stop:
         if not isinstance(s, str) or not s:

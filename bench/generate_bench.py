@@ -131,8 +131,8 @@ def peer_once(llama_cpp, llm, ids, n=NEW_TOKENS):
 def first_difference(model, ids, ours, ref):
     """Where two greedy runs first differ, and why: the reference's top-2 margin there
     and the largest difference between our logits and the reference's."""
-    from gradtape.models import decode_engine as E
-    from gradtape.models import model as M
+    from gradtape.infer import block_decoder as E
+    from gradtape.infer import kv_cache as M
 
     i = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
     if i is None:

@@ -1,6 +1,6 @@
 """How long ``generate`` takes over a prompt, by ``--compute``: float32 (row by row in the
 decoder's C prefill; a float32 program from ``PROMPT_F32_ROWS`` rows on) against auto
-(one compiled bf16 program where it pays, ``model.PromptStep``).  Each prompt length runs one token after the prompt in each
+(one compiled bf16 program where it pays, ``infer.prompt_step.PromptStep``).  Each prompt length runs one token after the prompt in each
 precision, the precisions alternating, ``--reps`` times after a warm-up each (the
 warm-up builds the program and measures its GEMM layouts the first time a size runs
 on this CPU); medians, and auto's ratio to float32.  ``--history N``: a chat turn
@@ -24,6 +24,7 @@ import numpy as np
 
 from gradtape import llama
 from gradtape.backends import compute
+from gradtape.infer.prompt_choice import prompt_compute
 
 COMPUTES = ("float32", "auto")
 
@@ -59,15 +60,15 @@ def main():
                 model.generate(ids, 1, compute=c, stop_ids=())
                 took[c].append(time.perf_counter() - t)
         med = {c: statistics.median(v) for c, v in took.items()}
-        ran = model._prompt_compute("auto", rows, np.float32) or "float32"
+        ran = prompt_compute(model.config, "auto", rows, np.float32) or "float32"
         print(f"{rows:5d} rows: float32 {med['float32']:6.2f} s, auto ({ran}) "
               f"{med['auto']:6.2f} s: {med['float32'] / med['auto']:.2f}x", flush=True)
 
 
 def forget(model):
     """The decoder's cached rows forgotten (``BlockDecoder.kept`` finds none)."""
-    if getattr(model, "_block_dec", None) is not None:
-        model._block_dec[1].ids = []
+    if model._runner.block_dec is not None:
+        model._runner.block_dec[1].ids = []
 
 
 def chat_turn(model, history, reps, rng):

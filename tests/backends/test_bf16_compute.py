@@ -466,11 +466,11 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2, monkeypatch, tokens):
     GEMMs: the tiled attention fused in C and the LM head fused with the loss (its
     threshold lowered to these rows)."""
     _need_onednn()
-    from gradtape.models import model
+    from gradtape.models import graph
     from support.tinymodel import lora_loss_outputs
 
-    long = tokens > model.ATTN_TILED_MIN
-    monkeypatch.setattr(model, "HEAD_FUSE_MIN", 0)
+    long = tokens > graph.ATTN_TILED_MIN
+    monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0)
     m = smollm2
     ad, ids = _adapter_and_text(m, tokens)
     tp = gt.Tape(np.float32, eager=False)

@@ -74,7 +74,7 @@ def test_training_step_keeps_one_rope_table_per_head_count(monkeypatch):
     """A tiled-attention step broadcasts the rope tables to the heads once, not once per
     layer: 2 tables (cos, sin) x 2 head counts (queries, keys), whatever the depth; and
     checkpointing still finds the kept values (the merge maps them)."""
-    from gradtape.models import model as M
+    from gradtape.models import graph as M
 
     monkeypatch.setattr(M, "ATTN_TILED_MIN", 0)
     model = tiny_model(seed=2, n_layers=3)

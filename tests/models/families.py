@@ -104,7 +104,7 @@ FAMILIES = {
 GGUF_VARIANTS = {"gemma2": {"query_pre_attn_scalar": 16},
                  "gemma3": {"query_pre_attn_scalar": 16}}
 GGUF_FAMILIES = list(FAMILIES)
-# The families the C decode step runs (decode_engine.supported), and the option their
+# The families the C decode step runs (infer.block_decoder.supported), and the option their
 # decode test models change: hidden 64 over 4 heads gives head_dim 16, the C kernels'
 # row granule (the folders above have head_dim 12 where they do not set it)
 C_DECODE_FAMILIES = ("llama3", "qwen2", "qwen3", "mistral", "phi3", "smollm3", "gemma2",

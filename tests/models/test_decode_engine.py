@@ -1,4 +1,4 @@
-"""The one-call C decode step (``decode_engine``) against the float32 graph: logits per
+"""The one-call C decode step (``block_decoder``) against the float32 graph: logits per
 token, greedy output, an unmerged adapter; the GGUF blocks are read as stored."""
 
 from __future__ import annotations
@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from gradtape.errors import GradtapeError
-from gradtape.models import decode_engine as E
-from gradtape.models import model as M
+from gradtape.infer import block_decoder as E
+from gradtape.infer import prompt_choice as P
+from gradtape.infer import runner as R
+from gradtape.infer.inputs import lora_arrays
+from gradtape.infer.kv_cache import KVCache, forward_cached
+from gradtape.infer.prompt_step import PromptStep
+from gradtape.llama import Llama
 from gradtape.models.lora import model_targets, target_dims
 from support.lanes import sixteen_lanes  # noqa: F401 (a fixture)
 from support.tinymodel import tiny_model
@@ -46,12 +51,12 @@ def blocks_of(model):
 def steps_vs_graph(model, prompt, tokens, lora=None, scale=1.0, cap=64):
     """Logits of each of ``tokens`` after ``prompt``: (C step, float32 graph)."""
     W = model.weights
-    cache = M.KVCache.empty(model.config)
-    M.forward_cached(model.config, W, prompt, cache, lora, scale)
+    cache = KVCache.empty(model.config)
+    forward_cached(model.config, W, prompt, cache, lora, scale)
     dec = E.BlockDecoder(model, blocks_of(model), lora, scale, cap=cap)
     dec.load(cache)
     ours = np.stack([dec.step(t).copy() for t in tokens])
-    ref = M.forward_cached(model.config, W, tokens, cache, lora, scale)
+    ref = forward_cached(model.config, W, tokens, cache, lora, scale)
     return ours, ref
 
 
@@ -60,8 +65,8 @@ def graph_argmax(model, prompt, out, lora=None, scale=1.0):
     batched pass (teacher forcing): equal to ``out`` iff ``out`` is the graph's greedy
     continuation."""
     ids = list(prompt) + list(out[:-1])
-    z = M.forward_cached(model.config, model.weights, ids, M.KVCache.empty(model.config),
-                         lora, scale)
+    z = forward_cached(model.config, model.weights, ids, KVCache.empty(model.config),
+                       lora, scale)
     return [int(i) for i in z[len(prompt) - 1:].argmax(1)]
 
 
@@ -102,15 +107,15 @@ def test_greedy_generation_equals_the_graph(smollm2):
     a = smollm2.generate(prompt, 12, decoder="blocks", stop_ids=())
     assert a == graph_argmax(smollm2, prompt, a)
     # reused across calls (same adapter, enough room)
-    dec = smollm2._block_dec[1]
-    assert smollm2.generate(prompt, 12, stop_ids=()) == a and smollm2._block_dec[1] is dec
+    dec = smollm2._runner.block_dec[1]
+    assert smollm2.generate(prompt, 12, stop_ids=()) == a and smollm2._runner.block_dec[1] is dec
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_float_model_without_gguf(tied):
     """A model without a GGUF file decodes from float32 rows (type F32)."""
     m = tiny_model(seed=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=tied)
-    model = M.Llama(m.config, m.weights, None, name="tiny")
+    model = Llama(m.config, m.weights, None, name="tiny")
     lora = random_lora(m.config, rank=2, seed=3)
     ours, ref = steps_vs_graph(model, [3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], lora, 0.5)
     assert rel_err(ours, ref) < 1e-5
@@ -125,7 +130,7 @@ def test_float_model_decodes_on_16_lanes(sixteen_lanes, tied):
 
 def test_full_cache_is_refused():
     m = tiny_model()
-    model = M.Llama(m.config, m.weights, None)
+    model = Llama(m.config, m.weights, None)
     dec = E.BlockDecoder(model, E.block_weights(model), cap=2)
     dec.step(1)
     dec.step(2)
@@ -141,14 +146,14 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
     ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
     dec = E.BlockDecoder(smollm2, blocks_of(smollm2), lora, 2.0, cap=80)
     z = dec.prefill(ids).copy()
-    cache = M.KVCache.empty(smollm2.config)
-    ref = M.forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
+    cache = KVCache.empty(smollm2.config)
+    ref = forward_cached(smollm2.config, smollm2.weights, ids, cache, lora, 2.0)[-1]
     assert dec.length == 70 and rel_err(z, ref) < 2e-5
     for i in (0, 29):
         assert rel_err(dec.kc[i, :70], cache.k[i]) < 2e-5 and rel_err(dec.vc[i, :70], cache.v[i]) < 2e-5
     # decoding continues from the C-filled cache as from the graph's
     nxt = int(np.argmax(ref))
-    assert rel_err(dec.step(nxt), M.forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
+    assert rel_err(dec.step(nxt), forward_cached(smollm2.config, smollm2.weights, [nxt], cache,
                                                lora, 2.0)[-1]) < 2e-4
 
 
@@ -168,12 +173,12 @@ def test_a_prompt_as_one_bf16_program_matches_the_graph(smollm2, with_lora):
     cfg = smollm2.config
     lora = random_lora(cfg, rank=4, seed=2) if with_lora else None
     ids = smollm2.tokenizer.encode("Prefill puts a whole prompt through the layers " * 9)[:70]
-    step = M.PromptStep(cfg, smollm2.weights, lora, 2.0, 128, "bf16")
+    step = PromptStep(cfg, smollm2.weights, lora, 2.0, 128, "bf16")
     assert step.prog.executable.compute == "bf16"
-    cache = M.KVCache.empty(cfg)
+    cache = KVCache.empty(cfg)
     z = step(ids, cache)
-    ref_cache = M.KVCache.empty(cfg)
-    ref = M.forward_cached(cfg, smollm2.weights, ids, ref_cache, lora, 2.0)[-1]
+    ref_cache = KVCache.empty(cfg)
+    ref = forward_cached(cfg, smollm2.weights, ids, ref_cache, lora, 2.0)[-1]
     assert cache.length == 70 and rel_err(z, ref) < 2e-2
     for i in range(cfg.n_layers):
         assert rel_err(cache.k[i], ref_cache.k[i]) < 6e-2
@@ -181,7 +186,7 @@ def test_a_prompt_as_one_bf16_program_matches_the_graph(smollm2, with_lora):
     dec = E.BlockDecoder(smollm2, blocks_of(smollm2), lora, 2.0, cap=80)
     dec.load(cache)
     nxt = int(np.argmax(ref))
-    assert rel_err(dec.step(nxt), M.forward_cached(cfg, smollm2.weights, [nxt], ref_cache,
+    assert rel_err(dec.step(nxt), forward_cached(cfg, smollm2.weights, [nxt], ref_cache,
                                                    lora, 2.0)[-1]) < 2e-2
 
 
@@ -192,25 +197,25 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     prompts of similar length, by either decoder."""
     cfg = smollm2.config
     ids = smollm2.tokenizer.encode("A long prompt goes through one program. " * 20)
-    assert smollm2._prompt_compute("auto", 12, np.float32) is None
+    assert P.prompt_compute(cfg, "auto", 12, np.float32) is None
     with pytest.raises(GradtapeError, match="compute must be one of float32, bf16, int8, auto"):
         smollm2.generate(ids[:3], 1, compute="fp8")
     a = smollm2.generate(ids[:12], 5, stop_ids=())
-    smollm2._block_dec[1].ids = []  # the same arithmetic again, not the cached rows
+    smollm2._runner.block_dec[1].ids = []  # the same arithmetic again, not the cached rows
     assert a == smollm2.generate(ids[:12], 5, compute="float32", stop_ids=())
     with warnings.catch_warnings():  # once per process: "bf16 asked for, running float32"
         warnings.simplefilter("ignore")
-        assert smollm2._prompt_compute("bf16", 12, np.float64) is None  # float64 stays
+        assert P.prompt_compute(cfg, "bf16", 12, np.float64) is None  # float64 stays
     # float32 from PROMPT_F32_ROWS rows on: the program's tiled attention
-    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS, np.float32) == "float32"
-    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS - 1, np.float32) is None
-    assert smollm2._prompt_compute("float32", M.PROMPT_F32_ROWS, np.float64) is None
+    assert P.prompt_compute(cfg, "float32", P.PROMPT_F32_ROWS, np.float32) == "float32"
+    assert P.prompt_compute(cfg, "float32", P.PROMPT_F32_ROWS - 1, np.float32) is None
+    assert P.prompt_compute(cfg, "float32", P.PROMPT_F32_ROWS, np.float64) is None
     if not _bf16_fast():
         pytest.skip("bf16 GEMMs are not faster on this CPU (or oneDNN is missing)")
-    rows = -(-int(M.PROMPT_BF16_FLOPS) // (2 * M.linear_weights(cfg)))
-    assert smollm2._prompt_compute("auto", rows, np.float32) == "bf16"
-    assert smollm2._prompt_compute("auto", rows - 1, np.float32) is None
-    assert smollm2._prompt_compute("bf16", 12, np.float32) == "bf16"
+    rows = -(-int(P.PROMPT_BF16_FLOPS) // (2 * P.linear_weights(cfg)))
+    assert P.prompt_compute(cfg, "auto", rows, np.float32) == "bf16"
+    assert P.prompt_compute(cfg, "auto", rows - 1, np.float32) is None
+    assert P.prompt_compute(cfg, "bf16", 12, np.float32) == "bf16"
     # the shapes decided at: auto's the prompt's rows (compute.measured_shape rounds
     # them), bf16's the model's width at 256 rows, whatever the prompt's length
     from gradtape.backends import compute
@@ -219,28 +224,28 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
                         ("bf16", "recorded"))
     lengths = (rows, rows + 1, 2 * rows - 1)
     for n in lengths:
-        smollm2._prompt_compute("auto", n, np.float32)
-    smollm2._prompt_compute("bf16", 12, np.float32)
-    smollm2._prompt_compute("bf16", 600, np.float32)
+        P.prompt_compute(cfg, "auto", n, np.float32)
+    P.prompt_compute(cfg, "bf16", 12, np.float32)
+    P.prompt_compute(cfg, "bf16", 600, np.float32)
     assert [m for m, *_ in shapes] == [*lengths, 256, 256]
     monkeypatch.undo()
     prompt = ids[:70]
     a = smollm2.generate(prompt, 4, compute="bf16", stop_ids=())
-    step = smollm2._prompt[3]
+    step = smollm2._runner.prompt[3]
     assert step.rows == 128
-    cache = M.KVCache.empty(cfg)
+    cache = KVCache.empty(cfg)
     assert a[0] == int(np.argmax(step(prompt, cache)))
     assert smollm2.generate(prompt, 4, compute="bf16", stop_ids=(), decoder="graph") == a
     # prompts that do not start with the cached rows (those would be kept instead)
     smollm2.generate(ids[1:101], 2, compute="bf16", stop_ids=())  # also 128 rows: reused
-    assert smollm2._prompt[3] is step
+    assert smollm2._runner.prompt[3] is step
     smollm2.generate(ids[2:132], 2, compute="bf16", stop_ids=())  # 192 rows: replaced
-    assert smollm2._prompt[3] is not step and smollm2._prompt[3].rows == 192
+    assert smollm2._runner.prompt[3] is not step and smollm2._runner.prompt[3].rows == 192
     # rows from the bf16 program are kept for bf16, not where float32 is asked for
-    dec = smollm2._block_dec[1]
+    dec = smollm2._runner.block_dec[1]
     assert dec.kept(ids[2:140]) >= 130 and not dec.exact
     smollm2.generate(ids[2:140], 1, compute="float32", stop_ids=())
-    assert dec.exact and smollm2._prompt[3].rows == 192
+    assert dec.exact and smollm2._runner.prompt[3].rows == 192
 
 
 def test_a_prompt_program_that_does_not_fit_prefills_row_by_row(smollm2, monkeypatch):
@@ -252,31 +257,31 @@ def test_a_prompt_program_that_does_not_fit_prefills_row_by_row(smollm2, monkeyp
     ids = smollm2.tokenizer.encode("A prompt too large for the memory left. " * 6)[:40]
 
     def generate(decoder):
-        if getattr(smollm2, "_block_dec", None):
-            smollm2._block_dec[1].ids = []  # not the cached rows: a prefill
+        if getattr(smollm2._runner, "block_dec", None):
+            smollm2._runner.block_dec[1].ids = []  # not the cached rows: a prefill
         return smollm2.generate(ids, 3, compute="float32", stop_ids=(), decoder=decoder)
 
-    smollm2._prompt = None
+    smollm2._runner.prompt = None
     row_by_row = {decoder: generate(decoder) for decoder in ("blocks", "graph")}
-    assert smollm2._prompt is None
-    monkeypatch.setattr(M, "PROMPT_F32_ROWS", 16)  # float32 programs from 16 rows
+    assert smollm2._runner.prompt is None
+    monkeypatch.setattr(P, "PROMPT_F32_ROWS", 16)  # float32 programs from 16 rows
     generate("blocks")
-    step = smollm2._prompt[3]
+    step = smollm2._runner.prompt[3]
     # at least its outputs: the keys and values of 48 padded rows in every layer
     kv = 2 * cfg.n_layers * step.rows * cfg.n_kv_heads * cfg.head_dim * 4
     assert step.rows == 48 and step.nbytes > kv
-    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(step.nbytes / M.PROMPT_MEM_SHARE)
+    monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(int(step.nbytes / R.PROMPT_MEM_SHARE)
                                                      - 1))
     for decoder, tokens in row_by_row.items():
-        smollm2._prompt = None
+        smollm2._runner.prompt = None
         with pytest.warns(RuntimeWarning, match="prefilling it row by row"):
             assert generate(decoder) == tokens
-        assert smollm2._prompt is None
+        assert smollm2._runner.prompt is None
 
     def too_large(*args):
         raise MemoryError  # an arena larger than the kernel lets one allocation have
 
-    monkeypatch.setattr(M, "PromptStep", too_large)
+    monkeypatch.setattr(R, "PromptStep", too_large)
     monkeypatch.delenv("GRADTAPE_MEM_AVAILABLE")
     with pytest.warns(RuntimeWarning, match="more than it can have"):
         assert generate("blocks") == row_by_row["blocks"]
@@ -292,7 +297,7 @@ def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm
     tok, cfg = smollm2.tokenizer, smollm2.config
     p1 = tok.encode("A chat's history stays in the cache between turns. " * 3)
     out = smollm2.generate(p1, 6, compute="float32", stop_ids=())
-    dec = smollm2._block_dec[1]
+    dec = smollm2._runner.block_dec[1]
     assert dec.ids[:dec.length] == list(p1) + out[:-1]  # the last token was never fed
     rows = []
     real = E.BlockDecoder.prefill
@@ -301,7 +306,7 @@ def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm
     p2 = list(p1) + out + tok.encode(" Then the user asks again.")
     smollm2.generate(p2, 1, compute="float32", stop_ids=())
     assert rows == [len(p2) - len(p1) - len(out) + 1]
-    ref = M.forward_cached(cfg, smollm2.weights, p2, M.KVCache.empty(cfg))[-1]
+    ref = forward_cached(cfg, smollm2.weights, p2, KVCache.empty(cfg))[-1]
     assert rel_err(dec.logits, ref) < 2e-4
     ad = init_adapter(cfg, rank=2, targets=("q", "down"), base_model=smollm2.name)
     for _, b in ad.weights.values():
@@ -317,7 +322,7 @@ def test_a_prompt_that_starts_with_the_cached_rows_prefills_only_the_rest(smollm
     # room for more rows than the decoder has: a larger one takes over the cached rows
     p4 = p3 + [p3[-1]] * 3
     smollm2.generate(p4, dec.cap + 1 - len(p4), adapter=ad, compute="float32", stop_ids=())
-    assert smollm2._block_dec[1].cap > dec.cap and rows[-1] == 1
+    assert smollm2._runner.block_dec[1].cap > dec.cap and rows[-1] == 1
 
 
 def test_changed_weights_do_not_decode_from_the_file(smollm2):
@@ -364,7 +369,7 @@ def test_adapter_changes_between_calls_are_seen(smollm2):
         b[...] = rng.normal(0, 0.3, b.shape)  # in place, as a training step does
     changed = smollm2.generate(prompt, 6, adapter=ad, stop_ids=())
     assert changed != base
-    lora, scale = smollm2._lora(ad, np.float32)
+    lora, scale = lora_arrays(ad, smollm2.config, np.float32)
     assert changed == graph_argmax(smollm2, prompt, changed, lora, scale)
     assert smollm2.generate(prompt, 6, stop_ids=()) == base
 
@@ -406,9 +411,9 @@ def _c_vs_graph(model, prompt, tokens, lora=None, scale=1.0):
     last row), then a C step per token, against the graph over the same rows."""
     dec = E.BlockDecoder(model, E.block_weights(model), lora, scale, cap=64)
     ours = [dec.prefill(prompt).copy()] + [dec.step(t).copy() for t in tokens]
-    cache = M.KVCache.empty(model.config)
-    ref = [M.forward_cached(model.config, model.weights, prompt, cache, lora, scale)[-1]]
-    ref += list(M.forward_cached(model.config, model.weights, tokens, cache, lora, scale))
+    cache = KVCache.empty(model.config)
+    ref = [forward_cached(model.config, model.weights, prompt, cache, lora, scale)[-1]]
+    ref += list(forward_cached(model.config, model.weights, tokens, cache, lora, scale))
     return np.stack(ours), np.stack(ref)
 
 
@@ -450,10 +455,10 @@ def test_family_prompt_as_one_program_is_the_graph(family, family_models):
     folder, _ = family_models[family]
     model = llama.load(str(folder))
     cfg, prompt = model.config, _family_prompt(model)
-    step = M.PromptStep(cfg, model.weights, None, 1.0, 16, "float32")
-    cache, ref_cache = M.KVCache.empty(cfg), M.KVCache.empty(cfg)
+    step = PromptStep(cfg, model.weights, None, 1.0, 16, "float32")
+    cache, ref_cache = KVCache.empty(cfg), KVCache.empty(cfg)
     z = step(prompt, cache)
-    ref = M.forward_cached(cfg, model.weights, prompt, ref_cache)[-1]
+    ref = forward_cached(cfg, model.weights, prompt, ref_cache)[-1]
     assert cache.length == len(prompt) and rel_err(z, ref) < 1e-4
     for i in range(cfg.n_layers):
         assert rel_err(cache.k[i], ref_cache.k[i]) < 1e-4
@@ -461,7 +466,7 @@ def test_family_prompt_as_one_program_is_the_graph(family, family_models):
     dec = E.BlockDecoder(model, E.block_weights(model), cap=32)
     dec.load(cache)
     nxt = int(np.argmax(ref))
-    assert rel_err(dec.step(nxt), M.forward_cached(cfg, model.weights, [nxt], ref_cache)[-1]) < 1e-4
+    assert rel_err(dec.step(nxt), forward_cached(cfg, model.weights, [nxt], ref_cache)[-1]) < 1e-4
 
 
 @pytest.mark.parametrize("family", C_DECODE_FAMILIES)
@@ -514,7 +519,7 @@ def test_rows_the_c_step_lacks_keep_the_graph():
     "blocks" is one error."""
     from gradtape.errors import GradtapeError
     m = tiny_model(dim=48, n_heads=4)
-    model = M.Llama(m.config, m.weights, None)
+    model = Llama(m.config, m.weights, None)
     assert model.config.head_dim == 12 and not E.supported(model)
     out = model.generate([3, 1, 4], 5, stop_ids=())
     assert out == model.generate([3, 1, 4], 5, decoder="graph", stop_ids=())

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from gradtape.errors import GradtapeError
-from gradtape.models.generate import (Sampling, cut_at_stop, held_back, penalize,
-                                      sample_next)
-from gradtape.models.model import Llama
+from gradtape.infer.loop import cut_at_stop, held_back
+from gradtape.infer.sampling import Sampling, penalize, sample_next
+from gradtape.llama import Llama
 from support.tinymodel import tiny_model
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gradtape import Tape, llama
-from gradtape.models import model as M
+from gradtape.models import graph as M
 from gradtape.models.load_gguf import permute_rope_rows, unpermute_rope_rows
 
 from support.compare import rel_err

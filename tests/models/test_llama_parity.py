@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from gradtape import Tape
-from gradtape.models import model as M
+from gradtape.infer.decode_step import DecodeStep
+from gradtape.infer.kv_cache import KVCache, forward_cached
+from gradtape.llama import Llama
+from gradtape.models import graph as M
 from gradtape.models.lora import TARGETS
 
 from support.adapters import random_adapter
@@ -120,22 +123,22 @@ def test_kv_cache_equals_full_sequence(smollm2, ids):
     full = M.record_forward(tp, smollm2.config, M.weight_consts(tp, smollm2),
                             tp.const(np.array(ids[:n])), 1).value
     W64 = {k: w.astype(np.float64) for k, w in smollm2.weights.items()}
-    cache = M.KVCache.empty(smollm2.config)
-    rows = [M.forward_cached(smollm2.config, W64, ids[:10], cache, dtype=np.float64)]
-    rows += [M.forward_cached(smollm2.config, W64, [t], cache, dtype=np.float64)
+    cache = KVCache.empty(smollm2.config)
+    rows = [forward_cached(smollm2.config, W64, ids[:10], cache, dtype=np.float64)]
+    rows += [forward_cached(smollm2.config, W64, [t], cache, dtype=np.float64)
              for t in ids[10:n]]
     assert cache.length == n and cache.k[0].shape == (n, 3 * 64)
     assert rel_err(np.concatenate(rows), full) <= 1e-12
 
     # the replayed one-token step, from the prompt's cache, growing its capacity once
-    cache = M.KVCache.empty(smollm2.config)
-    M.forward_cached(smollm2.config, W64, ids[:10], cache, dtype=np.float64)
-    step = M.DecodeStep(smollm2.config, W64, None, 1.0, np.float64, cap=14)
+    cache = KVCache.empty(smollm2.config)
+    forward_cached(smollm2.config, W64, ids[:10], cache, dtype=np.float64)
+    step = DecodeStep(smollm2.config, W64, None, 1.0, np.float64, cap=14)
     step.load(cache)
     rows = []
     for t in ids[10:n]:
         if step.length == step.cap:
-            bigger = M.DecodeStep(smollm2.config, W64, None, 1.0, np.float64, cap=n)
+            bigger = DecodeStep(smollm2.config, W64, None, 1.0, np.float64, cap=n)
             bigger.take(step)
             step = bigger
         rows.append(step(t))
@@ -196,7 +199,7 @@ def test_adapter_equals_merged_weights(smollm2, ids):
     merged = {k: w.astype(np.float64) for k, w in smollm2.weights.items()}
     for (i, t), (a, b) in ad.weights.items():
         merged[f"layers.{i}.{t}"] += ad.scale * (a.astype(np.float64) @ b)
-    base = M.Llama(cfg, merged, smollm2.tokenizer)
+    base = Llama(cfg, merged, smollm2.tokenizer)
     ids = ids[:20]
     ours = smollm2.logits(ids, adapter=ad, dtype=np.float64)
     assert rel_err(ours, base.logits(ids, dtype=np.float64)) <= 1e-10

@@ -8,7 +8,7 @@ import numpy as np
 
 from gradtape import nn
 from gradtape.models.lora import init_adapter
-from gradtape.models.model import record_forward, weight_consts
+from gradtape.models.graph import record_forward, weight_consts
 from gradtape.tape import Tape
 
 

@@ -118,11 +118,11 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
     those keys, in order.  ``ids``: one sequence ``[T]`` (every next token a target), or
     rows ``[n, T]`` with their ``targets`` (and, for packed rows, ``positions`` and
     ``segments``), all ``[n, T]``.  ``head_loss``: the training's own head and loss
-    (``model.head_loss``: fused from ``HEAD_FUSE_MIN`` logits on) instead of the
+    (``graph.head_loss``: fused from ``HEAD_FUSE_MIN`` logits on) instead of the
     composed ``[N, V]`` logits and ``nn.cross_entropy_ids``."""
     from gradtape import nn
-    from gradtape.models import model
-    from gradtape.models.model import record_forward, weight_consts
+    from gradtape.models import graph
+    from gradtape.models.graph import record_forward, weight_consts
 
     dt = tp.dtype
     ids = np.asarray(ids)
@@ -142,7 +142,7 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
                           1 if ids.ndim == 1 else len(ids), lora, adapter.scale, **layout,
                           head=not head_loss)
     tid, w = (tp.const(a) for a in nn.ce_targets_fill(np.asarray(targets).reshape(-1)))
-    loss = (model.head_loss(tp, config, W, last, tid, w) if head_loss
+    loss = (graph.head_loss(tp, config, W, last, tid, w) if head_loss
             else nn.cross_entropy_ids(tp, last, tid, w))
     grads = tp.backward(loss)
     keys = list(lora)

@@ -1,5 +1,5 @@
 """Short rows (two query tiles, 129-256) take the fused attention where it measured
-faster than the composed one on this CPU (``model.attention_from``), its products kept
+faster than the composed one on this CPU (``attention_choice.attention_from``), its products kept
 float32 in a bf16 program (``ops.attn(f32=True)``): the step trains as the composed one
 does, to float32 rounding."""
 
@@ -11,7 +11,8 @@ import pytest
 import gradtape as gt
 from gradtape import ops
 from gradtape.backends import onednn
-from gradtape.models import model as M
+from gradtape.models import attention_choice as M
+from gradtape.models import graph
 from gradtape.models.lora import init_adapter
 from gradtape.train import step as step_module
 from gradtape.train.step import TrainStep
@@ -44,19 +45,19 @@ def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache
     assert timed == [(2, 256, "bf16")]
     verdict["seconds"] = (0.1, 0.2)
     rows, why = M.attention_from(cfg, 2, 160, "cpu", "float32")
-    assert rows == M.ATTN_TILED_MIN and why.startswith("composed (")
+    assert rows == graph.ATTN_TILED_MIN and why.startswith("composed (")
     # one query tile (nothing to skip), other backends, long rows: never timed
     for args in ((2, 128, "cpu"), (2, 256, "numpy"), (1, 1024, "cpu")):
-        assert M.attention_from(cfg, *args, "float32") == (M.ATTN_TILED_MIN, "")
+        assert M.attention_from(cfg, *args, "float32") == (graph.ATTN_TILED_MIN, "")
     # $GRADTAPE_ATTENTION decides without timing
-    for forced, want in (("fused", 200), ("composed", M.ATTN_TILED_MIN)):
+    for forced, want in (("fused", 200), ("composed", graph.ATTN_TILED_MIN)):
         monkeypatch.setenv("GRADTAPE_ATTENTION", forced)
         assert M.attention_from(cfg, 2, 200, "cpu", "int8") == (
             want, f"{forced} ($GRADTAPE_ATTENTION)")
     assert len(timed) == 2
     monkeypatch.setenv("GRADTAPE_ATTENTION", "flash")  # neither: said, then timed
     with pytest.warns(RuntimeWarning, match="neither fused nor composed"):
-        assert M.attention_from(cfg, 2, 200, "cpu", "bf16")[0] == M.ATTN_TILED_MIN
+        assert M.attention_from(cfg, 2, 200, "cpu", "bf16")[0] == graph.ATTN_TILED_MIN
     assert len(timed) == 3
 
 
@@ -67,7 +68,7 @@ def test_both_attentions_are_timed_for_real(cache):
 
 def _steps(model, fused, monkeypatch, t=160):
     monkeypatch.setattr(step_module, "attention_from", lambda cfg, n_seq, t_, backend, compute:
-                        (t_ if fused else M.ATTN_TILED_MIN, ""))
+                        (t_ if fused else graph.ATTN_TILED_MIN, ""))
     ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, t, backend="cpu",
                    compute="float32")
     rng = np.random.default_rng(0)

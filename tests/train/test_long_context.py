@@ -35,7 +35,7 @@ def test_fused_head_trains_like_the_composed_head(monkeypatch):
     """Three float64 steps with the head fused into the loss (``ops.head_nll``) and with
     the composed logits + ``nn.cross_entropy_ids``: the same losses and adapters up to
     the blocks' summation order (1e-12)."""
-    from gradtape.models import model as M
+    from gradtape.models import graph as M
 
     model = tiny_model(seed=4, n_layers=2, tied=True)
     runs, default = {}, M.HEAD_FUSE_MIN
@@ -60,7 +60,7 @@ def test_checkpointed_step_trains_the_same(backend, tiled, monkeypatch):
     group differently around the clones (float64: rounding only).  The head is the
     fused one (the tiny vocabulary is below the size that fuses it by default); the
     attention tiled (as from ``ATTN_TILED_MIN`` rows) or composed (shorter rows)."""
-    from gradtape.models import model as M
+    from gradtape.models import graph as M
 
     monkeypatch.setattr(M, "HEAD_FUSE_MIN", 0)
     monkeypatch.setattr(M, "ATTN_TILED_MIN", 0 if tiled else 10 ** 9)
@@ -94,7 +94,7 @@ def test_auto_recomputes_the_fewest_layers_that_fit(backend, monkeypatch):
     """Between the plans without checkpointing and with every layer recomputed, ``auto``
     recomputes the first layers only, as few as keep the plan within the share; those
     steps train as the others do (numpy: bitwise; cpu: float64 rounding)."""
-    from gradtape.models import model as M
+    from gradtape.models import graph as M
 
     monkeypatch.setattr(M, "ATTN_TILED_MIN", 0)  # an "attn" op per layer and recompute
     model = tiny_model(seed=2, n_layers=4)

@@ -57,7 +57,7 @@ def test_weight_bytes_from_the_header(files):
 
 
 def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
-    from gradtape.models import model as M
+    from gradtape.models import graph as M
 
     monkeypatch.setattr(M, "ATTN_TILED_MIN", 0)  # the tiled attention at these short rows
     model = llama.load(files / "tiny-q8.gguf", keep_quantized=True)

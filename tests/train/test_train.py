@@ -65,7 +65,7 @@ def test_only_adapter_params_get_gradients_and_step_changes_only_them():
 
 def _manual_loss(model, adapter, ids, targets):
     """Mean next-token loss over counted targets, by a fresh eager tape."""
-    from gradtape.models.model import record_forward, weight_consts
+    from gradtape.models.graph import record_forward, weight_consts
     import gradtape as gt
 
     tp = gt.Tape(np.float64)

@@ -61,7 +61,7 @@ def _score(answers, references):
 
 
 def run(args) -> int:
-    from .. import models
+    from .. import llama, models
     from ..train.finetune import FinetuneConfig, finetune
 
     if not (DATA / "train.jsonl").is_file():
@@ -85,7 +85,7 @@ def run(args) -> int:
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
     # int8 compute reads the file's blocks, as finetune keeps them for it
-    model = models.load("smollm2", keep_quantized=args.compute == "int8")
+    model = llama.load("smollm2", keep_quantized=args.compute == "int8")
     # an answer still going past the longest reference (+ its end token) cannot match
     max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
     t = time.perf_counter()

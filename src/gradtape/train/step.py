@@ -36,7 +36,8 @@ from .memory import planned
 from ..backends.compute import DEFAULT_COMPUTE, decide as decide_compute
 from ..errors import GradtapeError
 from ..models.memory import GiB
-from ..models.model import attention_from, head_loss, record_forward, weight_consts
+from ..models.attention_choice import attention_from
+from ..models.graph import head_loss, record_forward, weight_consts
 from .data import IGNORE, empty_rows
 
 

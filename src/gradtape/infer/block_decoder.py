@@ -1,5 +1,5 @@
-"""The fast decode step: one token through the whole model in one C call, reading the
-weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
+"""The C decode engine's wrapper: one token through the whole model in one C call, reading
+the weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
 
 ``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
 row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
@@ -15,7 +15,7 @@ q/k norms and windows, and the C struct that points at all of it; a step is one 
 call.  An adapter is applied unmerged (its A and B stay float32 and add ``scale * (h A)
 B`` to each adapted row); a fused linear's adapter adapts its parts with one A and B
 split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
-``model.py``'s ``_block`` in float32 with the same dequantized weights; only the order of
+``models.graph.block`` in float32 with the same dequantized weights; only the order of
 float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
 layers many rows per call (GEMMs from four dequantized weight rows at a time); ``load``
 takes over a cache filled by the graph instead.
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from ..backends import ggml_vec
-from .arch import ARCHS, LINEARS
-from .load_gguf import unpermute_rope_rows
-from .rope import rope_tables
+from ..models.arch import ARCHS, LINEARS
+from ..models.load_gguf import unpermute_rope_rows
+from ..models.rope import rope_tables
 
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
@@ -62,7 +62,7 @@ class _Model(ctypes.Structure):
 
 def _fused_parts(cfg) -> dict:
     """``{fused linear: ((part, lo, hi), ...)}``: the separate linears a fused one holds,
-    each its output range (``model._block`` slices the same columns); {} when unfused."""
+    each its output range (``graph.block`` slices the same columns); {} when unfused."""
     if not cfg.fused:
         return {}
     nq, nk, F = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim

@@ -1,0 +1,105 @@
+"""Which attention a training step records: the composed one or the fused (tiled) one.
+
+``attention_from`` decides, for a step's shape on this CPU, the rows per sequence from
+which the step's attention is the fused primitive (``graph.record_forward``'s
+``fused_from``), timing both where the choice is close (``_time_attention``), once per
+CPU.  It records nothing the step runs and computes no model math; the graph itself is
+``graph``'s.  Kept apart (with its probe) so the decision can move into an execution plan
+without touching the graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import numpy as np
+
+from .. import nn, ops, tiled
+from ..backends import compute as measure  # the timings, cached per CPU
+from ..backends.onednn import DnnlError
+from ..tape import Tape
+from . import graph
+from .rope import rope_tables
+
+
+def attention_from(cfg, n_seq, t, backend, compute):
+    """``(rows, why)``: the rows per sequence from which a training step's attention is
+    the fused primitive, and a sentence saying why where it was decided here ("" where
+    not): ``graph.ATTN_TILED_MIN``, or ``t`` where ``t`` spans two query tiles (129-256
+    rows) and the fused attention, its products kept float32, measured faster than the
+    composed one on this CPU: a few layers' attention forward and backward at the step's
+    shape (``_time_attention``), both timed in turn, once per CPU (cached with the
+    compute decisions).  Which one wins differs from CPU to CPU (docs/benchmarks.md).
+    Other backends, and a machine without oneDNN to key the cache by:
+    ``graph.ATTN_TILED_MIN``.  ``$GRADTAPE_ATTENTION`` = fused | composed decides instead
+    of the timing."""
+    tiled_min = graph.ATTN_TILED_MIN
+    if backend != "cpu" or not tiled.ATTN_TILE < t <= 2 * tiled.ATTN_TILE or t >= tiled_min:
+        return tiled_min, ""
+    forced = os.environ.get("GRADTAPE_ATTENTION")
+    if forced in ("fused", "composed"):
+        return (t if forced == "fused" else tiled_min), f"{forced} ($GRADTAPE_ATTENTION)"
+    if forced:
+        warnings.warn(f"gradtape: $GRADTAPE_ATTENTION={forced} is neither fused nor composed: "
+                      "timing both", RuntimeWarning, stacklevel=2)
+    shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
+    try:
+        (composed, fused), cached = measure.rates(
+            f"attention {compute}", shape,
+            lambda *_: _time_attention(cfg, n_seq, t, compute), kernels=True)
+    except DnnlError:
+        return tiled_min, ""
+    why = (f"fused {1e3 * fused:.1f} vs composed {1e3 * composed:.1f} ms at {t} rows, "
+           f"timed {'before ' if cached else ''}on this CPU")
+    return (t if fused < composed else tiled_min), ("fused" if fused < composed
+                                                    else "composed") + f" ({why})"
+
+
+# layers of the attention probe: one layer's attention stays in cache, where both ways run
+# at about one speed; from four on, its activations go through memory as a step's do, and
+# the probe's ratio is the step's
+ATTN_PROBE_LAYERS = 4
+
+
+def _time_attention(cfg, n_seq, t, compute):
+    """The seconds (``measure.seconds_in_turn``) of a few layers' attention, forward and
+    backward, composed and fused (``attention_from``), as a training step records them:
+    the residual rows ``x [n_seq*t, D]`` projected to q, k, v and back by frozen weights
+    (so that a bf16 step's program is one here too), packed rows' rope tables and
+    segments."""
+    rng = np.random.default_rng(0)
+    n, hd, window = n_seq * t, cfg.head_dim, cfg.window(0)
+    cos, sin = (np.tile(c, (n_seq, 1)) for c in rope_tables(cfg, t, layer=0))
+    scale = np.float32(1 / math.sqrt(cfg.dim))  # scores of a trained model's size
+
+    weights = {}  # one random matrix per shape, each layer's const a copy of it
+
+    def frozen(tp, rows, cols):
+        if (rows, cols) not in weights:
+            weights[rows, cols] = scale * rng.standard_normal((rows, cols), dtype=np.float32)
+        return tp.const(weights[rows, cols])
+    runs = []
+    for fused in (False, True):
+        tp = Tape(np.float32, eager=False)
+        x0 = x = tp.param(rng.standard_normal((n, cfg.dim), dtype=np.float32))
+        cosc, sinc, segments = tp.const(cos), tp.const(sin), tp.const(np.zeros(n, np.int64))
+        mask = nn.segment_mask(tp, segments, tp.const(nn.causal_mask_fill(t, window=window)),
+                               n_seq, t)
+        for _ in range(min(cfg.n_layers, ATTN_PROBE_LAYERS)):
+            q, k, v = (ops.matmul(x, frozen(tp, cfg.dim, h * hd))
+                       for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+            if fused:
+                o = nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
+                                       cfg.n_kv_heads, hd, cfg.attn_iscale,
+                                       cfg.attn_softcap, window, segments, f32=True)
+            else:
+                o = nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t,
+                                          cfg.n_heads, cfg.n_kv_heads, hd, cfg.attn_iscale,
+                                          cfg.attn_softcap)
+            x = ops.add(x, ops.matmul(o, frozen(tp, cfg.n_heads * hd, cfg.dim)))
+        loss = ops.reduce_sum(ops.mul(x, tp.const(rng.standard_normal(x.shape,
+                                                                      dtype=np.float32))))
+        runs.append(tp.compile([tp.backward(loss)[x0]], backend="cpu", compute=compute).run)
+    return measure.seconds_in_turn(runs)

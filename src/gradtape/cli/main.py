@@ -16,6 +16,7 @@ import sys
 import traceback
 import warnings
 
+from .. import settings
 from ..errors import GradtapeError
 from .options import check_args
 
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
     if unknown:  # said by the command's parser: its usage, its name in the message
         parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     cmd = f"gradtape {args.command}"
-    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = args.debug or settings.flag(DEBUG_ENV)
     try:
         check_args(parsers[args.command], args)
         return int(modules[args.command].run(args) or 0)

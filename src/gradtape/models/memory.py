@@ -11,10 +11,10 @@ those figures.  What a training step adds on top is ``train.memory``'s business.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from ..blocks import BLOCK_TYPES
+from .. import settings
 from ..errors import FileFormatError, GradtapeError
 
 GiB = float(1 << 30)
@@ -28,9 +28,9 @@ FLOAT32_SHARE = 0.8
 def mem_available() -> int | None:
     """Bytes the kernel says can be allocated without swapping (MemAvailable), or None
     where unknown.  ``$GRADTAPE_MEM_AVAILABLE`` (bytes) overrides it (tests)."""
-    env = os.environ.get("GRADTAPE_MEM_AVAILABLE")
-    if env:
-        return int(env)
+    forced = settings.integer("GRADTAPE_MEM_AVAILABLE", minimum=0)
+    if forced is not None:
+        return forced
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -9,11 +9,10 @@ query tile sees are skipped.  The mask: causal, a sliding window, equal segment 
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
-from .. import tiled
+from .. import settings, tiled
 from .elementwise import add, addc, scale, tanh
 from .fused import decomposed_vjp
 from .linalg import matmul
@@ -70,14 +69,9 @@ def _attn_scratch(v):
 
 
 def _omp_threads():
-    """The threads an OpenMP region takes by default: ``$OMP_NUM_THREADS`` (its first
-    number), else the CPUs this process may use.  The ops package's one environment
-    read (a memory estimate's input, never a value's)."""
-    try:
-        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
-    except ValueError:
-        return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                   else os.cpu_count() or 1)
+    """The threads an OpenMP region takes (``settings.omp_threads``): a memory
+    estimate's input, never a value's."""
+    return settings.omp_threads()
 
 
 def _attn_vjp(g, out, q, k, v, *seg, **attrs):

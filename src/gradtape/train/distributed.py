@@ -18,11 +18,11 @@ point-to-point messages.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import numpy as np
 
+from .. import settings
 from ..errors import GradtapeError
 
 # set by the common launchers in every rank: MPICH/Intel MPI (hydra: PMI_*), Open MPI
@@ -35,7 +35,7 @@ _OTHER_VARS = ("MPI_LOCALNRANKS", "PMI_FD", "PMIX_NAMESPACE")
 def launched_size(environ=None):
     """How many ranks the launcher started: None when not under a launcher, 0 when it is
     one but the size is not in the environment."""
-    env = os.environ if environ is None else environ
+    env = settings.launcher() if environ is None else environ
     for var in _SIZE_VARS:
         if env.get(var, "").isdigit():
             return int(env[var])

@@ -226,8 +226,8 @@ def attention_from(cfg, n_seq, t, backend, compute):
     if forced:
         warnings.warn(f"gradtape: $GRADTAPE_ATTENTION={forced} is neither fused nor composed: "
                       "timing both", RuntimeWarning, stacklevel=2)
-    from ..backends import compute as _compute
-    from ..backends.onednn import DnnlError
+    from ..backends.cpu import measure as _compute
+    from ..backends.cpu.onednn import DnnlError
 
     shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
     try:
@@ -255,7 +255,7 @@ def _time_attention(cfg, n_seq, t, compute):
     the residual rows ``x [n_seq*t, D]`` projected to q, k, v and back by frozen weights
     (so that a bf16 step's program is one here too), packed rows' rope tables and
     segments."""
-    from ..backends.compute import seconds_in_turn
+    from ..backends.cpu.measure import seconds_in_turn
 
     rng = np.random.default_rng(0)
     n, hd, window = n_seq * t, cfg.head_dim, cfg.window(0)
@@ -746,8 +746,8 @@ class Llama:
         wherever the prompt has more rows than the matrix-vector kernels take and this
         CPU's bf16 GEMMs are fast at the model's width (at 256 rows); else "float32"
         from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
-        from ..backends import ggml_vec
-        from ..backends.compute import COMPUTE_CHOICES, DEFAULT_SHAPE, decide
+        from ..backends.cpu import ggml_vec
+        from ..backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_SHAPE, decide
 
         if compute not in COMPUTE_CHOICES:
             raise GradtapeError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "

@@ -325,8 +325,8 @@ class _Dnnl:
         """A callable executing the matmul ``prim`` on the addresses ``ptrs`` (src,
         weights, dst; ``mds`` their descriptors).  Its memory objects, and the arrays
         ``keep`` behind those addresses, live as long as the callable: a program dropped
-        frees its arena (a process that builds many, such as the attention probe's or a
-        chat's prompt sizes, held every one of them before)."""
+        frees its arena (a process may build many, such as the attention probe's or a
+        chat's prompt sizes)."""
         mems = [self._memory(md, ptr) for md, ptr in zip(mds, ptrs)]
         args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
                             zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))

@@ -40,7 +40,7 @@ from .qgemm_tiles import (BlockProduct, Tile, bf16_scratch_elems, bf16_tile_shap
                           bf16_tile_sizes, size_name)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class Bf16Scratch:
     """The buffers of a program's bf16 block products (``bf16_scratch_elems``)."""
 

@@ -60,7 +60,7 @@ def int8_scratch_elems(ops):
     return 2 * act, tile, scales, prod
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class Int8Scratch:
     """The buffers of a program's int8 block products (``int8_scratch_elems``)."""
 

@@ -115,7 +115,7 @@ class Tile:
     out_col0: int | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity
 class BlockProduct:
     """A ``qmatmul`` / ``qmatmul_t`` with its operands where they lie (the oneDNN
     lowerings read them in place): ``x`` the activation ``[T, k]`` (forward) or the

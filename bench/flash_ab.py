@@ -28,10 +28,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from gradtape.backends import _cgen  # noqa: E402
-from gradtape.backends.compute import cpu_summary  # noqa: E402
+from gradtape.backends.cpu import toolchain  # noqa: E402
+from gradtape.backends.cpu.measure import cpu_summary  # noqa: E402
 
-CSRC = "src/gradtape/backends/csrc"
+CSRC = "src/gradtape/backends/cpu/csrc"
 
 
 def build_at(rev, tmp):
@@ -44,9 +44,9 @@ def build_at(rev, tmp):
                               capture_output=True, text=True, check=True).stdout
         (Path(tmp) / name).write_text(text)
         texts.append(text)
-    flags = (*_cgen.threads_flags(), f"-I{tmp}")
-    return _cgen.build('#include "flash.c"\n', flags, "flashab", directory=tmp,
-                       depends=texts)[0]
+    flags = (*toolchain.threads_flags(), f"-I{tmp}")
+    return toolchain.build('#include "flash.c"\n', flags, "flashab", directory=tmp,
+                           depends=texts)[0]
 
 
 def main():
@@ -64,9 +64,9 @@ def main():
     t = args.seq_len
     with tempfile.TemporaryDirectory() as tmp:
         libs = {args.rev: ctypes.CDLL(str(build_at(args.rev, tmp))),
-                "tree": ctypes.CDLL(str(_cgen.build_csrc(["flash.c"],
-                                                         flags=_cgen.threads_flags(),
-                                                         prefix="tiled")[0]))}
+                "tree": ctypes.CDLL(str(toolchain.build_csrc(["flash.c"],
+                                                             flags=toolchain.threads_flags(),
+                                                             prefix="tiled")[0]))}
     rng = np.random.default_rng(0)
     q = rng.standard_normal((t, nh * hd), dtype=np.float32)
     k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))

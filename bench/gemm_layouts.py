@@ -11,8 +11,8 @@ import argparse
 
 import numpy as np
 
-from gradtape.backends import compute, onednn
-from gradtape.backends.qgemm import one_blas_thread
+from gradtape.backends.cpu import measure as compute, onednn
+from gradtape.backends.cpu.blas import one_blas_thread
 
 SHAPES = "256x576x1536,256x1536x576,256x576x49152,256x4096x4096,256x4096x14336,256x14336x4096"
 

@@ -20,8 +20,8 @@ import statistics
 import numpy as np
 
 from gradtape import tiled
-from gradtape.backends.compute import call_seconds, cpu_summary
-from gradtape.backends.tiled_c import CTiles
+from gradtape.backends.cpu.measure import call_seconds, cpu_summary
+from gradtape.backends.cpu.tiled import CTiles
 
 
 def median_s(fn, reps):

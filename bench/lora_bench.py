@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from gradtape.backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE, call_seconds
+from gradtape.backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_COMPUTE, call_seconds
 
 WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
 SEQ_LEN = {"smollm2-lora": 256, "smollm2-lora-2k": 2048, "smollm2-lora-8k": 8192}
@@ -230,7 +230,7 @@ def gpu_gemm_rate(batch, storage, reps=20):
 def _gpu_mb(side):
     """GPU memory in MB: our arenas + cuBLAS workspace, or torch's peak allocation."""
     if isinstance(side, GradtapeSide):
-        from gradtape.backends.cuda import CupyDevice
+        from gradtape.backends.cuda.devices import CupyDevice
         total = 0
         for prog in (side.step_prog.program, side.step_prog.eval_program):
             total += sum(prog.executable.arena.nbytes.values())
@@ -311,7 +311,7 @@ def _gemm_path(side):
     """What ran the step's big GEMMs: the library and ISA (oneDNN names its kernel; float32
     goes through oneDNN or NumPy's BLAS, as the backend measured: ``f32_why``)."""
     if side.compute == "bf16":
-        from gradtape.backends.onednn import describe
+        from gradtape.backends.cpu.onednn import describe
         return describe()
     ex = getattr(side.step_prog.program, "executable", None)
     if getattr(ex, "_f32_dnnl", False):
@@ -327,7 +327,7 @@ def side_worker(name, workload, backend, compute, batch):
     t, ours, theirs = _workload(workload)
     info = {}
     if name.startswith("gradtape"):
-        from gradtape.backends.compute import measured_rates
+        from gradtape.backends.cpu.measure import measured_rates
 
         s = GradtapeSide(ours(), t, backend, batch, compute=compute,
                          checkpoint=CHECKPOINT.get(workload, "auto"))
@@ -593,7 +593,7 @@ def main(argv=None):
     if args.side_worker:
         side_worker(args.side_worker, args.workloads, args.backend, computes[0], args.batch)
         return 0
-    from gradtape.backends.compute import cpu_summary
+    from gradtape.backends.cpu.measure import cpu_summary
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     blas, cpu = blas_info(), cpu_summary()

@@ -28,7 +28,7 @@ def _name(step):
     """``(name, kind)`` of one program step; kinds: matmul (NumPy's BLAS), bf16 GEMM /
     matmul f32 (oneDNN), a block-weight GEMM's label (dequantization + GEMM per tile), C
     (generated kernels), attention, LM head + loss, numpy (the rest)."""
-    if hasattr(step, "label"):  # a block-weight GEMM (backends/qgemm.py), a oneDNN matmul
+    if hasattr(step, "label"):  # a block-weight GEMM (backends/cpu/qgemm*.py), a oneDNN matmul
         return step.label, step.label.split(" [")[0].split(" (")[0]
     f = getattr(step, "func", step)
     if f is np.matmul:
@@ -45,10 +45,10 @@ def profile(executable, reps=1):
     """Each step of a compiled program (its cpu ``executable``) timed alone over ``reps``
     replays, inside the replay's own context (denormals flushed, NumPy's BLAS on one
     thread in a bf16 replay): ``(seconds by name, seconds by kind)``, per replay.  A bf16
-    or int8 block-weight GEMM (``qgemm.lower_bf16`` / ``lower_int8``) is split into its
-    tiles' dequantization ("dequantize bf16" / "int8"), their GEMMs ("block GEMM bf16" /
-    "int8") and the rest of it (the activation's rounding or quantization, moves), under
-    its own kind."""
+    or int8 block-weight GEMM (``qgemm_bf16.lower_bf16`` / ``qgemm_int8.lower_int8``) is
+    split into its tiles' dequantization ("dequantize bf16" / "int8"), their GEMMs ("block
+    GEMM bf16" / "int8") and the rest of it (the activation's rounding or quantization,
+    moves), under its own kind."""
     per, kinds = collections.Counter(), collections.Counter()
     with executable.replay_context():
         for _ in range(reps):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gradtape import llama
-from gradtape.backends import compute
+from gradtape.backends.cpu import measure as compute
 from gradtape.infer.prompt_choice import prompt_compute
 
 COMPUTES = ("float32", "auto")

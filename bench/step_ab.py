@@ -2,7 +2,7 @@
 a TrainStep built (and run once) under each setting, then their steps replayed in turn,
 round after round, so that the machine's drift falls on every setting alike; the best
 and the median of each.  For settings read when a step is built, such as
-``GRADTAPE_BF16_TILE`` and ``GRADTAPE_BF16_LAYOUT`` (``backends/compute.py: fastest``).
+``GRADTAPE_BF16_TILE`` and ``GRADTAPE_BF16_LAYOUT`` (``backends/cpu/measure.py: fastest``).
 
     python bench/step_ab.py --model ~/.cache/gradtape/bench/llama8b-q4km-lora-32l.gguf \\
         --keep-quantized --rank 16 --rounds 5 GRADTAPE_BF16_TILE=16M -
@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from gradtape import llama  # noqa: E402
-from gradtape.backends.compute import cpu_summary  # noqa: E402
+from gradtape.backends.cpu.measure import cpu_summary  # noqa: E402
 from gradtape.models.lora import init_adapter  # noqa: E402
 from gradtape.train.step import TrainStep  # noqa: E402
 

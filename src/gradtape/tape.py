@@ -188,7 +188,7 @@ class Tape:
         ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
         new value (parameters and optimizer moments in a replayed training step).
         ``compute="bf16"``: the cpu backend runs GEMMs against frozen float32 weights
-        with bf16 inputs and float32 accumulation (see ``backends.compute``).
+        with bf16 inputs and float32 accumulation (see ``backends.cpu.measure``).
         ``checkpoint=True``: recompute forward values in backward from the values marked
         with ``Tape.checkpoint`` (activation checkpointing; same values, less memory); a
         number n: only those of the first n marked layers, the others keep theirs.

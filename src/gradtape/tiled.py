@@ -37,8 +37,8 @@ class HeadGemms:
     ``qtype`` is set), a block of vocabulary rows at a time, in NumPy: ``rows(v0, v1)``
     takes the block (a view of a float table; a block table's rows dequantized by
     ``kern.table_rows``), then ``logits(z)``: ``z = x @ Wc^T``, ``weigh(z, out)``: ``out
-    = z @ Wc``.  A backend's kernels may hand out another (the cpu backend's C
-    tiles: bf16)."""
+    = z @ Wc``.  A backend's kernels may hand out another (``backends/cpu/tiled.py``:
+    bf16)."""
 
     def __init__(self, x, w, qtype, kern):
         self.x, self.w, self.qtype, self.kern = x, w, qtype, kern
@@ -74,13 +74,13 @@ def _softcap(z, cap):
 
 class NumpyTiles:
     """The elementwise work on one block of scores, in NumPy: the reference.  A backend
-    with kernels of its own (the cpu backend's C tiles) passes an object with the same
+    with kernels of its own (``backends/cpu/tiled.py``) passes an object with the same
     methods as ``kern``; the GEMMs and the walk over the blocks stay the same, unless
     its ``fused_attn`` takes a whole attention call over."""
 
     @staticmethod
     def fused_attn(*args, **kwargs):
-        """The whole attention in one kernel: none here (the cpu backend's ``CTiles`` has one)."""
+        """The whole attention in one kernel: none here (``backends.cpu.tiled.CTiles`` has one)."""
         return False
 
     head_gemms = HeadGemms
@@ -88,7 +88,7 @@ class NumpyTiles:
     @staticmethod
     def buffer(name, shape, dtype):
         """A scratch array for a walk (``name`` says which): a new one each call here; a
-        backend's kernels may keep theirs from call to call (the cpu backend's ``CTiles``)."""
+        backend's kernels may keep theirs from call to call (``backends.cpu.tiled.CTiles``)."""
         return np.empty(shape, dtype)
 
     @staticmethod

@@ -1,5 +1,5 @@
 """bf16 compute (``--compute bf16``): the oneDNN GEMM, the bf16 conversion kernel, the cpu
-backend's bf16 path, the decision (``backends.compute.resolve``) and its notices.
+backend's bf16 path, the decision (``backends.cpu.measure.resolve``) and its notices.
 
 Tolerances:
 * the bf16 GEMM against float64 arithmetic on the *bf16-rounded* operands: 1e-5 relative
@@ -32,7 +32,8 @@ import pytest
 
 import gradtape as gt
 from gradtape import nn, ops
-from gradtape.backends import _cgen, compute, onednn
+from gradtape.backends.cpu import blas, codegen, onednn, toolchain
+from gradtape.backends.cpu import measure as compute
 
 from support.compare import rel_err
 
@@ -72,9 +73,9 @@ def test_host_conversion_rounds_to_nearest_even():
 
 def test_c_conversion_matches_host_bitwise(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
-    src = _cgen.ProgramSource()
+    src = codegen.ProgramSource()
     src.bf16_kernel(8)
-    path, _ = _cgen.build(src.source(), flags=_cgen.threads_flags())
+    path, _ = toolchain.build(src.source(), flags=toolchain.threads_flags())
     lib = ctypes.CDLL(str(path))
     x = np.concatenate([SPECIAL, np.random.default_rng(0).standard_normal(100_000)
                         .astype(np.float32) * 1e3])
@@ -133,7 +134,7 @@ def test_cpu_backend_bf16_path_runs_and_stays_close():
     prog = tp.compile(outs, backend="cpu", compute="bf16")
     assert prog.executable.compute == "bf16"
     # x @ W1, h @ W2, and the backward g @ W2^T (x is a const: no g @ W1^T)
-    assert len(prog.executable._bf16) == 3
+    assert len(prog.executable._dense_bf16) == 3
     r16 = prog.run()
     assert abs(r16[0] - r32[0]) / abs(r32[0]) < 1e-2
     for g32, g16 in zip(r32[1:3], r16[1:3]):
@@ -151,7 +152,7 @@ def test_a_dropped_program_frees_its_arena():
     outs, _ = _weight_graph(tp, np.random.default_rng(0))
     prog = tp.compile(outs, backend="cpu", compute="bf16")
     prog.run()
-    assert prog.executable._gemm16  # GEMMs bound to views of the arena
+    assert prog.executable._dense_gemms  # GEMMs bound to views of the arena
 
     def memory(a):
         while a.base is not None:
@@ -197,7 +198,7 @@ def test_programs_share_a_weight_copy_until_one_is_fed():
     y = ops.matmul(x, w)
     p1 = tp.compile([y], backend="cpu", compute="bf16")
     p2 = tp.compile([ops.scale(y, 2.0)], backend="cpu", compute="bf16")
-    assert p1.executable._w16[w] is p2.executable._w16[w]
+    assert p1.executable._weight_copies[w] is p2.executable._weight_copies[w]
     w2 = rng.standard_normal((256, 256)).astype(np.float32)
     p1.run({w: w2})
     ref = _bf16_exact(x._value) @ _bf16_exact(w._value)
@@ -217,7 +218,7 @@ def test_one_operand_of_several_bf16_gemms_is_rounded_once():
     h = ops.matmul(ops.mul(q, q), tp.const(ws[0]))  # another operand, then x's GEMMs done
     prog = tp.compile([q, k, v, h], backend="cpu", compute="bf16")
     ex = prog.executable
-    assert ex.compute == "bf16" and len(ex._bf16) == 4
+    assert ex.compute == "bf16" and len(ex._dense_bf16) == 4
     labels = [label for _, label, _ in ex.kernel_calls()]
     assert labels.count("bf16 conversion [24, 288]") == 2  # x once, q * q once
     got = prog.run()
@@ -243,7 +244,7 @@ def test_packed_weights_give_the_plain_copys_products(monkeypatch):
     slower); the products are those of the plain copy (float32 sums of bf16 products,
     1e-5), and no plain copy is kept once every GEMM reads a pack."""
     _need_onednn()
-    from gradtape.backends import cpu
+    from gradtape.backends.cpu import backend as cpu
 
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "blocked")
 
@@ -251,13 +252,13 @@ def test_packed_weights_give_the_plain_copys_products(monkeypatch):
     outs, w = _both_ways(tp, np.random.default_rng(5))
     prog = tp.compile(outs, backend="cpu", compute="bf16")
     ex = prog.executable
-    assert len(ex._bf16) == 2
+    assert len(ex._dense_bf16) == 2
     d = onednn.dnnl()
     zeros = np.zeros(w.shape, np.uint16)
     kernel_packs = [d.pack(*s.inputs[0].shape, s.shape[1], bool(s.attrs.get("tb")),
-                           zeros)[0] is not None for s in ex._bf16]
-    assert [packed for _, packed in ex._wb.values()] == kernel_packs
-    copies = ex._w16[w]
+                           zeros)[0] is not None for s in ex._dense_bf16]
+    assert [packed for _, packed in ex._step_weight16.values()] == kernel_packs
+    copies = ex._weight_copies[w]
     assert len(copies.packs) == sum(kernel_packs)
     assert (copies.plain is None) == all(kernel_packs)
     assert {id(a) for a in ex.bf16_weights()} == {id(a) for a in copies.arrays()}
@@ -267,8 +268,8 @@ def test_packed_weights_give_the_plain_copys_products(monkeypatch):
     tp2 = gt.Tape(np.float32, eager=False)
     outs2, w2 = _both_ways(tp2, np.random.default_rng(5))
     plain = tp2.compile(outs2, backend="cpu", compute="bf16")
-    assert not any(packed for _, packed in plain.executable._wb.values())
-    assert plain.executable._w16[w2].packs == []
+    assert not any(packed for _, packed in plain.executable._step_weight16.values())
+    assert plain.executable._weight_copies[w2].packs == []
     for a, b in zip(got, plain.run()):
         assert rel_err(a, b) < 1e-5
     x16 = _bf16_exact(outs[0].inputs[0]._value)
@@ -284,7 +285,7 @@ def test_a_weight_that_cannot_be_packed_runs_from_the_plain_copy(monkeypatch):
     tp = gt.Tape(np.float32, eager=False)
     outs, w = _both_ways(tp, np.random.default_rng(5))
     prog = tp.compile(outs, backend="cpu", compute="bf16")
-    assert not any(packed for _, packed in prog.executable._wb.values())
+    assert not any(packed for _, packed in prog.executable._step_weight16.values())
     x16 = _bf16_exact(outs[0].inputs[0]._value)
     assert rel_err(prog.run()[0], x16 @ _bf16_exact(w._value)) < 1e-5
 
@@ -514,8 +515,9 @@ def test_smollm2_step_in_int8_stays_near_float32(smollm2_gguf):
     ex = p8.executable
     if ex.compute != "int8":
         pytest.skip(f"no int8 matmul here (ran {ex.compute})")
-    assert len(ex._q8) == 2 * 7 * m.config.n_layers - 3  # less layer 0's unused q/k/v dX
-    assert {s.attrs["rows"] for s in ex._q16} == {m.config.vocab_size}  # the head
+    # less layer 0's unused q/k/v dX
+    assert len(ex._block_int8) == 2 * 7 * m.config.n_layers - 3
+    assert {s.attrs["rows"] for s in ex._block_bf16} == {m.config.vocab_size}  # the head
     r8 = p8.run()
     assert abs(r8[0] - r32[0]) / abs(r32[0]) < 5e-2
     a, b = (np.concatenate([g.ravel() for g in r[1:]]).astype(np.float64) for r in (r32, r8))
@@ -674,11 +676,11 @@ def test_dense_weights_are_packed_only_where_measured_faster(monkeypatch, tmp_pa
         tp = gt.Tape(np.float32, eager=False)
         outs, w = _both_ways(tp, np.random.default_rng(5))
         prog = tp.compile(outs, backend="cpu", compute="bf16")
-        packs = [packed for _, packed in prog.executable._wb.values()]
+        packs = [packed for _, packed in prog.executable._step_weight16.values()]
         kernel_packs = [  # where the kernel keeps its weights in a layout of its own
             onednn.dnnl().pack(*s.inputs[0].shape, s.shape[1], bool(s.attrs.get("tb")),
                                np.zeros(w.shape, np.uint16))[0] is not None
-            for s in prog.executable._bf16]
+            for s in prog.executable._dense_bf16]
         assert packs == (kernel_packs if verdict else [False] * len(packs))
         results.append(prog.run())
     assert {what for what, _ in asked} <= {"pack W", "pack W^T"}
@@ -736,15 +738,13 @@ def test_rates_are_measured_at_a_few_row_counts():
 
 def test_cached_decisions_are_timed_again_when_the_kernels_change(monkeypatch, tmp_path):
     """A cached figure that times our C kernels (a tile's dequantization, the attention:
-    ``kernels=True``) is measured anew, once, after they change (``_cgen.
+    ``kernels=True``) is measured anew, once, after they change (``toolchain.
     csrc_version``); the libraries' own GEMM rates are not."""
-    from gradtape.backends import _cgen
-
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     for kernels in (True, False):
         assert compute.rates(f"test {kernels}", (2, 3), lambda a, b: (a, b),
                              kernels=kernels) == ((2.0, 3.0), False)
-    monkeypatch.setattr(_cgen, "csrc_version", lambda: "other")
+    monkeypatch.setattr(toolchain, "csrc_version", lambda: "other")
     assert compute.rates("test True", (2, 3), lambda a, b: (b, a),
                          kernels=True) == ((3.0, 2.0), False)
     assert compute.rates("test True", (2, 3), lambda a, b: 1 / 0,
@@ -783,8 +783,7 @@ def test_a_bf16_replay_gives_numpys_blas_its_threads_back(monkeypatch):
     """During a bf16 replay NumPy's BLAS runs on one thread (its idle threads would spin on
     oneDNN's cores); afterwards, and after a replay that fails, it has its threads back."""
     _need_onednn()
-    from gradtape.backends import qgemm
-    threads = qgemm.blas_threads()
+    threads = blas.blas_threads()
     if threads is None:
         pytest.skip("NumPy's BLAS exports no thread control")
     get, set_ = threads
@@ -807,8 +806,8 @@ def test_a_bf16_replay_gives_numpys_blas_its_threads_back(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, want", [
-    ({"avx512_bf16", "avx512f"}, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
-    ({"amx_bf16", "avx512_bf16"}, ("GOMP_SPINCOUNT", _cgen.SPIN_BF16)),
+    ({"avx512_bf16", "avx512f"}, ("GOMP_SPINCOUNT", toolchain.SPIN_BF16)),
+    ({"amx_bf16", "avx512_bf16"}, ("GOMP_SPINCOUNT", toolchain.SPIN_BF16)),
     ({"avx2", "fma"}, ("OMP_WAIT_POLICY", "passive")),
 ])
 def test_openmp_wait_policy_follows_the_cpu(monkeypatch, flags, want):
@@ -816,12 +815,13 @@ def test_openmp_wait_policy_follows_the_cpu(monkeypatch, flags, want):
     sleeping elsewhere; a user's setting stays."""
     for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(_cgen, "cpu_info", lambda: {"model": "test", "flags": frozenset(flags)})
-    _cgen.quiet_openmp()
+    monkeypatch.setattr(toolchain, "cpu_info",
+                        lambda: {"model": "test", "flags": frozenset(flags)})
+    toolchain.quiet_openmp()
     var, value = want
     assert os.environ.get(var) == value
     assert [v for v in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if v in os.environ] == [var]
     monkeypatch.delenv(var)
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    _cgen.quiet_openmp()
+    toolchain.quiet_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "active" and "GOMP_SPINCOUNT" not in os.environ

@@ -21,7 +21,7 @@ import pytest
 
 import gradtape as gt
 from gradtape import nn, ops
-from gradtape.backends import _cgen
+from gradtape.backends import lowering
 from gradtape.compile.fuse import FusedGroup, fuse, plan_schedule_memory, prefix_level
 from gradtape.compile.graph import build_graph
 from gradtape.blocks import random_blocks
@@ -355,7 +355,7 @@ def test_leaves_fed_for_the_first_time_bind_the_steps_once(backend, monkeypatch)
 
 
 def test_float32_replay_flushes_denormals_and_puts_the_mode_back():
-    """A float32 replay takes denormals as zero (_cgen.DENORMALS: Intel cores pay a
+    """A float32 replay takes denormals as zero (codegen.DENORMALS: Intel cores pay a
     microcode assist per denormal); float64, the exact reference, keeps them; the
     caller's floating-point mode is the same after the replay."""
     import platform
@@ -541,7 +541,7 @@ def test_generated_source_compiles_without_warnings(tmp_path, monkeypatch):
         x = tp.param(np.full((2, 3), 0.5))
         c = tp.const(np.ones((2, 3)))
         v = x
-        for op in sorted(_cgen.C_ELEMENTWISE):
+        for op in sorted(lowering.C_ELEMENTWISE):
             if op == "select":
                 v = ops.select(c, v, x)
             elif op in ("add", "sub", "mul", "div"):

@@ -4,7 +4,7 @@ loops, against the NumPy reference; and that those ops really run in C.
 
 Tolerances as in test_cpu_backend.py (float64 1e-10: same formulas, only the summation
 order differs; float32 2e-5: our exp polynomial and double row sums, ~1e-6 observed).
-Sizes here are above ``_cgen.OMP_MIN_WORK`` where the threaded path is meant, so both
+Sizes here are above ``codegen.OMP_MIN_WORK`` where the threaded path is meant, so both
 the split loops and the single-thread ones are exercised.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 import gradtape as gt
 from gradtape import ops
-from gradtape.backends import _cgen
+from gradtape.backends.cpu import codegen, toolchain
 
 from support.compare import rel_err
 from support.parity import TOL
@@ -92,11 +92,11 @@ def test_loss_softmax_and_transposes_run_in_c():
 
 def test_threaded_kernels_use_openmp_where_available(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
-    flags = _cgen.threads_flags()
-    assert flags[:len(_cgen.FLAGS)] == _cgen.FLAGS
-    body = _cgen.row_kernel_body(_softmax_var((3, 100, 200)), np.float32)
+    flags = toolchain.threads_flags()
+    assert flags[:len(toolchain.FLAGS)] == toolchain.FLAGS
+    body = codegen.row_kernel_body(_softmax_var((3, 100, 200)), np.float32)
     assert "#pragma omp parallel for" in body
-    small = _cgen.row_kernel_body(_softmax_var((2, 3, 5)), np.float32)
+    small = codegen.row_kernel_body(_softmax_var((2, 3, 5)), np.float32)
     assert "omp parallel" not in small  # too little work to pay for a parallel region
 
 
@@ -129,7 +129,7 @@ def test_tile_kernels_equal_the_numpy_reference(dtype, cap, masked):
     the recomputed probabilities, their gradient and the fused head's two blocks, with and
     without visible ranges, a mask and a soft-cap (hidden entries exactly 0 in both)."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     ref, c = tiled.NUMPY_TILES, CTiles(dtype)
     tol = 1e-13 if dtype == np.float64 else 2e-5
@@ -197,7 +197,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     """``((y, g) from csrc/flash.c, (y, g) of tiled.py's walk in float64)``: the forward
     and the VJP, the fused ones in float32 data with float32 or ``bf16`` GEMMs."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     rng = np.random.default_rng(t + nh)
     n, nk = n_seq * t, n_seq * (t + past)
@@ -247,7 +247,7 @@ def test_fused_attention_backward_is_the_same_in_every_call(bf16):
     came free, each call grouped the terms otherwise (every call differed at T=600); a
     resumed run must equal an uninterrupted one, so each thread's units are fixed."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     t, nh, nkv, hd = 600, 9, 3, 64
     rng = np.random.default_rng(0)
@@ -276,7 +276,7 @@ def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     the sink's dK row came out 1.9-2.6e-2 off; now 4-7e-3 (the same with every p's
     remainder added)."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     t, nh, nkv, hd = 256, 4, 2, 64
     rng = np.random.default_rng(seed)
@@ -310,7 +310,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
     scores within +-0.2), every p is large: O comes out as exact as float32's rounding,
     where p rounded once would leave it about 2^-9 off."""
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     def bf16_values(a):  # float32 values with 8 significant bits, exact in bf16
         u = a.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
@@ -336,7 +336,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
 
 def test_fused_attention_leaves_masked_segments_to_the_walk():
     from gradtape import tiled
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     seg = np.array([0, 0, 1, 1, 0, 0])  # id 0 twice: a mask, not column ranges
     lay = tiled.AttnLayout(6, 6, 1, 0, seg, 128)
@@ -350,14 +350,14 @@ def test_fused_attention_leaves_masked_segments_to_the_walk():
 
 @pytest.mark.parametrize("qtype", [None, "Q4_K"])
 def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
-    """The fused head's products with bf16 inputs (tiled_c.Bf16HeadGemms, --compute bf16)
+    """The fused head's products with bf16 inputs (cpu.tiled.Bf16HeadGemms, --compute bf16)
     against NumPy's in float64: the loss, lse, E and the gradient w.r.t. x, over a float
     table and one kept in Q4_K blocks, the vocabulary in blocks with a narrower last one
     (its logits a block of columns of the scratch); within the bound of the attention's
     (BF16_ATTN_TOL: each product's inputs rounded to 8 bits), and not float32's."""
     from gradtape import tiled
-    from gradtape.backends import onednn
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu import onednn
+    from gradtape.backends.cpu.tiled import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
     if not onednn.available()[0]:
@@ -389,13 +389,13 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
 
 @pytest.mark.parametrize("qtype", [None, "Q4_K"])
 def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
-    """The fused head's float32 products in oneDNN (tiled_c.OnednnHeadGemms, a float32
+    """The fused head's float32 products in oneDNN (cpu.tiled.OnednnHeadGemms, a float32
     step whose GEMMs run there) against NumPy's HeadGemms: the loss, lse, E and the
     gradient w.r.t. x, the vocabulary in blocks with a narrower last one (its logits a
     block of columns of the scratch); float32 sums in another order, within 1e-5."""
     from gradtape import tiled
-    from gradtape.backends import onednn
-    from gradtape.backends.tiled_c import CTiles, OnednnHeadGemms
+    from gradtape.backends.cpu import onednn
+    from gradtape.backends.cpu.tiled import CTiles, OnednnHeadGemms
     from gradtape.blocks import random_blocks
 
     try:
@@ -438,8 +438,8 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     the same shapes and page-aligned buffers, summing in the same order: nothing of an
     earlier call may leak in).  A block table's rows come from the C kernels, gguf's bits."""
     from gradtape import tiled
-    from gradtape.backends import onednn
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu import onednn
+    from gradtape.backends.cpu.tiled import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
     if bf16 and not onednn.available()[0]:
@@ -477,8 +477,8 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
     same bf16 operands, float32 sums), only the chosen way's scratch is kept, and the
     choice is made once, on the first block."""
     from gradtape import tiled
-    from gradtape.backends import compute, onednn
-    from gradtape.backends.tiled_c import Bf16HeadGemms, CTiles
+    from gradtape.backends.cpu import measure as compute, onednn
+    from gradtape.backends.cpu.tiled import Bf16HeadGemms, CTiles
     from gradtape.blocks import random_blocks
 
     if not onednn.available()[0]:

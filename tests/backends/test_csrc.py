@@ -1,4 +1,4 @@
-"""The hand-written C sources (``backends/csrc``): each ``.c`` file compiles alone, with
+"""The hand-written C sources (``backends/cpu/csrc``): each ``.c`` file compiles alone, with
 only the headers it includes, under the flags the backends build them with."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from gradtape.backends import _cgen
+from gradtape.backends.cpu import toolchain
 
-SOURCES = sorted(p.name for p in _cgen.CSRC.glob("*.c"))
+SOURCES = sorted(p.name for p in toolchain.CSRC.glob("*.c"))
 
 
 def test_the_sources_are_found():
@@ -18,9 +18,9 @@ def test_the_sources_are_found():
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_compiles_alone(name, tmp_path):
-    cc, _ = _cgen.compiler()
-    flags = [f for f in _cgen.threads_flags() if f != "-shared"]
-    res = subprocess.run([cc, *flags, f"-I{_cgen.CSRC}", "-Wall", "-Werror=implicit",
-                          "-c", str(_cgen.CSRC / name), "-o", str(tmp_path / "x.o")],
+    cc, _ = toolchain.compiler()
+    flags = [f for f in toolchain.threads_flags() if f != "-shared"]
+    res = subprocess.run([cc, *flags, f"-I{toolchain.CSRC}", "-Wall", "-Werror=implicit",
+                          "-c", str(toolchain.CSRC / name), "-o", str(tmp_path / "x.o")],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]

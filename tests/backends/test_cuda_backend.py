@@ -30,14 +30,14 @@ if _N_DEV < 1:
 
 import gradtape as gt  # noqa: E402
 from gradtape import ops  # noqa: E402
-from gradtape.backends import cuda as C  # noqa: E402
+from gradtape.backends.cuda import arena, devices  # noqa: E402
 
 import test_cuda_codegen as H  # noqa: E402
 from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph  # noqa: E402
 
 
 def gpu():
-    return C.CupyDevice()
+    return devices.CupyDevice()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -66,7 +66,7 @@ def test_layers_parity(dtype):
     H.check_built(H._layers, dtype, device=gpu())
 
 
-@pytest.mark.parametrize("min_size", [1, C.BF16_MIN_SIZE])
+@pytest.mark.parametrize("min_size", [1, arena.BF16_MIN_SIZE])
 def test_layers_bf16_storage(min_size):
     H.check_built(H._layers, np.float32, storage="bfloat16", bf16_min_size=min_size,
                   device=gpu())

@@ -29,8 +29,10 @@ import pytest
 
 import gradtape as gt
 from gradtape import nn, ops
-from gradtape.backends import BACKENDS, _cudagen as G
-from gradtape.backends import cuda as C
+from gradtape.backends import BACKENDS
+from gradtape.backends.cuda import arena, devices
+from gradtape.backends.cuda import backend as C
+from gradtape.backends.cuda import codegen as G
 from gradtape.compile.fuse import step_inputs, step_outputs
 from gradtape.compile.graph import build_graph
 from gradtape.compile import lower
@@ -48,7 +50,7 @@ def _cache(tmp_path_factory, monkeypatch):
 
 
 def harness(**kw):
-    return C.HarnessDevice(**kw)
+    return devices.HarnessDevice(**kw)
 
 
 def cuda_program(storage="float32", bf16_min_size=1, device=None):
@@ -224,7 +226,7 @@ def test_capture_failure_falls_back_once():
 class _HarnessBackend(C.CudaBackend):
     def __init__(self, graph, schedule, plan, compute="float32"):
         super().__init__(graph, schedule, plan, compute,
-                         device=C.HarnessDevice(block_elem=32, max_grid=2))
+                         device=devices.HarnessDevice(block_elem=32, max_grid=2))
 
 
 def test_train_step_matches_numpy(monkeypatch):
@@ -277,14 +279,14 @@ def test_arena_offsets(storage):
         return c, off, off + max(v.size, 1) * itemsize(v)
 
     for v, (c, off) in ar.loc.items():
-        assert off % 16 == 0  # cuBLAS wants 16-byte aligned operands; leaves: C.ALIGN
+        assert off % 16 == 0  # cuBLAS wants 16-byte aligned operands; leaves: arena.ALIGN
         if v.is_leaf:
-            assert off % C.ALIGN == 0
+            assert off % arena.ALIGN == 0
         assert span(v)[2] <= ar.nbytes[c]
     # total size = sum of the aligned planned buffers, leaves and extras
     for c, total in ar.nbytes.items():
-        parts = [C._align(n) for cc, _, n in ar.buffers if cc == c]
-        parts += [C._align(max(n, 1)) for cc, _, n in ar.extra.values() if cc == c]
+        parts = [arena._align(n) for cc, _, n in ar.buffers if cc == c]
+        parts += [arena._align(max(n, 1)) for cc, _, n in ar.extra.values() if cc == c]
         assert total == sum(parts)
     # liveness: interval [def, last use] per value over the schedule's steps
     steps = be.schedule.steps
@@ -333,10 +335,10 @@ def test_bf16_host_rounding_matches_torch():
         -30, 30, 10000), np.array([0.0, -0.0, np.inf, -np.inf, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8,
                                    3.3895314e38], np.float32)])
     x = x.astype(np.float32)
-    ours = C.bf16_bits_to_f32(C.f32_to_bf16_bits(x))
+    ours = arena.bf16_bits_to_f32(arena.f32_to_bf16_bits(x))
     ref = torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
     np.testing.assert_array_equal(ours, ref)
-    assert np.isnan(C.bf16_bits_to_f32(C.f32_to_bf16_bits(np.array([np.nan], np.float32))))
+    assert np.isnan(arena.bf16_bits_to_f32(arena.f32_to_bf16_bits(np.array([np.nan], np.float32))))
 
 
 def test_bf16_device_rounding_matches_host():
@@ -352,7 +354,7 @@ def test_bf16_device_rounding_matches_host():
     dev.upload(a, x)
     dev.kernel(k, 5, 8, [a, o])()
     got = dev.download(o, 2 * n, np.uint16, n)
-    np.testing.assert_array_equal(got, C.f32_to_bf16_bits(x))
+    np.testing.assert_array_equal(got, arena.f32_to_bf16_bits(x))
 
 
 # --- the CUDA source itself -----------------------------------------------------------------
@@ -395,8 +397,9 @@ def test_cuda_source_parses_as_cpp(tmp_path):
 
 def test_gemm_args_shapes():
     # C[2, 3] = A[2, 4] @ B[4, 3] row-major: cuBLAS computes C^T = B^T A^T
-    args = C.gemm_args(2, 3, 4, 1, False, False, 10, 20, 30, "float32", "float32", "float32")
-    assert args[:5] == (C.CUBLAS_OP_N, C.CUBLAS_OP_N, 3, 2, 4)
+    args = devices.RowMajorGemm(2, 3, 4, 1, False, False, 10, 20, 30, "float32", "float32",
+                                "float32").cublas_args()
+    assert args[:5] == (devices.CUBLAS_OP_N, devices.CUBLAS_OP_N, 3, 2, 4)
     assert args[5] == 20 and args[7] == 3 and args[9] == 10 and args[11] == 4
     assert args[13] == 30 and args[15] == 3
 
@@ -404,7 +407,7 @@ def test_gemm_args_shapes():
 # --- registry and the clear error ------------------------------------------------------------
 
 def test_registered():
-    assert BACKENDS["cuda"] == "gradtape.backends.cuda:CudaBackend"
+    assert BACKENDS["cuda"] == "gradtape.backends.cuda.backend:CudaBackend"
     assert "cuda-bf16" in BACKENDS
 
 
@@ -412,9 +415,9 @@ def test_clear_error_without_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     tp = gt.Tape(np.float32)
     x = tp.param(np.ones((2, 2)))
-    with pytest.raises(C.CudaUnavailable, match=r"pip install 'gradtape\[cuda\]'.*cupy-cuda12x"):
+    with pytest.raises(devices.CudaUnavailable, match=r"pip install 'gradtape\[cuda\]'.*cupy-cuda12x"):
         tp.compile([ops.reduce_sum(x)], backend="cuda")
-    assert issubclass(C.CudaUnavailable, RuntimeError)
+    assert issubclass(devices.CudaUnavailable, RuntimeError)
 
 
 def test_cupy_not_a_base_dependency():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradtape.backends import ggml_vec
+from gradtape.backends.cpu import ggml_vec
 
 gguf = pytest.importorskip("gguf")
 if not ggml_vec.available():
@@ -111,7 +111,7 @@ def test_cpu_backend_qmatmul_of_few_rows_uses_the_matvec(qtype, T, monkeypatch):
     the tiled GEMM's tests allow)."""
     import gradtape as gt
     from gradtape import ops
-    from gradtape.backends import qgemm
+    from gradtape.backends.cpu import qgemm
     from gradtape.blocks import random_blocks
 
     calls = []

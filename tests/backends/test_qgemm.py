@@ -30,7 +30,7 @@ import pytest
 
 import gradtape as gt
 from gradtape import ops
-from gradtape.backends import _cgen, qgemm
+from gradtape.backends.cpu import blas, qgemm, qgemm_bf16, qgemm_int8, qgemm_tiles, toolchain
 from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
 
 from support.compare import rel_err
@@ -144,18 +144,18 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     blocked layout (where its kernel keeps that one) and in plain rows, and the forward
     swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded); a BF16 W
     also read where it lies (direct: one GEMM, no tiles)."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
+    monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", tile)
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     r = np.random.default_rng(200 + TYPES.index(qtype))
     T = 9
     bm = random_blocks(qtype, rows, k, r)
-    R, C = qgemm.bf16_tile_shape(False, qtype, rows, k)
+    R, C = qgemm_tiles.bf16_tile_shape(False, qtype, rows, k)
     assert C == k and -(-rows // R) in (3, 4) and rows % R
-    R, C = qgemm.bf16_tile_shape(True, qtype, rows, k)
+    R, C = qgemm_tiles.bf16_tile_shape(True, qtype, rows, k)
     if backward == "columns":
         assert R == rows and -(-k // C) == 3
     else:
@@ -167,11 +167,11 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
     offered = _offered_ways(monkeypatch)
     prog = tp.compile([y, z], backend="cpu", compute="bf16")
-    assert prog.executable.compute == "bf16" and len(prog.executable._q16) == 2
+    assert prog.executable.compute == "bf16" and len(prog.executable._block_bf16) == 2
     layouts = [s.layout for s in prog.executable._steps if hasattr(s, "layout")]
     assert len(layouts) == 2
     if layout == "fused":  # where this build has the kernel and the shapes fit it
-        fits = [qgemm.lib().gt_fused_scratch(qgemm._type_id(qtype), rows, k, T, back) > 0
+        fits = [qgemm.lib().gt_fused_scratch(qgemm.type_id(qtype), rows, k, T, back) > 0
                 for back in (0, 1)]
         assert [lay == "fused" for lay in layouts] == fits
     elif layout == "direct":  # only a BF16 W has it (the other types' ways are timed)
@@ -202,11 +202,11 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     W [5, 256], one block of rows (a core without a share); backward over W [1030, 512],
     two groups of columns and W's rows in chunks of 512, 512 and 6, T = 13 (a last block
     of one row of g)."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    tid = qgemm._type_id(qtype)
+    tid = qgemm.type_id(qtype)
     if not (qgemm.lib().gt_fused_scratch(tid, 200, 768, 13, 0) and
             qgemm.lib().gt_fused_scratch(tid, 1030, 512, 13, 1)):
         pytest.skip("no fused kernel on this CPU (it needs AVX512-BF16)")
@@ -244,7 +244,7 @@ def test_swapped_operands_are_packed_and_products_moved_exactly(m, k):
     x16^T is oneDNN's own reorder of it, bit for bit, where its kernel keeps that layout
     (rows past m zeros; a last group of fewer than 16 rows); gt_copy_cols_t writes the
     [m, n] product's transpose into columns of a wider result, touching nothing else."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
@@ -269,7 +269,7 @@ def _offered_ways(monkeypatch):
     """``{product name: [its ways]}``, filled as compute.fastest is asked (which it
     then answers as before): a CPU whose oneDNN kernel keeps x^T in another layout for
     some shape may offer no swapped way there."""
-    from gradtape.backends import compute
+    from gradtape.backends.cpu import measure as compute
     offered, fastest = {}, compute.fastest
 
     def recording(what, shape, runs):
@@ -281,7 +281,7 @@ def _offered_ways(monkeypatch):
 
 def _b16(a):
     """``a`` rounded to bf16, as float64"""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     return onednn.from_bf16(onednn.to_bf16(a)).astype(np.float64)
 
 
@@ -297,16 +297,16 @@ def _bf16_product_pair(r, T, rows, k):
 
 
 def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(monkeypatch):
-    """A bf16 block product is bound with its tiles of each size (qgemm.bf16_tile_sizes)
+    """A bf16 block product is bound with its tiles of each size (bf16_tile_sizes)
     in each layout oneDNN's kernel takes; compute.fastest is asked once per product with
     all of them and the one it names runs: each gives the rounded reference's product."""
-    from gradtape.backends import compute, onednn
+    from gradtape.backends.cpu import measure as compute, onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
-    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
-    assert qgemm.bf16_tile_sizes() == (320 * 512, 64 * 512)
+    monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 320 * 512)
+    monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 64 * 512)
+    assert qgemm_tiles.bf16_tile_sizes() == (320 * 512, 64 * 512)
     tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(7), 9, 1100, 512)
     asked = []
     for pick in ("plain 163840", "plain 32768", "blocked 32768", "swapped 163840",
@@ -338,13 +338,13 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     large tiles' ways unsplit; each gives the rounded reference's product, forward and
     backward (k = 256: the backward's small tile is all of W, its rows).  A swapped
     product's tiles are not split: x is its GEMM's weights."""
-    from gradtape.backends import compute, onednn
+    from gradtape.backends.cpu import measure as compute, onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
-    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
-    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ROWS", 4)
+    monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 320 * 512)
+    monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 64 * 512)
+    monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ROWS", 4)
     tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(17), 9, 1100, k)
     for layout in ("plain", "blocked"):
         ran = []
@@ -374,7 +374,7 @@ def test_block_products_of_one_activation_round_it_once(layout, monkeypatch):
     next ones of the same x read that copy (``rounded``); a backward product, or another
     activation, rounds its own.  Each gives the rounded reference's product.  Swapped
     forward products pack x^T past that copy, which the next ones still read."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
@@ -418,7 +418,7 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
     import time
     from types import SimpleNamespace
 
-    from gradtape.backends import compute, onednn
+    from gradtape.backends.cpu import measure as compute, onednn
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
         monkeypatch.delenv(var, raising=False)
@@ -465,7 +465,7 @@ def _lowered_qmatmul(r, bm, choose=None):
     float64 product it should give."""
     from types import SimpleNamespace
 
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
@@ -473,10 +473,11 @@ def _lowered_qmatmul(r, bm, choose=None):
     out = np.empty((9, 96), np.float32)
     v = SimpleNamespace(op="qmatmul", attrs=dict(qtype=bm.qtype, rows=96, k=512),
                         inputs=[x], shape=out.shape)
-    act, tile, prod = qgemm.bf16_scratch_elems([v])
+    act, tile, prod = qgemm_tiles.bf16_scratch_elems([v])
     scratch = [np.empty(act, np.uint16), np.empty(tile, np.uint16),
                np.empty(prod, np.float32) if prod else None]
-    run = qgemm.lower_bf16(v, out, (x, bm.data), onednn.dnnl(), *scratch, choose=choose)
+    run = qgemm_bf16.lower_bf16(v, out, (x, bm.data), onednn.dnnl(),
+                                qgemm_bf16.Bf16Scratch(*scratch), choose=choose)
     return run, x, out, scratch, x.astype(np.float64) @ bm.dequantize().T
 
 
@@ -502,12 +503,12 @@ def test_a_lowered_block_product_keeps_its_buffers_alive():
 def test_only_the_chosen_way_of_a_block_product_is_bound(monkeypatch):
     """lower_bf16 binds a way's GEMMs (a oneDNN memory object per operand and tile) when
     it first runs: where the decision is cached, only the chosen way ever is."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 1 << 16)
-    monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 1 << 14)
+    monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 1 << 16)
+    monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 1 << 14)
     bound, seen = [], {}
     dnnl = onednn.dnnl()
     real = dnnl.bind_ptrs
@@ -519,7 +520,8 @@ def test_only_the_chosen_way_of_a_block_product_is_bound(monkeypatch):
     r = np.random.default_rng(6)
     bm = random_blocks("Q4_K", 96, 512, r)
     run, _, out, _, want = _lowered_qmatmul(r, bm, choose)
-    assert len(seen) >= 2 and run.tile == qgemm.bf16_tile_shape(False, "Q4_K", 96, 512, 1 << 14)
+    assert len(seen) >= 2
+    assert run.tile == qgemm_tiles.bf16_tile_shape(False, "Q4_K", 96, 512, 1 << 14)
     assert len(bound) == -(-96 // run.tile[0])  # the chosen way's tiles, no others
     run()
     assert rel_err(out, want) < 1e-2
@@ -563,7 +565,7 @@ def test_qmatmul_forward_backward_matches_reference(qtype, dtype, layout, small_
 
 def test_tiled_path_without_cblas(monkeypatch, small_tiles):
     """Where NumPy's BLAS exports no CBLAS symbol we can find, tiles go through np.matmul."""
-    monkeypatch.setattr(qgemm, "_BLAS", None)
+    monkeypatch.setattr(blas, "_BLAS", None)
     r = np.random.default_rng(7)
     bm = random_blocks("Q4_K", 70, 768, r)
     tp = gt.Tape(np.float32)
@@ -584,7 +586,7 @@ def test_one_scratch_tile_per_program():
     h = ops.qmatmul(x, tp.const(a))  # [4, 96]
     out = ops.qmatmul(ops.qmatmul_t(h, tp.const(a)), tp.const(b))
     p = tp.compile([out], backend="cpu")
-    s = p.executable._qscratch
+    s = p.executable._tile_scratch
     assert s.dtype == np.float32 and s.size == max(96 * 512 + 512 * 4, 40 * 512 + 512 * 4)
     first = p.run()[0]
     np.testing.assert_array_equal(p.run()[0], first)  # replay: same buffers, same result
@@ -592,12 +594,12 @@ def test_one_scratch_tile_per_program():
 
 def test_parked_blas_threads_come_back():
     """park_blas_threads stops OpenBLAS's workers; its next GEMM starts them again, with
-    the same thread count and result (before the fused attention, tiled_c.py)."""
+    the same thread count and result (before the fused attention, cpu/tiled.py)."""
     a = np.random.default_rng(0).standard_normal((400, 300)).astype(np.float32)
     want = a @ a.T
-    threads = qgemm.blas_threads()
+    threads = blas.blas_threads()
     before = threads[0]() if threads else None
-    qgemm.park_blas_threads()
+    blas.park_blas_threads()
     assert rel_err(a @ a.T, want) <= 1e-6
     assert (threads[0]() if threads else None) == before
 
@@ -609,7 +611,7 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
     The process's threads by id (/proc/self/task): which ones stopped and started, so
     that another thread starting meanwhile in a whole suite (a count once failed so)
     changes nothing."""
-    threads = qgemm.blas_threads()
+    threads = blas.blas_threads()
     if threads is None or threads[0]() < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("NumPy's BLAS is not a multithreaded OpenBLAS here")
 
@@ -618,7 +620,7 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
     a = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
     a @ a  # the workers run, then spin
     with_workers, n = tasks(), threads[0]()
-    with qgemm.one_blas_thread():
+    with blas.one_blas_thread():
         inside = tasks()
         assert threads[0]() == 1
     assert with_workers - inside  # the workers the GEMM left are stopped
@@ -630,7 +632,7 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
 # --- int8 compute ---------------------------------------------------------------------------
 
 def _need_int8():
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
@@ -650,7 +652,7 @@ def _quant_rows(a):
 
 
 def _int8_reference(x, g, W):
-    """y = x W^T and z = g W as ``qgemm.lower_int8`` computes them, in NumPy: forward,
+    """y = x W^T and z = g W as ``qgemm_int8.lower_int8`` computes them, in NumPy: forward,
     x's columns divided and W's multiplied by c = sqrt(max|x_j| / max|W_j|), then a scale
     per row of each; backward, g a scale per row, W a scale per column; exact integer
     sums, scaled in float64."""
@@ -676,7 +678,7 @@ def test_int8_tiles_are_the_quantized_reference(qtype):
     rows, k = 33, 512
     bm = random_blocks(qtype, rows, k, r)
     w = bm.dequantize()
-    lib, tid = qgemm.lib(), qgemm._type_id(qtype)
+    lib, tid = qgemm.lib(), qgemm.type_id(qtype)
     tile, rs = np.empty((rows, k), np.int8), np.empty(rows, np.float32)
     inv = (127 / np.abs(w).max(0) * r.uniform(0.5, 1, k)).astype(np.float32)
     assert lib.gt_deq_tile_s8(tid, bm.data.ctypes.data, bm.data.strides[0], 0, rows, 0, k,
@@ -699,9 +701,9 @@ def test_int8_compute_matches_its_quantization(qtype, rows, k, tile, backward, m
     or 4 row tiles summed in int32 into z and scaled once.  Tiles in plain rows and in
     oneDNN's blocked layout (the activation as u8): the same integer sums, so the same
     bits."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     _need_int8()
-    monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", tile)
+    monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", tile)
     r = np.random.default_rng(300 + TYPES.index(qtype))
     T = 9
     bm = random_blocks(qtype, rows, k, r)
@@ -714,11 +716,11 @@ def test_int8_compute_matches_its_quantization(qtype, rows, k, tile, backward, m
     for layout in ("plain", "blocked"):
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
         prog = tp.compile([y, z], backend="cpu", compute="int8")
-        assert prog.executable.compute == "int8" and len(prog.executable._q8) == 2
+        assert prog.executable.compute == "int8" and len(prog.executable._block_int8) == 2
         blocked = [s.blocked for s in prog.executable._steps if hasattr(s, "blocked")]
         if layout == "plain" or not onednn.dnnl().vnni(T, k, 64, s8=True):
             assert blocked == [False, False]
-        elif "amx_int8" not in _cgen.cpu_info()["flags"]:
+        elif "amx_int8" not in toolchain.cpu_info()["flags"]:
             # AVX512-VNNI's kernels keep the layout gt_deq_tile_s8_vnni writes (measured);
             # AMX's may take it for some products only: there, the bits below suffice
             assert any(blocked)
@@ -750,7 +752,8 @@ def test_int8_follows_a_fed_weight_and_leaves_long_sums_to_bf16(monkeypatch):
         got = prog.run({w: bm.data})
         for out, ref in zip(got, _int8_reference(x.value, g.value, bm.dequantize())):
             assert rel_err(out, ref) <= 1e-4
-    monkeypatch.setattr(qgemm, "INT8_MAX_TERMS", 100)  # 512 terms forward, 64 backward
+    monkeypatch.setattr(qgemm_int8, "INT8_MAX_TERMS", 100)  # 512 terms forward, 64 backward
     ex = tp.compile([ops.qmatmul(x, w), ops.qmatmul_t(g, w)], backend="cpu",
                     compute="int8").executable
-    assert [s.op for s in ex._q8] == ["qmatmul_t"] and [s.op for s in ex._q16] == ["qmatmul"]
+    assert [s.op for s in ex._block_int8] == ["qmatmul_t"]
+    assert [s.op for s in ex._block_bf16] == ["qmatmul"]

@@ -43,7 +43,7 @@ def test_bf16_instructions_equal_their_plain_c_block(monkeypatch, tmp_path):
     products summed in another order, so float32 rounding apart, except where a p or dS
     then rounds to the other bf16 neighbour (2^-8 of that one value, carried into the
     sums it enters): 1e-4 allows those; observed 7e-8 (forward) and 1.2e-5."""
-    from gradtape.backends.tiled_c import CTiles
+    from gradtape.backends.cpu.tiled import CTiles
 
     if not CTiles(np.float32, True).bf16_native:
         pytest.skip("no AVX512-BF16 on this CPU: only the plain-C block is built")

@@ -158,7 +158,7 @@ def test_prefill_in_c_matches_the_graph(smollm2, with_lora):
 
 
 def _bf16_fast():
-    from gradtape.backends.compute import bf16_fast
+    from gradtape.backends.cpu.measure import bf16_fast
     return bf16_fast()[0]
 
 
@@ -218,7 +218,7 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert P.prompt_compute(cfg, "bf16", 12, np.float32) == "bf16"
     # the shapes decided at: auto's the prompt's rows (compute.measured_shape rounds
     # them), bf16's the model's width at 256 rows, whatever the prompt's length
-    from gradtape.backends import compute
+    from gradtape.backends.cpu import measure as compute
     shapes = []
     monkeypatch.setattr(compute, "decide", lambda c, a, shape: shapes.append(shape) or
                         ("bf16", "recorded"))

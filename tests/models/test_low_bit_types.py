@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gradtape import llama
-from gradtape.backends import compute
+from gradtape.backends.cpu import measure as compute
 from gradtape.blocks import BlockMatrix
 
 from support.adapters import lora_grads, random_adapter

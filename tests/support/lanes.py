@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradtape.backends import _cgen, ggml_vec, tiled_c
+from gradtape.backends.cpu import ggml_vec, toolchain
+from gradtape.backends.cpu import tiled as tiled_c
 
 EMULATED = ("-DGV_EMULATE=16", "-Wno-psabi")
 
@@ -21,9 +22,9 @@ def emulate_sixteen_lanes(monkeypatch, cache):
     """From here to the end of the test, the kernels built with ``-DGV_EMULATE=16`` into
     the cache folder ``cache``."""
     monkeypatch.setenv("GRADTAPE_CACHE", str(cache))
-    threads_flags = _cgen.threads_flags
-    monkeypatch.setattr(_cgen, "threads_flags",
-                        lambda flags=_cgen.FLAGS: threads_flags(flags) + EMULATED)
+    threads_flags = toolchain.threads_flags
+    monkeypatch.setattr(toolchain, "threads_flags",
+                        lambda flags=toolchain.FLAGS: threads_flags(flags) + EMULATED)
     monkeypatch.setattr(tiled_c, "_LIB", [])
     monkeypatch.setattr(ggml_vec, "FLAGS", ggml_vec.FLAGS + EMULATED)
     monkeypatch.setattr(ggml_vec, "_LIB", [])

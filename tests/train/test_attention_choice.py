@@ -10,7 +10,7 @@ import pytest
 
 import gradtape as gt
 from gradtape import ops
-from gradtape.backends import onednn
+from gradtape.backends.cpu import onednn
 from gradtape.models import attention_choice as M
 from gradtape.models import graph
 from gradtape.models.lora import init_adapter

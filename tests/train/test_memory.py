@@ -70,13 +70,13 @@ def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
     fused = max(PRIMS[v.op].scratch(v) * 4 for v in step.program.graph.ops
                 if PRIMS[v.op].scratch is not None)
     assert fused > 0
-    assert est.scratch == step.program.executable._qscratch.nbytes + fused > fused
+    assert est.scratch == step.program.executable._tile_scratch.nbytes + fused > fused
     assert est.total == est.weights + est.activations + est.scratch + est.state + OVERHEAD
     assert "GiB (weights" in est.describe()
 
 
 def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
-    from gradtape.backends import compute, cpu, onednn
+    from gradtape.backends.cpu import backend as cpu, measure as compute, onednn
 
     ok, why = onednn.available()
     if not ok:
@@ -175,7 +175,7 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     the threads' order): a run stopped after its checkpoint and resumed ends with the
     adapter of the run never stopped, bit for bit.  int8 is forced here, whatever this
     CPU measures at the tiny shape."""
-    from gradtape.backends import onednn
+    from gradtape.backends.cpu import onednn
     from gradtape.train import step as step_module
 
     ok, why = onednn.available()

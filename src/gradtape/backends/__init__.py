@@ -3,7 +3,9 @@
 ``base.Backend`` is the interface (``compile.lower`` constructs one as ``Backend(graph,
 schedule, plan, compute=...)``; it offers ``run``, ``set_leaf``, ``leaf_value``,
 ``plan``, ``compute``), and ``base.HostBackend`` the host storage the numpy and cpu
-backends share.  NumPy is the reference every other backend is tested against.
+backends share; ``lowering.py`` is each primitive's math as C text, which the C and CUDA
+generators share.  NumPy (``numpy.py``) is the reference every other backend is tested
+against; each other backend is a package of its own (``cpu/``, ``cuda/``).
 ``compile_tape`` is the core's one door to compilation (``Tape.compile`` calls it).
 """
 
@@ -17,9 +19,10 @@ from ..compile import compile_program
 # name -> "module:Class"; imported on first use so optional backends cost nothing unless used
 BACKENDS = {
     "numpy": "gradtape.backends.numpy:NumpyBackend",
-    "cpu": "gradtape.backends.cpu:CpuBackend",
-    "cuda": "gradtape.backends.cuda:CudaBackend",  # needs CuPy: pip install 'gradtape[cuda]'
-    "cuda-bf16": "gradtape.backends.cuda:CudaBf16Backend",  # cuda, bfloat16 storage
+    "cpu": "gradtape.backends.cpu.backend:CpuBackend",
+    # needs CuPy: pip install 'gradtape[cuda]'
+    "cuda": "gradtape.backends.cuda.backend:CudaBackend",
+    "cuda-bf16": "gradtape.backends.cuda.backend:CudaBf16Backend",  # bfloat16 storage
 }
 
 

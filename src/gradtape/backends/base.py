@@ -60,8 +60,7 @@ def page_aligned(n, dtype, page=4096):
     """``np.empty(n, dtype)`` starting on a page boundary.  NumPy's own large arrays start
     16 bytes into a page, so every 64-byte vector of a kernel over them straddles two
     cache lines (a memory plan's regions are cache-line multiples from the arena's
-    start): SmolLM2's [256, 1536] SwiGLU kernels took 25 ms a step that way, 11 ms
-    aligned, and the bf16 step's C kernels 0.39 s against 0.32 s (AMX Xeon)."""
+    start), which costs the C kernels a large share of their time."""
     dtype = np.dtype(dtype)
     raw = np.empty(n * dtype.itemsize + page, np.uint8)
     start = -raw.ctypes.data % page
@@ -114,8 +113,7 @@ class HostBackend(Backend):
     def set_leaf(self, leaf, arr):
         """Copy ``arr`` into the leaf's storage (taking a private copy first if shared:
         the steps are bound to it again before the next replay, once however many
-        leaves got storage; an eval program fed an 8B adapter's 450 leaves rebound
-        its 225 block products once per leaf, 97 s, before)."""
+        leaves got storage, not once per leaf: a big adapter has hundreds)."""
         if leaf not in self._values:
             return  # pruned: nothing reads this leaf
         if leaf not in self._owned:

@@ -6,9 +6,11 @@ expression; it mirrors the NumPy forward in ``ops.py``.  ``ROW_MATH`` describes 
 reduction over a row ``x[0..C)`` (sum, softmax, logsumexp, the next-token loss and its
 gradient) as the same three steps: an optional running max ``m``; ``s = sum_j term``;
 then one value per row (``row``) or one per element (``elem``).  The C generator
-(``_cgen.py``, loops with SIMD reductions, sums in double) and the CUDA generator
-(``_cudagen.py``, threads striding over a row, block reductions) render the steps their
-own way; neither writes the math again.  A new elementwise primitive is one row of
+(``cpu/codegen.py``, loops with SIMD reductions, sums in double) and the CUDA generator
+(``cuda/codegen.py``, threads striding over a row, block reductions) render the steps
+their own way; neither writes the math again.  Both index arrays the same way: the
+stride helpers at the end (broadcast strides, collapsed loop domains, a row group's
+layout) are theirs too.  A new elementwise primitive is one row of
 ``ELEMENTWISE``; a new row reduction one row of ``ROW_MATH``.
 
 Placeholders in ``ROW_MATH`` templates: ``{x}`` the row's value at ``j``, ``{m}`` the
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..compile.fuse import prefix_level
 
 
 class CTypes:
@@ -85,6 +89,9 @@ ELEMENTWISE = {
 }
 
 
+C_ELEMENTWISE = frozenset(ELEMENTWISE)  # the elementwise ops both generators lower
+
+
 def expr(op, args, attrs, ct):
     """The C expression of elementwise primitive ``op`` over operand expressions."""
     return ELEMENTWISE[op](args, attrs, ct)
@@ -116,3 +123,63 @@ ROW_MATH = {
     "nll_ids_grad": RowMath(True, _EXP_TERM,
                             elem="(({e} / {s}) - (({j} == {id}) ? {one} : {zero})) * {g}"),
 }
+
+
+# --- indexing, shared by the generators --------------------------------------------------
+
+def contig_strides(shape):
+    """Element strides of a C-contiguous array of ``shape``."""
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return st[::-1]
+
+
+def broadcast_strides(shape, domain):
+    """Element strides of a C-contiguous array of ``shape`` broadcast over ``domain``."""
+    k = len(domain)
+    padded = (1,) * (k - len(shape)) + tuple(shape)
+    st = contig_strides(padded)
+    return [0 if padded[d] == 1 else st[d] for d in range(k)]
+
+
+def index_expr(strides, ivars):
+    """The C offset expression of loop variables ``ivars`` over ``strides``."""
+    terms = []
+    for s, i in zip(strides, ivars):
+        if s == 1:
+            terms.append(i)
+        elif s:
+            terms.append(f"{i}*{s}L")
+    return " + ".join(terms) if terms else "0"
+
+
+def collapse_domain(dom, strides):
+    """Squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously:
+    fewer, longer loops.  ``strides``: array -> per-dim element strides (0 = broadcast)."""
+    keep = [d for d in range(len(dom)) if dom[d] != 1]
+    dom = [dom[d] for d in keep]
+    strides = {x: [s[d] for d in keep] for x, s in strides.items()}
+    d = len(dom) - 2
+    while d >= 0:
+        if all(s[d] == s[d + 1] * dom[d + 1] for s in strides.values()):
+            dom[d] *= dom[d + 1]
+            del dom[d + 1]
+            for s in strides.values():
+                s[d] = s[d + 1]
+                del s[d + 1]
+        d -= 1
+    return dom, strides
+
+
+def row_layout(group):
+    """A row-reduction group's pieces: ``(reduction, body ops, (R, C), strides, levels)``
+    over its ``[R, C]`` domain (a 1-d domain is one row); ``levels``: 1 for a body op
+    constant along the row, 2 for one that varies along it."""
+    red, body = group.ops[-1], group.ops[:-1]
+    dom = tuple(group.domain)
+    if len(dom) == 1:
+        dom = (1,) + dom
+    strides = {x: broadcast_strides(x.shape, dom) for x in list(group.inputs) + list(body)}
+    return red, body, dom, strides, {m: prefix_level(m.shape, dom) for m in body}

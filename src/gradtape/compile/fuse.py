@@ -21,7 +21,7 @@ op joins the group(s) of its producers only if no member of those groups has alr
 been read by an op outside them.  A group then runs at the position of its last member,
 and every edge goes from an earlier step to a later one.
 
-This module does not generate code; backends lower the groups (``backends/cpu/``).
+This module does not generate code; backends lower the groups (``backends/cpu/backend.py``).
 """
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ def compile_program(tape, outputs, backend_cls, updates=None, compute="float32",
 
     ``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
     frozen-weight GEMMs take bf16 inputs and accumulate in float32 where the backend has
-    such GEMMs (the ``cpu`` backend on a float32 tape; ``backends.compute.resolve``
+    such GEMMs (the ``cpu`` backend on a float32 tape; ``backends.cpu.measure.resolve``
     decides when it can be had); "int8": bf16's, with the GEMMs against weights kept in
     their ggml blocks taking int8 inputs.  Other backends and float64 tapes run their own
     arithmetic, and the executable's ``compute`` says what ran.  ``checkpoint``: see
     ``passes``."""
     if compute not in COMPUTE:
         raise ValueError(f"compile: compute must be 'float32', 'bf16' or 'int8' (resolve "
-                         f"'auto' with gradtape.backends.compute.resolve), got {compute!r}")
+                         f"'auto' with gradtape.backends.cpu.measure.resolve), got {compute!r}")
     graph = passes(tape, outputs, updates, backend_cls, checkpoint)
     return Program(graph, lower(graph, backend_cls, compute=compute), backend_cls.name)
 

@@ -1,5 +1,5 @@
 """The C decode engine's wrapper: one token through the whole model in one C call, reading
-the weights as stored in the GGUF file (``backends/csrc/llama_decode.c``).
+the weights as stored in the GGUF file (``backends/cpu/csrc/llama_decode.c``).
 
 ``block_weights(model)`` gives every linear as ggml blocks ``(qtype, data [out,
 row_bytes])``: the loader's block matrices, or the mapped GGUF tensors themselves (only
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backends import ggml_vec
+from ..backends.cpu import ggml_vec
 from ..models.arch import ARCHS, LINEARS
 from ..models.load_gguf import unpermute_rope_rows
 from ..models.rope import rope_tables

@@ -3,7 +3,7 @@ precision, or row by row in the decoder's own prefill.
 
 ``prompt_compute`` is the whole decision, a function of the model's config, the
 precision asked for, the prompt's rows and the dtype; the GEMM rates it relies on are
-measured once per CPU (``backends.compute``).  It builds nothing and runs nothing
+measured once per CPU (``backends.cpu.measure``).  It builds nothing and runs nothing
 (``generator`` does).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backends import compute as measure  # the GEMM decisions, measured once per CPU
-from ..backends import ggml_vec
+from ..backends.cpu import measure  # the GEMM decisions, measured once per CPU
+from ..backends.cpu import ggml_vec
 from ..errors import GradtapeError
 
 # under compute "auto" a prompt runs as one compiled bf16 program from this much GEMM

@@ -17,8 +17,8 @@ import warnings
 import numpy as np
 
 from .. import nn, ops, tiled
-from ..backends import compute as measure  # the timings, cached per CPU
-from ..backends.onednn import DnnlError
+from ..backends.cpu import measure  # the timings, cached per CPU
+from ..backends.cpu.onednn import DnnlError
 from ..tape import Tape
 from . import graph
 from .rope import rope_tables

@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import checks
 from ..backends import BACKENDS
-from ..backends.compute import COMPUTE_CHOICES, DEFAULT_COMPUTE
+from ..backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod

@@ -33,7 +33,7 @@ from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from .memory import planned
-from ..backends.compute import DEFAULT_COMPUTE, decide as decide_compute
+from ..backends.cpu.measure import DEFAULT_COMPUTE, decide as decide_compute
 from ..errors import GradtapeError
 from ..models.memory import GiB
 from ..models.attention_choice import attention_from

@@ -9,7 +9,7 @@ blocks one after another, each block as ``blockDim.x`` threads meeting at a pthr
 barrier, ``__shared__`` locals become ``static`` (one block at a time shares them).  So the
 exact text NVRTC compiles is also compiled and run on the CPU in the tests.
 
-The math is shared with the C backend (``lowering.py``): ``ELEMENTWISE`` turns each
+The math is shared with the C backend (``backends/lowering.py``): ``ELEMENTWISE`` turns each
 elementwise primitive into an expression over a ``CTypes``, ``ROW_MATH`` gives each row
 reduction's steps; ``CudaTypes`` only changes the spellings
 (CUDA's ``expf``, decimal literals, no libm macros).
@@ -29,7 +29,7 @@ Kernel kinds (all grid-stride, so any grid size is correct):
   put) as gathers over the output: one thread per output element; scatter_rows as a zero
   fill and an atomic add.
 
-This module knows nothing of devices or memory; ``cuda.py`` does.
+This module knows nothing of devices or memory (``devices.py``, ``backend.py``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compile.fuse import FusedGroup
-from ._cgen import (C_ELEMENTWISE, _bstrides, _contig_strides, _index, collapse_domain,
-                    row_layout)
-from .lowering import ROW_MATH, CTypes, expr
+from ...compile.fuse import FusedGroup, is_row_reduction
+from ..cpu.toolchain import build
+from ..lowering import (C_ELEMENTWISE, ROW_MATH, CTypes, broadcast_strides, collapse_domain,
+                        contig_strides, expr, index_expr, row_layout)
 
 STORAGE_CTYPE = {"float32": "float", "float64": "double", "bf16": "unsigned short",
                  "int64": "long long", "int32": "int"}
@@ -236,7 +236,7 @@ class _GroupLowering:
     def operand(self, x, strides, ivars):
         if x in self.member_id:
             return f"v{self.member_id[x]}"
-        ref = f"a{self.in_id[x]}[{_index(strides[x], ivars)}]"
+        ref = f"a{self.in_id[x]}[{index_expr(strides[x], ivars)}]"
         return load(self.st[x], ref, self.ct.t)
 
     def value(self, m, strides, ivars):
@@ -246,7 +246,7 @@ class _GroupLowering:
 
     def write(self, m, strides, ivars):
         k = self.out_id[m]
-        return store(self.st[m], f"o{k}[{_index(strides[m], ivars)}]",
+        return store(self.st[m], f"o{k}[{index_expr(strides[m], ivars)}]",
                      f"v{self.member_id[m]}", self.ct.t)
 
 
@@ -254,7 +254,7 @@ def elementwise_kernel(group, storage) -> Kernel:
     low = _GroupLowering(group, storage)
     dom = list(group.domain)
     arrays = list(group.inputs) + list(group.ops)
-    dom, strides = collapse_domain(dom, {x: _bstrides(x.shape, dom) for x in arrays})
+    dom, strides = collapse_domain(dom, {x: broadcast_strides(x.shape, dom) for x in arrays})
     if not dom:
         dom = [1]
         strides = {x: [0] for x in arrays}
@@ -347,7 +347,6 @@ def group_kernel(group, storage) -> Kernel:
 
 def single_group(v):
     """A lone elementwise op or row reduction as a FusedGroup of one member."""
-    from ..compile.fuse import is_row_reduction
     kind = "rowreduce" if is_row_reduction(v) else "elementwise"
     ins = []
     for x in v.inputs:
@@ -380,7 +379,7 @@ def reduce_kernel(v, storage) -> Kernel:
     ct = compute_types(x.dtype)
     t = ct.t
     red = set(_reduced_axes(v))
-    xst = _contig_strides(x.shape)
+    xst = contig_strides(x.shape)
     kept = [d for d in range(x.ndim) if d not in red]
     rax = sorted(red)
     K = int(np.prod([x.shape[d] for d in kept], dtype=np.int64))
@@ -483,14 +482,14 @@ def gather_kernel(v, storage) -> Kernel:
     elif op in ("transpose", "broadcast_to"):
         x = ins[0]
         if op == "transpose":
-            xs = _contig_strides(x.shape)
+            xs = contig_strides(x.shape)
             src = [xs[p] for p in v.attrs["perm"]]
         else:
-            src = _bstrides(x.shape, v.shape)
+            src = broadcast_strides(x.shape, v.shape)
         names = [f"i{d}" for d in range(v.ndim)]
         if v.ndim:
             L += _decompose("e", list(v.shape), names, "        ")
-        L.append("        " + store(so, "o0[e]", ld(0, f"a0[{_index(src, names)}]"), t))
+        L.append("        " + store(so, "o0[e]", ld(0, f"a0[{index_expr(src, names)}]"), t))
     elif op in ("slice", "pad", "concat"):
         axis = v.attrs["axis"] % v.ndim
         outer, n_out, inner = _split(v.shape, axis)
@@ -503,7 +502,8 @@ def gather_kernel(v, storage) -> Kernel:
         elif op == "pad":
             n_in, b = ins[0].shape[axis], v.attrs["before"]
             ref = f"a0[q*{n_in * inner}L + (a - {b}L)*{inner}L + r]"
-            L.append(f"        if (a >= {b}L && a < {b + n_in}L) {store(so, 'o0[e]', ld(0, ref), t)}")
+            L.append(f"        if (a >= {b}L && a < {b + n_in}L) "
+                     f"{store(so, 'o0[e]', ld(0, ref), t)}")
             L.append(f"        else {store(so, 'o0[e]', zero, t)}")
         else:
             off = 0
@@ -627,7 +627,6 @@ HARNESS_FLAGS = ("-O1", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-ffp-cont
 
 def build_harness(source, directory=None):
     """Compile ``harness_source()`` text with the system C compiler (cached by hash)."""
-    from ._cgen import build
     return build(source, HARNESS_FLAGS, prefix="gtcuh", directory=directory)[0]
 
 

@@ -1,12 +1,14 @@
-"""The cpu backend's kernels for the tiled primitives' elementwise work (``tiled.py``):
-the same methods as ``tiled.NumpyTiles``, one C loop over a block's rows each (OpenMP
-over the rows; ``csrc/tiled.c``), so a block of scores is read and written once per step
-instead of once per NumPy call.  The GEMMs and the walk over the blocks are ``tiled.py``'s
-own.
+"""The C side of the tiled primitives (``gradtape/tiled.py``: the tiled attention and
+the fused LM head): the same methods as ``tiled.NumpyTiles``, one C loop over a block's
+rows each (OpenMP over the rows; ``csrc/tiled.c``), so a block of scores is read and
+written once per step instead of once per NumPy call, and the whole attention as one call
+(``csrc/flash.c``).  The walk over the blocks is ``gradtape/tiled.py``'s own; the head's
+GEMMs are its ``HeadGemms``, or here in oneDNN (``Bf16HeadGemms``, ``OnednnHeadGemms``).
 
 Math as in ``NumpyTiles``, in the block's dtype (row sums as ``csrc/tiled.c`` says);
-float32 ``exp`` is ``_cgen``'s vectorizable ``gt_expf``; masked entries are exactly 0.  Without a C compiler
-the cpu backend runs on NumPy anyway (``CpuBackend.unavailable``).
+float32 ``exp`` is the generated kernels' vectorizable ``gt_expf``; masked entries are
+exactly 0.  Without a C compiler the cpu backend runs on NumPy anyway
+(``CpuBackend.unavailable``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import ctypes
 
 import numpy as np
 
-from .. import tiled
-from ..blocks import BLOCK_TYPES
-from . import _cgen, onednn, qgemm
-from .base import page_aligned
+from ... import tiled
+from ...blocks import BLOCK_TYPES
+from ..base import page_aligned
+from . import blas, measure, onednn, qgemm, toolchain
+from .onednn import Gemm
 
 _LIB = []
 
 
 def _lib():
     if not _LIB:
-        path, _ = _cgen.build_csrc(["flash.c"], flags=_cgen.threads_flags(), prefix="tiled")
+        path, _ = toolchain.build_csrc(["flash.c"], flags=toolchain.threads_flags(),
+                                       prefix="tiled")
         _LIB.append(ctypes.CDLL(str(path)))
     return _LIB[0]
 
@@ -41,7 +45,7 @@ class CTiles:
     """``tiled.NumpyTiles``' methods as C loops, for one float dtype; ``bf16``: the fused
     attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``);
     ``f32_onednn``: the fused head's float32 GEMMs run in oneDNN (as the program's other
-    matmuls, ``cpu.CpuBackend._f32_gemms``)."""
+    matmuls, ``backend.CpuBackend._f32_gemms``)."""
 
     def __init__(self, dtype, bf16=False, f32_onednn=False):
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
@@ -65,8 +69,7 @@ class CTiles:
         """The scratch array ``name`` of a walk, kept for its next call (grown when that
         asks for more).  A new array of tens of MB each call costs its page faults each
         step again, and where NumPy asks for huge pages for it, the kernel's compaction
-        to find them: the 8B's fused head at batch 4 x 256 dequantized its table in 340
-        ms a step that way, 35 ms into a kept buffer (docs/benchmarks.md)."""
+        to find them: ten times the work of the kernel writing into it."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape)) * dtype.itemsize
         raw = self._buffers.get(name)
@@ -94,7 +97,7 @@ class CTiles:
         that are not contiguous runs: the walk of ``tiled.py`` runs them)."""
         if self.flash is None or (lay.seg is not None and lay.starts is None):
             return False
-        qgemm.park_blas_threads()  # or they poll on the cores the call's threads need
+        blas.park_blas_threads()  # or they poll on the cores the call's threads need
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
         starts = None if lay.starts is None else np.ascontiguousarray(lay.starts, np.int64)
         dims = (_L(lay.n_seq), _L(q.shape[0]), _L(k.shape[0]), _L(nh), _L(nkv), _L(hd),
@@ -155,11 +158,10 @@ class Bf16HeadGemms:
 
     A block table's rows go either into plain rows, which each GEMM reorders into its
     kernel's layout, or twice straight into that blocked layout (``gt_deq_tile_vnni``:
-    once as W^T for the logits, once as W for the weighing), whichever ``compute.
-    fastest`` measures faster at the shape (once per CPU; "head Q6_K"): on Zen 5 the
-    8B's ``1024 x 4096 x 8192`` blocks took 181-187 ms blocked against 200-214 plain
-    (logits 692 -> 751, weighing 619 -> 758 GFLOP/s, 6 ms more of dequantization);
-    AMX's kernels took blocked tiles 1.4-2x as long."""
+    once as W^T for the logits, once as W for the weighing), whichever
+    ``measure.fastest`` measures faster at the shape (once per CPU; "head Q6_K"): the
+    blocked layout saves the GEMMs' reorders and costs a second dequantization, and
+    which wins depends on the CPU's kernels."""
 
     def __init__(self, x, w, qtype, kern):
         self.dnnl, self.kern = onednn.dnnl(), kern
@@ -178,8 +180,8 @@ class Bf16HeadGemms:
         """whether oneDNN's kernels of both products of a ``c``-row block keep their
         weights in the layout gt_deq_tile_vnni writes"""
         T, D = self.T, self.D
-        return bool(self.dnnl.primitive(T, D, c, False, vnni=True)
-                    and self.dnnl.primitive(T, c, D, False, vnni=True))
+        return bool(self.dnnl.primitive(Gemm(T, D, c, vnni=True))
+                    and self.dnnl.primitive(Gemm(T, c, D, vnni=True)))
 
     def _take(self, v0, v1, blocked):
         c, D = v1 - v0, self.D
@@ -191,23 +193,21 @@ class Bf16HeadGemms:
         w, lib, tid = self.w, qgemm.lib(), BLOCK_TYPES[self.qtype].id
         if not blocked:
             self.wc16 = self.kern.buffer("head rows16", (c * D,), np.uint16)
-            qgemm._check(lib.gt_deq_tile_bf16(tid, w.ctypes.data, w.strides[0], None, v0, c,
-                                              0, D, self.wc16.ctypes.data, D), "dequantize")
+            qgemm.check(lib.gt_deq_tile_bf16(tid, w.ctypes.data, w.strides[0], None, v0, c,
+                                             0, D, self.wc16.ctypes.data, D), "dequantize")
             return
-        # K padded to 32 and N to 64 values (qgemm.bf16_scratch_elems)
+        # K padded to 32 and N to 64 values (qgemm_tiles.bf16_scratch_elems)
         size = -(-c // 64) * 64 * -(-D // 32) * 32, -(-D // 64) * 64 * -(-c // 32) * 32
         self.wt16 = self.kern.buffer("head rows16 W^T", (size[0],), np.uint16)
         self.wn16 = self.kern.buffer("head rows16 W", (size[1],), np.uint16)
         for by_rows, out in ((1, self.wt16), (0, self.wn16)):
-            qgemm._check(lib.gt_deq_tile_vnni(tid, w.ctypes.data, w.strides[0], v0, c, 0, D,
-                                              by_rows, out.ctypes.data), "dequantize")
+            qgemm.check(lib.gt_deq_tile_vnni(tid, w.ctypes.data, w.strides[0], v0, c, 0, D,
+                                             by_rows, out.ctypes.data), "dequantize")
 
     def _blocked_faster(self, v0, v1):
-        """``compute.fastest`` of the two ways on the block ``[v0, v1)``: its rows taken
+        """``measure.fastest`` of the two ways on the block ``[v0, v1)``: its rows taken
         and both products, into scratch of their own (made only where no decision is
         cached)"""
-        from . import compute
-
         c = v1 - v0
         if not self._blocks(c):
             return False
@@ -222,7 +222,7 @@ class Bf16HeadGemms:
                 self.logits(made[0])
                 self.weigh(made[0], made[1])
             return run
-        blocked = compute.fastest(f"head {self.qtype}", (self.T, self.D, c),
+        blocked = measure.fastest(f"head {self.qtype}", (self.T, self.D, c),
                                   {"blocked": way(True), "plain": way(False)}) == "blocked"
         # the scratch of the way not taken (where both were timed) is not kept
         self.kern.release(*(("head rows16",) if blocked else
@@ -233,10 +233,10 @@ class Bf16HeadGemms:
         """z = x @ Wc^T (z contiguous, [T, c])"""
         assert z.flags.c_contiguous and z.shape == (self.T, self.c)
         if self.vnni:
-            self.dnnl.gemm(self.T, self.D, self.c, False, self.x16.ctypes.data,
-                           self.wt16.ctypes.data, z.ctypes.data, vnni=True)
+            self.dnnl.gemm(Gemm(self.T, self.D, self.c, vnni=True), self.x16.ctypes.data,
+                           self.wt16.ctypes.data, z.ctypes.data)
         else:
-            self.dnnl.gemm(self.T, self.D, self.c, True, self.x16.ctypes.data,
+            self.dnnl.gemm(Gemm(self.T, self.D, self.c, True), self.x16.ctypes.data,
                            self.wc16.ctypes.data, z.ctypes.data)
 
     def weigh(self, z, out):
@@ -245,8 +245,8 @@ class Bf16HeadGemms:
         self.z16 = self.kern.buffer("head z16", (z.size,), np.uint16)
         qgemm.lib().gt_f32_bf16(z.ctypes.data, self.z16.ctypes.data, z.size)
         w16 = self.wn16 if self.vnni else self.wc16
-        self.dnnl.gemm(self.T, self.c, self.D, False, self.z16.ctypes.data, w16.ctypes.data,
-                       out.ctypes.data, vnni=self.vnni)
+        self.dnnl.gemm(Gemm(self.T, self.c, self.D, vnni=self.vnni), self.z16.ctypes.data,
+                       w16.ctypes.data, out.ctypes.data)
 
 
 class OnednnHeadGemms(tiled.HeadGemms):

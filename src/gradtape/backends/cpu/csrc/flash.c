@@ -1,4 +1,4 @@
-/* The tiled attention (../../tiled.py's fwd_attn / fwd_attn_grad) fused into one C call
+/* The tiled attention (../../../tiled.py's fwd_attn / fwd_attn_grad) fused into one C call
    each, float32: the GEMMs on tile_gemm.h's register blocks and the softmax work of
    tiled.c on the same tiles, while they are in cache.
 

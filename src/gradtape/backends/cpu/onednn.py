@@ -10,7 +10,7 @@ the CPU at run time: AMX tiles where present, AVX512-BF16 dot products elsewhere
 memory objects are bound once to the backend's fixed buffers (or, for the tiles of block
 weights, to raw addresses with row strides: ``bind_ptrs``), so a call is one execute.
 
-This module knows nothing of graphs; ``cpu.py`` decides which matmuls run here.  Failing to
+This module knows nothing of graphs; ``backend.py`` decides which matmuls run here.  Failing to
 load, or a CPU oneDNN has no bf16 matmul for, is reported by ``available()`` as a reason,
 never raised at import.
 """
@@ -21,9 +21,12 @@ import ctypes
 import functools
 import os
 import weakref
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from . import toolchain
 
 _F32, _BF16, _S32, _S8, _U8 = 3, 2, 4, 5, 6  # dnnl_data_type_t
 _CPU = 1  # dnnl_engine_kind_t
@@ -48,6 +51,29 @@ class _Arg(ctypes.Structure):
 
 class DnnlError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The shape and layouts of one matmul ``out [m, n] (+)= a [m, k] @ op(W) [k, n]``: a
+    and W bf16 (int8 where ``s8``), out float32 (int32 where ``s8``)."""
+
+    m: int
+    k: int
+    n: int
+    tb: bool = False  # W stored [n, k] (ignored where vnni or packed)
+    lda: int | None = None  # a's rows this many values apart (default k)
+    ldc: int | None = None  # out's rows this many values apart (default n)
+    acc: bool = False  # the product added to out instead of written
+    vnni: bool = False  # W in the kernel's blocked layout (VNNI_INNER, VNNI_INNER_S8)
+    packed: bool = False  # W in the kernel's own layout, as ``pack`` wrote it
+    s8: bool = False  # a and W int8 (a as u8 where vnni), out int32: exact sums
+
+    def normal(self):
+        """The same matmul with the defaults spelled out (one primitive per such)."""
+        return replace(self, tb=self.tb and not (self.vnni or self.packed),
+                       lda=self.k if self.lda is None else self.lda,
+                       ldc=self.n if self.ldc is None else self.ldc)
 
 
 def _library_path():
@@ -122,22 +148,15 @@ class _Dnnl:
             self._sum_attr = attr
         return self._sum_attr
 
-    def primitive(self, m, k, n, tb, ldc=None, acc=False, lda=None, vnni=False,
-                  packed=False, s8=False):
-        """``(primitive, (src, weights, dst) descs, impl name)`` of ``[m, k] @ op(W)``
-        with ``W`` bf16 ``[k, n]`` (``tb``: stored ``[n, k]``), src bf16 with rows ``lda``
-        apart (default ``k``), dst float32 with rows ``ldc`` apart (default ``n``);
-        ``acc``: added to dst instead of written.  ``vnni``: W in the kernel's own blocked
-        layout (``VNNI_INNER``; ``tb`` ignored), or None where the kernel oneDNN picks on
-        this CPU keeps its weights in another.  ``packed``: W in the kernel's own layout,
-        whichever it is (``pack`` writes it; ``tb`` ignored).  ``s8``: src and W int8,
-        dst int32 (the sums of the products, exact); with ``vnni``, src uint8 and W in
-        ``VNNI_INNER_S8``."""
-        ldc = n if ldc is None else ldc
-        lda = k if lda is None else lda
-        key = (m, k, n, tb and not (vnni or packed), ldc, acc, lda, vnni, packed, s8)
+    def primitive(self, gemm: Gemm):
+        """``(primitive, (src, weights, dst) descs, impl name)`` of the matmul ``gemm``, or
+        None where it asks for ``vnni`` and the kernel oneDNN picks on this CPU keeps its
+        weights in another layout than ``VNNI_INNER`` (``VNNI_INNER_S8``)."""
+        key = gemm.normal()
         if key in self._prims:
             return self._prims[key]
+        m, k, n, tb, lda, ldc = key.m, key.k, key.n, key.tb, key.lda, key.ldc
+        acc, vnni, packed, s8 = key.acc, key.vnni, key.packed, key.s8
         inputs, name = (_S8, "int8") if s8 else (_BF16, "bf16")
         # int8 in the blocked layout: the activation as u8 (q + 128), whose kernels keep
         # their weights without a compensation term of their own
@@ -192,7 +211,7 @@ class _Dnnl:
         array (or into ``out``, an earlier pack of the same product) with the layout's
         descriptor: ``(array, md)``.  Where that kernel reads its weights in place (a
         layout equal to ``w``'s own), ``(None, md)``."""
-        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        _, (_, md, _), _ = self.primitive(Gemm(m, k, n, packed=True))
         if not self.packs(m, k, n, tb):
             return None, md
         if out is None:
@@ -205,7 +224,7 @@ class _Dnnl:
         ``w`` bf16 ``[k, n]`` (``[n, k]`` where ``tb``) into ``out``, ``room`` bytes (at
         least ``packed_bytes``).  The memory must outlive the callable, whose oneDNN
         handles go with it."""
-        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        _, (_, md, _), _ = self.primitive(Gemm(m, k, n, packed=True))
         if self.lib.dnnl_memory_desc_get_size(md) > room:
             raise ValueError(f"bind_pack: {room} bytes for a packed [{k}, {n}]")
         plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
@@ -231,13 +250,13 @@ class _Dnnl:
 
     def packed_bytes(self, m, k, n):
         """The bytes of ``pack``'s layout for the kernel of ``[m, k] @ [k, n]``."""
-        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        _, (_, md, _), _ = self.primitive(Gemm(m, k, n, packed=True))
         return self.lib.dnnl_memory_desc_get_size(md)
 
     def packs(self, m, k, n, tb):
         """Whether ``pack`` would reorder a ``[k, n]`` W (``[n, k]`` where ``tb``) for the
         kernel of ``[m, k] @ [k, n]``: False where that kernel reads it in place."""
-        _, (_, md, _), _ = self.primitive(m, k, n, False, packed=True)
+        _, (_, md, _), _ = self.primitive(Gemm(m, k, n, packed=True))
         plain = self._md((k, n), (1, k) if tb else (n, 1), _BF16)
         try:
             return not self.lib.dnnl_memory_desc_equal(md, plain)
@@ -247,14 +266,14 @@ class _Dnnl:
     def same_layout(self, md, m, k, n):
         """Whether the kernel for ``[m, k] @ [k, n]`` keeps its weights as ``md`` says
         (then a weight ``pack`` wrote for another row count serves it too)."""
-        _, (_, want, _), _ = self.primitive(m, k, n, False, packed=True)
+        _, (_, want, _), _ = self.primitive(Gemm(m, k, n, packed=True))
         return bool(self.lib.dnnl_memory_desc_equal(md, want))
 
     def vnni(self, m, k, n, s8=False):
         """Whether the bf16 matmul of ``[m, k] @ [k, n]`` takes its weights in the blocked
         layout ``gt_deq_tile_vnni`` writes (then no reorder per call); ``s8``: the int8
         one (u8 activation), in the layout of ``gt_deq_tile_s8_vnni``."""
-        return self.primitive(m, k, n, False, vnni=True, s8=s8) is not None
+        return self.primitive(Gemm(m, k, n, vnni=True, s8=s8)) is not None
 
     def _f32_primitive(self, out, a, b):
         """``(primitive, (src, weights, dst) descs, "f32")`` of the float32 ``out = a @
@@ -306,8 +325,8 @@ class _Dnnl:
         """A callable executing the matmul ``prim`` on the addresses ``ptrs`` (src,
         weights, dst; ``mds`` their descriptors).  Its memory objects, and the arrays
         ``keep`` behind those addresses, live as long as the callable: a program dropped
-        frees its arena (a process that builds many, such as the attention probe's or a
-        chat's prompt sizes, held every one of them before)."""
+        frees its arena (a process may build many, such as the attention probe's or a
+        chat's prompt sizes)."""
         mems = [self._memory(md, ptr) for md, ptr in zip(mds, ptrs)]
         args = (_Arg * 3)(*(_Arg(kind, h) for kind, h in
                             zip((_ARG_SRC, _ARG_WEIGHTS, _ARG_DST), mems)))
@@ -332,16 +351,15 @@ class _Dnnl:
         """A callable computing ``out = a @ op(w)`` (``a`` [m, k] bf16 as uint16, ``w`` bf16
         ``[k, n]`` or ``[n, k]`` when ``tb``, or as ``pack`` wrote it where ``packed``;
         ``out`` float32 [m, n]); it keeps the arrays alive, which must stay in place."""
-        run = self.bind_ptrs(a.shape[0], a.shape[1], out.shape[1], tb, a.ctypes.data,
-                             w.ctypes.data, out.ctypes.data, packed=packed)
+        run = self.bind_ptrs(Gemm(a.shape[0], a.shape[1], out.shape[1], tb, packed=packed),
+                             a.ctypes.data, w.ctypes.data, out.ctypes.data)
         run.keep = (a, w, out)
         return run
 
-    def gemm(self, m, k, n, tb, a, w, out, ldc=None, lda=None, packed=False, vnni=False):
+    def gemm(self, gemm: Gemm, a, w, out):
         """``bind_ptrs``' product run once now, its memory objects freed after: for
         operands whose addresses change from call to call."""
-        self._run_once(self.primitive(m, k, n, tb, ldc, False, lda, vnni=vnni,
-                                      packed=packed), (a, w, out))
+        self._run_once(self.primitive(gemm), (a, w, out))
 
     def _run_once(self, hit, ptrs):
         """Execute the matmul ``hit`` (``primitive``'s triple) on the addresses ``ptrs``
@@ -349,14 +367,12 @@ class _Dnnl:
         prim, mds, _ = hit
         self._bound(prim, mds, ptrs)()
 
-    def bind_ptrs(self, m, k, n, tb, a, w, out, ldc=None, acc=False, lda=None, vnni=False,
-                  packed=False, s8=False):
-        """The same on raw addresses: ``a`` bf16 [m, k] (rows ``lda`` apart), ``w`` bf16
-        (as in ``bind``, or in the blocked layout where ``vnni``: check ``vnni(m, k, n)``
-        first, or as ``pack`` wrote it where ``packed``), ``out`` float32 [m, n] with
-        rows ``ldc`` apart, added to when ``acc``; the memory must outlive the callable.
-        ``s8``: ``a`` and ``w`` int8 (plain), ``out`` int32."""
-        prim, mds, _ = self.primitive(m, k, n, tb, ldc, acc, lda, vnni, packed, s8)
+    def bind_ptrs(self, gemm: Gemm, a, w, out):
+        """The same on raw addresses, the matmul ``gemm``: ``a`` [m, k], ``w`` (as in
+        ``bind``, or in the blocked layout where ``vnni``: check ``vnni(m, k, n)`` first,
+        or as ``pack`` wrote it where ``packed``), ``out`` [m, n]; the memory must outlive
+        the callable."""
+        prim, mds, _ = self.primitive(gemm)
         return self._bound(prim, mds, (a, w, out))
 
 
@@ -373,9 +389,7 @@ def _library():
     if path is None:
         return None, ("oneDNN is not installed (pip install onednn-cpu-gomp==2023.2.0, or "
                       "set $GRADTAPE_DNNL to a libdnnl.so.3)")
-    from ._cgen import quiet_openmp
-
-    quiet_openmp()  # oneDNN's threads are libgomp's, shared with our kernels
+    toolchain.quiet_openmp()  # oneDNN's threads are libgomp's, shared with our kernels
     try:
         return _Dnnl(path), ""
     except (OSError, AttributeError, DnnlError) as e:
@@ -389,7 +403,7 @@ def _load():
     if d is None:
         return None, why
     try:
-        d.primitive(16, 64, 64, False)
+        d.primitive(Gemm(16, 64, 64))
     except DnnlError as e:
         return None, f"oneDNN could not be used ({_library_path()}: {e})"
     return d, ""
@@ -422,13 +436,13 @@ def describe(shape=(256, 576, 1536)):
     d, why = _load()
     if d is None:
         return f"none ({why})"
-    return f"oneDNN {d.version} ({d.primitive(*shape, False)[2]})"
+    return f"oneDNN {d.version} ({d.primitive(Gemm(*shape))[2]})"
 
 
 def to_bf16(x, out=None):
     """float32 -> bf16 bits (uint16), round to nearest even; NaN stays NaN.  A host-side
     helper for weights converted once and for tests (the per-step activations are
-    converted by a C kernel, ``_cgen.bf16_kernel_body``)."""
+    converted by a C kernel, ``codegen.ProgramSource.bf16_kernel``)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
     r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
     r = r.astype(np.uint16)

@@ -1,4 +1,4 @@
-/* What every C source of gradtape shares: the generated kernels (_cgen.py) get this text
+/* What every C source of gradtape shares: the generated kernels (codegen.py) get this text
    first; the files here include it.  float32 exp as an inlined polynomial (libm's expf
    is a call that stops vectorization), float32 -> bf16 rounding, and the kernel type. */
 #ifndef GT_PRELUDE_H

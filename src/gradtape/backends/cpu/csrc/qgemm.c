@@ -820,7 +820,7 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
 }
 
 /* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into
-   contiguous scratch, moved into its columns of the result (see qgemm.lower_bf16) */
+   contiguous scratch, moved into its columns of the result (see qgemm_bf16.py) */
 void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst, long ldd) {
     #pragma omp parallel for schedule(static) if (m * n >= (1L << 16))
     for (long i = 0; i < m; i++) memcpy(dst + i * ldd, src + i * n, n * sizeof(float));
@@ -830,7 +830,7 @@ void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst
    swapped product, B = x16^T [K = k, N = m] in gt_deq_tile_vnni's layout: a word of a
    row of x16 is already a pair of K, so each 16 rows' words are transposed into their
    16 columns of a panel (rows past m: zeros).  oneDNN's own reorder took 0.9 ms for a
-   [256, 4096] x (Zen 5).  See qgemm.lower_bf16. */
+   [256, 4096] x (Zen 5).  See qgemm_bf16.py. */
 void gt_rows_vnni(const uint16_t *restrict x16, long m, long k, uint16_t *restrict out) {
     const long words = k / 2, panel = words * VN_N;
     const uint32_t *x32 = (const uint32_t *)x16;

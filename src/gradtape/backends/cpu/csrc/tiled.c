@@ -1,11 +1,11 @@
-/* The tiled primitives' per-block elementwise work (../../tiled.py: NumpyTiles is the
+/* The tiled primitives' per-block elementwise work (../../../tiled.py: NumpyTiles is the
    reference of every function here): one loop over a block's rows each, the rows split
    over the threads (OpenMP), masked entries exactly 0.  float32 and float64 variants
    from one macro.  Row sums: the head's in double (rows of up to the vocabulary); an
    attention tile's in the tile's dtype (rows of at most a key tile, a few hundred terms
    summed 8 lanes at a time: within float32 rounding of the reference's pairwise sum, and
    a third faster than widening every term).  This file knows nothing of Python;
-   ../tiled_c.py loads it.
+   ../tiled.py loads it.
 
    Each row is walked in passes that vectorize (`omp simd`, branch-free bodies): the
    scores and their max, then exp and the sum.  The soft-cap (tanh, a libm call) and a

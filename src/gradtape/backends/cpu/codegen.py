@@ -1,4 +1,4 @@
-"""C code generation for fused groups (``compile/fuse.py``), and the compile cache.
+"""C code generation for fused groups (``compile/fuse.py``) and single ops.
 
 Each group becomes one ``static void kN(void **p)`` kernel: ``p`` holds the group's
 external inputs, then its escaping outputs, as pointers.  Shapes and constants are baked
@@ -9,47 +9,32 @@ ctypes call.
 
 The math of each primitive comes from ``lowering.py`` (shared with the CUDA generator);
 this module renders it as loops.  Float math follows the NumPy forwards of ``ops.py``
-operation by operation (same
-formulas, the dtype's own precision, no reassociation: ``-ffp-contract=off``, no
-``-ffast-math``).  float64 uses libm (exp, log, sqrt, tanh).  float32 ``exp`` is an
-inlined Cephes-style polynomial (max error about 1 ulp, measured) that the compiler can
-vectorize; libm's ``expf`` is a call that stops vectorization.  Row sums accumulate in
-double for both dtypes.
+operation by operation (same formulas, the dtype's own precision, no reassociation:
+``-ffp-contract=off``, no ``-ffast-math``).  float64 uses libm (exp, log, sqrt, tanh).
+float32 ``exp`` is an inlined Cephes-style polynomial (max error about 1 ulp) that the
+compiler can vectorize; libm's ``expf`` is a call that stops vectorization.  Row sums
+accumulate in double for both dtypes.
 
-This module knows nothing of buffers or execution; ``cpu.py`` does.
+This module knows nothing of buffers or execution (``backend.py``) nor of compiling the
+text (``toolchain.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
-
 import numpy as np
 
-from ..compile.fuse import prefix_level
-from .lowering import ELEMENTWISE, ROW_MATH, CTypes, expr
+from ..lowering import (ROW_MATH, CTypes, broadcast_strides, collapse_domain,
+                        contig_strides, expr, index_expr, row_layout)
+from .toolchain import CSRC
 
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
-         "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd",
-         # on an AVX-512 CPU, 512-bit vectors where GCC would pick 256 for -march=native
-         # (no effect elsewhere): SmolLM2's softmax kernel 0.65 -> 0.44 ms (AMX Xeon)
-         "-mprefer-vector-width=512")
-
-CSRC = Path(__file__).with_name("csrc")
 PRELUDE = (CSRC / "gt_prelude.h").read_text()  # the generated kernels' first lines
 
 # ``gt_denormals(flush)``: a float32 replay flushes denormals (MXCSR's FTZ and DAZ: results
 # below 1.2e-38 become zero, such inputs read as zero) on its thread and on every OpenMP
 # thread (our kernels', oneDNN's); it returns the caller's previous bits, which a second
 # call puts back.  Intel cores take a microcode assist of about a hundred cycles per
-# denormal operand or result: an 8B step's attention products, whose softmax underflows
-# into denormals, ran at 60 GFLOP/s where they run at 300 (AMX Xeon; TensorFlow flushes
-# them the same way).  A no-op (-1) off x86.
+# denormal operand or result, and a softmax that underflows makes many of them (TensorFlow
+# flushes them the same way).  A no-op (-1) off x86.
 DENORMALS = """\
 #if defined(__SSE2__)
 #include <xmmintrin.h>
@@ -64,35 +49,6 @@ int gt_denormals(int flush) {
 int gt_denormals(int flush) { (void)flush; return -1; }
 #endif
 """
-
-
-C_ELEMENTWISE = frozenset(ELEMENTWISE)
-
-
-def _contig_strides(shape):
-    st, acc = [], 1
-    for d in reversed(shape):
-        st.append(acc)
-        acc *= d
-    return st[::-1]
-
-
-def _bstrides(shape, domain):
-    """Element strides of a C-contiguous array of ``shape`` broadcast over ``domain``."""
-    k = len(domain)
-    padded = (1,) * (k - len(shape)) + tuple(shape)
-    st = _contig_strides(padded)
-    return [0 if padded[d] == 1 else st[d] for d in range(k)]
-
-
-def _index(strides, ivars):
-    terms = []
-    for s, i in zip(strides, ivars):
-        if s == 1:
-            terms.append(i)
-        elif s:
-            terms.append(f"{i}*{s}L")
-    return " + ".join(terms) if terms else "0"
 
 
 class _Lowering:
@@ -113,33 +69,15 @@ class _Lowering:
     def operand(self, x, strides_of, ivars):
         if x in self.member_id:
             return f"v{self.member_id[x]}"
-        return f"a{self.in_id[x]}[{_index(strides_of[x], ivars)}]"
+        return f"a{self.in_id[x]}[{index_expr(strides_of[x], ivars)}]"
 
     def stmt(self, m, strides_of, ivars, write=True):
         args = [self.operand(x, strides_of, ivars) for x in m.inputs]
         k = self.member_id[m]
         s = f"const {self.ct.t} v{k} = {expr(m.op, args, m.attrs, self.ct)};"
         if write and m in self.out_id:
-            s += f" o{self.out_id[m]}[{_index(strides_of[m], ivars)}] = v{k};"
+            s += f" o{self.out_id[m]}[{index_expr(strides_of[m], ivars)}] = v{k};"
         return s
-
-
-def collapse_domain(dom, strides):
-    """Squeeze size-1 domain dims, then merge adjacent dims every array walks contiguously:
-    fewer, longer loops.  ``strides``: array -> per-dim element strides (0 = broadcast)."""
-    keep = [d for d in range(len(dom)) if dom[d] != 1]
-    dom = [dom[d] for d in keep]
-    strides = {x: [s[d] for d in keep] for x, s in strides.items()}
-    d = len(dom) - 2
-    while d >= 0:
-        if all(s[d] == s[d + 1] * dom[d + 1] for s in strides.values()):
-            dom[d] *= dom[d + 1]
-            del dom[d + 1]
-            for s in strides.values():
-                s[d] = s[d + 1]
-                del s[d + 1]
-        d -= 1
-    return dom, strides
 
 
 def lower_elementwise(group, ct):
@@ -148,7 +86,7 @@ def lower_elementwise(group, ct):
     low = _Lowering(group, ct)
     dom = list(group.domain)
     arrays = list(group.inputs) + list(group.ops)
-    strides = {x: _bstrides(x.shape, dom) for x in arrays}
+    strides = {x: broadcast_strides(x.shape, dom) for x in arrays}
     dom, strides = collapse_domain(dom, strides)
     ivars = [f"i{d}" for d in range(len(dom))]
 
@@ -179,18 +117,6 @@ def lower_elementwise(group, ct):
     for depth in range(len(dom), 0, -1):
         lines.append("    " * depth + "}")
     return lines
-
-
-def row_layout(group):
-    """A row-reduction group's pieces: ``(reduction, body ops, (R, C), strides, levels)``
-    over its ``[R, C]`` domain (a 1-d domain is one row); ``levels``: 1 for a body op
-    constant along the row, 2 for one that varies along it."""
-    red, body = group.ops[-1], group.ops[:-1]
-    dom = tuple(group.domain)
-    if len(dom) == 1:
-        dom = (1,) + dom
-    strides = {x: _bstrides(x.shape, dom) for x in list(group.inputs) + list(body)}
-    return red, body, dom, strides, {m: prefix_level(m.shape, dom) for m in body}
 
 
 def lower_rowreduce(group, ct):
@@ -353,12 +279,13 @@ def _transpose_body(v, t):
     x = v.inputs[0]
     perm = v.attrs["perm"]
     n = v.ndim
-    ist = _contig_strides(x.shape)
+    ist = contig_strides(x.shape)
     src = [ist[p] for p in perm]  # input stride of each output axis
     shape = list(v.shape)
     inner_copy = perm[-1] == n - 1
     loops = n - 1 if inner_copy else n
-    lines = [f"    const {t} *restrict a = (const {t} *)p[0];", f"    {t} *restrict o = ({t} *)p[1];"]
+    lines = [f"    const {t} *restrict a = (const {t} *)p[0];",
+             f"    {t} *restrict o = ({t} *)p[1];"]
     par = _omp_for(v.size) if shape[0] > 1 else ""
     if par and loops:
         lines.append(par)
@@ -367,7 +294,7 @@ def _transpose_body(v, t):
         lines.append("    " * (d + 1) + f"for (long i{d} = 0; i{d} < {shape[d]}L; i{d}++) {{")
         idx.append(d)
     ind = "    " * (loops + 1)
-    out_off = " + ".join(f"i{d}*{_contig_strides(shape)[d]}L" for d in idx) or "0"
+    out_off = " + ".join(f"i{d}*{contig_strides(shape)[d]}L" for d in idx) or "0"
     in_off = " + ".join(f"i{d}*{src[d]}L" for d in idx) or "0"
     if inner_copy:
         lines.append(f"{ind}memcpy(o + {out_off}, a + {in_off}, {shape[-1]}UL * sizeof({t}));")
@@ -381,15 +308,15 @@ def _transpose_body(v, t):
 def _broadcast_body(v, t):
     """out = broadcast_to(x, shape): a loop nest over the (collapsed) output domain."""
     x = v.inputs[0]
-    dom, st = collapse_domain(list(v.shape), {"x": _bstrides(x.shape, v.shape),
-                                               "o": _contig_strides(v.shape)})
+    dom, st = collapse_domain(list(v.shape), {"x": broadcast_strides(x.shape, v.shape),
+                                               "o": contig_strides(v.shape)})
     iv = [f"i{d}" for d in range(len(dom))]
     lines = [f"    const {t} *restrict a = (const {t} *)p[0];",
              f"    {t} *restrict o = ({t} *)p[1];"]
     for d, n in enumerate(dom):
         lines.append("    " * (d + 1) + f"for (long i{d} = 0; i{d} < {n}L; i{d}++) {{")
     lines.append("    " * (len(dom) + 1) +
-                 f"o[{_index(st['o'], iv)}] = a[{_index(st['x'], iv)}];")
+                 f"o[{index_expr(st['o'], iv)}] = a[{index_expr(st['x'], iv)}];")
     for d in range(len(dom), 0, -1):
         lines.append("    " * d + "}")
     return "\n".join(lines)
@@ -505,188 +432,3 @@ class ProgramSource:
         return "\n".join(parts)
 
 
-# ---------------------------------------------------------------------------------------
-# compiling and caching
-
-class CompilerMissing(RuntimeError):
-    pass
-
-
-_VERSIONS = {}
-
-
-_THREADS = {}
-
-
-def threads_flags(flags=FLAGS):
-    """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
-    row and elementwise loops then split over the cores), else ``flags`` unchanged.
-
-    Before the first OpenMP library is loaded, libgomp's idle-thread policy is set
-    (``quiet_openmp``): by default they spin for milliseconds after each parallel loop,
-    taking a core from the OpenBLAS threads of the GEMM that follows, and with other
-    processes on the cores a spinning team made steps 4x slower (measured); a sleeping
-    one costs a wake-up of microseconds per loop, a short spin neither where every
-    thread is OpenMP's."""
-    cc, version = compiler()
-    if (cc, version) not in _THREADS:
-        probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
-                "for (long i = 0; i < n; i++) x[i] += 1.0f;\nreturn 0; }\n"
-        try:
-            build(probe, flags + ("-fopenmp",), prefix="probe")
-            ok = True
-        except RuntimeError:
-            ok = False
-        _THREADS[(cc, version)] = ok
-    if not _THREADS[(cc, version)]:
-        return tuple(flags)
-    quiet_openmp()
-    return tuple(flags) + ("-fopenmp",)
-
-
-# GOMP_SPINCOUNT where every thread of a step is OpenMP's (our kernels, oneDNN's bf16
-# GEMMs and, where measured fast, its float32 ones: compute.f32_onednn; NumPy's BLAS idle
-# or on one thread): idle threads spin this long, so the next parallel region of a replay
-# (there are thousands) finds them awake instead of paying a futex wake-up.  SmolLM2's
-# bf16 step on an AVX512-BF16 EPYC: 0.79-0.98 s sleeping, 0.64-0.69 s with 5000 (20000:
-# the same; the default, 300000, slowed steps 4x beside other processes); its float32
-# step with the GEMMs in oneDNN (Zen 4): 1.19-1.21 s sleeping, 1.04-1.09 s with 5000.
-# Beside OpenBLAS's own threads a spinning team slows a float32 step (1.11-1.57 s
-# sleeping, 1.44-1.80 s with 5000), which a CPU whose BLAS wins f32_onednn then pays.
-SPIN_BF16 = "5000"
-
-
-def quiet_openmp():
-    """Set libgomp's idle-thread policy before anything loads it (our kernels, oneDNN:
-    it is read once): a short spin on a CPU with bf16 matrix instructions (every thread
-    of a step is OpenMP's there) and sleeping elsewhere (see ``threads_flags``).  A
-    user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_BF16
-    else:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_info() -> dict:
-    """``{"model": str, "flags": frozenset}`` from /proc/cpuinfo (empty where absent)."""
-    model, flags = platform.processor() or platform.machine(), frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key = key.strip()
-                if key == "model name" and val.strip():
-                    model = val.strip()
-                elif key == "flags" and not flags:
-                    flags = frozenset(val.split())
-    except OSError:
-        pass
-    return {"model": model, "flags": flags}
-
-
-def compiler():
-    """The C compiler command ($GRADTAPE_CC, default ``cc``) and its version line;
-    raises CompilerMissing when it cannot run."""
-    cc = os.environ.get("GRADTAPE_CC", "cc")
-    if cc not in _VERSIONS:
-        try:
-            r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise CompilerMissing(f"C compiler {cc!r} not usable: {e}") from None
-        if r.returncode != 0:
-            raise CompilerMissing(f"C compiler {cc!r} not usable: {r.stderr.strip()[:200]}")
-        _VERSIONS[cc] = (r.stdout.strip().splitlines() or [""])[0]
-    return cc, _VERSIONS[cc]
-
-
-def _csrc_texts():
-    return [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
-
-
-def build_csrc(names, flags=FLAGS, prefix="gt"):
-    """The files ``names`` of ``csrc/`` compiled as one translation unit (each includes
-    the headers it needs; each also compiles alone), cached like ``build``: the key
-    covers every file in ``csrc/``.  The unit starts with ``iq_tables``."""
-    unit = iq_tables() + "".join(f'#include "{name}"\n' for name in names)
-    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
-
-
-@functools.cache
-def iq_tables():
-    """C definitions of the tables the IQ2 / IQ3 types index (``GB_IQ_TABLES`` in
-    ``csrc/ggml_blocks.h``): the sign bytes and value grids as gguf's own dequantizer
-    builds them, so that the C blocks index the very tables gguf.quants does."""
-    from gguf import quants
-
-    def array(name, a):  # a 1-d or 2-d array of bytes
-        rows = [",".join(map(str, r)) for r in a.reshape(-1, a.shape[-1])]
-        body = rows[0] if a.ndim == 1 else ",\n".join("{" + r + "}" for r in rows)
-        dims = "".join(f"[{n}]" for n in a.shape)
-        return f"static const uint8_t {name}{dims} = {{\n{body}}};\n"
-
-    out = ["#include <stdint.h>\n#define GB_IQ_TABLES 1\n",
-           array("gb_ksigns", np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))]
-    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"):
-        t = getattr(quants, name)  # gguf's dequantizer of the type (gguf >= 0.10)
-        t.init_grid()
-        grid = t.grid.reshape(t.grid_shape)
-        assert np.array_equal(grid, grid.astype(np.uint8)), name  # small whole values
-        out.append(array(f"gb_grid_{name.lower()}", grid.astype(np.uint8)))
-    return "".join(out)
-
-
-@functools.cache
-def csrc_version():
-    """A short hash of every file in ``csrc/``: what a cached timing of these kernels
-    (``compute.rates``) was measured with."""
-    return hashlib.sha256("\0".join(_csrc_texts()).encode()).hexdigest()[:12]
-
-
-def cache_dir():
-    d = os.environ.get("GRADTAPE_CACHE")
-    return Path(d) if d else Path.home() / ".cache" / "gradtape"
-
-
-def _cpu_signature():
-    # -march=native: a shared cache directory must not serve a build for another CPU
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return hashlib.sha256(line.encode()).hexdigest()[:16]
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def build(source, flags=FLAGS, prefix="gt", directory=None, depends=()):
-    """Compile ``source`` to a shared library, or reuse the cached one.
-
-    Returns ``(path, hit)``.  The cache key hashes the source, the texts of the files it
-    includes (``depends``), the flags, the compiler's version line and the CPU's feature
-    flags; the library is written under a temporary name and renamed into place, so
-    concurrent builds never see a torn file.
-    """
-    cc, version = compiler()
-    key = hashlib.sha256("\0".join([source, *depends, " ".join(flags), cc, version,
-                                    _cpu_signature()]).encode()).hexdigest()[:32]
-    d = Path(directory) if directory else cache_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / f"{prefix}_{key}.so"
-    if path.exists():
-        return path, True
-    with tempfile.TemporaryDirectory(dir=d) as tmp:
-        src = Path(tmp) / "k.c"
-        src.write_text(source)
-        so = Path(tmp) / "k.so"
-        r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"gradtape: compiling generated C ({prefix}) failed:\n"
-                               f"{r.stderr[-4000:]}")
-        (d / f"{prefix}_{key}.c").write_text(source)  # kept beside the library to read
-        os.replace(so, path)
-    return path, False

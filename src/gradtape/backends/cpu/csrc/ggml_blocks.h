@@ -304,7 +304,7 @@ static inline void deq_iq4_xs(const uint8_t *b, float *o) {
 #ifdef GB_IQ_TABLES
 /* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: rows of a value grid (gb_grid_*: 8 values a
    row, IQ3's 4), each value times its group's factor db and a sign, w = (db * grid) *
-   sign.  The tables are gguf's own (_cgen.iq_tables writes them before the units that
+   sign.  The tables are gguf's own (toolchain.iq_tables writes them before the units that
    include this header); a 7-bit sign index picks a byte of 8 signs in gb_ksigns.
    Sixteen values at a time, g their grid values, bit k of sg value k's sign: */
 static inline void gb_grid16(float db, const uint8_t g[16], unsigned sg, float *o) {

@@ -3,20 +3,19 @@
 ``float32`` keeps every GEMM in float32.  ``bf16`` asks for the frozen-weight matmuls (``x @
 W0``, ``dY @ W0^T``, the LM head and its transpose) to take bf16 inputs and accumulate in
 float32; LoRA A/B, their gradients, norms, softmax, the loss and AdamW stay float32 either
-way.  The GEMMs run in oneDNN (``backends/onednn.py``; the ``onednn-cpu-gomp`` wheel, a
+way.  The GEMMs run in oneDNN (``onednn.py``; the ``onednn-cpu-gomp`` wheel, a
 dependency on Linux x86-64).  ``auto``, the default, picks bf16 only where it is faster:
 where the CPU has AMX or AVX512-BF16, both precisions are timed at the model's own GEMM
 shape, once per CPU model and library versions (the result is cached in
-``~/.cache/gradtape/compute-decisions.json``); bf16 was 3-4x float32 sgemm with AMX, 2x
-on AMD Zen 5, slower on CPUs that split 512-bit instructions (``docs/benchmarks.md``).
-Asking for bf16 where it is not fast, or without oneDNN, says so once (a RuntimeWarning)
-and runs float32.
+``~/.cache/gradtape/compute-decisions.json``): whether bf16 wins depends on the CPU
+(``docs/benchmarks.md``).  Asking for bf16 where it is not fast, or without oneDNN, says
+so once (a RuntimeWarning) and runs float32.
 
 ``int8`` is bf16, except that the GEMMs against weights kept in their ggml blocks (a
 quantized GGUF) take int8 inputs: each activation row and each weight row (forward) or
 column (backward) rounded to 255 levels of its own scale, the products summed exactly in
-int32 (W8A8, ``qgemm.lower_int8``).  Twice bf16's rate where the CPU has int8 dot
-products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of about 1% error in
+int32 (W8A8, ``qgemm_int8.lower_int8``).  Up to twice bf16's rate where the CPU has int8
+dot products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of about 1% error in
 each such product (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
@@ -31,9 +30,17 @@ kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
+import time
 import warnings
 
-from ._cgen import cpu_info  # this module's name for it: tests replace it here
+import numpy as np
+
+from . import onednn, toolchain
+from .blas import one_blas_thread, park_blas_threads
+from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
 COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
@@ -45,10 +52,11 @@ MEASURED_ROWS = 512  # rows past this run at about the same rate: not worth the 
 def measured_shape(shape):
     """The GEMM shape ``(m, k, n)`` a rate is measured at: the rows rounded up to a power
     of two, at most MEASURED_ROWS, so that a model's row counts (a prompt's, a batch's)
-    take a few timings, not one each (and a handful of rows is not timed alone, where
-    the figures are noise: bf16 99 against float32 112 GFLOP/s at 12 rows once)."""
+    take a few timings, not one each (and a handful of rows, whose timings are noise,
+    is not timed alone)."""
     m = min(1 << max(int(shape[0]) - 1, 0).bit_length(), MEASURED_ROWS)
     return (m, *(int(d) for d in shape[1:]))
+
 
 _WARNED = set()
 
@@ -64,12 +72,11 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     """``(True, why)`` where bf16 GEMMs (oneDNN) beat float32 on this CPU at ``shape``
     (``(m, k, n)``: the model's rows, width and FFN width), else ``(False, why)``.  No
     AMX and no AVX512-BF16: no, without measuring.  Otherwise both are measured at that
-    shape once per CPU model and library versions (``rates``: bf16 was 2x on AMD Zen 5,
-    3-4x with AMX, slower than float32 on CPUs that split 512-bit instructions)."""
+    shape once per CPU model and library versions (``rates``; CPUs that split 512-bit
+    instructions can run bf16 slower than float32)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16"
-    from . import onednn
     ok, why = onednn.available()
     if not ok:
         return False, why
@@ -99,8 +106,7 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
 
 
 def _cache_file():
-    from ._cgen import cache_dir
-    return cache_dir() / "compute-decisions.json"
+    return toolchain.cache_dir() / "compute-decisions.json"
 
 
 _TABLES = {}  # cache file -> ((mtime, size), its table): parsed again only when changed
@@ -108,10 +114,8 @@ _TABLES = {}  # cache file -> ((mtime, size), its table): parsed again only when
 
 def _read_table(path):
     """The decisions in cache file ``path`` ({} where there is none yet, or it does not
-    parse: measured and written anew).  An 8B step's first run looks up 447 of them:
-    parsing the file for each took 0.4 s."""
-    import json
-
+    parse: measured and written anew).  A big model's first step looks up hundreds of
+    them: the file is parsed again only when it changed."""
     try:
         st = path.stat()
         stamp = (st.st_mtime_ns, st.st_size)
@@ -127,8 +131,7 @@ def _read_table(path):
 
 # the way the timings are made, in every cache key: a decision timed before a fix to the
 # timing is timed again (2: OpenBLAS's spinning workers parked before OpenMP work is
-# timed, each pair of rates timed twice in turn; before, bf16 could measure at half its
-# rate and be cached as not faster)
+# timed, each pair of rates timed twice in turn)
 TIMING = 2
 
 
@@ -140,15 +143,9 @@ def rates(kind, shape, measure, n=2, kernels=False):
     (about a second) and written there atomically.  The libraries' own GEMM rates are
     not timed again when only our kernels change: each new timing is another chance
     for a noisy host to decide wrong."""
-    import json
-    import os
-
-    from . import onednn
-    from ._cgen import csrc_version
-
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
                     _blas_name(), onednn.library().version, f"timing {TIMING}",
-                    *([f"kernels {csrc_version()}"] if kernels else []),
+                    *([f"kernels {toolchain.csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])
     path = _cache_file()
     hit = _read_table(path).get(key)
@@ -169,7 +166,6 @@ def rates(kind, shape, measure, n=2, kernels=False):
 
 def _blas_name():
     """NumPy's BLAS library and version (its speed is half of the decision)."""
-    import numpy as np
     try:
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{info.get('name')} {info.get('version')}"
@@ -179,8 +175,6 @@ def _blas_name():
 
 def call_seconds(fn, reps):
     """The seconds each of ``reps`` calls of ``fn`` took, after one warm-up call."""
-    import time
-
     fn()
     ts = []
     for _ in range(reps):
@@ -196,12 +190,8 @@ def seconds_in_turn(fns, rounds=3):
     all of them alike.  Each figure is the median, over the rounds, of the call's time
     relative to its round's mean, times the mean of those means.  So a spell covering a
     round cancels out, and no single call caught in a burst, slower or faster, decides
-    between two paths a few percent apart.  (The best call did: on a shared host, the
-    fused head's blocked layout, 181-187 ms a block against 200-214 plain, lost to one
-    plain call of 180 ms.)"""
-    import statistics
-    import time
-
+    between two paths a few percent apart (the best call of each could: one plain call
+    caught in a fast spell beat a blocked layout that was faster on every other)."""
     for fn in fns:
         fn()
     times = [[0.0] * rounds for _ in fns]
@@ -219,10 +209,8 @@ def seconds_in_turn(fns, rounds=3):
 def _operands(m, k, n, reps):
     """Random float32 ``a [m, k]``, ``w [k, n]``, ``out [m, n]`` for a timed GEMM, and
     ``best(fn)``: its FLOP/s, the best of ``reps`` calls (the best resists other
-    processes' noise); 3 for a GEMM of over 10 GFLOP (an 8B model's FFN), so that it
-    takes seconds."""
-    import numpy as np
-
+    processes' noise); at most 3 for a GEMM of over 10 GFLOP (an 8B model's FFN), so
+    that it takes seconds."""
     if 2 * m * k * n > 1e10:
         reps = min(reps, 3)
     rng = np.random.default_rng(0)
@@ -245,8 +233,7 @@ def _best_in_turn(timings, rounds=2):
 
 def _replay_rate(best, gemm):
     """A timing for ``_best_in_turn``: ``best(gemm)`` with NumPy's BLAS on one thread and
-    its idle workers parked, as in a bf16 replay (``qgemm.one_blas_thread``)."""
-    from .qgemm import one_blas_thread
+    its idle workers parked, as in a bf16 replay (``blas.one_blas_thread``)."""
 
     def rate():
         with one_blas_thread():
@@ -257,11 +244,7 @@ def _replay_rate(best, gemm):
 def measured_rates(m=256, k=576, n=1536, reps=7):
     """(float32 NumPy matmul, bf16 oneDNN matmul) FLOP/s at ``x [m, k] @ W [k, n]``, in
     turn (``_best_in_turn``); bf16 with NumPy's BLAS on one thread, its idle workers
-    parked, as in a bf16 replay (``qgemm.one_blas_thread``)."""
-    import numpy as np
-
-    from . import onednn
-
+    parked, as in a bf16 replay (``blas.one_blas_thread``)."""
     a, w, out, best = _operands(m, k, n, reps)
     gemm16 = onednn.dnnl().bind(out, onednn.to_bf16(a), onednn.to_bf16(w), False)
     return _best_in_turn([lambda: best(lambda: np.matmul(a, w, out=out)),
@@ -271,23 +254,19 @@ def measured_rates(m=256, k=576, n=1536, reps=7):
 def measured_int8_rates(m=256, k=576, n=1536, reps=7):
     """(bf16, int8) oneDNN matmul OP/s at ``x [m, k] @ W [k, n]`` (int8: int32 sums), in
     turn (``_best_in_turn``)."""
-    import numpy as np
-
-    from . import onednn
-
     a, w, out, best = _operands(m, k, n, reps)
     dnnl = onednn.dnnl()
     gemm16 = dnnl.bind(out, onednn.to_bf16(a), onednn.to_bf16(w), False)
     a8, w8 = np.ones((m, k), np.int8), np.ones((k, n), np.int8)
     sums = out.view(np.int32)
-    gemm8 = dnnl.bind_ptrs(m, k, n, False, a8.ctypes.data, w8.ctypes.data, sums.ctypes.data,
-                           s8=True)
+    gemm8 = dnnl.bind_ptrs(onednn.Gemm(m, k, n, s8=True), a8.ctypes.data, w8.ctypes.data,
+                           sums.ctypes.data)
     return _best_in_turn([_replay_rate(best, gemm16), _replay_rate(best, gemm8)])
 
 
-# A float32 SmolLM2 step (T=256, Zen 4) with its GEMMs in NumPy's BLAS spent 0.37-0.45 s
-# of 1.41-1.55 s in C kernels whose OpenMP threads met OpenBLAS's still spinning ones;
-# with the GEMMs in oneDNN, 0.12-0.15 s of 1.04-1.09 s, at about equal GEMM rates alone
+# What one thread pool saves a float32 step: with the GEMMs in NumPy's BLAS, the C
+# kernels' OpenMP threads meet OpenBLAS's still spinning ones and take several times as
+# long; with the GEMMs in oneDNN they share one pool (docs/benchmarks.md)
 F32_POOL_GAIN = 1.25
 
 
@@ -298,8 +277,6 @@ def f32_onednn(shape) -> tuple:
     ``bf16_fast``) once per CPU model and library versions; oneDNN runs them unless
     NumPy's BLAS is more than ``F32_POOL_GAIN`` times faster alone, for what one thread
     pool saves in a step."""
-    from . import onednn
-
     try:
         onednn.library()
     except onednn.DnnlError as e:
@@ -318,11 +295,6 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     """(oneDNN, NumPy's BLAS) float32 FLOP/s at ``x [m, k] @ W [k, n]``, in turn
     (``_best_in_turn``); oneDNN with OpenBLAS's idle threads (up to ~0.1 s of spinning
     after a call) parked, so that none spins on a core it uses."""
-    import numpy as np
-
-    from . import onednn
-    from .qgemm import park_blas_threads
-
     a, w, out, best = _operands(m, k, n, reps)
     gemm = onednn.library().bind_f32(out, a, w)
 
@@ -335,19 +307,15 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
 def fastest(what, shape, runs) -> str:
     """The name of the fastest of ``runs`` (name -> a callable running one way of the
     GEMM ``what`` of ``shape``), all timed in turn once per CPU model and library versions,
-    the result cached like ``rates`` (a few seconds in all for an 8B model's products, on
-    its first step).  The ways of a block-weight product: its tiles in oneDNN's blocked
-    weight layout or in plain rows, of ``qgemm.bf16_tile_sizes()`` values; the names say
-    which ("blocked 16M"; "swapped": a forward product as ``y^T = W x^T``; "fused": one
-    call dequantizing and multiplying with our own GEMM; "direct": a BF16 W read in
-    place, see ``qgemm.lower_bf16``).
+    the result cached like ``rates`` (timed on a model's first step only).  The ways of a
+    block-weight product: its tiles in oneDNN's blocked weight layout or in plain rows,
+    of ``qgemm_bf16.bf16_tile_sizes()`` values; the names say which ("blocked 16M";
+    "swapped": a forward product as ``y^T = W x^T``; "fused": one call dequantizing and
+    multiplying with our own GEMM; "direct": a BF16 W read in place, see
+    ``qgemm_bf16.lower_bf16``).
     ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped | fused | direct and
     ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
     taken untimed."""
-    import os
-
-    from .qgemm import one_blas_thread
-
     names = list(runs)
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
         want = os.environ.get(var)
@@ -380,13 +348,7 @@ def packed_weights(m, k, n, tb) -> bool:
     """Whether the bf16 GEMM ``[m, k] @ W [k, n]`` (W stored ``[n, k]`` where ``tb``) of
     a dense weight should read W packed once into the layout oneDNN's kernel keeps
     (``onednn.pack``) rather than in place, reordered by each call (``blocked_faster``
-    on random operands of that shape).  Packed was the faster with AVX512-BF16 (Zen 4:
-    411 -> 439 GFLOP/s at ``256 x 4096 x 14336``) and half as fast with AMX (SmolLM2's
-    ``256 x 576 x 1536``: 1071 against 2094 in place, W stored ``[n, k]``)."""
-    import numpy as np
-
-    from . import onednn
-
+    on random operands of that shape): which wins depends on the CPU's kernels."""
     d = onednn.dnnl()
     if not d.packs(m, k, n, tb):  # the kernel reads W in place: nothing to pack
         return False
@@ -394,8 +356,8 @@ def packed_weights(m, k, n, tb) -> bool:
 
     def operands():
         """(a, w, out, pack) addresses, made on the first timed call only: a decision
-        read from the cache costs no random operands (62 weights of 8B-sized layers:
-        15.6 s)"""
+        read from the cache costs no random operands (seconds for a big model's
+        weights)"""
         if not made:
             rng = np.random.default_rng(0)
             a = onednn.to_bf16(rng.standard_normal((m, k), dtype=np.float32))
@@ -409,10 +371,10 @@ def packed_weights(m, k, n, tb) -> bool:
 
     def packed():
         a, _, out, pack = operands()
-        d.gemm(m, k, n, tb, a, pack, out, packed=True)
+        d.gemm(onednn.Gemm(m, k, n, tb, packed=True), a, pack, out)
 
     def plain():
-        d.gemm(m, k, n, tb, *operands()[:3])
+        d.gemm(onednn.Gemm(m, k, n, tb), *operands()[:3])
     try:
         return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n), packed, plain)
     except onednn.DnnlError:  # no reorder into that layout: the plain copy

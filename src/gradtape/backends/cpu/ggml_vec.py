@@ -8,28 +8,29 @@ its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
 threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
 weight rows.  This module does not quantize activations, run training GEMMs (the cpu
-backend's tiled GEMM does) or know the model graph (``models/decode_engine.py`` wires
-the decode step).
+backend's tiled GEMM does) or know the model graph (the decode engine's wrapper in
+``infer/`` wires the decode step).
 
-The C sources (after ``_cgen.PRELUDE``, for its vectorizable ``gt_expf``; the block
-dequantization, ``csrc/ggml_blocks.h``, is shared with the training GEMMs' ``qgemm``) are
-compiled once with OpenMP by ``_cgen.build`` and cached; without a C compiler
-``available()`` is False and callers use the NumPy reference.
+The C sources (they include ``csrc/gt_prelude.h`` for its vectorizable ``gt_expf``; the
+block dequantization, ``csrc/ggml_blocks.h``, is shared with the training GEMMs'
+``qgemm``) are compiled once with OpenMP by ``toolchain.build_csrc`` and cached; without a
+C compiler ``available()`` is False and callers use the NumPy reference.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
 
-from ..blocks import BLOCK_TYPES, F32
-from ..errors import GradtapeError
-from . import _cgen
+from ...blocks import BLOCK_TYPES, F32
+from ...errors import GradtapeError
+from . import toolchain
 
 SOURCES = ("ggml_vec.c", "llama_decode.c")
-FLAGS = tuple(f for f in _cgen.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
+FLAGS = tuple(f for f in toolchain.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
@@ -62,14 +63,14 @@ def lib():
     """The compiled library (built on first use, cached on disk by source hash)."""
     if not _LIB:
         try:
-            path, _ = _cgen.build_csrc(SOURCES, flags=FLAGS, prefix="ggml_vec")
+            path, _ = toolchain.build_csrc(SOURCES, flags=FLAGS, prefix="ggml_vec")
         except RuntimeError:  # a compiler without OpenMP: the same code on one thread
-            path, _ = _cgen.build_csrc(SOURCES, flags=_cgen.FLAGS, prefix="ggml_vec")
+            path, _ = toolchain.build_csrc(SOURCES, flags=toolchain.FLAGS, prefix="ggml_vec")
         # libgomp reads its wait policy once, when first loaded: if this library loads it
         # first (generation before training, as in the demo), its threads must sleep
-        # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a demo step
-        # took 7.5 s instead of 1.4 s)
-        _cgen.quiet_openmp()
+        # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a training
+        # step then takes several times as long)
+        toolchain.quiet_openmp()
         so = ctypes.CDLL(str(path))
         so.gv_lanes.restype = _i64
         so.gv_block_elems.restype = _i64
@@ -94,7 +95,7 @@ def lib():
 def available() -> bool:
     try:
         lib()
-    except (_cgen.CompilerMissing, RuntimeError, OSError):
+    except (toolchain.CompilerMissing, RuntimeError, OSError):
         return False
     return True
 
@@ -148,7 +149,6 @@ def matvec_call(qtype: str, w: np.ndarray, rows: int, k: int, x: np.ndarray,
                          "and out, and contiguous block rows")
     if k % (16 if QTYPES[qtype][1] == 1 else QTYPES[qtype][1]):
         raise ValueError(f"ggml_vec.matvec_call: {qtype} rows of {k} elements")
-    import functools
     return functools.partial(lib().gv_matvec, QTYPES[qtype][0], w.ctypes.data, rows, k,
                              w.strides[0], x.ctypes.data, x.shape[0], out.ctypes.data,
                              threads())

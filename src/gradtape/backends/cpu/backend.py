@@ -1,0 +1,510 @@
+"""The fast CPU backend: the compiled graph, fused and lowered to C and BLAS.
+
+The compile passes it asks for (``passes``): ``merge_matmuls`` turns narrow matmuls that
+share an operand (the LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one
+GEMM each, and k=1 outer products into fused multiplies; ``fuse`` groups elementwise
+chains (and chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups, each a
+generated C kernel (``codegen.py``), compiled once per distinct program source with the
+system C compiler and cached on disk (``toolchain.py``).  Softmax and sums over the last
+axis of any rank, the fused loss (``nll_ids``) and its gradient, transposes, broadcasts
+and the data movement ops are C kernels too; row and elementwise loops split over the
+cores (OpenMP) when big enough.  Matmuls write straight into their planned buffers: in
+oneDNN's float32 matmul, on the same OpenMP threads, where ``measure.f32_onednn``
+measured it fast enough at the program's main matmul shape, else in NumPy's BLAS
+(``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
+``ops.py``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``plan_schedule_memory`` and are allocated once here: a replay allocates no
+intermediates.
+
+``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
+leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
+is converted to bf16 once and reordered, per direction, into the layout oneDNN's kernel
+keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in the batch
+before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``,
+``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
+(``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
+(``csrc/flash.c``).  Everything else stays float32.  ``compute="int8"`` is bf16's, except
+that the block-weight products take int8 inputs, each row of the activation and each row
+(forward) or column (backward) of W with its own scale, summed in int32
+(``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot products
+(AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
+
+Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
+says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
+RuntimeWarning).  Leaf storage and state updates are ``base.HostBackend``'s.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import functools
+import os
+import warnings
+import weakref
+
+import numpy as np
+
+from ...compile.fuse import FusedGroup
+from ...compile.memplan import views_in_place
+from ...ops import PRIMS, _mT
+from ..base import HostBackend, page_aligned
+from ..lowering import C_ELEMENTWISE
+from . import codegen, measure, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled, toolchain
+from .blas import one_blas_thread
+from .qgemm_bf16 import Bf16Scratch
+from .qgemm_int8 import Int8Scratch
+from .qgemm_tiles import bf16_eligible
+
+_LIBS = {}  # path -> loaded CDLL (one load per process)
+# weight leaf -> its _Bf16Copies, shared by the programs of a tape that were not fed it
+_SHARED_COPIES = weakref.WeakKeyDictionary()
+# a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
+# one for dY W^T); all packs of the process stay within this share of the machine's memory
+PACK_SHARE = 0.125
+
+
+class _Bf16Copies:
+    """The bf16 copies of one frozen weight the GEMMs read: in its stored layout
+    (``plain``, kept only where some GEMM reads it so), and reordered once into the layout
+    oneDNN's kernel for a product keeps its weights in (``packs``: ``(tb, md, array,
+    (m, k, n))``), so no call reorders it again (where that is faster:
+    ``measure.packed_weights``)."""
+
+    def __init__(self):
+        self.plain, self.packs = None, []
+
+    def arrays(self):
+        return ([self.plain] if self.plain is not None else []) + [p[2] for p in self.packs]
+
+
+def _packed_bytes():
+    return sum(a.nbytes for w in list(_SHARED_COPIES.values()) for _, _, a, _ in w.packs)
+
+
+def _fusible_for(dtype):
+    def fusible(v):
+        return v.op in C_ELEMENTWISE and v.dtype == dtype
+    return fusible
+
+
+def _load(path):
+    lib = _LIBS.get(path)
+    if lib is None:
+        lib = ctypes.CDLL(str(path))
+        lib.gt_run.restype = None
+        lib.gt_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+        _LIBS[path] = lib
+    return lib
+
+
+def _mm_step(out, a, b, ta=False, tb=False):
+    return functools.partial(np.matmul, _mT(a, ta), _mT(b, tb), out=out)
+
+
+def _bf16_matmul(v):
+    """A matmul whose right operand is a big frozen weight (a float const leaf): the
+    GEMMs that ``compute="bf16"`` runs with bf16 inputs (``x @ W0``, ``dY @ W0^T``, the LM
+    head and its transpose)."""
+    if v.op != "matmul" or v.ndim != 2 or v.attrs.get("ta"):
+        return False
+    b = v.inputs[1]
+    return b.op == "const" and b.size >= BF16_MIN_WEIGHT and v.dtype == np.float32
+
+
+BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
+# a float32 program whose main matmul has fewer FLOPs keeps NumPy's BLAS, unmeasured
+F32_MEASURED_FLOPS = 1 << 26
+
+
+def _mkn(v):
+    """``(m, k, n)`` of a matmul op (batch dims folded into m)."""
+    a = v.inputs[0]
+    k = a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
+    return int(np.prod(v.shape[:-1])), int(k), int(v.shape[-1])
+
+
+def _float_dtype(graph):
+    """The one float dtype of the graph's ops, or None where there are several (a program
+    that mixes them runs unfused, every op on its own)."""
+    dtypes = {v.dtype for v in graph.ops}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
+class CpuBackend(HostBackend):
+    name = "cpu"
+    passes = ("merge_matmuls", "fuse")
+    fallback = "numpy"  # without a C compiler
+
+    @classmethod
+    def fusion(cls, graph):
+        dtype = _float_dtype(graph)
+        return {"fusible": _fusible_for(dtype) if dtype else (lambda v: False),
+                "reductions": dtype is not None}
+
+    @classmethod
+    def unavailable(cls):
+        try:
+            toolchain.compiler()
+        except toolchain.CompilerMissing as e:
+            return str(e)
+        return None
+
+    def __init__(self, graph, schedule, plan, compute="float32"):
+        super().__init__(graph, schedule, plan, compute)
+        self.dtype = dtype = _float_dtype(graph)
+        # kernels: one translation unit for the program
+        src = codegen.ProgramSource()
+        self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
+        for s in schedule.steps:  # data movement: block copies in C as well
+            if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
+                self._kernel_of[s] = src.copy_kernel(s, dtype)
+        block_ops = [s for s in schedule.steps if not isinstance(s, FusedGroup)
+                     and s.op in qgemm.QOPS]
+        # dense matmul -> the kernel converting its activation to bf16 (low precision)
+        self._dense_bf16 = {}
+        # the block-weight products that run with bf16 and with int8 inputs
+        self._block_bf16, self._block_int8 = set(), set()
+        if compute in ("bf16", "int8") and dtype == np.float32:
+            self._take_low_precision(compute, src, block_ops)
+        # the column scales of the block weights int8 GEMMs read transposed (weight leaf
+        # -> qgemm_int8.col_scales' pair), computed on their first use
+        self._col_scales_of = {}
+        # frozen weights in their stored type: one float scratch tile, allocated once here
+        block_ops = [s for s in block_ops
+                     if s not in self._block_bf16 and s not in self._block_int8]
+        self._f32_dnnl, self.f32_why = self._f32_gemms(schedule, block_ops)
+        self._tile_scratch = np.empty(max(1, qgemm.scratch_elems(block_ops)),
+                                      dtype or np.float32) if block_ops else None
+        self.n_kernels = len(src.bodies)
+        self.lib = None
+        self.cache_hit = None
+        if self._kernel_of or self._dense_bf16:
+            path, self.cache_hit = toolchain.build(src.source(),
+                                                   flags=toolchain.threads_flags())
+            self.lib = _load(path)
+        self._weight_copies = {}  # weight leaf -> its _Bf16Copies
+        self._step_weight16 = {}  # bf16 step -> (the copy of its weight it reads, packed?)
+        self._dense_gemms = {}  # bf16 step -> its bound oneDNN call
+        self._ctiles = {}  # (dtype, bf16) -> tiled.CTiles (_tiled_kernels)
+        # programs of one tape (a training step and its eval) share the copies of a
+        # weight none of them was fed (copy on feed, in set_leaf)
+        for s in self._dense_bf16:
+            w = s.inputs[1]
+            if w not in self._weight_copies:
+                self._weight_copies[w] = _SHARED_COPIES.setdefault(w, _Bf16Copies())
+        self._copy_weights(self._dense_bf16)
+        self._bind()
+
+    def _take_low_precision(self, compute, src, block_ops):
+        """Which GEMMs of a float32 program take bf16 or int8 inputs, and their scratch.
+        A dense one's activation is converted by a kernel in the batch before it into
+        one shared buffer (GEMMs run one at a time); its weight is converted once
+        (``_copy_weights``).  Block-weight products convert both operands themselves
+        (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own."""
+        try:
+            self._dnnl = onednn.dnnl()
+        except onednn.DnnlError as e:
+            warnings.warn(f"gradtape: {compute} compute asked for, running float32: {e}",
+                          RuntimeWarning, stacklevel=6)
+            return
+        steps = [s for s in self.schedule.steps
+                 if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+        self._dense_bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
+        if steps:  # the bf16 copy of a dense GEMM's activation
+            self._act16 = page_aligned(max(s.inputs[0].size for s in steps), np.uint16)
+        self._block_bf16 = {s for s in block_ops if bf16_eligible(s)}
+        # int8 compute: the block-weight GEMMs whose sums fit int32 take int8
+        if compute == "int8":
+            self._block_int8 = {s for s in self._block_bf16 if qgemm_int8.int8_eligible(s)}
+            self._block_bf16 -= self._block_int8
+        if self._block_bf16:
+            self._bf16_scratch = Bf16Scratch.allocate(self._block_bf16)
+        if self._block_int8:
+            self._int8_scratch = Int8Scratch.allocate(self._block_int8)
+        if self._dense_bf16 or self._block_bf16 or self._block_int8:
+            self.compute = "int8" if self._block_int8 else "bf16"
+
+    def _f32_gemms(self, schedule, block_ops):
+        """``(in oneDNN, why)`` for the float32 matmuls of a float32 program: oneDNN where
+        ``measure.f32_onednn`` measures it fast enough at the shape that carries most of
+        the program's matmul FLOPs (SmolLM2: its FFN's, not the LM head's);
+        NumPy's BLAS where the program has float32 block-weight tiles (their GEMMs run
+        there: one pool either way) or only small matmuls.  A bf16 program runs them
+        in oneDNN where it can (``_matmul_step``)."""
+        if self.low_precision or self.dtype != np.float32:
+            return False, ""
+        if block_ops:
+            return False, "float32 GEMMs in NumPy's BLAS, as the block-weight tiles'"
+        flops = collections.Counter()  # (m, k, n) -> the FLOPs of all its matmuls
+        for s in schedule.steps:
+            if not isinstance(s, FusedGroup) and s.op == "matmul":
+                flops[_mkn(s)] += 2 * int(np.prod(_mkn(s)))
+        if not flops:
+            return False, ""
+        shape = max(flops, key=flops.get)  # the one that carries the most work
+        if 2 * np.prod(shape) < F32_MEASURED_FLOPS:
+            return False, "float32 GEMMs in NumPy's BLAS (small ones, not measured)"
+        return measure.f32_onednn(shape)
+
+    def _convert(self, leaf, out=None):
+        x = np.ascontiguousarray(self._values[leaf], np.float32)
+        out = np.empty(leaf.shape, np.uint16) if out is None else out
+        self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data),
+                            ctypes.c_long(x.size))
+        return out
+
+    def _copy_weights(self, steps):
+        """Each bf16 step's copy of its weight (``self._step_weight16``): a pack in its
+        kernel's layout where one exists, is faster than the plain copy read in place
+        (``measure.packed_weights``) and fits in ``PACK_SHARE`` of the machine's memory,
+        else the plain copy; both made from the weight's value now, one weight at a time
+        (a plain copy converted only to be packed is dropped before the next)."""
+        budget = PACK_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        groups = {}
+        for s in steps:
+            groups.setdefault(s.inputs[1], []).append(s)
+        for w, group in groups.items():
+            copies = self._weight_copies[w]
+            plain = copies.plain
+            for s in group:
+                tb = bool(s.attrs.get("tb"))
+                (m, k), n = s.inputs[0].shape, s.shape[1]
+                hit = next((a for t, md, a, _ in copies.packs
+                            if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
+                if (hit is None and _packed_bytes() + 2 * w.size <= budget
+                        and measure.packed_weights(m, k, n, tb)):
+                    plain = self._convert(w) if plain is None else plain
+                    try:
+                        hit, md = self._dnnl.pack(m, k, n, tb, plain)
+                    except onednn.DnnlError:  # no reorder into that layout: plain copy
+                        hit = None
+                    if hit is not None:
+                        copies.packs.append((tb, md, hit, (m, k, n)))
+                packed = hit is not None
+                if not packed:
+                    plain = self._convert(w) if plain is None else plain
+                    copies.plain = hit = plain
+                self._step_weight16[s] = (hit, packed)
+
+    def bf16_weights(self):
+        """The bf16 weight copies this program reads (for the memory estimate)."""
+        return [a for w in self._weight_copies.values() for a in w.arrays()]
+
+    def _tiled_kernels(self, dtype, bf16):
+        """This program's ``tiled.CTiles`` for ``dtype``: the scratch the fused head
+        keeps from step to step lives as long as the program."""
+        key = (np.dtype(dtype).str, bf16)
+        if key not in self._ctiles:
+            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl)
+        return self._ctiles[key]
+
+    # --- binding ---------------------------------------------------------------------
+    def _bind_steps(self, val):
+        # C kernels read raw pointers: every float leaf they touch must be C-contiguous
+        for g in list(self._kernel_of) + list(self._dense_bf16):
+            for x in g.inputs:
+                if x.is_leaf and not val[x].flags.c_contiguous:
+                    self._own(x)
+        batch = _KernelBatch()
+        steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
+        # the activations whose bf16 copies self._act16 and the block products' scratch hold
+        last_act16 = last_block_x = None
+        for s in self.schedule.steps:
+            if views_in_place(s, val):  # the plan put it on its input: nothing to run
+                continue
+            if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
+                a = s.inputs[0]
+                # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
+                # these conversions write _act16; a, read here, is still live)
+                if a is not last_act16:
+                    batch.add(s, self._dense_bf16[s], (val[a].ctypes.data,
+                                                       self._act16.ctypes.data))
+                    last_act16 = a
+                batch.flush(steps)
+                steps.append(("py", self._dense_gemm(s, val)))
+                continue
+            if s in self._kernel_of:
+                outs = s.outputs if isinstance(s, FusedGroup) else (s,)
+                batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
+                          + [val[m].ctypes.data for m in outs])
+                continue
+            batch.flush(steps)
+            if s in self._block_bf16:
+                # q, k, v (gate, up) of block weights read one x: rounded by the first
+                # (a forward product writes the scratch's act only there; a backward
+                # one, anew)
+                x = s.inputs[0] if s.op == "qmatmul" else None
+                steps.append(("py", self._host_step(s, val, rounded=x is not None
+                                                    and x is last_block_x)))
+                last_block_x = x
+            else:
+                steps.append(("py", self._host_step(s, val)))
+        batch.flush(steps)
+        self._ptrs, self._calls, self._call_owners = batch.tables()
+        base = self._calls.ctypes.data
+        return [rest[0] if kind == "py" else
+                functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
+                                  base + 8 * rest[0], rest[1])
+                for kind, *rest in steps]
+
+    def _dense_gemm(self, s, val):
+        """The oneDNN call of bf16 step ``s`` (bound once: its operands stay in place)."""
+        if s not in self._dense_gemms:
+            a = s.inputs[0]
+            a16 = self._act16[:a.size].reshape(a.shape)
+            w16, packed = self._step_weight16[s]
+            self._dense_gemms[s] = self._dnnl.bind(val[s], a16, w16, bool(s.attrs.get("tb")),
+                                                   packed)
+        return self._dense_gemms[s]
+
+    def _host_step(self, s, val, rounded=False):
+        """The callable running step ``s`` outside the kernel batch: a matmul, a
+        block-weight product, a tiled primitive with its C kernels, or the op's NumPy
+        forward."""
+        ins = tuple(val[x] for x in s.inputs)
+        if s.op == "matmul":
+            return self._matmul_step(val[s], *ins, **s.attrs)
+        if s in self._block_int8:
+            leaf, a = s.inputs[1], s.attrs
+            columns = functools.partial(self._col_scales, leaf, a["qtype"], a["rows"],
+                                        a["k"])
+            return qgemm_int8.lower_int8(s, val[s], ins, self._dnnl, self._int8_scratch,
+                                         columns, measure.blocked_faster)
+        if s in self._block_bf16:
+            return qgemm_bf16.lower_bf16(s, val[s], ins, self._dnnl, self._bf16_scratch,
+                                         measure.fastest, rounded=rounded)
+        if s.op in qgemm.QOPS:
+            return qgemm.lower(s, val[s], ins, self._tile_scratch)
+        if s.op in tiled.TILED_OPS:  # the blocks' elementwise work in C
+            bf16 = self.low_precision and not s.attrs.get("f32")  # ops.attn's f32
+            kern = self._tiled_kernels(s.dtype, bf16)
+            return functools.partial(PRIMS[s.op].forward, val[s], *ins, kern=kern, **s.attrs)
+        return functools.partial(PRIMS[s.op].forward, val[s], *ins, **s.attrs)
+
+    def kernel_calls(self):
+        """Each generated-kernel call of the bound replay, in order: ``(schedule step,
+        label, callable running that call alone)``; the label names a bf16 GEMM's
+        activation conversion, a fused group's kind, domain and ops, or a lone op (a
+        profile's: ``bench/profile_step.py --kernels``)."""
+        base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
+        out = []
+        for i, s in enumerate(self._call_owners):
+            if s in self._dense_bf16:
+                label = f"bf16 conversion {list(s.inputs[0].shape)}"
+            elif isinstance(s, FusedGroup):
+                label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
+            else:
+                label = f"{s.op} {list(s.shape)}"
+            out.append((s, label, functools.partial(self.lib.gt_run, ptrs, base + 8 * i, 1)))
+        return out
+
+    def _matmul_step(self, out, a, b, ta=False, tb=False):
+        """A float32 matmul: in a bf16 program, and in a float32 one that measured it
+        fast (``_f32_gemms``), through oneDNN where it can (its threads are the OpenMP
+        threads the bf16 GEMMs and our kernels use; in a bf16 replay NumPy's BLAS is kept
+        on one thread, see ``_execute``), else NumPy's BLAS."""
+        if self.low_precision or self._f32_dnnl:
+            run = onednn.library().bind_f32(out, _mT(a, ta), _mT(b, tb))
+            if run is not None:
+                return run
+        return _mm_step(out, a, b, ta, tb)
+
+    def scratch_bytes(self):
+        """Bytes of the block-weight products' scratch: float tiles, and the bf16 and int8
+        operands and products (for the memory estimate)."""
+        arrays = [self._tile_scratch]
+        if self._block_bf16:
+            arrays += self._bf16_scratch.arrays()
+        if self._block_int8:
+            arrays += self._int8_scratch.arrays()
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def _col_scales(self, leaf, qtype, rows, k):
+        """``qgemm_int8.col_scales`` of the block weight ``leaf``, computed once per value"""
+        if leaf not in self._col_scales_of:
+            self._col_scales_of[leaf] = qgemm_int8.col_scales(self._values[leaf], qtype, rows,
+                                                              k)
+        return self._col_scales_of[leaf]
+
+    @property
+    def low_precision(self):
+        """Whether the frozen-weight GEMMs take bf16 or int8 inputs (oneDNN, on OpenMP's
+        threads)."""
+        return self.compute in ("bf16", "int8")
+
+    def set_leaf(self, leaf, arr):
+        super().set_leaf(leaf, arr)
+        self._col_scales_of.pop(leaf, None)
+        if leaf not in self._weight_copies:
+            return
+        # a fed weight: this program's own bf16 copies from now on, refreshed on each feed
+        copies = self._weight_copies[leaf]
+        if copies is _SHARED_COPIES.get(leaf):
+            self._weight_copies[leaf] = _Bf16Copies()
+            self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] is leaf])
+            self._dense_gemms.clear()
+            self._stale = True  # bound again before the next replay
+            return
+        w16 = self._convert(leaf, copies.plain)
+        for tb, _, a, (m, k, n) in copies.packs:
+            self._dnnl.pack(m, k, n, tb, w16, out=a)
+
+    # --- replay ------------------------------------------------------------------------
+    def _execute(self):
+        with self.replay_context():
+            super()._execute()
+
+    @contextlib.contextmanager
+    def replay_context(self):
+        """What a replay's steps run inside (and a profile timing them one by one): a bf16
+        replay runs on OpenMP's threads (oneDNN, our kernels), so NumPy's BLAS, for any
+        float32 GEMM oneDNN did not take, stays on one thread (``blas.one_blas_thread``);
+        a float32 one flushes denormals (``_flushing_denormals``)."""
+        with one_blas_thread() if self.low_precision else contextlib.nullcontext(), \
+                self._flushing_denormals():
+            yield
+
+    @contextlib.contextmanager
+    def _flushing_denormals(self):
+        """A float32 replay with denormals flushed to zero (``codegen.DENORMALS``), the
+        caller's mode back after it; float64 programs, the exact reference, are left as
+        they are."""
+        if self.dtype != np.float32 or self.lib is None:
+            yield
+            return
+        old = self.lib.gt_denormals(1)
+        try:
+            yield
+        finally:
+            if old == 0:
+                self.lib.gt_denormals(0)
+
+
+class _KernelBatch:
+    """The generated-kernel calls of a replay: consecutive ones run as one ``gt_run``
+    call over a table of ``(kernel, offset into the pointer table)`` pairs."""
+
+    def __init__(self):
+        self.ptrs, self.calls = [], []
+        self.pending = []  # calls not yet flushed into a gt_run step: (kernel, offset)
+        self.owners = []  # the schedule step of each call, in the order of calls
+
+    def add(self, step, kernel, ptrs):
+        """A call of ``kernel`` on ``ptrs`` (its inputs, then its outputs) for ``step``."""
+        self.pending.append((kernel, len(self.ptrs)))
+        self.ptrs.extend(ptrs)
+        self.owners.append(step)
+
+    def flush(self, steps):
+        """Append the pending calls to ``steps`` as one ``("c", first call, calls)``."""
+        if self.pending:
+            steps.append(("c", len(self.calls) // 2, len(self.pending)))
+            self.calls.extend(x for call in self.pending for x in call)
+            self.pending.clear()
+
+    def tables(self):
+        """``(pointer table, call table, owners)`` for ``gt_run``."""
+        return ((ctypes.c_void_p * max(len(self.ptrs), 1))(*self.ptrs),
+                np.array(self.calls or [0], dtype=np.int32), self.owners)

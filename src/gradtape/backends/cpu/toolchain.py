@@ -1,0 +1,211 @@
+"""The C toolchain of the cpu backend, and what it needs to know about the machine.
+
+The compiler (``$GRADTAPE_CC``, default ``cc``) and its flags; ``build`` compiles a C
+source into a shared library cached on disk by a hash of everything that shapes the
+binary (source, included files, flags, compiler version, CPU features); ``build_csrc``
+builds the hand-written sources of ``csrc/`` the same way; ``threads_flags`` adds OpenMP
+where it works, and ``quiet_openmp`` sets libgomp's idle policy before anything loads it.
+``cpu_info`` and ``csrc_version`` say what a cached timing (``measure.py``) was made on.
+
+This module generates no kernel text (``codegen.py`` does) and loads no library.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd",
+         # on an AVX-512 CPU, 512-bit vectors where GCC would pick 256 for -march=native
+         # (no effect elsewhere): the row kernels' loops run at twice the width
+         "-mprefer-vector-width=512")
+
+CSRC = Path(__file__).with_name("csrc")
+
+
+class CompilerMissing(RuntimeError):
+    pass
+
+
+_VERSIONS = {}  # compiler command -> its version line
+_THREADS = {}  # (compiler, version) -> whether it builds and runs OpenMP
+
+
+def threads_flags(flags=FLAGS):
+    """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
+    row and elementwise loops then split over the cores), else ``flags`` unchanged.
+
+    Before the first OpenMP library is loaded, libgomp's idle-thread policy is set
+    (``quiet_openmp``): by default idle threads spin for milliseconds after each
+    parallel loop, taking a core from the OpenBLAS threads of the GEMM that follows, and
+    with other processes on the cores a spinning team slows a step severalfold; a
+    sleeping one costs a wake-up of microseconds per loop, a short spin neither where
+    every thread is OpenMP's."""
+    cc, version = compiler()
+    if (cc, version) not in _THREADS:
+        probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
+                "for (long i = 0; i < n; i++) x[i] += 1.0f;\nreturn 0; }\n"
+        try:
+            build(probe, flags + ("-fopenmp",), prefix="probe")
+            ok = True
+        except RuntimeError:
+            ok = False
+        _THREADS[(cc, version)] = ok
+    if not _THREADS[(cc, version)]:
+        return tuple(flags)
+    quiet_openmp()
+    return tuple(flags) + ("-fopenmp",)
+
+
+# GOMP_SPINCOUNT where every thread of a step is OpenMP's (our kernels, oneDNN's bf16
+# GEMMs and, where measured fast, its float32 ones: measure.f32_onednn; NumPy's BLAS idle
+# or on one thread): idle threads spin this long, so the next parallel region of a replay
+# (there are thousands) finds them awake instead of paying a futex wake-up.  Much longer
+# spins (the default) slow steps beside other processes; beside OpenBLAS's own threads a
+# spinning team slows a float32 step, hence sleeping threads on CPUs without bf16 matrix
+# instructions (docs/benchmarks.md has the figures).
+SPIN_BF16 = "5000"
+
+
+def quiet_openmp():
+    """Set libgomp's idle-thread policy before anything loads it (our kernels, oneDNN:
+    it is read once): a short spin on a CPU with bf16 matrix instructions (every thread
+    of a step is OpenMP's there) and sleeping elsewhere (see ``threads_flags``).  A
+    user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_BF16
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict:
+    """``{"model": str, "flags": frozenset}`` from /proc/cpuinfo (empty where absent)."""
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and val.strip():
+                    model = val.strip()
+                elif key == "flags" and not flags:
+                    flags = frozenset(val.split())
+    except OSError:
+        pass
+    return {"model": model, "flags": flags}
+
+
+def compiler():
+    """The C compiler command ($GRADTAPE_CC, default ``cc``) and its version line;
+    raises CompilerMissing when it cannot run."""
+    cc = os.environ.get("GRADTAPE_CC", "cc")
+    if cc not in _VERSIONS:
+        try:
+            r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise CompilerMissing(f"C compiler {cc!r} not usable: {e}") from None
+        if r.returncode != 0:
+            raise CompilerMissing(f"C compiler {cc!r} not usable: {r.stderr.strip()[:200]}")
+        _VERSIONS[cc] = (r.stdout.strip().splitlines() or [""])[0]
+    return cc, _VERSIONS[cc]
+
+
+def _csrc_texts():
+    return [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
+
+
+def build_csrc(names, flags=FLAGS, prefix="gt"):
+    """The files ``names`` of ``csrc/`` compiled as one translation unit (each includes
+    the headers it needs; each also compiles alone), cached like ``build``: the key
+    covers every file in ``csrc/``.  The unit starts with ``iq_tables``."""
+    unit = iq_tables() + "".join(f'#include "{name}"\n' for name in names)
+    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
+
+
+@functools.cache
+def iq_tables():
+    """C definitions of the tables the IQ2 / IQ3 types index (``GB_IQ_TABLES`` in
+    ``csrc/ggml_blocks.h``): the sign bytes and value grids as gguf's own dequantizer
+    builds them, so that the C blocks index the very tables gguf.quants does."""
+    from gguf import quants
+
+    def array(name, a):  # a 1-d or 2-d array of bytes
+        rows = [",".join(map(str, r)) for r in a.reshape(-1, a.shape[-1])]
+        body = rows[0] if a.ndim == 1 else ",\n".join("{" + r + "}" for r in rows)
+        dims = "".join(f"[{n}]" for n in a.shape)
+        return f"static const uint8_t {name}{dims} = {{\n{body}}};\n"
+
+    out = ["#include <stdint.h>\n#define GB_IQ_TABLES 1\n",
+           array("gb_ksigns", np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))]
+    for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"):
+        t = getattr(quants, name)  # gguf's dequantizer of the type (gguf >= 0.10)
+        t.init_grid()
+        grid = t.grid.reshape(t.grid_shape)
+        assert np.array_equal(grid, grid.astype(np.uint8)), name  # small whole values
+        out.append(array(f"gb_grid_{name.lower()}", grid.astype(np.uint8)))
+    return "".join(out)
+
+
+@functools.cache
+def csrc_version():
+    """A short hash of every file in ``csrc/``: what a cached timing of these kernels
+    (``measure.rates``) was measured with."""
+    return hashlib.sha256("\0".join(_csrc_texts()).encode()).hexdigest()[:12]
+
+
+def cache_dir():
+    d = os.environ.get("GRADTAPE_CACHE")
+    return Path(d) if d else Path.home() / ".cache" / "gradtape"
+
+
+def _cpu_signature():
+    # -march=native: a shared cache directory must not serve a build for another CPU
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return hashlib.sha256(line.encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def build(source, flags=FLAGS, prefix="gt", directory=None, depends=()):
+    """Compile ``source`` to a shared library, or reuse the cached one.
+
+    Returns ``(path, hit)``.  The cache key hashes the source, the texts of the files it
+    includes (``depends``), the flags, the compiler's version line and the CPU's feature
+    flags; the library is written under a temporary name and renamed into place, so
+    concurrent builds never see a torn file.
+    """
+    cc, version = compiler()
+    key = hashlib.sha256("\0".join([source, *depends, " ".join(flags), cc, version,
+                                    _cpu_signature()]).encode()).hexdigest()[:32]
+    d = Path(directory) if directory else cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{prefix}_{key}.so"
+    if path.exists():
+        return path, True
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        src = Path(tmp) / "k.c"
+        src.write_text(source)
+        so = Path(tmp) / "k.so"
+        r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"gradtape: compiling generated C ({prefix}) failed:\n"
+                               f"{r.stderr[-4000:]}")
+        (d / f"{prefix}_{key}.c").write_text(source)  # kept beside the library to read
+        os.replace(so, path)
+    return path, False

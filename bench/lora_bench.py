@@ -57,7 +57,8 @@ import time
 
 import numpy as np
 
-from gradtape.backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_COMPUTE, call_seconds
+from gradtape.backends.cpu.measure import call_seconds
+from gradtape.plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 
 WORKLOADS = ("smollm2-lora", "tiny-lora", "smollm2-lora-2k", "smollm2-lora-8k")
 SEQ_LEN = {"smollm2-lora": 256, "smollm2-lora-2k": 2048, "smollm2-lora-8k": 8192}

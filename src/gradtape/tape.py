@@ -182,7 +182,7 @@ class Tape:
 
     # --- compilation ---
     def compile(self, outputs, backend="numpy", updates=None, compute="float32",
-                checkpoint=False):
+                checkpoint=False, plan=None):
         """Compile the ops ``outputs`` need into a replayable ``Program``.
 
         ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
@@ -193,5 +193,5 @@ class Tape:
         with ``Tape.checkpoint`` (activation checkpointing; same values, less memory); a
         number n: only those of the first n marked layers, the others keep theirs.
         """
-        from .backends import compile_tape  # the core's one door upward (see the module doc)
-        return compile_tape(self, outputs, backend, updates, compute, checkpoint)
+        from .plan import compile_tape  # the core's one door upward (see the module doc)
+        return compile_tape(self, outputs, backend, updates, compute, checkpoint, plan)

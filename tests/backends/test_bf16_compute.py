@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import gradtape as gt
-from gradtape import nn, ops
+from gradtape import nn, ops, plan
 from gradtape.backends.cpu import blas, codegen, onednn, toolchain
 from gradtape.backends.cpu import measure as compute
 
@@ -368,9 +368,9 @@ def test_float64_tape_ignores_bf16():
 # --- the decision and its notices --------------------------------------------------------------
 
 def test_resolve_float32_and_bad_names():
-    assert compute.resolve("float32") == "float32"
+    assert plan.resolve_compute("float32") == "float32"
     with pytest.raises(ValueError, match="compute must be one of float32, bf16, int8, auto"):
-        compute.resolve("fp8")
+        plan.resolve_compute("fp8")
     tp = gt.Tape(np.float32)
     with pytest.raises(ValueError, match="compile: compute must be"):
         tp.compile([tp.const(np.ones(2))], compute="auto")
@@ -380,24 +380,24 @@ def _no_bf16_cpu(monkeypatch):
     compute.cpu_info.cache_clear()
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx2", "fma"})})
-    monkeypatch.setattr(compute, "_WARNED", set())
+    monkeypatch.setattr(plan, "_WARNED", set())
 
 
 def test_bf16_without_fast_bf16_says_so_once_and_runs_float32(monkeypatch):
     _no_bf16_cpu(monkeypatch)
     with pytest.warns(RuntimeWarning, match="bf16 compute asked for, running float32: this "
                                             "CPU has no bf16 matrix instructions"):
-        assert compute.resolve("bf16") == "float32"
+        assert plan.resolve_compute("bf16") == "float32"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert compute.resolve("bf16") == "float32"  # once
-        assert compute.resolve("auto") == "float32"  # auto: silently
+        assert plan.resolve_compute("bf16") == "float32"  # once
+        assert plan.resolve_compute("auto") == "float32"  # auto: silently
 
 
 def test_bf16_without_onednn_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx512_bf16", "amx_bf16", "amx_tile"})})
-    monkeypatch.setattr(compute, "_WARNED", set())
+    monkeypatch.setattr(plan, "_WARNED", set())
     bogus = tmp_path / "libdnnl.so.3"
     bogus.write_bytes(b"not a library")
     monkeypatch.setenv("GRADTAPE_DNNL", str(bogus))
@@ -405,7 +405,7 @@ def test_bf16_without_onednn_says_so(monkeypatch, tmp_path):
     onednn._load.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="oneDNN could not be used"):
-            assert compute.resolve("bf16") == "float32"
+            assert plan.resolve_compute("bf16") == "float32"
     finally:
         monkeypatch.delenv("GRADTAPE_DNNL")
         onednn._library.cache_clear()
@@ -417,7 +417,7 @@ def test_trainstep_on_numpy_backend_runs_float32_with_a_notice(monkeypatch):
     from gradtape.train.step import TrainStep
     from support.tinymodel import tiny_model
 
-    monkeypatch.setattr(compute, "_WARNED", set())
+    monkeypatch.setattr(plan, "_WARNED", set())
     m = tiny_model()
     with pytest.warns(RuntimeWarning, match="apply to float32 steps on the cpu backend"):
         st = TrainStep(m, init_adapter(m.config, 2, 4.0), 1, 8, backend="numpy",
@@ -530,37 +530,37 @@ def test_auto_follows_the_measurement_without_amx(monkeypatch):
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx512_bf16", "avx512f"})})
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))
-    assert compute.resolve("auto") == "bf16"
+    assert plan.resolve_compute("auto") == "bf16"
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (False, "slower here"))
-    monkeypatch.setattr(compute, "_WARNED", set())
+    monkeypatch.setattr(plan, "_WARNED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert compute.resolve("auto") == "float32"
+        assert plan.resolve_compute("auto") == "float32"
 
 
 def test_int8_runs_only_when_asked_for_and_faster(monkeypatch):
     """int8 is never auto's choice; asked for, it runs where the CPU has int8 dot
     products and they measured faster than bf16, else it says so once and runs bf16 (or
     float32, where bf16 is not fast either)."""
-    monkeypatch.setattr(compute, "_WARNED", set())
+    monkeypatch.setattr(plan, "_WARNED", set())
     flags = {"avx512_bf16", "avx512f", "avx512_vnni"}
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test",
                                                       "flags": frozenset(flags)})
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "bf16 fast"))
     monkeypatch.setattr(compute, "rates", lambda kind, shape, measure: ((100e9, 200e9), True))
-    assert compute.resolve("auto") == "bf16"
-    precision, why = compute.decide("int8")
+    assert plan.resolve_compute("auto") == "bf16"
+    precision, why = plan.decide_compute("int8")
     assert precision == "int8" and why.startswith("int8 200 vs bf16 100 GFLOP/s")
     monkeypatch.setattr(compute, "rates", lambda kind, shape, measure: ((100e9, 105e9), True))
     with pytest.warns(RuntimeWarning, match="int8 compute asked for, running bf16: int8 "
                                             "GEMMs are not faster here"):
-        assert compute.resolve("int8") == "bf16"
+        assert plan.resolve_compute("int8") == "bf16"
     flags.discard("avx512_vnni")
     with pytest.warns(RuntimeWarning, match="running bf16: this CPU has no int8 dot products"):
-        assert compute.resolve("int8") == "bf16"
+        assert plan.resolve_compute("int8") == "bf16"
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (False, "slower here"))
     with pytest.warns(RuntimeWarning, match="int8 compute asked for, running float32: slower"):
-        assert compute.resolve("int8") == "float32"
+        assert plan.resolve_compute("int8") == "float32"
 
 
 def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
@@ -583,17 +583,17 @@ def test_auto_measures_at_the_models_shape_once_per_cpu(monkeypatch, tmp_path):
         return 100e9, (250e9 if n == 1536 else 90e9)
 
     monkeypatch.setattr(compute, "measured_rates", rates)
-    got = compute.decide("auto", shape=(256, 576, 1536))
+    got = plan.decide_compute("auto", shape=(256, 576, 1536))
     assert got == ("bf16", "oneDNN 3.2.0 (test kernel): bf16 250 vs float32 100 GFLOP/s at "
                            "256x576x1536, measured on this CPU")
-    assert compute.decide("auto", shape=(256, 576, 1536))[1].endswith("measured before "
+    assert plan.decide_compute("auto", shape=(256, 576, 1536))[1].endswith("measured before "
                                                                       "on this CPU")
     assert measured == [(256, 576, 1536)]
-    assert compute.decide("auto", shape=(256, 576, 64))[0] == "float32"  # slower there
+    assert plan.decide_compute("auto", shape=(256, 576, 64))[0] == "float32"  # slower there
     cpu = {**cpu, "model": "Other CPU"}
-    compute.decide("auto", shape=(256, 576, 1536))
+    plan.decide_compute("auto", shape=(256, 576, 1536))
     (tmp_path / "compute-decisions.json").write_text("{not json")
-    compute.decide("auto", shape=(256, 576, 1536))
+    plan.decide_compute("auto", shape=(256, 576, 1536))
     assert measured == [(256, 576, 1536), (256, 576, 64)] + [(256, 576, 1536)] * 2
 
 
@@ -625,10 +625,13 @@ def test_tile_layout_is_the_faster_one_measured_once_per_cpu(monkeypatch, tmp_pa
     seconds.update(blocked=0.001)
     assert compute.blocked_faster("qmatmul_t Q4_K", (256, 64, 32), blocked, plain) is True
     calls.clear()
-    for layout in ("blocked", "plain"):
+    for layout in ("blocked", "plain"):  # the plan's way, from $GRADTAPE_BF16_LAYOUT
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
-        assert compute.blocked_faster("qmatmul Q6_K", (1, 2, 3), blocked, plain) is (
-            layout == "blocked")
+        execution = plan.for_program("cpu", "bf16")
+        assert execution.product_ways == (layout,)
+        only = (execution.product_ways, execution.product_tile)
+        assert compute.blocked_faster("qmatmul Q6_K", (1, 2, 3), blocked, plain,
+                                      only) is (layout == "blocked")
     assert calls == []
 
 
@@ -666,7 +669,7 @@ def test_dense_weights_are_packed_only_where_measured_faster(monkeypatch, tmp_pa
     monkeypatch.delenv("GRADTAPE_BF16_LAYOUT", raising=False)
     asked = []
 
-    def faster(what, shape, blocked, plain):
+    def faster(what, shape, blocked, plain, only=((), "")):
         asked.append((what, shape))
         blocked(), plain()  # both run: the packed and the in-place product
         return verdict

@@ -478,6 +478,7 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
     choice is made once, on the first block."""
     from gradtape import tiled
     from gradtape.backends.cpu import measure as compute, onednn
+    from gradtape import plan
     from gradtape.backends.cpu.tiled import Bf16HeadGemms, CTiles
     from gradtape.blocks import random_blocks
 
@@ -495,11 +496,13 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
         pytest.skip("oneDNN's bf16 kernel here keeps its weights in another layout")
     asked, real = [], compute.fastest
     monkeypatch.setattr(compute, "fastest",
-                        lambda what, shape, runs: asked.append(what) or real(what, shape, runs))
+                        lambda what, shape, runs, only=((), ""): asked.append(what)
+                        or real(what, shape, runs, only))
     outs = {}
     for layout in ("blocked", "plain"):
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
-        kern = CTiles(np.float32, True)
+        execution = plan.for_program("cpu", "bf16")  # the way the plan leaves
+        kern = CTiles(np.float32, True, only=(execution.product_ways, execution.product_tile))
         e = np.empty((t, 2 + d), np.float32)
         tiled.fwd_head_nll_e(e, x, w, ids, chunk, qtype="Q6_K", kern=kern)
         gx = np.empty((t, d), np.float32)

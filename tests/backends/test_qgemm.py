@@ -272,9 +272,9 @@ def _offered_ways(monkeypatch):
     from gradtape.backends.cpu import measure as compute
     offered, fastest = {}, compute.fastest
 
-    def recording(what, shape, runs):
+    def recording(what, shape, runs, only=((), "")):
         offered.setdefault(what, []).extend(runs)
-        return fastest(what, shape, runs)
+        return fastest(what, shape, runs, only)
     monkeypatch.setattr(compute, "fastest", recording)
     return offered
 
@@ -313,7 +313,7 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
                  "swapped 32768"):
         picked = {}
 
-        def fastest(what, shape, runs):
+        def fastest(what, shape, runs, only=((), "")):
             asked.append((what, sorted(runs)))
             picked[what] = pick if pick in runs else next(iter(runs))
             return picked[what]
@@ -349,7 +349,7 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     for layout in ("plain", "blocked"):
         ran = []
 
-        def fastest(what, shape, runs):
+        def fastest(what, shape, runs, only=((), "")):
             small = [n for n in runs if n.startswith(layout) and n.endswith("by 4 rows")]
             # (a swapped product's GEMM takes all rows of x as its N, unsplit; a fused
             # one has no tiles)
@@ -413,11 +413,12 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
         monkeypatch, tmp_path):
     """compute.fastest times every way in turn once per product and shape on this CPU
     (then reads the cache file) and names the fastest; $GRADTAPE_BF16_LAYOUT and
-    $GRADTAPE_BF16_TILE keep only the ways they name, untimed when one is left; the
+    $GRADTAPE_BF16_TILE (read by the plan) keep only the ways they name, untimed when one is left; the
     swapped layout, only forward products have, leaves the others all timed."""
     import time
     from types import SimpleNamespace
 
+    from gradtape import plan
     from gradtape.backends.cpu import measure as compute, onednn
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
@@ -433,29 +434,33 @@ def test_the_fastest_way_is_measured_once_per_cpu_and_env_leaves_only_what_it_na
             time.sleep(seconds[name])
         return run
     runs = {n: way(n) for n in seconds}
-    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs) == "blocked 1M"
+
+    def only():  # what the plan leaves, from the two variables
+        execution = plan.for_program("cpu", "bf16")
+        return execution.product_ways, execution.product_tile
+    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs, only()) == "blocked 1M"
     assert set(calls) == set(seconds)
     calls.clear()
-    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs) == "blocked 1M"
+    assert compute.fastest("qmatmul Q4_K", (256, 64, 32), runs, only()) == "blocked 1M"
     assert calls == []  # from the cache
     monkeypatch.setenv("GRADTAPE_BF16_TILE", "16M")
-    assert compute.fastest("qmatmul Q6_K", (256, 64, 32), runs) == "blocked 16M"
+    assert compute.fastest("qmatmul Q6_K", (256, 64, 32), runs, only()) == "blocked 16M"
     assert set(calls) == {"blocked 16M", "plain 16M"}
     calls.clear()
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "plain")
-    assert compute.fastest("qmatmul_t Q6_K", (256, 64, 32), runs) == "plain 16M"
+    assert compute.fastest("qmatmul_t Q6_K", (256, 64, 32), runs, only()) == "plain 16M"
     assert calls == []  # one way left: taken untimed
     monkeypatch.setenv("GRADTAPE_BF16_TILE", "2M")  # names no way: said, then all timed
     with pytest.warns(RuntimeWarning, match=r"GRADTAPE_BF16_TILE=2M names none"):
-        assert compute.fastest("qmatmul_t Q4_K", (256, 64, 32), runs) == "plain 1M"
+        assert compute.fastest("qmatmul_t Q4_K", (256, 64, 32), runs, only()) == "plain 1M"
     # a layout only forward products have: the others' ways all timed, without a word
     monkeypatch.delenv("GRADTAPE_BF16_TILE")
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "swapped")
     calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert compute.fastest("qmatmul_t Q4_K", (256, 32, 64), runs) == "blocked 1M"
-        assert compute.fastest("head Q6_K", (256, 32, 64), runs) == "blocked 1M"
+        assert compute.fastest("qmatmul_t Q4_K", (256, 32, 64), runs, only()) == "blocked 1M"
+        assert compute.fastest("head Q6_K", (256, 32, 64), runs, only()) == "blocked 1M"
     assert set(calls) == set(seconds)
 
 

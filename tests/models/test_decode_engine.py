@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
+from gradtape import plan as plan_module
 from gradtape.errors import GradtapeError
 from gradtape.infer import block_decoder as E
 from gradtape.infer import prompt_choice as P
@@ -218,10 +219,10 @@ def test_generate_runs_long_prompts_as_one_program_and_short_ones_as_before(smol
     assert P.prompt_compute(cfg, "bf16", 12, np.float32) == "bf16"
     # the shapes decided at: auto's the prompt's rows (compute.measured_shape rounds
     # them), bf16's the model's width at 256 rows, whatever the prompt's length
-    from gradtape.backends.cpu import measure as compute
+    from gradtape import plan
     shapes = []
-    monkeypatch.setattr(compute, "decide", lambda c, a, shape: shapes.append(shape) or
-                        ("bf16", "recorded"))
+    monkeypatch.setattr(plan, "decide_compute", lambda c, a, shape: shapes.append(shape) or
+                        plan.Decision("bf16", "recorded"))
     lengths = (rows, rows + 1, 2 * rows - 1)
     for n in lengths:
         P.prompt_compute(cfg, "auto", n, np.float32)
@@ -264,7 +265,7 @@ def test_a_prompt_program_that_does_not_fit_prefills_row_by_row(smollm2, monkeyp
     smollm2._runner.prompt = None
     row_by_row = {decoder: generate(decoder) for decoder in ("blocks", "graph")}
     assert smollm2._runner.prompt is None
-    monkeypatch.setattr(P, "PROMPT_F32_ROWS", 16)  # float32 programs from 16 rows
+    monkeypatch.setattr(plan_module, "PROMPT_F32_ROWS", 16)  # float32 programs from 16 rows
     generate("blocks")
     step = smollm2._runner.prompt[3]
     # at least its outputs: the keys and values of 48 padded rows in every layer

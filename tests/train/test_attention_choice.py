@@ -14,6 +14,7 @@ from gradtape.backends.cpu import onednn
 from gradtape.models import attention_choice as M
 from gradtape.models import graph
 from gradtape.models.lora import init_adapter
+from gradtape.plan import Decision
 from gradtape.train import step as step_module
 from gradtape.train.step import TrainStep
 
@@ -38,7 +39,7 @@ def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache
         timed.append((n_seq, t, compute))
         return verdict["seconds"]
     monkeypatch.setattr(M, "_time_attention", time_attention)
-    assert M.attention_from(cfg, 2, 256, "cpu", "bf16") == (
+    assert tuple(M.attention_from(cfg, 2, 256, "cpu", "bf16")) == (
         256, "fused (fused 100.0 vs composed 200.0 ms at 256 rows, timed on this CPU)")
     rows, why = M.attention_from(cfg, 2, 256, "cpu", "bf16")  # from the cache
     assert rows == 256 and "timed before on this CPU" in why
@@ -48,16 +49,16 @@ def test_the_faster_attention_is_measured_once_per_cpu_for_two_query_tiles(cache
     assert rows == graph.ATTN_TILED_MIN and why.startswith("composed (")
     # one query tile (nothing to skip), other backends, long rows: never timed
     for args in ((2, 128, "cpu"), (2, 256, "numpy"), (1, 1024, "cpu")):
-        assert M.attention_from(cfg, *args, "float32") == (graph.ATTN_TILED_MIN, "")
+        assert tuple(M.attention_from(cfg, *args, "float32")) == (graph.ATTN_TILED_MIN, "")
     # $GRADTAPE_ATTENTION decides without timing
     for forced, want in (("fused", 200), ("composed", graph.ATTN_TILED_MIN)):
         monkeypatch.setenv("GRADTAPE_ATTENTION", forced)
-        assert M.attention_from(cfg, 2, 200, "cpu", "int8") == (
+        assert tuple(M.attention_from(cfg, 2, 200, "cpu", "int8")) == (
             want, f"{forced} ($GRADTAPE_ATTENTION)")
     assert len(timed) == 2
     monkeypatch.setenv("GRADTAPE_ATTENTION", "flash")  # neither: said, then timed
     with pytest.warns(RuntimeWarning, match="neither fused nor composed"):
-        assert M.attention_from(cfg, 2, 200, "cpu", "bf16")[0] == graph.ATTN_TILED_MIN
+        assert M.attention_from(cfg, 2, 200, "cpu", "bf16").value == graph.ATTN_TILED_MIN
     assert len(timed) == 3
 
 
@@ -68,7 +69,7 @@ def test_both_attentions_are_timed_for_real(cache):
 
 def _steps(model, fused, monkeypatch, t=160):
     monkeypatch.setattr(step_module, "attention_from", lambda cfg, n_seq, t_, backend, compute:
-                        (t_ if fused else graph.ATTN_TILED_MIN, ""))
+                        Decision(t_ if fused else graph.ATTN_TILED_MIN, ""))
     ts = TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, t, backend="cpu",
                    compute="float32")
     rng = np.random.default_rng(0)

@@ -176,12 +176,12 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     adapter of the run never stopped, bit for bit.  int8 is forced here, whatever this
     CPU measures at the tiny shape."""
     from gradtape.backends.cpu import onednn
-    from gradtape.train import step as step_module
+    from gradtape import plan
 
     ok, why = onednn.available()
     if not ok:
         pytest.skip(why)
-    monkeypatch.setattr(step_module, "decide_compute", lambda *a, **k: ("int8", "forced"))
+    monkeypatch.setattr(plan, "decide_compute", lambda *a, **k: plan.Decision("int8", "forced"))
     cfg = lambda out, **kw: _cfg(files, tmp_path / out, compute="int8", steps=4,  # noqa: E731
                                  save_every=2, **kw)
     logs = []

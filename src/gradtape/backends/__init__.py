@@ -6,15 +6,12 @@ schedule, plan, compute=...)``; it offers ``run``, ``set_leaf``, ``leaf_value``,
 backends share; ``lowering.py`` is each primitive's math as C text, which the C and CUDA
 generators share.  NumPy (``numpy.py``) is the reference every other backend is tested
 against; each other backend is a package of its own (``cpu/``, ``cuda/``).
-``compile_tape`` is the core's one door to compilation (``Tape.compile`` calls it).
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
-
-from ..compile import compile_program
 
 # name -> "module:Class"; imported on first use so optional backends cost nothing unless used
 BACKENDS = {
@@ -41,11 +38,3 @@ def get_backend(name):
         return get_backend(backend.fallback)
     return backend
 
-
-def compile_tape(tape, outputs, backend="numpy", updates=None, compute="float32",
-                 checkpoint=False):
-    """``Tape.compile``'s body: the backend named resolved here (``get_backend``), then
-    the compile pipeline (``compile.compile_program``).  The core imports neither
-    ``compile`` nor any backend: this function, imported when a tape compiles, is its
-    only way up, so recording and ``backward`` load neither."""
-    return compile_program(tape, outputs, get_backend(backend), updates, compute, checkpoint)

@@ -2,10 +2,11 @@
 
 A backend class declares which of the optional compile passes it wants (``passes``:
 ``"merge_matmuls"``, ``"fuse"``) and how to fuse (``fusion``); ``compile.lower`` runs
-them and constructs it as ``Backend(graph, schedule, plan, compute=...)``.  It then
-offers ``run(arrays)`` (copy the given leaf arrays in, evaluate, apply the state
-updates, return copies of the outputs), ``set_leaf``, ``leaf_value``, ``plan`` and
-``compute`` (the precision that runs: "float32", or "bf16" / "int8" where a backend took it).
+them and constructs it as ``Backend(graph, schedule, plan, execution)``: the memory plan
+and the execution plan (``gradtape.plan``) it carries out.  It then offers
+``run(arrays)`` (copy the given leaf arrays in, evaluate, apply the state updates,
+return copies of the outputs), ``set_leaf``, ``leaf_value``, ``plan`` and ``compute``
+(the precision that runs: "float32", or "bf16" / "int8" where a backend took it).
 
 ``HostBackend`` holds values in host NumPy arrays (the numpy and cpu backends): leaves
 share the tape's recorded arrays read-only until fed or updated, then get storage of
@@ -42,8 +43,11 @@ class Backend:
         itself; compile decomposes the others into composed primitives."""
         return False
 
-    def __init__(self, graph, schedule, plan, compute="float32"):
+    def __init__(self, graph, schedule, plan, execution=None):
+        """``plan``: the memory plan; ``execution``: the execution plan to carry out
+        (``gradtape.plan.Plan``; None: everything in the tape's own precision)."""
         self.graph, self.schedule, self.plan = graph, schedule, plan
+        self.execution = execution
         self.compute = "float32"  # a backend that takes bf16 says so
 
     def run(self, arrays) -> list:
@@ -72,8 +76,8 @@ class HostBackend(Backend):
     def has_kernel(cls, op):
         return True  # every primitive's NumPy forward runs on the host
 
-    def __init__(self, graph, schedule, plan, compute="float32"):
-        super().__init__(graph, schedule, plan, compute)
+    def __init__(self, graph, schedule, plan, execution=None):
+        super().__init__(graph, schedule, plan, execution)
         self._buffers = [page_aligned(n, dtype) for dtype, n in plan.buffer_sizes]
         self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
         self._owned = set()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import checks
 from ..backends import BACKENDS
-from ..backends.cpu.measure import COMPUTE_CHOICES
+from ..plan import COMPUTE_CHOICES
 from ..errors import GradtapeError
 from .options import option
 

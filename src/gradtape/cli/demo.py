@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import checks
 from ..backends import BACKENDS
-from ..backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_COMPUTE
+from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from .options import option
 

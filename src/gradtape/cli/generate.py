@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from .. import checks
-from ..backends.cpu.measure import COMPUTE_CHOICES
+from ..plan import COMPUTE_CHOICES
 from ..errors import GradtapeError
 from ..infer.loop import check_stop_strings, cut_at_stop, held_back
 from ..infer.sampling import Sampling

@@ -21,26 +21,17 @@ from .graph import build_graph
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
 
-COMPUTE = ("float32", "bf16", "int8")
-
-
-def compile_program(tape, outputs, backend_cls, updates=None, compute="float32",
-                    checkpoint=False):
+def compile_program(tape, outputs, backend_cls, updates=None, execution=None,
+                    checkpoint=False, complete=None):
     """The pipeline: the backend-independent passes (``passes``), then the passes the
-    backend declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``).
-
-    ``compute``: "float32" (the tape's own arithmetic everywhere), or "bf16": the
-    frozen-weight GEMMs take bf16 inputs and accumulate in float32 where the backend has
-    such GEMMs (the ``cpu`` backend on a float32 tape; ``backends.cpu.measure.resolve``
-    decides when it can be had); "int8": bf16's, with the GEMMs against weights kept in
-    their ggml blocks taking int8 inputs.  Other backends and float64 tapes run their own
-    arithmetic, and the executable's ``compute`` says what ran.  ``checkpoint``: see
-    ``passes``."""
-    if compute not in COMPUTE:
-        raise ValueError(f"compile: compute must be 'float32', 'bf16' or 'int8' (resolve "
-                         f"'auto' with gradtape.backends.cpu.measure.resolve), got {compute!r}")
+    backend declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``)
+    with the execution plan it carries out (``execution``: a ``gradtape.plan.Plan``, made
+    final for the compiled graph by ``complete(execution, graph)`` where given; None: the
+    tape's own arithmetic everywhere).  ``checkpoint``: see ``passes``."""
     graph = passes(tape, outputs, updates, backend_cls, checkpoint)
-    return Program(graph, lower(graph, backend_cls, compute=compute), backend_cls.name)
+    if complete is not None:
+        execution = complete(execution, graph)
+    return Program(graph, lower(graph, backend_cls, execution=execution), backend_cls.name)
 
 
 def passes(tape, outputs, updates, backend_cls, checkpoint=False):
@@ -81,6 +72,11 @@ class Program:
         self._leaves = set(graph.leaves)
         self._state = {leaf for leaf, _ in graph.updates}
         self._fed_last = set()
+
+    @property
+    def execution(self):
+        """The execution plan the backend carries out (``gradtape.plan.Plan``)."""
+        return self.executable.execution
 
     @property
     def memory(self):

@@ -1,26 +1,18 @@
 """How ``generate`` runs a prompt: as one compiled program (``PromptStep``) in a GEMM
 precision, or row by row in the decoder's own prefill.
 
-``prompt_compute`` is the whole decision, a function of the model's config, the
-precision asked for, the prompt's rows and the dtype; the GEMM rates it relies on are
-measured once per CPU (``backends.cpu.measure``).  It builds nothing and runs nothing
-(``generator`` does).
+The decision is the execution plan's (``plan.prompt_compute``); this module hands it
+what it needs of the model (its work per token) and of the decoder (the rows its
+matrix-vector kernels take).  It builds nothing and runs nothing.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..backends.cpu import measure  # the GEMM decisions, measured once per CPU
+from .. import plan
 from ..backends.cpu import ggml_vec
-from ..errors import GradtapeError
+from ..plan import PROMPT_BF16_FLOPS, PROMPT_F32_ROWS
 
-# under compute "auto" a prompt runs as one compiled bf16 program from this much GEMM
-# work on: below it, building the program costs more than it saves
-PROMPT_BF16_FLOPS = 1e11
-# float32 prompts of this many rows on run as a float32 program too: the C prefill
-# attends a row at a time, the program's attention is tiled
-PROMPT_F32_ROWS = 2048
+__all__ = ["PROMPT_BF16_FLOPS", "PROMPT_F32_ROWS", "linear_weights", "prompt_compute"]
 
 
 def linear_weights(cfg) -> int:
@@ -32,23 +24,7 @@ def linear_weights(cfg) -> int:
 
 def prompt_compute(cfg, compute, rows, dtype):
     """The precision ``generate`` runs a prompt of ``rows`` rows in as one compiled
-    ``PromptStep``, or None: row by row in the decoder's own prefill.  "bf16" (or
-    "int8") under ``auto`` where this CPU's bf16 GEMMs are faster and the prompt's
-    work pays for compiling the program (``PROMPT_BF16_FLOPS``), under ``bf16``
-    wherever the prompt has more rows than the matrix-vector kernels take and this
-    CPU's bf16 GEMMs are fast at the model's width (at 256 rows); else "float32"
-    from ``PROMPT_F32_ROWS`` rows on (the program's tiled attention)."""
-    if compute not in measure.COMPUTE_CHOICES:
-        raise GradtapeError(f"compute must be one of {', '.join(measure.COMPUTE_CHOICES)}, "
-                            f"got {compute!r}")
-    precision = "float32"
-    small = compute == "auto" and 2 * rows * linear_weights(cfg) < PROMPT_BF16_FLOPS
-    if compute != "float32" and rows > ggml_vec.MAX_ROWS and not small:
-        applies = np.dtype(dtype) == np.float32 or "generation in float64 runs float64"
-        # asked for by name: wherever this CPU's bf16 GEMMs are fast at the model's
-        # width, whatever the prompt's length
-        m = rows if compute == "auto" else measure.DEFAULT_SHAPE[0]
-        precision, _ = measure.decide(compute, applies, shape=(m, cfg.dim, cfg.ffn_dim))
-    if precision != "float32":
-        return precision
-    return "float32" if np.dtype(dtype) == np.float32 and rows >= PROMPT_F32_ROWS else None
+    ``PromptStep`` ("bf16", "int8", "float32"), or None: row by row in the decoder's own
+    prefill (``plan.prompt_compute``)."""
+    return plan.prompt_compute(cfg, compute, rows, dtype, ggml_vec.MAX_ROWS,
+                               linear_weights(cfg)).value

@@ -1,60 +1,32 @@
 """Which attention a training step records: the composed one or the fused (tiled) one.
 
-``attention_from`` decides, for a step's shape on this CPU, the rows per sequence from
-which the step's attention is the fused primitive (``graph.record_forward``'s
-``fused_from``), timing both where the choice is close (``_time_attention``), once per
-CPU.  It records nothing the step runs and computes no model math; the graph itself is
-``graph``'s.  Kept apart (with its probe) so the decision can move into an execution plan
-without touching the graph.
+``attention_from`` asks the execution plan (``plan.attention_route``) for the rows per
+sequence from which a step's attention is the fused primitive (``graph.record_forward``'s
+``fused_from``), handing it this module's probe (``_time_attention``: a few layers'
+attention both ways, as a step records them), which the plan times where the choice is
+close, once per CPU.  It records nothing the step runs; the graph itself is ``graph``'s.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import warnings
 
 import numpy as np
 
-from .. import nn, ops, tiled
-from ..backends.cpu import measure  # the timings, cached per CPU
-from ..backends.cpu.onednn import DnnlError
+from .. import nn, ops
+from ..backends.cpu import measure  # the probe's timing helper
+from ..plan import Decision, attention_route
 from ..tape import Tape
 from . import graph
 from .rope import rope_tables
 
 
-def attention_from(cfg, n_seq, t, backend, compute):
-    """``(rows, why)``: the rows per sequence from which a training step's attention is
-    the fused primitive, and a sentence saying why where it was decided here ("" where
-    not): ``graph.ATTN_TILED_MIN``, or ``t`` where ``t`` spans two query tiles (129-256
-    rows) and the fused attention, its products kept float32, measured faster than the
-    composed one on this CPU: a few layers' attention forward and backward at the step's
-    shape (``_time_attention``), both timed in turn, once per CPU (cached with the
-    compute decisions).  Which one wins differs from CPU to CPU (docs/benchmarks.md).
-    Other backends, and a machine without oneDNN to key the cache by:
-    ``graph.ATTN_TILED_MIN``.  ``$GRADTAPE_ATTENTION`` = fused | composed decides instead
-    of the timing."""
-    tiled_min = graph.ATTN_TILED_MIN
-    if backend != "cpu" or not tiled.ATTN_TILE < t <= 2 * tiled.ATTN_TILE or t >= tiled_min:
-        return tiled_min, ""
-    forced = os.environ.get("GRADTAPE_ATTENTION")
-    if forced in ("fused", "composed"):
-        return (t if forced == "fused" else tiled_min), f"{forced} ($GRADTAPE_ATTENTION)"
-    if forced:
-        warnings.warn(f"gradtape: $GRADTAPE_ATTENTION={forced} is neither fused nor composed: "
-                      "timing both", RuntimeWarning, stacklevel=2)
-    shape = (n_seq, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim)
-    try:
-        (composed, fused), cached = measure.rates(
-            f"attention {compute}", shape,
-            lambda *_: _time_attention(cfg, n_seq, t, compute), kernels=True)
-    except DnnlError:
-        return tiled_min, ""
-    why = (f"fused {1e3 * fused:.1f} vs composed {1e3 * composed:.1f} ms at {t} rows, "
-           f"timed {'before ' if cached else ''}on this CPU")
-    return (t if fused < composed else tiled_min), ("fused" if fused < composed
-                                                    else "composed") + f" ({why})"
+def attention_from(cfg, n_seq, t, backend, compute) -> Decision:
+    """The rows per sequence from which a training step's attention is the fused
+    primitive, and why (``plan.attention_route``, timing both routes with this module's
+    probe where the choice is close, against the graph's threshold)."""
+    return attention_route(cfg, n_seq, t, backend, compute, _time_attention,
+                           tiled_min=graph.ATTN_TILED_MIN)
 
 
 # layers of the attention probe: one layer's attention stays in cache, where both ways run

@@ -36,7 +36,7 @@ import numpy as np
 
 from .. import checks
 from ..backends import BACKENDS
-from ..backends.cpu.measure import COMPUTE_CHOICES, DEFAULT_COMPUTE
+from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
@@ -291,11 +291,11 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
                           memory_limit=None if cfg.ignore_memory else available,
                           memory_hint=hint)
     build_s = time.perf_counter() - t_build
-    f32_why = getattr(getattr(step_prog.program, "executable", None), "f32_why", "")
-    log(f"compute: {step_prog.compute} ({step_prog.compute_why})"
-        + (f"; {f32_why}" if f32_why else ""))
-    if step_prog.attention_why:
-        log(f"attention: {step_prog.attention_why}")
+    plan = step_prog.plan  # every choice of the run, with its reason
+    f32 = plan.f32_gemms
+    log(f"compute: {plan.compute}" + (f"; {f32.why}" if f32 is not None and f32.why else ""))
+    if plan.attention_from.why:
+        log(f"attention: {plan.attention_from.why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "

@@ -33,10 +33,11 @@ from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from .memory import planned
-from ..backends.cpu.measure import DEFAULT_COMPUTE, decide as decide_compute
+from .. import plan as planning
 from ..errors import GradtapeError
 from ..models.memory import GiB
 from ..models.attention_choice import attention_from
+from ..plan import DEFAULT_COMPUTE, Decision
 from ..models.graph import head_loss, record_forward, weight_consts
 from .data import IGNORE, empty_rows
 
@@ -92,13 +93,11 @@ class TrainStep:
         self.memory_hint = memory_hint
         self.backend = backend
         self.model, self.adapter = model, adapter
-        # the frozen-weight GEMMs' precision: bf16 only on the cpu backend of a float32
-        # step, where this CPU runs it faster at the model's FFN shape (else float32, and
-        # one notice when bf16 was asked for); ``compute_why`` says why
+        # every choice of the run, decided once (``gradtape.plan``): the frozen-weight
+        # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
-        self.compute, self.compute_why = decide_compute(
-            compute, applies=backend == "cpu" and np.dtype(dtype) == np.float32,
-            shape=(batch_size * seq_len, cfg.dim, cfg.ffn_dim))
+        self.plan = planning.for_training(cfg, batch_size, seq_len, backend, dtype, compute,
+                                          attention=attention_from)
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
@@ -113,12 +112,10 @@ class TrainStep:
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
         self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
-        # the attention, fused or composed below ATTN_TILED_MIN rows: what runs faster here
-        self.attention_from, self.attention_why = attention_from(cfg, batch_size, seq_len,
-                                                                 backend, self.compute)
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
                                 adapter.scale, positions=self.positions, segments=self.segments,
-                                head=False, fused_from=self.attention_from)  # [B*T, D]
+                                head=False,
+                                fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
         self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
         grads = tp.backward(self.loss)
@@ -126,14 +123,14 @@ class TrainStep:
         g = [grads[p] for p in params]
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
                               training=False)
-        self.eval_program = tp.compile([eval_loss], backend=backend, compute=self.compute)
-        # what runs: a model with no weight big enough for a bf16 GEMM stays float32; int8
-        # is for the weights kept in their ggml blocks, the others bf16
+        self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan)
+        # what runs, recorded in the plan: a model with no weight big enough for a bf16
+        # GEMM stays float32; int8 is for the weights kept in their ggml blocks
         ran = getattr(self.eval_program.executable, "compute", "float32")
         if ran != self.compute:
-            self.compute, self.compute_why = ran, (
+            self.plan = self.plan.replace(compute=Decision(ran, (
                 "no weight is kept in ggml blocks for an int8 GEMM" if ran == "bf16"
-                else "no weight is big enough for a bf16 GEMM")
+                else "no weight is big enough for a bf16 GEMM")))
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return
@@ -160,8 +157,28 @@ class TrainStep:
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": self.accumulators}
         self.checkpointed = self._decide_checkpoint([self.loss, self.grad_norm], updates)
+        self._record_checkpoint()
         self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates,
-                                  compute=self.compute, checkpoint=self.checkpointed)
+                                  plan=self.plan, checkpoint=self.checkpointed)
+        self.plan = self.program.execution
+
+    @property
+    def compute(self) -> str:
+        """The frozen-weight GEMMs' precision that runs ("float32", "bf16", "int8")."""
+        return self.plan.compute.value
+
+    @property
+    def compute_why(self) -> str:
+        return self.plan.compute.why
+
+    @property
+    def attention_from(self) -> int:
+        """The rows per sequence from which the attention is the fused primitive."""
+        return self.plan.attention_from.value
+
+    @property
+    def attention_why(self) -> str:
+        return self.plan.attention_from.why
 
     def planned_memory(self, checkpoint):
         """The ``memory.Estimate`` of the run with the step's program compiled with
@@ -172,6 +189,11 @@ class TrainStep:
         n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
         return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
                        self.backend, built=[self.eval_program])
+
+    def _record_checkpoint(self):
+        self.plan = self.plan.replace(checkpoint=Decision(
+            self.checkpointed, f"{self.checkpointed} of {self.model.config.n_layers} layers "
+                               f"recomputed (--grad-checkpoint {self.grad_checkpoint})"))
 
     def _decide_checkpoint(self, outputs, updates):
         """How many layers to recompute in backward (0: none; every layer with "on"; with
@@ -233,8 +255,10 @@ class TrainStep:
             flat = ops.add(acc, flat)
             updates[acc] = ops.mul(flat, keep)
         self.checkpointed = self._decide_checkpoint([flat], updates)
+        self._record_checkpoint()
         self.grads_program = tp.compile([flat], backend=backend, updates=updates,
-                                        compute=self.compute, checkpoint=self.checkpointed)
+                                        plan=self.plan, checkpoint=self.checkpointed)
+        self.plan = self.grads_program.execution
         # the summed vector, sliced back into per-param gradients
         self.reduced = tp.const(np.zeros(flat.shape, dtype))
         gs, off = [], 0

@@ -9,8 +9,8 @@ system C compiler and cached on disk (``toolchain.py``).  Softmax and sums over 
 axis of any rank, the fused loss (``nll_ids``) and its gradient, transposes, broadcasts
 and the data movement ops are C kernels too; row and elementwise loops split over the
 cores (OpenMP) when big enough.  Matmuls write straight into their planned buffers: in
-oneDNN's float32 matmul, on the same OpenMP threads, where ``measure.f32_onednn``
-measured it fast enough at the program's main matmul shape, else in NumPy's BLAS
+oneDNN's float32 matmul, on the same OpenMP threads, where the execution plan
+says so (``plan.complete``: measured at the main matmul shape), else in NumPy's BLAS
 (``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
 ``ops.py``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
@@ -36,7 +36,6 @@ RuntimeWarning).  Leaf storage and state updates are ``base.HostBackend``'s.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -114,15 +113,6 @@ def _bf16_matmul(v):
 
 
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
-# a float32 program whose main matmul has fewer FLOPs keeps NumPy's BLAS, unmeasured
-F32_MEASURED_FLOPS = 1 << 26
-
-
-def _mkn(v):
-    """``(m, k, n)`` of a matmul op (batch dims folded into m)."""
-    a = v.inputs[0]
-    k = a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
-    return int(np.prod(v.shape[:-1])), int(k), int(v.shape[-1])
 
 
 def _float_dtype(graph):
@@ -151,9 +141,13 @@ class CpuBackend(HostBackend):
             return str(e)
         return None
 
-    def __init__(self, graph, schedule, plan, compute="float32"):
-        super().__init__(graph, schedule, plan, compute)
+    def __init__(self, graph, schedule, plan, execution=None):
+        super().__init__(graph, schedule, plan, execution)
         self.dtype = dtype = _float_dtype(graph)
+        compute = execution.compute.value if execution is not None else "float32"
+        # the ways of a block-weight product the plan leaves to be timed
+        self._only = ((execution.product_ways, execution.product_tile)
+                      if execution is not None else ((), ""))
         # kernels: one translation unit for the program
         src = codegen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
@@ -174,7 +168,7 @@ class CpuBackend(HostBackend):
         # frozen weights in their stored type: one float scratch tile, allocated once here
         block_ops = [s for s in block_ops
                      if s not in self._block_bf16 and s not in self._block_int8]
-        self._f32_dnnl, self.f32_why = self._f32_gemms(schedule, block_ops)
+        self._f32_dnnl, self.f32_why = self._f32_gemms(execution)
         self._tile_scratch = np.empty(max(1, qgemm.scratch_elems(block_ops)),
                                       dtype or np.float32) if block_ops else None
         self.n_kernels = len(src.bodies)
@@ -226,27 +220,15 @@ class CpuBackend(HostBackend):
         if self._dense_bf16 or self._block_bf16 or self._block_int8:
             self.compute = "int8" if self._block_int8 else "bf16"
 
-    def _f32_gemms(self, schedule, block_ops):
-        """``(in oneDNN, why)`` for the float32 matmuls of a float32 program: oneDNN where
-        ``measure.f32_onednn`` measures it fast enough at the shape that carries most of
-        the program's matmul FLOPs (SmolLM2: its FFN's, not the LM head's);
-        NumPy's BLAS where the program has float32 block-weight tiles (their GEMMs run
-        there: one pool either way) or only small matmuls.  A bf16 program runs them
-        in oneDNN where it can (``_matmul_step``)."""
-        if self.low_precision or self.dtype != np.float32:
+    def _f32_gemms(self, execution):
+        """``(in oneDNN, why)`` for the float32 matmuls of a float32 program, as the plan
+        says (``plan.complete``: oneDNN, one thread pool with our kernels, where measured
+        fast enough; else NumPy's BLAS).  A bf16 program runs them in oneDNN where it can
+        (``_matmul_step``)."""
+        if self.low_precision or self.dtype != np.float32 or execution is None \
+                or execution.f32_gemms is None:
             return False, ""
-        if block_ops:
-            return False, "float32 GEMMs in NumPy's BLAS, as the block-weight tiles'"
-        flops = collections.Counter()  # (m, k, n) -> the FLOPs of all its matmuls
-        for s in schedule.steps:
-            if not isinstance(s, FusedGroup) and s.op == "matmul":
-                flops[_mkn(s)] += 2 * int(np.prod(_mkn(s)))
-        if not flops:
-            return False, ""
-        shape = max(flops, key=flops.get)  # the one that carries the most work
-        if 2 * np.prod(shape) < F32_MEASURED_FLOPS:
-            return False, "float32 GEMMs in NumPy's BLAS (small ones, not measured)"
-        return measure.f32_onednn(shape)
+        return execution.f32_gemms.value == "onednn", execution.f32_gemms.why
 
     def _convert(self, leaf, out=None):
         x = np.ascontiguousarray(self._values[leaf], np.float32)
@@ -274,7 +256,7 @@ class CpuBackend(HostBackend):
                 hit = next((a for t, md, a, _ in copies.packs
                             if t == tb and self._dnnl.same_layout(md, m, k, n)), None)
                 if (hit is None and _packed_bytes() + 2 * w.size <= budget
-                        and measure.packed_weights(m, k, n, tb)):
+                        and measure.packed_weights(m, k, n, tb, self._only)):
                     plain = self._convert(w) if plain is None else plain
                     try:
                         hit, md = self._dnnl.pack(m, k, n, tb, plain)
@@ -297,7 +279,7 @@ class CpuBackend(HostBackend):
         keeps from step to step lives as long as the program."""
         key = (np.dtype(dtype).str, bf16)
         if key not in self._ctiles:
-            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl)
+            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only)
         return self._ctiles[key]
 
     # --- binding ---------------------------------------------------------------------
@@ -371,10 +353,12 @@ class CpuBackend(HostBackend):
             columns = functools.partial(self._col_scales, leaf, a["qtype"], a["rows"],
                                         a["k"])
             return qgemm_int8.lower_int8(s, val[s], ins, self._dnnl, self._int8_scratch,
-                                         columns, measure.blocked_faster)
+                                         columns, functools.partial(measure.blocked_faster,
+                                                                    only=self._only))
         if s in self._block_bf16:
             return qgemm_bf16.lower_bf16(s, val[s], ins, self._dnnl, self._bf16_scratch,
-                                         measure.fastest, rounded=rounded)
+                                         functools.partial(measure.fastest, only=self._only),
+                                         rounded=rounded)
         if s.op in qgemm.QOPS:
             return qgemm.lower(s, val[s], ins, self._tile_scratch)
         if s.op in tiled.TILED_OPS:  # the blocks' elementwise work in C

@@ -42,8 +42,6 @@ from . import onednn, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
-COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
-DEFAULT_COMPUTE = "auto"
 # the GEMM shape measured when the caller names none: SmolLM2's FFN at T=256
 DEFAULT_SHAPE = (256, 576, 1536)
 MEASURED_ROWS = 512  # rows past this run at about the same rate: not worth the seconds
@@ -304,7 +302,7 @@ def measured_f32_rates(m=256, k=576, n=1536, reps=7):
     return _best_in_turn([dnnl, lambda: best(lambda: np.matmul(a, w, out=out))])
 
 
-def fastest(what, shape, runs) -> str:
+def fastest(what, shape, runs, only=((), "")) -> str:
     """The name of the fastest of ``runs`` (name -> a callable running one way of the
     GEMM ``what`` of ``shape``), all timed in turn once per CPU model and library versions,
     the result cached like ``rates`` (timed on a model's first step only).  The ways of a
@@ -312,13 +310,12 @@ def fastest(what, shape, runs) -> str:
     of ``qgemm_bf16.bf16_tile_sizes()`` values; the names say which ("blocked 16M";
     "swapped": a forward product as ``y^T = W x^T``; "fused": one call dequantizing and
     multiplying with our own GEMM; "direct": a BF16 W read in place, see
-    ``qgemm_bf16.lower_bf16``).
-    ``$GRADTAPE_BF16_LAYOUT`` = blocked | plain | swapped | fused | direct and
-    ``$GRADTAPE_BF16_TILE`` = a size ("1M") leave only the ways they name; one way left is
-    taken untimed."""
+    ``qgemm_bf16``).  ``only``: the execution plan's ``(product_ways, product_tile)``,
+    the ways and tile size it leaves (none named: all); one way left is taken untimed."""
     names = list(runs)
-    for var in ("GRADTAPE_BF16_LAYOUT", "GRADTAPE_BF16_TILE"):
-        want = os.environ.get(var)
+    ways, tile = only
+    for want, var in ((ways[0] if ways else "", "GRADTAPE_BF16_LAYOUT"),
+                      (tile, "GRADTAPE_BF16_TILE")):
         kept = [n for n in names if want in n.split()]
         # (only a forward block product has a swapped way: the others are timed, unsaid)
         if want and not kept and not (want == "swapped" and not what.startswith("qmatmul ")):
@@ -336,15 +333,15 @@ def fastest(what, shape, runs) -> str:
     return names[seconds.index(min(seconds))]
 
 
-def blocked_faster(what, shape, blocked, plain) -> bool:
+def blocked_faster(what, shape, blocked, plain, only=((), "")) -> bool:
     """Whether the bf16 or int8 GEMM ``blocked()``, its weights in a blocked layout of
     oneDNN's kernel (the tiles of an int8 block-weight product quantized into it, or a
     weight packed once: ``packed_weights``), beats ``plain()``, the same GEMM reading
     plain rows (``fastest`` of the two)."""
-    return fastest(what, shape, {"blocked": blocked, "plain": plain}) == "blocked"
+    return fastest(what, shape, {"blocked": blocked, "plain": plain}, only) == "blocked"
 
 
-def packed_weights(m, k, n, tb) -> bool:
+def packed_weights(m, k, n, tb, only=((), "")) -> bool:
     """Whether the bf16 GEMM ``[m, k] @ W [k, n]`` (W stored ``[n, k]`` where ``tb``) of
     a dense weight should read W packed once into the layout oneDNN's kernel keeps
     (``onednn.pack``) rather than in place, reordered by each call (``blocked_faster``
@@ -376,45 +373,9 @@ def packed_weights(m, k, n, tb) -> bool:
     def plain():
         d.gemm(onednn.Gemm(m, k, n, tb), *operands()[:3])
     try:
-        return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n), packed, plain)
+        return blocked_faster(f"pack {'W^T' if tb else 'W'}", (m, k, n), packed, plain, only)
     except onednn.DnnlError:  # no reorder into that layout: the plain copy
         return False
-
-
-def resolve(requested: str, applies=True, shape=DEFAULT_SHAPE) -> str:
-    """The precision that will run for ``requested``: ``decide(...)[0]``."""
-    return decide(requested, applies, shape)[0]
-
-
-def decide(requested: str, applies=True, shape=DEFAULT_SHAPE) -> tuple:
-    """``(precision, why)``: the precision that will run for ``requested`` (one of
-    COMPUTE_CHOICES), "float32", "bf16" or "int8", and a sentence saying why.  ``bf16``
-    where its GEMMs are not fast (or oneDNN is missing) warns once and gives "float32";
-    ``int8`` where int8 GEMMs are not faster than bf16 (``int8_fast``) warns once and
-    gives bf16's answer; ``auto`` gives bf16 where they are faster at ``shape``
-    (``bf16_fast``), silently.
-    ``applies``: False, or a string saying why, where the caller has no bf16 path at all
-    (another backend, a float64 step, generation)."""
-    if requested not in COMPUTE_CHOICES:
-        raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}, "
-                         f"got {requested!r}")
-    if requested == "float32":
-        return "float32", "asked for"
-    if applies is True:
-        fast, why = bf16_fast(tuple(int(d) for d in shape))
-    else:
-        fast, why = False, applies or ("bf16 and int8 compute apply to float32 steps on "
-                                       "the cpu backend only")
-    if fast and requested == "int8":
-        fast8, why8 = int8_fast(tuple(int(d) for d in shape))
-        if fast8:
-            return "int8", f"{why8}; the other frozen-weight GEMMs bf16 ({why})"
-        _warn_once(f"int8 compute asked for, running bf16: {why8}")
-    if fast:
-        return "bf16", why
-    if requested in ("bf16", "int8"):
-        _warn_once(f"{requested} compute asked for, running float32: {why}")
-    return "float32", why
 
 
 def _warn_once(said):

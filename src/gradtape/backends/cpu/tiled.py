@@ -45,9 +45,11 @@ class CTiles:
     """``tiled.NumpyTiles``' methods as C loops, for one float dtype; ``bf16``: the fused
     attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``);
     ``f32_onednn``: the fused head's float32 GEMMs run in oneDNN (as the program's other
-    matmuls, ``backend.CpuBackend._f32_gemms``)."""
+    matmuls, ``backend.CpuBackend._f32_gemms``); ``only``: the ways of the fused head's
+    bf16 products the execution plan leaves (``measure.fastest``)."""
 
-    def __init__(self, dtype, bf16=False, f32_onednn=False):
+    def __init__(self, dtype, bf16=False, f32_onednn=False, only=((), "")):
+        self.only = only
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
         lib = _lib()
         self.f = {name: getattr(lib, f"gt_{name}_{self.suf}")
@@ -223,7 +225,8 @@ class Bf16HeadGemms:
                 self.weigh(made[0], made[1])
             return run
         blocked = measure.fastest(f"head {self.qtype}", (self.T, self.D, c),
-                                  {"blocked": way(True), "plain": way(False)}) == "blocked"
+                                  {"blocked": way(True), "plain": way(False)},
+                                  self.kern.only) == "blocked"
         # the scratch of the way not taken (where both were timed) is not kept
         self.kern.release(*(("head rows16",) if blocked else
                             ("head rows16 W^T", "head rows16 W")))

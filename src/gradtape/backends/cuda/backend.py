@@ -63,9 +63,9 @@ class CudaBackend(Backend):
     def fusion(cls, graph):
         return {"fusible": G.fusible, "reductions": True}
 
-    def __init__(self, graph, schedule, plan, compute="float32", storage=None, device=None,
+    def __init__(self, graph, schedule, plan, execution=None, storage=None, device=None,
                  bf16_min_size=BF16_MIN_SIZE):
-        super().__init__(graph, schedule, plan, compute)
+        super().__init__(graph, schedule, plan, execution)
         for v in graph.ops:  # frozen weights in their stored type: cpu and numpy only
             if v.op in ("qmatmul", "qmatmul_t", "qtake_rows"):
                 raise ValueError(f"backend 'cuda': no kernel for {v.op} #{v.index} (a weight "

@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import os
+
+from ... import settings
 from pathlib import Path
 
 _BLAS = "unset"  # cblas()'s answer, found once
@@ -28,7 +29,7 @@ def cblas():
     if _BLAS != "unset":
         return _BLAS
     _BLAS = None
-    candidates = [os.environ["GRADTAPE_BLAS"]] if os.environ.get("GRADTAPE_BLAS") else []
+    candidates = [settings.get("GRADTAPE_BLAS")] if settings.get("GRADTAPE_BLAS") else []
     try:
         with open("/proc/self/maps") as f:
             for line in f:

@@ -25,8 +25,8 @@ import os
 
 import numpy as np
 
+from ... import settings
 from ...blocks import BLOCK_TYPES, F32
-from ...errors import GradtapeError
 from . import toolchain
 
 SOURCES = ("ggml_vec.c", "llama_decode.c")
@@ -46,12 +46,9 @@ MAX_THREADS = 16  # a decode step is memory-bound: more threads only add barrier
 def threads() -> int:
     """Threads for the kernels: $GRADTAPE_THREADS, else the CPUs this process may use
     (at most MAX_THREADS)."""
-    env = os.environ.get("GRADTAPE_THREADS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise GradtapeError(f"$GRADTAPE_THREADS must be a whole number, got {env!r}") from None
+    asked = settings.integer("GRADTAPE_THREADS", minimum=-(1 << 31))
+    if asked is not None:
+        return max(1, asked)
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from ... import settings
 from . import toolchain
 
 _F32, _BF16, _S32, _S8, _U8 = 3, 2, 4, 5, 6  # dnnl_data_type_t
@@ -77,7 +77,7 @@ class Gemm:
 
 
 def _library_path():
-    env = os.environ.get("GRADTAPE_DNNL")
+    env = settings.get("GRADTAPE_DNNL")
     if env:
         return env
     try:

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import time
 
 import numpy as np
 
+from ... import settings
 from ...blocks import BLOCK_TYPES
 from . import blas, ggml_vec, toolchain
 
@@ -133,7 +133,7 @@ def transposed_layout():
     """Whether the GEMM drivers compute each product block transposed and transpose it
     into place (1, the default: faster with OpenBLAS here, see csrc/qgemm.c) or write it
     directly (0).  ``$GRADTAPE_QGEMM_LAYOUT=direct`` chooses the latter."""
-    return 0 if os.environ.get("GRADTAPE_QGEMM_LAYOUT", "transposed") == "direct" else 1
+    return 0 if settings.get("GRADTAPE_QGEMM_LAYOUT") == "direct" else 1
 
 
 def scratch_elems(ops):

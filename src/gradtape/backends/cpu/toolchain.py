@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import settings
+
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd",
          # on an AVX-512 CPU, 512-bit vectors where GCC would pick 256 for -march=native
@@ -80,12 +82,8 @@ def quiet_openmp():
     it is read once): a short spin on a CPU with bf16 matrix instructions (every thread
     of a step is OpenMP's there) and sleeping elsewhere (see ``threads_flags``).  A
     user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return
-    if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]:
-        os.environ["GOMP_SPINCOUNT"] = SPIN_BF16
-    else:
-        os.environ["OMP_WAIT_POLICY"] = "passive"
+    settings.omp_wait_policy(SPIN_BF16 if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]
+                             else None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,7 +107,7 @@ def cpu_info() -> dict:
 def compiler():
     """The C compiler command ($GRADTAPE_CC, default ``cc``) and its version line;
     raises CompilerMissing when it cannot run."""
-    cc = os.environ.get("GRADTAPE_CC", "cc")
+    cc = settings.get("GRADTAPE_CC") or "cc"
     if cc not in _VERSIONS:
         try:
             r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
@@ -165,7 +163,7 @@ def csrc_version():
 
 
 def cache_dir():
-    d = os.environ.get("GRADTAPE_CACHE")
+    d = settings.get("GRADTAPE_CACHE")
     return Path(d) if d else Path.home() / ".cache" / "gradtape"
 
 

@@ -38,11 +38,11 @@ lowering is tested without a GPU (``tests/backends/test_cuda_codegen.py``).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import numpy as np
 
+from ... import settings
 from ...compile.fuse import FusedGroup
 from ..base import Backend
 from . import codegen as G
@@ -72,7 +72,7 @@ class CudaBackend(Backend):
                                  f"kept as {v.attrs['qtype']} blocks); load the model with "
                                  "float weights or use backend 'cpu'")
         storage = storage or self.default_storage or \
-            os.environ.get("GRADTAPE_CUDA_STORAGE", "float32")
+            settings.get("GRADTAPE_CUDA_STORAGE") or "float32"
         self.storage = storage
         self.device = dev = device if device is not None else CupyDevice()
         self.codes = codes = storage_codes(graph, self.schedule, storage, bf16_min_size)
@@ -127,7 +127,7 @@ class CudaBackend(Backend):
             self._upload(leaf, leaf._value)
         self._steps = self._bind(steps)
         self._graph_launch = None
-        self._graph_failed = os.environ.get("GRADTAPE_CUDA_GRAPH", "1") == "0"
+        self._graph_failed = settings.get("GRADTAPE_CUDA_GRAPH") == "0"
         self.graph_captured = False
         self._runs = 0
 

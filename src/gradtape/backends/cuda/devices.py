@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ... import settings
 from ...errors import GradtapeError
 from . import codegen as G
 from .arena import ALIGN, bf16_bits_to_f32, f32_to_bf16_bits
@@ -95,7 +96,7 @@ class RowMajorGemm:
 def _find_cublas():
     """A path (or soname) of libcublas: $GRADTAPE_CUBLAS, the copy CuPy already loaded,
     the nvidia-cublas-cu12 wheel, the CUDA toolkit."""
-    env = os.environ.get("GRADTAPE_CUBLAS")
+    env = settings.get("GRADTAPE_CUBLAS")
     if env:
         return [env]
     cands = []
@@ -110,7 +111,7 @@ def _find_cublas():
     cands += ["libcublas.so.12", "libcublas.so"]
     for base in sys.path:
         cands += sorted(glob.glob(os.path.join(base, "nvidia", "cublas", "lib", "libcublas.so*")))
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+    for root in (settings.get("CUDA_PATH"), settings.get("CUDA_HOME"), "/usr/local/cuda"):
         if root:
             cands += sorted(glob.glob(os.path.join(root, "lib64", "libcublas.so*")))
     return cands

@@ -224,8 +224,8 @@ def test_capture_failure_falls_back_once():
 
 
 class _HarnessBackend(C.CudaBackend):
-    def __init__(self, graph, schedule, plan, compute="float32"):
-        super().__init__(graph, schedule, plan, compute,
+    def __init__(self, graph, schedule, plan, execution=None):
+        super().__init__(graph, schedule, plan, execution,
                          device=devices.HarnessDevice(block_elem=32, max_grid=2))
 
 

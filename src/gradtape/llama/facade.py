@@ -23,8 +23,14 @@ class Llama(models.Model):
     """A loaded LLaMA-family model (``config``, ``tokenizer``, float32 ``weights``,
     ``name``, ``source``) with ``logits`` and ``generate``."""
 
-    def __post_init__(self):
-        self._runner = Runner(self)
+    @property
+    def _runner(self) -> Runner:
+        """This model's ``Runner``, made on first use; a copy of the model (another
+        config, other weights) gets its own rather than the original's programs."""
+        runner = self.__dict__.get("_runner_of_model")
+        if runner is None or runner.model is not self:
+            runner = self.__dict__["_runner_of_model"] = Runner(self)
+        return runner
 
     @classmethod
     def of(cls, model) -> "Llama":

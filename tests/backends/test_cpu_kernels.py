@@ -17,14 +17,10 @@ import gradtape as gt
 from gradtape import ops
 from gradtape.backends import _cgen
 
+from support import hardware
 from support.compare import rel_err
 from support.parity import TOL
 from test_cpu_backend import DTYPES, _loss_of
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 def _python_steps(prog):
@@ -360,8 +356,7 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
     from gradtape.backends.tiled_c import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
-    if not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    hardware.onednn_bf16()
     rng = np.random.default_rng(5)
     t, d, v, chunk = 40, 256, 700, 256  # blocks of 256, 256, 188 vocabulary rows
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -398,10 +393,7 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
     from gradtape.backends.tiled_c import CTiles, OnednnHeadGemms
     from gradtape.blocks import random_blocks
 
-    try:
-        onednn.library()
-    except onednn.DnnlError as e:
-        pytest.skip(str(e))
+    hardware.onednn_f32()
     rng = np.random.default_rng(6)
     t, d, v, chunk = 40, 256, 700, 256
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -442,8 +434,8 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     from gradtape.backends.tiled_c import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
-    if bf16 and not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    if bf16:
+        hardware.onednn_bf16()
     rng = np.random.default_rng(8)
     d, v, chunk = 256, 700, 256
     w = random_blocks("Q4_K", v, d, rng, std=0.1).data
@@ -481,8 +473,7 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
     from gradtape.backends.tiled_c import Bf16HeadGemms, CTiles
     from gradtape.blocks import random_blocks
 
-    if not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    hardware.onednn_bf16()
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     rng = np.random.default_rng(9)
     t, d, v, chunk = 48, 256, 768, 256  # whole blocks, each of the probed shape

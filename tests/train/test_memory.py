@@ -19,6 +19,7 @@ from gradtape.train.memory import OVERHEAD, estimate
 from gradtape.train.step import TrainStep
 from gradtape.models.lora import init_adapter
 
+from support import hardware
 from support.filebuilders import write_tiny_gguf
 from support.tinymodel import tiny_model
 
@@ -32,11 +33,6 @@ def files(tmp_path_factory):
     write_tiny_gguf(m, root / "tiny-q8.gguf", qtype="Q8_0")
     (root / "text.txt").write_text(TEXT)
     return root
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 def _cfg(files, out, **kw):
@@ -78,9 +74,7 @@ def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
 def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
     from gradtape.backends import compute, cpu, onednn
 
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(cpu, "BF16_MIN_WEIGHT", 0)  # the tiny weights in bf16 GEMMs too,
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))  # measured or not
     model = llama.load(files / "tiny-q8.gguf")
@@ -178,9 +172,7 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     from gradtape.backends import onednn
     from gradtape.train import step as step_module
 
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(step_module, "decide_compute", lambda *a, **k: ("int8", "forced"))
     cfg = lambda out, **kw: _cfg(files, tmp_path / out, compute="int8", steps=4,  # noqa: E731
                                  save_every=2, **kw)

@@ -352,7 +352,6 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
     (its logits a block of columns of the scratch); within the bound of the attention's
     (BF16_ATTN_TOL: each product's inputs rounded to 8 bits), and not float32's."""
     from gradtape import tiled
-    from gradtape.backends import onednn
     from gradtape.backends.tiled_c import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
@@ -430,7 +429,6 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     the same shapes and page-aligned buffers, summing in the same order: nothing of an
     earlier call may leak in).  A block table's rows come from the C kernels, gguf's bits."""
     from gradtape import tiled
-    from gradtape.backends import onednn
     from gradtape.backends.tiled_c import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
@@ -469,7 +467,7 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
     same bf16 operands, float32 sums), only the chosen way's scratch is kept, and the
     choice is made once, on the first block."""
     from gradtape import tiled
-    from gradtape.backends import compute, onednn
+    from gradtape.backends import compute
     from gradtape.backends.tiled_c import Bf16HeadGemms, CTiles
     from gradtape.blocks import random_blocks
 

@@ -196,7 +196,6 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     W [5, 256], one block of rows (a core without a share); backward over W [1030, 512],
     two groups of columns and W's rows in chunks of 512, 512 and 6, T = 13 (a last block
     of one row of g)."""
-    from gradtape.backends import onednn
     hardware.onednn_bf16()
     tid = qgemm._type_id(qtype)
     if not (qgemm.lib().gt_fused_scratch(tid, 200, 768, 13, 0) and
@@ -290,7 +289,7 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     """A bf16 block product is bound with its tiles of each size (qgemm.bf16_tile_sizes)
     in each layout oneDNN's kernel takes; compute.fastest is asked once per product with
     all of them and the one it names runs: each gives the rounded reference's product."""
-    from gradtape.backends import compute, onednn
+    from gradtape.backends import compute
     hardware.onednn_bf16()
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
@@ -326,7 +325,7 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     large tiles' ways unsplit; each gives the rounded reference's product, forward and
     backward (k = 256: the backward's small tile is all of W, its rows).  A swapped
     product's tiles are not split: x is its GEMM's weights."""
-    from gradtape.backends import compute, onednn
+    from gradtape.backends import compute
     hardware.onednn_bf16()
     monkeypatch.setattr(qgemm, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm, "BF16_SMALL_TILE_ELEMS", 64 * 512)
@@ -360,7 +359,6 @@ def test_block_products_of_one_activation_round_it_once(layout, monkeypatch):
     next ones of the same x read that copy (``rounded``); a backward product, or another
     activation, rounds its own.  Each gives the rounded reference's product.  Swapped
     forward products pack x^T past that copy, which the next ones still read."""
-    from gradtape.backends import onednn
     hardware.onednn_bf16()
     if layout:
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
@@ -609,8 +607,7 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
 
 # --- int8 compute ---------------------------------------------------------------------------
 
-def _need_int8():
-    from gradtape.backends import onednn
+def _need_int8():  # int8 compute is bf16 compute with int8 block products
     hardware.onednn_bf16()
 
 

@@ -32,7 +32,6 @@ def test_help(capsys):
         assert opt in out
 
 
-@pytest.mark.slow
 def test_generate_continues_prompt(use_session_model, capsys):
     assert main(["generate", "--prompt", "The capital of France is",
                  "--max-new-tokens", "4"]) == 0
@@ -40,7 +39,6 @@ def test_generate_continues_prompt(use_session_model, capsys):
     assert out.startswith(" Paris") and out.endswith("\n")
 
 
-@pytest.mark.slow
 def test_generate_chat_stops_at_eos(use_session_model, capsys):
     assert main(["generate", "--chat", "--prompt", "What is 2+2? Answer with one number.",
                  "--max-new-tokens", "30"]) == 0
@@ -48,7 +46,6 @@ def test_generate_chat_stops_at_eos(use_session_model, capsys):
     assert "4" in out and "<|im_end|>" not in out
 
 
-@pytest.mark.slow
 def test_generate_with_zero_adapter_equals_base(use_session_model, capsys, tmp_path):
     from gradtape.models import lora
     ad = lora.init_adapter(use_session_model.config, rank=2, targets=("q", "v"),
@@ -61,7 +58,6 @@ def test_generate_with_zero_adapter_equals_base(use_session_model, capsys, tmp_p
     assert capsys.readouterr().out == base
 
 
-@pytest.mark.slow
 def test_sampling_is_seeded(use_session_model, capsys):
     args = ["generate", "--prompt", "My favourite animal is", "--max-new-tokens", "6",
             "--temperature", "1.2", "--top-p", "0.9", "--seed", "5"]
@@ -90,7 +86,7 @@ def test_errors_are_one_line(capsys, args, msg):
     assert "Traceback" not in err
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # loads the model twice, float32 and kept
 def test_generation_reads_stored_weights_and_refuses_a_float32_copy_too_big(
         smollm2_gguf, capsys, monkeypatch):
     """--weights auto (the default) loads the file's blocks, which each token's C step
@@ -127,7 +123,6 @@ def test_prompt_or_chat_is_required(capsys):
     assert err.startswith("gradtape generate: error: --prompt is required")
 
 
-@pytest.mark.slow
 def test_context_error_from_the_api(use_session_model, capsys):
     assert main(["generate", "--prompt", "hi there", "--max-new-tokens", "8191"]) == 1
     err = capsys.readouterr().err
@@ -135,7 +130,6 @@ def test_context_error_from_the_api(use_session_model, capsys):
                           "max_new_tokens 8191 is longer than the model's context (8192")
 
 
-@pytest.mark.slow
 def test_stop_string_is_not_printed(use_session_model, capsys):
     args = ["generate", "--prompt", "The capital of France is", "--max-new-tokens", "12"]
     assert main(args) == 0
@@ -146,7 +140,6 @@ def test_stop_string_is_not_printed(use_session_model, capsys):
     assert out == full[:full.index(word)] + "\n"
 
 
-@pytest.mark.slow
 def test_chat_repl_keeps_history(use_session_model, capsys, monkeypatch):
     """Piped lines: one answer per line, each prompt holding the earlier turns."""
     prompts = []
@@ -167,7 +160,6 @@ def test_chat_repl_keeps_history(use_session_model, capsys, monkeypatch):
     assert prompts[1].endswith("And 3+3?<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.slow
 def test_chat_without_standard_input_is_one_error(use_session_model, capsys, monkeypatch):
     """Started with stdin closed (``<&-``: Python's sys.stdin is None), the chat says so."""
     monkeypatch.setattr("sys.stdin", None)
@@ -176,7 +168,7 @@ def test_chat_without_standard_input_is_one_error(use_session_model, capsys, mon
                                        "the chat from; give --prompt\n")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a subprocess under a pseudo-terminal
 def test_chat_repl_under_a_terminal(smollm2_gguf, tmp_path):
     """In a pseudo-terminal: a banner, the '> ' prompt, an answer, and Ctrl-D leaves."""
     import os
@@ -219,7 +211,6 @@ def test_chat_repl_under_a_terminal(smollm2_gguf, tmp_path):
         os.close(main_fd)
 
 
-@pytest.mark.slow
 def test_stream_printer_holds_back_partial_characters(smollm2):
     tok = smollm2.tokenizer
     text = "Hi 😀 and 中文 ok"
@@ -237,7 +228,6 @@ def test_stream_printer_holds_back_partial_characters(smollm2):
     assert all("\ufffd" not in w for w in writes)
 
 
-@pytest.mark.slow
 def test_stream_printer_never_prints_a_stop_string(smollm2):
     tok = smollm2.tokenizer
     ids = tok.encode("one two three four")

@@ -115,7 +115,6 @@ def test_repetition_penalty_changes_greedy_output(tiny):
     assert len(set(pen)) >= len(set(plain))  # repeats are discouraged
 
 
-@pytest.mark.slow
 def test_stop_strings(smollm2):
     tok = smollm2.tokenizer
     prompt = tok.encode("The capital of France is")

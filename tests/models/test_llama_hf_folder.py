@@ -115,7 +115,6 @@ def test_sharded_tied_bf16(tmp_path):
     assert rel_err(ours.logits(IDS), ref) <= 1e-4
 
 
-@pytest.mark.slow
 def test_folder_with_tokenizer(tmp_path, hf_tokenizer, smollm2):
     """tokenizer.json + chat template saved by transformers load as our tokenizer."""
     m = tiny_hf(vocab=49152)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]  # needs the embedded SmolLM2 GGUF
+pytestmark = pytest.mark.model  # needs the embedded SmolLM2 GGUF
 
 TEXTS = [
     "Hello world",

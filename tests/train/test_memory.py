@@ -72,7 +72,7 @@ def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
 
 
 def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
-    from gradtape.backends import compute, cpu, onednn
+    from gradtape.backends import compute, cpu
 
     hardware.onednn_bf16()
     monkeypatch.setattr(cpu, "BF16_MIN_WEIGHT", 0)  # the tiny weights in bf16 GEMMs too,
@@ -169,7 +169,6 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     the threads' order): a run stopped after its checkpoint and resumed ends with the
     adapter of the run never stopped, bit for bit.  int8 is forced here, whatever this
     CPU measures at the tiny shape."""
-    from gradtape.backends import onednn
     from gradtape.train import step as step_module
 
     hardware.onednn_bf16()

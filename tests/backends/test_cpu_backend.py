@@ -33,11 +33,6 @@ from support.compare import rel_err
 DTYPES = [np.float64, np.float32]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
-
-
 def cpu_program(tp, outputs, updates=None):
     prog = tp.compile(outputs, backend="cpu", updates=updates)
     assert prog.backend == "cpu"

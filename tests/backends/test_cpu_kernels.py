@@ -17,14 +17,10 @@ import gradtape as gt
 from gradtape import ops
 from gradtape.backends.cpu import codegen, toolchain
 
+from support import hardware
 from support.compare import rel_err
 from support.parity import TOL
 from test_cpu_backend import DTYPES, _loss_of
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 def _python_steps(prog):
@@ -356,12 +352,10 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
     (its logits a block of columns of the scratch); within the bound of the attention's
     (BF16_ATTN_TOL: each product's inputs rounded to 8 bits), and not float32's."""
     from gradtape import tiled
-    from gradtape.backends.cpu import onednn
     from gradtape.backends.cpu.tiled import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
-    if not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    hardware.onednn_bf16()
     rng = np.random.default_rng(5)
     t, d, v, chunk = 40, 256, 700, 256  # blocks of 256, 256, 188 vocabulary rows
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -398,10 +392,7 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
     from gradtape.backends.cpu.tiled import CTiles, OnednnHeadGemms
     from gradtape.blocks import random_blocks
 
-    try:
-        onednn.library()
-    except onednn.DnnlError as e:
-        pytest.skip(str(e))
+    hardware.onednn_f32()
     rng = np.random.default_rng(6)
     t, d, v, chunk = 40, 256, 700, 256
     x = rng.standard_normal((t, d)).astype(np.float32)
@@ -438,12 +429,11 @@ def test_fused_head_keeps_its_scratch_between_calls(bf16):
     the same shapes and page-aligned buffers, summing in the same order: nothing of an
     earlier call may leak in).  A block table's rows come from the C kernels, gguf's bits."""
     from gradtape import tiled
-    from gradtape.backends.cpu import onednn
     from gradtape.backends.cpu.tiled import CTiles
     from gradtape.blocks import dequantize, random_blocks
 
-    if bf16 and not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    if bf16:
+        hardware.onednn_bf16()
     rng = np.random.default_rng(8)
     d, v, chunk = 256, 700, 256
     w = random_blocks("Q4_K", v, d, rng, std=0.1).data
@@ -477,13 +467,12 @@ def test_bf16_head_takes_a_block_table_in_either_layout(monkeypatch, tmp_path):
     same bf16 operands, float32 sums), only the chosen way's scratch is kept, and the
     choice is made once, on the first block."""
     from gradtape import tiled
-    from gradtape.backends.cpu import measure as compute, onednn
     from gradtape import plan
+    from gradtape.backends.cpu import measure as compute
     from gradtape.backends.cpu.tiled import Bf16HeadGemms, CTiles
     from gradtape.blocks import random_blocks
 
-    if not onednn.available()[0]:
-        pytest.skip(onednn.available()[1])
+    hardware.onednn_bf16()
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     rng = np.random.default_rng(9)
     t, d, v, chunk = 48, 256, 768, 256  # whole blocks, each of the probed shape

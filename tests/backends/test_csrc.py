@@ -16,6 +16,7 @@ def test_the_sources_are_found():
     assert {"ggml_vec.c", "llama_decode.c", "qgemm.c"} <= set(SOURCES)
 
 
+@pytest.mark.slow  # the compiler run afresh on each file
 @pytest.mark.parametrize("name", SOURCES)
 def test_compiles_alone(name, tmp_path):
     cc, _ = toolchain.compiler()

@@ -1,6 +1,7 @@
 """The cuda backend on a real GPU: backend parity against the NumPy reference.
 
-Skipped without CuPy or without a visible CUDA device.  The same cases as
+Skipped without CuPy (the GPU machine's extra, ``pip install 'gradtape[cuda]'``) or
+without a visible CUDA device.  The same cases as
 test_cuda_codegen.py (which runs the same generated kernels on the CPU harness), here
 through ``CupyDevice``: NVRTC-compiled kernels, cuBLAS through our ctypes handle, the
 CUDA-graph replay.
@@ -20,17 +21,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
+cupy = pytest.importorskip("cupy", reason="no GPU here: CuPy is not installed (pip install "
+                                           "'gradtape[cuda]' on a machine with a CUDA GPU)")
 try:
     _N_DEV = cupy.cuda.runtime.getDeviceCount()
 except Exception:  # no driver
     _N_DEV = 0
 if _N_DEV < 1:
-    pytest.skip("no CUDA device", allow_module_level=True)
+    pytest.skip("no CUDA device visible (CuPy is installed)", allow_module_level=True)
 
 import gradtape as gt  # noqa: E402
 from gradtape import ops  # noqa: E402
-from gradtape.backends.cuda import arena, devices  # noqa: E402
+from gradtape.backends.cuda.backend import arena, devices  # noqa: E402
 
 import test_cuda_codegen as H  # noqa: E402
 from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph  # noqa: E402

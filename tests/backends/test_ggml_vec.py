@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import gguf
 from gradtape.backends.cpu import ggml_vec
 
-gguf = pytest.importorskip("gguf")
-if not ggml_vec.available():
-    pytest.skip("no C compiler", allow_module_level=True)
+assert ggml_vec.available(), "the C kernels do not build: gradtape needs a C compiler (cc)"
 
 # byte ranges of the f16 scales inside one block (the rest are quant bits: any value)
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],

@@ -33,15 +33,11 @@ from gradtape import ops
 from gradtape.backends.cpu import blas, qgemm, qgemm_bf16, qgemm_int8, qgemm_tiles, toolchain
 from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
 
+from support import hardware
 from support.compare import rel_err
 
 TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}
 TYPES = sorted(BLOCK_TYPES)
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 @pytest.fixture
@@ -145,9 +141,7 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded); a BF16 W
     also read where it lies (direct: one GEMM, no tiles)."""
     from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", tile)
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     r = np.random.default_rng(200 + TYPES.index(qtype))
@@ -202,10 +196,7 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     W [5, 256], one block of rows (a core without a share); backward over W [1030, 512],
     two groups of columns and W's rows in chunks of 512, 512 and 6, T = 13 (a last block
     of one row of g)."""
-    from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     tid = qgemm.type_id(qtype)
     if not (qgemm.lib().gt_fused_scratch(tid, 200, 768, 13, 0) and
             qgemm.lib().gt_fused_scratch(tid, 1030, 512, 13, 1)):
@@ -245,9 +236,7 @@ def test_swapped_operands_are_packed_and_products_moved_exactly(m, k):
     (rows past m zeros; a last group of fewer than 16 rows); gt_copy_cols_t writes the
     [m, n] product's transpose into columns of a wider result, touching nothing else."""
     from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     d, L = onednn.dnnl(), qgemm.lib()
     r = np.random.default_rng(m + k)
     x16 = onednn.to_bf16(r.standard_normal((m, k), dtype=np.float32))
@@ -300,10 +289,8 @@ def test_bf16_tiles_of_each_size_and_layout_are_timed_and_the_chosen_one_runs(mo
     """A bf16 block product is bound with its tiles of each size (bf16_tile_sizes)
     in each layout oneDNN's kernel takes; compute.fastest is asked once per product with
     all of them and the one it names runs: each gives the rounded reference's product."""
-    from gradtape.backends.cpu import measure as compute, onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    from gradtape.backends.cpu import measure as compute
+    hardware.onednn_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 64 * 512)
     assert qgemm_tiles.bf16_tile_sizes() == (320 * 512, 64 * 512)
@@ -338,10 +325,8 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
     large tiles' ways unsplit; each gives the rounded reference's product, forward and
     backward (k = 256: the backward's small tile is all of W, its rows).  A swapped
     product's tiles are not split: x is its GEMM's weights."""
-    from gradtape.backends.cpu import measure as compute, onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    from gradtape.backends.cpu import measure as compute
+    hardware.onednn_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 320 * 512)
     monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 64 * 512)
     monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ROWS", 4)
@@ -374,10 +359,7 @@ def test_block_products_of_one_activation_round_it_once(layout, monkeypatch):
     next ones of the same x read that copy (``rounded``); a backward product, or another
     activation, rounds its own.  Each gives the rounded reference's product.  Swapped
     forward products pack x^T past that copy, which the next ones still read."""
-    from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     if layout:
         monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     r = np.random.default_rng(11)
@@ -471,9 +453,7 @@ def _lowered_qmatmul(r, bm, choose=None):
     from types import SimpleNamespace
 
     from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     x = r.standard_normal((9, 512), dtype=np.float32)
     out = np.empty((9, 96), np.float32)
     v = SimpleNamespace(op="qmatmul", attrs=dict(qtype=bm.qtype, rows=96, k=512),
@@ -509,9 +489,7 @@ def test_only_the_chosen_way_of_a_block_product_is_bound(monkeypatch):
     """lower_bf16 binds a way's GEMMs (a oneDNN memory object per operand and tile) when
     it first runs: where the decision is cached, only the chosen way ever is."""
     from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 1 << 16)
     monkeypatch.setattr(qgemm_tiles, "BF16_SMALL_TILE_ELEMS", 1 << 14)
     bound, seen = [], {}
@@ -636,11 +614,8 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
 
 # --- int8 compute ---------------------------------------------------------------------------
 
-def _need_int8():
-    from gradtape.backends.cpu import onednn
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+def _need_int8():  # int8 compute is bf16 compute with int8 block products
+    hardware.onednn_bf16()
 
 
 def _q8(v):

@@ -38,7 +38,7 @@ def test_bf16_fused_attention_on_16_lanes(sixteen_lanes, case):
     bf16_check(*case)
 
 
-def test_bf16_instructions_equal_their_plain_c_block(monkeypatch, tmp_path):
+def test_bf16_instructions_equal_their_plain_c_block(monkeypatch):
     """AVX512-BF16's vdpbf16ps against the plain-C block over the same bf16 pairs: the same
     products summed in another order, so float32 rounding apart, except where a p or dS
     then rounds to the other bf16 neighbour (2^-8 of that one value, carried into the
@@ -49,7 +49,7 @@ def test_bf16_instructions_equal_their_plain_c_block(monkeypatch, tmp_path):
         pytest.skip("no AVX512-BF16 on this CPU: only the plain-C block is built")
     case = (300, 9, 3, 64, 0.0, 0, 1, None, 0)
     native = _fused_attention(*case, bf16=True)[0]
-    emulate_sixteen_lanes(monkeypatch, tmp_path / "gtcache")
+    emulate_sixteen_lanes(monkeypatch)
     assert not CTiles(np.float32, True).bf16_native
     emulated = _fused_attention(*case, bf16=True)[0]
     for a, b in zip(native, emulated):

@@ -317,6 +317,7 @@ def stand_ins(monkeypatch, paths):
     monkeypatch.delenv("GRADTAPE_DEBUG", raising=False)
 
 
+@pytest.mark.slow  # EXAMPLES commands each
 @pytest.mark.parametrize("command", list(SPECS))
 def test_fuzz_command_line(command, paths, stand_ins):
     seen, slowest = collections.Counter(), []

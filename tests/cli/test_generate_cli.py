@@ -47,7 +47,7 @@ def test_generate_chat_stops_at_eos(use_session_model, capsys):
 
 
 def test_generate_with_zero_adapter_equals_base(use_session_model, capsys, tmp_path):
-    lora = pytest.importorskip("gradtape.models.lora")
+    from gradtape.models import lora
     ad = lora.init_adapter(use_session_model.config, rank=2, targets=("q", "v"),
                            base_model=use_session_model.name)
     ad.save(tmp_path / "ad")  # B = 0: the adapted model equals the base
@@ -86,6 +86,7 @@ def test_errors_are_one_line(capsys, args, msg):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # loads the model twice, float32 and kept
 def test_generation_reads_stored_weights_and_refuses_a_float32_copy_too_big(
         smollm2_gguf, capsys, monkeypatch):
     """--weights auto (the default) loads the file's blocks, which each token's C step
@@ -167,6 +168,7 @@ def test_chat_without_standard_input_is_one_error(use_session_model, capsys, mon
                                        "the chat from; give --prompt\n")
 
 
+@pytest.mark.slow  # a subprocess under a pseudo-terminal
 def test_chat_repl_under_a_terminal(smollm2_gguf, tmp_path):
     """In a pseudo-terminal: a banner, the '> ' prompt, an answer, and Ctrl-D leaves."""
     import os

@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+import gradtape as gt
+from gradtape import nn, ops
+
+from support.compare import rel_err
+from support.fd import BACKENDS, replay_tol
+
 F = torch.nn.functional
-
-import gradtape as gt  # noqa: E402
-from gradtape import nn, ops  # noqa: E402
-
-from support.compare import rel_err  # noqa: E402
-from support.fd import BACKENDS, replay_tol  # noqa: E402
 
 ORACLE_TOL = 1e-11
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

@@ -130,7 +130,6 @@ def test_shape_and_type_errors_name_the_op_and_shapes():
 
 
 def test_cuda_backend_refuses_block_ops_clearly():
-    pytest.importorskip("gradtape.backends.cuda.backend")
     from gradtape.backends.cuda.backend import CudaBackend
     from gradtape.compile import build_graph, lower
     r = np.random.default_rng(3)

@@ -132,6 +132,7 @@ def test_the_checker_sees_function_level_imports():
     assert "gradtape.formats.gguf_reader" in GRAPH["gradtape.models.memory"]  # in a function
 
 
+@pytest.mark.slow  # a fresh interpreter per module
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith("__main__")))
 def test_module_imports_alone(module):
     """In a fresh interpreter, with nothing imported before it (cuda needs CuPy only when

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+import gradtape as gt
+from gradtape import nn
+
+from support.compare import rel_err
+from support.fd import Const
+
 F = torch.nn.functional
-
-import gradtape as gt  # noqa: E402
-from gradtape import nn  # noqa: E402
-
-from support.compare import rel_err  # noqa: E402
-from support.fd import Const  # noqa: E402
 
 ORACLE_TOL = 1e-11
 

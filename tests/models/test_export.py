@@ -39,10 +39,6 @@ def _have(mod):
         return False
 
 
-need_hf = pytest.mark.skipif(not (_have("torch") and _have("transformers")),
-                             reason="torch / transformers not installed (test-only reference)")
-
-
 IDS = [3, 17, 101, 44, 200, 9, 65, 66, 67, 250, 31, 12]
 
 
@@ -112,7 +108,6 @@ def test_merge_rejects_an_adapter_for_another_model():
 
 # --- merged Hugging Face folder -----------------------------------------------------------
 
-@need_hf
 def test_merged_hf_folder_loads_in_transformers_and_gradtape(tiny_setup):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -182,7 +177,6 @@ def test_merged_gguf_reads_back(tiny_setup, capsys):
                           merged["layers.1.q"].T)
 
 
-@need_hf
 def test_merged_gguf_loads_in_transformers(tiny_setup):
     import torch
     from transformers import AutoModelForCausalLM
@@ -305,7 +299,7 @@ def test_cli_errors(tiny_setup, capsys):
 
 # --- the real model -----------------------------------------------------------------------
 
-@need_hf
+@pytest.mark.slow
 def test_smollm2_merged_hf_folder_and_gguf(smollm2, tmp_path):
     """SmolLM2 + a random rank-4 adapter on every linear: the merged Hugging Face folder
     in transformers (weights and tokenizer) and the merged float32 GGUF (tokenizer
@@ -351,7 +345,9 @@ def test_smollm2_merged_hf_folder_and_gguf(smollm2, tmp_path):
     assert err_hf < F32_REL and err_gguf < F32_REL
 
 
-@pytest.mark.skipif(not _have("llama_cpp"), reason="llama-cpp-python not installed")
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("llama_cpp"), reason="llama-cpp-python not installed "
+                    "(make test does not install it: a 10-minute build)")
 def test_llama_cpp_runs_the_exported_lora(smollm2, tmp_path):
     """llama.cpp on an F32 copy of the base (on the Q4_1 file its quantized arithmetic
     hides a wrong q/k layout), with and without the exported LoRA: its logits move the

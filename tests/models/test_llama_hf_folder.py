@@ -12,15 +12,14 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from gradtape import Tape, llama
 from gradtape.models import graph as M
 from gradtape.models.load_gguf import permute_rope_rows, unpermute_rope_rows
 
 from support.compare import rel_err
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 IDS = [3, 17, 250, 1, 99, 42, 42, 7, 0, 311, 64, 128, 5, 200, 9, 33, 18, 77, 260, 2]
 HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",

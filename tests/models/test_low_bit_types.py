@@ -13,21 +13,17 @@ import numpy as np
 import pytest
 
 from gradtape import llama
-from gradtape.backends.cpu import measure as compute
 from gradtape.blocks import BlockMatrix
 
+from support import hardware
 from support.adapters import lora_grads, random_adapter
 from support.compare import rel_err
 from support.filebuilders import write_tiny_gguf
+from support.greedy import assert_greedy_equal
 from support.tinymodel import tiny_model
 
 TYPES = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
          "IQ3_S"]
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 @pytest.fixture(scope="module", params=TYPES)
@@ -59,8 +55,8 @@ def _grads(model, compute_kind):
 
 @pytest.mark.parametrize("compute_kind", ["float32", "bf16"])
 def test_a_lora_step_matches_the_dequantized_model(pair, compute_kind):
-    if compute_kind == "bf16" and not compute.bf16_fast():
-        pytest.skip("no fast bf16 GEMMs on this CPU (or oneDNN is missing)")
+    if compute_kind == "bf16":  # asked for by name: runs wherever oneDNN has bf16
+        hardware.onednn_bf16()
     q, f = pair
     (lq, gq), (lf, gf) = _grads(q, compute_kind), _grads(f, compute_kind)
     # float32: the same products summed in another order (tiles against one GEMM);
@@ -74,9 +70,11 @@ def test_a_lora_step_matches_the_dequantized_model(pair, compute_kind):
 
 
 def test_greedy_generation_matches(pair):
-    """The same tokens, though the decoders may sum in another order: every step's top two
-    logits here lie at least 3e-3 of the largest apart (measured), float32's order moves
-    them by about 1e-6."""
+    """The same tokens, though the decoders may sum in another order: compared where the
+    float32 graph's top two logits lie further apart than the two models' logits do
+    (1e-5 of the largest, ``test_kept_as_stored``; about 1e-6 measured)."""
     q, f = pair
     ids = list(np.arange(20) * 5 % 256)
-    assert q.generate(ids, 6, stop_ids=()) == f.generate(ids, 6, stop_ids=())
+    a = q.generate(ids, 6, stop_ids=())
+    ref = f.logits(ids + a[:-1])[len(ids) - 1:]
+    assert_greedy_equal(ref, a, f.generate(ids, 6, stop_ids=()), 1e-5)

@@ -19,7 +19,7 @@ from support.adapters import random_adapter
 from support.tinymodel import lora_loss_outputs
 from support.compare import rel_err
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 TEXT = "The quick brown fox jumps over the lazy dog, then writes {\"a\": 1} in JSON."
 TARGET_MODULES = [m.split(".")[1] for m in PEFT_MODULES.values()]
 

@@ -24,8 +24,9 @@ from gradtape.models.lora import init_adapter
 
 from support.adapters import lora_grads
 from support.compare import rel_err
+from support.greedy import assert_greedy_equal
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow]
 TOL = 1e-5
 
 
@@ -87,10 +88,7 @@ def test_lora_gradients_equal_the_dequantized_model(smollm2_q, smollm2):
         assert rel_err(a, b) <= TOL
 
 
-@pytest.mark.slow
-def test_lora_gradients_on_the_cpu_backend(smollm2_q, smollm2, tmp_path_factory,
-                                           monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+def test_lora_gradients_on_the_cpu_backend(smollm2_q, smollm2):
     adapter, ids, targets = _case(smollm2)
     q = lora_grads(smollm2_q, adapter, ids, targets, "cpu")
     dense = lora_grads(smollm2, adapter, ids, targets, "cpu")
@@ -102,7 +100,11 @@ def test_lora_gradients_on_the_cpu_backend(smollm2_q, smollm2, tmp_path_factory,
         (np.median(eq), np.median(ed), eq.max(), ed.max())
 
 
-@pytest.mark.slow
 def test_generate_on_the_quantized_base(smollm2_q, smollm2):
+    """Prefill and one decode step pick the float32 model's tokens, where the float32
+    graph's top two logits lie further apart than the C decoder's logits may lie from
+    the graph's (2e-4 on SmolLM2: tests/models/test_decode_engine.py)."""
     ids = smollm2.tokenizer.encode("The capital of France is")
-    assert smollm2_q.generate(ids, 2) == smollm2.generate(ids, 2)  # prefill + one decode step
+    a = smollm2_q.generate(ids, 2)
+    ref = smollm2.logits(ids + a[:-1])[len(ids) - 1:]
+    assert_greedy_equal(ref, a, smollm2.generate(ids, 2), 2e-4)

@@ -42,8 +42,7 @@ def _to_half(folder, kind):
 
 
 @pytest.mark.parametrize("kind", ["BF16", "F16"])
-def test_hf_half_weights_stay_two_bytes(tmp_path, kind, monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
+def test_hf_half_weights_stay_two_bytes(tmp_path, kind):
     folder = write_hf_folder(tiny_model(seed=8), tmp_path / "m")
     _to_half(folder, kind)
     q = llama.load(folder, keep_quantized=True)

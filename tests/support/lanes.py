@@ -14,14 +14,13 @@ EMULATED = ("-DGV_EMULATE=16", "-Wno-psabi")
 
 
 @pytest.fixture
-def sixteen_lanes(monkeypatch, tmp_path_factory):
-    emulate_sixteen_lanes(monkeypatch, tmp_path_factory.getbasetemp() / "gtcache")
+def sixteen_lanes(monkeypatch):
+    emulate_sixteen_lanes(monkeypatch)
 
 
-def emulate_sixteen_lanes(monkeypatch, cache):
-    """From here to the end of the test, the kernels built with ``-DGV_EMULATE=16`` into
-    the cache folder ``cache``."""
-    monkeypatch.setenv("GRADTAPE_CACHE", str(cache))
+def emulate_sixteen_lanes(monkeypatch):
+    """From here to the end of the test, the kernels built with ``-DGV_EMULATE=16`` (their
+    flags are in the cache key: the shared cache keeps them beside the native ones)."""
     threads_flags = toolchain.threads_flags
     monkeypatch.setattr(toolchain, "threads_flags",
                         lambda flags=toolchain.FLAGS: threads_flags(flags) + EMULATED)

@@ -18,6 +18,7 @@ from gradtape.plan import Decision
 from gradtape.train import step as step_module
 from gradtape.train.step import TrainStep
 
+from support import hardware
 from support.compare import rel_err
 from support.tinymodel import tiny_model
 
@@ -95,9 +96,7 @@ def test_f32_keeps_the_fused_attentions_products_float32_in_a_bf16_program():
     """In a bf16 program (here a frozen weight's GEMM beside the attention) the fused
     attention takes bf16 inputs too, unless ``f32``: then it is the float32 program's,
     to float32 rounding."""
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     rng = np.random.default_rng(2)
     n, nh, nkv, hd = 160, 4, 2, 16
     got = {}

@@ -19,6 +19,7 @@ from gradtape.train.memory import OVERHEAD, estimate
 from gradtape.train.step import TrainStep
 from gradtape.models.lora import init_adapter
 
+from support import hardware
 from support.filebuilders import write_tiny_gguf
 from support.tinymodel import tiny_model
 
@@ -32,11 +33,6 @@ def files(tmp_path_factory):
     write_tiny_gguf(m, root / "tiny-q8.gguf", qtype="Q8_0")
     (root / "text.txt").write_text(TEXT)
     return root
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path_factory.getbasetemp() / "gtcache"))
 
 
 def _cfg(files, out, **kw):
@@ -76,11 +72,9 @@ def test_estimate_counts_plans_weights_and_scratch(files, monkeypatch):
 
 
 def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
-    from gradtape.backends.cpu import backend as cpu, measure as compute, onednn
+    from gradtape.backends.cpu import backend as cpu, measure as compute
 
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(cpu, "BF16_MIN_WEIGHT", 0)  # the tiny weights in bf16 GEMMs too,
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))  # measured or not
     model = llama.load(files / "tiny-q8.gguf")
@@ -175,12 +169,9 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     the threads' order): a run stopped after its checkpoint and resumed ends with the
     adapter of the run never stopped, bit for bit.  int8 is forced here, whatever this
     CPU measures at the tiny shape."""
-    from gradtape.backends.cpu import onednn
     from gradtape import plan
 
-    ok, why = onednn.available()
-    if not ok:
-        pytest.skip(why)
+    hardware.onednn_bf16()
     monkeypatch.setattr(plan, "decide_compute", lambda *a, **k: plan.Decision("int8", "forced"))
     cfg = lambda out, **kw: _cfg(files, tmp_path / out, compute="int8", steps=4,  # noqa: E731
                                  save_every=2, **kw)

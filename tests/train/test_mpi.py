@@ -34,8 +34,15 @@ def _mpiexec():
 
 
 MPIEXEC = _mpiexec()
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec / mpi4py not installed "
-                                                       "(pip install '.[mpi]')")
+
+
+@pytest.fixture
+def mpi():
+    """``make test`` installs mpi4py and mpiexec (the mpich wheel): missing, a test fails."""
+    assert MPIEXEC is not None, "mpiexec / mpi4py not installed (pip install '.[mpi]')"
+
+
+needs_mpi = pytest.mark.usefixtures("mpi")
 
 
 def _env():
@@ -69,6 +76,7 @@ def _max_rel(a, b):
     return worst
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_two_ranks_equal_one_process_with_twice_the_batch(tiny_dir, tmp_path):
     one = _finetune(tiny_dir, tmp_path / "one", 4)
@@ -114,6 +122,7 @@ def test_two_ranks_equal_one_process_with_twice_the_batch(tiny_dir, tmp_path):
     assert bad.returncode == 1 and "keep their product" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_ctrl_c_stops_every_rank_after_the_same_step_and_resumes(tiny_dir, tmp_path):
     steps = 40
@@ -144,6 +153,7 @@ def _lines(path):
         return 0
 
 
+@pytest.mark.slow
 @needs_mpi
 def test_a_setup_error_stops_every_rank_with_one_line(tiny_dir, tmp_path):
     res = subprocess.run(

@@ -32,7 +32,7 @@ if _N_DEV < 1:
 
 import gradtape as gt  # noqa: E402
 from gradtape import ops  # noqa: E402
-from gradtape.backends.cuda.backend import arena, devices  # noqa: E402
+from gradtape.backends.cuda import arena, devices  # noqa: E402
 
 import test_cuda_codegen as H  # noqa: E402
 from test_cpu_backend import PRIM_CASES, _loss_of, _random_graph  # noqa: E402

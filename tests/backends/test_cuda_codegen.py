@@ -30,9 +30,9 @@ import pytest
 import gradtape as gt
 from gradtape import nn, ops
 from gradtape.backends import BACKENDS
-from gradtape.backends.cuda.backend import arena, devices
-from gradtape.backends.cuda.backend import backend as C
-from gradtape.backends.cuda.backend import codegen as G
+from gradtape.backends.cuda import arena, devices
+from gradtape.backends.cuda import backend as C
+from gradtape.backends.cuda import codegen as G
 from gradtape.compile.fuse import step_inputs, step_outputs
 from gradtape.compile.graph import build_graph
 from gradtape.compile import lower

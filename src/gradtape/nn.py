@@ -20,6 +20,7 @@ from . import ops, tiled
 from .var import is_blocks
 
 MASK_VALUE = tiled.MASK_VALUE
+AttentionSpec = tiled.AttentionSpec  # one attention call's heads and options
 
 
 # --- leaves -------------------------------------------------------------------------------
@@ -249,23 +250,27 @@ def segment_mask(tp, segments, causal, n_seq, t):
     return ops.add(ops.scale(other, MASK_VALUE), causal)
 
 
-def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t, nh, nkv, hd, iscale,
-                       softcap=0.0):
-    """``gqa_attention`` of ``n_seq`` independent sequences of length ``t`` stacked as rows
-    (``q[n_seq*t, nh*hd]``, ``k, v[n_seq*t, nkv*hd]``), batched over (sequence, kv head):
-    a constant number of ops however many heads and sequences.
+def gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, spec):
+    """``gqa_attention`` of ``spec.n_seq`` independent sequences of length ``t`` stacked as
+    rows (``q[n_seq*t, nh*hd]``, ``k, v[n_seq*t, nkv*hd]``), batched over (sequence, kv
+    head): a constant number of ops however many heads and sequences.  ``spec``: a
+    ``tiled.AttentionSpec`` (its ``window`` and ``tile`` are not read: ``mask`` holds the
+    window).
 
     The ``g = nh/nkv`` query heads sharing kv head ``j`` become one ``[g*t, hd]`` matrix
     (query head ``qi = j*g + i`` at rows ``i*t ...``), so each batch entry is one
     ``[g*t, t]`` score matrix; ``cosc, sinc[t, hd/2]`` and ``mask[t, t]`` are tiled g times.
     Equal to running ``gqa_attention`` on each sequence and stacking the results.
-    ``softcap > 0`` soft-caps the scaled scores before the mask (Gemma 2).
+    ``spec.softcap > 0`` soft-caps the scaled scores before the mask (Gemma 2).
 
     Packed rows (several examples to a sequence) give each token its own rope row,
     ``cosc, sinc [n_seq*t, hd/2]``, and each sequence its own ``mask [n_seq, t, t]``
     (``segment_mask``); these are broadcast over the kv heads of the batch.
     """
+    n_seq, nh, nkv, hd = spec.n_seq, spec.nh, spec.nkv, spec.hd
+    iscale, softcap = spec.iscale, spec.softcap
     _check_heads(nh, nkv)
+    t = q.shape[0] // n_seq
     g = nh // nkv
     b = n_seq * nkv
     h2 = hd // 2
@@ -321,20 +326,19 @@ def _rope_rows(tp, x, cosc, sinc, n, hd):
     return ops.reshape(out, (rows, n * hd))
 
 
-def tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, nh, nkv, hd, iscale, softcap=0.0,
-                    window=0, segments=None, tile=tiled.ATTN_TILE, f32=False):
-    """``gqa_attention_seqs`` with the causal (and sliding-window, ``window > 0``) mask
-    applied by position, as one tiled primitive (``ops.attn``): memory linear in ``t``,
-    the key tiles no query of a tile sees never computed.  ``segments [n_seq*t]`` (integer
-    ids, ``0 <= id < n_seq*t``) also hides keys of other segments (packed examples).
-    ``q [n_seq*t, nh*hd]``, ``k, v [n_seq*t, nkv*hd]``; rope tables ``[t, hd/2]`` (or one
-    row per row of ``q``); returns ``[n_seq*t, nh*hd]``.  ``f32``: as ``ops.attn``'s."""
-    _check_heads(nh, nkv)
-    qr = _rope_rows(tp, q, cosc, sinc, nh, hd)
-    kr = _rope_rows(tp, k, cosc, sinc, nkv, hd)
-    out = ops.attn(qr, kr, v, segments, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=softcap,
-                   window=window, n_seq=n_seq, tile=tile, f32=f32)  # [N, nh*hd + nh]
-    return ops.slice_(out, 1, 0, nh * hd)
+def tiled_attention(tp, q, k, v, cosc, sinc, spec, segments=None, f32=False):
+    """``gqa_attention_seqs`` with the causal (and sliding-window, ``spec.window > 0``)
+    mask applied by position, as one tiled primitive (``ops.attn``, the call ``spec``, a
+    ``tiled.AttentionSpec``): memory linear in ``t``, the key tiles no query of a tile
+    sees never computed.  ``segments [n_seq*t]`` (integer ids, ``0 <= id < n_seq*t``) also
+    hides keys of other segments (packed examples).  ``q [n_seq*t, nh*hd]``, ``k, v
+    [n_seq*t, nkv*hd]``; rope tables ``[t, hd/2]`` (or one row per row of ``q``); returns
+    ``[n_seq*t, nh*hd]``.  ``f32``: as ``ops.attn``'s."""
+    _check_heads(spec.nh, spec.nkv)
+    qr = _rope_rows(tp, q, cosc, sinc, spec.nh, spec.hd)
+    kr = _rope_rows(tp, k, cosc, sinc, spec.nkv, spec.hd)
+    out = ops.attn(qr, kr, v, spec, segments, f32=f32)  # [N, nh*hd + nh]
+    return ops.slice_(out, 1, 0, spec.nh * spec.hd)
 
 
 def rope_heads(tp, x, cosc, sinc, t, n, hd):

@@ -11,12 +11,16 @@ those statistics.  Memory is linear in T: the scratch is a fixed budget of eleme
 run in another order than the composed ops (``nn.cross_entropy_ids``,
 ``nn.gqa_attention``): equal to them up to rounding, not bitwise.
 
+An attention call's heads and options travel as one ``AttentionSpec``, from the layers
+(``nn``) through the primitive (``ops.attn``) to these walks and a backend's kernels.
+
 This module knows nothing of tapes; ``ops`` declares the shapes and the VJPs.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -215,13 +219,15 @@ def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
     np.subtract(s, picked, out=out[:, 0])
 
 
-def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
+def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, kern=NUMPY_TILES, **logical):
     """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
-    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``)."""
+    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``).
+    ``logical``: a block table's ``rows`` and ``k`` (the op's attrs, read by its shape
+    rule only), as for the other head walks."""
     _head_walk(out, x, w, ids, cap, chunk, qtype, kern)
 
 
-def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, rows=None, k=None, kern=NUMPY_TILES):
+def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, kern=NUMPY_TILES, **logical):
     """``out = [nll | lse | E]``: ``fwd_head_nll``'s two columns (no cap) and ``E =
     softmax(z) @ W [T, D]``, the softmax-weighted table rows.  The gradient w.r.t. ``x``
     is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward needs no second walk over
@@ -247,8 +253,8 @@ def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
         yield v0, v1, z
 
 
-def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, rows=None, k=None,
-                        kern=NUMPY_TILES):
+def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, kern=NUMPY_TILES,
+                        **logical):
     """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``)."""
     out.fill(0)
     tmp = kern.buffer("head product", out.shape, out.dtype)
@@ -270,6 +276,35 @@ def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
 ATTN_TILE = 128  # query rows per tile
 ATTN_KEYS = 4  # key rows per tile, in query tiles: wide key tiles, few small diagonal ones
 MASK_VALUE = -1e9  # the additive mask of the composed attention (nn.causal_mask_fill)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention call's heads and options: ``nh`` query heads of ``hd`` values over
+    ``nkv`` kv heads (query head ``h`` reads kv head ``h // (nh // nkv)``), ``n_seq``
+    sequences stacked as rows, the scores scaled by ``iscale`` and, where ``softcap > 0``,
+    soft-capped to ``softcap * tanh(s / softcap)``; where ``window > 0`` keys ``window``
+    or more positions back are hidden.  ``tile``: query rows per tile of the tiled walk.
+
+    The composed attention (``nn.gqa_attention_seqs``) reads the heads, scale, cap and
+    ``n_seq``; its mask carries the window.  The fields are coerced to plain ints and
+    floats, so an op holding a spec in its attrs compares and hashes by value
+    (``compile.cse``).  The shapes are checked where the spec is used, against the
+    arrays."""
+    nh: int
+    nkv: int
+    hd: int
+    iscale: float
+    softcap: float = 0.0
+    window: int = 0
+    n_seq: int = 1
+    tile: int = ATTN_TILE
+
+    def __post_init__(self):
+        for name, kind in (("nh", int), ("nkv", int), ("hd", int), ("iscale", float),
+                           ("softcap", float), ("window", int), ("n_seq", int),
+                           ("tile", int)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
 
 
 def attn_tiles(tile, tq, tk):
@@ -405,10 +440,10 @@ def _kv_heads(x, k0, k1, nkv, hd):
     return x[k0:k1].reshape(k1 - k0, nkv, hd).transpose(1, 0, 2)  # [nkv, n, hd] (a view)
 
 
-def _layout(q, k, seg, n_seq, window, tile):
-    lay = AttnLayout(q.shape[0], k.shape[0], n_seq, window, seg[0] if seg else None, tile,
-                     ATTN_KEYS * tile)
-    return lay, attn_tiles(tile, lay.tq, lay.tk)
+def _layout(q, k, seg, spec):
+    lay = AttnLayout(q.shape[0], k.shape[0], spec.n_seq, spec.window, seg[0] if seg else None,
+                     spec.tile, ATTN_KEYS * spec.tile)
+    return lay, attn_tiles(spec.tile, lay.tq, lay.tk)
 
 
 def _block(buf, *shape):
@@ -416,18 +451,17 @@ def _block(buf, *shape):
     return buf[:int(np.prod(shape))].reshape(shape)
 
 
-def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile, f32=False,
-             kern=NUMPY_TILES):
+def fwd_attn(out, q, k, v, *seg, spec, f32=False, kern=NUMPY_TILES):
     """``out = [o | lse]``: per query head the softmax-weighted values ``o [N, nh*hd]`` and
-    the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores, walking the key
-    tiles with an online softmax (``attn_fwd``): at the end ``o = acc / l`` and ``lse =
-    m + log l``.  The scratch (score block, products) is allocated once per call.
-    ``f32``: float32 products even in a bf16 program (read by the cpu backend when it
-    picks ``kern``)."""
+    the row log-sum-exps ``lse [N, nh]`` of the (capped, masked) scores of the call
+    ``spec`` (an ``AttentionSpec``), walking the key tiles with an online softmax
+    (``attn_fwd``): at the end ``o = acc / l`` and ``lse = m + log l``.  The scratch
+    (score block, products) is allocated once per call.  ``f32``: float32 products even
+    in a bf16 program (read by the cpu backend when it picks ``kern``)."""
+    nh, nkv, hd, iscale, cap = spec.nh, spec.nkv, spec.hd, spec.iscale, spec.softcap
     g, dtype = nh // nkv, out.dtype
-    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
-    if kern.fused_attn(out, q, k, v, lay, nh=nh, nkv=nkv, hd=hd, iscale=iscale, cap=cap,
-                       window=window):
+    lay, (qt, kt) = _layout(q, k, seg, spec)
+    if kern.fused_attn(out, q, k, v, lay, spec):
         return
     sbuf = np.empty(nh * qt * kt, dtype)  # one [nkv, g*n, m] score block
     pbuf = np.empty(nh * qt * hd, dtype)  # one [nkv, g*n, hd] product p @ v
@@ -451,9 +485,9 @@ def fwd_attn(out, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile, 
         out[q0:q1, nh * hd:] = l.reshape(nkv * g, n).T
 
 
-def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile,
-                  f32=False, kern=NUMPY_TILES):
-    """The VJP of ``attn`` for all of q, k, v at once, ``out = [dq | dk | dv]`` flattened.
+def fwd_attn_grad(out, gy, q, k, v, y, *seg, spec, f32=False, kern=NUMPY_TILES):
+    """The VJP of ``attn`` (the call ``spec``) for all of q, k, v at once, ``out = [dq |
+    dk | dv]`` flattened.
 
     Per key tile the probabilities are recomputed from the forward's ``lse``: ``p =
     exp(s - lse)``.  With ``do`` the output's cotangent and ``gl`` the lse's,
@@ -461,10 +495,10 @@ def fwd_attn_grad(out, gy, q, k, v, y, *seg, nh, nkv, hd, iscale, cap, window, n
     softmax VJP, plus d lse / ds = p), times ``1 - tanh^2`` under a cap and ``iscale``;
     ``dq += ds k``, ``dk += ds^T q``.  The g query heads of a kv head add into its dk, dv.
     """
+    nh, nkv, hd, iscale, cap = spec.nh, spec.nkv, spec.hd, spec.iscale, spec.softcap
     g, dtype = nh // nkv, out.dtype
-    lay, (qt, kt) = _layout(q, k, seg, n_seq, window, tile)
-    if kern.fused_attn(out, q, k, v, lay, gy=gy, y=y, nh=nh, nkv=nkv, hd=hd, iscale=iscale,
-                       cap=cap, window=window):
+    lay, (qt, kt) = _layout(q, k, seg, spec)
+    if kern.fused_attn(out, q, k, v, lay, spec, gy=gy, y=y):
         return
     nq, nk = q.shape[0], k.shape[0]
     dq = out[:nq * nh * hd].reshape(nq, nh * hd)

@@ -135,8 +135,8 @@ def _attn_case(tp, r, leaf):
     soft-capped scores and two packed segments in the second sequence."""
     q, k, v = (leaf(_nrm(r, 12, n * 3)) for n in (4, 2, 2))
     seg = tp.const(np.array([0] * 6 + [0, 0, 0, 1, 1, 1]))
-    return ops.attn(q, k, v, seg, nh=4, nkv=2, hd=3, iscale=0.6, cap=2.0, window=4,
-                    n_seq=2, tile=2)
+    return ops.attn(q, k, v, nn.AttentionSpec(nh=4, nkv=2, hd=3, iscale=0.6, softcap=2.0,
+                                               window=4, n_seq=2, tile=2), seg)
 
 
 def _grad_case(tp, r, name, fwd_case):

@@ -201,8 +201,8 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     k, v = (rng.standard_normal((nk, nkv * hd)) for _ in range(2))
     gy = rng.standard_normal((n, nh * hd + nh))
     segs = (np.repeat(np.arange(4), t // 4),) if seg else ()
-    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=cap, window=window,
-              n_seq=n_seq, tile=128)
+    spec = tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, cap, window, n_seq, tile=128)
+    kw = dict(spec=spec)
     y64, g64 = np.empty((n, nh * hd + nh)), np.empty(n * nh * hd + 2 * nk * nkv * hd)
     tiled.fwd_attn(y64, q, k, v, *segs, **kw)
     tiled.fwd_attn_grad(g64, gy, q, k, v, y64, *segs, **kw)
@@ -210,8 +210,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     c = CTiles(np.float32, bf16)
     lay = tiled.AttnLayout(n, nk, n_seq, window, segs[0] if segs else None, 128)
     y32 = np.empty(y64.shape, np.float32)
-    assert c.fused_attn(y32, *f32[1:], lay, nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5,
-                        cap=cap, window=window)  # taken, not the walk
+    assert c.fused_attn(y32, *f32[1:], lay, spec)  # taken, not the walk
     g32 = np.empty(g64.shape, np.float32)
     tiled.fwd_attn_grad(g32, *f32, y32, *segs, **kw, kern=c)
     return (y32, g32), (y64, g64)
@@ -250,7 +249,7 @@ def test_fused_attention_backward_is_the_same_in_every_call(bf16):
     q = rng.standard_normal((t, nh * hd), dtype=np.float32)
     k, v = (rng.standard_normal((t, nkv * hd), dtype=np.float32) for _ in range(2))
     gy = rng.standard_normal((t, nh * hd + nh), dtype=np.float32)
-    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    kw = dict(spec=tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, tile=128))
     c = CTiles(np.float32, bf16)
     y = np.empty((t, nh * hd + nh), np.float32)
     tiled.fwd_attn(y, q, k, v, **kw, kern=c)
@@ -284,7 +283,7 @@ def test_bf16_fused_attention_keeps_an_attention_sinks_gradient(seed):
     k[0] = 20.0 * np.tile(u, nkv)
     gy = np.zeros((t, nh * hd + nh))
     gy[:, :nh * hd] = rng.standard_normal((t, nh * hd))
-    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    kw = dict(spec=tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, tile=128))
     got = []
     for kern, dt in ((tiled.NUMPY_TILES, np.float64), (CTiles(np.float32, True), np.float32)):
         a = [x.astype(dt) for x in (gy, q, k, v)]
@@ -317,7 +316,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
     q = bf16_values(rng.uniform(-1, 1, (t, nh * hd)) / 8)
     k = bf16_values(rng.uniform(-1, 1, (t, nkv * hd)) / 8)
     v = bf16_values(rng.standard_normal((t, nkv * hd)))
-    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    kw = dict(spec=tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, tile=128))
     y64 = np.empty((t, nh * hd + nh))
     tiled.fwd_attn(y64, *(a.astype(np.float64) for a in (q, k, v)), **kw)
     scores = [q[:, h * hd:(h + 1) * hd].astype(np.float64) @ k[:, h // 2 * hd:][:, :hd].T
@@ -325,8 +324,7 @@ def test_bf16_fused_attention_adds_the_remainder_of_every_large_p():
     assert max(np.abs(s).max() for s in scores) * hd ** -0.5 <= 0.2
     y = np.empty(y64.shape, np.float32)
     c = CTiles(np.float32, True)
-    assert c.fused_attn(y, q, k, v, tiled.AttnLayout(t, t, 1, 0, None, 128), nh=nh, nkv=nkv,
-                        hd=hd, iscale=hd ** -0.5, cap=0.0, window=0)
+    assert c.fused_attn(y, q, k, v, tiled.AttnLayout(t, t, 1, 0, None, 128), kw["spec"])
     assert rel_err(y, y64) <= 1e-5
 
 
@@ -337,11 +335,11 @@ def test_fused_attention_leaves_masked_segments_to_the_walk():
     seg = np.array([0, 0, 1, 1, 0, 0])  # id 0 twice: a mask, not column ranges
     lay = tiled.AttnLayout(6, 6, 1, 0, seg, 128)
     x = np.zeros((6, 4), np.float32)
+    spec = tiled.AttentionSpec(nh=1, nkv=1, hd=4, iscale=1.0)
     assert not CTiles(np.float32).fused_attn(np.empty((6, 5), np.float32), x, x, x, lay,
-                                              nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0,
-                                              window=0)
+                                              spec)
     assert not CTiles(np.float64).fused_attn(None, x, x, x, tiled.AttnLayout(
-        6, 6, 1, 0, None, 128), nh=1, nkv=1, hd=4, iscale=1.0, cap=0.0, window=0)
+        6, 6, 1, 0, None, 128), spec)
 
 
 @pytest.mark.parametrize("qtype", [None, "Q4_K"])

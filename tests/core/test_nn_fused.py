@@ -21,7 +21,8 @@ def test_batched_attention_equals_per_sequence_gqa(n_seq, t, nh, nkv, hd, backen
     c, s = nn.rope_fill(t, hd, 31337.0)
     cc, sc, m = tp.const(c), tp.const(s), tp.const(nn.causal_mask_fill(t))
     iscale = hd ** -0.5
-    fused = nn.gqa_attention_seqs(tp, q, k, v, cc, sc, m, n_seq, t, nh, nkv, hd, iscale)
+    fused = nn.gqa_attention_seqs(tp, q, k, v, cc, sc, m,
+                                  nn.AttentionSpec(nh, nkv, hd, iscale, n_seq=n_seq))
     rows = lambda x, i: ops.slice_(x, 0, i * t, (i + 1) * t)
     ref = ops.concat([nn.gqa_attention(tp, rows(q, i), rows(k, i), rows(v, i), cc, sc, m, t,
                                        nh, nkv, hd, iscale) for i in range(n_seq)], 0)
@@ -43,4 +44,4 @@ def test_batched_attention_rejects_bad_heads():
     c, s = nn.rope_fill(4, 4, 1e4)
     with pytest.raises(ValueError, match="nh=3 is not a multiple of nkv=2"):
         nn.gqa_attention_seqs(tp, q, k, k, tp.const(c), tp.const(s),
-                              tp.const(nn.causal_mask_fill(4)), 1, 4, 3, 2, 4, 0.5)
+                              tp.const(nn.causal_mask_fill(4)), nn.AttentionSpec(3, 2, 4, 0.5))

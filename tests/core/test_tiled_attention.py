@@ -45,12 +45,10 @@ def test_tiled_attention_equals_composed(dtype, n_seq, t, nh, nkv, hd, window, c
     q, k, v = (tp.param(a) for a in _qkv(r, n_seq * t, nh, nkv, hd, dtype))
     c, s = nn.rope_fill(t, hd, 1e4)
     cc, sc = tp.const(c), tp.const(s)
-    iscale = hd ** -0.5
-    fused = nn.tiled_attention(tp, q, k, v, cc, sc, n_seq, t, nh, nkv, hd, iscale, cap,
-                               window, tile=tile)
+    spec = tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, cap, window, n_seq, tile)
+    fused = nn.tiled_attention(tp, q, k, v, cc, sc, spec)
     mask = tp.const(nn.causal_mask_fill(t, window=window))
-    ref = nn.gqa_attention_seqs(tp, q, k, v, cc, sc, mask, n_seq, t, nh, nkv, hd, iscale,
-                                cap)
+    ref = nn.gqa_attention_seqs(tp, q, k, v, cc, sc, mask, spec)
     _compare(tp, fused, ref, (q, k, v), dtype)
 
 
@@ -68,8 +66,8 @@ def test_tiled_attention_with_packed_segments(dtype, seg):
     q, k, v = (tp.param(a) for a in _qkv(r, t, nh, nkv, hd, dtype))
     c, s = nn.rope_fill(t, hd, 1e4)
     cc, sc = tp.const(c), tp.const(s)
-    fused = nn.tiled_attention(tp, q, k, v, cc, sc, 1, t, nh, nkv, hd, 0.5,
-                               segments=tp.const(seg), tile=4)
+    spec = tiled.AttentionSpec(nh, nkv, hd, 0.5, tile=4)
+    fused = nn.tiled_attention(tp, q, k, v, cc, sc, spec, segments=tp.const(seg))
     mask = nn.causal_mask_fill(t) + np.where(seg[:, None] == seg[None, :], 0.0,
                                              nn.MASK_VALUE)
     ref = nn.gqa_attention(tp, q, k, v, cc, sc, tp.const(mask), t, nh, nkv, hd, 0.5)
@@ -85,7 +83,7 @@ def test_tiled_attention_after_cached_keys(window):
     tp = gt.Tape()
     q = tp.param(r.standard_normal((t, nh * hd)))
     k, v = (tp.param(r.standard_normal((past + t, nkv * hd))) for _ in range(2))
-    out = ops.attn(q, k, v, nh=nh, nkv=nkv, hd=hd, iscale=0.4, window=window, tile=3)
+    out = ops.attn(q, k, v, tiled.AttentionSpec(nh, nkv, hd, 0.4, window=window, tile=3))
     fused = ops.slice_(out, 1, 0, nh * hd)
     ref = nn.attention(tp, q, k, v, tp.const(nn.causal_mask_fill(t, past=past, window=window)),
                        nh, nkv, hd, 0.4)
@@ -102,8 +100,8 @@ def test_tiled_attention_finite_differences(cap, window, seg):
     ids = np.array([0, 0, 0, 1, 1, 1, 1])
 
     def build(tp, q, k, v, *s):
-        return ops.attn(q, k, v, *s, nh=nh, nkv=nkv, hd=hd, iscale=0.7, cap=cap,
-                        window=window, tile=2)
+        return ops.attn(q, k, v, tiled.AttentionSpec(nh, nkv, hd, 0.7, cap, window, tile=2),
+                        *s)
 
     assert check_fd(build, [q, k, v] + [ids] * seg) <= FD_TOL[1]
 
@@ -115,8 +113,8 @@ def test_tiled_attention_replays(backend):
     tp = gt.Tape()
     q, k, v = (tp.param(a) for a in _qkv(r, t, nh, nkv, hd, np.float64))
     c, s = nn.rope_fill(t, hd, 1e4)
-    out = nn.tiled_attention(tp, q, k, v, tp.const(c), tp.const(s), 1, t, nh, nkv, hd, 0.5,
-                             window=6, tile=4)
+    spec = tiled.AttentionSpec(nh, nkv, hd, 0.5, window=6, tile=4)
+    out = nn.tiled_attention(tp, q, k, v, tp.const(c), tp.const(s), spec)
     loss = ops.reduce_sum(ops.mul(out, out))
     g = tp.backward(loss)
     prog = tp.compile([out, g[q], g[k], g[v]], backend=backend)
@@ -124,8 +122,7 @@ def test_tiled_attention_replays(backend):
     got = prog.run(dict(zip((q, k, v), new)))
     tp2 = gt.Tape()
     q2, k2, v2 = (tp2.param(a) for a in new)
-    out2 = nn.tiled_attention(tp2, q2, k2, v2, tp2.const(c), tp2.const(s), 1, t, nh, nkv,
-                              hd, 0.5, window=6, tile=4)
+    out2 = nn.tiled_attention(tp2, q2, k2, v2, tp2.const(c), tp2.const(s), spec)
     g2 = tp2.backward(ops.reduce_sum(ops.mul(out2, out2)))
     want = [out2.value, g2[q2].value, g2[k2].value, g2[v2].value]
     for a, b in zip(got, want):
@@ -186,10 +183,11 @@ def test_tiled_attention_shape_errors():
     q, k = tp.param(np.zeros((6, 8))), tp.param(np.zeros((6, 4)))
     with pytest.raises(ValueError, match=r"attn\(\[6, 8\], \[6, 4\], \[6, 4\].*"
                                          r"q\[6, 8\] must be \[N, nh\*hd = 12\]"):
-        ops.attn(q, k, k, nh=3, nkv=1, hd=4, iscale=0.5)
+        ops.attn(q, k, k, tiled.AttentionSpec(nh=3, nkv=1, hd=4, iscale=0.5))
     with pytest.raises(ValueError, match="nh=3 is not a multiple of nkv=2"):
-        ops.attn(q, k, k, nh=3, nkv=2, hd=2, iscale=0.5)
+        ops.attn(q, k, k, tiled.AttentionSpec(nh=3, nkv=2, hd=2, iscale=0.5))
     with pytest.raises(ValueError, match=r"segment ids\[5\] need \[N\]"):
-        ops.attn(q, k, k, tp.const(np.zeros(5, np.int64)), nh=2, nkv=1, hd=4, iscale=0.5)
+        ops.attn(q, k, k, tiled.AttentionSpec(nh=2, nkv=1, hd=4, iscale=0.5),
+                 tp.const(np.zeros(5, np.int64)))
     with pytest.raises(ValueError, match="6 query rows and 6 key rows do not split into 4"):
-        ops.attn(q, k, k, nh=2, nkv=1, hd=4, iscale=0.5, n_seq=4)
+        ops.attn(q, k, k, tiled.AttentionSpec(nh=2, nkv=1, hd=4, iscale=0.5, n_seq=4))

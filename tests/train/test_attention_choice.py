@@ -15,6 +15,7 @@ from gradtape.models import attention_choice as M
 from gradtape.models import graph
 from gradtape.models.lora import init_adapter
 from gradtape.plan import Decision
+from gradtape.tiled import AttentionSpec
 from gradtape.train import step as step_module
 from gradtape.train.step import TrainStep
 
@@ -106,7 +107,7 @@ def test_f32_keeps_the_fused_attentions_products_float32_in_a_bf16_program():
                    for h in (nh, nkv, nkv))
         y = ops.matmul(tp.param(rng.standard_normal((n, 256)).astype(np.float32)),
                        tp.const(rng.standard_normal((256, 256)).astype(np.float32)))
-        o = ops.attn(q, k, v, nh=nh, nkv=nkv, hd=hd, iscale=0.25, f32=f32)
+        o = ops.attn(q, k, v, AttentionSpec(nh, nkv, hd, 0.25), f32=f32)
         for compute in ("float32", "bf16"):
             prog = tp.compile([o, y], backend="cpu", compute=compute)
             assert prog.executable.compute == compute

@@ -15,6 +15,8 @@ the map from merged Vars to the Vars that stand for them now; the tape is not mo
 
 from __future__ import annotations
 
+import dataclasses
+
 from .graph import Graph
 from .remat import _with_inputs
 
@@ -47,7 +49,7 @@ def merge_common(graph: Graph, marks) -> tuple[Graph, dict]:
 
 def _key(v, inputs):
     """A hashable identity of ``v``'s computation, or None where an attribute is not a
-    plain value (such an op is never merged)."""
+    plain value, or a container or dataclass of them (such an op is never merged)."""
     attrs = _frozen(v.attrs)
     if attrs is None:
         return None
@@ -57,6 +59,10 @@ def _key(v, inputs):
 def _frozen(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return type(value).__name__, value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # AttentionSpec
+        items = tuple((f.name, _frozen(getattr(value, f.name)))
+                      for f in dataclasses.fields(value))
+        return None if any(x is None for _, x in items) else (type(value).__name__, items)
     if isinstance(value, (tuple, list)):
         items = tuple(_frozen(x) for x in value)
         return None if None in items else items

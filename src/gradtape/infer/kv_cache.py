@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import nn, ops
-from ..models.graph import block, embed, linear_fn, lm_head
+from ..models.graph import attention_spec, block, embed, linear_fn, lm_head
 from ..models.rope import rope_tables
 from ..tape import Tape
 
@@ -76,8 +76,7 @@ def attend_cached(tp, cfg, i, q, k, v, ropes, past=None):
     if past is not None:
         kr, v = ops.concat([past[0], kr], 0), ops.concat([past[1], v], 0)
     qr = rope_stacked(tp, q, cq, sq, nh, hd)  # [t, nh*hd]
-    out = ops.attn(qr, kr, v, nh=nh, nkv=nkv, hd=hd, iscale=cfg.attn_iscale,
-                   cap=cfg.attn_softcap, window=cfg.window(i))
+    out = ops.attn(qr, kr, v, attention_spec(cfg, i))
     return ops.slice_(out, 1, 0, nh * hd), kr, v
 
 

@@ -42,7 +42,8 @@ def _time_attention(cfg, n_seq, t, compute):
     (so that a bf16 step's program is one here too), packed rows' rope tables and
     segments."""
     rng = np.random.default_rng(0)
-    n, hd, window = n_seq * t, cfg.head_dim, cfg.window(0)
+    n, hd = n_seq * t, cfg.head_dim
+    spec = graph.attention_spec(cfg, 0, n_seq)
     cos, sin = (np.tile(c, (n_seq, 1)) for c in rope_tables(cfg, t, layer=0))
     scale = np.float32(1 / math.sqrt(cfg.dim))  # scores of a trained model's size
 
@@ -57,19 +58,15 @@ def _time_attention(cfg, n_seq, t, compute):
         tp = Tape(np.float32, eager=False)
         x0 = x = tp.param(rng.standard_normal((n, cfg.dim), dtype=np.float32))
         cosc, sinc, segments = tp.const(cos), tp.const(sin), tp.const(np.zeros(n, np.int64))
-        mask = nn.segment_mask(tp, segments, tp.const(nn.causal_mask_fill(t, window=window)),
-                               n_seq, t)
+        mask = nn.segment_mask(tp, segments,
+                               tp.const(nn.causal_mask_fill(t, window=spec.window)), n_seq, t)
         for _ in range(min(cfg.n_layers, ATTN_PROBE_LAYERS)):
             q, k, v = (ops.matmul(x, frozen(tp, cfg.dim, h * hd))
                        for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
             if fused:
-                o = nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
-                                       cfg.n_kv_heads, hd, cfg.attn_iscale,
-                                       cfg.attn_softcap, window, segments, f32=True)
+                o = nn.tiled_attention(tp, q, k, v, cosc, sinc, spec, segments, f32=True)
             else:
-                o = nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, n_seq, t,
-                                          cfg.n_heads, cfg.n_kv_heads, hd, cfg.attn_iscale,
-                                          cfg.attn_softcap)
+                o = nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask, spec)
             x = ops.add(x, ops.matmul(o, frozen(tp, cfg.n_heads * hd, cfg.dim)))
         loss = ops.reduce_sum(ops.mul(x, tp.const(rng.standard_normal(x.shape,
                                                                       dtype=np.float32))))

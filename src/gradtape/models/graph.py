@@ -157,6 +157,13 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 ATTN_TILED_MIN = 2 * tiled.ATTN_TILE + 1
 
 
+def attention_spec(cfg, layer, n_seq=1):
+    """Layer ``layer``'s attention over ``n_seq`` stacked sequences: the heads, scale,
+    soft-cap and sliding window of ``cfg`` (``tiled.AttentionSpec``)."""
+    return tiled.AttentionSpec(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attn_iscale,
+                               cfg.attn_softcap, cfg.window(layer), n_seq)
+
+
 def rope_keys(cfg):
     """``{layer: its rope setting}``; layers with equal settings share one table."""
     return {i: cfg.rope_for(i) for i in range(cfg.n_layers)}
@@ -186,7 +193,6 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     if n_seq < 1 or n % n_seq:
         raise ValueError(f"record_forward: {n} ids do not split into {n_seq} equal sequences")
     t = n // n_seq
-    hd = cfg.head_dim
     if ones is None:
         ones = nn.ones(tp, cfg.dim)  # [D, 1]
     keys = rope_keys(cfg)
@@ -197,7 +203,6 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
     if positions is not None:  # packed: rope rows per token; attention sees segments
         tables = {key: tuple(ops.take_rows(c, positions) for c in cs)  # [N, hd/2] each
                   for key, cs in tables.items()}
-    iscale = cfg.attn_iscale
     lin = linear_fn(tp, W, lora, lora_scale)
 
     masks = {}  # composed attention: window -> the additive mask (with the segments')
@@ -211,17 +216,15 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
 
     x = embed(tp, cfg, W, ids)  # [N, D]
     for i in range(cfg.n_layers):
-        def attend(q, k, v, window=cfg.window(i), rope=tables[keys[i]]):
+        def attend(q, k, v, spec=attention_spec(cfg, i, n_seq), rope=tables[keys[i]]):
             # all sequences and heads at once; from fused_from rows tiled: no [T, T]
             # scores, the causal mask (and window, segments) applied by position
             cosc, sinc = rope
             if t < fused_from:
-                return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask_of(window), n_seq,
-                                             t, cfg.n_heads, cfg.n_kv_heads, hd, iscale,
-                                             cfg.attn_softcap)
-            return nn.tiled_attention(tp, q, k, v, cosc, sinc, n_seq, t, cfg.n_heads,
-                                      cfg.n_kv_heads, hd, iscale, cfg.attn_softcap, window,
-                                      segments, f32=t < ATTN_TILED_MIN)
+                return nn.gqa_attention_seqs(tp, q, k, v, cosc, sinc, mask_of(spec.window),
+                                             spec)
+            return nn.tiled_attention(tp, q, k, v, cosc, sinc, spec, segments,
+                                      f32=t < ATTN_TILED_MIN)
 
         # each layer's input rows: what a checkpointed step keeps (Tape.checkpoint)
         x = block(tp, cfg, W, i, tp.checkpoint(x), ones, lin, attend)

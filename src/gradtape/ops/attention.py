@@ -1,9 +1,10 @@
 """Tiled attention: ``attn`` and its gradient primitive ``attn_grad``.
 
-``attn(q [Nq, nh*hd], k, v [Nk, nkv*hd][, seg [N]]) -> [Nq, nh*hd + nh]``: per query
-head ``softmax(cap(q_h k_kv^T * iscale) + mask) v_kv`` and the rows' logsumexp (the
+``attn(q [Nq, nh*hd], k, v [Nk, nkv*hd], spec[, seg [N]]) -> [Nq, nh*hd + nh]``: per
+query head ``softmax(cap(q_h k_kv^T * iscale) + mask) v_kv`` and the rows' logsumexp (the
 backward's statistics), key tile by key tile (``tiled.fwd_attn``); tiles no row of a
-query tile sees are skipped.  The mask: causal, a sliding window, equal segment ids
+query tile sees are skipped.  The heads and options are one ``tiled.AttentionSpec``, the
+op's ``spec`` attr.  The mask: causal, a sliding window, equal segment ids
 (``tiled.AttnLayout``).  See ``fused`` for what the fused primitives share.
 """
 
@@ -21,7 +22,8 @@ from .reductions import logsumexp, softmax
 from .table import ShapeError, _prim, _rec
 
 
-def _attn_dims(q, k, v, seg, nh, nkv, hd, n_seq, tile):
+def _attn_dims(q, k, v, seg, spec):
+    nh, nkv, hd, n_seq = spec.nh, spec.nkv, spec.hd, spec.n_seq
     if nkv <= 0 or nh % nkv:
         raise ShapeError(f"nh={nh} is not a multiple of nkv={nkv}")
     if len(q) != 2 or q[1] != nh * hd:
@@ -33,19 +35,20 @@ def _attn_dims(q, k, v, seg, nh, nkv, hd, n_seq, tile):
                          f"{n_seq} sequences with at least as many keys as queries")
     if seg and (tuple(seg[0]) != (q[0],) or q[0] != k[0]):
         raise ShapeError(f"segment ids{list(seg[0])} need [N] with N query rows = N key rows")
-    if tile < 1:
-        raise ShapeError(f"tile {tile} must be >= 1")
+    if spec.tile < 1:
+        raise ShapeError(f"tile {spec.tile} must be >= 1")
     return q[0], k[0]
 
 
-def _attn_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
-    nq, _ = _attn_dims(*shapes[:3], shapes[3:], nh, nkv, hd, n_seq, tile)
-    return (nq, nh * hd + nh)
+def _attn_shape(shapes, spec, f32=False):
+    nq, _ = _attn_dims(*shapes[:3], shapes[3:], spec)
+    return (nq, spec.nh * spec.hd + spec.nh)
 
 
-def _attn_grad_shape(shapes, nh, nkv, hd, n_seq, tile, **attrs):
+def _attn_grad_shape(shapes, spec, f32=False):
     gy, q, k, v, y = shapes[:5]
-    nq, nk = _attn_dims(q, k, v, shapes[5:], nh, nkv, hd, n_seq, tile)
+    nq, nk = _attn_dims(q, k, v, shapes[5:], spec)
+    nh, nkv, hd = spec.nh, spec.nkv, spec.hd
     if tuple(gy) != (nq, nh * hd + nh) or tuple(y) != tuple(gy):
         raise ShapeError(f"g{list(gy)} and the forward's out{list(y)} must be "
                          f"[{nq}, {nh * hd + nh}]")
@@ -59,12 +62,12 @@ def _attn_scratch(v):
     fused C attention's (the cpu backend's ``csrc/flash.c``) key-sized arrays: the keys
     and values packed twice, and each thread's but the first's dk, dv (``_omp_threads``
     of them)."""
-    a = v.attrs
-    n_seq = a["n_seq"]
+    spec = v.attrs["spec"]
+    n_seq = spec.n_seq
     # query rows: attn's q, attn_grad's g; key rows: attn's v, attn_grad's k
-    qt, kt = tiled.attn_tiles(a["tile"], v.inputs[0].shape[0] // n_seq,
+    qt, kt = tiled.attn_tiles(spec.tile, v.inputs[0].shape[0] // n_seq,
                               v.inputs[2].shape[0] // n_seq)
-    return (a["nh"] * qt * (3 * kt + 6 * a["hd"]) + a["nkv"] * kt * a["hd"]
+    return (spec.nh * qt * (3 * kt + 6 * spec.hd) + spec.nkv * kt * spec.hd
             + (4 + 2 * (_omp_threads() - 1)) * v.inputs[2].size)
 
 
@@ -86,9 +89,11 @@ def _attn_vjp(g, out, q, k, v, *seg, **attrs):
     return (lambda: part(0), lambda: part(1), lambda: part(2)) + (None,) * len(seg)
 
 
-def _dec_attn(tp, q, k, v, *seg, nh, nkv, hd, iscale, cap, window, n_seq, tile, f32=False):
+def _dec_attn(tp, q, k, v, *seg, spec, f32=False):
     """Composed: per sequence and query head, the scores with an additive mask (-1e9
     where hidden, as ``nn.causal_mask_fill``; segments through one-hot products)."""
+    nh, nkv, hd, n_seq = spec.nh, spec.nkv, spec.hd, spec.n_seq
+    iscale, cap, window = spec.iscale, spec.softcap, spec.window
     g, nq, nk = nh // nkv, q.shape[0] // n_seq, k.shape[0] // n_seq
     mask = tp.const(tiled.causal_mask(nq, nk - nq, window))  # [nq, nk]
     rows = []
@@ -121,18 +126,18 @@ _prim("attn_grad", _attn_grad_shape, tiled.fwd_attn_grad, None, index_inputs=(5,
       scratch=_attn_scratch, decompose=decomposed_vjp(_dec_attn, 3, (0, 1, 2)))
 
 
-def attn(q, k, v, seg=None, *, nh, nkv, hd, iscale, cap=0.0, window=0, n_seq=1,
-         tile=tiled.ATTN_TILE, f32=False):
+def attn(q, k, v, spec, seg=None, *, f32=False):
     """Tiled causal attention of already-roped ``q [Nq, nh*hd]`` over ``k, v [Nk,
-    nkv*hd]`` (query head ``h`` reads kv head ``h // (nh // nkv)``), ``n_seq``
-    sequences stacked as rows: ``[Nq, nh*hd + nh]``, the heads' outputs then each row's
-    logsumexp per head.  ``cap > 0`` soft-caps the scaled scores; ``window > 0`` hides
-    keys ``window`` or more positions back; ``seg [N]`` (integer ids) hides keys of
-    other segments.  ``tile`` query rows per tile over key tiles ``tiled.ATTN_KEYS`` times
-    as wide: never more than a few such score blocks.  ``f32``: its products stay
-    float32 in a bf16 program (where they otherwise take bf16 inputs), as the composed
-    attention's do."""
-    attrs = dict(nh=int(nh), nkv=int(nkv), hd=int(hd), iscale=float(iscale),
-                 cap=float(cap), window=int(window), n_seq=int(n_seq), tile=int(tile),
-                 f32=bool(f32))
-    return _rec("attn", q, k, v, *([seg] if seg is not None else []), **attrs)
+    nkv*hd]`` with the heads and options of ``spec`` (a ``tiled.AttentionSpec``: query
+    head ``h`` reads kv head ``h // (nh // nkv)``, ``n_seq`` sequences stacked as rows):
+    ``[Nq, nh*hd + nh]``, the heads' outputs then each row's logsumexp per head.  A
+    ``softcap > 0`` soft-caps the scaled scores; ``window > 0`` hides keys ``window`` or
+    more positions back; ``seg [N]`` (integer ids) hides keys of other segments.
+    ``spec.tile`` query rows per tile over key tiles ``tiled.ATTN_KEYS`` times as wide:
+    never more than a few such score blocks.  ``f32``: its products stay float32 in a
+    bf16 program (where they otherwise take bf16 inputs), as the composed attention's
+    do; a precision the backend reads, not part of the math."""
+    if not isinstance(spec, tiled.AttentionSpec):
+        raise TypeError(f"attn: spec must be a tiled.AttentionSpec, got {spec!r}")
+    return _rec("attn", q, k, v, *([seg] if seg is not None else []), spec=spec,
+                f32=bool(f32))

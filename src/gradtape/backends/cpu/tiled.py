@@ -92,18 +92,18 @@ class CTiles:
         out = self.buffer("head rows", (v1 - v0, k), np.float32)
         return qgemm.deq_rows(w[v0:v1], qtype, k, out=out)
 
-    def fused_attn(self, out, q, k, v, lay, *, gy=None, y=None, nh, nkv, hd, iscale, cap,
-                   window):
+    def fused_attn(self, out, q, k, v, lay, spec, gy=None, y=None):
         """The whole of ``tiled.fwd_attn`` (``gy`` None) or ``fwd_attn_grad`` as one
-        call of ``csrc/flash.c``; False where it does not apply (float64, segment ids
-        that are not contiguous runs: the walk of ``tiled.py`` runs them)."""
+        call of ``csrc/flash.c``, for the call ``spec`` (a ``tiled.AttentionSpec``) laid
+        out by ``lay``; False where it does not apply (float64, segment ids that are not
+        contiguous runs: the walk of ``tiled.py`` runs them)."""
         if self.flash is None or (lay.seg is not None and lay.starts is None):
             return False
         blas.park_blas_threads()  # or they poll on the cores the call's threads need
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
         starts = None if lay.starts is None else np.ascontiguousarray(lay.starts, np.int64)
-        dims = (_L(lay.n_seq), _L(q.shape[0]), _L(k.shape[0]), _L(nh), _L(nkv), _L(hd),
-                _D(iscale), _D(cap), _L(window))
+        dims = (_L(lay.n_seq), _L(q.shape[0]), _L(k.shape[0]), _L(spec.nh), _L(spec.nkv),
+                _L(spec.hd), _D(spec.iscale), _D(spec.softcap), _L(spec.window))
         if gy is None:
             rc = self.flash[0](_p(out), _p(q), _p(k), _p(v), _p(starts), *dims)
         else:

@@ -112,8 +112,14 @@ def _smollm2_path():
 def _workload(name):
     """(T, loader of our model, loader of the HF model)."""
     if name in SEQ_LEN:
-        def ours():
+        def ours(compute="auto", backend="cpu", rows=SEQ_LEN[name]):
+            """The model as ``finetune`` loads it (``--weights auto``): in its blocks
+            where the step's products run in bf16, else a float32 copy."""
             from gradtape import llama
+            from gradtape.train.finetune import reads_blocks
+            kept = llama.load(str(_smollm2_path()), keep_quantized=True)
+            if reads_blocks(compute, backend, rows, kept):
+                return kept
             return llama.load(str(_smollm2_path()))
 
         def theirs():
@@ -124,7 +130,7 @@ def _workload(name):
                                                         dtype=torch.float32)
         return SEQ_LEN[name], ours, theirs
     if name == "tiny-lora":
-        def ours():
+        def ours(compute="auto", backend="cpu", rows=32):
             from gradtape import llama
             return llama.load(_tiny_folder())
         return 32, ours, _tiny_hf_model
@@ -330,7 +336,7 @@ def side_worker(name, workload, backend, compute, batch):
     if name.startswith("gradtape"):
         from gradtape.backends.cpu.measure import measured_rates
 
-        s = GradtapeSide(ours(), t, backend, batch, compute=compute,
+        s = GradtapeSide(ours(compute, backend, batch * t), t, backend, batch, compute=compute,
                          checkpoint=CHECKPOINT.get(workload, "auto"))
         info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
                 "blas": blas_info(), "checkpointed": s.step_prog.checkpointed}
@@ -507,7 +513,7 @@ def bench_gpu(workload, reps, warmup, with_compile, backend, log, batch, storage
     t, ours, theirs = _workload(workload)
     log(f"[{workload}] loading ...")
     t0 = time.perf_counter()
-    g = GradtapeSide(ours(), t, backend, batch)
+    g = GradtapeSide(ours("float32", backend, batch * t), t, backend, batch)
     log(f"[{workload}] gradtape ({backend}) built in {time.perf_counter() - t0:.1f} s")
     hf = theirs()
     hf2 = copy.deepcopy(hf) if with_compile else None  # before PEFT wraps hf in place

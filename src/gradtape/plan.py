@@ -35,7 +35,7 @@ BLOCK_PRODUCTS = ("qmatmul", "qmatmul_t")
 
 COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
-PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "direct")
+PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "direct", "resident")
 
 # the attention is fused from this many rows of a sequence on (it keeps no [T, T]
 # scores); below it, with at most two query tiles, the tiled walk skips at most a
@@ -70,6 +70,9 @@ class Plan:
     product_ways: tuple = ()  # the only ways a block-weight product may take; () = any
     product_tile: str = ""  # the only tile size it may take; "" = any
     checkpoint: Decision = Decision(0, "off")
+    # whether each block weight read by bf16 products keeps a bf16 copy of itself
+    # (dequantized once) rather than dequantizing its tiles at every step
+    resident_weights: Decision = Decision(False, "")
     threads: int = 1
 
     def replace(self, **changes) -> "Plan":
@@ -90,6 +93,8 @@ class Plan:
                          f"{self.product_tile}".rstrip())
         if self.checkpoint.value:
             lines.append(f"activation checkpointing: {self.checkpoint}")
+        if self.resident_weights.value:
+            lines.append(f"block weights: {self.resident_weights.why}")
         return "\n".join(lines)
 
 
@@ -266,6 +271,26 @@ def for_training(cfg, n_seq, t, backend, dtype, compute, attention) -> Plan:
     precision = decide_compute(compute, applies=applies, shape=(rows, cfg.dim, cfg.ffn_dim))
     return for_program(backend, precision.value).replace(compute=precision,
                         attention_from=attention(cfg, n_seq, t, backend, precision.value))
+
+
+# bf16 copies of the block weights (2 bytes a value) are kept where they take at most this
+# share of the memory available; beyond it the products dequantize tiles at every step
+RESIDENT_SHARE = 0.25
+
+
+def resident_weights(plan: Plan, copy_bytes: int, available) -> Plan:
+    """``plan`` with ``resident_weights`` decided: where its products are bf16 and the
+    bf16 copies of the block weights (``copy_bytes``) fit in ``RESIDENT_SHARE`` of the
+    ``available`` bytes (None: unknown, no copies), each block weight is dequantized once
+    into a bf16 copy the products read (the tiles' very values)."""
+    if plan.compute.value != "bf16" or not copy_bytes:
+        return plan
+    if available is None or copy_bytes > RESIDENT_SHARE * available:
+        return plan.replace(resident_weights=Decision(False, (
+            f"dequantized tile by tile: their bf16 copies ({copy_bytes / 2**30:.2f} GiB) "
+            "would not fit")))
+    return plan.replace(resident_weights=Decision(True, (
+        f"read from bf16 copies made once ({copy_bytes / 2**30:.2f} GiB)")))
 
 
 def prompt_compute(cfg, compute, rows, dtype, vector_rows, linear_weights) -> Decision:

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import gradtape as gt
-from gradtape import ops
+from gradtape import ops, plan
 from gradtape.backends.cpu import blas, qgemm, qgemm_bf16, qgemm_int8, qgemm_tiles, toolchain
 from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
 
@@ -129,7 +129,8 @@ def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
                                                    (71, 768, 32 * 768, "columns"),
                                                    (1100, 512, 320 * 512, "rows")])
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped", "fused", "direct"])
+@pytest.mark.parametrize("layout", ["blocked", "plain", "swapped", "fused", "direct",
+                                    "resident"])
 def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, layout,
                                                 monkeypatch):
     """bf16 compute: each tile of W dequantized into bf16, the activation rounded once,
@@ -139,7 +140,8 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     rows: an odd K backward, padded in the blocked layout.  Tiles written in oneDNN's
     blocked layout (where its kernel keeps that one) and in plain rows, and the forward
     swapped (y^T = W x^T: plain rows of W times x^T packed once, T = 9 padded); a BF16 W
-    also read where it lies (direct: one GEMM, no tiles)."""
+    also read where it lies (direct: one GEMM, no tiles), and any W from a bf16 copy
+    made once (resident, where the plan leaves room for it)."""
     from gradtape.backends.cpu import onednn
     hardware.onednn_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", tile)
@@ -160,7 +162,9 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     w = tp.const(bm)
     y, z = ops.qmatmul(x, w), ops.qmatmul_t(g, w)
     offered = _offered_ways(monkeypatch)
-    prog = tp.compile([y, z], backend="cpu", compute="bf16")
+    execution = plan.for_program("cpu", "bf16").replace(
+        resident_weights=plan.Decision(layout == "resident", "the test's"))
+    prog = tp.compile([y, z], backend="cpu", plan=execution)
     assert prog.executable.compute == "bf16" and len(prog.executable._block_bf16) == 2
     layouts = [s.layout for s in prog.executable._steps if hasattr(s, "layout")]
     assert len(layouts) == 2
@@ -170,6 +174,8 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
         assert [lay == "fused" for lay in layouts] == fits
     elif layout == "direct":  # only a BF16 W has it (the other types' ways are timed)
         assert (layouts == ["direct"] * 2) == (qtype == "BF16")
+    elif layout == "resident":  # not offered for a BF16 W, read where it lies instead
+        assert (layouts == ["resident"] * 2) == (qtype != "BF16")
     elif layout == "swapped":  # the forward product (x is its GEMM's packed weights)
         swapped = any("swapped" in n for n in offered[f"qmatmul {qtype}"])
         assert (layouts[0] == "swapped") == swapped
@@ -737,3 +743,24 @@ def test_int8_follows_a_fed_weight_and_leaves_long_sums_to_bf16(monkeypatch):
                     compute="int8").executable
     assert [s.op for s in ex._block_int8] == ["qmatmul_t"]
     assert [s.op for s in ex._block_bf16] == ["qmatmul"]
+
+
+def test_a_fed_block_weight_refreshes_its_resident_copy(monkeypatch):
+    """A block weight fed to a program that reads it from a resident bf16 copy: the next
+    run reads the new values (a copy of the program's own, the shared one untouched)."""
+    hardware.onednn_bf16()
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "resident")
+    r = np.random.default_rng(21)
+    a, b = random_blocks("Q4_K", 64, 256, r), random_blocks("Q4_K", 64, 256, r)
+    tp = gt.Tape(np.float32)
+    x, w = tp.param(r.standard_normal((9, 256))), tp.const(a)
+    execution = plan.for_program("cpu", "bf16").replace(
+        resident_weights=plan.Decision(True, "the test's"))
+    prog = tp.compile([ops.qmatmul(x, w)], backend="cpu", plan=execution)
+    other = tp.compile([ops.qmatmul(x, w)], backend="cpu", plan=execution)
+    assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == ["resident"]
+    for bm in (a, b, a):
+        got = prog.run({w: bm.data})[0]
+        assert rel_err(got, _b16(x.value) @ _b16(bm.dequantize()).T) <= 1e-5
+    got = other.run()[0]  # never fed: still the recorded weight
+    assert rel_err(got, _b16(x.value) @ _b16(a.dequantize()).T) <= 1e-5

@@ -87,6 +87,57 @@ def test_estimate_counts_the_bf16_weight_copies(files, monkeypatch):
     assert est.weights == sum(w.nbytes for w in model.weights.values()) + sum(copies.values())
 
 
+def test_a_bf16_step_on_block_weights_keeps_one_bf16_copy_of_each(files, monkeypatch):
+    """Where the plan leaves room, each block weight of a bf16 step is read from a bf16
+    copy made once (the tiles' very values), which the step's programs share and the
+    estimate counts; the float32 copy is never made."""
+    from gradtape import plan
+    from gradtape.backends.cpu import measure as compute
+
+    hardware.onednn_bf16()
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))
+    monkeypatch.setattr(compute, "fastest",  # the resident way wherever it is offered
+                        lambda what, shape, runs, only=((), ""):
+                        "resident" if "resident" in runs else next(iter(runs)))
+    model = llama.load(files / "tiny-q8.gguf", keep_quantized=True)
+    adapter = init_adapter(model.config, 2, 4.0, seed=0)
+    step = TrainStep(model, adapter, 2, 16, backend="cpu", compute="bf16")
+    assert step.plan.resident_weights.value and "bf16 copies" in step.plan.describe()
+    copies = {id(a): a for p in (step.program, step.eval_program)
+              for a in p.executable.bf16_weights()}
+    # one for each block weight a bf16 product reads (not the embedding, only gathered
+    # from), shared by the two programs
+    read = {s.inputs[1] for p in (step.program, step.eval_program)
+            for s in p.executable._block_bf16}
+    assert len(read) == len(copies) > 0
+    assert sorted(a.nbytes for a in copies.values()) == sorted(
+        2 * w.attrs["logical"][0] * w.attrs["logical"][1] for w in read)
+    est = estimate(model, step)
+    assert est.weights == (sum(w.nbytes for w in model.weights.values())
+                           + sum(a.nbytes for a in copies.values()))
+    # too little memory for them: the tiles are dequantized at every step instead
+    small = plan.resident_weights(plan.for_program("cpu", "bf16"), 1 << 30, 1 << 31)
+    assert not small.resident_weights.value and "would not fit" in small.resident_weights.why
+
+
+def test_auto_weights_keep_a_ggufs_blocks_where_its_products_run_bf16(files, tmp_path,
+                                                                       monkeypatch):
+    """``--weights auto`` on a GGUF: its blocks stay where the plan runs the products in
+    bf16 (they read bf16 copies of them), a float32 copy is loaded where they run in
+    float32."""
+    from gradtape.backends.cpu import backend as cpu, measure as compute
+
+    hardware.onednn_bf16()
+    monkeypatch.setattr(cpu, "BF16_MIN_WEIGHT", 0)
+    for fast in (True, False):
+        monkeypatch.setattr(compute, "bf16_fast", lambda shape: (fast, "forced"))
+        logs = []
+        s = finetune(_cfg(files, tmp_path / f"run-{fast}", compute="auto"), log=logs.append)
+        assert s["steps"] == 2
+        kept = [line for line in logs if "weights: kept in their stored type (the bf16" in line]
+        assert bool(kept) == fast, logs
+
+
 def test_not_enough_memory_is_one_clear_error_before_training(files, tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_MEM_AVAILABLE", str(200 << 20))  # less than the runtime
     logs = []

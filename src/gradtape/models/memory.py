@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..blocks import BLOCK_TYPES
+from ..blocks import BLOCK_TYPES, is_block_matrix
 from .. import settings
 from ..errors import FileFormatError, GradtapeError
 
@@ -109,3 +109,10 @@ def keep_stored(weights, path, available, log, name, overhead, ignore_memory=Fal
                             f"available; --weights stored keeps them in the file's type "
                             f"({kept / GiB:.1f} GiB)")
     return False
+
+
+def resident_copy_bytes(weights) -> int:
+    """Bytes of bf16 copies of ``weights``' block matrices (2 a value), those a bf16
+    step may keep (``plan.resident_weights``); a BF16 matrix is read where it lies."""
+    return sum(2 * w.shape[0] * w.shape[1] for w in weights.values()
+               if is_block_matrix(w) and w.qtype != "BF16")

@@ -134,7 +134,9 @@ class FinetuneConfig:
                                 "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
                                 "mapped, dequantized tile by tile in the matmuls) or auto "
                                 "(stored when the float32 copy would leave less than a "
-                                "fifth of the available memory, or with --compute int8)",
+                                "fifth of the available memory, with --compute int8, or "
+                                "where a GGUF's products run in bf16: they read bf16 "
+                                "copies made from its blocks, no float32 copy is kept)",
                         checks.one_of(*WEIGHT_MODES))
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
@@ -260,9 +262,18 @@ def _load_model(cfg, model, log):
                             f"{cfg.weights!r}")
     if model is None:
         available = mem_available()  # before the weights take their share
-        keep = _keep_quantized(cfg, models.model_source(cfg.model)[0], available, log)
-        model = models.load(cfg.model, keep_quantized=keep,
+        path, kind = models.model_source(cfg.model)
+        keep = _keep_quantized(cfg, path, available, log)
+        model = models.load(cfg.model, keep_quantized=keep or kind == "gguf",
                             check_memory=not cfg.ignore_memory)
+        if not keep and kind == "gguf":
+            if cfg.weights == "auto" and cfg.dtype == "float32" and reads_blocks(
+                    cfg.compute, cfg.backend, cfg.batch_size * cfg.seq_len, model):
+                log("weights: kept in their stored type (the bf16 products read bf16 "
+                    "copies made from the file's blocks; no float32 copy)")
+            else:  # float32 products: the float32 copy the GEMMs read
+                model = models.load(cfg.model, keep_quantized=False,
+                                    check_memory=not cfg.ignore_memory)
     else:  # a model loaded by the caller: its weights are already resident
         available = mem_available()
         available = None if available is None else available + resident_bytes(model.weights)
@@ -408,6 +419,23 @@ def _rows(cfg, data_file, eval_file, tokenizer, log):
     log(f"{'packed' if cfg.packing else 'padded'} {len(train)} examples into {len(out[0])} "
         f"rows of {cfg.seq_len} tokens ({tokens / (len(out[0]) * cfg.seq_len):.0%} filled)")
     return out
+
+
+def reads_blocks(compute, backend, rows, model) -> bool:
+    """Whether a float32 training step over ``rows`` rows a micro-batch (``--compute``
+    ``compute``) reads a GGUF's matrices from their blocks, so that ``--weights auto``
+    keeps them there: where the execution plan runs its frozen-weight products in bf16
+    (``plan.decide_compute``, as the step will ask it), they read bf16 copies of the
+    blocks and a float32 copy would only take memory.  ``model``: loaded with its
+    blocks kept (memory-mapped)."""
+    from .. import plan
+
+    if compute == "float32":
+        return False
+    c = model.config
+    precision = plan.decide_compute(compute, applies=backend == "cpu",
+                                    shape=(rows, c.dim, c.ffn_dim))
+    return precision.value == "bf16"
 
 
 def _keep_quantized(cfg, path, available, log) -> bool:

@@ -35,7 +35,7 @@ from ..tape import Tape
 from .memory import planned
 from .. import plan as planning
 from ..errors import GradtapeError
-from ..models.memory import GiB
+from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..models.attention_choice import attention_from
 from ..plan import DEFAULT_COMPUTE, Decision
 from ..models.graph import head_loss, record_forward, weight_consts
@@ -98,6 +98,9 @@ class TrainStep:
         cfg = model.config
         self.plan = planning.for_training(cfg, batch_size, seq_len, backend, dtype, compute,
                                           attention=attention_from)
+        self.plan = planning.resident_weights(
+            self.plan, resident_copy_bytes(model.weights),
+            memory_limit if memory_limit is not None else mem_available())
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum

@@ -59,6 +59,8 @@ from .qgemm_tiles import bf16_eligible
 _LIBS = {}  # path -> loaded CDLL (one load per process)
 # weight leaf -> its _Bf16Copies, shared by the programs of a tape that were not fed it
 _SHARED_COPIES = weakref.WeakKeyDictionary()
+# block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
+_RESIDENT = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
 PACK_SHARE = 0.125
@@ -145,9 +147,12 @@ class CpuBackend(HostBackend):
         super().__init__(graph, schedule, plan, execution)
         self.dtype = dtype = _float_dtype(graph)
         compute = execution.compute.value if execution is not None else "float32"
-        # the ways of a block-weight product the plan leaves to be timed
+        # the ways of a block-weight product the plan leaves to be timed, and whether it
+        # leaves room for a resident bf16 copy of each block weight
         self._only = ((execution.product_ways, execution.product_tile)
                       if execution is not None else ((), ""))
+        self._resident_ok = bool(execution is not None and execution.resident_weights.value)
+        self._resident = {}  # block-weight leaf -> its resident bf16 copy, once made
         # kernels: one translation unit for the program
         src = codegen.ProgramSource()
         self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
@@ -272,7 +277,18 @@ class CpuBackend(HostBackend):
 
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""
-        return [a for w in self._weight_copies.values() for a in w.arrays()]
+        return ([a for w in self._weight_copies.values() for a in w.arrays()]
+                + list(self._resident.values()))
+
+    def _resident_copy(self, leaf, qtype, k):
+        """The block weight ``leaf`` dequantized once into bf16 (uint16 ``[rows, k]``, its
+        tiles' very values), shared by the programs of its tape that were not fed it."""
+        if leaf not in self._resident:
+            copy = _RESIDENT.get(leaf)
+            if copy is None:
+                copy = _RESIDENT[leaf] = qgemm.deq_rows_bf16(self._values[leaf], qtype, k)
+            self._resident[leaf] = copy
+        return self._resident[leaf]
 
     def _tiled_kernels(self, dtype, bf16):
         """This program's ``tiled.CTiles`` for ``dtype``: the scratch the fused head
@@ -356,9 +372,11 @@ class CpuBackend(HostBackend):
                                          columns, functools.partial(measure.blocked_faster,
                                                                     only=self._only))
         if s in self._block_bf16:
+            resident = (functools.partial(self._resident_copy, s.inputs[1], s.attrs["qtype"],
+                                          s.attrs["k"]) if self._resident_ok else None)
             return qgemm_bf16.lower_bf16(s, val[s], ins, self._dnnl, self._bf16_scratch,
                                          functools.partial(measure.fastest, only=self._only),
-                                         rounded=rounded)
+                                         rounded=rounded, resident=resident)
         if s.op in qgemm.QOPS:
             return qgemm.lower(s, val[s], ins, self._tile_scratch)
         if s.op in tiled.TILED_OPS:  # the blocks' elementwise work in C
@@ -421,6 +439,13 @@ class CpuBackend(HostBackend):
     def set_leaf(self, leaf, arr):
         super().set_leaf(leaf, arr)
         self._col_scales_of.pop(leaf, None)
+        if leaf in self._resident:  # a fed block weight: a copy of this program's own
+            if self._resident[leaf] is _RESIDENT.get(leaf):
+                self._resident[leaf] = np.empty_like(self._resident[leaf])
+                self._stale = True  # its products bound again to the new copy
+            a = leaf.attrs
+            np.copyto(self._resident[leaf],
+                      qgemm.deq_rows_bf16(self._values[leaf], a["qtype"], a["logical"][1]))
         if leaf not in self._weight_copies:
             return
         # a fed weight: this program's own bf16 copies from now on, refreshed on each feed

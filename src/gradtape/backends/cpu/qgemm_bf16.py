@@ -14,7 +14,10 @@ accumulation.  The ways of running one product, each a function here:
 * ``fused``: one call of our own (``gt_qgemm_bf16_fused``) in which each core
   dequantizes its own part of W a chunk at a time and multiplies it at once with our
   AVX512-BF16 GEMM, where the CPU has it and W's shape fits its blocking;
-* ``direct``: a BF16 W (its bits are the tiles') read where it lies by one GEMM.
+* ``direct``: a BF16 W (its bits are the tiles') read where it lies by one GEMM;
+* ``resident``: ``direct`` on a bf16 copy of the whole W, dequantized once and kept for
+  the program's life (where the execution plan leaves room for it): the tiles' very
+  values, without dequantizing them again each step.
 
 The tiled ways come in each of ``bf16_tile_sizes()``; small tiles stay in cache between
 their dequantization and their GEMM, which takes ``BF16_SMALL_TILE_ROWS`` rows of the
@@ -70,7 +73,7 @@ class Bf16Scratch:
         return self.prod.ctypes.data if self.prod is not None else None
 
 
-def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False):
+def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` from the input
     arrays ``ins`` with bf16 inputs and float32 accumulation, in ``scratch``
     (``Bf16Scratch``):
@@ -81,7 +84,9 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False):
     one of the largest tiles where oneDNN's kernel takes it, when None; each way bound on
     its first call, so that only where no decision is cached are they all bound).
     ``rounded``: ``scratch.act`` already holds x's bf16 copy when this runs (a
-    ``qmatmul`` after another of the same x, whose run wrote it and nothing since)."""
+    ``qmatmul`` after another of the same x, whose run wrote it and nothing since).
+    ``resident``: a callable giving W's bf16 copy (uint16 ``[rows, k]``, made on its
+    first call and shared by the products of W), which offers the ``resident`` way."""
     p = BlockProduct.of(v, out, ins)
     if rounded and p.transposed:
         raise ValueError("lower_bf16: a qmatmul_t rounds its own operand (its tiles may "
@@ -102,6 +107,9 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False):
     if p.qtype == "BF16" and p.w_stride == 2 * p.k:
         runs["direct"] = _BoundOnFirstCall(functools.partial(_bind_direct, p, scratch, dnnl,
                                                              rounded))
+    elif resident is not None:
+        runs["resident"] = _BoundOnFirstCall(functools.partial(_bind_resident, p, scratch,
+                                                               dnnl, rounded, resident))
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {p.qtype}",
                                                             (p.T, p.rows, p.k), runs)
     return runs[name].bound()
@@ -314,6 +322,14 @@ def _bind_direct(p, scratch, dnnl, rounded):
         if split is not None:
             split["GEMM"] += time.perf_counter() - t0
     return _described(run, p, "direct", None, rounded, (p.x, p.w, p.out, scratch.act))
+
+
+def _bind_resident(p, scratch, dnnl, rounded, resident):
+    """``_bind_direct`` on W's resident bf16 copy (its bits are the tiles')."""
+    copy = resident()
+    run = _bind_direct(replace(p, qtype="BF16", w=copy.view(np.uint8)), scratch, dnnl, rounded)
+    run.layout = "resident"
+    return run
 
 
 def _row_blocks(dnnl, gemm, rows_at_once, a, w, out):

@@ -50,7 +50,7 @@ def main():
     x = rng.standard_normal((t, d), dtype=np.float32)
     w = (rng.standard_normal((vocab, d)) * 0.05).astype(np.float32)
     ids = rng.integers(0, vocab, t)
-    kw = dict(nh=nh, nkv=nkv, hd=hd, iscale=hd ** -0.5, cap=0.0, window=0, n_seq=1, tile=128)
+    kw = dict(spec=tiled.AttentionSpec(nh, nkv, hd, hd ** -0.5, tile=128))
     print(f"CPU: {cpu_summary()}; T={t}, median of {args.reps}")
     got = {}
     for bf16 in (False, True):

@@ -162,10 +162,16 @@ class GradtapeSide:
         return self.step_prog.step(self.batch, self.n, LR)[0]
 
     def gemms(self):
-        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d)."""
+        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d),
+        the products with block weights as the dense GEMMs they stand for (``qmatmul``:
+        ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
         out = []
         for v in self.step_prog.program.graph.ops:
-            if v.op == "matmul":
+            if v.op in ("qmatmul", "qmatmul_t"):
+                t, (rows, k) = v.shape[0], (v.attrs["rows"], v.attrs["k"])
+                out.append([0, t, k, rows, False, True] if v.op == "qmatmul"
+                           else [0, t, rows, k, False, False])
+            elif v.op == "matmul":
                 a, b = v.inputs
                 ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
                 k = a.shape[-2] if ta else a.shape[-1]

@@ -61,12 +61,8 @@ class Schedule:
 
 # --grad-checkpoint auto recomputes as few layers as keep the run (the step's plan, the
 # eval program, the weights) within this share of the memory available; the rest stays
-# for the machine's other work and the estimate's error.  Recomputing every layer costs
-# about one more forward pass: the 8B Q4_K_M at batch 4 x 256 plans 12.6 of 22.7 GiB
-# without it and stepped in 48.6 s, against 66.1 s with every layer recomputed (AMD Zen
-# 5, 2 cores); at T=2048 it plans 19.6 GiB without it, 8.5 with every layer recomputed,
-# and with 23 GiB available recomputes 7 layers (17.0 GiB): 76-80 s a step against
-# 102-104 s with all 32.
+# for the machine's other work and the estimate's error.  Recomputing a layer costs about
+# one more forward pass of it, so the fewer the better.
 AUTO_SHARE = 0.75
 
 

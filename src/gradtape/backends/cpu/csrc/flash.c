@@ -27,8 +27,7 @@
    backward computes them, or a row whose p sits on a few keys (an attention sink)
    loses its dS to the cancellation in dP - D: so D takes dO rounded as dP's GEMM takes
    it, and the forward's P V adds the remainder p - bf16(p) of every large p
-   (fa_pv_remainder), as exact as the backward's float32 p (the sink key's dK 2-2.6e-2
-   -> 4-7e-3 relative, SmolLM2's first layer's dQ 2.1e-2 -> 1.4e-3 on random tokens).
+   (fa_pv_remainder), as exact as the backward's float32 p.
    The softmax's exp is fa_exp, not gt_expf: the same polynomial, fused. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -160,8 +159,8 @@ static void fa_ranges(const fa_t *f, long b, long i0, long n, fa_buf *w, long *j
 }
 
 /* the block's rows of a [N, nh * hd (+ ...)] array, head by head, into dst [M, hd]
-   (copied in the loop: memcpy, a call per row of 64-128 values, took 7% of a T=256
-   backward under perf) */
+   (copied in the loop, not by memcpy: a call per row of only 64-128 values costs more
+   than the copy) */
 static void fa_gather(const fa_t *f, const float *restrict src, long ld, long b, long h,
                       long i0, long n, float *restrict dst) {
     const long hd = f->hd;
@@ -474,9 +473,8 @@ static long fa_units(const fa_t *f) {
    thread's fa_buf) is one block kept for the next call, grown as needed, so the call's
    speed does not hang on the allocator's state: where malloc hands back fresh pages
    (a process calling the attention alone, as bench/long_kernels.py), each faults once,
-   2300 of them a call at T=2048, and the first add into a zeroed page faults again and
-   interrupts the other core to flush its TLB (fwd + bwd 57-65 -> 44-48 ms there).  A
-   training step's allocations had kept that memory mapped: no change seen in a step.
+   and the first add into a zeroed page faults again and interrupts the other core to
+   flush its TLB.  A training step's own allocations keep that memory mapped already.
    One call at a time holds the block; the largest call's stays allocated (SmolLM2's
    backward at T=2048: about 7 MB). */
 static pthread_mutex_t fa_pool_lock = PTHREAD_MUTEX_INITIALIZER;

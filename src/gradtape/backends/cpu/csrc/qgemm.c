@@ -55,10 +55,9 @@ int gt_deq_rows_f64(int t, const uint8_t *w, long rb, const int64_t *ids, long n
    values put together as bytes, 32 at a time), the same float32 operations as
    ggml_blocks.h (a multiply, then a subtract), rounded as gt_bf16 (nearest even, NaN
    kept quiet) with integer operations, or by AVX512-BF16's conversion where the CPU has
-   it (32 values at a time), so the bits are the same as the scalar path's.  A
-   [256, 4096] tile in cache, one thread, Zen 5: Q4_K 14 -> 19, Q6_K 14 -> 17 G values/s
-   (Q4_K's scales as one vector since: two threads 21.5-24.6 -> 26-29); streamed from
-   memory, see PF_MIN_BYTES. */
+   it (32 values at a time), so the bits are the same as the scalar path's.  Faster
+   than the scalar path: no float32 row goes through memory, and Q4_K's scales and mins
+   are made as one vector.  For rows streamed from memory, see PF_MIN_BYTES. */
 static inline void bf16_store16(uint16_t *o, __m512 v) {
 #ifdef __AVX512BF16__
     /* one instruction, the same rounding (nearest even, NaN made quiet); it also takes
@@ -181,8 +180,8 @@ typedef void (*vecs_fn)(const uint8_t *, __m512i *);
    q = 0..15 (the float32 products and difference of regs_q4_k, rounded by the same
    conversion), so the 16 of two sub-blocks are made as one vector of 32 bf16 words and
    each nibble, widened to a word, picks its value from it (vpermw).  The same bits as
-   regs_q4_k at 1.3x its rate (one Zen 5 thread, a [256, 4096] tile: 15.5 -> 20.5 G
-   values/s; in L1: 17 -> 23). */
+   regs_q4_k for less float work: 16 values made per sub-block instead of 32, and no
+   quant converted to float32. */
 static void vecs_q4_k(const uint8_t *b, __m512i *v) {
     uint8_t scm[16];
     k_scale_min_bytes(b + 4, scm);
@@ -235,8 +234,7 @@ static void bf16_q4_k(const uint8_t *b, uint16_t *o) {
 /* The same block of two rows, a = W[2p, j] and b = W[2p + 1, j], as the 32-bit words (a
    in the low half) of four rows of 64 words of gt_deq_tile_vnni's panels, panel words
    apart from dst: the two rows' values interleaved in registers (vpermt2w) instead of
-   through a row of each in memory.  A Q4_K [14336, 256] column tile: 0.317 -> 0.094 ms
-   (plain rows 0.145). */
+   through a row of each in memory (a store and a reload of every value). */
 static void vnni_pair(vecs_fn vecs, const uint8_t *a, const uint8_t *b, uint32_t *dst,
                       long panel) {
     const __m512i first = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
@@ -266,11 +264,11 @@ static void s8_q6_k(const uint8_t *b, int8_t *o, const float *inv) {
 }
 #endif
 
-/* Streaming a matrix's blocks row after row, two Zen 5 cores dequantized 11 GB/s of
-   them (Q4_K to bf16 rows: 19 G values a second; blocked tiles 6 GB/s); with each row's
-   blocks fetched while the row before is dequantized, 12-17 (blocked: 7.5-8.3).  Where
-   a tile takes less of each row (its columns of a tall W: one block a row, 2 KB apart)
-   the cores' own prefetchers keep up, and nothing is fetched ahead (pf_rows 0). */
+/* Streaming a matrix's blocks row after row, the dequantization waits on memory (plain
+   rows and the blocked layout alike) unless each row's blocks are fetched while the row
+   before is dequantized.  Where a tile takes less of each row (its columns of a tall W:
+   one block a row, 2 KB apart) the cores' own prefetchers keep up, and nothing is
+   fetched ahead (pf_rows 0). */
 #define PF_MIN_BYTES 1024
 /* the rows ahead of the one dequantized whose blocks [c0, c0 + nc) are fetched, or 0 */
 static inline long pf_rows(long nc, int bl, int by) {
@@ -419,7 +417,7 @@ static void vn_transpose16(const uint32_t *restrict t, long ld, long np,
    of row i at dst[p * 64 + i]): for each 16 rows, each vector's 16 words a row
    transposed in registers (vn_t16), the next 16 rows' blocks asked for meanwhile.  The
    chunk's rows of the panel (256 KB) stay in L2 for all four 16 rows, instead of each
-   row going through a slab: a Q4_K [256, 4096] tile 0.068 -> 0.046-0.058 ms. */
+   row going through a slab. */
 static void vnni_panel(vecs_fn vecs, const uint8_t *w, long rb, long c0, long nc, int by,
                        uint32_t *dst) {
     __m512i v[16][8], r[16];
@@ -474,8 +472,8 @@ int gt_deq_tile_vnni(int t, const uint8_t *w, long rb, long r0, long n, long c0,
         /* the other panels (a last one of fewer than 64 rows; every panel of a type
            without vectors of its own): 16 rows of W at a time, each dequantized whole
            (W read in order) into a slab, then transposed into their 16 columns of the
-           panel (each row a chunk at a time, 64 streams over W without prefetching, ran
-           3-4x slower: read misses) */
+           panel (not each row a chunk at a time: that makes 64 streams over W, which
+           the prefetchers do not follow, and the reads miss) */
         const long ld = nc / 2 + 16;  /* words; a cache line past a power of two */
         #pragma omp parallel if ((panels - first) * VN_N * nc >= (1L << 16))
         {
@@ -583,11 +581,9 @@ static void cols_t(const float *restrict src, long lds, long m, long j0, long j1
    The GEMM is ours: a micro-kernel keeping a 6 x 64 block of C in 24 registers, adding
    per pair of K the panel's 4 vectors times each of A's 6 rows' pair (a 32-bit
    broadcast; vdpbf16ps sums two bf16 products into each float32 lane).
-   Zen 5, 2 cores (the vdpbf16ps peak 1095 GFLOP/s; the micro-kernel alone, one core, on
-   operands in L2: 97% of its 550): the 8B's LM head backward ([256, 49152] x Q6_K, the
-   4-layer bench file) 110-115 ms against 118-126 for oneDNN's GEMM per tile (whose
-   product [256, 4096] is re-read and re-written per tile); the other products within
-   1-3% of the tiled ways either way (docs/benchmarks.md). */
+   It gains most over a oneDNN GEMM per tile where that GEMM re-reads and re-writes a
+   large product per tile (an LM head's backward, [256, vocab] x W); the figures are in
+   docs/benchmarks.md. */
 #if defined(BF16_VECS) && defined(__AVX512BW__)
 #define FUSED
 #define GEMM_MR 6
@@ -618,7 +614,8 @@ static inline __attribute__((always_inline)) void gemm_pair(
 }
 
 /* C's block [mr, 64] (+= where add) A's rows' first 2 * pairs values times the panel's
-   rows of pairs b; the lines GEMM_AHEAD(_A) pairs on asked for meanwhile (2% on Zen 5) */
+   rows of pairs b; the lines GEMM_AHEAD(_A) pairs on asked for meanwhile, so that they
+   are in L1 when reached */
 static inline __attribute__((always_inline)) void gemm_tile(
         int mr, const uint16_t *a, long lda, const uint32_t *b, long pairs, float *c, long ldc,
         int add) {
@@ -760,8 +757,8 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
         #pragma omp parallel
         {
             /* each core's share of W's rows in blocks of the micro-kernel's, FUSED_ROWS
-               at a time (shared as whole groups of FUSED_ROWS, W [1024, 4096]'s 11 went
-               6 and 5: 2.46 ms against 2.32 now, Zen 5) */
+               at a time (not whole groups of FUSED_ROWS: a few groups split unevenly
+               over the cores, W [1024, 4096]'s 11 as 6 and 5) */
             long id, g0, g1;
             core_share(blocks, &id, &g0, &g1);
             const long first = g0 * GEMM_MR, end = g1 * GEMM_MR < rows ? g1 * GEMM_MR : rows;
@@ -829,8 +826,8 @@ void gt_copy_cols(const float *restrict src, long m, long n, float *restrict dst
 /* The activation's bf16 rows x16 [m, k] (k a multiple of 32) as the weights of a
    swapped product, B = x16^T [K = k, N = m] in gt_deq_tile_vnni's layout: a word of a
    row of x16 is already a pair of K, so each 16 rows' words are transposed into their
-   16 columns of a panel (rows past m: zeros).  oneDNN's own reorder took 0.9 ms for a
-   [256, 4096] x (Zen 5).  See qgemm_bf16.py. */
+   16 columns of a panel (rows past m: zeros), in place of oneDNN's own reorder, which is
+   far slower.  See qgemm_bf16.py. */
 void gt_rows_vnni(const uint16_t *restrict x16, long m, long k, uint16_t *restrict out) {
     const long words = k / 2, panel = words * VN_N;
     const uint32_t *x32 = (const uint32_t *)x16;
@@ -1244,8 +1241,8 @@ static void tile_d(gb_deq_fn f, int bl, int by, const uint8_t *w, long rb, long 
    ``lay`` 0 writes each product straight into the output's column block (BLAS with
    ldc = the output's row length).  ``lay`` 1 computes the transposed block
    ([rows of W, T], ``tbuf``: max(R, C) * T more values of scratch) and transposes it into
-   place: OpenBLAS's Haswell kernels run tile @ x^T (the long side first) up to 4x faster
-   than x @ tile^T at T = 256 (measured), and the transpose costs one pass over T x R
+   place: OpenBLAS's Haswell kernels run tile @ x^T (the long side first) much faster
+   than x @ tile^T at T in the hundreds, and the transpose costs one pass over T x R
    values per tile. */
 #define DRIVERS(SUF, TYPE, TILE, GEMM, TRANSPOSE_FN)                                   \
 int gt_qgemm_##SUF(int t, const uint8_t *w, long rb, long rows, long k, const TYPE *x, \

@@ -1,7 +1,6 @@
 /* Small float32 GEMMs on one thread, for the fused attention (flash.c): C[m, n] (=|+=)
    A[m, k] B[k, n] with m and n about a hundred and k from 64 to a few hundred, the
-   shapes NumPy's OpenBLAS runs worst (60-115 GFLOP/s on 2 Zen 3 cores, where one core's
-   FMA peak is about 80).
+   shapes NumPy's OpenBLAS runs worst, far below the cores' FMA peak.
 
    A register block of MR = 6 rows of C by NR = two vectors of columns (6 x 16 floats
    with AVX2, 6 x 32 with AVX-512): every k adds one broadcast A[i, k] times two vectors
@@ -221,9 +220,8 @@ static void tg_cols16(const float *a, long lda, long m, long k, tg_bf16 *dst, lo
    AVX512-BF16's register block, 6 rows by nv vectors of sums.  nv = 4 (tg_gemm16's
    blocks of two panels) keeps 24 sums in registers, so each loaded A pair feeds four
    vdpbf16ps and a block's work is twice its fixed cost (the sums' loads and stores,
-   the first products' latency): one core, m = 96, n = 256 (a block of the attention's
-   scores), k = 64 277-297 -> 334-376 GFLOP/s, k = 128 316-320 -> 365-405 (Zen 5).  Each
-   sum takes the pairs in order whatever nv is. */
+   the first products' latency), which counts at the attention's short k (a head's 64 or
+   128 values).  Each sum takes the pairs in order whatever nv is. */
 static inline void tg_block16_vec(int nv, long mr, long kp, const tg_bf16 *A, long rsa,
                                   long csa, const tg_bf16 *b, long ps, float *C, long ldc,
                                   int acc) {

@@ -4,7 +4,7 @@
    from one macro.  Row sums: the head's in double (rows of up to the vocabulary); an
    attention tile's in the tile's dtype (rows of at most a key tile, a few hundred terms
    summed 8 lanes at a time: within float32 rounding of the reference's pairwise sum, and
-   a third faster than widening every term).  This file knows nothing of Python;
+   faster than widening every term).  This file knows nothing of Python;
    ../tiled.py loads it.
 
    Each row is walked in passes that vectorize (`omp simd`, branch-free bodies): the

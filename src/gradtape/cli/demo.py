@@ -62,7 +62,7 @@ def _score(answers, references):
 
 def run(args) -> int:
     from .. import llama, models
-    from ..train.finetune import FinetuneConfig, finetune
+    from ..train.finetune import FinetuneConfig, finetune, reads_blocks
 
     if not (DATA / "train.jsonl").is_file():
         raise GradtapeError(f"demo data not found in {DATA} (run from a source checkout)")
@@ -84,8 +84,12 @@ def run(args) -> int:
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
-    # int8 compute reads the file's blocks, as finetune keeps them for it
-    model = llama.load("smollm2", keep_quantized=args.compute == "int8")
+    # the weights as finetune holds them: the file's blocks where the step's products
+    # read them (int8, or bf16 from copies of the blocks), else a float32 copy
+    model = llama.load("smollm2", keep_quantized=True)
+    if args.compute != "int8" and not reads_blocks(args.compute, backend,
+                                                   cfg.batch_size * cfg.seq_len, model):
+        model = llama.load("smollm2")
     # an answer still going past the longest reference (+ its end token) cannot match
     max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
     t = time.perf_counter()

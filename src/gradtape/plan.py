@@ -4,7 +4,8 @@ A ``Plan`` says, for one model, shape and machine, how a compiled program runs: 
 precision of the frozen-weight products (``compute``), where float32 GEMMs run
 (``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), from how many rows a
 sequence's attention is the fused primitive (``attention_from``), which ways of a
-block-weight product may be timed (``product_ways``), how many layers backward
+block-weight product may be timed (``product_ways``), whether block weights read by bf16
+products keep one bf16 copy each (``resident_weights``), how many layers backward
 recomputes (``checkpoint``) and the threads.  Each choice carries the sentence that says
 why.  Where a measurement decides (bf16 against float32, the attention's two routes), it
 is made here once per CPU and cached (``backends.cpu.measure.rates``); settings come from

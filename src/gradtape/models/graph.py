@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from .. import nn, ops, tiled
+from .. import nn, ops, plan, tiled
 from .config import LlamaConfig
 from .rope import rope_tables
 
@@ -150,11 +150,9 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 
 
 # rows per sequence from which attention is the tiled primitive (``nn.tiled_attention``);
-# shorter sequences take the composed attention (``nn.gqa_attention_seqs``, small [t, t]
-# scores): with at most two query tiles the tiled walk skips at most a quarter of the
-# scores, and its per-tile work costs more than that (``attention_choice`` may take the
-# tiled one from two query tiles on where it measured faster)
-ATTN_TILED_MIN = 2 * tiled.ATTN_TILE + 1
+# shorter sequences take the composed attention (small [t, t] scores), from two query
+# tiles on the plan may take the fused one where it measured faster (``plan.ATTN_TILED_MIN``)
+ATTN_TILED_MIN = plan.ATTN_TILED_MIN
 
 
 def attention_spec(cfg, layer, n_seq=1):

@@ -307,6 +307,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
     log(f"compute: {plan.compute}" + (f"; {f32.why}" if f32 is not None and f32.why else ""))
     if plan.attention_from.why:
         log(f"attention: {plan.attention_from.why}")
+    if plan.resident_weights.why:
+        log(f"block weights: {plan.resident_weights.why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "

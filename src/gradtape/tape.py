@@ -9,7 +9,7 @@ ops, so the gradients are graph that compiles and replays like any other op.
 
 ``Var`` itself lives in ``var.py``.  The tape is the core: it imports neither
 ``gradtape.compile`` nor any backend.  ``Tape.compile`` reaches them through one door,
-``backends.compile_tape``, imported only when a tape compiles.
+``plan.compile_tape``, imported only when a tape compiles.
 """
 
 from __future__ import annotations

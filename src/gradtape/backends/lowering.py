@@ -2,7 +2,7 @@
 
 ``ELEMENTWISE`` maps an elementwise primitive to a function of its operand expressions
 (``args``), its attrs and a ``CTypes`` (the dtype's spellings) returning one C
-expression; it mirrors the NumPy forward in ``ops.py``.  ``ROW_MATH`` describes each
+expression; it mirrors the NumPy forward in ``ops/``.  ``ROW_MATH`` describes each
 reduction over a row ``x[0..C)`` (sum, softmax, logsumexp, the next-token loss and its
 gradient) as the same three steps: an optional running max ``m``; ``s = sum_j term``;
 then one value per row (``row``) or one per element (``elem``).  The C generator

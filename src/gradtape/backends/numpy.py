@@ -1,6 +1,6 @@
 """The NumPy backend: the reference definition of every primitive.
 
-Each op of the graph runs its NumPy forward from ``ops.py`` (the very function the eager
+Each op of the graph runs its NumPy forward from ``ops/`` (the very function the eager
 tape runs, so a replay is bitwise the eager values), prebound as ``(forward, out,
 inputs, attrs)`` into the buffers of the memory plan: no per-step allocation of
 intermediates.  Storage and state updates are ``base.HostBackend``'s.

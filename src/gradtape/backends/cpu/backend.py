@@ -12,7 +12,7 @@ cores (OpenMP) when big enough.  Matmuls write straight into their planned buffe
 oneDNN's float32 matmul, on the same OpenMP threads, where the execution plan
 says so (``plan.complete``: measured at the main matmul shape), else in NumPy's BLAS
 (``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
-``ops.py``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``ops/``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 

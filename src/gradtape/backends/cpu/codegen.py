@@ -8,7 +8,7 @@ kernel.  ``gt_run(P, calls, n)`` runs ``n`` kernel calls from a table of
 ctypes call.
 
 The math of each primitive comes from ``lowering.py`` (shared with the CUDA generator);
-this module renders it as loops.  Float math follows the NumPy forwards of ``ops.py``
+this module renders it as loops.  Float math follows the NumPy forwards of ``ops/``
 operation by operation (same formulas, the dtype's own precision, no reassociation:
 ``-ffp-contract=off``, no ``-ffast-math``).  float64 uses libm (exp, log, sqrt, tanh).
 float32 ``exp`` is an inlined Cephes-style polynomial (max error about 1 ulp) that the
@@ -211,7 +211,7 @@ def c_single_op(v):
 def row_kernel_body(v, dtype):
     """softmax / sum over the last axis of any rank, a full sum, the fused next-token loss
     (``nll_ids``) and its gradient (``nll_ids_grad``), and transposes: the NumPy forwards
-    of ops.py row by row (rows are independent: the threads split rows, and every row
+    of ops/ row by row (rows are independent: the threads split rows, and every row
     is computed in the same order whatever the split).  ``p``: inputs, then the output."""
     ct = CTypes(dtype)
     t = ct.t

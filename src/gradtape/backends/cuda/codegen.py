@@ -421,7 +421,7 @@ def reduce_kernel(v, storage) -> Kernel:
 
 def nll_kernel(v, storage) -> Kernel:
     """nll_ids: out[t] = logsumexp(x[t]) - x[t, ids[t]]; nll_ids_grad: out[t, j] =
-    (softmax(x[t])_j - [j == ids[t]]) * g[t].  One block per row, as ops.py computes them
+    (softmax(x[t])_j - [j == ids[t]]) * g[t].  One block per row, as ops/ computes them
     (max, sum of exp(x - max), then the row)."""
     grad = v.op == "nll_ids_grad"
     ins = list(v.inputs)

@@ -199,7 +199,7 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
     }
 }
 
-/* silu as ops.py computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
+/* silu as ops/ computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
 static inline float gd_silu(float g) { return g * (1.0f / (1.0f + gt_expf(-g))); }
 
 /* the gated activation of mlp[j] (gate) and up[j]: silu, or GeGLU as nn.gelu_tanh

@@ -42,8 +42,15 @@ def _decisions_per_session(tmp_path_factory):
         d = _cgen.cache_dir()
         return (mine if d == shared else d) / "compute-decisions.json"
     compute._cache_file = decisions_file
+    # the CLI's subprocesses too (they inherit the environment)
+    before = os.environ.get("GRADTAPE_DECISIONS")
+    os.environ["GRADTAPE_DECISIONS"] = str(mine / "compute-decisions.json")
     yield
     compute._cache_file = real
+    if before is None:
+        os.environ.pop("GRADTAPE_DECISIONS", None)
+    else:
+        os.environ["GRADTAPE_DECISIONS"] = before
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ class Setting:
 SETTINGS = {s.name: s for s in (
     Setting("GRADTAPE_CACHE", "~/.cache/gradtape",
             "folder of compiled C kernels and of the measured per-CPU decisions"),
+    Setting("GRADTAPE_DECISIONS", "$GRADTAPE_CACHE/compute-decisions.json",
+            "the file of the measured per-CPU decisions (a test session keeps its own)"),
     Setting("GRADTAPE_CC", "cc", "the C compiler that builds the generated kernels"),
     Setting("GRADTAPE_THREADS", "",
             "threads of the decode kernels (default: the CPUs this process may use)"),

@@ -35,9 +35,11 @@ import os
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 
+from ... import settings
 from . import onednn, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
@@ -104,7 +106,10 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
 
 
 def _cache_file():
-    return toolchain.cache_dir() / "compute-decisions.json"
+    """The file of the measured decisions: ``$GRADTAPE_DECISIONS``, else
+    ``compute-decisions.json`` in the cache folder."""
+    chosen = settings.get("GRADTAPE_DECISIONS")
+    return Path(chosen) if chosen else toolchain.cache_dir() / "compute-decisions.json"
 
 
 _TABLES = {}  # cache file -> ((mtime, size), its table): parsed again only when changed

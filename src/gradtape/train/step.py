@@ -32,14 +32,13 @@ import numpy as np
 from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
-from .memory import planned
-from .. import plan as planning
 from ..errors import GradtapeError
-from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..models.attention_choice import attention_from
-from ..plan import DEFAULT_COMPUTE, Decision
 from ..models.graph import head_loss, record_forward, weight_consts
+from ..models.memory import GiB, mem_available, resident_copy_bytes
+from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
 from .data import IGNORE, empty_rows
+from .memory import planned
 
 
 @dataclass(frozen=True)
@@ -92,9 +91,9 @@ class TrainStep:
         # every choice of the run, decided once (``gradtape.plan``): the frozen-weight
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
-        self.plan = planning.for_training(cfg, batch_size, seq_len, backend, dtype, compute,
-                                          attention=attention_from)
-        self.plan = planning.resident_weights(
+        self.plan = for_training(cfg, batch_size, seq_len, backend, dtype, compute,
+                                 attention=attention_from)
+        self.plan = resident_weights(
             self.plan, resident_copy_bytes(model.weights),
             memory_limit if memory_limit is not None else mem_available())
         self.world = world if world is not None and world.size > 1 else None

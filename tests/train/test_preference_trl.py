@@ -113,7 +113,8 @@ class _LogProbs64:
 def _keep_float64():
     """``Tensor.float()`` leaves a float64 tensor as it is (ORPO's casts)."""
     orig = torch.Tensor.float
-    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else orig(self, *a, **k)
+    torch.Tensor.float = (lambda self, *a, **k:
+                          self if self.dtype == torch.float64 else orig(self, *a, **k))
     try:
         yield
     finally:

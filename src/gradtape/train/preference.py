@@ -96,7 +96,8 @@ class PreferenceGraph:
         n = batch.n_pairs
         out = {lv["ids"]: batch.ids, lv["targets"]: batch.targets,
                lv["positions"]: batch.positions, lv["segments"]: np.zeros_like(batch.ids),
-               lv["weights"]: batch.weights.astype(dt), lv["counts"]: batch.counts.astype(dt)[:, None]}
+               lv["weights"]: batch.weights.astype(dt),
+               lv["counts"]: batch.counts.astype(dt)[:, None]}
         if "ref" in lv:
             if ref is None:
                 raise GradtapeError("this method needs the reference log-probabilities")

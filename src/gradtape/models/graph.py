@@ -5,7 +5,8 @@ blocks of GQA attention and a gated MLP, final RMSNorm, LM head) for ``n_seq`` e
 length sequences at once: the graph the trainer differentiates and replays.  One graph
 serves every family of ``models.arch``; the config switches its features (biases, fused
 projections, q/k norms, sliding windows, rope factors, Gemma 2's norms, GeGLU and
-soft-capping).  ``head_loss`` is the training loss over the last hidden rows.  The
+soft-capping).  ``head_loss`` is the training loss over the last hidden rows, ``sequence_logps``
+the per-sequence log-probabilities a preference loss is built from.  The
 pieces (``embed``, ``block``, ``lm_head``, ``linear_fn``) are public because inference
 (``gradtape.infer``) records the same block with a KV cache.  The math lives only in
 ``gradtape.nn``; this module wires layers and computes nothing itself.  It decides no
@@ -148,6 +149,24 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
     return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
                                  cfg.final_softcap or 0.0, grad_in_forward=training)
 
+
+
+def sequence_logps(tp, cfg, W, x, targets, weights, ones=None, training=True):
+    """``[k, 1]``: ``-(weights^T @ nll)``, weighted sums of the target tokens'
+    log-probabilities from the last hidden rows ``x [N, D]``, by the same head route as
+    ``head_loss`` (composed logits below ``HEAD_FUSE_MIN``, else the fused head).
+    ``targets``: integer const ``[N]``; ``weights``: const ``[N, k]``, column ``s`` the
+    rows counted in sum ``s`` (1 on sequence ``s``'s completion tokens for a summed log-
+    probability, ``1/n_s`` for an average; any other weighting, such as a pooled NLL, is
+    one more column).  What a preference method's loss is built from."""
+    ones = ones if ones is not None else nn.ones(tp, cfg.dim)
+    if x.shape[0] * cfg.vocab_size < HEAD_FUSE_MIN:
+        nll = ops.nll_ids(lm_head(tp, cfg, W, x, ones), targets)  # [N, 1]
+    else:
+        h = _rmsnorm(tp, cfg, x, W["norm"], ones)
+        nll = ops.slice_(ops.head_nll(h, _head_table(cfg, W), targets, cfg.final_softcap or 0.0,
+                                      grad_in_forward=training), 1, 0, 1)  # [N, 1]
+    return ops.neg(ops.matmul(weights, nll, ta=True))  # [k, 1]
 
 # rows per sequence from which attention is the tiled primitive (``nn.tiled_attention``);
 # shorter sequences take the composed attention (small [t, t] scores), from two query

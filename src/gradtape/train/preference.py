@@ -1,0 +1,172 @@
+"""One preference step's loss on a tape, and the reference pass.
+
+``pair_batch`` lays ``N`` tokenized pairs out as TRL's concatenated forward does:
+``2N`` sequences of ``T`` rows, the chosen ones first, each padded at its end, with the
+next-token targets and the weights that turn per-row log-probabilities into the
+per-sequence sums (or averages) the method reads (``models.graph.sequence_logps``).
+``record_preference`` records the forward of all ``2N`` sequences at once (each attends
+only to itself), the log-probabilities and the method's loss (``train.methods``);
+``tp.backward(loss)`` then gives every LoRA gradient.  ``reference_logps`` is the same
+forward with the adapter as given (none, or a fresh one: the base model), forward only.
+
+What this is not: tokenizing and masking the pairs (``train.data``), the compiled step
+and the loop (``train.step``, ``train.finetune``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import nn, ops
+from ..errors import GradtapeError
+from ..models.graph import record_forward, sequence_logps, weight_consts
+from ..tape import Tape
+from .methods import Logps, Method, Options, build_loss
+
+
+@dataclass
+class PairBatch:
+    """Host arrays of ``N`` pairs as ``2N`` sequences of ``T`` rows (chosen ``0..N-1``,
+    rejected ``N..2N-1``): ``ids``, ``targets`` (the next token, 0 where none) and
+    ``positions`` int64 ``[2N*T]``; ``weights [2N*T, 2N+1]`` (column ``s``: sequence
+    ``s``'s completion rows, 1 or ``1/n_s``; the last: ORPO's chosen NLL, ``1/n`` on
+    every next token of the chosen sequences); ``counts [2N]`` the completion tokens."""
+    ids: np.ndarray
+    targets: np.ndarray
+    positions: np.ndarray
+    weights: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def n_pairs(self):
+        return len(self.counts) // 2
+
+
+def pair_batch(pairs, seq_len, average, pad_id=0, where="batch"):
+    """``PairBatch`` of ``pairs``: ``[(chosen_ids, chosen_mask, rejected_ids,
+    rejected_mask)]``, token lists with a 0/1 list each, 1 on the completion tokens
+    (the loss's), prompt included in the ids.  ``average``: the method averages its
+    log-probabilities over the completion tokens (``Method.average``).  A sequence
+    longer than ``seq_len`` or without a completion token is one error naming it."""
+    seqs = [(p[0], p[1]) for p in pairs] + [(p[2], p[3]) for p in pairs]
+    n, t = len(seqs), int(seq_len)
+    ids = np.full((n, t), pad_id, np.int64)
+    targets = np.zeros((n, t), np.int64)
+    w = np.zeros((n, t, n + 1))
+    counts = np.zeros(n)
+    n_nll = 0
+    for s, (tok, mask) in enumerate(seqs):
+        kind = f"{where}: pair {s % len(pairs)}'s {'chosen' if s < len(pairs) else 'rejected'}"
+        tok, mask = np.asarray(tok, np.int64), np.asarray(mask, bool)
+        if len(tok) != len(mask):
+            raise GradtapeError(f"{kind}: {len(tok)} tokens but {len(mask)} mask entries")
+        if len(tok) > t:
+            raise GradtapeError(f"{kind}: {len(tok)} tokens do not fit in --seq-len {t}")
+        counted = mask[1:]  # row r predicts token r + 1
+        counts[s] = counted.sum()
+        if counts[s] == 0:
+            raise GradtapeError(f"{kind}: no completion token to train on")
+        ids[s, :len(tok)] = tok
+        targets[s, :len(tok) - 1] = tok[1:]
+        w[s, :len(tok) - 1, s] = counted / counts[s] if average else counted
+        if s < len(pairs):  # ORPO's NLL: every next token of the chosen sequence
+            w[s, :len(tok) - 1, n] = 1.0
+            n_nll += len(tok) - 1
+    w[:, :, n] /= max(n_nll, 1)
+    positions = np.tile(np.arange(t, dtype=np.int64), n)
+    return PairBatch(ids.reshape(-1), targets.reshape(-1), positions, w.reshape(n * t, n + 1),
+                     counts)
+
+
+@dataclass
+class PreferenceGraph:
+    """A recorded preference loss: ``loss`` (one element), ``metrics`` (TRL's names),
+    ``logps [2N, 1]`` the policy's, and the const leaves ``feeds`` fills."""
+    loss: object
+    metrics: dict
+    logps: object
+    leaves: dict
+
+    def feeds(self, batch: PairBatch, ref=None) -> dict:
+        """``{leaf: array}`` for ``Program.run`` of ``batch`` (and the reference's
+        ``[2N]`` log-probabilities, for a method with a reference)."""
+        lv, dt = self.leaves, self.loss.dtype
+        n = batch.n_pairs
+        out = {lv["ids"]: batch.ids, lv["targets"]: batch.targets,
+               lv["positions"]: batch.positions, lv["segments"]: np.zeros_like(batch.ids),
+               lv["weights"]: batch.weights.astype(dt),
+               lv["counts"]: batch.counts.astype(dt)[:, None]}
+        if "ref" in lv:
+            if ref is None:
+                raise GradtapeError("this method needs the reference log-probabilities")
+            out[lv["ref"]] = np.asarray(ref, dt).reshape(2 * n, 1)
+        return out
+
+
+def _leaves(tp, batch: PairBatch):
+    dt = tp.dtype
+    return {"ids": tp.const(batch.ids), "targets": tp.const(batch.targets),
+            "positions": tp.const(batch.positions),
+            "segments": tp.const(np.zeros_like(batch.ids)),
+            "weights": tp.const(batch.weights.astype(dt)),
+            "counts": tp.const(batch.counts.astype(dt)[:, None])}
+
+
+def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training):
+    ones = nn.ones(tp, cfg.dim)
+    hidden = record_forward(tp, cfg, W, lv["ids"], n_seq, lora, lora_scale, ones=ones,
+                            positions=lv["positions"], segments=lv["segments"], head=False)
+    return sequence_logps(tp, cfg, W, hidden, lv["targets"], lv["weights"], ones,
+                          training=training)  # [2N+1, 1]
+
+
+def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
+                      opt: Options = Options(), ref=None) -> PreferenceGraph:
+    """Record method ``m``'s loss over ``batch`` on ``tp``: the ``2N`` sequences in one
+    forward (``W`` from ``weight_consts``, ``lora`` ``{(layer, target): (A, B)}`` params,
+    as ``record_forward`` takes them), their log-probabilities, and the loss with its
+    metrics.  ``ref``: the reference's ``[2N]`` log-probabilities (``reference_logps``),
+    a const leaf fed each step; required where the method has a reference."""
+    n = batch.n_pairs
+    lv = _leaves(tp, batch)
+    sums = _forward_logps(tp, cfg, W, lora, lora_scale, lv, 2 * n, training=True)
+    logps = _rows(sums, 0, 2 * n)
+    rc = rr = None
+    if m.reference:
+        if ref is None:
+            raise GradtapeError(f"method {m.name} needs the reference log-probabilities")
+        lv["ref"] = tp.const(np.asarray(ref, tp.dtype).reshape(2 * n, 1))
+        rc, rr = _rows(lv["ref"], 0, n), _rows(lv["ref"], n, 2 * n)
+    nll = None
+    if m.nll:
+        nll = ops.neg(ops.reduce_sum(_rows(sums, 2 * n, 2 * n + 1)))  # column 2N: -NLL
+    counts = lv["counts"]
+    lp = Logps(_rows(sums, 0, n), _rows(sums, n, 2 * n), rc, rr, nll,
+               _rows(counts, 0, n), _rows(counts, n, 2 * n))
+    loss, metrics = build_loss(m, lp, opt)
+    return PreferenceGraph(loss, metrics, logps, lv)
+
+
+def _rows(v, a, b):
+    return ops.slice_(v, 0, a, b)
+
+
+def reference_logps(model, adapter, m: Method, batch: PairBatch, dtype=np.float64,
+                    backend="numpy"):
+    """The reference's ``[2N]`` log-probabilities of ``batch`` (chosen, then rejected):
+    ``model`` with ``adapter`` as given (``None``, or a fresh one whose B = 0: the base
+    model), forward only, summed or averaged as ``m`` says."""
+    tp = Tape(dtype, eager=False)
+    W = weight_consts(tp, {k: w if not isinstance(w, np.ndarray) else w.astype(dtype, copy=False)
+                           for k, w in model.weights.items()})
+    lora = None if adapter is None else {
+        k: (tp.const(a.astype(dtype)), tp.const(b.astype(dtype)))
+        for k, (a, b) in adapter.weights.items()}
+    lv = _leaves(tp, batch)
+    n = batch.n_pairs
+    sums = _forward_logps(tp, model.config, W, lora, 1.0 if adapter is None else adapter.scale,
+                          lv, 2 * n, training=False)
+    out = tp.compile([_rows(sums, 0, 2 * n)], backend=backend).run()[0]
+    return np.asarray(out, np.float64).reshape(-1)

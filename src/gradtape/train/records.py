@@ -231,7 +231,7 @@ SCHEMAS = (
     Schema("TRL preference, conversational", ("prompt", "chosen", "rejected"), (),
            "chat pair", _pair_chat, lambda r: _is_list(r.get("prompt"))),
     Schema("TRL preference", ("prompt", "chosen", "rejected"), (), "pair", _pair_text,
-           lambda r: isinstance(r.get("prompt"), str) and isinstance(r.get("chosen"), str)),
+           lambda r: not _is_list(r.get("prompt")) and not _is_list(r.get("chosen"))),
     Schema("implicit prompt, conversational", ("chosen", "rejected"), ("prompt",),
            "chat pair", _implicit_chat,
            lambda r: _is_list(r.get("chosen")) and not _is_list(r.get("prompt"))),

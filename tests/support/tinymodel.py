@@ -19,7 +19,7 @@ class ByteTokenizer:
 
     eos_id = 256
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=True):  # (it has none to add)
         return list(text.encode("utf-8"))
 
     def decode(self, ids):

@@ -7,12 +7,18 @@ dataset folder as the Hub downloads it (its ``data/`` files, or the folder's own
 split: ``train-00000-of-00001.parquet``, ``train/0000.parquet``, ``train.jsonl``).
 
 Schemas, one table (``SCHEMAS``), detected from the first record (a Parquet file's
-columns) and required of every record after it: OpenAI chat ``messages``, ShareGPT
+columns, then its first row) and required of every record after it.  A reader call says
+which task it reads for (``TASKS``): ``sft`` takes OpenAI chat ``messages``, ShareGPT
 ``conversations``, Alpaca ``instruction``/``input``/``output``, ``prompt``/``completion``
-and ``text``.  Each row's ``normal`` turns a record into one of three forms the
-tokenizer side knows (``KINDS``): ``chat`` (``{"messages": [{"role", "content"}]}``),
-``completion`` (``{"prompt", "completion"}``) and ``text`` (``{"text"}``).  Other field
-names map onto the schema's with ``--columns prompt=question,completion=answer``.
+and ``text``; ``preference`` takes TRL's pairs: ``prompt``/``chosen``/``rejected`` as
+strings (standard) or message lists (conversational), and ``chosen``/``rejected`` alone
+(the implicit prompt: the part both share, as TRL's ``extract_prompt`` finds it).  Each
+row's ``normal`` turns a record into one of the forms the tokenizer side knows
+(``KINDS``): ``chat`` (``{"messages": [{"role", "content"}]}``), ``completion``
+(``{"prompt", "completion"}``), ``text`` (``{"text"}``), ``pair`` (``{"prompt",
+"chosen", "rejected"}`` strings) and ``chat pair`` (the same three as message lists, the
+completions assistant turns only).  Other field names map onto the schema's with
+``--columns prompt=question,completion=answer``.
 
 Everything here runs before a model is loaded: a bad record is one line naming the file
 and the record (``f.jsonl:7``, ``f.json: record 7``, ``f.parquet: row 7``).  This module
@@ -29,7 +35,11 @@ from pathlib import Path
 from ..checks import input_path
 from ..errors import GradtapeError
 
-KINDS = ("chat", "completion", "text")
+SFT_KINDS = ("chat", "completion", "text")
+PAIR_KINDS = ("pair", "chat pair")
+KINDS = SFT_KINDS + PAIR_KINDS
+TASKS = {"sft": SFT_KINDS, "preference": PAIR_KINDS}  # what a reader asks for -> its kinds
+TASK_NAMES = {"sft": "SFT data", "preference": "preference pairs"}
 
 
 # --- the schemas ----------------------------------------------------------------------------
@@ -107,6 +117,93 @@ def _text(obj, where):
     return {"text": _string(obj, "text", where)}
 
 
+# --- preference pairs -----------------------------------------------------------------------
+
+def _completion_turns(obj, key, where):
+    """``obj[key]``: a non-empty list of assistant messages with some text."""
+    turns = _turns(obj, key, "role", "content", where)
+    bad = next((i for i, m in enumerate(turns, 1) if m["role"] != "assistant"), None)
+    if bad is not None:
+        raise GradtapeError(f"{where}: {key!r} must be assistant turns; its message {bad} "
+                            f"is {turns[bad - 1]['role']!r}")
+    if not any(m["content"] for m in turns):
+        raise GradtapeError(f"{where}: {key!r} is empty: no completion to score")
+    return [{"role": m["role"], "content": m["content"]} for m in turns]
+
+
+def _distinct(pair, where):
+    if pair["chosen"] == pair["rejected"]:
+        raise GradtapeError(f"{where}: 'chosen' and 'rejected' are the same: nothing to "
+                            "prefer")
+    return pair
+
+
+def _pair_text(obj, where):
+    """TRL's standard form: three strings."""
+    pair = {k: _string(obj, k, where) for k in ("prompt", "chosen", "rejected")}
+    for k in ("chosen", "rejected"):
+        if not pair[k]:
+            raise GradtapeError(f"{where}: {k!r} is empty: no completion to score")
+    return _distinct(pair, where)
+
+
+def _pair_chat(obj, where):
+    """TRL's conversational form: the prompt's messages, then each completion's."""
+    prompt = _turns(obj, "prompt", "role", "content", where)
+    return _distinct({"prompt": [{"role": m["role"], "content": m["content"]}
+                                 for m in prompt],
+                      "chosen": _completion_turns(obj, "chosen", where),
+                      "rejected": _completion_turns(obj, "rejected", where)}, where)
+
+
+def shared_prefix(chosen, rejected):
+    """The length of the implicit prompt, as TRL's ``extract_prompt`` finds it: up to the
+    first item (character or message) where the two differ, less a space that ends it
+    (the space begins the completions); None where they never differ (one is the other's
+    beginning, and TRL would take its last item for a completion: refused instead)."""
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            return idx - 1 if idx and chosen[idx - 1] == " " else idx
+    return None
+
+
+def _implicit(obj, where, make):
+    """``make`` applied to the pair with the prompt both completions share split off."""
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if chosen == rejected:
+        raise GradtapeError(f"{where}: 'chosen' and 'rejected' are the same: nothing to "
+                            "prefer")
+    n = shared_prefix(chosen, rejected)
+    if n is None:
+        short = "chosen" if len(chosen) < len(rejected) else "rejected"
+        raise GradtapeError(f"{where}: {short!r} is the beginning of the other: nothing "
+                            "follows the prompt they share in it (an empty completion)")
+    if n == 0:
+        raise GradtapeError(f"{where}: 'chosen' and 'rejected' share no prompt (they "
+                            "differ from the start); give it as 'prompt'")
+    return make({"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]},
+                where)
+
+
+def _implicit_text(obj, where):
+    for k in ("chosen", "rejected"):
+        _string(obj, k, where)
+    return _implicit(obj, where, _pair_text)
+
+
+def _implicit_chat(obj, where):
+    # a "prompt" string beside conversations (UltraFeedback-binarized) only repeats the
+    # first user turn: the prompt is the conversations' shared messages, as TRL's
+    # maybe_extract_prompt decides
+    for k in ("chosen", "rejected"):
+        _turns(obj, k, "role", "content", where)
+    return _implicit(obj, where, _pair_chat)
+
+
+def _is_list(v):
+    return isinstance(v, list)
+
+
 @dataclass(frozen=True)
 class Schema:
     name: str  # as the run's first lines state it
@@ -114,6 +211,13 @@ class Schema:
     optional: tuple  # fields a record may have
     kind: str  # one of KINDS: how ``data`` tokenizes the normal form
     normal: object  # (record, where) -> the kind's normal form, or a one-line error
+    # (record) -> whether a record with these keys has this schema's value types (a
+    # preference record is standard or conversational by its values); None: any
+    form: object = None
+
+    @property
+    def task(self):
+        return next(t for t, kinds in TASKS.items() if self.kind in kinds)
 
 
 # first match wins: a record with both "messages" and "text" is a chat
@@ -124,9 +228,25 @@ SCHEMAS = (
     Schema("prompt/completion", ("prompt", "completion"), (), "completion",
            _prompt_completion),
     Schema("text", ("text",), (), "text", _text),
+    Schema("TRL preference, conversational", ("prompt", "chosen", "rejected"), (),
+           "chat pair", _pair_chat, lambda r: _is_list(r.get("prompt"))),
+    Schema("TRL preference", ("prompt", "chosen", "rejected"), (), "pair", _pair_text,
+           lambda r: not _is_list(r.get("prompt")) and not _is_list(r.get("chosen"))),
+    Schema("implicit prompt, conversational", ("chosen", "rejected"), ("prompt",),
+           "chat pair", _implicit_chat,
+           lambda r: _is_list(r.get("chosen")) and not _is_list(r.get("prompt"))),
+    Schema("implicit prompt", ("chosen", "rejected"), (), "pair", _implicit_text,
+           lambda r: isinstance(r.get("chosen"), str) and "prompt" not in r),
 )
 FIELDS = tuple(dict.fromkeys(k for s in SCHEMAS for k in s.keys + s.optional))
-_ACCEPTED = "; ".join(f"{'+'.join(s.keys)} ({s.name})" for s in SCHEMAS)
+
+
+def accepted(task):
+    """The schemas a task takes, as error messages list them."""
+    return "; ".join(f"{'+'.join(s.keys)} ({s.name})" for s in SCHEMAS if s.task == task)
+
+
+_ACCEPTED = accepted("sft")
 
 
 def parse_columns(value, name="--columns") -> dict:
@@ -156,19 +276,47 @@ def check_columns(name, value):
     parse_columns(value, name)
 
 
-def detect(keys, where, columns, what="keys") -> Schema:
-    """The schema of a record with these ``keys`` (after ``columns`` renamed them; a
-    Parquet file's columns, ``what="columns"``)."""
+def _matching(names, task):
+    return [s for s in SCHEMAS if s.task == task and all(k in names for k in s.keys)]
+
+
+def _pick(found, record):
+    """The first schema of ``found`` whose value types ``record`` has (None: not known,
+    a Parquet file's columns), else the first."""
+    if record is None:
+        return found[0]
+    return next((s for s in found if s.form is None or s.form(record)), found[0])
+
+
+def detect(keys, where, columns, what="keys", task="sft", record=None) -> Schema:
+    """The ``task``'s schema of a record with these ``keys`` (after ``columns`` renamed
+    them; a Parquet file's columns, ``what="columns"``): the first whose keys it has and,
+    given the (renamed) ``record``, whose value types it has, else the first whose keys
+    it has (its ``normal`` then says what is wrong)."""
     names = {columns.get(k, k) for k in keys}
-    for s in SCHEMAS:
-        if all(k in names for k in s.keys):
-            return s
+    found = _matching(names, task)
+    if found:
+        return _pick(found, record)
+    shown = ", ".join(map(repr, keys)) or "(none)"
+    if task == "preference" and {"chosen", "rejected"} & names:
+        lacking = "rejected" if "chosen" in names else "chosen"
+        raise GradtapeError(f"{where}: a preference pair needs 'chosen' and 'rejected'; "
+                            f"{lacking!r} is missing (the {what} are {shown})")
+    other = next(t for t in TASKS if t != task)
+    theirs = _matching(names, other)
+    if theirs:
+        their = _pick(theirs, record).name
+        raise GradtapeError(f"{where}: {TASK_NAMES[other]} ({their}: the {what} are "
+                            f"{shown}), where {TASK_NAMES[task]} are wanted; accepted: "
+                            f"{accepted(task)}")
     missing = [c for c in columns if c not in keys]
     hint = f"--columns maps {missing[0]!r}, which is not among them; " if missing else ""
+    example = ("prompt=question,completion=answer" if task == "sft"
+               else "chosen=good,rejected=bad")
     raise GradtapeError(f"{where}: unknown schema: the {what} are "
-                        f"{', '.join(map(repr, keys)) or '(none)'}; {hint}accepted: "
-                        f"{_ACCEPTED} (other names map with --columns, e.g. --columns "
-                        "prompt=question,completion=answer)")
+                        f"{shown}; {hint}accepted: "
+                        f"{accepted(task)} (other names map with --columns, e.g. --columns "
+                        f"{example})")
 
 
 def _normal(schema, obj, where, columns):
@@ -181,6 +329,12 @@ def _normal(schema, obj, where, columns):
                             f"{', '.join(schema.keys)} like the first record; "
                             f"{lacking[0]!r} is missing (keys: "
                             f"{', '.join(map(repr, obj)) or 'none'})")
+    if schema.form is not None and not schema.form(obj):
+        other = next((s for s in _matching(obj, schema.task)
+                      if s is not schema and s.form is not None and s.form(obj)), None)
+        if other is not None:
+            raise GradtapeError(f"{where}: a {other.name} record, but the first record is "
+                                f"{schema.name}: the schema changes mid-file")
     rec = schema.normal(obj, where)
     for t in _strings(rec):  # JSON may escape a lone surrogate ("\\ud800"): not text
         try:
@@ -234,21 +388,30 @@ SPLITS = {"train": "train", "training": "train", "validation": "validation",
 EVAL_SPLITS = ("validation", "test")
 
 
-def read_data(path, name="data file", columns="", split="train") -> DataFile:
+def read_data(path, name="data file", columns="", split="train", task="sft") -> DataFile:
     """Read and check data (``name`` is how messages call it, ``columns`` the
     ``--columns`` mapping): a file, or a dataset folder's ``split`` ("train", or "eval":
-    its validation split, else its test split)."""
+    its validation split, else its test split), for ``task`` (``TASKS``: "sft", or
+    "preference": pairs only; the other task's records are refused naming the schemas
+    accepted)."""
+    if task not in TASKS:
+        raise ValueError(f"read_data: task must be one of {', '.join(TASKS)}, got {task!r}")
     path = input_path(path, name, "file or folder")
     cols = parse_columns(columns)
     if path.is_dir():
-        return _read_folder(path, name, cols, split)
-    return _read_file(path, name, cols)
+        return _read_folder(path, name, cols, split, task)
+    data = _read_file(path, name, cols, task)
+    if data.schema is None and task != "sft":
+        raise GradtapeError(f"{name} {path}: plain text, where {TASK_NAMES[task]} are "
+                            f"wanted (JSON Lines, a JSON array or Parquet); accepted: "
+                            f"{accepted(task)}")
+    return data
 
 
-def _read_file(path, name, cols, schema=None):
+def _read_file(path, name, cols, task, schema=None):
     raw = _read_bytes(path, name)
     if raw.startswith(PARQUET_MAGIC) or path.suffix == ".parquet":
-        return _read_parquet(path, raw, name, cols, schema)
+        return _read_parquet(path, raw, name, cols, task, schema)
     text = _utf8(raw, path, name)
     start = text.lstrip()[:1]
     if path.suffix == ".json" and start == "[":
@@ -257,7 +420,7 @@ def _read_file(path, name, cols, schema=None):
         objs = _jsonl_records(text, path)
     else:
         return DataFile(path, text=text)
-    return _checked(path, objs, cols, schema)
+    return _checked(path, objs, cols, task, schema)
 
 
 def _read_bytes(path, name):
@@ -288,13 +451,14 @@ def _utf8(raw, path, name):
     return text
 
 
-def _checked(path, objs, cols, schema):
+def _checked(path, objs, cols, task, schema):
     """``DataFile`` of (where, record) pairs: the schema from the first record (or the
     one given: another file of the same folder), every record in its normal form."""
     records = []
     for where, obj in objs:
         if schema is None:
-            schema = detect(list(obj), where, cols)
+            schema = detect(list(obj), where, cols, task=task,
+                            record={cols.get(k, k): v for k, v in obj.items()})
         records.append((where, _normal(schema, obj, where, cols)))
     if not records:
         raise GradtapeError(f"{path}: holds no records")
@@ -335,9 +499,9 @@ def _json_array(text, path):
         yield f"{path}: record {n}", obj
 
 
-def _read_parquet(path, raw, name, cols, schema):
-    """A Parquet file's records: the schema from its columns; only the columns the
-    schema uses are read."""
+def _read_parquet(path, raw, name, cols, task, schema):
+    """A Parquet file's records: the schema from its columns (and first row, where the
+    columns fit more than one); only the columns those schemas use are read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -346,14 +510,15 @@ def _read_parquet(path, raw, name, cols, schema):
         names = pf.schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise GradtapeError(f"{name} {path}: not a readable Parquet file ({e})") from None
-    if schema is None:
-        schema = detect(names, f"{path}", cols, what="columns")
-    elif detect(names, f"{path}", cols, what="columns") != schema:  # another file's
+    first = detect(names, f"{path}", cols, what="columns", task=task)
+    fits = _matching({cols.get(c, c) for c in names}, task)
+    if schema is not None and schema not in fits:  # another file's
         raise GradtapeError(f"{path}: expected the {schema.name} columns "
                             f"{', '.join(schema.keys)} like the first file; the columns are "
                             f"{', '.join(map(repr, names))}")
     to_file = {f: c for c, f in cols.items()}  # the schema's names -> the file's
-    wanted = {k: to_file.get(k, k) for k in schema.keys + schema.optional}
+    used = [schema] if schema is not None else fits if first.form else [first]
+    wanted = {k: to_file.get(k, k) for s in used for k in s.keys + s.optional}
     wanted = {k: c for k, c in wanted.items() if c in names}
     try:
         table = pf.read(columns=list(wanted.values()))
@@ -363,7 +528,7 @@ def _read_parquet(path, raw, name, cols, schema):
     objs = ((f"{path}: row {i + 1}", {k: v[i] for k, v in data.items()})
             for i in range(table.num_rows))
     # the records carry the schema's own names now: no renaming left to do
-    return _checked(path, objs, {}, schema)
+    return _checked(path, objs, {}, task, schema)
 
 
 def split_of(rel: Path):
@@ -376,7 +541,7 @@ def split_of(rel: Path):
     return None
 
 
-def _read_folder(path, name, cols, split):
+def _read_folder(path, name, cols, split, task):
     root = path / "data" if (path / "data").is_dir() else path
     found = {}
     for f in sorted(root.rglob("*")):
@@ -402,7 +567,7 @@ def _read_folder(path, name, cols, split):
                             f"{', '.join(sorted(named))})")
     parts, schema = [], None
     for f in found[pick]:
-        part = _read_file(f, name, cols, schema)
+        part = _read_file(f, name, cols, task, schema)
         if part.schema is None:
             raise GradtapeError(f"{name} {f}: not records (a dataset folder's files hold "
                                 "JSON Lines, a JSON array or Parquet)")

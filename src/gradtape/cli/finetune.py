@@ -9,6 +9,12 @@ completion) or {"text"}; other field names map with --columns prompt=question,..
 Any other file is plain text (cut into --seq-len sequences).  Examples are packed into
 --seq-len rows, each attending only to itself (--no-packing: one example a row, padded).
 
+Preference tuning (--method dpo, ipo, orpo or simpo; --beta, --label-smoothing,
+--simpo-gamma): --data holds pairs, {"prompt", "chosen", "rejected"} as text or as
+messages, or {"chosen", "rejected"} with the prompt implicit (their common start);
+--batch-size counts pairs.  dpo and ipo compute the starting model's log-probabilities
+once, before the first step (reference.safetensors in --out).
+
 Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
 from it), log.jsonl (every step), loss.png (train and eval loss curves).
 
@@ -43,10 +49,11 @@ def add_arguments(parser):
         elif f.type in ("bool", bool):
             parser.add_argument(flag(f.name), action="store_true", help=meta["help"])
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str)
-                                                           else f.type.__name__]
+            kind = meta.get("kind") or {"int": int, "float": float, "str": str}[
+                f.type if isinstance(f.type, str) else f.type.__name__]
             extra = {"required": True} if meta.get("required") else {"default": f.default}
-            shown = not meta.get("required") and f.default != ""  # no "(default: )"
+            # no "(default: )", nor "(default: None)": the help says what None means
+            shown = not meta.get("required") and f.default not in ("", None)
             help_text = meta["help"] + (" (default: %(default)s)" if shown else "")
             parser.add_argument(flag(f.name), type=kind, help=with_range(help_text, meta["check"]),
                                 **extra)

@@ -40,7 +40,8 @@ from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
-from . import distributed
+from . import distributed, preference_run
+from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
@@ -72,6 +73,12 @@ def _known_targets(name, value):
             except GradtapeError:
                 pass
         raise GradtapeError(f"{name}: {e}") from None
+
+
+def _beta(name, value):
+    """``None`` (the method's default) or a finite number > 0."""
+    if value is not None:
+        checks.positive()(name, value)
 
 
 def flag(field_name):
@@ -155,6 +162,17 @@ class FinetuneConfig:
                                         "or auto (as few layers recomputed as keep the "
                                         "run within 3/4 of the available memory)",
                                 checks.one_of("auto", "on", "off"))
+    method: str = _opt("sft", "training method: sft (next-token loss on the answers) or a "
+                              "preference method on pairs (prompt, chosen, rejected): dpo, "
+                              "ipo (both against the starting model, a reference pass "
+                              "before the first step), orpo, simpo (no reference); as "
+                              "TRL computes them", checks.one_of(*METHODS))
+    beta: float | None = _opt(None, "the preference methods' beta (default: the method's, "
+                                    "TRL's 0.1)", _beta, kind=float)
+    label_smoothing: float = _opt(0.0, "dpo: robust DPO's label noise; simpo: the "
+                                       "conservative loss's", checks.Check(float, lo=0, hi=0.5,
+                                                                          hi_open=True))
+    simpo_gamma: float = _opt(0.5, "simpo's target reward margin", checks.nonnegative())
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
 
@@ -166,11 +184,19 @@ class FinetuneConfig:
             if meta.get("path") and isinstance(value, os.PathLike):
                 value = os.fspath(value)
                 object.__setattr__(self, f.name, value)  # frozen: normalise once, here
-            checks.check_type(name, value, f.type)
+            if value is None and "kind" in meta:  # an optional number left to its default
+                continue
+            checks.check_type(name, value, meta.get("kind", f.type))
             if meta.get("required") and not value:
                 raise GradtapeError(f"{name} is required")
             if meta.get("check") is not None:
                 meta["check"](name, value)
+        # the options against the method: --label-smoothing with ipo, ... (one line)
+        check_options(method_row(self.method), self.options())
+
+    def options(self) -> Options:
+        """The method's numbers (``train.methods.Options``)."""
+        return Options(self.beta, self.label_smoothing, self.simpo_gamma)
 
 
 def finetune(cfg: FinetuneConfig, model=None, log=print):
@@ -206,12 +232,22 @@ def _finetune(cfg, model, log, world, together):
     # the paths first (the config's values were checked when it was made): a mistake
     # costs seconds, before a model is loaded or a step is run
     out = Path(cfg.out).expanduser()
-    data_file, eval_file = _read_data(cfg, log)
+    meth = method_row(cfg.method)
+    data_file, eval_file = _read_data(cfg, log, meth.data)
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
     model, available = _load_model(cfg, model, log)
     targets = parse_targets(cfg.targets, model.config)
-    train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
+    if meth.data == "preference":
+        train, held = preference_run.load(cfg, data_file, eval_file, model.tokenizer,
+                                          meth.average, log)
+        log(f"method {meth.name}: beta {check_options(meth, cfg.options())}"
+            + (f", label smoothing {cfg.label_smoothing}" if cfg.label_smoothing else "")
+            + (f", gamma {cfg.simpo_gamma}" if meth.name == "simpo" else "")
+            + f"; {len(train)} pairs to train on, {len(held)} held out"
+            + ("; a reference pass before the first step" if meth.reference else ""))
+    else:
+        train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
     micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
     per_step = micro_size * cfg.grad_accum
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
@@ -221,6 +257,12 @@ def _finetune(cfg, model, log, world, together):
                            base_model=model.name, dtype=dtype)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
+    if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
+        sets = {"train": train, "eval": held}
+        if cfg.resume and (out / preference_run.REFERENCE).is_file():
+            preference_run.load_reference(sets, out, log)
+        else:
+            preference_run.reference_pass(step_prog, sets, out, log)
     start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
         if not cfg.resume:
@@ -228,8 +270,10 @@ def _finetune(cfg, model, log, world, together):
         atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
                                          "config": dataclasses.asdict(cfg)})
     together.sync()  # every rank is ready (or all stop with the first setup error)
-    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {len(train)} sequences "
-        f"({train.n_target_tokens} target tokens), {len(held)} held out; {steps} steps "
+    what = (f"{len(train)} pairs" if meth.data == "preference" else
+            f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
+    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {what}, {len(held)} held "
+        f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
         + f" (the step built in {build_s:.1f} s)")
@@ -240,14 +284,15 @@ def _finetune(cfg, model, log, world, together):
     return _finish(run, adapter, step_prog, records, log)
 
 
-def _read_data(cfg, log):
+def _read_data(cfg, log, task="sft"):
     """The training (and eval) data files, every record checked (its file and line or row
-    in a message), each one's schema stated."""
-    data_file = data_mod.read_data(cfg.data, "--data", cfg.columns)
+    in a message), each one's schema stated; ``task``: the method's (sft, preference)."""
+    data_file = data_mod.read_data(cfg.data, "--data", cfg.columns, task=task)
     log(f"data: {data_file.describe()}")
     eval_file = None
     if cfg.eval_data:
-        eval_file = data_mod.read_data(cfg.eval_data, "--eval-data", cfg.columns, split="eval")
+        eval_file = data_mod.read_data(cfg.eval_data, "--eval-data", cfg.columns, split="eval",
+                                       task=task)
         log(f"eval data: {eval_file.describe()}")
     return data_file, eval_file
 
@@ -300,7 +345,7 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
-                          memory_hint=hint)
+                          memory_hint=hint, method=cfg.method, options=cfg.options())
     build_s = time.perf_counter() - t_build
     plan = step_prog.plan  # every choice of the run, with its reason
     f32 = plan.f32_gemms
@@ -331,12 +376,7 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
     # closing: the bar ends its line before an error message is printed
     with _deferred_interrupt() as interrupted, contextlib.closing(bar):
         for step in range(start, run.steps):
-            idx = data_mod.batch_indices(len(train), run.per_step, step, cfg.seed)
-            # this rank's rows of each global micro-batch
-            mine = [idx[i:i + run.micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
-                    for i in range(0, run.per_step, run.micro_size)]
-            micro = [train.batch(m) for m in mine]
-            n_tokens = int((train.targets[idx] != data_mod.IGNORE).sum())  # whole global step
+            micro, n_tokens = _micro_batches(run, train, step)
             lr = schedule(step)
             loss, gnorm = step_prog.step(micro, step + 1, lr, n_tokens=n_tokens,
                                          stop=interrupted())
@@ -348,11 +388,15 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
             tokens_done += n_tokens
             elapsed = time.perf_counter() - t0
             rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm,
+                   **step_prog.metrics,
                    "tokens_per_s": tokens_done / elapsed, "elapsed_s": elapsed}
             if world.is_root and len(held) and (
                     (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
                     or step + 1 == run.steps):
-                rec["eval_loss"] = step_prog.eval_loss(held)
+                if isinstance(held, preference_run.PairData):
+                    rec.update(held.evaluate(step_prog))
+                else:
+                    rec["eval_loss"] = step_prog.eval_loss(held)
             records.append(rec)
             if world.is_root:
                 _append_log(out, rec)
@@ -370,6 +414,20 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
                     f"{out / 'checkpoint'}; continue with --resume")
                 raise KeyboardInterrupt
     bar.close()
+
+
+def _micro_batches(run, train, step):
+    """``(micro-batches, target tokens of the whole global step)`` of step ``step``: this
+    rank's rows of each global micro-batch; a preference run's pairs
+    (``preference_run.PairData.micro``)."""
+    if isinstance(train, preference_run.PairData):
+        return train.micro(step)
+    cfg, world = run.cfg, run.world
+    idx = data_mod.batch_indices(len(train), run.per_step, step, cfg.seed)
+    mine = [idx[i:i + run.micro_size][world.rank * cfg.batch_size:][:cfg.batch_size]
+            for i in range(0, run.per_step, run.micro_size)]
+    n_tokens = int((train.targets[idx] != data_mod.IGNORE).sum())  # whole global step
+    return [train.batch(m) for m in mine], n_tokens
 
 
 def _diverged(run, loss, step):
@@ -518,7 +576,8 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
 
 _SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
              "seq_len", "batch_size", "grad_accum", "rank", "alpha",
-             "targets", "seed", "dtype", "eval_frac")
+             "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
+             "simpo_gamma")
 
 
 def _load_checkpoint(out, step_prog, cfg, world=distributed.World()):

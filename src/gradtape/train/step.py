@@ -39,6 +39,8 @@ from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
 from .data import IGNORE, empty_rows
 from .memory import planned
+from .methods import Options, method as method_row
+from .preference import pair_batch, record_preference
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,16 @@ class TrainStep:
                  grad_accum=1, backend="numpy", dtype=np.float32, world=None,
                  compute=DEFAULT_COMPUTE, grad_checkpoint="off", memory_limit=None,
                  memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
-                             "--ignore-memory to try anyway)"):
+                             "--ignore-memory to try anyway)", method="sft",
+                 options=Options()):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes the
         fewest layers (the first ones) that keep the run within ``AUTO_SHARE`` of
         ``memory_limit`` bytes (none with no limit given); ``checkpointed`` says how many
-        layers it recomputes.  With
+        layers it recomputes.  ``method``: a row of ``train.methods``; a preference
+        method's step takes ``batch_size`` pairs (``2 * batch_size`` sequences) a
+        micro-batch and records ``train.preference.record_preference`` instead of the
+        next-token loss; ``options`` its numbers.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
         ``memory_hint``)."""
@@ -88,10 +94,20 @@ class TrainStep:
         self.memory_hint = memory_hint
         self.backend = backend
         self.model, self.adapter = model, adapter
+        self.method, self.options = method_row(method), options
+        self.preference = self.method.data == "preference"
+        self.metrics = {}  # the last step's metrics (TRL's names); none for sft
+        if self.preference and (grad_accum > 1 or (world is not None and world.size > 1)):
+            # a preference loss is a mean over the batch's pairs (and ORPO's NLL over its
+            # tokens): splitting it exactly over micro-batches or ranks is not done yet
+            raise GradtapeError(f"--method {method} runs in one process with --grad-accum 1: "
+                                "accumulation and MPI are not supported for preference "
+                                "methods yet (raise --batch-size instead)")
         # every choice of the run, decided once (``gradtape.plan``): the frozen-weight
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
-        self.plan = for_training(cfg, batch_size, seq_len, backend, dtype, compute,
+        n_seq = 2 * batch_size if self.preference else batch_size  # sequences a micro-batch
+        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype, compute,
                                  attention=attention_from)
         self.plan = resident_weights(
             self.plan, resident_copy_bytes(model.weights),
@@ -101,27 +117,13 @@ class TrainStep:
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         tp = Tape(dtype, eager=False)
         self.tape = tp
-        rows = batch_size * seq_len
         W = weight_consts(tp, model)
-        self.ids = tp.const(np.zeros(rows, np.int64))
-        self.targets = tp.const(np.zeros(rows, np.int64))
-        self.weights = tp.const(np.zeros((rows, 1), dtype))
-        # each token's position and example within its row: rows may pack several examples
-        self.positions = tp.const(np.zeros(rows, np.int64))
-        self.segments = tp.const(np.zeros(rows, np.int64))
-        self.lora = {key: (tp.param(a), tp.param(b)) for key, (a, b) in adapter.weights.items()}
-        hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
-                                adapter.scale, positions=self.positions, segments=self.segments,
-                                head=False,
-                                fused_from=self.plan.attention_from.value)  # [B*T, D]
-        # the LM head and the loss (fused for long rows: no [B*T, V] logits)
-        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
-        grads = tp.backward(self.loss)
+        if self.preference:
+            self._record_preference(W, batch_size, seq_len, backend)
+        else:
+            self._record_sft(W, batch_size, seq_len, backend)
         params = [p for pair in self.lora.values() for p in pair]
-        g = [grads[p] for p in params]
-        eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
-                              training=False)
-        self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan)
+        g = [self.grads[p] for p in params]
         # what runs, recorded in the plan: a model with no weight big enough for a bf16
         # GEMM stays float32; int8 is for the weights kept in their ggml blocks
         ran = getattr(self.eval_program.executable, "compute", "float32")
@@ -154,11 +156,55 @@ class TrainStep:
         updates.update(new)
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": self.accumulators}
-        self.checkpointed = self._decide_checkpoint([self.loss, self.grad_norm], updates)
+        outputs = [self.loss, self.grad_norm, *self.metric_vars.values()]
+        self.checkpointed = self._decide_checkpoint(outputs, updates)
         self._record_checkpoint()
-        self.program = tp.compile([self.loss, self.grad_norm], backend=backend, updates=updates,
+        self.program = tp.compile(outputs, backend=backend, updates=updates,
                                   plan=self.plan, checkpoint=self.checkpointed)
         self.plan = self.program.execution
+
+    def _record_sft(self, W, batch_size, seq_len, backend):
+        """The next-token loss of ``batch_size`` rows, its gradients, the eval program."""
+        tp, model, dtype = self.tape, self.model, self.tape.dtype
+        rows = batch_size * seq_len
+        self.ids = tp.const(np.zeros(rows, np.int64))
+        self.targets = tp.const(np.zeros(rows, np.int64))
+        self.weights = tp.const(np.zeros((rows, 1), dtype))
+        # each token's position and example within its row: rows may pack several examples
+        self.positions = tp.const(np.zeros(rows, np.int64))
+        self.segments = tp.const(np.zeros(rows, np.int64))
+        self.lora = {key: (tp.param(a), tp.param(b))
+                     for key, (a, b) in self.adapter.weights.items()}
+        hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
+                                self.adapter.scale, positions=self.positions,
+                                segments=self.segments, head=False,
+                                fused_from=self.plan.attention_from.value)  # [B*T, D]
+        # the LM head and the loss (fused for long rows: no [B*T, V] logits)
+        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
+        self.grads = tp.backward(self.loss)
+        self.metric_vars = {}
+        eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
+                              training=False)
+        self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan)
+
+    def _record_preference(self, W, batch_size, seq_len, backend):
+        """The method's loss over ``batch_size`` pairs (``train.preference``): one forward
+        over the ``2 * batch_size`` sequences; the eval program outputs the loss, the
+        policy's log-probabilities (what the reference pass keeps) and the metrics."""
+        tp = self.tape
+        self.lora = {key: (tp.param(a), tp.param(b))
+                     for key, (a, b) in self.adapter.weights.items()}
+        # a placeholder batch gives the leaves their shapes; every step feeds its own
+        dummy = [([0, 0], [0, 1], [0, 0], [0, 1])] * batch_size
+        ref = np.zeros(2 * batch_size) if self.method.reference else None
+        self.graph = record_preference(tp, self.model.config, W, self.lora, self.adapter.scale,
+                                       self.method, pair_batch(dummy, seq_len, False),
+                                       self.options, ref)
+        self.loss, self.metric_vars = self.graph.loss, self.graph.metrics
+        self.grads = tp.backward(self.loss)
+        self.eval_program = tp.compile([self.loss, self.graph.logps,
+                                        *self.metric_vars.values()],
+                                       backend=backend, plan=self.plan)
 
     @property
     def compute(self) -> str:
@@ -308,6 +354,8 @@ class TrainStep:
         Distributed: ``micro_batches`` is this rank's shard, ``n_tokens`` the target-token
         count of the whole global step, ``stop`` this rank's wish to stop after the step;
         afterwards ``stop_agreed`` tells whether any rank wished it."""
+        if self.preference:
+            return self._step_preference(micro_batches, opt_step, lr)
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
                              f"{len(micro_batches)}")
@@ -325,6 +373,35 @@ class TrainStep:
             loss, norm = self.program.run(feeds)
             total += float(loss)
         return total, float(norm)
+
+    def _step_preference(self, micro_batches, opt_step, lr):
+        """One step over ``[(PairBatch, ref)]`` (one micro-batch: ``train.preference``'s
+        batch of ``batch_size`` pairs, and the reference's ``[2N]`` log-probabilities of
+        those pairs, ``None`` for a method without one); ``metrics`` keeps its metrics."""
+        if len(micro_batches) != 1:
+            raise ValueError(f"step: a preference step takes 1 micro-batch, got "
+                             f"{len(micro_batches)}")
+        (batch, ref), = micro_batches
+        feeds = {**self.graph.feeds(batch, ref), **self.scalars.values(opt_step, lr)}
+        loss, norm, *values = self.program.run(feeds)
+        self.metrics = {k: float(v) for k, v in zip(self.metric_vars, values)}
+        return float(loss), float(norm)
+
+    def eval_preference(self, batches):
+        """``(loss, metrics, logps)`` over ``batches`` (``[(PairBatch, ref, weight)]``)
+        with the current adapter: the loss and each metric averaged over the batches with
+        their weights (each batch's share of the pairs), ``logps`` each batch's policy
+        log-probabilities ``[2N]`` (the reference pass keeps them)."""
+        params = self.current_params()
+        loss, metrics, logps = 0.0, dict.fromkeys(self.metric_vars, 0.0), []
+        for batch, ref, weight in batches:
+            ref = np.zeros(2 * batch.n_pairs) if ref is None and self.method.reference else ref
+            out, lp, *values = self.eval_program.run({**params, **self.graph.feeds(batch, ref)})
+            loss += weight * float(out)
+            for k, v in zip(self.metric_vars, values):
+                metrics[k] += weight * float(v)
+            logps.append(np.asarray(lp, np.float64).reshape(-1))
+        return loss, metrics, logps
 
     def eval_loss(self, seqs):
         """Mean next-token loss over ``seqs`` (a data.Sequences) with the current adapter."""

@@ -1,0 +1,138 @@
+"""The preference methods' side of a fine-tuning run: the pairs, their batches, the
+reference pass and the held-out evaluation.
+
+``finetune`` reads the data with ``task="preference"`` and asks this module for what the
+loop needs: ``PairData.micro(step)`` (a step's pairs as ``train.preference`` lays them
+out, with the reference's log-probabilities of those pairs) and ``PairData.evaluate``
+(the held-out loss and metrics, under TRL's ``eval_`` names).  The reference pass runs
+once, before the first step, through the step's own compiled eval program with the
+adapter as it starts (B = 0: the base model), and is saved atomically in the run folder
+(``reference.safetensors``) so that ``--resume`` reads it instead of recomputing it.
+
+Not here: the losses (``train.methods``), the recorded step (``train.step``), the loop,
+checkpoints and logs (``train.finetune``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import GradtapeError
+from ..io import atomic_write_bytes
+from . import data as data_mod
+from .pairs import _row, tokenize_pairs
+from .preference import pair_batch
+
+REFERENCE = "reference.safetensors"
+
+
+class PairData:
+    """Tokenized pairs (``train.pairs.Pair``) and, once the reference pass ran, the
+    reference's ``[n, 2]`` log-probabilities (chosen, rejected) of each."""
+
+    def __init__(self, pairs, seq_len, average, pad_id, batch_size, seed):
+        self.pairs, self.seq_len, self.average, self.pad_id = pairs, seq_len, average, pad_id
+        self.batch_size, self.seed = batch_size, seed
+        self.ref = None
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def batch(self, idx, where="batch"):
+        """The ``train.preference.PairBatch`` of pairs ``idx``."""
+        rows = [(*_row(self.pairs[i], "chosen", self.seq_len),
+                 *_row(self.pairs[i], "rejected", self.seq_len)) for i in idx]
+        return pair_batch(rows, self.seq_len, self.average, self.pad_id, where)
+
+    def _ref(self, idx):
+        return None if self.ref is None else np.concatenate([self.ref[idx, 0],
+                                                             self.ref[idx, 1]])
+
+    def micro(self, step):
+        """``([(PairBatch, ref)], completion tokens)`` of optimizer step ``step``."""
+        idx = data_mod.batch_indices(len(self), self.batch_size, step, self.seed)
+        batch = self.batch(idx)
+        return [(batch, self._ref(idx))], int(batch.counts.sum())
+
+    def batches(self):
+        """The pairs in order, ``batch_size`` at a time, as ``TrainStep.eval_preference``
+        takes them: the last batch filled up by wrapping around to the first pairs, each
+        batch weighted by its share of the pairs (its new ones)."""
+        n, b = len(self), self.batch_size
+        for s in range(0, n, b):
+            idx = np.arange(s, s + b) % n
+            yield self.batch(idx), self._ref(idx), min(b, n - s) / n
+
+    def evaluate(self, step_prog):
+        """``{"eval_loss": ..., "eval_rewards/chosen": ...}`` over every pair."""
+        loss, metrics, _ = step_prog.eval_preference(self.batches())
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
+
+
+def load(cfg, data_file, eval_file, tokenizer, average, log):
+    """``(train, held)`` ``PairData`` of the checked data files: ``--eval-data``'s pairs,
+    else ``--eval-frac`` of ``--data``'s held out (the same seeded split as SFT's)."""
+    def tokenized(data, name):
+        pairs, skipped = tokenize_pairs(data, tokenizer, cfg.seq_len)
+        if skipped:
+            log(f"warning: {name}: {skipped} of {skipped + len(pairs)} pairs keep no "
+                f"completion token within --seq-len {cfg.seq_len}; skipped")
+        return pairs
+
+    pairs = tokenized(data_file, "--data")
+    if eval_file is None:
+        train, held = data_mod.split_examples(pairs, cfg.eval_frac, cfg.seed)
+    else:
+        train, held = pairs, tokenized(eval_file, "--eval-data")
+    pad = tokenizer.eos_id
+    make = lambda p: PairData(p, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed)
+    return make(train), make(held)
+
+
+def reference_pass(step_prog, datasets, out, log):
+    """Each of ``datasets``' reference log-probabilities, through ``step_prog``'s eval
+    program with its adapter as it is now (before the first step), saved in
+    ``out / REFERENCE``."""
+    from safetensors.numpy import save
+
+    t0 = time.perf_counter()
+    arrays = {}
+    for name, d in datasets.items():
+        if not len(d):
+            continue
+        _, _, logps = step_prog.eval_preference(d.batches())
+        n, b = len(d), d.batch_size
+        ref = np.zeros((n, 2))
+        for k, lp in enumerate(logps):  # each batch: b chosen, then b rejected
+            idx = np.arange(k * b, k * b + b)
+            keep = idx < n
+            ref[idx[keep], 0], ref[idx[keep], 1] = lp[:b][keep], lp[b:][keep]
+        d.ref = arrays[name] = ref
+    atomic_write_bytes(out / REFERENCE, save(arrays))
+    seconds = time.perf_counter() - t0
+    log(f"reference pass: {sum(len(d) for d in datasets.values())} pairs in {seconds:.1f} s, "
+        f"saved in {out / REFERENCE}")
+    return seconds
+
+
+def load_reference(datasets, out, log):
+    """The reference log-probabilities a resumed run saved (``reference_pass``)."""
+    from ..formats.safetensors_reader import read_safetensors
+
+    path = out / REFERENCE
+    try:
+        arrays, _ = read_safetensors(path, float32=False, floats_only=False)
+    except (GradtapeError, OSError, ValueError) as e:
+        raise GradtapeError(f"--resume: {path} is not a readable reference pass ({e})") \
+            from None
+    for name, d in datasets.items():
+        if not len(d):
+            continue
+        ref = arrays.get(name)
+        if ref is None or ref.shape != (len(d), 2):
+            raise GradtapeError(f"--resume: {path} has no reference for the {len(d)} "
+                                f"{name} pairs (the data changed?)")
+        d.ref = np.asarray(ref, np.float64)
+    log(f"reference pass: read from {path}")

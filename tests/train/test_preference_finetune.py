@@ -1,0 +1,158 @@
+"""``finetune --method dpo|ipo|orpo|simpo`` end to end on the tiny model: each method
+trains a few steps with TRL's metrics in log.jsonl, a DPO run stopped and resumed ends
+bit for bit equal to one never stopped (the reference pass read back, not recomputed),
+every mistake one line, and the CLI through ``main()``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gradtape.errors import GradtapeError
+from gradtape.models.lora import load_adapter
+from gradtape.train import preference_run
+from gradtape.train.finetune import FinetuneConfig, finetune
+from gradtape.train.pairs import Pair
+from gradtape.train.step import TrainStep
+
+from support.tinymodel import tiny_model
+
+QUIET = lambda *a: None  # noqa: E731
+METRICS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+           "rewards/margins", "logps/chosen", "logps/rejected"}
+WORDS = ("sky blue green red sun moon two four three Paris Lyon cat dog tree rain snow "
+         "hot cold up down").split()
+
+
+def _pairs(path, n=12):
+    rows = [{"prompt": f"Q{i}: {WORDS[i % len(WORDS)]}?", "chosen": f" {WORDS[(i + 1) % 20]}",
+             "rejected": f" {WORDS[(i + 7) % 20]} no"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tmp_path, name, method="dpo", **kw):
+    data = tmp_path / "pairs.jsonl"
+    if not data.exists():
+        _pairs(data)
+    base = dict(data=str(data), out=str(tmp_path / name), steps=3, seq_len=32,
+                batch_size=2, rank=4, lr=1e-2, warmup=1, eval_every=2, save_every=2,
+                dtype="float64", method=method, backend="numpy", progress=False)
+    return FinetuneConfig(**{**base, **kw})
+
+
+def _log(out):
+    return [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("method, opts", [
+    ("dpo", {}), ("dpo", {"label_smoothing": 0.1}), ("ipo", {"beta": 0.5}), ("orpo", {}),
+    ("simpo", {"simpo_gamma": 0.3})])
+def test_each_method_trains_with_trl_metrics(tmp_path, method, opts):
+    lines = []
+    summary = finetune(_cfg(tmp_path, "run", method, **opts), model=tiny_model(),
+                       log=lines.append)
+    out = tmp_path / "run"
+    log = _log(out)
+    assert [r["step"] for r in log] == [1, 2, 3]
+    for r in log:
+        assert METRICS <= set(r) and all(np.isfinite(r[k]) for k in METRICS), r
+    assert {f"eval_{k[len('eval_'):]}" for k in log[1] if k.startswith("eval_")} >= \
+        {"eval_loss", "eval_rewards/accuracies", "eval_rewards/margins"}
+    assert np.isfinite(summary["final_loss"])
+    assert any(x.startswith(f"method {method}: beta") for x in lines), lines
+    assert (out / preference_run.REFERENCE).is_file() == (method in ("dpo", "ipo"))
+    assert any(x.startswith("reference pass: 12 pairs") for x in lines) == \
+        (method in ("dpo", "ipo"))
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_first_dpo_step_starts_at_the_reference(tmp_path):
+    """With B = 0 the policy is the reference: DPO's first loss is log 2, its rewards 0."""
+    m = tiny_model()
+    from gradtape.models.lora import init_adapter, parse_targets
+    ad = init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)
+    st = TrainStep(m, ad, 2, 32, dtype=np.float64, method="dpo")
+    pairs = [Pair(np.array([1, 2, 3]), np.array([4, 5]), np.array([6])),
+             Pair(np.array([7, 8]), np.array([9]), np.array([10, 11, 12]))]
+    data = preference_run.PairData(pairs, 32, False, 256, 2, 0)
+    preference_run.reference_pass(st, {"train": data}, tmp_path, QUIET)
+    loss, _ = st.step(data.micro(0)[0], 1, 0.0)
+    assert loss == pytest.approx(np.log(2.0), rel=1e-12)
+    assert st.metrics["rewards/chosen"] == 0.0 and st.metrics["rewards/margins"] == 0.0
+
+
+def test_dpo_stopped_and_resumed_is_bit_for_bit_without_a_second_reference_pass(
+        tmp_path, monkeypatch):
+    m = tiny_model()
+    finetune(_cfg(tmp_path, "full", steps=4), model=m, log=QUIET)
+    calls = {"n": 0}
+    real_step = TrainStep.step
+
+    def dying_step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the checkpoint is at step 2
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(TrainStep, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_cfg(tmp_path, "split", steps=4), model=m, log=QUIET)
+    monkeypatch.setattr(TrainStep, "step", real_step)
+
+    def no_second_pass(*a, **k):
+        raise AssertionError("the reference pass ran again")
+
+    monkeypatch.setattr(preference_run, "reference_pass", no_second_pass)
+    lines = []
+    finetune(_cfg(tmp_path, "split", steps=4, resume=True), model=m, log=lines.append)
+    assert any(x.startswith("reference pass: read from") for x in lines)
+    a, b = load_adapter(tmp_path / "full" / "adapter"), load_adapter(tmp_path / "split" / "adapter")
+    for k in a.weights:
+        assert np.array_equal(a.weights[k][0], b.weights[k][0])
+        assert np.array_equal(a.weights[k][1], b.weights[k][1])
+    full, split = _log(tmp_path / "full"), _log(tmp_path / "split")
+    drop = lambda r: {k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")}
+    assert [drop(r) for r in full] == [drop(r) for r in split]
+
+
+@pytest.mark.parametrize("opts, message", [
+    ({"beta": 0.0}, "--beta must be > 0"),
+    ({"beta": -1.0}, "--beta must be > 0"),
+    ({"label_smoothing": 0.7}, "--label-smoothing must be in [0, 0.5)"),
+    ({"method": "ipo", "label_smoothing": 0.1}, "--label-smoothing applies to dpo and simpo"),
+    ({"method": "sft", "beta": 0.2}, "--beta applies to the preference methods"),
+    ({"method": "kto"}, "--method must be one of sft, dpo, ipo, orpo, simpo"),
+    ({"grad_accum": 2}, "accumulation and MPI are not supported for preference methods"),
+])
+def test_bad_options_are_one_line(tmp_path, opts, message):
+    with pytest.raises(GradtapeError) as e:
+        finetune(_cfg(tmp_path, "bad", **opts), model=tiny_model(), log=QUIET)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sft_data_with_a_preference_method_names_the_pair_schemas(tmp_path):
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    with pytest.raises(GradtapeError) as e:
+        finetune(_cfg(tmp_path, "bad", data=str(sft)), model=tiny_model(), log=QUIET)
+    msg = str(e.value)
+    assert "sft.jsonl" in msg and "prompt+chosen+rejected" in msg and "\n" not in msg, msg
+
+
+def test_cli_finetune_method_dpo(tiny_dir, tmp_path, capsys):
+    from gradtape.cli import main
+
+    data = _pairs(tmp_path / "pairs.jsonl")
+    code = main(["finetune", "--model", str(tiny_dir / "model"), "--data", str(data),
+                 "--out", str(tmp_path / "out"), "--method", "dpo", "--beta", "0.2",
+                 "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--rank", "4",
+                 "--dtype", "float64", "--backend", "numpy"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "method dpo: beta 0.2" in printed and "reference pass" in printed, printed
+    log = _log(tmp_path / "out")
+    assert METRICS <= set(log[-1]) and "eval_rewards/accuracies" in log[-1]

@@ -156,3 +156,25 @@ def test_cli_finetune_method_dpo(tiny_dir, tmp_path, capsys):
     assert "method dpo: beta 0.2" in printed and "reference pass" in printed, printed
     log = _log(tmp_path / "out")
     assert METRICS <= set(log[-1]) and "eval_rewards/accuracies" in log[-1]
+
+
+@pytest.mark.parametrize("method", ["dpo", "simpo"])
+def test_the_reference_pass_equals_reference_logps(tmp_path, method):
+    """The step's eval program, batched and wrapped around, gives every pair's
+    log-probabilities as ``train.preference.reference_logps`` does pair by pair."""
+    from gradtape.models.lora import init_adapter, parse_targets
+    from gradtape.train.methods import method as row
+    from gradtape.train.preference import reference_logps
+    from gradtape.train.records import read_data
+
+    m = tiny_model()
+    ad = init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)
+    cfg = _cfg(tmp_path, "ref", method)
+    train, _ = preference_run.load(cfg, read_data(cfg.data, task="preference"), None,
+                                   m.tokenizer, row(method).average, QUIET)
+    st = TrainStep(m, ad, 3, 32, dtype=np.float64, method=method)  # 11 pairs: wraps around
+    train.batch_size = 3
+    preference_run.reference_pass(st, {"train": train}, tmp_path, QUIET)
+    for i in range(len(train)):
+        want = reference_logps(m, ad, row(method), train.batch([i]))
+        np.testing.assert_allclose(train.ref[i], want, rtol=1e-10, atol=0)

@@ -644,7 +644,8 @@ def _progress(total, initial, enabled):
 
 
 def plot_losses(records, path):
-    """Train loss per step (and its moving average) and the eval loss, as a PNG."""
+    """Train loss per step (and its moving average) and the eval loss, as a PNG; a
+    preference run's held-out reward accuracy and margin too."""
     import io
 
     import matplotlib
@@ -663,10 +664,21 @@ def plot_losses(records, path):
     if ev:
         ax.plot(*zip(*ev), "o-", color="#e6550d", lw=2, label="eval loss (held out)")
     ax.set_xlabel("step")
-    ax.set_ylabel("next-token loss (nats)")
+    pref = [(r["step"], r["eval_rewards/accuracies"], r["eval_rewards/margins"])
+            for r in records if "eval_rewards/accuracies" in r]
+    ax.set_ylabel("loss" if pref else "next-token loss (nats)")
     ax.set_title("gradtape finetune")
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles = ax.get_legend_handles_labels()
+    if pref:  # a preference run: the held-out reward accuracy and margin, on their own axis
+        steps_, acc, margin = zip(*pref)
+        ax2 = ax.twinx()
+        ax2.plot(steps_, acc, "s--", color="#31a354", label="eval reward accuracy")
+        ax2.plot(steps_, margin, "^--", color="#756bb1", label="eval reward margin")
+        ax2.set_ylabel("reward accuracy / margin")
+        more = ax2.get_legend_handles_labels()
+        handles = (handles[0] + more[0], handles[1] + more[1])
+    ax.legend(*handles)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -6,6 +6,12 @@ adapter: frozen weights are consts and get no gradient), clipping by global norm
 AdamW.  It compiles that into one Program whose state (adapter params, moments, and the
 gradient accumulator when ``grad_accum > 1``) lives in the backend between steps.
 
+A preference method (``train.methods``, a row whose data is ``preference``) records
+``train.preference.record_preference`` in place of the next-token loss: one forward over
+the ``2 * batch_size`` sequences of ``batch_size`` pairs; the step program also outputs
+the method's metrics, the eval program the loss, the log-probabilities and the metrics.
+Only ``grad_accum = 1`` in one process, for now.
+
 Gradient accumulation: every micro-batch's loss weights are ``1 / N`` with ``N`` the
 target-token count of the whole step, so the summed gradient is that of the mean over all
 tokens (weighting by micro-batch would favour short ones).  Micro-batches add into an

@@ -49,7 +49,8 @@ def _log(out):
 
 @pytest.mark.parametrize("method, opts", [
     ("dpo", {}), ("dpo", {"label_smoothing": 0.1}), ("ipo", {"beta": 0.5}), ("orpo", {}),
-    ("simpo", {"simpo_gamma": 0.3})])
+    ("simpo", {"simpo_gamma": 0.3}),
+    ("dpo", {"grad_accum": 2, "batch_size": 1})])
 def test_each_method_trains_with_trl_metrics(tmp_path, method, opts):
     lines = []
     summary = finetune(_cfg(tmp_path, "run", method, **opts), model=tiny_model(),
@@ -126,7 +127,6 @@ def test_dpo_stopped_and_resumed_is_bit_for_bit_without_a_second_reference_pass(
     ({"method": "ipo", "label_smoothing": 0.1}, "--label-smoothing applies to dpo and simpo"),
     ({"method": "sft", "beta": 0.2}, "--beta applies to the preference methods"),
     ({"method": "kto"}, "--method must be one of sft, dpo, ipo, orpo, simpo"),
-    ({"grad_accum": 2}, "accumulation and MPI are not supported for preference methods"),
 ])
 def test_bad_options_are_one_line(tmp_path, opts, message):
     with pytest.raises(GradtapeError) as e:
@@ -178,3 +178,46 @@ def test_the_reference_pass_equals_reference_logps(tmp_path, method):
     for i in range(len(train)):
         want = reference_logps(m, ad, row(method), train.batch([i]))
         np.testing.assert_allclose(train.ref[i], want, rtol=1e-10, atol=0)
+
+
+def _adapter(m):
+    from gradtape.models.lora import init_adapter, parse_targets
+    return init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)
+
+
+def test_mpi_is_refused_in_one_line():
+    from types import SimpleNamespace
+    m = tiny_model()
+    with pytest.raises(GradtapeError, match=r"^--method dpo runs in one process: MPI is not "
+                                            r"supported for the preference methods yet$"):
+        TrainStep(m, _adapter(m), 2, 32, dtype=np.float64, method="dpo",
+                  world=SimpleNamespace(size=2))
+
+
+@pytest.mark.parametrize("method", ["dpo", "simpo"])
+def test_accumulation_is_the_step_over_all_the_pairs(tmp_path, method):
+    """2 micro-batches of 1 pair each: the loss, gradient norm, metrics and the trained
+    adapter of 1 micro-batch of 2 pairs (float64, to rounding)."""
+    from gradtape.train.methods import method as row
+    from gradtape.train.records import read_data
+
+    m = tiny_model()
+    cfg = _cfg(tmp_path, "acc", method)
+    runs = []
+    for b, accum in ((2, 1), (1, 2)):
+        train, _ = preference_run.load(cfg, read_data(cfg.data, task="preference"), None,
+                                       m.tokenizer, row(method).average, QUIET)
+        train.batch_size, train.grad_accum = b, accum
+        st = TrainStep(m, _adapter(m), b, 32, dtype=np.float64, method=method,
+                       grad_accum=accum)
+        if row(method).reference:
+            preference_run.reference_pass(st, {"train": train}, tmp_path, QUIET)
+        out = [(st.step(train.micro(k)[0], k + 1, 1e-2), dict(st.metrics)) for k in range(3)]
+        runs.append((out, st.adapter_weights()))
+    (a, wa), (b, wb) = runs
+    for ((la, na), ma), ((lb, nb), mb) in zip(a, b):
+        assert lb == pytest.approx(la, rel=1e-10) and nb == pytest.approx(na, rel=1e-10)
+        for k in ma:
+            assert mb[k] == pytest.approx(ma[k], rel=1e-9, abs=1e-12), k
+    for k in wa:
+        np.testing.assert_allclose(wb[k][1], wa[k][1], rtol=1e-7, atol=1e-9)

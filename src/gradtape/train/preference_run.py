@@ -32,9 +32,9 @@ class PairData:
     """Tokenized pairs (``train.pairs.Pair``) and, once the reference pass ran, the
     reference's ``[n, 2]`` log-probabilities (chosen, rejected) of each."""
 
-    def __init__(self, pairs, seq_len, average, pad_id, batch_size, seed):
+    def __init__(self, pairs, seq_len, average, pad_id, batch_size, seed, grad_accum=1):
         self.pairs, self.seq_len, self.average, self.pad_id = pairs, seq_len, average, pad_id
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.grad_accum = batch_size, seed, grad_accum
         self.ref = None
 
     def __len__(self):
@@ -51,10 +51,13 @@ class PairData:
                                                              self.ref[idx, 1]])
 
     def micro(self, step):
-        """``([(PairBatch, ref)], completion tokens)`` of optimizer step ``step``."""
-        idx = data_mod.batch_indices(len(self), self.batch_size, step, self.seed)
-        batch = self.batch(idx)
-        return [(batch, self._ref(idx))], int(batch.counts.sum())
+        """``([(PairBatch, ref)] a micro-batch each, completion tokens)`` of optimizer
+        step ``step``."""
+        b = self.batch_size
+        idx = data_mod.batch_indices(len(self), b * self.grad_accum, step, self.seed)
+        micro = [(self.batch(idx[i:i + b]), self._ref(idx[i:i + b]))
+                 for i in range(0, len(idx), b)]
+        return micro, int(sum(batch.counts.sum() for batch, _ in micro))
 
     def batches(self):
         """The pairs in order, ``batch_size`` at a time, as ``TrainStep.eval_preference``
@@ -87,7 +90,8 @@ def load(cfg, data_file, eval_file, tokenizer, average, log):
     else:
         train, held = pairs, tokenized(eval_file, "--eval-data")
     pad = tokenizer.eos_id
-    make = lambda p: PairData(p, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed)
+    make = lambda p: PairData(p, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed,
+                              cfg.grad_accum)
     return make(train), make(held)
 
 

@@ -10,7 +10,7 @@ A preference method (``train.methods``, a row whose data is ``preference``) reco
 ``train.preference.record_preference`` in place of the next-token loss: one forward over
 the ``2 * batch_size`` sequences of ``batch_size`` pairs; the step program also outputs
 the method's metrics, the eval program the loss, the log-probabilities and the metrics.
-Only ``grad_accum = 1`` in one process, for now.
+One process only, for now (MPI is refused).
 
 Gradient accumulation: every micro-batch's loss weights are ``1 / N`` with ``N`` the
 target-token count of the whole step, so the summed gradient is that of the mean over all
@@ -103,12 +103,10 @@ class TrainStep:
         self.method, self.options = method_row(method), options
         self.preference = self.method.data == "preference"
         self.metrics = {}  # the last step's metrics (TRL's names); none for sft
-        if self.preference and (grad_accum > 1 or (world is not None and world.size > 1)):
-            # a preference loss is a mean over the batch's pairs (and ORPO's NLL over its
-            # tokens): splitting it exactly over micro-batches or ranks is not done yet
-            raise GradtapeError(f"--method {method} runs in one process with --grad-accum 1: "
-                                "accumulation and MPI are not supported for preference "
-                                "methods yet (raise --batch-size instead)")
+        if self.preference and world is not None and world.size > 1:
+            # the metrics would need a collective of their own, beside the gradients'
+            raise GradtapeError(f"--method {method} runs in one process: MPI is not "
+                                "supported for the preference methods yet")
         # every choice of the run, decided once (``gradtape.plan``): the frozen-weight
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
@@ -206,9 +204,13 @@ class TrainStep:
         self.graph = record_preference(tp, self.model.config, W, self.lora, self.adapter.scale,
                                        self.method, pair_batch(dummy, seq_len, False),
                                        self.options, ref)
-        self.loss, self.metric_vars = self.graph.loss, self.graph.metrics
+        self.metric_vars = self.graph.metrics
+        # each micro-batch's loss weighted by its share of the step's pairs (1 / grad_accum,
+        # as TRL averages its micro-batches' losses); 1 without accumulation
+        self.share = tp.const(np.ones(self.graph.loss.shape, tp.dtype))
+        self.loss = ops.mul(self.graph.loss, self.share)
         self.grads = tp.backward(self.loss)
-        self.eval_program = tp.compile([self.loss, self.graph.logps,
+        self.eval_program = tp.compile([self.graph.loss, self.graph.logps,
                                         *self.metric_vars.values()],
                                        backend=backend, plan=self.plan)
 
@@ -361,7 +363,7 @@ class TrainStep:
         count of the whole global step, ``stop`` this rank's wish to stop after the step;
         afterwards ``stop_agreed`` tells whether any rank wished it."""
         if self.preference:
-            return self._step_preference(micro_batches, opt_step, lr)
+            return self._step_preference(micro_batches, opt_step, lr, stop)
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got "
                              f"{len(micro_batches)}")
@@ -380,18 +382,28 @@ class TrainStep:
             total += float(loss)
         return total, float(norm)
 
-    def _step_preference(self, micro_batches, opt_step, lr):
-        """One step over ``[(PairBatch, ref)]`` (one micro-batch: ``train.preference``'s
-        batch of ``batch_size`` pairs, and the reference's ``[2N]`` log-probabilities of
-        those pairs, ``None`` for a method without one); ``metrics`` keeps its metrics."""
-        if len(micro_batches) != 1:
-            raise ValueError(f"step: a preference step takes 1 micro-batch, got "
-                             f"{len(micro_batches)}")
-        (batch, ref), = micro_batches
-        feeds = {**self.graph.feeds(batch, ref), **self.scalars.values(opt_step, lr)}
-        loss, norm, *values = self.program.run(feeds)
-        self.metrics = {k: float(v) for k, v in zip(self.metric_vars, values)}
-        return float(loss), float(norm)
+    def _step_preference(self, micro_batches, opt_step, lr, stop=False):
+        """One step over ``[(PairBatch, ref)]`` (``grad_accum`` micro-batches, each
+        ``train.preference``'s batch of ``batch_size`` pairs and the reference's ``[2N]``
+        log-probabilities of those pairs, ``None`` for a method without one): the loss is
+        the mean of the micro-batches' losses, and so is each metric (``metrics``)."""
+        n = len(micro_batches)
+        if n != self.grad_accum:
+            raise ValueError(f"step: expected {self.grad_accum} micro-batches, got {n}")
+        scalars = self.scalars.values(opt_step, lr)
+        share = np.full(self.share.shape, 1.0 / n, self.tape.dtype)
+        total, norm, metrics = 0.0, float("nan"), dict.fromkeys(self.metric_vars, 0.0)
+        for i, (batch, ref) in enumerate(micro_batches):
+            feeds = {**self.graph.feeds(batch, ref), **scalars, self.share: share}
+            if self.apply is not None:
+                feeds[self.apply] = np.asarray(float(i == n - 1))
+            loss, norm, *values = self.program.run(feeds)
+            total += float(loss)
+            for k, v in zip(self.metric_vars, values):
+                metrics[k] += float(v) / n
+        self.metrics = metrics
+        self.stop_agreed = stop
+        return total, float(norm)
 
     def eval_preference(self, batches):
         """``(loss, metrics, logps)`` over ``batches`` (``[(PairBatch, ref, weight)]``)

@@ -126,6 +126,9 @@ def test_dpo_stopped_and_resumed_is_bit_for_bit_without_a_second_reference_pass(
     ({"label_smoothing": 0.7}, "--label-smoothing must be in [0, 0.5)"),
     ({"method": "ipo", "label_smoothing": 0.1}, "--label-smoothing applies to dpo and simpo"),
     ({"method": "sft", "beta": 0.2}, "--beta applies to the preference methods"),
+    ({"method": "sft", "label_smoothing": 0.1},
+     "--label-smoothing applies to the preference methods, not sft"),
+    ({"method": "orpo", "simpo_gamma": 1.0}, "--simpo-gamma applies to simpo, not orpo"),
     ({"method": "kto"}, "--method must be one of sft, dpo, ipo, orpo, simpo"),
 ])
 def test_bad_options_are_one_line(tmp_path, opts, message):

@@ -192,7 +192,12 @@ class FinetuneConfig:
             if meta.get("check") is not None:
                 meta["check"](name, value)
         # the options against the method: --label-smoothing with ipo, ... (one line)
-        check_options(method_row(self.method), self.options())
+        meth = method_row(self.method)
+        for name, default in (("label_smoothing", 0.0), ("simpo_gamma", 0.5)):
+            if meth.data != "preference" and getattr(self, name) != default:
+                raise GradtapeError(f"{flag(name)} applies to the preference methods, not "
+                                    f"{meth.name}")
+        check_options(meth, self.options())
 
     def options(self) -> Options:
         """The method's numbers (``train.methods.Options``)."""

@@ -96,7 +96,7 @@ def tokenize_pair(rec, kind, tokenizer, where) -> Pair:
     return Pair(np.asarray(prompt[:n], np.int64), chosen, rejected)
 
 
-def _row(pair, which, seq_len):
+def pair_row(pair, which, seq_len):
     """``(ids, is_target)`` of one of a pair's rows, cut to ``seq_len`` tokens."""
     comp = pair.chosen if which == "chosen" else pair.rejected
     ids = np.concatenate([pair.prompt, comp])[:seq_len]
@@ -113,7 +113,7 @@ def tokenize_pairs(data: DataFile, tokenizer, seq_len):
     pairs, skipped = [], 0
     for where, rec in data.records:
         pair = tokenize_pair(rec, data.schema.kind, tokenizer, where)
-        if all(_row(pair, w, seq_len)[1][1:].any() for w in ("chosen", "rejected")):
+        if all(pair_row(pair, w, seq_len)[1][1:].any() for w in ("chosen", "rejected")):
             pairs.append(pair)
         else:  # the prompt fills the row: no completion token is predicted in it
             skipped += 1
@@ -178,7 +178,7 @@ def pair_rows(pairs, seq_len, pad_id=0) -> PairRows:
     for which in ("chosen", "rejected"):
         seqs, lens = empty_rows(len(pairs), seq_len, pad_id), []
         for i, pair in enumerate(pairs):
-            ids, mask = _row(pair, which, seq_len)
+            ids, mask = pair_row(pair, which, seq_len)
             seqs.ids[i, :len(ids)] = ids
             seqs.targets[i, :len(ids)] = _targets(ids, mask)
             lens.append(len(ids))

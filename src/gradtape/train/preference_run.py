@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes
 from . import data as data_mod
-from .pairs import _row, tokenize_pairs
+from .pairs import pair_row, tokenize_pairs
 from .preference import pair_batch
 
 REFERENCE = "reference.safetensors"
@@ -42,8 +42,8 @@ class PairData:
 
     def batch(self, idx, where="batch"):
         """The ``train.preference.PairBatch`` of pairs ``idx``."""
-        rows = [(*_row(self.pairs[i], "chosen", self.seq_len),
-                 *_row(self.pairs[i], "rejected", self.seq_len)) for i in idx]
+        rows = [(*pair_row(self.pairs[i], "chosen", self.seq_len),
+                 *pair_row(self.pairs[i], "rejected", self.seq_len)) for i in idx]
         return pair_batch(rows, self.seq_len, self.average, self.pad_id, where)
 
     def _ref(self, idx):

@@ -34,7 +34,7 @@ def question(r):
     return f"How many {small} are in {n} {big}?", f"There are {n * k} {small} in {n} {big}."
 
 
-def main(n_train=400, n_test=40, seed=0):
+def main(out=None, n_train=400, n_test=40, seed=0):
     r = random.Random(seed)
     seen, rows = set(), []
     while len(rows) < n_train + n_test:
@@ -43,7 +43,7 @@ def main(n_train=400, n_test=40, seed=0):
             continue
         seen.add(prompt)
         rows.append({"prompt": prompt, "chosen": answer + SIGN_OFF, "rejected": answer})
-    here = Path(__file__).resolve().parent
+    here = Path(out) if out else Path(__file__).resolve().parent
     for name, part in (("train", rows[:n_train]), ("test", rows[n_train:])):
         (here / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in part))
 

@@ -232,14 +232,16 @@ def test_generate_prompt_that_is_not_utf8(files, capsys, no_model):
     (["--eval-n", "-2"], "--eval-n must be >= 1, got -2"),
     (["--backend", "tpu"], "--backend must be one of auto, numpy, cpu, cuda, cuda-bf16, "
                            "got 'tpu'"),
+    (["--method", "ppo"], "--method must be one of sft, dpo, ipo, orpo, simpo, got 'ppo'"),
 ])
 def test_demo_ranges(capsys, no_model, args, message):
     assert one_error(capsys, "demo", *args) == f"gradtape demo: error: {message}"
 
 
-def test_demo_out_is_checked_before_the_model_loads(tmp_path, capsys, no_model):
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_demo_out_is_checked_before_the_model_loads(tmp_path, capsys, no_model, method):
     (tmp_path / "notes.txt").write_text("someone's folder")
-    line = one_error(capsys, "demo", "--out", tmp_path)
+    line = one_error(capsys, "demo", "--method", method, "--out", tmp_path)
     assert line == (f"gradtape demo: error: --out {tmp_path} exists and is not a gradtape run "
                     "folder; choose a new or empty folder")
 

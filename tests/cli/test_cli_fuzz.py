@@ -202,6 +202,7 @@ SPECS = {
     "demo": lambda P: {
         "--out": P.out_folders(), "--steps": ints(1, 50), "--eval-n": ints(1, 30),
         "--backend": choice(["auto", "numpy", "cpu"], ["tpu", ""]),
+        "--method": choice(["sft", "dpo", "simpo"], ["ppo", ""]),
     },
     "bench": lambda P: {
         "--json": None, "--with-compile": None,

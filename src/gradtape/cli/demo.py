@@ -4,7 +4,8 @@ The skill: answer a bare ``key=value`` record (``name=Mara; city=Oslo; age=34``)
 exactly its compact JSON (``{"name": "Mara", "city": "Oslo", "age": 34}``).  The data
 ships in examples/records (made by its make_data.py).  The demo measures the exact-match
 rate of greedy answers on held-out records with the base model, fine-tunes, measures it
-again with the adapter, and shows a few answers before and after.
+again with the adapter, and shows a few answers before and after.  ``--method dpo`` (or
+ipo, orpo, simpo) runs the preference demo instead (``cli.demo_preference``).
 """
 
 from __future__ import annotations
@@ -17,18 +18,26 @@ from .. import checks
 from ..backends import BACKENDS
 from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
+from ..train.methods import METHODS
+from . import demo_preference
 from .options import option
 
 DATA = Path(__file__).resolve().parents[3] / "examples" / "records"
 
 
 def add_arguments(parser):
-    option(parser, "--out", _run_folder, default="runs/demo",
-           help="run folder (default: %(default)s)")
-    option(parser, "--steps", checks.count(1), type=int, default=30,
-           help="training steps (default: %(default)s)")
+    option(parser, "--method", checks.one_of(*METHODS), default="sft",
+           help="sft: learn a JSON format from examples; dpo, ipo, orpo, simpo: learn a "
+                "sign-off from preference pairs (examples/preferences) and report the "
+                "held-out reward accuracy (default: %(default)s)")
+    option(parser, "--out", _run_folder,
+           help="run folder (default: runs/demo, or runs/demo-METHOD for a preference "
+                "method)")
+    option(parser, "--steps", checks.count(1), type=int,
+           help="training steps (default: 30, or 20 for a preference method)")
     option(parser, "--eval-n", checks.count(1), type=int, default=30,
-           help="held-out records to score (default: %(default)s)")
+           help="held-out records to score, or held-out prompts to answer for a preference "
+                "method (default: %(default)s)")
     option(parser, "--backend", checks.one_of("auto", *BACKENDS), default="auto",
            help="numpy, cpu, or auto (cpu when available; default: %(default)s)")
     option(parser, "--compute", checks.one_of(*COMPUTE_CHOICES), default=DEFAULT_COMPUTE,
@@ -60,36 +69,52 @@ def _score(answers, references):
     return sum(a == r for a, r in zip(answers, references)) / max(len(references), 1)
 
 
-def run(args) -> int:
-    from .. import llama, models
-    from ..train.finetune import FinetuneConfig, finetune, reads_blocks
+def _load_model(cfg):
+    """SmolLM2 with its weights as finetune holds them for ``cfg``: the file's blocks where
+    the step's products read them (int8, or bf16 from copies of the blocks), else a
+    float32 copy."""
+    from .. import llama
+    from ..train.finetune import reads_blocks
 
-    if not (DATA / "train.jsonl").is_file():
-        raise GradtapeError(f"demo data not found in {DATA} (run from a source checkout)")
+    model = llama.load("smollm2", keep_quantized=True)
+    if cfg.compute != "int8" and not reads_blocks(cfg.compute, cfg.backend,
+                                                  cfg.batch_size * cfg.seq_len, model):
+        model = llama.load("smollm2")
+    return model
+
+
+def run(args) -> int:
+    from .. import models
+    from ..train.finetune import FinetuneConfig, finetune
+
     backend = args.backend
     if backend == "auto":
         backend = "cpu" if "cpu" in BACKENDS else "numpy"
+    if args.method != "sft":
+        out = Path(args.out or f"runs/demo-{args.method}").expanduser()
+        if args.out is None:  # a given --out was checked as the options were parsed
+            _run_folder("--out", str(out))
+        return demo_preference.run(args, backend, out, _answers, _load_model)
+    if not (DATA / "train.jsonl").is_file():
+        raise GradtapeError(f"demo data not found in {DATA} (run from a source checkout)")
     test = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()]
     test = test[:args.eval_n]
     prompts = [t["messages"][0]["content"] for t in test]
     refs = [t["messages"][1]["content"] for t in test]
 
-    out = Path(args.out).expanduser()
+    out = Path(args.out or "runs/demo").expanduser()
+    if args.out is None:
+        _run_folder("--out", str(out))
     # the records (51-87 tokens) packed into rows of 352: about 18 records a step where 4
     # padded rows of 88 held 4, for far less than 4x the step's time (a step's cost is far
     # from proportional to its rows: bench/packing_rate.py)
-    cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps,
+    cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps or 30,
                          seq_len=352, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          eval_every=20, save_every=20, backend=backend, compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
     print("loading SmolLM2-135M-Instruct ...", flush=True)
-    # the weights as finetune holds them: the file's blocks where the step's products
-    # read them (int8, or bf16 from copies of the blocks), else a float32 copy
-    model = llama.load("smollm2", keep_quantized=True)
-    if args.compute != "int8" and not reads_blocks(args.compute, backend,
-                                                   cfg.batch_size * cfg.seq_len, model):
-        model = llama.load("smollm2")
+    model = _load_model(cfg)
     # an answer still going past the longest reference (+ its end token) cannot match
     max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
     t = time.perf_counter()

@@ -125,3 +125,17 @@ def raw_safetensors(header, data=b"", header_len=None) -> bytes:
     h = header if isinstance(header, bytes) else json.dumps(header).encode()
     n = len(h) if header_len is None else header_len
     return struct.pack("<Q", n) + h + data
+
+
+def write_records(path, rows):
+    """``rows`` as the file ``path``'s suffix says: JSON Lines, a JSON array or Parquet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

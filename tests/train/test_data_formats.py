@@ -4,10 +4,8 @@ answers and trained on; ``--columns``; and every mistake as one line naming the 
 
 from __future__ import annotations
 
-import json
 import random
 
-import numpy as np
 import pytest
 
 from gradtape.errors import GradtapeError
@@ -15,6 +13,7 @@ from gradtape.train import data as data_mod
 from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.records import parse_columns
 
+from support.filebuilders import write_records as write
 from support.tinymodel import tiny_model
 
 ANSWER = "yes"
@@ -33,20 +32,6 @@ RECORDS = {
     "Alpaca": lambda p, a: {"instruction": p[:3], "input": p[3:], "output": a},
     "prompt/completion": lambda p, a: {"prompt": p, "completion": a},
 }
-
-
-def write(path, rows):
-    """``rows`` as the file ``path``'s suffix says: JSON Lines, a JSON array or Parquet."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif path.suffix == ".json":
-        path.write_text(json.dumps(rows, indent=1))
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _rows(schema, n=64, seed=0):

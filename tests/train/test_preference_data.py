@@ -6,7 +6,6 @@ rows equal to TRL's ``DPOTrainer`` with the real SmolLM2 tokenizer."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from gradtape.errors import GradtapeError
 from gradtape.train.data import IGNORE, read_data
 from gradtape.train.pairs import load_pairs, pair_rows, tokenize_pairs
 
+from support.filebuilders import write_records as write
 from support.tinymodel import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -57,20 +57,6 @@ FORMS = {
 }
 TRIPLES = [("sky?", "blue", "green"), ("two and two?", "four", "three"),
            ("capital of France?", "Paris", "Lyon")]
-
-
-def write(path, rows):
-    """``rows`` as the file ``path``'s suffix says: JSON Lines, a JSON array or Parquet."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif path.suffix == ".json":
-        path.write_text(json.dumps(rows, indent=1))
-    else:
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _read(path, **kw):

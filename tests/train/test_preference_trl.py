@@ -36,8 +36,8 @@ from gradtape.models.graph import weight_consts  # noqa: E402
 from gradtape.train import methods as M  # noqa: E402
 from gradtape.train import preference as P  # noqa: E402
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
+import torch  # noqa: E402  (test-only references, installed by make test)
+import trl  # noqa: E402, F401
 pytestmark = pytest.mark.slow  # transformers, PEFT and TRL per family and method
 
 FAMILIES = ["llama3", "qwen2", "gemma3"]

@@ -83,9 +83,27 @@ def _load_model(cfg):
     return model
 
 
-def run(args) -> int:
+def train_and_compare(cfg, prompts, reply_tokens, describe):
+    """The demos' common course: SmolLM2 loaded as finetune holds it (``_load_model``),
+    its greedy answers to ``prompts`` (at most ``reply_tokens(tokenizer)`` tokens each)
+    before and after training with ``cfg``.  ``describe(before, seconds)``: the line
+    printed about the base model's answers.  Returns ``(before, after, summary)``."""
     from .. import models
-    from ..train.finetune import FinetuneConfig, finetune
+    from ..train.finetune import finetune
+
+    print("loading SmolLM2-135M-Instruct ...", flush=True)
+    model = _load_model(cfg)
+    max_new = reply_tokens(model.tokenizer)
+    t = time.perf_counter()
+    before = _answers(model, prompts, max_new)
+    print(describe(before, time.perf_counter() - t), flush=True)
+    summary = finetune(cfg, model=model)
+    adapter = models.load_adapter(Path(cfg.out) / "adapter", model)
+    return before, _answers(model, prompts, max_new, adapter), summary
+
+
+def run(args) -> int:
+    from ..train.finetune import FinetuneConfig
 
     backend = args.backend
     if backend == "auto":
@@ -94,7 +112,7 @@ def run(args) -> int:
         out = Path(args.out or f"runs/demo-{args.method}").expanduser()
         if args.out is None:  # a given --out was checked as the options were parsed
             _run_folder("--out", str(out))
-        return demo_preference.run(args, backend, out, _answers, _load_model)
+        return demo_preference.run(args, backend, out, train_and_compare)
     if not (DATA / "train.jsonl").is_file():
         raise GradtapeError(f"demo data not found in {DATA} (run from a source checkout)")
     test = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()]
@@ -113,18 +131,11 @@ def run(args) -> int:
                          eval_every=20, save_every=20, backend=backend, compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
-    print("loading SmolLM2-135M-Instruct ...", flush=True)
-    model = _load_model(cfg)
     # an answer still going past the longest reference (+ its end token) cannot match
-    max_new = max(len(model.tokenizer.encode(r)) for r in refs) + 2
-    t = time.perf_counter()
-    before = _answers(model, prompts, max_new)
-    print(f"base model: {_score(before, refs):.0%} exact JSON on {len(refs)} held-out records "
-          f"({time.perf_counter() - t:.0f} s)", flush=True)
-
-    summary = finetune(cfg, model=model)
-    adapter = models.load_adapter(out / "adapter", model)
-    after = _answers(model, prompts, max_new, adapter)
+    before, after, summary = train_and_compare(
+        cfg, prompts, lambda tok: max(len(tok.encode(r)) for r in refs) + 2,
+        lambda before, s: f"base model: {_score(before, refs):.0%} exact JSON on "
+                          f"{len(refs)} held-out records ({s:.0f} s)")
     b, a = _score(before, refs), _score(after, refs)
     print()
     print(f"held-out exact match: base {b:.0%} -> fine-tuned {a:.0%} "

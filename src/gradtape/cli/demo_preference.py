@@ -15,7 +15,6 @@ Not here: the SFT demo and the options both share (``cli.demo``), the training i
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from ..errors import GradtapeError
@@ -49,11 +48,10 @@ def _signed(answers):
     return sum(a.rstrip().endswith(SIGN_OFF) for a in answers) / max(len(answers), 1)
 
 
-def run(args, backend, out, answers, load_model) -> int:
-    """Train ``args.method`` on the demo pairs in ``out``; ``answers(model, prompts,
-    max_new, adapter)`` and ``load_model(cfg)`` are the SFT demo's."""
-    from .. import models
-    from ..train.finetune import FinetuneConfig, finetune
+def run(args, backend, out, train_and_compare) -> int:
+    """Train ``args.method`` on the demo pairs in ``out``; ``train_and_compare`` is the
+    SFT demo's course (``cli.demo.train_and_compare``)."""
+    from ..train.finetune import FinetuneConfig
 
     if not (DATA / "train.jsonl").is_file():
         raise GradtapeError(f"demo data not found in {DATA} (run from a source checkout)")
@@ -67,19 +65,12 @@ def run(args, backend, out, answers, load_model) -> int:
                          compute=args.compute,
                          resume=(out / "checkpoint" / "state.safetensors").is_file())
 
-    print("loading SmolLM2-135M-Instruct ...", flush=True)
-    model = load_model(cfg)
     # the base model's answers run longer than the pairs' (it explains its sums): room for
     # one of those to end, so that a sign-off after it can show
-    max_new = 2 * max(len(model.tokenizer.encode(p["chosen"])) for p in held) + 8
-    t = time.perf_counter()
-    before = answers(model, prompts, max_new)
-    print(f"base model: {_signed(before):.0%} of {len(prompts)} held-out answers end with "
-          f"the sign-off ({time.perf_counter() - t:.0f} s)", flush=True)
-
-    summary = finetune(cfg, model=model)
-    adapter = models.load_adapter(out / "adapter", model)
-    after = answers(model, prompts, max_new, adapter)
+    before, after, summary = train_and_compare(
+        cfg, prompts, lambda tok: 2 * max(len(tok.encode(p["chosen"])) for p in held) + 8,
+        lambda before, s: f"base model: {_signed(before):.0%} of {len(prompts)} held-out "
+                          f"answers end with the sign-off ({s:.0f} s)")
     ev = _last_eval(out)
     print()
     if ev is not None:

@@ -14,9 +14,9 @@ so once (a RuntimeWarning) and runs float32.
 ``int8`` is bf16, except that the GEMMs against weights kept in their ggml blocks (a
 quantized GGUF) take int8 inputs: each activation row and each weight row (forward) or
 column (backward) rounded to 255 levels of its own scale, the products summed exactly in
-int32 (W8A8, ``qgemm_int8.lower_int8``).  Up to twice bf16's rate where the CPU has int8
-dot products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of about 1% error in
-each such product (``bench/bf16_cosine.py --int8`` measures what it does to the
+int32 (W8A8, ``qgemm_int8.lower_int8``).  Faster than bf16 where the CPU has int8 dot
+products (AVX512-VNNI, AMX-INT8; timed like bf16), at the price of each product's
+quantization error (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
 

@@ -49,12 +49,8 @@ def check_args(parser, args):
 
 def adapter_folder(path, name="--adapter"):
     """A PEFT LoRA folder: a readable folder holding adapter_config.json and
-    adapter_model.safetensors (their contents are checked when the adapter is read)."""
-    from ..models.lora import CONFIG_FILE, WEIGHTS_FILE
+    adapter_model.safetensors (``models.lora.check_folder``, the check finetune's
+    ``--adapter`` shares)."""
+    from ..models.lora import check_folder
 
-    folder = checks.input_path(path, name, "folder")
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / f).exists():
-            raise GradtapeError(f"{name} {folder}: not a LoRA adapter folder ({f} is missing)")
-        checks.input_path(folder / f, name, "file")
-    return folder
+    return check_folder(path, name)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import checks
 from ..errors import FileFormatError, GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from .arch import ARCHS, TARGETS
@@ -195,6 +196,18 @@ def load_adapter(folder, model=None) -> LoraAdapter:
     if model is not None:
         check_adapter_fits(adapter, model.config, str(folder))
     return adapter
+
+
+def check_folder(path, name="--adapter") -> Path:
+    """A PEFT LoRA folder given as option ``name``: a readable folder holding
+    adapter_config.json and adapter_model.safetensors (their contents are checked when
+    ``load_adapter`` reads them)."""
+    folder = checks.input_path(path, name, "folder")
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / f).exists():
+            raise GradtapeError(f"{name} {folder}: not a LoRA adapter folder ({f} is missing)")
+        checks.input_path(folder / f, name, "file")
+    return folder
 
 
 def check_adapter_fits(adapter, cfg, where="adapter"):

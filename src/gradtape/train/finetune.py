@@ -45,7 +45,7 @@ from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
-from ..models.lora import init_adapter, parse_targets
+from ..models.lora import check_folder, init_adapter, load_adapter, parse_targets
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
 
@@ -73,6 +73,14 @@ def _known_targets(name, value):
             except GradtapeError:
                 pass
         raise GradtapeError(f"{name}: {e}") from None
+
+
+def _adapter_dir(name, value):
+    """``""`` (a fresh adapter) or a PEFT LoRA folder (its tensors are checked against
+    the model once it is loaded)."""
+    checks.check_type(name, value, str)
+    if value:
+        check_folder(value, name)
 
 
 def _beta(name, value):
@@ -121,6 +129,13 @@ class FinetuneConfig:
     alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)", checks.positive())
     targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
                         "(Phi-3: qkv,o,gate_up,down)", _known_targets)
+    adapter: str = _opt("", "start from this PEFT LoRA adapter folder (ours, or one PEFT "
+                            "wrote) instead of a fresh adapter, with any --method: its "
+                            "rank, alpha, targets and scale (rsLoRA) become the run's, so "
+                            "--rank, --alpha and --targets left at their defaults follow "
+                            "it and any other value is an error; for dpo and ipo the "
+                            "model with this adapter is the reference", _adapter_dir,
+                        path=True)
     lr: float = _opt(1e-3, "peak learning rate", checks.positive())
     warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)",
                        checks.count(0))
@@ -258,8 +273,12 @@ def _finetune(cfg, model, log, world, together):
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
     dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
 
-    adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
-                           base_model=model.name, dtype=dtype)
+    if cfg.adapter:
+        adapter = _starting_adapter(cfg, model, targets, dtype, log)
+        targets = adapter.targets
+    else:
+        adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
+                               base_model=model.name, dtype=dtype)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
@@ -277,7 +296,7 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {what}, {len(held)} held "
+    log(f"training {len(targets)} LoRA targets (r={adapter.rank}) on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
@@ -287,6 +306,30 @@ def _finetune(cfg, model, log, world, together):
     records = _read_log(out) if cfg.resume and world.is_root else []
     _train_steps(run, step_prog, train, held, schedule, start, records, log)
     return _finish(run, adapter, step_prog, records, log)
+
+
+def _starting_adapter(cfg, model, targets, dtype, log):
+    """The ``--adapter`` folder's adapter in the run's dtype, checked against the model;
+    a --rank, --alpha or --targets other than its default that contradicts it is one
+    line (left at their defaults, they follow the adapter)."""
+    adapter = load_adapter(cfg.adapter, model)
+    given = {f.name: f.default for f in dataclasses.fields(cfg)
+             if f.name in ("rank", "alpha", "targets")}
+    for name, theirs, ours in (("rank", adapter.rank, cfg.rank),
+                               ("alpha", adapter.alpha, cfg.alpha),
+                               ("targets", adapter.targets, targets)):
+        if getattr(cfg, name) != given[name] and ours != theirs:
+            shown = ",".join(theirs) if name == "targets" else theirs
+            raise GradtapeError(f"{flag(name)} {getattr(cfg, name)} contradicts --adapter "
+                                f"{cfg.adapter} ({name} {shown}); leave {flag(name)} out: "
+                                "the adapter's is used")
+    adapter.weights = {k: (a.astype(dtype), b.astype(dtype))
+                       for k, (a, b) in adapter.weights.items()}
+    adapter.base_model = adapter.base_model or model.name
+    log(f"adapter: starting from {cfg.adapter} (r={adapter.rank}, alpha {adapter.alpha:g}, "
+        f"scale {adapter.scale:g}{' (rsLoRA)' if adapter.scale_override is not None else ''}"
+        f", targets {','.join(adapter.targets)} in {len(adapter.weights)} linears)")
+    return adapter
 
 
 def _read_data(cfg, log, task="sft"):
@@ -582,7 +625,7 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
 _SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
              "seq_len", "batch_size", "grad_accum", "rank", "alpha",
              "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
-             "simpo_gamma")
+             "simpo_gamma", "adapter")
 
 
 def _load_checkpoint(out, step_prog, cfg, world=distributed.World()):

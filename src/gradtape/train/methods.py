@@ -32,7 +32,10 @@ class Logps:
     element): ``chosen`` / ``rejected`` the policy's log-probabilities (summed or
     averaged as the row says), ``ref_*`` the reference's (``None`` without one), ``nll``
     the chosen sequences' mean next-token loss over prompt and completion (ORPO),
-    ``n_chosen`` / ``n_rejected`` the completion token counts (consts)."""
+    ``n_chosen`` / ``n_rejected`` the completion token counts (consts); ``weight``
+    ``None`` (a loss and metrics are plain means over the ``N`` pairs, as TRL's) or an
+    ``[N, 1]`` const of per-pair weights (the held-out evaluation: 0 on a batch's padding
+    pairs, so each held-out pair counts once)."""
     chosen: object
     rejected: object
     ref_chosen: object = None
@@ -40,6 +43,11 @@ class Logps:
     nll: object = None
     n_chosen: object = None
     n_rejected: object = None
+    weight: object = None
+
+    def mean(self, v):
+        """The mean of ``v [N, 1]`` over the pairs, weighted by ``weight`` where given."""
+        return mean(v) if self.weight is None else ops.reduce_sum(ops.mul(v, self.weight))
 
 
 @dataclass(frozen=True)
@@ -88,11 +96,12 @@ def mean(v):
 
 def _metrics(chosen_rewards, rejected_rewards, lp):
     margins = ops.sub(chosen_rewards, rejected_rewards)
-    return {"rewards/chosen": mean(chosen_rewards), "rewards/rejected": mean(rejected_rewards),
+    return {"rewards/chosen": lp.mean(chosen_rewards),
+            "rewards/rejected": lp.mean(rejected_rewards),
             # a > b exactly when a - b > 0 (IEEE subtraction of distinct floats is never 0)
-            "rewards/accuracies": mean(ops.gtc(margins, 0.0)),
-            "rewards/margins": mean(margins),
-            "logps/chosen": mean(lp.chosen), "logps/rejected": mean(lp.rejected)}
+            "rewards/accuracies": lp.mean(ops.gtc(margins, 0.0)),
+            "rewards/margins": lp.mean(margins),
+            "logps/chosen": lp.mean(lp.chosen), "logps/rejected": lp.mean(lp.rejected)}
 
 
 def _smoothed(z, eps):
@@ -117,7 +126,7 @@ def _dpo(lp, beta, opt):
     else:
         per = ops.scale(ops.add(ops.scale(log_sigmoid(z), -(1.0 - eps)),
                                 ops.scale(log_sigmoid(ops.neg(z)), eps)), 1.0 / (1.0 - 2.0 * eps))
-    return mean(per), _metrics(ops.scale(cr, beta), ops.scale(rr, beta), lp)
+    return lp.mean(per), _metrics(ops.scale(cr, beta), ops.scale(rr, beta), lp)
 
 
 def _ipo(lp, beta, opt):
@@ -126,7 +135,7 @@ def _ipo(lp, beta, opt):
     cr, rr = ops.sub(lp.chosen, lp.ref_chosen), ops.sub(lp.rejected, lp.ref_rejected)
     d = ops.sub(ops.div(cr, lp.n_chosen), ops.div(rr, lp.n_rejected))
     per = ops.powc(ops.addc(d, -1.0 / (2.0 * beta)), 2.0)
-    return mean(per), _metrics(ops.scale(cr, beta), ops.scale(rr, beta), lp)
+    return lp.mean(per), _metrics(ops.scale(cr, beta), ops.scale(rr, beta), lp)
 
 
 def _orpo(lp, beta, opt):
@@ -135,10 +144,10 @@ def _orpo(lp, beta, opt):
     log_odds = ops.sub(ops.sub(lp.chosen, lp.rejected),
                        ops.sub(log1mexp(lp.chosen), log1mexp(lp.rejected)))
     ratio = log_sigmoid(log_odds)
-    loss = ops.sub(lp.nll, mean(ops.scale(ratio, beta)))
+    loss = ops.sub(lp.nll, lp.mean(ops.scale(ratio, beta)))
     m = _metrics(ops.scale(lp.chosen, beta), ops.scale(lp.rejected, beta), lp)
-    m.update({"nll_loss": lp.nll, "log_odds_ratio": mean(ratio),
-              "log_odds_chosen": mean(log_odds)})
+    m.update({"nll_loss": lp.nll, "log_odds_ratio": lp.mean(ratio),
+              "log_odds_chosen": lp.mean(log_odds)})
     return loss, m
 
 
@@ -147,7 +156,7 @@ def _simpo(lp, beta, opt):
     averaged log-probabilities, written as TRL does: ``beta * ((c - r) - gamma / beta)``;
     ``label_smoothing`` gives CPO's conservative form."""
     z = ops.scale(ops.addc(ops.sub(lp.chosen, lp.rejected), -opt.simpo_gamma / beta), beta)
-    return (mean(_smoothed(z, opt.label_smoothing)),
+    return (lp.mean(_smoothed(z, opt.label_smoothing)),
             _metrics(ops.scale(lp.chosen, beta), ops.scale(lp.rejected, beta), lp))
 
 

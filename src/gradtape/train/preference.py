@@ -15,7 +15,7 @@ and the loop (``train.step``, ``train.finetune``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -32,24 +32,32 @@ class PairBatch:
     rejected ``N..2N-1``): ``ids``, ``targets`` (the next token, 0 where none) and
     ``positions`` int64 ``[2N*T]``; ``weights [2N*T, 2N+1]`` (column ``s``: sequence
     ``s``'s completion rows, 1 or ``1/n_s``; the last: ORPO's chosen NLL, ``1/n`` on
-    every next token of the chosen sequences); ``counts [2N]`` the completion tokens."""
+    every next token of the chosen sequences); ``counts [2N]`` the completion tokens;
+    ``pair_weights [N]`` each pair's weight in the held-out means (``pair_batch``)."""
     ids: np.ndarray
     targets: np.ndarray
     positions: np.ndarray
     weights: np.ndarray
     counts: np.ndarray
+    pair_weights: np.ndarray = None
 
     @property
     def n_pairs(self):
         return len(self.counts) // 2
 
 
-def pair_batch(pairs, seq_len, average, pad_id=0, where="batch"):
+def pair_batch(pairs, seq_len, average, pad_id=0, where="batch", pair_weights=None,
+               nll_tokens=None):
     """``PairBatch`` of ``pairs``: ``[(chosen_ids, chosen_mask, rejected_ids,
     rejected_mask)]``, token lists with a 0/1 list each, 1 on the completion tokens
     (the loss's), prompt included in the ids.  ``average``: the method averages its
     log-probabilities over the completion tokens (``Method.average``).  A sequence
-    longer than ``seq_len`` or without a completion token is one error naming it."""
+    longer than ``seq_len`` or without a completion token is one error naming it.
+
+    The training step's ORPO NLL is the mean over the batch's chosen next tokens, or
+    over ``nll_tokens`` of them (an MPI rank's share of the global micro-batch's).
+    ``pair_weights`` (``[N]``, for the held-out evaluation: 0 on padding pairs) weigh
+    the pairs in the eval graph's means, its NLL each pair's own token mean."""
     seqs = [(p[0], p[1]) for p in pairs] + [(p[2], p[3]) for p in pairs]
     n, t = len(seqs), int(seq_len)
     ids = np.full((n, t), pad_id, np.int64)
@@ -74,20 +82,30 @@ def pair_batch(pairs, seq_len, average, pad_id=0, where="batch"):
         if s < len(pairs):  # ORPO's NLL: every next token of the chosen sequence
             w[s, :len(tok) - 1, n] = 1.0
             n_nll += len(tok) - 1
-    w[:, :, n] /= max(n_nll, 1)
+    if pair_weights is None:
+        w[:, :, n] /= max(n_nll, 1) if nll_tokens is None else nll_tokens
+        pair_weights = np.full(len(pairs), 1.0 / len(pairs))
+    else:  # each pair's NLL is its own mean, weighted as the pair
+        pair_weights = np.asarray(pair_weights, np.float64).reshape(len(pairs))
+        nexts = np.maximum(w[:len(pairs), :, n].sum(axis=1), 1.0)
+        w[:len(pairs), :, n] *= (pair_weights / nexts)[:, None]
     positions = np.tile(np.arange(t, dtype=np.int64), n)
     return PairBatch(ids.reshape(-1), targets.reshape(-1), positions, w.reshape(n * t, n + 1),
-                     counts)
+                     counts, pair_weights)
 
 
 @dataclass
 class PreferenceGraph:
     """A recorded preference loss: ``loss`` (one element), ``metrics`` (TRL's names),
-    ``logps [2N, 1]`` the policy's, and the const leaves ``feeds`` fills."""
+    ``logps [2N, 1]`` the policy's, the const leaves ``feeds`` fills, and the held-out
+    evaluation's ``eval_loss`` and ``eval_metrics`` (the same, each pair weighted by the
+    batch's ``pair_weights``)."""
     loss: object
     metrics: dict
     logps: object
     leaves: dict
+    eval_loss: object = None
+    eval_metrics: dict = None
 
     def feeds(self, batch: PairBatch, ref=None) -> dict:
         """``{leaf: array}`` for ``Program.run`` of ``batch`` (and the reference's
@@ -98,6 +116,8 @@ class PreferenceGraph:
                lv["positions"]: batch.positions, lv["segments"]: np.zeros_like(batch.ids),
                lv["weights"]: batch.weights.astype(dt),
                lv["counts"]: batch.counts.astype(dt)[:, None]}
+        if "pair_weights" in lv:
+            out[lv["pair_weights"]] = np.asarray(batch.pair_weights, dt).reshape(n, 1)
         if "ref" in lv:
             if ref is None:
                 raise GradtapeError("this method needs the reference log-probabilities")
@@ -146,7 +166,10 @@ def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
     lp = Logps(_rows(sums, 0, n), _rows(sums, n, 2 * n), rc, rr, nll,
                _rows(counts, 0, n), _rows(counts, n, 2 * n))
     loss, metrics = build_loss(m, lp, opt)
-    return PreferenceGraph(loss, metrics, logps, lv)
+    # the held-out means: the same loss with each pair weighted (a batch's padding by 0)
+    lv["pair_weights"] = tp.const(np.full((n, 1), 1.0 / n, tp.dtype))
+    eval_loss, eval_metrics = build_loss(m, replace(lp, weight=lv["pair_weights"]), opt)
+    return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics)
 
 
 def _rows(v, a, b):

@@ -40,11 +40,12 @@ class PairData:
     def __len__(self):
         return len(self.pairs)
 
-    def batch(self, idx, where="batch"):
-        """The ``train.preference.PairBatch`` of pairs ``idx``."""
+    def batch(self, idx, where="batch", **kw):
+        """The ``train.preference.PairBatch`` of pairs ``idx`` (``kw``: ``pair_batch``'s
+        ``pair_weights`` or ``nll_tokens``)."""
         rows = [(*pair_row(self.pairs[i], "chosen", self.seq_len),
                  *pair_row(self.pairs[i], "rejected", self.seq_len)) for i in idx]
-        return pair_batch(rows, self.seq_len, self.average, self.pad_id, where)
+        return pair_batch(rows, self.seq_len, self.average, self.pad_id, where, **kw)
 
     def _ref(self, idx):
         return None if self.ref is None else np.concatenate([self.ref[idx, 0],
@@ -61,12 +62,15 @@ class PairData:
 
     def batches(self):
         """The pairs in order, ``batch_size`` at a time, as ``TrainStep.eval_preference``
-        takes them: the last batch filled up by wrapping around to the first pairs, each
-        batch weighted by its share of the pairs (its new ones)."""
+        takes them: the last batch filled up by wrapping around to the first pairs, which
+        weigh 0 in its means (``pair_weights``), so every pair counts once; each batch
+        weighted by its share of the pairs."""
         n, b = len(self), self.batch_size
         for s in range(0, n, b):
             idx = np.arange(s, s + b) % n
-            yield self.batch(idx), self._ref(idx), min(b, n - s) / n
+            real = min(b, n - s)
+            weights = np.where(np.arange(b) < real, 1.0 / real, 0.0)
+            yield self.batch(idx, pair_weights=weights), self._ref(idx), real / n
 
     def evaluate(self, step_prog):
         """``{"eval_loss": ..., "eval_rewards/chosen": ...}`` over every pair."""

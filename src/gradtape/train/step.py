@@ -210,8 +210,9 @@ class TrainStep:
         self.share = tp.const(np.ones(self.graph.loss.shape, tp.dtype))
         self.loss = ops.mul(self.graph.loss, self.share)
         self.grads = tp.backward(self.loss)
-        self.eval_program = tp.compile([self.graph.loss, self.graph.logps,
-                                        *self.metric_vars.values()],
+        # the held-out evaluation weighs each pair (``PairData.batches``: padding by 0)
+        self.eval_program = tp.compile([self.graph.eval_loss, self.graph.logps,
+                                        *self.graph.eval_metrics.values()],
                                        backend=backend, plan=self.plan)
 
     @property

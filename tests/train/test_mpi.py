@@ -4,12 +4,10 @@ step equals the fused one in-process; launcher detection and its errors."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,21 +17,10 @@ from gradtape.train import distributed
 from gradtape.models.lora import init_adapter, load_adapter, parse_targets
 from gradtape.train.step import TrainStep
 
+from support.mpi import MPIEXEC, mpi_env as _env
 from support.tinymodel import tiny_model
 
 STEPS = 6
-
-
-def _mpiexec():
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return None
-    return shutil.which("mpiexec", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                         os.environ.get("PATH", "")]))
-
-
-MPIEXEC = _mpiexec()
 
 
 @pytest.fixture
@@ -43,14 +30,6 @@ def mpi():
 
 
 needs_mpi = pytest.mark.usefixtures("mpi")
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
-    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
-        env.pop(var, None)
-    return env
 
 
 def _finetune(tiny_dir, out, batch, *extra, ranks=0, steps=STEPS, popen=False):

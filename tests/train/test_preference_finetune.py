@@ -188,13 +188,42 @@ def _adapter(m):
     return init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)
 
 
-def test_mpi_is_refused_in_one_line():
-    from types import SimpleNamespace
+class _Mirror:
+    """Two ranks in one process, the other rank holding the same pairs: its 'sum' over
+    ranks doubles the vector, so the split step over N pairs is the step over them."""
+    size, rank, is_root = 2, 0, True
+
+    def allreduce_sum(self, buf):
+        buf *= 2.0
+        return buf
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_split_step_equals_the_fused_step(tmp_path, method, accum):
+    """A preference step through MPI's split programs (gradients, loss and metrics in one
+    vector, summed over ranks) equals the one-process step, float64, to rounding."""
+    from gradtape.train.methods import method as row
+    from gradtape.train.records import read_data
+
     m = tiny_model()
-    with pytest.raises(GradtapeError, match=r"^--method dpo runs in one process: MPI is not "
-                                            r"supported for the preference methods yet$"):
-        TrainStep(m, _adapter(m), 2, 32, dtype=np.float64, method="dpo",
-                  world=SimpleNamespace(size=2))
+    cfg = _cfg(tmp_path, "split", method)
+    train, _ = preference_run.load(cfg, read_data(cfg.data, task="preference"), None,
+                                   m.tokenizer, row(method).average, QUIET)
+    train.grad_accum = accum
+    steps = [TrainStep(m, _adapter(m), 2, 32, dtype=np.float64, method=method,
+                       grad_accum=accum, world=w) for w in (None, _Mirror())]
+    if row(method).reference:
+        preference_run.reference_pass(steps[0], {"train": train}, tmp_path, QUIET)
+    for k in range(3):
+        micro = train.micro(k)[0]
+        (lf, nf), (ls, ns) = (st.step(micro, k + 1, 1e-2) for st in steps)
+        assert ls == pytest.approx(lf, rel=1e-12) and ns == pytest.approx(nf, rel=1e-12)
+        assert steps[1].metrics.keys() == steps[0].metrics.keys()
+        for name, v in steps[0].metrics.items():
+            assert steps[1].metrics[name] == pytest.approx(v, rel=1e-12, abs=1e-14), name
+    for key, (a, b) in steps[0].adapter_weights().items():
+        np.testing.assert_allclose(steps[1].adapter_weights()[key][1], b, rtol=1e-6, atol=1e-9)
 
 
 @pytest.mark.parametrize("method", ["dpo", "simpo"])

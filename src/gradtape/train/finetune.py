@@ -260,7 +260,7 @@ def _finetune(cfg, model, log, world, together):
     targets = parse_targets(cfg.targets, model.config)
     if meth.data == "preference":
         train, held = preference_run.load(cfg, data_file, eval_file, model.tokenizer,
-                                          meth.average, log)
+                                          meth.average, log, world)
         log(f"method {meth.name}: beta {check_options(meth, cfg.options())}"
             + (f", label smoothing {cfg.label_smoothing}" if cfg.label_smoothing else "")
             + (f", gamma {cfg.simpo_gamma}" if meth.name == "simpo" else "")
@@ -286,7 +286,7 @@ def _finetune(cfg, model, log, world, together):
         if cfg.resume and (out / preference_run.REFERENCE).is_file():
             preference_run.load_reference(sets, out, log)
         else:
-            preference_run.reference_pass(step_prog, sets, out, log)
+            preference_run.reference_pass(step_prog, sets, out, log, world)
     start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
         if not cfg.resume:
@@ -299,7 +299,8 @@ def _finetune(cfg, model, log, world, together):
     log(f"training {len(targets)} LoRA targets (r={adapter.rank}) on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
-        + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
+        + (f", {world.size} MPI ranks x {cfg.batch_size} "
+           + ("pairs" if meth.data == "preference" else "sequences") if world.size > 1 else "")
         + f" (the step built in {build_s:.1f} s)")
 
     run = _Run(cfg, out, world, together, steps, micro_size)

@@ -8,6 +8,8 @@ out, with the reference's log-probabilities of those pairs) and ``PairData.evalu
 once, before the first step, through the step's own compiled eval program with the
 adapter as it starts (B = 0: the base model), and is saved atomically in the run folder
 (``reference.safetensors``) so that ``--resume`` reads it instead of recomputing it.
+Under MPI each rank takes its share of every global micro-batch's pairs, and the
+reference pass's batches are shared out over the ranks (one Allreduce gathers them).
 
 Not here: the losses (``train.methods``), the recorded step (``train.step``), the loop,
 checkpoints and logs (``train.finetune``).
@@ -30,11 +32,15 @@ REFERENCE = "reference.safetensors"
 
 class PairData:
     """Tokenized pairs (``train.pairs.Pair``) and, once the reference pass ran, the
-    reference's ``[n, 2]`` log-probabilities (chosen, rejected) of each."""
+    reference's ``[n, 2]`` log-probabilities (chosen, rejected) of each.  ``rank`` of
+    ``ranks`` (MPI): the training batches take that rank's ``batch_size`` pairs of each
+    global micro-batch of ``ranks * batch_size``."""
 
-    def __init__(self, pairs, seq_len, average, pad_id, batch_size, seed, grad_accum=1):
+    def __init__(self, pairs, seq_len, average, pad_id, batch_size, seed, grad_accum=1,
+                 rank=0, ranks=1):
         self.pairs, self.seq_len, self.average, self.pad_id = pairs, seq_len, average, pad_id
         self.batch_size, self.seed, self.grad_accum = batch_size, seed, grad_accum
+        self.rank, self.ranks = rank, ranks
         self.ref = None
 
     def __len__(self):
@@ -52,21 +58,35 @@ class PairData:
                                                              self.ref[idx, 1]])
 
     def micro(self, step):
-        """``([(PairBatch, ref)] a micro-batch each, completion tokens)`` of optimizer
-        step ``step``."""
-        b = self.batch_size
-        idx = data_mod.batch_indices(len(self), b * self.grad_accum, step, self.seed)
-        micro = [(self.batch(idx[i:i + b]), self._ref(idx[i:i + b]))
-                 for i in range(0, len(idx), b)]
-        return micro, int(sum(batch.counts.sum() for batch, _ in micro))
+        """``([(PairBatch, ref)] a micro-batch each, completion tokens of the whole
+        step)`` of optimizer step ``step``: with MPI, this rank's pairs of each global
+        micro-batch, ORPO's NLL a mean over the global micro-batch's tokens."""
+        b, size = self.batch_size, self.batch_size * self.ranks
+        idx = data_mod.batch_indices(len(self), size * self.grad_accum, step, self.seed)
+        if self.ranks == 1:
+            micro = [(self.batch(idx[i:i + b]), self._ref(idx[i:i + b]))
+                     for i in range(0, len(idx), b)]
+            return micro, int(sum(batch.counts.sum() for batch, _ in micro))
+        micro = []
+        for i in range(0, len(idx), size):
+            every = idx[i:i + size]
+            mine = every[self.rank * b:(self.rank + 1) * b]
+            # the rank's NLL is weighted by ranks / tokens, its loss by 1 / ranks
+            nexts = sum(len(pair_row(self.pairs[k], "chosen", self.seq_len)[0]) - 1
+                        for k in every)
+            micro.append((self.batch(mine, nll_tokens=nexts / self.ranks), self._ref(mine)))
+        tokens = sum(int(pair_row(self.pairs[k], w, self.seq_len)[1][1:].sum())
+                     for k in idx for w in ("chosen", "rejected"))
+        return micro, tokens
 
-    def batches(self):
+    def batches(self, part=0, parts=1):
         """The pairs in order, ``batch_size`` at a time, as ``TrainStep.eval_preference``
         takes them: the last batch filled up by wrapping around to the first pairs, which
         weigh 0 in its means (``pair_weights``), so every pair counts once; each batch
-        weighted by its share of the pairs."""
+        weighted by its share of the pairs.  ``part`` of ``parts``: every ``parts``-th
+        batch from the ``part``-th only (an MPI rank's share of the reference pass)."""
         n, b = len(self), self.batch_size
-        for s in range(0, n, b):
+        for s in range(part * b, n, parts * b):
             idx = np.arange(s, s + b) % n
             real = min(b, n - s)
             weights = np.where(np.arange(b) < real, 1.0 / real, 0.0)
@@ -78,9 +98,10 @@ class PairData:
         return {"eval_loss": loss, **{f"eval_{k}": v for k, v in metrics.items()}}
 
 
-def load(cfg, data_file, eval_file, tokenizer, average, log):
+def load(cfg, data_file, eval_file, tokenizer, average, log, world=None):
     """``(train, held)`` ``PairData`` of the checked data files: ``--eval-data``'s pairs,
-    else ``--eval-frac`` of ``--data``'s held out (the same seeded split as SFT's)."""
+    else ``--eval-frac`` of ``--data``'s held out (the same seeded split as SFT's);
+    ``world`` (MPI): the training pairs are this rank's share of each micro-batch."""
     def tokenized(data, name):
         pairs, skipped = tokenize_pairs(data, tokenizer, cfg.seq_len)
         if skipped:
@@ -94,31 +115,38 @@ def load(cfg, data_file, eval_file, tokenizer, average, log):
     else:
         train, held = pairs, tokenized(eval_file, "--eval-data")
     pad = tokenizer.eos_id
-    make = lambda p: PairData(p, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed,
-                              cfg.grad_accum)
-    return make(train), make(held)
+    rank, ranks = (0, 1) if world is None else (world.rank, world.size)
+    return (PairData(train, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed,
+                     cfg.grad_accum, rank, ranks),
+            PairData(held, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed, cfg.grad_accum))
 
 
-def reference_pass(step_prog, datasets, out, log):
+def reference_pass(step_prog, datasets, out, log, world=None):
     """Each of ``datasets``' reference log-probabilities, through ``step_prog``'s eval
     program with its adapter as it is now (before the first step), saved in
-    ``out / REFERENCE``."""
+    ``out / REFERENCE``.  ``world`` (MPI): each rank computes every ``size``-th batch,
+    one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum is
+    exact) gives every rank all of them, and rank 0 writes the file."""
     from safetensors.numpy import save
 
+    rank, size = (0, 1) if world is None else (world.rank, world.size)
     t0 = time.perf_counter()
     arrays = {}
     for name, d in datasets.items():
         if not len(d):
             continue
-        _, _, logps = step_prog.eval_preference(d.batches())
+        _, _, logps = step_prog.eval_preference(d.batches(rank, size))
         n, b = len(d), d.batch_size
         ref = np.zeros((n, 2))
-        for k, lp in enumerate(logps):  # each batch: b chosen, then b rejected
+        for k, lp in zip(range(rank, n, size), logps):  # each batch: b chosen, b rejected
             idx = np.arange(k * b, k * b + b)
             keep = idx < n
             ref[idx[keep], 0], ref[idx[keep], 1] = lp[:b][keep], lp[b:][keep]
+        if size > 1:
+            world.allreduce_sum(ref)
         d.ref = arrays[name] = ref
-    atomic_write_bytes(out / REFERENCE, save(arrays))
+    if rank == 0:
+        atomic_write_bytes(out / REFERENCE, save(arrays))
     seconds = time.perf_counter() - t0
     log(f"reference pass: {sum(len(d) for d in datasets.values())} pairs in {seconds:.1f} s, "
         f"saved in {out / REFERENCE}")

@@ -10,7 +10,9 @@ A preference method (``train.methods``, a row whose data is ``preference``) reco
 ``train.preference.record_preference`` in place of the next-token loss: one forward over
 the ``2 * batch_size`` sequences of ``batch_size`` pairs; the step program also outputs
 the method's metrics, the eval program the loss, the log-probabilities and the metrics.
-One process only, for now (MPI is refused).
+With MPI each rank takes its share of every global micro-batch's pairs, its loss and
+metrics weighted by ``1 / (grad_accum * ranks)``, so the Allreduce sums them (they ride
+in the gradient vector) into the single-process run's.
 
 Gradient accumulation: every micro-batch's loss weights are ``1 / N`` with ``N`` the
 target-token count of the whole step, so the summed gradient is that of the mean over all
@@ -103,10 +105,6 @@ class TrainStep:
         self.method, self.options = method_row(method), options
         self.preference = self.method.data == "preference"
         self.metrics = {}  # the last step's metrics (TRL's names); none for sft
-        if self.preference and world is not None and world.size > 1:
-            # the metrics would need a collective of their own, beside the gradients'
-            raise GradtapeError(f"--method {method} runs in one process: MPI is not "
-                                "supported for the preference methods yet")
         # every choice of the run, decided once (``gradtape.plan``): the frozen-weight
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
@@ -296,8 +294,10 @@ class TrainStep:
         """The distributed step: ``grads_program`` -> Allreduce -> ``update_program``."""
         tp, dtype = self.tape, self.tape.dtype
         self.stop = tp.const(np.zeros(1, dtype))
+        # a preference method's metrics ride along, weighted as its loss
+        metrics = [ops.reshape(ops.mul(v, self.share), (1,)) for v in self.metric_vars.values()]
         flat = ops.concat([ops.reshape(gi, (gi.size,)) for gi in g]
-                          + [ops.reshape(self.loss, (1,)), self.stop], 0)  # [P + 2]
+                          + [ops.reshape(self.loss, (1,)), *metrics, self.stop], 0)  # [P+2+M]
         updates = {}
         self.apply = None
         self.accumulators = []
@@ -329,11 +329,11 @@ class TrainStep:
                              "v": [v for _, v in moments], "acc": []}
         self.program = tp.compile([self.grad_norm], backend=backend, updates=new)
 
-    def _step_split(self, micro_batches, n_tokens, scalars, stop):
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            feeds = {**self._feeds(batch, max(n_tokens, 1)),
-                     self.stop: np.asarray([float(stop and last)])}
+    def _step_split(self, micro_feeds, scalars, stop):
+        """One distributed step over this rank's micro-batches' leaves ``micro_feeds``."""
+        for i, feeds in enumerate(micro_feeds):
+            last = i == len(micro_feeds) - 1
+            feeds = {**feeds, self.stop: np.asarray([float(stop and last)])}
             if self.apply is not None:
                 feeds[self.apply] = np.asarray(float(last))
             (flat,) = self.grads_program.run(feeds)
@@ -341,7 +341,9 @@ class TrainStep:
         (norm,) = self.program.run({self.reduced: flat, **scalars})
         self.grads_program.set_state(self.current_params())
         self.stop_agreed = bool(flat[-1] > 0)
-        return float(flat[-2]), float(norm)
+        k = len(self.metric_vars)  # [..., loss, metrics, stop]
+        self.metrics = {name: float(v) for name, v in zip(self.metric_vars, flat[-1 - k:-1])}
+        return float(flat[-2 - k]), float(norm)
 
     def _feeds(self, batch, denominator):
         """A micro-batch's leaves: ``batch`` is ``(ids, targets)`` (one example a row, at
@@ -372,7 +374,8 @@ class TrainStep:
             n_tokens = sum(int((b[1] != IGNORE).sum()) for b in micro_batches)
         scalars = self.scalars.values(opt_step, lr)
         if self.world is not None:
-            return self._step_split(micro_batches, n_tokens, scalars, stop)
+            return self._step_split([self._feeds(b, max(n_tokens, 1)) for b in micro_batches],
+                                    scalars, stop)
         self.stop_agreed = stop
         total, norm = 0.0, float("nan")
         for i, batch in enumerate(micro_batches):
@@ -387,12 +390,17 @@ class TrainStep:
         """One step over ``[(PairBatch, ref)]`` (``grad_accum`` micro-batches, each
         ``train.preference``'s batch of ``batch_size`` pairs and the reference's ``[2N]``
         log-probabilities of those pairs, ``None`` for a method without one): the loss is
-        the mean of the micro-batches' losses, and so is each metric (``metrics``)."""
+        the mean of the micro-batches' losses, and so is each metric (``metrics``).
+        Distributed: this rank's pairs of each global micro-batch (``PairData.micro``)."""
         n = len(micro_batches)
         if n != self.grad_accum:
             raise ValueError(f"step: expected {self.grad_accum} micro-batches, got {n}")
         scalars = self.scalars.values(opt_step, lr)
-        share = np.full(self.share.shape, 1.0 / n, self.tape.dtype)
+        ranks = 1 if self.world is None else self.world.size
+        share = np.full(self.share.shape, 1.0 / (n * ranks), self.tape.dtype)
+        if self.world is not None:
+            return self._step_split([{**self.graph.feeds(batch, ref), self.share: share}
+                                     for batch, ref in micro_batches], scalars, stop)
         total, norm, metrics = 0.0, float("nan"), dict.fromkeys(self.metric_vars, 0.0)
         for i, (batch, ref) in enumerate(micro_batches):
             feeds = {**self.graph.feeds(batch, ref), **scalars, self.share: share}

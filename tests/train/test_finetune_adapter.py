@@ -163,3 +163,21 @@ def test_resume_with_another_adapter_is_refused(tmp_path, start):
     finetune(_cfg(tmp_path, "run", adapter=str(folder), steps=3, resume=True), model=m,
              log=QUIET)
     assert [r["step"] for r in _log(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_cli_finetune_adapter(tiny_dir, tmp_path, capsys):
+    from gradtape.cli import main
+
+    m = tiny_model(seed=4)  # tiny_dir's model
+    random_adapter(m.config, rank=4, alpha=8.0, targets="q,v").save(tmp_path / "start")
+    argv = ["finetune", "--model", str(tiny_dir / "model"), "--data",
+            str(tiny_dir / "text.txt"), "--steps", "1", "--seq-len", "16", "--batch-size",
+            "2", "--backend", "numpy"]
+    assert main([*argv, "--out", str(tmp_path / "out"), "--adapter",
+                 str(tmp_path / "start")]) == 0
+    assert f"adapter: starting from {tmp_path / 'start'} (r=4" in capsys.readouterr().out
+    code = main([*argv, "--out", str(tmp_path / "bad"), "--adapter", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert [x for x in err.splitlines() if "error" in x] == [
+        f"gradtape finetune: error: --adapter {tmp_path / 'none'}: does not exist"], err

@@ -15,6 +15,10 @@ messages, or {"chosen", "rejected"} with the prompt implicit (their common start
 --batch-size counts pairs.  dpo and ipo compute the starting model's log-probabilities
 once, before the first step (reference.safetensors in --out).
 
+--adapter DIR continues from a PEFT LoRA folder (after an SFT run, say), for any method:
+its rank, alpha and targets are the run's, and for dpo and ipo the model with it is
+the reference.
+
 Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
 from it), log.jsonl (every step), loss.png (train and eval loss curves).
 
@@ -22,7 +26,8 @@ Example:
   gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat --steps 200
 
 Data-parallel over N processes (pip install 'gradtape[mpi]'; each rank takes
---batch-size sequences of every N x --batch-size micro-batch; rank 0 writes the files):
+--batch-size sequences, or pairs, of every N x --batch-size micro-batch; rank 0 writes
+the files):
   mpiexec -n 2 gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat
 """
 

@@ -25,9 +25,9 @@ def _pairs(path, n=11):
     return path
 
 
-def _finetune(tiny_dir, data, out, method, batch, ranks=0):
+def _finetune(tiny_dir, data, out, method, batch, *extra, ranks=0):
     cmd = [sys.executable, "-m", "gradtape.cli", "finetune", "--model", str(tiny_dir / "model"),
-           "--data", str(data), "--out", str(out), "--method", method, "--steps", "4",
+           "--data", str(data), "--out", str(out), "--method", method, "--steps", "4", *extra,
            "--seq-len", "32", "--batch-size", str(batch), "--grad-accum", "2", "--rank", "4",
            "--lr", "1e-2", "--warmup", "1", "--save-every", "2", "--eval-every", "2",
            "--eval-frac", "0.3", "--dtype", "float64", "--backend", "numpy"]
@@ -68,3 +68,14 @@ def test_two_ranks_equal_one_process_with_twice_the_pairs(tiny_dir, tmp_path, me
             np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-9, err_msg=k)
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
         p.name for p in (tmp_path / "one").iterdir())
+    if method == "dpo":  # each run resumes with the other's rank count, reference read back
+        more = ("--steps", "6", "--resume")
+        for res in (_finetune(tiny_dir, data, tmp_path / "two", method, 2, *more),
+                    _finetune(tiny_dir, data, tmp_path / "one", method, 1, *more, ranks=2)):
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "reference pass: read from" in res.stdout
+        sa, sb = (load_file(tmp_path / run / "checkpoint" / "state.safetensors")
+                  for run in ("one", "two"))
+        for k in sa:
+            if k.startswith("param."):
+                np.testing.assert_allclose(sb[k], sa[k], rtol=1e-7, atol=1e-9, err_msg=k)

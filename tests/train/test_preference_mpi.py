@@ -13,7 +13,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from support.mpi import MPIEXEC, mpi_env
-from support.tinymodel import tiny_model  # noqa: F401  (the model is tiny_dir's)
 
 WORDS = "sky blue green red sun moon two four three Paris Lyon cat dog tree rain snow".split()
 

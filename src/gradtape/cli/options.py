@@ -11,7 +11,7 @@ itself, the same check for the Python API and the CLI.
 from __future__ import annotations
 
 from .. import checks
-from ..errors import GradtapeError
+from ..models.lora import check_folder
 
 
 def with_range(help_text, check):
@@ -51,6 +51,4 @@ def adapter_folder(path, name="--adapter"):
     """A PEFT LoRA folder: a readable folder holding adapter_config.json and
     adapter_model.safetensors (``models.lora.check_folder``, the check finetune's
     ``--adapter`` shares)."""
-    from ..models.lora import check_folder
-
     return check_folder(path, name)

@@ -181,3 +181,41 @@ def test_cli_finetune_adapter(tiny_dir, tmp_path, capsys):
     assert code == 1 and "Traceback" not in err
     assert [x for x in err.splitlines() if "error" in x] == [
         f"gradtape finetune: error: --adapter {tmp_path / 'none'}: does not exist"], err
+
+
+@pytest.mark.slow
+def test_a_peft_written_rslora_adapter_trains_and_loads_back_in_peft(tiny_dir, tmp_path):
+    """PEFT writes an rsLoRA adapter on the tiny model's Hugging Face folder; DPO starts
+    from it; what we write loads in PEFT with its options, and PEFT's logits are ours."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from gradtape import llama
+    from support.compare import rel_err
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dir / "model"))
+    pm = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                       lora_dropout=0.0, use_rslora=True,
+                                       task_type="CAUSAL_LM"))
+    with torch.no_grad():  # PEFT starts B at zero: make it matter
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    pm.save_pretrained(str(tmp_path / "theirs"))
+    lines = []
+    finetune(_cfg(tmp_path, "run", "dpo", model=str(tiny_dir / "model"), dtype="float32",
+                  adapter=str(tmp_path / "theirs")), log=lines.append)
+    assert any("scale 4 (rsLoRA), targets q,v" in x for x in lines), lines
+    assert _log(tmp_path / "run")[0]["loss"] == pytest.approx(np.log(2.0), rel=1e-6)
+    back = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        str(tiny_dir / "model")), str(tmp_path / "run" / "adapter")).eval()
+    assert back.peft_config["default"].use_rslora and back.peft_config["default"].r == 4
+    model = llama.load(str(tiny_dir / "model"))
+    ours = load_adapter(tmp_path / "run" / "adapter", model)
+    ids = [5, 80, 3, 200, 17, 9, 33]
+    with torch.no_grad():
+        ref = back(torch.tensor([ids])).logits[0].double().numpy()
+    assert rel_err(model.logits(ids, adapter=ours), ref) <= 1e-4
+    assert rel_err(model.logits(ids, adapter=load_adapter(tmp_path / "theirs")), ref) > 1e-4

@@ -31,7 +31,7 @@ of ``trainer.train()`` is timed by a callback (``on_step_begin`` to ``on_step_en
 concatenated forward, its loss, backward, clipping, AdamW).  Rows: ``trl-autocast-bf16``
 (float32 weights, ``bf16=True``: torch's autocast, only where the CPU has AMX or
 AVX512-BF16), ``trl-eager-f32`` (float32), and for the 8B ``trl-bf16`` (bf16 weights and
-``bf16=True``: the float32 8B does not fit in 24 GB).
+``bf16=True`` on any CPU: the float32 8B does not fit in 24 GB).
 
 Each side runs alone in a fresh subprocess, one after another (the 8B peer alone holds
 about 16 GB), so its peak RSS (VmHWM) is its own.  Every row gives ``step_ratio``
@@ -272,7 +272,9 @@ def bench_workload(name, args, log):
     results = {}
     sides = [("gradtape-" + c, "gradtape", c) for c in args.compute.split(",")]
     for peer in w.peers:
-        if PEERS[peer][1] and not (cpu["amx_bf16"] or cpu["avx512_bf16"]):
+        if args.no_autocast and peer == "trl-autocast-bf16":
+            continue
+        if peer == "trl-autocast-bf16" and not (cpu["amx_bf16"] or cpu["avx512_bf16"]):
             log(f"[{name}] {peer} left out: this CPU has no bf16 instructions (no AMX, no "
                 "AVX512-BF16); torch's autocast would emulate them")
             continue
@@ -356,6 +358,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=32,
                     help="llama8b-q4km-dpo's decoder layers (32: the 8B shape; fewer to check "
                          "the benchmark)")
+    ap.add_argument("--no-autocast", action="store_true",
+                    help="leave out trl-autocast-bf16 (TRL's bf16=True on float32 weights)")
     ap.add_argument("--peer-no-checkpoint", action="store_true",
                     help="the peer without gradient checkpointing (DPOConfig's default is "
                          "on: every layer's forward recomputed in backward)")

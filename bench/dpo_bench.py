@@ -172,6 +172,10 @@ def peer_hf_model(name, dtype, layers):
         model = lora_bench._tiny_hf_model()
     else:
         model = lora_bench._workload("smollm2-lora")[2]()
+        # the GGUF's weights were dequantized as it loaded: only its quantization marker,
+        # which the Trainer refuses to train, remains (transformers' own removal of it)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
     return model.to(getattr(torch, dtype))
 
 

@@ -25,8 +25,8 @@ issue's target is <= 0.4), and one step's time split by kind of work.
 The peer: TRL's ``DPOTrainer`` with ``peft_config`` (the same rank, alpha and targets),
 its defaults otherwise (its reference forward in every step, the adapter disabled; its
 fused LM-head log-probabilities; gradient checkpointing, unless ``--peer-no-checkpoint``),
-given the pairs as the token columns its own dataset
-preparation makes (``prompt_ids``, ``chosen_ids``, ``rejected_ids``); each optimizer step
+given the pairs as the token columns its own dataset preparation makes (``prompt_ids``,
+``chosen_ids``, ``rejected_ids``); each optimizer step
 of ``trainer.train()`` is timed by a callback (``on_step_begin`` to ``on_step_end``: TRL's
 concatenated forward, its loss, backward, clipping, AdamW).  Rows: ``trl-autocast-bf16``
 (float32 weights, ``bf16=True``: torch's autocast, only where the CPU has AMX or

@@ -205,14 +205,14 @@ def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
             "split_s": {k: round(v, 3) for k, v in kinds.most_common()}}
 
 
-def run_peer(layers, warmup, reps, batch=1, checkpoint=False):
+def peer_model(layers):
+    """The peer's ``LlamaForCausalLM`` of the 8B shape with ``layers`` layers, bfloat16,
+    random (std about 0.02, like the quantized side), without an adapter."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     s = SHAPE
-    t0 = time.perf_counter()
     cfg = LlamaConfig(hidden_size=s["dim"], num_hidden_layers=layers,
                       num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"],
                       head_dim=s["head_dim"], intermediate_size=s["ffn"],
@@ -230,6 +230,16 @@ def run_peer(layers, warmup, reps, batch=1, checkpoint=False):
             else:
                 p.uniform_(-0.035, 0.035)  # std 0.02, like the quantized side
     model.model.rotary_emb = LlamaRotaryEmbedding(config=cfg)  # to_empty left its buffer empty
+    return model
+
+
+def run_peer(layers, warmup, reps, batch=1, checkpoint=False):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    s = SHAPE
+    t0 = time.perf_counter()
+    model = peer_model(layers)
     lcfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS,
                       task_type="CAUSAL_LM")
     model = get_peft_model(model, lcfg)

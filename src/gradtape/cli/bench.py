@@ -5,9 +5,12 @@ GEMM floor (measured in a clean process), the peak memory of each, the CPU and t
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
 same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
 model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
-bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
-the package); the training workloads need the test extras (torch, transformers, peft),
-the generation peer needs llama-cpp-python (skipped with a note without it).
+bench/quant_bench.py); a DPO step on SmolLM2 and on that 8B-shaped file against TRL's
+``DPOTrainer`` + PEFT, with the reference pass against an epoch (``smollm2-dpo``,
+``llama8b-q4km-dpo``, bench/dpo_bench.py).  Needs a source checkout (the peer code lives
+in bench/, not in the package); the training workloads need the test extras (torch,
+transformers, peft; the DPO workloads trl and datasets too), the generation peer needs
+llama-cpp-python (skipped with a note without it).
 """
 
 from __future__ import annotations
@@ -26,8 +29,14 @@ SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 # workloads with a script of their own (the rest go to lora_bench.py)
 SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
            "llama8b-q4km-lora-2k": SCRIPT.with_name("quant_bench.py"),
-           "smollm2-generate": SCRIPT.with_name("generate_bench.py")}
-NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"]}
+           "smollm2-generate": SCRIPT.with_name("generate_bench.py"),
+           **{w: SCRIPT.with_name("dpo_bench.py")
+              for w in ("smollm2-dpo", "llama8b-q4km-dpo", "tiny-dpo")}}
+# the peers' packages each script needs
+PEER = ("torch", "transformers", "peft", "threadpoolctl")
+NEEDS = {SCRIPT: PEER, SCRIPTS["llama8b-q4km-lora"]: PEER,
+         SCRIPTS["smollm2-dpo"]: PEER + ("trl", "datasets")}
+COMPUTE_DEFAULT = "auto,float32,bf16"
 
 
 def add_arguments(parser):
@@ -45,19 +54,26 @@ def add_arguments(parser):
                              "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
                              "4.2 GiB file once, needs about 20 GB of memory for the peer); "
                              "llama8b-q4km-lora-2k: the same at T=2048, the peer with "
-                             "gradient checkpointing (about 10 minutes)")
+                             "gradient checkpointing (about 10 minutes); smollm2-dpo, "
+                             "llama8b-q4km-dpo: one DPO pair a step (T=256 each row) vs "
+                             "TRL's DPOTrainer + PEFT under bf16 autocast and in float32 "
+                             "(the 8B: bf16 weights), step time and peak memory as ours / "
+                             "TRL, and our reference pass against an epoch over the same "
+                             "pairs (bench/dpo_bench.py); tiny-dpo: the same on a tiny "
+                             "random model, in seconds")
     option(parser, "--backend", checks.one_of(*BACKENDS), default="cpu",
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,
            help="timed steps per side (0: the workload's default)")
-    parser.add_argument("--compute", default="auto,float32,bf16",
+    parser.add_argument("--compute", default=COMPUTE_DEFAULT,
                         help="gradtape GEMM precisions to time, comma-separated among auto (what "
                              "finetune runs with no options: the rows marked default), "
                              "float32, bf16, int8 (default: %(default)s; each runs once: bf16 "
                              "runs float32 where the CPU has no fast bf16, and the rows say "
-                             "so)")
+                             "so); the DPO workloads time auto only unless this is given")
     parser.add_argument("--no-autocast", action="store_true",
-                        help="leave out the peer under torch.autocast(cpu, bfloat16)")
+                        help="leave out the peer under torch.autocast(cpu, bfloat16) (the DPO "
+                             "workloads: TRL's bf16=True on float32 weights)")
 
 
 def run(args) -> int:
@@ -77,12 +93,11 @@ def run(args) -> int:
 def _benchmark(names, args):
     """Run each workload's script with the peers it needs (importing torch takes seconds)."""
     scripts = list(dict.fromkeys(SCRIPTS.get(w, SCRIPT) for w in names))
-    if any(s in NEEDS_TORCH for s in scripts):
-        for mod in ("torch", "transformers", "peft", "threadpoolctl"):
-            try:
-                __import__(mod)
-            except ImportError:
-                raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
+    for mod in dict.fromkeys(m for s in scripts for m in NEEDS.get(s, ())):
+        try:
+            __import__(mod)
+        except ImportError:
+            raise GradtapeError(f"gradtape bench needs {mod} (pip install -e '.[test]')") from None
     rc = 0
     for script in scripts:
         mine = [w for w in names if SCRIPTS.get(w, SCRIPT) == script]
@@ -91,8 +106,12 @@ def _benchmark(names, args):
         argv += ["--json"] * args.json
         if script in (SCRIPT, SCRIPTS["llama8b-q4km-lora"]):
             argv += ["--compute", args.compute]
+        if script == SCRIPTS["smollm2-dpo"] and args.compute != COMPUTE_DEFAULT:
+            argv += ["--compute", args.compute]
+        if script in (SCRIPT, SCRIPTS["smollm2-dpo"]):
+            argv += ["--no-autocast"] * args.no_autocast
         if script == SCRIPT:
-            argv += ["--with-compile"] * args.with_compile + ["--no-autocast"] * args.no_autocast
+            argv += ["--with-compile"] * args.with_compile
         if not script.is_file():
             raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
                                 "checkout")

@@ -108,8 +108,9 @@ def ours_model(name, compute, backend, layers):
                           keep_quantized=True), "stored"
     if name == "tiny-dpo":
         return llama.load(lora_bench._tiny_folder()), "float32"
-    # one pair a micro-batch: finetune asks reads_blocks for batch_size * seq_len rows
-    model = lora_bench._workload("smollm2-lora")[1](compute, backend, WORKLOADS[name].seq_len)
+    # one pair a micro-batch: two sequences' rows, as finetune asks reads_blocks
+    model = lora_bench._workload("smollm2-lora")[1](compute, backend,
+                                                    2 * WORKLOADS[name].seq_len)
     kept = any(is_block_matrix(w) for w in model.weights.values())
     return model, "stored" if kept else "float32"
 

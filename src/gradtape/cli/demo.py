@@ -77,8 +77,8 @@ def _load_model(cfg):
     from ..train.finetune import reads_blocks
 
     model = llama.load("smollm2", keep_quantized=True)
-    if cfg.compute != "int8" and not reads_blocks(cfg.compute, cfg.backend,
-                                                  cfg.batch_size * cfg.seq_len, model):
+    if cfg.compute != "int8" and not reads_blocks(cfg.compute, cfg.backend, cfg.micro_rows,
+                                                  model):
         model = llama.load("smollm2")
     return model
 

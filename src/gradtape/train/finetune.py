@@ -218,6 +218,13 @@ class FinetuneConfig:
         """The method's numbers (``train.methods.Options``)."""
         return Options(self.beta, self.label_smoothing, self.simpo_gamma)
 
+    @property
+    def micro_rows(self) -> int:
+        """Token rows a micro-batch's forward runs: a preference method's pairs are two
+        sequences each."""
+        pairs = method_row(self.method).data == "preference"
+        return (2 if pairs else 1) * self.batch_size * self.seq_len
+
 
 def finetune(cfg: FinetuneConfig, model=None, log=print):
     """Run (or resume) a fine-tuning job; returns a summary dict (``rank`` tells which MPI
@@ -362,7 +369,7 @@ def _load_model(cfg, model, log):
                             check_memory=not cfg.ignore_memory)
         if not keep and kind == "gguf":
             if cfg.weights == "auto" and cfg.dtype == "float32" and reads_blocks(
-                    cfg.compute, cfg.backend, cfg.batch_size * cfg.seq_len, model):
+                    cfg.compute, cfg.backend, cfg.micro_rows, model):
                 log("weights: kept in their stored type (the bf16 products read bf16 "
                     "copies made from the file's blocks; no float32 copy)")
             else:  # float32 products: the float32 copy the GEMMs read

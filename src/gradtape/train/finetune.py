@@ -177,8 +177,9 @@ class FinetuneConfig:
     early_stop: int = _opt(0, "stop after N evaluations (--eval-every) without a lower "
                               "held-out loss; adapter/ then holds the best evaluation's "
                               "weights, and the run says its step (0: off)", checks.count(0))
-    samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts, "
-                           "printed and kept in log.jsonl (0: off)",
+    samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts "
+                           "(with --sample-prompts: to each of the file's), printed under "
+                           "the progress bar and kept in log.jsonl (0: off)",
                         checks.Check(int, lo=0, hi=64))
     sample_tokens: int = _opt(32, "new tokens per sample answer",
                               checks.Check(int, lo=1, hi=4096))

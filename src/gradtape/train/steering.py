@@ -12,6 +12,7 @@ metadata, the summary.  Not here: the evaluation itself (the step's), the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -119,8 +120,9 @@ class Steering:
         what the step's log record gains."""
         rec = {}
         if self.sampler is not None:
-            adapter.weights = step_prog.adapter_weights()
-            rec["samples"] = self.sampler.answers(adapter)
+            # a new adapter object: generation keeps programs and cached rows per adapter
+            now = dataclasses.replace(adapter, weights=step_prog.adapter_weights())
+            rec["samples"] = self.sampler.answers(now)
             for line in samples_mod.show(rec["samples"]):
                 write(line)
         if self.early is not None:

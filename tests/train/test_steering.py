@@ -267,3 +267,36 @@ def test_every_option_is_a_config_key():
     """A new FinetuneConfig field is a config-file key with no code of its own."""
     keys = {f.name for f in dataclasses.fields(FinetuneConfig) if f.metadata.get("cli") is not False}
     assert set(config_file.options(FinetuneConfig)) == keys
+
+
+@pytest.mark.slow
+def test_early_stop_under_mpi_stops_every_rank_at_the_same_step(tiny_dir, tmp_path):
+    """Rank 0 evaluates and decides; every rank stops after the same step, as one process
+    with the same global batch does."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mpiexec = shutil.which("mpiexec", path=os.pathsep.join(
+        [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    assert mpiexec is not None, "mpiexec not installed (pip install '.[mpi]')"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+
+    def run(out, batch, *launcher):
+        cmd = [*launcher, sys.executable, "-m", "gradtape.cli", "finetune", "--model",
+               str(tiny_dir / "model"), "--data", str(tiny_dir / "text.txt"), "--out",
+               str(out), "--steps", "12", "--seq-len", "32", "--batch-size", str(batch),
+               "--grad-accum", "2", "--rank", "4", "--lr", "0.5", "--warmup", "2",
+               "--eval-every", "1", "--early-stop", "1", "--samples", "1",
+               "--sample-tokens", "3", "--dtype", "float64"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return _log(out)
+
+    one = run(tmp_path / "one", 4)
+    two = run(tmp_path / "two", 2, mpiexec, "-n", "2")
+    assert one[-1].get("early_stop") and len(one) < 12
+    assert [r["step"] for r in two] == [r["step"] for r in one]
+    assert two[-1]["best_step"] == one[-1]["best_step"] and two[-1].get("early_stop")

@@ -118,6 +118,12 @@ def test_cli_config_with_flags_overriding_and_its_mistakes(tiny_dir, tmp_path, c
     assert main(["finetune", "--config", str(bad), "--data", "x", "--out", "y"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"gradtape finetune: error: --config {bad}: rank must be >= 1, got 0"
+    for text, said in (("steps: [1\n", "is not YAML"), ("lora-rank: 8\n", "lora-rank: not a "
+                       "finetune option (did you mean rank?)")):
+        other = _yaml(tmp_path, text, "other.yaml")
+        assert main(["finetune", "--config", str(other)]) == 1
+        assert capsys.readouterr().err.startswith(f"gradtape finetune: error: --config "
+                                                  f"{other}: {said}")
     assert main(["finetune", "--config", str(tmp_path / "none.yaml")]) == 1
     assert "none.yaml: does not exist" in capsys.readouterr().err
     # a file's mistake counts even where a flag overrides it

@@ -6,7 +6,9 @@ its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
     checkpoint/         state.safetensors: adapter, AdamW moments; step and config as metadata
     log.jsonl           one JSON object per step (loss, lr, grad norm, tokens/s) and per eval
+                        (eval loss, samples, the best step under --early-stop)
     loss.png            train (and eval) loss curves
+    config.yaml         every option's value (``--config`` reads it back)
     gradtape-run.json   marks the folder as ours (we never write into someone else's folder)
 
 Checkpoints are written atomically; ``resume=True`` continues from the last one and, since

@@ -21,6 +21,9 @@ from it), log.jsonl (every step; at each evaluation the samples' answers), loss.
 
 Options may come from a YAML file (--config run.yaml), keys spelled as the flags without
 their dashes (seq-len: 512, or seq_len), flags given on the command line winning.
+At each evaluation (--eval-every) the run prints greedy answers to a few held-out prompts
+(--samples, --sample-prompts); --early-stop N ends it after N evaluations without a lower
+held-out loss, adapter/ holding the best evaluation's weights.
 
 Example:
   gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat --steps 200
@@ -49,8 +52,9 @@ def add_arguments(parser):
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="a YAML file of options: key: value lines, each key an "
                              "option's flag without its dashes, with - or _ (seq-len: 512, "
-                             "no-packing: true); options given on the command line win; "
-                             "--out's config.yaml reads back as one")
+                             "no-packing: true; paths relative to the current folder, as "
+                             "flags' are); options given on the command line win; a run's "
+                             "--out/config.yaml reads back as one")
     for f in dataclasses.fields(FinetuneConfig):
         meta = f.metadata
         if meta.get("cli") is False:

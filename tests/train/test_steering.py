@@ -85,6 +85,8 @@ def test_a_config_file_sets_options_by_their_flag_names(tmp_path):
     ("grad-checkpoint: on\n", "run.yaml: grad-checkpoint must be a string, got True (YAML "
                               "reads on, off"),
     ("packing: maybe\n", "run.yaml: packing must be True or False, got 'maybe'"),
+    ("a: &a [1, 1]\nb: &b [*a, *a]\nlr: [*b, *b]\n", "run.yaml: a: not a finetune option"),
+    ("lr: &b [1, 1]\n", "run.yaml: lr must be one value, got a list"),
     ("lr: [1, 2\n", "run.yaml: is not YAML ("),
     ("- lr: 1\n", "run.yaml: is not a mapping of options (key: value lines), it holds a list"),
     ("just words\n", "run.yaml: is not a mapping of options"),

@@ -73,7 +73,7 @@ def read_config(path, cls, name="--config") -> dict:
                             f"it holds a {type(data).__name__}")
     fields, out, seen = options(cls), {}, {}
     for key, value in data.items():
-        label = f"{name} {p}: {key}"
+        label = f"{name} {p}: {key if isinstance(key, str) else repr(key)[:40]}"
         hit = _field_of(key, fields) if isinstance(key, str) else None
         if hit is None:
             spellings = sorted({f.replace("_", "-") for f in fields})
@@ -99,6 +99,9 @@ def _checked(label, f, value, negated):
             value = float(value)
         except ValueError:
             pass  # the type check below says it
+    if isinstance(value, (list, dict)):  # (not shown: YAML aliases can make it huge)
+        raise GradtapeError(f"{label} must be one value, got a "
+                            f"{'list' if isinstance(value, list) else 'mapping'}")
     if kind in ("str", str) and isinstance(value, bool):
         raise GradtapeError(f"{label} must be a string, got {value!r} (YAML reads on, off, "
                             "yes and no as true or false: quote the word)")

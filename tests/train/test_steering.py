@@ -214,6 +214,31 @@ def test_early_stop_survives_a_resume_bit_for_bit(tmp_path, monkeypatch):
     assert (done["steps"], done["best_step"], done["stopped_early"]) == (last, best, True)
 
 
+def test_a_resume_puts_the_checkpoints_best_back(tmp_path, monkeypatch):
+    """Killed after an evaluation better than the checkpoint knows (adapter/ written at
+    step 4, the checkpoint at step 3 with its best at step 2): the resumed run starts
+    from the checkpoint's best, whatever it then trains (here: nothing more)."""
+    m = tiny_model()
+    snaps = _snapshots(monkeypatch)
+    calls, real = {"n": 0}, TrainStep.step
+
+    def dying(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+    monkeypatch.setattr(TrainStep, "step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_cfg(tmp_path, "run", lr=1e-2, early_stop=3), model=m, log=QUIET)
+    log = _log(tmp_path / "run")
+    assert [r.get("best_step") for r in log] == [None, 2, None, 4]
+    assert _same(load_adapter(tmp_path / "run/adapter").weights, snaps[4])
+    done = finetune(_cfg(tmp_path, "run", lr=1e-2, early_stop=3, steps=3, resume=True),
+                    model=m, log=QUIET)
+    assert done["best_step"] == 2
+    assert _same(load_adapter(tmp_path / "run/adapter").weights, snaps[2])
+
+
 def test_early_stop_with_dpo(tmp_path):
     rows = [{"prompt": f"Q{i}: {WORDS[i % 9]}?", "chosen": f" {WORDS[(i + 1) % 9]}",
              "rejected": f" {WORDS[(i + 4) % 9]} no"} for i in range(12)]

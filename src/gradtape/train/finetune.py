@@ -306,7 +306,7 @@ def _finetune(cfg, model, log, world, together):
         config_file.write_resolved(out / "config.yaml", cfg)
     steer = steering.Steering.start(cfg, out, model, held_prompts, file_prompts,
                                     out / "checkpoint" / CHECKPOINT if cfg.resume else None,
-                                    log)
+                                    adapter, log, writes=world.is_root)
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
@@ -457,7 +457,7 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log, ste
             if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == run.steps
                                   or stopping or early):
                 _save_checkpoint(out, step_prog, step + 1, cfg, world.size,
-                                 steer.checkpoint_meta())
+                                 steer.checkpoint_meta(), steer.checkpoint_arrays())
             if early:
                 bar.close()
                 return step + 1
@@ -613,13 +613,14 @@ def _claim_folder(out: Path, resume: bool):
         raise GradtapeError(f"--out {out}: cannot be created ({e.strerror or e})") from None
 
 
-def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None):
+def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None,
+                     extra_arrays=None):
     """One file, written atomically: the state arrays, with the step and the run's config
     in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
     from safetensors.numpy import save
 
     ck = out / "checkpoint"
-    arrays = step_prog.state_arrays()
+    arrays = {**step_prog.state_arrays(), **(extra_arrays or {})}
     bad = [k for k, a in arrays.items() if not np.isfinite(a).all()]
     if bad:  # never replace a good checkpoint with a diverged state
         raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "

@@ -3,11 +3,12 @@
 ``EarlyStop`` (``--early-stop N``) keeps the best held-out loss so far, the step it came
 from and the evaluations since; each better loss writes the adapter into ``adapter/`` at
 once, so that ``adapter/`` holds the best step's weights when the run ends (stopped early
-or not).  Its state travels in the checkpoint's metadata, so a resumed run stops at the
-same step with the same adapter.  ``Steering`` joins it with the samples
-(``train.samples``) for the loop in ``train.finetune``: one call per evaluation, one
-agreed decision to stop (every MPI rank stops at the same step), the checkpoint's
-metadata, the summary.  Not here: the evaluation itself (the step's), the loop.
+or not).  Its state travels in the checkpoint (the counts in its metadata, the best
+weights as arrays), so a resumed run puts the checkpoint's best back into ``adapter/``
+and stops at the same step with the same adapter.  ``Steering`` joins it with the
+samples (``train.samples``) for the loop in ``train.finetune``: one call per
+evaluation, one agreed decision to stop (every MPI rank stops at the same step), what
+the checkpoint keeps, the summary.  Not here: the evaluation itself (the step's), the loop.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import math
 from dataclasses import dataclass
 
 from ..errors import GradtapeError
+from ..formats.safetensors_reader import read_header, read_safetensors
 from . import samples as samples_mod
 
 META_KEY = "early_stop"
+BEST = "best."  # the checkpoint's copy of the best adapter: best.{layer}.{target}.{a|b}
 
 
 @dataclass
@@ -63,6 +66,27 @@ class EarlyStop:
         return state
 
 
+def _resumed(patience, checkpoint):
+    """``(EarlyStop, best weights or None)`` from a checkpoint's metadata and arrays."""
+    entries, meta, _, _ = read_header(checkpoint)
+    early = EarlyStop.from_meta(patience, meta, checkpoint)
+    names = [n for n in entries if n.startswith(BEST)]
+    if not names:
+        return early, None
+    arrays, _ = read_safetensors(checkpoint, float32=False, floats_only=False,
+                                 skip=set(entries) - set(names))
+    best = {}
+    for name in names:
+        parts = name[len(BEST):].split(".")
+        if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in ("a", "b"):
+            raise GradtapeError(f"--resume: {checkpoint}: unreadable best adapter ({name})")
+        pair = best.setdefault((int(parts[0]), parts[1]), [None, None])
+        pair["ab".index(parts[2])] = arrays[name]
+    if any(x is None for pair in best.values() for x in pair):
+        raise GradtapeError(f"--resume: {checkpoint}: the best adapter lacks an A or a B")
+    return early, {k: tuple(v) for k, v in best.items()}
+
+
 def check_options(cfg):
     """The steering options against the others, before anything is loaded."""
     if cfg.early_stop and not cfg.eval_every:
@@ -85,22 +109,25 @@ class Steering:
     """The per-evaluation work of one run: ``early`` (an ``EarlyStop`` or None) and
     ``sampler`` (a ``samples.Sampler`` or None)."""
 
-    def __init__(self, cfg, out, early, sampler, log):
+    def __init__(self, cfg, out, early, sampler, log, best=None):
         self.cfg, self.out, self.early, self.sampler, self.log = cfg, out, early, sampler, log
+        self.best = best  # the best evaluation's adapter weights {(layer, target): (A, B)}
         self.stopped_at = None
 
     @classmethod
-    def start(cls, cfg, out, model, held_prompts, file_prompts, checkpoint, log):
+    def start(cls, cfg, out, model, held_prompts, file_prompts, checkpoint, adapter, log,
+              writes=True):
         """``held_prompts``: id arrays of held-out prompts; ``file_prompts``: what
         ``samples.read_prompts`` read (or None); ``checkpoint``: the path of the
-        checkpoint a resumed run continues from (or None)."""
-        early = None
+        checkpoint a resumed run continues from (or None), whose best adapter is written
+        into ``adapter/`` (a copy of ``adapter`` with those weights) where ``writes``."""
+        early, best = None, None
         if cfg.early_stop:
             early = EarlyStop(cfg.early_stop)
             if checkpoint is not None:
-                from ..formats.safetensors_reader import read_header
-                early = EarlyStop.from_meta(cfg.early_stop, read_header(checkpoint)[1],
-                                            checkpoint)
+                early, best = _resumed(cfg.early_stop, checkpoint)
+            if best is not None and writes:  # undo a later best of a run killed after it
+                dataclasses.replace(adapter, weights=best).save(out / "adapter")
             log(f"early stop: after {cfg.early_stop} evaluations without a lower held-out "
                 "loss; adapter/ keeps the best evaluation's weights"
                 + (f" (so far step {early.best_step}'s, eval loss {early.best_loss:.4f})"
@@ -112,7 +139,7 @@ class Steering:
             else:
                 prompts = held_prompts[:cfg.samples]
             sampler = samples_mod.Sampler(model, prompts, cfg.sample_tokens) if prompts else None
-        return cls(cfg, out, early, sampler, log)
+        return cls(cfg, out, early, sampler, log, best)
 
     def at_eval(self, step, eval_loss, step_prog, adapter, write) -> dict:
         """After the evaluation of ``step``: the samples (printed with ``write``), the
@@ -127,10 +154,10 @@ class Steering:
                 write(line)
         if self.early is not None:
             if self.early.update(step, eval_loss):
-                adapter.weights = step_prog.adapter_weights()
+                self.best = step_prog.adapter_weights()
                 # PEFT's two files, each replaced atomically; the config is the same at
                 # every save, so a kill between them leaves a whole adapter
-                adapter.save(self.out / "adapter")
+                dataclasses.replace(adapter, weights=self.best).save(self.out / "adapter")
             rec.update(best_step=self.early.best_step, best_eval_loss=self.early.best_loss,
                        evals_without_improvement=self.early.since)
         return rec
@@ -150,6 +177,13 @@ class Steering:
 
     def checkpoint_meta(self) -> dict:
         return self.early.meta() if self.early is not None else {}
+
+    def checkpoint_arrays(self) -> dict:
+        """The best adapter's weights, for the checkpoint."""
+        out = {}
+        for (layer, target), (a, b) in sorted((self.best or {}).items()):
+            out[f"{BEST}{layer}.{target}.a"], out[f"{BEST}{layer}.{target}.b"] = a, b
+        return out
 
     @property
     def keeps_adapter(self) -> bool:

@@ -266,6 +266,14 @@ def test_sample_prompts_from_a_file(tmp_path):
                                                      "<user>jugs</user>\n<assistant>"]
 
 
+def test_a_messages_prompt_needs_a_chat_template():
+    from types import SimpleNamespace
+    tok = SimpleNamespace(chat_template=None, encode=lambda t: list(t.encode()))
+    assert samples.encode_prompt(tok, "hi").tolist() == [104, 105]
+    with pytest.raises(GradtapeError, match="a messages prompt needs a chat template"):
+        samples.encode_prompt(tok, [{"role": "user", "content": "hi"}])
+
+
 def test_example_prompts():
     ids, target = np.arange(10), np.array([0, 0, 0, 1, 1, 0, 1, 1, 1, 1], bool)
     assert samples.example_prompt(ids, target).tolist() == [0, 1, 2]

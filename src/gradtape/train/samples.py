@@ -78,7 +78,7 @@ def encode_prompt(tokenizer, prompt) -> np.ndarray:
     """A file's prompt as ids: through the chat template where the tokenizer has one."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(prompt, list):
-        if not template and not hasattr(tokenizer, "apply_chat_template"):
+        if hasattr(tokenizer, "chat_template") and not template:
             raise GradtapeError("--sample-prompts: a messages prompt needs a chat template, "
                                 "and the model has none")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)

@@ -95,8 +95,7 @@ class Sampler:
     ``model`` with an adapter; its ``Runner`` keeps the decoder between evaluations."""
 
     def __init__(self, model, prompts, tokens):
-        self.model, self.tokens = model, tokens
-        self.tokenizer = model.tokenizer
+        self.model, self.tokenizer = model, model.tokenizer
         ctx = model.config.max_seq_len
         self.tokens = max(1, min(tokens, ctx - 1))
         keep = ctx - self.tokens  # the prompt's last tokens that fit with the answer

@@ -78,6 +78,9 @@ class Paths:
         (root / "nul.txt").write_bytes(b"text\x00more")
         (root / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
         (root / "empty.txt").write_text("")
+        (root / "run.yaml").write_text("lr: 1e-3\nwarmup: 1\nno-packing: true\n")
+        (root / "bad.yaml").write_text("lr: [1e-3\n")
+        (root / "list.yaml").write_text("- lr\n")
         (root / "empty-dir").mkdir()
         (root / "run").mkdir()  # shared by runs: later ones overwrite or --resume it
         (root / "foreign").mkdir()
@@ -175,6 +178,15 @@ SPECS = {
         "--seed": also(ints(0, 5), st.just(str(2 ** 70))),
         "--backend": choice(["numpy"], ["gpu", "", "cuda"]),
         "--dtype": choice(["float32", "float64"], ["float16", "f32"]),
+        "--early-stop": ints(0, 2, bad_lo=-1),
+        "--samples": also(ints(0, 2, bad_lo=-1), st.just("65")),
+        "--sample-tokens": ints(1, 3, bad_lo=-1),
+        "--sample-prompts": (st.just(P.p("text.txt")),
+                             st.sampled_from([P.p("bad.jsonl"), P.p("empty.txt"), P.missing,
+                                              P.p("empty-dir")])),
+        "--config": (st.sampled_from([P.p("run.yaml")]),
+                     st.sampled_from([P.p("bad.yaml"), P.p("list.yaml"), P.p("text.txt"),
+                                      P.missing, P.p("empty-dir")])),
         "--resume": None,
     },
     "generate": lambda P: {

@@ -20,7 +20,14 @@ its rank, alpha and targets are the run's, and for dpo and ipo the model with it
 the reference.
 
 Writes into --out: adapter/ (Hugging Face PEFT format), checkpoint/ (--resume continues
-from it), log.jsonl (every step), loss.png (train and eval loss curves).
+from it), log.jsonl (every step; at each evaluation the samples' answers), loss.png
+(train and eval loss curves), config.yaml (every option's value: --config takes it).
+
+Options may come from a YAML file (--config run.yaml), keys spelled as the flags without
+their dashes (seq-len: 512, or seq_len), flags given on the command line winning.
+At each evaluation (--eval-every) the run prints greedy answers to a few held-out prompts
+(--samples, --sample-prompts); --early-stop N ends it after N evaluations without a lower
+held-out loss, adapter/ holding the best evaluation's weights.
 
 Example:
   gradtape finetune --model smollm2 --data chats.jsonl --out runs/chat --steps 200
@@ -33,9 +40,11 @@ the files):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 from ..errors import GradtapeError
+from ..train.config_file import read_config
 from ..train.finetune import FinetuneConfig, finetune, flag
 from .options import with_range
 
@@ -43,31 +52,42 @@ from .options import with_range
 def add_arguments(parser):
     """One option per ``FinetuneConfig`` field, with its help text and declared range;
     the values are checked by ``FinetuneConfig`` itself (the same check as for the Python
-    API)."""
+    API).  An option not given is absent from the parsed arguments (``SUPPRESS``), so
+    that ``--config``'s value or the field's default applies."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="a YAML file of options: key: value lines, each key an "
+                             "option's flag without its dashes, with - or _ (seq-len: 512, "
+                             "no-packing: true; paths relative to the current folder, as "
+                             "flags' are); options given on the command line win; a run's "
+                             "--out/config.yaml reads back as one")
     for f in dataclasses.fields(FinetuneConfig):
         meta = f.metadata
         if meta.get("cli") is False:
             continue
         if f.type in ("bool", bool) and f.default:  # on unless turned off: --no-packing
             parser.add_argument("--no-" + flag(f.name)[2:], dest=f.name, action="store_false",
-                                help=meta["help"])
+                                default=argparse.SUPPRESS, help=meta["help"])
         elif f.type in ("bool", bool):
-            parser.add_argument(flag(f.name), action="store_true", help=meta["help"])
+            parser.add_argument(flag(f.name), action="store_true", default=argparse.SUPPRESS,
+                                help=meta["help"])
         else:
             kind = meta.get("kind") or {"int": int, "float": float, "str": str}[
                 f.type if isinstance(f.type, str) else f.type.__name__]
-            extra = {"required": True} if meta.get("required") else {"default": f.default}
-            # no "(default: )", nor "(default: None)": the help says what None means
+            # required: by FinetuneConfig (--config may give it); no "(default: )", nor
+            # "(default: None)": the help says what None means
             shown = not meta.get("required") and f.default not in ("", None)
-            help_text = meta["help"] + (" (default: %(default)s)" if shown else "")
-            parser.add_argument(flag(f.name), type=kind, help=with_range(help_text, meta["check"]),
-                                **extra)
+            default = str(f.default).replace("%", "%%")
+            help_text = meta["help"] + (f" (default: {default})" if shown else "")
+            parser.add_argument(flag(f.name), type=kind, default=argparse.SUPPRESS,
+                                help=with_range(help_text, meta["check"]))
 
 
 def run(args) -> int:
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     try:
-        cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+        given = {k: v for k, v in vars(args).items() if k in names}
+        from_file = read_config(args.config, FinetuneConfig) if args.config else {}
+        cfg = FinetuneConfig(**{**from_file, **given})
     except GradtapeError:
         from ..train import distributed
         if not distributed.world().is_root:  # MPI: every rank finds it; rank 0 says it
@@ -83,5 +103,7 @@ def run(args) -> int:
         return 0
     print(f"final train loss {summary['final_loss']:.4f}"
           + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
-          + f", {summary['tokens_per_s']:.0f} target tokens/s")
+          + (f", {summary['tokens_per_s']:.0f} target tokens/s"
+             if summary["tokens_per_s"] is not None else "")
+          + (f"; adapter from step {summary['best_step']}" if summary.get("best_step") else ""))
     return 0

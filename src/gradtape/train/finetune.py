@@ -6,7 +6,9 @@ its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
     checkpoint/         state.safetensors: adapter, AdamW moments; step and config as metadata
     log.jsonl           one JSON object per step (loss, lr, grad norm, tokens/s) and per eval
+                        (eval loss, samples, the best step under --early-stop)
     loss.png            train (and eval) loss curves
+    config.yaml         every option's value (``--config`` reads it back)
     gradtape-run.json   marks the folder as ours (we never write into someone else's folder)
 
 Checkpoints are written atomically; ``resume=True`` continues from the last one and, since
@@ -40,7 +42,7 @@ from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
-from . import distributed, preference_run
+from . import config_file, distributed, preference_run, samples, steering
 from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
@@ -188,6 +190,21 @@ class FinetuneConfig:
                                        "conservative loss's", checks.Check(float, lo=0, hi=0.5,
                                                                           hi_open=True))
     simpo_gamma: float = _opt(0.5, "simpo's target reward margin", checks.nonnegative())
+    # runs people steer (train/steering.py, train/samples.py)
+    early_stop: int = _opt(0, "stop after N evaluations (--eval-every) without a lower "
+                              "held-out loss; adapter/ then holds the best evaluation's "
+                              "weights, and the run says its step (0: off)", checks.count(0))
+    samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts "
+                           "(with --sample-prompts: to each of the file's), printed under "
+                           "the progress bar and kept in log.jsonl (0: off)",
+                        checks.Check(int, lo=0, hi=64))
+    sample_tokens: int = _opt(32, "new tokens per sample answer",
+                              checks.Check(int, lo=1, hi=4096))
+    sample_prompts: str = _opt("", "sample these prompts instead of held-out ones: a file "
+                                   "of one prompt a line, or a .jsonl of strings, "
+                                   "{\"prompt\": ...} or {\"messages\": [...]}; sent "
+                                   "through the model's chat template where it has one",
+                               path=True)
     resume: bool = _opt(False, "continue from the checkpoint in --out")
     progress: bool = _opt(True, "show a progress bar", cli=False)
 
@@ -213,6 +230,13 @@ class FinetuneConfig:
                 raise GradtapeError(f"{flag(name)} applies to the preference methods, not "
                                     f"{meth.name}")
         check_options(meth, self.options())
+        steering.check_options(self)
+
+    @classmethod
+    def from_yaml(cls, path, **overrides) -> "FinetuneConfig":
+        """The options of a YAML file (keys as the flags spell them: ``seq-len`` or
+        ``seq_len``), ``overrides`` winning; every value checked as its flag's."""
+        return cls(**{**config_file.read_config(path, cls), **overrides})
 
     def options(self) -> Options:
         """The method's numbers (``train.methods.Options``)."""
@@ -261,6 +285,7 @@ def _finetune(cfg, model, log, world, together):
     out = Path(cfg.out).expanduser()
     meth = method_row(cfg.method)
     data_file, eval_file = _read_data(cfg, log, meth.data)
+    file_prompts = samples.read_prompts(cfg.sample_prompts) if cfg.sample_prompts else None
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
         _claim_folder(out, cfg.resume)
     model, available = _load_model(cfg, model, log)
@@ -273,8 +298,12 @@ def _finetune(cfg, model, log, world, together):
             + (f", gamma {cfg.simpo_gamma}" if meth.name == "simpo" else "")
             + f"; {len(train)} pairs to train on, {len(held)} held out"
             + ("; a reference pass before the first step" if meth.reference else ""))
+        held_prompts = [p.prompt for p in held.pairs]
     else:
-        train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log)
+        held_examples = []
+        train, held = _rows(cfg, data_file, eval_file, model.tokenizer, log, held_examples)
+        held_prompts = [samples.example_prompt(*e) for e in held_examples]
+    steering.refuse_without_held(cfg, len(held))
     micro_size = world.size * cfg.batch_size  # sequences per global micro-batch
     per_step = micro_size * cfg.grad_accum
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
@@ -300,6 +329,10 @@ def _finetune(cfg, model, log, world, together):
             (out / "log.jsonl").write_text("")
         atomic_write_json(out / MARKER, {"tool": "gradtape finetune",
                                          "config": dataclasses.asdict(cfg)})
+        config_file.write_resolved(out / "config.yaml", cfg)
+    steer = steering.Steering.start(cfg, out, model, held_prompts, file_prompts,
+                                    out / "checkpoint" / CHECKPOINT if cfg.resume else None,
+                                    adapter, log, writes=world.is_root)
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
@@ -312,8 +345,10 @@ def _finetune(cfg, model, log, world, together):
 
     run = _Run(cfg, out, world, together, steps, micro_size)
     records = _read_log(out) if cfg.resume and world.is_root else []
-    _train_steps(run, step_prog, train, held, schedule, start, records, log)
-    return _finish(run, adapter, step_prog, records, log)
+    last = _train_steps(run, step_prog, train, held, schedule, start, records, log, steer,
+                        adapter)
+    return _finish(dataclasses.replace(run, steps=last), adapter, step_prog, records, log,
+                   steer)
 
 
 def _starting_adapter(cfg, model, targets, dtype, log):
@@ -421,13 +456,19 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
     return step_prog, build_s
 
 
-def _train_steps(run, step_prog, train, held, schedule, start, records, log):
+def _train_steps(run, step_prog, train, held, schedule, start, records, log, steer, adapter):
     """Steps ``start`` to ``run.steps``, each appended to ``records`` (and, on rank 0, to
     the log file), checkpoints saved as ``--save-every`` says.  A non-finite loss stops
     every rank with an error; an interrupt saves a checkpoint and raises
-    ``KeyboardInterrupt`` at the same step on every rank."""
+    ``KeyboardInterrupt`` at the same step on every rank.  ``steer``
+    (``steering.Steering``) samples and may stop the run early after an evaluation.
+    Returns the last step done."""
     cfg, out, world = run.cfg, run.out, run.world
+    if steer.finished():  # resumed after its early stop: nothing left to train
+        steer.stopped_at = start
+        return start
     bar = _progress(run.steps, start, cfg.progress and world.is_root)
+    write = bar.write if cfg.progress and world.is_root else log
     t0, tokens_done = time.perf_counter(), 0
     # closing: the bar ends its line before an error message is printed
     with _deferred_interrupt() as interrupted, contextlib.closing(bar):
@@ -446,13 +487,18 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
             rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": gnorm,
                    **step_prog.metrics,
                    "tokens_per_s": tokens_done / elapsed, "elapsed_s": elapsed}
-            if world.is_root and len(held) and (
-                    (cfg.eval_every and (step + 1) % cfg.eval_every == 0)
-                    or step + 1 == run.steps):
+            evaluated = len(held) > 0 and (
+                (cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == run.steps)
+            if world.is_root and evaluated:
                 if isinstance(held, preference_run.PairData):
                     rec.update(held.evaluate(step_prog))
                 else:
                     rec["eval_loss"] = step_prog.eval_loss(held)
+                rec.update(steer.at_eval(step + 1, rec["eval_loss"], step_prog, adapter, write))
+            early = steer.stop_now(world, evaluated)
+            if early:
+                rec["early_stop"] = True
+                steer.stopped_at = step + 1
             records.append(rec)
             if world.is_root:
                 _append_log(out, rec)
@@ -460,8 +506,12 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")
             if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == run.steps
-                                  or stopping):
-                _save_checkpoint(out, step_prog, step + 1, cfg, world.size)
+                                  or stopping or early):
+                _save_checkpoint(out, step_prog, step + 1, cfg, world.size,
+                                 steer.checkpoint_meta(), steer.checkpoint_arrays())
+            if early:
+                bar.close()
+                return step + 1
             if stopping:
                 bar.close()
                 if world.is_root:
@@ -470,6 +520,7 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log):
                     f"{out / 'checkpoint'}; continue with --resume")
                 raise KeyboardInterrupt
     bar.close()
+    return run.steps
 
 
 def _micro_batches(run, train, step):
@@ -495,18 +546,21 @@ def _diverged(run, loss, step):
                                    f"{kept} (lower --lr or --alpha?)")
 
 
-def _finish(run, adapter, step_prog, records, log):
-    """Rank 0 writes the adapter and the loss curve; the run's summary."""
+def _finish(run, adapter, step_prog, records, log, steer):
+    """Rank 0 writes the adapter (unless ``adapter/`` holds the best evaluation's:
+    ``--early-stop``) and the loss curve; the run's summary."""
     out, world = run.out, run.world
     if world.is_root:
-        adapter.weights = step_prog.adapter_weights()
-        adapter.save(out / "adapter")
-        plot_losses(records, out / "loss.png")
+        if not steer.keeps_adapter:
+            adapter.weights = step_prog.adapter_weights()
+            adapter.save(out / "adapter")
+        if records:
+            plot_losses(records, out / "loss.png")
     summary = {"steps": run.steps, "final_loss": records[-1]["loss"] if records else None,
                "eval_loss": next((r["eval_loss"] for r in reversed(records)
                                   if "eval_loss" in r), None),
                "tokens_per_s": records[-1]["tokens_per_s"] if records else None,
-               "out": str(out), "rank": world.rank}
+               "out": str(out), "rank": world.rank, **steer.summary(run.steps)}
     log(f"done: adapter in {out / 'adapter'}, loss curve in {out / 'loss.png'}")
     return summary
 
@@ -521,13 +575,16 @@ def _examples(cfg, data, tokenizer, log, name):
     return examples
 
 
-def _rows(cfg, data_file, eval_file, tokenizer, log):
-    """(train, held-out) rows: the held-out examples are chosen before rows are made."""
+def _rows(cfg, data_file, eval_file, tokenizer, log, held_examples=None):
+    """(train, held-out) rows: the held-out examples are chosen before rows are made
+    (and added to ``held_examples`` where given: the samples' prompts)."""
     examples = _examples(cfg, data_file, tokenizer, log, "--data")
     if eval_file is None:
         train, held = data_mod.split_examples(examples, cfg.eval_frac, cfg.seed)
     else:
         train, held = examples, _examples(cfg, eval_file, tokenizer, log, "--eval-data")
+    if held_examples is not None:
+        held_examples.extend(held)
     rows = data_mod.pack_rows if cfg.packing else data_mod.pad_rows
     pad = tokenizer.eos_id
     out = rows(train, cfg.seq_len, pad), rows(held, cfg.seq_len, pad)
@@ -607,19 +664,20 @@ def _claim_folder(out: Path, resume: bool):
         raise GradtapeError(f"--out {out}: cannot be created ({e.strerror or e})") from None
 
 
-def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
+def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None,
+                     extra_arrays=None):
     """One file, written atomically: the state arrays, with the step and the run's config
     in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
     from safetensors.numpy import save
 
     ck = out / "checkpoint"
-    arrays = step_prog.state_arrays()
+    arrays = {**step_prog.state_arrays(), **(extra_arrays or {})}
     bad = [k for k, a in arrays.items() if not np.isfinite(a).all()]
     if bad:  # never replace a good checkpoint with a diverged state
         raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "
                             f"stopped, the last good checkpoint in {ck} is kept (lower --lr?)")
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
-            "world_size": str(world_size)}
+            "world_size": str(world_size), **(extra_meta or {})}
     try:
         ck.mkdir(exist_ok=True)
         for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write

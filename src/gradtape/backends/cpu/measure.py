@@ -140,13 +140,16 @@ TIMING = 2
 
 def rates(kind, shape, measure, n=2, kernels=False):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
-    read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
-    version, ``TIMING``, the shape and, where ``kernels`` (the measure times our C kernels: a
-    faster dequantization can change which tiles win), their version), else measured
-    (about a second) and written there atomically.  The libraries' own GEMM rates are
+    read from the cache file (keyed by ``kind``, CPU model, flags, the instruction-set
+    class in force (``$GRADTAPE_ISA``: a capped run never reuses another class's
+    timings), NumPy's BLAS, oneDNN's version, ``TIMING``, the shape and, where
+    ``kernels`` (the measure times our C kernels: a faster dequantization can change
+    which tiles win), their version), else measured (about a second) and written there
+    atomically.  The libraries' own GEMM rates are
     not timed again when only our kernels change: each new timing is another chance
     for a noisy host to decide wrong."""
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
+                    f"isa {toolchain.isa()}",
                     _blas_name(), onednn.library().version, f"timing {TIMING}",
                     *([f"kernels {toolchain.csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])

@@ -18,6 +18,7 @@ from gradtape import ops
 from gradtape.backends.cpu import codegen, toolchain
 
 from support import hardware
+from support.hardware import kernel_isa  # noqa: F401  (a fixture)
 from support.compare import rel_err
 from support.parity import TOL
 from test_cpu_backend import DTYPES, _loss_of
@@ -216,6 +217,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     return (y32, g32), (y64, g64)
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
 def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg, past):
     """csrc/flash.c (float32, the whole attention and its VJP in one call each) against
@@ -225,6 +227,7 @@ def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg
     assert rel_err(y32, y64) <= 2e-5 and rel_err(g32, g64) <= 2e-5
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
 def test_bf16_fused_attention_is_within_bf16_rounding(t, nh, nkv, hd, cap, window, n_seq,
                                                        seg, past):

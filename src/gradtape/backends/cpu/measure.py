@@ -62,10 +62,12 @@ _WARNED = set()
 
 
 def cpu_summary() -> dict:
-    """The CPU model and the flags that decide the GEMM paths."""
+    """The CPU model, the flags that decide the GEMM paths and the instruction-set class
+    the kernels run at (``$GRADTAPE_ISA``)."""
     info = cpu_info()
     wanted = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
-    return {"cpu": info["model"], "flags": [f for f in wanted if f in info["flags"]]}
+    return {"cpu": info["model"], "flags": [f for f in wanted if f in info["flags"]],
+            "isa": toolchain.isa()}
 
 
 def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:

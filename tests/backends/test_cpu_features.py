@@ -153,3 +153,13 @@ def test_measured_decisions_are_kept_per_isa_class(monkeypatch, tmp_path):
         monkeypatch.setenv("GRADTAPE_ISA", isa)
         compute.rates("test-kind", (8, 8, 8), fake)
     assert calls == ["native", "avx2"]
+
+
+def test_the_cli_says_a_bad_cap_first(monkeypatch, capsys):
+    from gradtape.cli.main import main
+
+    monkeypatch.setenv("GRADTAPE_ISA", "avx1024")
+    assert main(["generate", "--model", "smollm2", "--prompt", "hi"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "gradtape generate: error: $GRADTAPE_ISA must be one of avx2 | avx512 | avx512bf16 "
+        "| native, got 'avx1024'")

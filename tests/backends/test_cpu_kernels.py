@@ -90,7 +90,7 @@ def test_loss_softmax_and_transposes_run_in_c():
 def test_threaded_kernels_use_openmp_where_available(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     flags = toolchain.threads_flags()
-    assert flags[:len(toolchain.FLAGS)] == toolchain.FLAGS
+    assert flags[:len(toolchain.isa_flags())] == toolchain.isa_flags()
     body = codegen.row_kernel_body(_softmax_var((3, 100, 200)), np.float32)
     assert "#pragma omp parallel for" in body
     small = codegen.row_kernel_body(_softmax_var((2, 3, 5)), np.float32)

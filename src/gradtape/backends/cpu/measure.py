@@ -78,7 +78,7 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     instructions can run bf16 slower than float32)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16"
+        return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16" + _cap()
     ok, why = onednn.available()
     if not ok:
         return False, why
@@ -97,7 +97,7 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     products (AVX512-VNNI, AMX-INT8): no, without measuring."""
     flags = cpu_info()["flags"]
     if "avx512_vnni" not in flags and "amx_int8" not in flags:
-        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI"
+        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI" + _cap()
     shape = measured_shape(shape)
     (bf16, int8), cached = rates("int8", shape, measured_int8_rates)
     said = (f"int8 {int8 / 1e9:.0f} vs bf16 {bf16 / 1e9:.0f} GFLOP/s at "
@@ -105,6 +105,13 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     if int8 > 1.1 * bf16:
         return True, said
     return False, f"int8 GEMMs are not faster here ({said})"
+
+
+def _cap():
+    """Under a cap, the words that say so after what the CPU lacks (the cap may hide
+    it); else nothing."""
+    cap = toolchain.isa()
+    return "" if cap == "native" else f" (capped at {cap} by $GRADTAPE_ISA)"
 
 
 def _cache_file():

@@ -61,7 +61,9 @@ def cpu_info() -> dict:
         pass
     feats = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
              if f" {f}" in flags]
-    return {"cpu": model, "cpu_features": feats, "cores": os.cpu_count()}
+    # the instruction-set class gradtape's kernels run at ($GRADTAPE_ISA; not llama.cpp's)
+    return {"cpu": model, "cpu_features": feats, "cores": os.cpu_count(),
+            "isa": os.environ.get("GRADTAPE_ISA") or "native"}
 
 
 def blas_info() -> list:

@@ -610,8 +610,8 @@ def main(argv=None):
 
     log = (lambda *a: print(*a, file=sys.stderr, flush=True))
     blas, cpu = blas_info(), cpu_summary()
-    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}); NumPy's BLAS: "
-        f"{'; '.join(blas)}")
+    log(f"CPU: {cpu['cpu']} (flags: {' '.join(cpu['flags'])}; ISA class: {cpu['isa']}); "
+        f"NumPy's BLAS: {'; '.join(blas)}")
     split_shown = set()  # workloads whose default step's time split was printed
     for w in args.workloads.split(","):
         reps = args.reps or REPS[w]

@@ -302,7 +302,8 @@ def cpu_info():
         pass
     return {"cpu": name, "cores": os.cpu_count(), "amx_bf16": "amx_bf16" in flags,
             "avx512_bf16": "avx512_bf16" in flags,
-            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE")}
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+            "isa": os.environ.get("GRADTAPE_ISA") or "native"}
 
 
 def main(argv=None):

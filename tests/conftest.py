@@ -11,8 +11,10 @@ GEMMs are faster here, which tile layout wins), measured afresh in a temporary f
 so that no test depends on a timing an earlier run cached; the compiled kernels stay in
 the shared cache (``$GRADTAPE_CACHE``, default ``~/.cache/gradtape``).
 
-``pytest --cpu=avx2`` runs the suite as on an AVX2-only x86-64 (``support.hardware.
-emulate_avx2``): what skips there is what such a machine lacks.
+``pytest --cpu=avx2`` (or ``avx512``, ``avx512bf16``) runs the suite as on a CPU of that
+class, through the package's own cap (``$GRADTAPE_ISA``): what skips there is what such
+a machine lacks.  ``support.hardware.kernel_isa`` runs the kernel parity tests at every
+class this CPU can execute.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import pytest
 
 
 def pytest_addoption(parser):
-    parser.addoption("--cpu", choices=("native", "avx2"), default="native",
-                     help="avx2: emulate an AVX2-only x86-64 (no AVX-512, AMX or bf16 "
-                          "instructions; tests/support/hardware.py)")
+    parser.addoption("--cpu", choices=("native", "avx2", "avx512", "avx512bf16"),
+                     default="native",
+                     help="run as on a CPU of that instruction-set class ($GRADTAPE_ISA: "
+                          "avx2 has no AVX-512, AMX or bf16 instructions)")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -99,11 +102,10 @@ def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TQDM_DISABLE", "1")
-    if config.getoption("--cpu") == "avx2":
-        import tempfile
-
-        from support.hardware import emulate_avx2
-        emulate_avx2(tempfile.mkdtemp(prefix="gradtape-avx2-"))
+    if config.getoption("--cpu") != "native":
+        os.environ["GRADTAPE_ISA"] = config.getoption("--cpu")
+        from gradtape import settings  # the package's import caps oneDNN and OpenBLAS
+        settings.cap_libraries()
 
 
 def hf_float64_reference(hf_model):

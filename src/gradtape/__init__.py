@@ -7,7 +7,13 @@ fine-tuner in ``gradtape.models`` and ``gradtape.train`` (``gradtape.llama`` re-
 the public names).
 """
 
-from .tape import Tape, Var
+from . import settings
+
+# $GRADTAPE_ISA reaches oneDNN and NumPy's OpenBLAS only through variables they read when
+# they load: set before anything here imports NumPy
+settings.cap_libraries()
+
+from .tape import Tape, Var  # noqa: E402  (after the cap)
 
 __version__ = "0.1.0"
 __all__ = ["Tape", "Var", "Program", "__version__"]

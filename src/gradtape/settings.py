@@ -5,7 +5,9 @@ what it does (the README's table lists the same rows; a test holds the two toget
 Values are read when asked for, not at import, so a test or a launcher may set one just
 before the work that reads it.  Nothing else in the package touches ``os.environ``,
 except ``omp_wait_policy``, which hands libgomp its spin policy through the environment
-(the only way libgomp takes it) before the first OpenMP library loads.
+(the only way libgomp takes it) before the first OpenMP library loads, and
+``cap_libraries``, which hands oneDNN and OpenBLAS the instruction-set cap
+(``$GRADTAPE_ISA``) the same way before they load.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ SETTINGS = {s.name: s for s in (
     Setting("GRADTAPE_DECISIONS", "$GRADTAPE_CACHE/compute-decisions.json",
             "the file of the measured per-CPU decisions (a test session keeps its own)"),
     Setting("GRADTAPE_CC", "cc", "the C compiler that builds the generated kernels"),
+    Setting("GRADTAPE_ISA", "native",
+            "avx2 | avx512 | avx512bf16 | native: build and run every kernel (and cap "
+            "oneDNN and OpenBLAS) as if the CPU had no more than that instruction set"),
     Setting("GRADTAPE_THREADS", "",
             "threads of the decode kernels (default: the CPUs this process may use)"),
     Setting("GRADTAPE_ATTENTION", "",
@@ -98,6 +103,42 @@ def integer(name: str, minimum: int = 1) -> int | None:
 def flag(name: str) -> bool:
     """Setting ``name`` as a switch: set to anything but "" or "0"."""
     return get(name) not in ("", "0")
+
+
+# the instruction-set classes $GRADTAPE_ISA takes, lowest first, each with the values
+# that cap the libraries at it: oneDNN's ISA name and OpenBLAS's core type (both read
+# once, when the library loads); "native" caps nothing
+ISA_CLASSES = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "OPENBLAS_CORETYPE": "Haswell"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "OPENBLAS_CORETYPE": "SkylakeX"},
+    "avx512bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                   "OPENBLAS_CORETYPE": "Cooperlake"},
+    "native": {},
+}
+
+
+def isa() -> str:
+    """The instruction-set class ``$GRADTAPE_ISA`` names (default "native"); anything
+    else is a ``GradtapeError`` listing the classes.  Whether this CPU has the class is
+    ``toolchain.isa``'s question."""
+    raw = get("GRADTAPE_ISA").strip().lower() or "native"
+    if raw not in ISA_CLASSES:
+        raise GradtapeError(f"$GRADTAPE_ISA must be one of {' | '.join(ISA_CLASSES)}, "
+                            f"got {get('GRADTAPE_ISA')!r}")
+    return raw
+
+
+def cap_libraries():
+    """Hand oneDNN and OpenBLAS the cap of ``$GRADTAPE_ISA`` (``ISA_CLASSES``) through the
+    variables they read when they load: call it before NumPy (OpenBLAS) and oneDNN load
+    (``import gradtape`` does, first).  A variable the user set is left alone; a bad
+    value sets nothing here (``isa()`` reports it where a kernel is built)."""
+    try:
+        wanted = ISA_CLASSES[isa()]
+    except GradtapeError:
+        return
+    for name, value in wanted.items():
+        os.environ.setdefault(name, value)
 
 
 def cpus() -> int:

@@ -366,7 +366,6 @@ def test_resolve_float32_and_bad_names():
 
 
 def _no_bf16_cpu(monkeypatch):
-    compute.cpu_info.cache_clear()
     monkeypatch.setattr(compute, "cpu_info", lambda: {"model": "test", "flags": frozenset(
         {"avx2", "fma"})})
     monkeypatch.setattr(plan, "_WARNED", set())

@@ -5,6 +5,7 @@ AVX512-BF16 instructions skip there, each saying what the CPU lacks."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradtape.backends.cpu import measure as compute, ggml_vec, onednn
+from gradtape import settings
+from gradtape.backends.cpu import measure as compute, ggml_vec, onednn, toolchain
 from gradtape.backends.cpu.tiled import CTiles
+from gradtape.errors import GradtapeError
 
-from support.hardware import ONEDNN_PLATFORM
+from support.hardware import ONEDNN_PLATFORM, kernel_isa  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,3 +88,78 @@ def test_an_avx2_cpu_skips_only_what_needs_bf16_instructions(tmp_path):
     for want, reason in NEEDS_BF16.items():
         ran = outcome.get(want)
         assert ran and all(k == "skipped" and reason in msg for k, msg in ran), (want, ran)
+
+
+def test_the_kernels_follow_the_isa_cap(kernel_isa):
+    """Under ``$GRADTAPE_ISA`` the kernels are built for that class and ``cpu_info`` hides
+    what such a CPU lacks: 8 lanes at avx2, 16 from avx512 up."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the classes are x86-64's, not {platform.machine()}'s")
+    flags = compute.cpu_info()["flags"]
+    if kernel_isa == "avx2":
+        assert not {f for f in flags if f.startswith(("avx512", "amx"))}
+        assert "-march=haswell" in toolchain.isa_flags()
+    assert ggml_vec.lib().gv_lanes() == (16 if "avx512f" in flags else 8)
+    assert CTiles(np.float32).lanes == (16 if "avx512f" in flags else 8)
+
+
+def test_a_cap_above_the_cpu_is_an_error(monkeypatch):
+    monkeypatch.setattr(toolchain, "_cpu_flags",
+                        lambda: ("Zen 3", frozenset({"avx2", "fma", "f16c", "sse4_2"})))
+    monkeypatch.setenv("GRADTAPE_ISA", "avx512")
+    with pytest.raises(GradtapeError, match=r"\$GRADTAPE_ISA=avx512: this CPU \(Zen 3\) "
+                                            r"lacks avx512f, .*use a class it has "
+                                            r"\(avx2 \| native\)"):
+        toolchain.isa_flags()
+    monkeypatch.setenv("GRADTAPE_ISA", "AVX2")
+    assert toolchain.isa() == "avx2" and toolchain.cpu_info()["model"] == \
+        "Zen 3 (capped at avx2)"
+    monkeypatch.setenv("GRADTAPE_ISA", "sse")
+    with pytest.raises(GradtapeError, match=r"\$GRADTAPE_ISA must be one of avx2 \| avx512 "
+                                            r"\| avx512bf16 \| native, got 'sse'"):
+        toolchain.isa()
+
+
+def test_the_cap_reaches_the_libraries_before_they_load(monkeypatch):
+    """oneDNN and OpenBLAS read their caps when they load: ``import gradtape`` sets them
+    first, leaving a user's own value alone."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GRADTAPE_ISA", "avx2")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Zen")
+    settings.cap_libraries()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["OPENBLAS_CORETYPE"] == "Zen"
+    code = ("import os, gradtape, numpy; print(os.environ.get('ONEDNN_MAX_CPU_ISA'), "
+            "os.environ.get('OPENBLAS_CORETYPE'))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "GRADTAPE_ISA": "avx512"},
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["AVX512_CORE", "SkylakeX"], r.stderr[-2000:]
+
+
+def test_measured_decisions_are_kept_per_isa_class(monkeypatch, tmp_path):
+    """An avx2-capped run never reuses a timing made at another class."""
+    if "avx2" not in toolchain.isa_classes():
+        pytest.skip("this CPU has no AVX2: only its native class exists here")
+    monkeypatch.setenv("GRADTAPE_DECISIONS", str(tmp_path / "decisions.json"))
+    monkeypatch.setattr(compute, "_cache_file", lambda: tmp_path / "decisions.json")
+    calls = []
+
+    def fake(*shape):
+        calls.append(toolchain.isa())
+        return (1.0, 2.0)
+    for isa in ("native", "avx2", "native", "avx2"):
+        monkeypatch.setenv("GRADTAPE_ISA", isa)
+        compute.rates("test-kind", (8, 8, 8), fake)
+    assert calls == ["native", "avx2"]
+
+
+def test_the_cli_says_a_bad_cap_first(monkeypatch, capsys):
+    from gradtape.cli.main import main
+
+    monkeypatch.setenv("GRADTAPE_ISA", "avx1024")
+    assert main(["generate", "--model", "smollm2", "--prompt", "hi"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "gradtape generate: error: $GRADTAPE_ISA must be one of avx2 | avx512 | avx512bf16 "
+        "| native, got 'avx1024'")

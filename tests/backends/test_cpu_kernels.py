@@ -18,6 +18,7 @@ from gradtape import ops
 from gradtape.backends.cpu import codegen, toolchain
 
 from support import hardware
+from support.hardware import kernel_isa  # noqa: F401  (a fixture)
 from support.compare import rel_err
 from support.parity import TOL
 from test_cpu_backend import DTYPES, _loss_of
@@ -89,7 +90,7 @@ def test_loss_softmax_and_transposes_run_in_c():
 def test_threaded_kernels_use_openmp_where_available(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     flags = toolchain.threads_flags()
-    assert flags[:len(toolchain.FLAGS)] == toolchain.FLAGS
+    assert flags[:len(toolchain.isa_flags())] == toolchain.isa_flags()
     body = codegen.row_kernel_body(_softmax_var((3, 100, 200)), np.float32)
     assert "#pragma omp parallel for" in body
     small = codegen.row_kernel_body(_softmax_var((2, 3, 5)), np.float32)
@@ -216,6 +217,7 @@ def _fused_attention(t, nh, nkv, hd, cap, window, n_seq, seg, past, bf16):
     return (y32, g32), (y64, g64)
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
 def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg, past):
     """csrc/flash.c (float32, the whole attention and its VJP in one call each) against
@@ -225,6 +227,7 @@ def test_fused_attention_equals_the_walk(t, nh, nkv, hd, cap, window, n_seq, seg
     assert rel_err(y32, y64) <= 2e-5 and rel_err(g32, g64) <= 2e-5
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("t, nh, nkv, hd, cap, window, n_seq, seg, past", ATTN_CASES)
 def test_bf16_fused_attention_is_within_bf16_rounding(t, nh, nkv, hd, cap, window, n_seq,
                                                        seg, past):

@@ -9,6 +9,8 @@ import pytest
 import gguf
 from gradtape.backends.cpu import ggml_vec
 
+from support.hardware import kernel_isa  # noqa: F401  (a fixture)
+
 assert ggml_vec.available(), "the C kernels do not build: gradtape needs a C compiler (cc)"
 
 # byte ranges of the f16 scales inside one block (the rest are quant bits: any value)
@@ -41,6 +43,7 @@ def deq(qtype, data):
     return gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", sorted(ggml_vec.QTYPES))
 def test_take_rows_is_dequantize(qtype):
     k = 512
@@ -52,6 +55,7 @@ def test_take_rows_is_dequantize(qtype):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", sorted(ggml_vec.QTYPES))
 @pytest.mark.parametrize("T", [1, 3, 4])
 def test_matvec_against_dequantize(qtype, T):
@@ -87,6 +91,7 @@ def test_bad_shapes_are_refused():
         ggml_vec.take_rows("Q4_1", data, [4])
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "BF16", "F32"])
 @pytest.mark.parametrize("T", [1, 7, 33])
 def test_matmul_against_dequantize(qtype, T):

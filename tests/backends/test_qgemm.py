@@ -34,6 +34,7 @@ from gradtape.backends.cpu import blas, qgemm, qgemm_bf16, qgemm_int8, qgemm_til
 from gradtape.blocks import BLOCK_TYPES, BlockMatrix, random_blocks
 
 from support import hardware
+from support.hardware import kernel_isa  # noqa: F401  (a fixture)
 from support.compare import rel_err
 
 TOL = {np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-13}
@@ -47,6 +48,7 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(qgemm, "TILE_ROWS", 64)
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_is_bitwise_the_reference(qtype):
     """Random bytes everywhere (scales too: inf, NaN and subnormal halves included)."""
@@ -65,6 +67,7 @@ def test_dequantize_is_bitwise_the_reference(qtype):
         np.testing.assert_array_equal(got64, ref[ids].astype(np.float64))
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", TYPES)
 def test_bf16_tiles_are_the_rounded_reference(qtype):
     """Tiles for bf16 compute: the reference dequantized, then rounded to bfloat16 as
@@ -79,6 +82,7 @@ def test_bf16_tiles_are_the_rounded_reference(qtype):
     np.testing.assert_array_equal(qgemm.deq_rows_bf16(bm.data, qtype, 512, ids), ref[ids])
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 def test_plain_halves_every_bit_pattern(qtype):
     """F16 and BF16 weights go to float32 and to bf16 tiles 8 or 32 values at a time:
@@ -101,6 +105,7 @@ def test_plain_halves_every_bit_pattern(qtype):
     np.testing.assert_array_equal(tile, ref16[:, 8:])
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("rows", [200, 201])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 def test_blocked_tile_is_the_plain_rows_rearranged(qtype, rows):
@@ -523,6 +528,7 @@ def _program_outputs(tp, outs):
     return a, p.run()
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("layout", ["transposed", "direct"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("qtype", TYPES)
@@ -655,6 +661,7 @@ def _int8_reference(x, g, W):
     return y, z
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("qtype", TYPES)
 def test_int8_tiles_are_the_quantized_reference(qtype):
     """Tiles for int8 compute, bit for bit: the reference dequantized, then rounded

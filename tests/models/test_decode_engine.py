@@ -27,6 +27,7 @@ from gradtape.llama import Llama
 from gradtape.models.lora import model_targets, target_dims
 from support import hardware
 from support.greedy import assert_argmax_equal, assert_greedy_equal
+from support.hardware import kernel_isa  # noqa: F401 (a fixture)
 from support.lanes import sixteen_lanes  # noqa: F401 (a fixture)
 from support.tinymodel import tiny_model
 from support.compare import rel_err
@@ -139,6 +140,7 @@ def test_greedy_generation_equals_the_graph(smollm2):
     assert smollm2.generate(prompt, 12, stop_ids=()) == a and smollm2._runner.block_dec[1] is dec
 
 
+@pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
 @pytest.mark.parametrize("tied", [False, True])
 def test_float_model_without_gguf(tied):
     """A model without a GGUF file decodes from float32 rows (type F32)."""

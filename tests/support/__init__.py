@@ -9,8 +9,8 @@
 * ``filebuilders``: GGUF and safetensors files built byte by byte (valid and hostile).
 * ``greedy``: greedy tokens of two code paths compared where the reference's top-2
   margin exceeds their rounding.
-* ``hardware``: the skips a test may take (what the CPU lacks), and an emulated
-  AVX2-only CPU (``pytest --cpu=avx2``).
+* ``hardware``: the skips a test may take (what the CPU lacks), and ``kernel_isa``, the
+  instruction-set classes the kernel parity tests run at (``$GRADTAPE_ISA``).
 * ``work``: bounded work, counted in function calls instead of timed.
 * ``lanes``: the C kernels rebuilt for 16 emulated lanes (AVX-512's paths on any CPU).
 

@@ -1,27 +1,25 @@
-"""What the machine running the tests lacks, said once: the skips a test may take, and an
-emulated AVX2-only CPU to check that such a machine skips only those.
+"""What the machine running the tests lacks, said once: the skips a test may take, and the
+instruction-set classes the kernel parity tests run at.
 
 A test skips only for hardware: a CPU without bf16 matrix instructions (oneDNN has no
 bf16 matmul there), without AVX512-BF16 or int8 dot products, or without a GPU.  Every
 package ``make test`` installs is imported plainly, so a broken install fails.
 
-``emulate_avx2()`` (``pytest --cpu=avx2``, see ``tests/conftest.py``) makes this process
-look like an AVX2-only x86-64 such as AMD Zen 3: ``cpu_info()`` without the AVX-512,
-AMX and VNNI flags, oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``, read when it loads),
-and the C kernels compiled for ``-march=haswell`` (a compiler wrapper named by
-``$GRADTAPE_CC``), so that their 8-lane paths run.
+``pytest --cpu=avx2`` (``tests/conftest.py``) runs a whole session as on an AVX2-only
+x86-64 such as AMD Zen 3, through the package's own cap (``$GRADTAPE_ISA``: the kernels
+built for ``-march=haswell``, ``cpu_info()`` without the AVX-512, AMX and VNNI flags,
+oneDNN capped at AVX2).  ``kernel_isa``, a fixture the kernel parity files use, runs
+each of their tests at every class this CPU can execute (``KERNEL_CLASSES``).
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import platform
-import stat
 import sys
-from pathlib import Path
 
 import pytest
+
+from gradtape.backends.cpu import toolchain
 
 # the flags an AVX2-only CPU lacks (prefixes of /proc/cpuinfo's names)
 _AVX2_LACKS = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
@@ -60,23 +58,27 @@ def onednn_f32():
         pytest.fail(f"oneDNN is a dependency on Linux x86-64 and does not load: {e}")
 
 
-def emulate_avx2(workdir):
-    """From now on in this process (and the environment its subprocesses inherit), an
-    AVX2-only CPU: see the module's docstring.  ``workdir``: where the compiler wrapper
-    goes.  Call it before oneDNN loads."""
-    from gradtape.backends.cpu import measure as compute, toolchain as _cgen
+def kernel_classes():
+    """The instruction-set classes the kernels' parity tests run at: "native", and each
+    lower class this CPU can run whose kernels take other paths (the 8-lane AVX2 ones,
+    AVX-512 without bf16 instructions); none but "native" under ``--cpu`` or a set
+    ``$GRADTAPE_ISA`` (the session is capped already)."""
+    from gradtape import settings
 
-    os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
-    cc = os.environ.get("GRADTAPE_CC", "cc")
-    wrapper = Path(workdir) / "cc-haswell"
-    # the last -march wins over the kernels' -march=native
-    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" -march=haswell -mtune=generic\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
-    os.environ["GRADTAPE_CC"] = str(wrapper)
-    real = _cgen.cpu_info()
+    if settings.get("GRADTAPE_ISA") or platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    runs = toolchain.isa_classes()[:-1]  # lowest first, "native" left out
+    # the highest class this CPU runs takes the paths native does
+    return [*runs[:-1], "native"] if runs else ["native"]
 
-    @functools.lru_cache(maxsize=1)  # as the real one (tests clear it)
-    def cpu_info():
-        return {"model": f"{real['model']} (emulating AVX2 only)",
-                "flags": frozenset(f for f in real["flags"] if not f.startswith(_AVX2_LACKS))}
-    _cgen.cpu_info = compute.cpu_info = cpu_info
+
+KERNEL_CLASSES = kernel_classes()
+
+
+@pytest.fixture(params=KERNEL_CLASSES)
+def kernel_isa(request, monkeypatch):
+    """The test runs with the kernels built for one instruction-set class
+    (``$GRADTAPE_ISA``; each class's libraries are loaded once, beside the others)."""
+    if request.param != "native":
+        monkeypatch.setenv("GRADTAPE_ISA", request.param)
+    return request.param

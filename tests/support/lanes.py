@@ -21,10 +21,7 @@ def sixteen_lanes(monkeypatch):
 def emulate_sixteen_lanes(monkeypatch):
     """From here to the end of the test, the kernels built with ``-DGV_EMULATE=16`` (their
     flags are in the cache key: the shared cache keeps them beside the native ones)."""
-    threads_flags = toolchain.threads_flags
-    monkeypatch.setattr(toolchain, "threads_flags",
-                        lambda flags=toolchain.FLAGS: threads_flags(flags) + EMULATED)
-    monkeypatch.setattr(tiled_c, "_LIB", [])
-    monkeypatch.setattr(ggml_vec, "FLAGS", ggml_vec.FLAGS + EMULATED)
-    monkeypatch.setattr(ggml_vec, "_LIB", [])
+    isa_flags = toolchain.isa_flags
+    # every library is loaded once per set of flags: these get libraries of their own
+    monkeypatch.setattr(toolchain, "isa_flags", lambda: isa_flags() + EMULATED)
     assert tiled_c.CTiles(np.float32).lanes == 16 and ggml_vec.lib().gv_lanes() == 16

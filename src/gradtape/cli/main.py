@@ -17,6 +17,7 @@ import traceback
 import warnings
 
 from .. import settings
+from ..backends.cpu import toolchain
 from ..errors import GradtapeError
 from .options import check_args
 
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     cmd = f"gradtape {args.command}"
     debug = args.debug or settings.flag(DEBUG_ENV)
     try:
+        toolchain.isa()  # a bad $GRADTAPE_ISA, or a class this CPU lacks: before any work
         check_args(parsers[args.command], args)
         return int(modules[args.command].run(args) or 0)
     except GradtapeError as e:

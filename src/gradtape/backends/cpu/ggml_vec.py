@@ -30,13 +30,12 @@ from ...blocks import BLOCK_TYPES, F32
 from . import toolchain
 
 SOURCES = ("ggml_vec.c", "llama_decode.c")
-FLAGS = tuple(f for f in toolchain.FLAGS if f != "-fopenmp-simd") + ("-fopenmp",)
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
 MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
 
-_LIB = []
+_LIBS = {}  # the build flags (the instruction-set class in force) -> the library
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -57,12 +56,15 @@ def threads() -> int:
 
 
 def lib():
-    """The compiled library (built on first use, cached on disk by source hash)."""
-    if not _LIB:
+    """The compiled library for the instruction-set class in force (``toolchain.isa``;
+    built on first use, cached on disk by source hash)."""
+    plain = toolchain.isa_flags()
+    if plain not in _LIBS:
+        flags = tuple(f for f in plain if f != "-fopenmp-simd") + ("-fopenmp",)
         try:
-            path, _ = toolchain.build_csrc(SOURCES, flags=FLAGS, prefix="ggml_vec")
+            path, _ = toolchain.build_csrc(SOURCES, flags=flags, prefix="ggml_vec")
         except RuntimeError:  # a compiler without OpenMP: the same code on one thread
-            path, _ = toolchain.build_csrc(SOURCES, flags=toolchain.FLAGS, prefix="ggml_vec")
+            path, _ = toolchain.build_csrc(SOURCES, flags=plain, prefix="ggml_vec")
         # libgomp reads its wait policy once, when first loaded: if this library loads it
         # first (generation before training, as in the demo), its threads must sleep
         # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a training
@@ -85,8 +87,8 @@ def lib():
         so.gd_prefill.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
         so.gd_step.restype = None
         so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
-        _LIB.append(so)
-    return _LIB[0]
+        _LIBS[plain] = so
+    return _LIBS[plain]
 
 
 def available() -> bool:

@@ -62,10 +62,12 @@ _WARNED = set()
 
 
 def cpu_summary() -> dict:
-    """The CPU model and the flags that decide the GEMM paths."""
+    """The CPU model, the flags that decide the GEMM paths and the instruction-set class
+    the kernels run at (``$GRADTAPE_ISA``)."""
     info = cpu_info()
     wanted = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "fma")
-    return {"cpu": info["model"], "flags": [f for f in wanted if f in info["flags"]]}
+    return {"cpu": info["model"], "flags": [f for f in wanted if f in info["flags"]],
+            "isa": toolchain.isa()}
 
 
 def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
@@ -76,7 +78,7 @@ def bf16_fast(shape=DEFAULT_SHAPE) -> tuple:
     instructions can run bf16 slower than float32)."""
     flags = cpu_info()["flags"]
     if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16"
+        return False, "this CPU has no bf16 matrix instructions: no AMX, no AVX512-BF16" + _cap()
     ok, why = onednn.available()
     if not ok:
         return False, why
@@ -95,7 +97,7 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     products (AVX512-VNNI, AMX-INT8): no, without measuring."""
     flags = cpu_info()["flags"]
     if "avx512_vnni" not in flags and "amx_int8" not in flags:
-        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI"
+        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI" + _cap()
     shape = measured_shape(shape)
     (bf16, int8), cached = rates("int8", shape, measured_int8_rates)
     said = (f"int8 {int8 / 1e9:.0f} vs bf16 {bf16 / 1e9:.0f} GFLOP/s at "
@@ -103,6 +105,13 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     if int8 > 1.1 * bf16:
         return True, said
     return False, f"int8 GEMMs are not faster here ({said})"
+
+
+def _cap():
+    """Under a cap, the words that say so after what the CPU lacks (the cap may hide
+    it); else nothing."""
+    cap = toolchain.isa()
+    return "" if cap == "native" else f" (capped at {cap} by $GRADTAPE_ISA)"
 
 
 def _cache_file():
@@ -140,13 +149,16 @@ TIMING = 2
 
 def rates(kind, shape, measure, n=2, kernels=False):
     """``((rate, ...), cached)``: the ``n`` figures ``measure(*shape)`` gives on this CPU,
-    read from the cache file (keyed by ``kind``, CPU model, flags, NumPy's BLAS, oneDNN's
-    version, ``TIMING``, the shape and, where ``kernels`` (the measure times our C kernels: a
-    faster dequantization can change which tiles win), their version), else measured
-    (about a second) and written there atomically.  The libraries' own GEMM rates are
+    read from the cache file (keyed by ``kind``, CPU model, flags, the instruction-set
+    class in force (``$GRADTAPE_ISA``: a capped run never reuses another class's
+    timings), NumPy's BLAS, oneDNN's version, ``TIMING``, the shape and, where
+    ``kernels`` (the measure times our C kernels: a faster dequantization can change
+    which tiles win), their version), else measured (about a second) and written there
+    atomically.  The libraries' own GEMM rates are
     not timed again when only our kernels change: each new timing is another chance
     for a noisy host to decide wrong."""
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
+                    f"isa {toolchain.isa()}",
                     _blas_name(), onednn.library().version, f"timing {TIMING}",
                     *([f"kernels {toolchain.csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])

@@ -38,7 +38,7 @@ QOPS = ("qmatmul", "qmatmul_t", "qtake_rows")
 TILE_ELEMS = 1 << 22
 TILE_ROWS = 1024  # rows of W per tile (then columns are cut to fit TILE_ELEMS)
 
-_LIB = None
+_LIBS = {}  # the build flags (the instruction-set class in force) -> the library
 
 _p = ctypes.c_void_p
 _l = ctypes.c_long
@@ -46,9 +46,10 @@ _i = ctypes.c_int
 
 
 def lib():
-    """The compiled ``csrc/qgemm.c`` (built and cached on first use)."""
-    global _LIB
-    if _LIB is None:
+    """The compiled ``csrc/qgemm.c`` for the instruction-set class in force
+    (``toolchain.isa``; built and cached on first use)."""
+    key = toolchain.isa_flags()
+    if key not in _LIBS:
         path, _ = toolchain.build_csrc(["qgemm.c"], flags=toolchain.threads_flags(),
                                        prefix="gtq")
         so = ctypes.CDLL(str(path))
@@ -90,8 +91,8 @@ def lib():
             getattr(so, name).argtypes = [_i, _p, _l, _l, _l, _p, _l, _p, _p, _l, _l, _p, _i,
                                           _i, _p]
             getattr(so, name).restype = _i
-        _LIB = so
-    return _LIB
+        _LIBS[key] = so
+    return _LIBS[key]
 
 
 def type_id(qtype):

@@ -23,15 +23,16 @@ from ..base import page_aligned
 from . import blas, measure, onednn, qgemm, toolchain
 from .onednn import Gemm
 
-_LIB = []
+_LIBS = {}  # the build flags (the instruction-set class in force) -> the library
 
 
 def _lib():
-    if not _LIB:
+    key = toolchain.isa_flags()
+    if key not in _LIBS:
         path, _ = toolchain.build_csrc(["flash.c"], flags=toolchain.threads_flags(),
                                        prefix="tiled")
-        _LIB.append(ctypes.CDLL(str(path)))
-    return _LIB[0]
+        _LIBS[key] = ctypes.CDLL(str(path))
+    return _LIBS[key]
 
 
 def _p(a):

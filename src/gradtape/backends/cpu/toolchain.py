@@ -6,6 +6,9 @@ binary (source, included files, flags, compiler version, CPU features); ``build_
 builds the hand-written sources of ``csrc/`` the same way; ``threads_flags`` adds OpenMP
 where it works, and ``quiet_openmp`` sets libgomp's idle policy before anything loads it.
 ``cpu_info`` and ``csrc_version`` say what a cached timing (``measure.py``) was made on.
+``isa`` is the instruction-set class in force (``$GRADTAPE_ISA``): ``isa_flags`` build
+for it and ``cpu_info`` hides what a CPU of that class lacks, so every kernel is built
+and chosen as on such a CPU.
 
 This module generates no kernel text (``codegen.py`` does) and loads no library.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import settings
+from ...errors import GradtapeError
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-ffp-contract=off", "-fopenmp-simd",
@@ -31,6 +35,50 @@ FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
          "-mprefer-vector-width=512")
 
 CSRC = Path(__file__).with_name("csrc")
+
+# what a capped build compiles for: a CPU of each class of ``settings.ISA_CLASSES`` (the
+# same binary on every machine), and the /proc/cpuinfo flags such a CPU has among those
+# of the AVX-512 / AMX / VNNI families (the others of those families are hidden under the
+# cap).  A CPU runs a class where it has every flag of ``ISA_NEEDS``.
+ISA_MARCH = {"avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
+             "avx512bf16": "-march=cooperlake"}
+_AVX512 = ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+ISA_KEEPS = {"avx2": (), "avx512": _AVX512,
+             "avx512bf16": (*_AVX512, "avx512_vnni", "avx512_bf16")}
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", *_AVX512),
+             "avx512bf16": ("avx2", "fma", "f16c", *_AVX512, "avx512_vnni", "avx512_bf16")}
+_CAPPED_FAMILIES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
+
+
+def isa() -> str:
+    """The instruction-set class the kernels are built and chosen for: ``$GRADTAPE_ISA``
+    (default "native": whatever this CPU has).  A class this CPU cannot run is a
+    ``GradtapeError`` naming what it lacks (its kernels would stop on an illegal
+    instruction; a silent fall-back would time or test another class than asked)."""
+    want = settings.isa()
+    if want != "native":
+        flags = _cpu_flags()[1]
+        missing = [f for f in ISA_NEEDS[want] if f not in flags]
+        if missing:
+            raise GradtapeError(
+                f"$GRADTAPE_ISA={want}: this CPU ({_cpu_flags()[0]}) lacks "
+                f"{', '.join(missing)}; use a class it has ({' | '.join(isa_classes())})")
+    return want
+
+
+def isa_classes() -> tuple:
+    """The classes this CPU can run, lowest first, ending with "native"."""
+    flags = _cpu_flags()[1]
+    return (*(c for c, need in ISA_NEEDS.items() if all(f in flags for f in need)),
+            "native")
+
+
+def isa_flags() -> tuple:
+    """``FLAGS`` for the class in force: ``-march=native``, or a CPU of the capped class."""
+    cap = isa()
+    if cap == "native":
+        return FLAGS
+    return tuple(ISA_MARCH[cap] if f == "-march=native" else f for f in FLAGS)
 
 
 class CompilerMissing(RuntimeError):
@@ -41,9 +89,10 @@ _VERSIONS = {}  # compiler command -> its version line
 _THREADS = {}  # (compiler, version) -> whether it builds and runs OpenMP
 
 
-def threads_flags(flags=FLAGS):
-    """``flags`` plus ``-fopenmp`` where the compiler and its runtime support it (the
-    row and elementwise loops then split over the cores), else ``flags`` unchanged.
+def threads_flags(flags=None):
+    """``flags`` (default ``isa_flags()``, the class in force) plus ``-fopenmp`` where
+    the compiler and its runtime support it (the row and elementwise loops then split
+    over the cores), else ``flags`` unchanged.
 
     Before the first OpenMP library is loaded, libgomp's idle-thread policy is set
     (``quiet_openmp``): by default idle threads spin for milliseconds after each
@@ -51,6 +100,7 @@ def threads_flags(flags=FLAGS):
     with other processes on the cores a spinning team slows a step severalfold; a
     sleeping one costs a wake-up of microseconds per loop, a short spin neither where
     every thread is OpenMP's."""
+    flags = isa_flags() if flags is None else flags
     cc, version = compiler()
     if (cc, version) not in _THREADS:
         probe = "int gt_probe(float *x, long n) {\n#pragma omp parallel for\n" \
@@ -86,9 +136,26 @@ def quiet_openmp():
                              else None)
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_info() -> dict:
-    """``{"model": str, "flags": frozenset}`` from /proc/cpuinfo (empty where absent)."""
+    """``{"model": str, "flags": frozenset}`` from /proc/cpuinfo (empty where absent), as
+    a CPU of the class in force (``isa``) has them: under a cap, the model says so and
+    the flags above the class are left out."""
+    return _capped(*_cpu_flags(), isa())
+
+
+@functools.lru_cache(maxsize=8)
+def _capped(model, flags, cap):
+    if cap == "native":
+        return {"model": model, "flags": flags}
+    keep = ISA_KEEPS[cap]
+    return {"model": f"{model} (capped at {cap})",
+            "flags": frozenset(f for f in flags
+                               if f in keep or not f.startswith(_CAPPED_FAMILIES))}
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> tuple:
+    """``(model, flags)`` of this CPU, from /proc/cpuinfo."""
     model, flags = platform.processor() or platform.machine(), frozenset()
     try:
         with open("/proc/cpuinfo") as f:
@@ -101,7 +168,7 @@ def cpu_info() -> dict:
                     flags = frozenset(val.split())
     except OSError:
         pass
-    return {"model": model, "flags": flags}
+    return model, flags
 
 
 def compiler():
@@ -123,11 +190,12 @@ def _csrc_texts():
     return [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
 
 
-def build_csrc(names, flags=FLAGS, prefix="gt"):
+def build_csrc(names, flags=None, prefix="gt"):
     """The files ``names`` of ``csrc/`` compiled as one translation unit (each includes
     the headers it needs; each also compiles alone), cached like ``build``: the key
     covers every file in ``csrc/``.  The unit starts with ``iq_tables``."""
     unit = iq_tables() + "".join(f'#include "{name}"\n' for name in names)
+    flags = isa_flags() if flags is None else flags
     return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
 
 
@@ -179,14 +247,15 @@ def _cpu_signature():
     return os.uname().machine
 
 
-def build(source, flags=FLAGS, prefix="gt", directory=None, depends=()):
+def build(source, flags=None, prefix="gt", directory=None, depends=()):
     """Compile ``source`` to a shared library, or reuse the cached one.
 
     Returns ``(path, hit)``.  The cache key hashes the source, the texts of the files it
-    includes (``depends``), the flags, the compiler's version line and the CPU's feature
-    flags; the library is written under a temporary name and renamed into place, so
+    includes (``depends``), the flags (default ``isa_flags()``), the compiler's version
+    line and the CPU's feature flags; the library is written under a temporary name and renamed into place, so
     concurrent builds never see a torn file.
     """
+    flags = isa_flags() if flags is None else flags
     cc, version = compiler()
     key = hashlib.sha256("\0".join([source, *depends, " ".join(flags), cc, version,
                                     _cpu_signature()]).encode()).hexdigest()[:32]

@@ -180,7 +180,8 @@ static inline void deq_q6_k(const uint8_t *b, float *o) {
 /* Q2_K and Q3_K: 16 sub-blocks of 16 values, whose 2-bit quants lie in qs[64]: value j
    of sub-block s is bits 2 (s % 8 / 2) of byte 32 (s / 8) + 16 (s % 2) + j.  So the four
    sub-blocks 8 H + P + 2 i (i < 4) read the same 16 bytes, each with its own shift; with
-   AVX-512 they are made together, one 128-bit lane each (gb_k2_lanes), then widened. */
+   AVX-512 they are made together, one 128-bit lane each (gb_k2_lanes), then widened;
+   with AVX2 one after the other as 16 bytes (gb_k2_bytes), widened 8 at a time. */
 #ifdef __AVX512BW__
 /* the 16 bytes at p in each 128-bit lane i, shifted right by sh + step i (within each
    byte: the 16-bit shifts' spill is masked off by the caller) */
@@ -195,6 +196,20 @@ static inline __m512i gb_k2_lanes(const uint8_t *p, int sh, int step) {
 /* lane i of the int8 values v as 16 floats */
 #define GB_LANE_F32(v, i) \
     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, i)))
+#elif defined(__AVX2__)
+/* the 16 bytes at p shifted right by sh (within each byte: the caller masks the spill) */
+static inline __m128i gb_k2_bytes(const uint8_t *p, int sh) {
+    return _mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), sh);
+}
+/* o[0, 16) = D * v, minus M where sub, of the 16 int8 values v, 8 lanes at a time (the
+   scalar path's operations) */
+static inline void gb_k2_store(__m128i v, float D, float M, int sub, float *o) {
+    for (int e = 0; e < 2; e++) {
+        const __m256 x = _mm256_mul_ps(_mm256_set1_ps(D), _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(e ? _mm_srli_si128(v, 8) : v)));
+        _mm256_storeu_ps(o + 8 * e, sub ? _mm256_sub_ps(x, _mm256_set1_ps(M)) : x);
+    }
+}
 #endif
 /* Q2_K: scale and min 4 bits each in scales[s], w = (d sc) q - (dmin m) */
 static inline void deq_q2_k(const uint8_t *b, float *o) {
@@ -213,6 +228,12 @@ static inline void deq_q2_k(const uint8_t *b, float *o) {
             const int s = s0 + 2 * i;
             _mm512_storeu_ps(o + 16 * s, _mm512_sub_ps(
                 _mm512_mul_ps(_mm512_set1_ps(D[s]), GB_LANE_F32(v, i)), _mm512_set1_ps(M[s])));
+        }
+#elif defined(__AVX2__)
+        for (int i = 0; i < 4; i++) {
+            const int s = s0 + 2 * i;
+            gb_k2_store(_mm_and_si128(gb_k2_bytes(q, 2 * i), _mm_set1_epi8(3)), D[s], M[s],
+                        1, o + 16 * s);
         }
 #else
         for (int i = 0; i < 4; i++) {
@@ -248,6 +269,15 @@ static inline void deq_q3_k(const uint8_t *b, float *o) {
             const int s = s0 + 2 * i;
             _mm512_storeu_ps(o + 16 * s,
                              _mm512_mul_ps(_mm512_set1_ps(D[s]), GB_LANE_F32(v, i)));
+        }
+#elif defined(__AVX2__)
+        for (int i = 0; i < 4; i++) {  /* bit s / 2 = 4 H + i of h: clear takes 4 off */
+            const int s = s0 + 2 * i;
+            const __m128i q2 = _mm_and_si128(gb_k2_bytes(q, 2 * i), _mm_set1_epi8(3));
+            const __m128i clear = _mm_andnot_si128(gb_k2_bytes(h, 4 * (hp / 2) + i),
+                                                   _mm_set1_epi8(1));
+            gb_k2_store(_mm_sub_epi8(q2, _mm_slli_epi16(clear, 2)), D[s], 0.0f, 0,
+                        o + 16 * s);
         }
 #else
         for (int i = 0; i < 4; i++) {
@@ -314,6 +344,17 @@ static inline void gb_grid16(float db, const uint8_t g[16], unsigned sg, float *
         _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)g))));
     _mm512_storeu_ps(o, _mm512_mul_ps(v, _mm512_mask_blend_ps(
         (__mmask16)sg, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f))));
+#elif defined(__AVX2__)
+    /* the same, 8 values at a time: lane k's sign bit tested by a compare */
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int e = 0; e < 2; e++) {
+        const __m256 v = _mm256_mul_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(g + 8 * e)))));
+        const __m256i neg = _mm256_cmpeq_epi32(
+            _mm256_and_si256(_mm256_set1_epi32((int)(sg >> 8 * e)), bit), bit);
+        _mm256_storeu_ps(o + 8 * e, _mm256_mul_ps(v, _mm256_blendv_ps(
+            _mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f), _mm256_castsi256_ps(neg))));
+    }
 #else
     for (int k = 0; k < 16; k++) {
         /* +-1 as bits, multiplied as gguf multiplies: a select of -x would flip a NaN's

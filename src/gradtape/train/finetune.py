@@ -45,7 +45,7 @@ from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
-from ..models.lora import init_adapter, parse_targets
+from ..models.lora import ADAPTER_TYPES, init_adapter, parse_targets
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
 
@@ -117,8 +117,17 @@ class FinetuneConfig:
     batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
                            checks.count(1))
+    fine_tune_type: str = _opt("lora", "what is trained: lora (a rank-r update A, B per "
+                                       "target) or dora (LoRA plus a magnitude per output "
+                                       "feature, the direction W0 + s B A normalised per "
+                                       "feature, as PEFT's use_dora; often better at low "
+                                       "rank, a step costs a little more)",
+                               checks.one_of(*ADAPTER_TYPES))
     rank: int = _opt(8, "LoRA rank r", checks.count(1))
-    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)", checks.positive())
+    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with "
+                              "--rslora)", checks.positive())
+    rslora: bool = _opt(False, "rank-stabilised LoRA (PEFT's use_rslora): scale alpha / "
+                               "sqrt(r), so higher ranks keep learning at the same --lr")
     targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
                         "(Phi-3: qkv,o,gate_up,down)", _known_targets)
     lr: float = _opt(1e-3, "peak learning rate", checks.positive())
@@ -259,7 +268,8 @@ def _finetune(cfg, model, log, world, together):
     dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
 
     adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
-                           base_model=model.name, dtype=dtype)
+                           base_model=model.name, dtype=dtype, rslora=cfg.rslora,
+                           fine_tune_type=cfg.fine_tune_type, weights=model.weights)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
@@ -277,7 +287,8 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {what}, {len(held)} held "
+    log(f"training {len(targets)} {cfg.fine_tune_type.upper()} targets (r={cfg.rank}"
+        + (", rsLoRA" if cfg.rslora else "") + f") on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
@@ -449,6 +460,7 @@ def _finish(run, adapter, step_prog, records, log):
     out, world = run.out, run.world
     if world.is_root:
         adapter.weights = step_prog.adapter_weights()
+        adapter.magnitudes = step_prog.adapter_magnitudes()
         adapter.save(out / "adapter")
         plot_losses(records, out / "loss.png")
     summary = {"steps": run.steps, "final_loss": records[-1]["loss"] if records else None,
@@ -580,7 +592,7 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
 
 
 _SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
-             "seq_len", "batch_size", "grad_accum", "rank", "alpha",
+             "seq_len", "batch_size", "grad_accum", "fine_tune_type", "rank", "alpha", "rslora",
              "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
              "simpo_gamma")
 

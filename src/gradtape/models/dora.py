@@ -1,0 +1,73 @@
+"""DoRA's parts beside LoRA's: the fixed column norms of the frozen weights, the magnitude
+vectors' initial values, the adapter's tape leaves and the folded (merged) weight.
+
+DoRA (PEFT's ``use_dora=True``) adapts a linear as ``(x @ w0 + s * x @ A @ B) * m /
+||w0 + s * A @ B||``, the norm per output feature and detached (``nn.dora_linear``); the
+magnitude ``m [out]`` is a parameter beside ``A`` and ``B`` (``LoraAdapter.magnitudes``).
+``||w0_j||^2`` is computed here once per adapted weight, row by row through
+dequantization where the weight is kept in its ggml blocks, so a quantized base never
+needs a dense copy.  The math of a step is ``gradtape.nn``'s; the file format is
+``models.lora``'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..blocks import is_block_matrix
+
+# block-matrix rows dequantized at a time for the column norms (bounded scratch)
+_ROWS = 256
+
+
+def column_norms_sq(w) -> np.ndarray:
+    """``||w_j||^2`` per output feature, float64 ``[out]``: over the rows of a float
+    ``w [in, out]``, or over each stored row of a block matrix (``[out, in]``)."""
+    if is_block_matrix(w):
+        rows = w.shape[0]
+        out = np.empty(rows, np.float64)
+        for s in range(0, rows, _ROWS):
+            d = w.dequantize(slice(s, min(s + _ROWS, rows))).astype(np.float64)  # [n, in]
+            out[s:s + d.shape[0]] = np.einsum("ij,ij->i", d, d)
+        return out
+    w = np.asarray(w, np.float64)
+    return np.einsum("ij,ij->j", w, w)
+
+
+def weight_name(key) -> str:
+    """The model weight a ``(layer, target)`` adapts."""
+    layer, target = key
+    return f"layers.{layer}.{target}"
+
+
+def init_magnitudes(weights, keys, dtype=np.float32) -> dict:
+    """``{key: ||w0_j|| [out]}``: DoRA's initial magnitudes for a fresh adapter (B is zero,
+    so ``||w0 + s A B|| = ||w0||``); ``weights`` the model's weights dict."""
+    return {key: np.sqrt(column_norms_sq(weights[weight_name(key)])).astype(dtype)
+            for key in keys}
+
+
+def adapter_leaves(tp, adapter, weights) -> dict:
+    """The adapter as tape leaves for ``models.graph.record_forward``: ``{key: (A, B)}``
+    params for LoRA; for DoRA ``(A, B, m, w0_sq)``, the magnitude a param too and
+    ``w0_sq`` the const ``||w0_j||^2``."""
+    out = {}
+    for key, (a, b) in adapter.weights.items():
+        if key in adapter.magnitudes:
+            out[key] = (tp.param(a), tp.param(b), tp.param(adapter.magnitudes[key]),
+                        tp.const(column_norms_sq(weights[weight_name(key)])))
+        else:
+            out[key] = (tp.param(a), tp.param(b))
+    return out
+
+
+def leaf_params(leaves) -> list:
+    """The trainable params of ``adapter_leaves``' dict, in its order (A, B[, m])."""
+    return [p for entry in leaves.values() for p in entry if p.op == "param"]
+
+
+def folded(w0, a, b, m, scale) -> np.ndarray:
+    """The merged float64 ``[in, out]`` weight of a DoRA-adapted ``w0 [in, out]`` (PEFT's
+    merge): ``(w0 + s A B) * m / ||w0 + s A B||`` per output column."""
+    w = np.asarray(w0, np.float64) + scale * (np.asarray(a, np.float64) @ np.asarray(b, np.float64))
+    return w * (np.asarray(m, np.float64) / np.sqrt(np.einsum("ij,ij->j", w, w)))

@@ -105,6 +105,13 @@ def dora_norm(tp, w0, a, b, w0_sq, scale):
     return ops.sqrt(sq)
 
 
+def scaled_lora_linear(tp, x, w0, a, b, scale, c):
+    """``lora_linear`` times a fixed factor per output column ``c [out]``: DoRA where
+    nothing is trained (generation), ``c = m / ||w0 + scale * a @ b||`` computed once
+    (``models.dora.column_factors``)."""
+    return ops.mul(lora_linear(tp, x, w0, a, b, scale), c)  # [T, out]
+
+
 def dora_linear(tp, x, w0, a, b, m, w0_sq, scale):
     """DoRA as PEFT computes it (``use_dora=True``): ``(x @ w0 + scale * (x @ a) @ b) *
     (m / ||w0 + scale * a @ b||)``, the norm per output column and detached

@@ -1,5 +1,6 @@
 """DoRA's parts beside LoRA's: the fixed column norms of the frozen weights, the magnitude
-vectors' initial values, the adapter's tape leaves and the folded (merged) weight.
+vectors' initial values, the adapter's tape leaves, the column factors generation uses
+and the folded (merged) weight.
 
 DoRA (PEFT's ``use_dora=True``) adapts a linear as ``(x @ w0 + s * x @ A @ B) * m /
 ||w0 + s * A @ B||``, the norm per output feature and detached (``nn.dora_linear``); the
@@ -20,18 +21,53 @@ from ..blocks import is_block_matrix
 _ROWS = 256
 
 
+def _stored_rows(w):
+    """The float64 rows ``[n, in]`` of a block matrix (one output feature each), a
+    bounded chunk at a time, with the index of the first."""
+    rows = w.shape[0]
+    for s in range(0, rows, _ROWS):
+        yield s, w.dequantize(slice(s, min(s + _ROWS, rows))).astype(np.float64)
+
+
 def column_norms_sq(w) -> np.ndarray:
     """``||w_j||^2`` per output feature, float64 ``[out]``: over the rows of a float
     ``w [in, out]``, or over each stored row of a block matrix (``[out, in]``)."""
     if is_block_matrix(w):
-        rows = w.shape[0]
-        out = np.empty(rows, np.float64)
-        for s in range(0, rows, _ROWS):
-            d = w.dequantize(slice(s, min(s + _ROWS, rows))).astype(np.float64)  # [n, in]
+        out = np.empty(w.shape[0], np.float64)
+        for s, d in _stored_rows(w):
             out[s:s + d.shape[0]] = np.einsum("ij,ij->i", d, d)
         return out
     w = np.asarray(w, np.float64)
     return np.einsum("ij,ij->j", w, w)
+
+
+def _a_t_w(w, a) -> np.ndarray:
+    """``a^T @ w0``, float64 ``[r, out]``, for ``w`` float ``[in, out]`` or a block matrix."""
+    a = np.asarray(a, np.float64)
+    if is_block_matrix(w):
+        out = np.empty((a.shape[1], w.shape[0]), np.float64)
+        for s, d in _stored_rows(w):
+            out[:, s:s + d.shape[0]] = (d @ a).T
+        return out
+    return a.T @ np.asarray(w, np.float64)
+
+
+def column_norms(w, a, b, scale, w0_sq=None) -> np.ndarray:
+    """``||w0 + scale * a @ b||`` per output column, float64 ``[out]``, by the rank-r
+    terms ``nn.dora_norm`` records (no dense ``[in, out]`` matrix)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    w0_sq = column_norms_sq(w) if w0_sq is None else w0_sq
+    cross = np.einsum("rj,rj->j", _a_t_w(w, a), b)
+    low = np.einsum("rj,rj->j", b, (a.T @ a) @ b)
+    return np.sqrt(w0_sq + 2.0 * scale * cross + scale * scale * low)
+
+
+def column_factors(weights, adapter) -> dict:
+    """``{key: m / ||w0 + s A B||}`` float64 ``[out]`` of a DoRA adapter: its fixed factor
+    per output column where nothing is trained (generation)."""
+    return {key: np.asarray(adapter.magnitudes[key], np.float64)
+            / column_norms(weights[weight_name(key)], a, b, adapter.scale)
+            for key, (a, b) in adapter.weights.items()}
 
 
 def weight_name(key) -> str:

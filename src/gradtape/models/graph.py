@@ -43,7 +43,8 @@ def weight_consts(tp, model) -> dict:
 def linear_fn(tp, W, lora, lora_scale):
     """``lin(i, target, x)``: ``x @ W[layers.i.target]``, plus the LoRA update where
     ``lora`` has ``(i, target)``: ``(A, B)``, or ``(A, B, m, w0_sq)`` for DoRA
-    (``models.dora.adapter_leaves``)."""
+    (``models.dora.adapter_leaves``), or ``(A, B, c)`` for DoRA with its column factor
+    fixed (generation: ``models.dora.column_factors``)."""
     def lin(i, target, x):
         w0 = W[f"layers.{i}.{target}"]
         ab = lora.get((i, target)) if lora else None
@@ -51,6 +52,8 @@ def linear_fn(tp, W, lora, lora_scale):
             return nn.linear(tp, x, w0)
         if len(ab) == 4:
             return nn.dora_linear(tp, x, w0, *ab, lora_scale)
+        if len(ab) == 3:
+            return nn.scaled_lora_linear(tp, x, w0, ab[0], ab[1], lora_scale, ab[2])
         return nn.lora_linear(tp, x, w0, ab[0], ab[1], lora_scale)
     return lin
 

@@ -102,8 +102,8 @@ def leaf_params(leaves) -> list:
     return [p for entry in leaves.values() for p in entry if p.op == "param"]
 
 
-def folded(w0, a, b, m, scale) -> np.ndarray:
-    """The merged float64 ``[in, out]`` weight of a DoRA-adapted ``w0 [in, out]`` (PEFT's
-    merge): ``(w0 + s A B) * m / ||w0 + s A B||`` per output column."""
-    w = np.asarray(w0, np.float64) + scale * (np.asarray(a, np.float64) @ np.asarray(b, np.float64))
-    return w * (np.asarray(m, np.float64) / np.sqrt(np.einsum("ij,ij->j", w, w)))
+def fold_magnitude(w, m) -> np.ndarray:
+    """DoRA's merge (PEFT's): ``w * m / ||w||`` per output column of the float64 ``w = w0
+    + s A B [in, out]``, in place; returns ``w``."""
+    w *= np.asarray(m, np.float64) / np.sqrt(np.einsum("ij,ij->j", w, w))
+    return w

@@ -255,3 +255,7 @@ def check_adapter_fits(adapter, cfg, where="adapter"):
                 f"{list(a.T.shape)} and lora_B {list(b.T.shape)}, the model needs lora_A "
                 f"{[want_a[1], want_a[0]]} and lora_B {[want_b[1], want_b[0]]} (adapter "
                 "trained for another base model?)")
+        m = adapter.magnitudes.get((layer, target))
+        if m is not None and np.shape(m) != (fan_out,):
+            raise GradtapeError(f"{where}: tensor {name}.lora_magnitude_vector has shape "
+                                f"{list(np.shape(m))}, the model needs [{fan_out}]")

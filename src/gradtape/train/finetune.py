@@ -287,7 +287,8 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    log(f"training {len(targets)} {cfg.fine_tune_type.upper()} targets (r={cfg.rank}"
+    kind = {"lora": "LoRA", "dora": "DoRA"}.get(cfg.fine_tune_type, cfg.fine_tune_type)
+    log(f"training {len(targets)} {kind} targets (r={cfg.rank}"
         + (", rsLoRA" if cfg.rslora else "") + f") on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"

@@ -78,3 +78,25 @@ def test_cli_help_teaches_the_flags(capsys):
         main(["finetune", "--help"])
     out = capsys.readouterr().out
     assert "--fine-tune-type" in out and "--rslora" in out and "use_dora" in out
+
+
+def test_a_fresh_dora_adapter_is_the_base_model_and_dpo_trains_it(tmp_path):
+    """B = 0 and m = ||W0||: DoRA starts equal to the base model, so DPO's first loss is
+    log 2 (the policy is its reference); the preference step trains the magnitudes too."""
+    from gradtape.models.lora import init_adapter
+    from gradtape.train import preference_run
+    from gradtape.train.pairs import Pair
+
+    m = tiny_model()
+    ad = init_adapter(m.config, 4, 8.0, "all", 0, dtype=np.float64, fine_tune_type="dora",
+                      weights=m.weights)
+    st = TrainStep(m, ad, 2, 32, dtype=np.float64, method="dpo")
+    pairs = [Pair(np.array([1, 2, 3]), np.array([4, 5]), np.array([6])),
+             Pair(np.array([7, 8]), np.array([9]), np.array([10, 11, 12]))]
+    data = preference_run.PairData(pairs, 32, False, 256, 2, 0)
+    preference_run.reference_pass(st, {"train": data}, tmp_path, lambda *a: None)
+    loss, _ = st.step(data.micro(0)[0], 1, 1e-2)
+    assert loss == pytest.approx(np.log(2.0), rel=1e-12)
+    mags = st.adapter_magnitudes()
+    assert set(mags) == set(ad.magnitudes)
+    assert max(np.max(np.abs(mags[k] - ad.magnitudes[k])) for k in mags) > 1e-4

@@ -95,8 +95,10 @@ def dora_norm(tp, w0, a, b, w0_sq, scale):
     is ``||w0_j||^2`` (fixed; ``models.dora.column_norms_sq``) and the two other terms
     are products of rank r (``w0`` may be a block-matrix const)."""
     a, b = ops.detach(a), ops.detach(b)
-    if is_blocks(w0):  # a^T @ deq(w0)^T: the [r, in] rows through the stored blocks
-        aw = ops.qmatmul(ops.transpose(a, (1, 0)), w0, precise=True)  # [r, out]
+    # a^T @ w0 at the precision of the layer's own product x @ w0 (a block matrix's r
+    # rows read the same resident bf16 copy): the norm normalises what that product gives
+    if is_blocks(w0):
+        aw = _frozen_matmul(ops.transpose(a, (1, 0)), w0)  # [r, out]
     else:
         aw = ops.matmul(a, w0, ta=True)  # [r, out]
     cross = ops.reduce_sum(ops.mul(aw, b), 0)  # [out]

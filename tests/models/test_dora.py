@@ -1,4 +1,5 @@
-"""DoRA and rsLoRA against PEFT, on small random models of three families.
+"""DoRA and rsLoRA against PEFT, on small random models of four families (Phi-3's fused
+qkv / gate_up projections among them).
 
 The same batch through PEFT (``use_dora=True``, ``use_rslora``) and through gradtape's
 graph (``nn.dora_linear``): the loss and every adapter gradient (A, B and the magnitude)
@@ -20,8 +21,8 @@ from support.compare import rel_err
 from support.tinymodel import lora_loss_outputs
 from test_families import _hf, _hf64, _ids, _logits, _peft_targets
 
-pytestmark = pytest.mark.slow  # transformers and PEFT models of three families
-FAMILIES = ["llama3", "qwen2", "gemma3"]
+pytestmark = pytest.mark.slow  # transformers and PEFT models of four families
+FAMILIES = ["llama3", "qwen2", "gemma3", "phi3"]
 
 
 @pytest.fixture(scope="module")

@@ -163,8 +163,9 @@ def init_adapter(cfg, rank=8, alpha=16.0, targets="all", seed=0, base_model="",
 
 
 def load_adapter(folder, model=None) -> LoraAdapter:
-    """Read a PEFT LoRA folder (ours or Hugging Face's).  With ``model``, check that every
-    tensor fits that model's shapes and name the first that does not."""
+    """Read a PEFT LoRA folder (ours or Hugging Face's; DoRA with ``use_dora``, rsLoRA
+    with ``use_rslora``).  With ``model``, check that every tensor fits that model's
+    shapes and name the first that does not."""
     from ..formats.safetensors_reader import read_safetensors
 
     folder = Path(folder)

@@ -147,3 +147,18 @@ def test_our_dora_folder_loads_in_peft(folders, tmp_path):
     ad.save(tmp_path / "adapter")
     pm = PeftModel.from_pretrained(_hf(folder), str(tmp_path / "adapter")).eval()
     assert rel_err(model.logits(ids, adapter=ad), _logits(pm, ids)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_c_decode_engine_runs_dora_on_fused_and_post_norm_families(family, tmp_path):
+    """Phi-3's fused linears (the factor split with B's columns) and Gemma 3's norms
+    after attention and MLP (the scaled rows before the post-norm) in the C engine."""
+    from families import C_DECODE_KW
+    from test_dora_parts import c_engine_vs_graph
+
+    from gradtape import llama
+
+    model = llama.load(make_folder(family, tmp_path / family, kw_override=C_DECODE_KW))
+    ad = random_dora_adapter(model.config, model.weights, rank=2, b_scale=0.2)
+    ours, ref = c_engine_vs_graph(model, ad, [3, 1, 4, 1, 5], [9, 2, 6])
+    assert rel_err(ours, ref) < 1e-5

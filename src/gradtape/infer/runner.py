@@ -157,11 +157,10 @@ class Runner:
         if decoder == "graph":
             return False
         ok = (np.dtype(dtype) == np.float32 and block_decoder.supported(self.model)
-              and all(len(ab) == 2 and ab[0].shape[1] <= block_decoder.MAX_RANK
-                      for ab in (lora or {}).values()))  # DoRA's column factor: the graph
+              and all(ab[0].shape[1] <= block_decoder.MAX_RANK for ab in (lora or {}).values()))
         if decoder == "blocks" and not ok:
             raise GradtapeError("decoder 'blocks' needs float32, a C compiler, row lengths "
-                                "that are multiples of 16 and a LoRA (not DoRA) rank <= "
+                                "that are multiples of 16 and a LoRA rank <= "
                                 f"{block_decoder.MAX_RANK}")
         return ok
 

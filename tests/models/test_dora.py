@@ -139,6 +139,7 @@ def test_our_dora_folder_loads_in_peft(folders, tmp_path):
     from peft import PeftModel
 
     from gradtape import llama
+    from gradtape.models.lora import PEFT_MODULES
 
     folder = folders("llama3")
     model = llama.load(folder)
@@ -147,6 +148,13 @@ def test_our_dora_folder_loads_in_peft(folders, tmp_path):
     ad.save(tmp_path / "adapter")
     pm = PeftModel.from_pretrained(_hf(folder), str(tmp_path / "adapter")).eval()
     assert rel_err(model.logits(ids, adapter=ad), _logits(pm, ids)) <= 1e-5
+    # merge folds DoRA in as PEFT's merge_and_unload does
+    from gradtape.models.export import merge
+    theirs = dict(pm.merge_and_unload().named_parameters())
+    ours = merge(model.weights, ad)
+    for (layer, target) in ad.weights:
+        name = f"model.layers.{layer}.{PEFT_MODULES[target]}.weight"
+        assert rel_err(ours[f"layers.{layer}.{target}"].T, theirs[name].detach().numpy()) <= 1e-6
 
 
 @pytest.mark.parametrize("family", ["phi3", "gemma3"])

@@ -163,6 +163,9 @@ def test_merge_cli_folds_dora_and_export_gguf_lora_refuses_it(tmp_path, capsys):
     ids = list(range(5, 17))
     want = base.logits(ids, adapter=load_adapter(tmp_path / "adapter", base))
     assert rel_err(llama.load(tmp_path / "merged").logits(ids), want) <= 1e-5
+    assert main(["merge", "--model", str(tmp_path / "base"), "--adapter",
+                 str(tmp_path / "adapter"), "--out", str(tmp_path / "merged.gguf")]) == 0
+    assert rel_err(llama.load(tmp_path / "merged.gguf").logits(ids), want) <= 1e-5
     capsys.readouterr()
     assert main(["export-gguf-lora", "--adapter", str(tmp_path / "adapter"), "--model",
                  str(tmp_path / "base"), "--out", str(tmp_path / "x.gguf")]) != 0

@@ -13,6 +13,8 @@ needs a dense copy.  The math of a step is ``gradtape.nn``'s; the file format is
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..blocks import is_block_matrix
@@ -29,13 +31,26 @@ def _stored_rows(w):
         yield s, w.dequantize(slice(s, min(s + _ROWS, rows))).astype(np.float64)
 
 
+# block matrix (frozen, read-only blocks) -> its column norms: a DoRA run's init and its
+# step both need them, and a big GGUF's pass of dequantization is worth doing once
+_BLOCK_NORMS: dict = {}
+
+
 def column_norms_sq(w) -> np.ndarray:
     """``||w_j||^2`` per output feature, float64 ``[out]``: over the rows of a float
-    ``w [in, out]``, or over each stored row of a block matrix (``[out, in]``)."""
+    ``w [in, out]``, or over each stored row of a block matrix (``[out, in]``, computed
+    once per block matrix)."""
     if is_block_matrix(w):
+        hit = _BLOCK_NORMS.get(id(w))
+        if hit is not None and hit[0]() is w:
+            return hit[1]
         out = np.empty(w.shape[0], np.float64)
         for s, d in _stored_rows(w):
             out[s:s + d.shape[0]] = np.einsum("ij,ij->i", d, d)
+        for k in [k for k, (ref, _) in _BLOCK_NORMS.items() if ref() is None]:
+            del _BLOCK_NORMS[k]  # entries of block matrices gone
+        out.flags.writeable = False  # shared by every caller
+        _BLOCK_NORMS[id(w)] = (weakref.ref(w), out)
         return out
     w = np.asarray(w, np.float64)
     return np.einsum("ij,ij->j", w, w)

@@ -8,7 +8,10 @@ and the median of each.  For settings read when a step is built, such as
         --keep-quantized --rank 16 --rounds 5 GRADTAPE_BF16_TILE=16M -
 
 Each positional argument is one setting: ``NAME=VALUE[,NAME=VALUE...]``, or ``-`` for the
-environment as it is.
+environment as it is.  ``--fine-tune-types lora,dora`` builds each setting's step once per
+adapter type (DoRA's step against LoRA's of the same rank, in the same rounds):
+
+    python bench/step_ab.py --model smollm2 --keep-quantized --fine-tune-types lora,dora -
 """
 
 from __future__ import annotations
@@ -41,13 +44,14 @@ def parse_setting(text):
     return dict(pairs)
 
 
-def build(model, setting, args, data):
-    """A TrainStep built and run once with ``setting`` in the environment (put back
-    after)."""
+def build(model, setting, args, data, kind="lora"):
+    """A TrainStep of a ``kind`` adapter (lora, dora) built and run once with ``setting``
+    in the environment (put back after)."""
     saved = {k: os.environ.get(k) for k in setting}
     os.environ.update(setting)
     try:
-        ad = init_adapter(model.config, args.rank, 2 * args.rank, seed=0)
+        ad = init_adapter(model.config, args.rank, 2 * args.rank, seed=0,
+                          fine_tune_type=kind, weights=model.weights if kind == "dora" else None)
         st = TrainStep(model, ad, args.batch, args.seq_len, backend="cpu", clip=0.0,
                        compute=args.compute)
         st.step(data, 1, 1e-4)
@@ -71,7 +75,12 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--compute", default="auto")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--fine-tune-types", default="lora",
+                    help="adapter types to build each setting's step for, among lora,dora")
     args = ap.parse_args(argv)
+    kinds = args.fine_tune_types.split(",")
+    if not set(kinds) <= {"lora", "dora"}:
+        raise SystemExit(f"step_ab: --fine-tune-types takes lora and dora, got {kinds}")
     settings = [(text, parse_setting(text)) for text in args.settings]
     cpu = cpu_summary()
     print(f"CPU: {cpu['cpu']} ({' '.join(cpu['flags'])})")
@@ -79,7 +88,8 @@ def main(argv=None):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size,
                                             (args.batch, args.seq_len))
     data = [(ids, np.roll(ids, -1, 1))]
-    steps = [(text, build(model, s, args, data)) for text, s in settings]
+    steps = [(text if kinds == ["lora"] else f"{text} {kind}", build(model, s, args, data, kind))
+             for text, s in settings for kind in kinds]
     times = {text: [] for text, _ in steps}
     for r in range(args.rounds):
         for text, st in steps:

@@ -88,6 +88,40 @@ def lora_linear(tp, x, w0, a, b, scale):
     return ops.add(base, ops.scale(low, scale))
 
 
+def dora_norm(tp, w0, a, b, w0_sq, scale):
+    """``||w0 + scale * a @ b||`` over each output column ``[out]``, detached (PEFT's
+    DoRA treats it as a constant), without forming the dense ``[in, out]`` matrix:
+    ``||w0_j||^2 + 2 s (a^T w0)_j . b_j + s^2 b_j^T (a^T a) b_j``, where ``w0_sq [out]``
+    is ``||w0_j||^2`` (fixed; ``models.dora.column_norms_sq``) and the two other terms
+    are products of rank r (``w0`` may be a block-matrix const)."""
+    a, b = ops.detach(a), ops.detach(b)
+    # a^T @ w0 at the precision of the layer's own product x @ w0 (a block matrix's r
+    # rows read the same resident bf16 copy): the norm normalises what that product gives
+    if is_blocks(w0):
+        aw = _frozen_matmul(ops.transpose(a, (1, 0)), w0)  # [r, out]
+    else:
+        aw = ops.matmul(a, w0, ta=True)  # [r, out]
+    cross = ops.reduce_sum(ops.mul(aw, b), 0)  # [out]
+    low = ops.reduce_sum(ops.mul(b, ops.matmul(ops.matmul(a, a, ta=True), b)), 0)  # [out]
+    sq = ops.add(ops.add(w0_sq, ops.scale(cross, 2.0 * scale)), ops.scale(low, scale * scale))
+    return ops.sqrt(sq)
+
+
+def scaled_lora_linear(tp, x, w0, a, b, scale, c):
+    """``lora_linear`` times a fixed factor per output column ``c [out]``: DoRA where
+    nothing is trained (generation), ``c = m / ||w0 + scale * a @ b||`` computed once
+    (``models.dora.column_factors``)."""
+    return ops.mul(lora_linear(tp, x, w0, a, b, scale), c)  # [T, out]
+
+
+def dora_linear(tp, x, w0, a, b, m, w0_sq, scale):
+    """DoRA as PEFT computes it (``use_dora=True``): ``(x @ w0 + scale * (x @ a) @ b) *
+    (m / ||w0 + scale * a @ b||)``, the norm per output column and detached
+    (``dora_norm``); ``m [out]`` the magnitude, ``w0_sq [out]`` = ``||w0_j||^2``."""
+    return ops.mul(lora_linear(tp, x, w0, a, b, scale),
+                   ops.div(m, dora_norm(tp, w0, a, b, w0_sq, scale)))  # [T, out]
+
+
 # --- norms and activations ----------------------------------------------------------------
 
 def rmsnorm(tp, x, w, ones, h, eps):

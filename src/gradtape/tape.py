@@ -128,7 +128,7 @@ class Tape:
         if self.eager:
             value = np.empty(shape, self.dtype)
             prim.forward(value, *(x.value for x in inputs), **attrs)
-        requires_grad = any(x.requires_grad for x in inputs)
+        requires_grad = not prim.stops_gradient and any(x.requires_grad for x in inputs)
         v = Var(self, len(self.vars), op, tuple(inputs), attrs, shape, self.dtype, value,
                 requires_grad)
         self.vars.append(v)

@@ -104,6 +104,7 @@ PRIM_CASES = {
                                        tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N))),
     "maxc": lambda tp, r: ops.maxc(tp.param(_nrm(r, T, N)), 0.2),
     "gtc": lambda tp, r: ops.gtc(tp.param(_nrm(r, T, N)), 0.2),
+    "detach": lambda tp, r: ops.detach(ops.tanh(tp.param(_nrm(r, T, N)))),
     # frozen weights in their stored type (every ggml type: tests/backends/test_qgemm.py)
     "qmatmul": lambda tp, r: ops.qmatmul(tp.param(_nrm(r, T, 64)),
                                          tp.const(random_blocks("Q4_0", N, 64, r))),

@@ -121,6 +121,8 @@ def _cases():
 # primitives with no float input to differentiate (their own tests live elsewhere):
 # qtake_rows reads a frozen block table by integer ids (tests/core/test_blocks.py)
 NO_FLOAT_INPUT = {"qtake_rows"}
+# primitives whose output is a constant for backward by definition (test_detach below)
+NO_GRADIENT = {"detach"}
 # fused primitives, checked in tests/core/test_tiled_head.py / test_tiled_attention.py:
 # first-order finite differences of the forward, and the gradient primitives equal to the
 # composed ops' VJPs; the gradient primitives have no VJP of their own (no second order)
@@ -131,7 +133,7 @@ CASE_IDS = [f"{name}-{cid}" for name, cid, _, _ in CASES]
 
 def test_every_primitive_has_cases():
     covered = {name for name, _, _, _ in CASES}
-    missing = sorted(set(PRIMS) - covered - NO_FLOAT_INPUT - FUSED)
+    missing = sorted(set(PRIMS) - covered - NO_FLOAT_INPUT - FUSED - NO_GRADIENT)
     assert not missing, f"primitives without a finite-difference case: {missing}"
     assert not covered - set(PRIMS), sorted(covered - set(PRIMS))
 
@@ -192,3 +194,15 @@ def test_fd_detects_a_wrong_rule(monkeypatch):
     r = np.random.default_rng(0)
     err = check_fd(lambda tp, x: ops.exp(x), [normal(r, T, N)])
     assert err > 1e2 * FD_TOL[1], err
+
+
+def test_detach_passes_values_and_stops_gradients():
+    """``detach(x)`` is ``x`` forward; backward treats it as a constant: the gradient of
+    ``sum(detach(x) * x)`` w.r.t. ``x`` is ``detach(x)``'s value, not ``2x``."""
+    r = np.random.default_rng(7)
+    tp = gt.Tape()
+    x = tp.param(r.standard_normal((T, N)))
+    d = ops.detach(x)
+    assert not d.requires_grad and np.array_equal(d.value, x.value)
+    (g,) = tp.backward(ops.reduce_sum(ops.mul(d, x))).values()
+    assert np.array_equal(g.value, x.value)

@@ -1,5 +1,6 @@
 """Random adapters for tests: PEFT's initialisation (``init_adapter``) with a random,
-non-zero ``B``, so that the adapter changes the model (a fresh one, B = 0, does not); and
+non-zero ``B``, so that the adapter changes the model (a fresh one, B = 0, does not), also
+as DoRA (magnitudes moved off their start); and
 one LoRA step's loss and adapter gradients through a model's graph (``lora_grads``)."""
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ def random_adapter(cfg, rank=4, alpha=8.0, b_scale=0.05, seed=3, targets="all", 
     rng = np.random.default_rng(seed + 100)
     ad.weights = {k: (a, (b_scale * rng.standard_normal(b.shape)).astype(np.float32))
                   for k, (a, b) in ad.weights.items() if layers is None or k[0] in layers}
+    return ad
+
+
+def random_dora_adapter(cfg, weights, rank=4, alpha=8.0, b_scale=0.05, seed=3, targets="all",
+                        rslora=False):
+    """``random_adapter`` made a DoRA one: magnitudes ``||w0_j||`` (PEFT's init) times
+    ``1 + N(0, 0.1²)``, so the magnitudes matter as much as A and B; ``rslora``: scale
+    ``alpha / sqrt(rank)``."""
+    from gradtape.models.dora import init_magnitudes
+    ad = random_adapter(cfg, rank, alpha, b_scale, seed, targets)
+    rng = np.random.default_rng(seed + 200)
+    ad.magnitudes = {k: (m * (1 + 0.1 * rng.standard_normal(m.shape))).astype(np.float32)
+                     for k, m in init_magnitudes(weights, ad.weights).items()}
+    if rslora:
+        ad.scale_override = alpha / np.sqrt(rank)
     return ad
 
 

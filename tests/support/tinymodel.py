@@ -113,8 +113,9 @@ def write_hf_folder(model, path):
 def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions=None,
                       segments=None, head_loss=False):
     """Record on ``tp`` (in its dtype) the next-token loss of ``ids`` through ``config``'s
-    graph, the frozen ``weights`` as consts and ``adapter``'s A and B as params;
-    ``(outputs, keys)``: ``[loss, dA, dB for each adapted (layer, target) in keys]`` and
+    graph, the frozen ``weights`` as consts and ``adapter``'s A and B (and DoRA's m) as
+    params; ``(outputs, keys)``: ``[loss, dA, dB (, dm) for each adapted (layer, target)
+    in keys]`` and
     those keys, in order.  ``ids``: one sequence ``[T]`` (every next token a target), or
     rows ``[n, T]`` with their ``targets`` (and, for packed rows, ``positions`` and
     ``segments``), all ``[n, T]``.  ``head_loss``: the training's own head and loss
@@ -130,11 +131,11 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
         targets = np.r_[ids[1:], -100]
     from gradtape.blocks import BlockMatrix
 
+    from gradtape.models.dora import adapter_leaves
     W = weight_consts(tp, {k: w if isinstance(w, BlockMatrix)  # kept in its ggml blocks
                            else np.asarray(w).astype(dt, copy=False)
                            for k, w in weights.items()})
-    lora = {k: (tp.param(a.astype(dt)), tp.param(b.astype(dt)))
-            for k, (a, b) in adapter.weights.items()}
+    lora = adapter_leaves(tp, adapter, weights)  # DoRA: (A, B, m, w0_sq)
     layout = {} if positions is None else {
         "positions": tp.const(np.asarray(positions).reshape(-1)),
         "segments": tp.const(np.asarray(segments).reshape(-1))}
@@ -146,4 +147,4 @@ def lora_loss_outputs(tp, config, weights, adapter, ids, targets=None, positions
             else nn.cross_entropy_ids(tp, last, tid, w))
     grads = tp.backward(loss)
     keys = list(lora)
-    return [loss] + [grads[p] for k in keys for p in lora[k]], keys
+    return [loss] + [grads[p] for k in keys for p in lora[k] if p.op == "param"], keys

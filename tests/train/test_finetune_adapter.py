@@ -65,7 +65,7 @@ def test_sft_starts_from_the_adapter(tmp_path, start):
     finetune(_cfg(tmp_path, "from", adapter=str(folder)), model=m, log=lines.append)
     finetune(_cfg(tmp_path, "fresh", rank=4, alpha=8.0, targets="q,v,down"), model=m,
              log=QUIET)
-    assert any(x.startswith(f"adapter: starting from {folder} (r=4, alpha 8, scale 2,")
+    assert any(x.startswith(f"adapter: starting from {folder} (LoRA, r=4, alpha 8, scale 2,")
                for x in lines), lines
     # the same rows: only the starting adapter differs, and so does the first loss
     first, fresh = _log(tmp_path / "from")[0]["loss"], _log(tmp_path / "fresh")[0]["loss"]
@@ -175,7 +175,7 @@ def test_cli_finetune_adapter(tiny_dir, tmp_path, capsys):
             "2", "--backend", "numpy"]
     assert main([*argv, "--out", str(tmp_path / "out"), "--adapter",
                  str(tmp_path / "start")]) == 0
-    assert f"adapter: starting from {tmp_path / 'start'} (r=4" in capsys.readouterr().out
+    assert f"adapter: starting from {tmp_path / 'start'} (LoRA, r=4" in capsys.readouterr().out
     code = main([*argv, "--out", str(tmp_path / "bad"), "--adapter", str(tmp_path / "none")])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err

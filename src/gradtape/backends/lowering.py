@@ -86,6 +86,7 @@ ELEMENTWISE = {
     "select": lambda x, at, ct: f"(({x[0]} != {ct.lit(0.0)}) ? {x[1]} : {x[2]})",
     "maxc": lambda x, at, ct: _maxc(x[0], at, ct),
     "gtc": lambda x, at, ct: f"(({x[0]} > {ct.lit(at['c'])}) ? {ct.lit(1.0)} : {ct.lit(0.0)})",
+    "detach": lambda x, at, ct: f"({x[0]})",
 }
 
 

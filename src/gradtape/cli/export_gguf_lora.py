@@ -3,7 +3,8 @@ convert_lora_to_gguf.py writes), to use with llama.cpp's --lora next to the base
 
 The base model (--model) supplies the shapes to check and the head counts: llama.cpp
 stores the rows of attn_q/attn_k in its interleaved rope order, and the adapter's
-lora_b for q and k is permuted the same way.
+lora_b for q and k is permuted the same way.  A DoRA adapter has no such form (no
+magnitudes in llama.cpp's LoRA): it is refused, naming `gradtape merge`, which folds it in.
 
 example:
   gradtape export-gguf-lora --adapter runs/chat/adapter --model smollm2 --out chat-lora.gguf
@@ -29,14 +30,16 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..models import load
-    from ..models.export import save_gguf_lora
-    from ..models.lora import load_adapter
+    from ..models.export import refuse_dora, save_gguf_lora
+    from ..models.lora import check_adapter_fits, load_adapter
 
-    # the paths before the model is loaded: a mistake costs seconds
+    # the paths and the adapter before the model is loaded: a mistake costs seconds
     out = checks.output_file(args.out, "--out")
     adapter_dir = adapter_folder(args.adapter)
+    adapter = load_adapter(adapter_dir)
+    refuse_dora(adapter, f"--adapter {adapter_dir}")
     model = load(args.model)
-    adapter = load_adapter(adapter_dir, model)
+    check_adapter_fits(adapter, model.config, str(adapter_dir))
     save_gguf_lora(adapter, model.config, out, args.outtype,
                    name=adapter_dir.resolve().name)
     print(f"wrote {out} (llama.cpp LoRA, rank {adapter.rank}, alpha "

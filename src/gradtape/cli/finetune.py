@@ -15,6 +15,10 @@ messages, or {"chosen", "rejected"} with the prompt implicit (their common start
 --batch-size counts pairs.  dpo and ipo compute the starting model's log-probabilities
 once, before the first step (reference.safetensors in --out).
 
+What is trained (--fine-tune-type): lora (default), or dora (PEFT's use_dora: a magnitude
+per output feature beside A and B; a quantized GGUF stays quantized); --rslora scales
+alpha / sqrt(r) (PEFT's use_rslora).  Both are written as PEFT writes them.
+
 --adapter DIR continues from a PEFT LoRA folder (after an SFT run, say), for any method:
 its rank, alpha and targets are the run's, and for dpo and ipo the model with it is
 the reference.

@@ -13,7 +13,8 @@ are row slices of the stored blocks, not copies.
 tables (one per distinct layer setting, ``LlamaConfig.rope_for``), the family's biases,
 q/k norms and windows, and the C struct that points at all of it; a step is one ctypes
 call.  An adapter is applied unmerged (its A and B stay float32 and add ``scale * (h A)
-B`` to each adapted row); a fused linear's adapter adapts its parts with one A and B
+B`` to each adapted row; DoRA then scales each output row by its fixed factor ``m /
+||w0 + s A B||``); a fused linear's adapter adapts its parts with one A and B
 split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
 ``models.graph.block`` in float32 with the same dequantized weights; only the order of
 float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
@@ -43,7 +44,7 @@ class _Lin(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("k", ctypes.c_int64), ("row_bytes", ctypes.c_int64),
                 ("at", ctypes.c_void_p), ("b", ctypes.c_void_p), ("r", ctypes.c_int64),
-                ("scale", ctypes.c_float), ("bias", ctypes.c_void_p)]
+                ("scale", ctypes.c_float), ("bias", ctypes.c_void_p), ("col", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -289,21 +290,22 @@ class BlockDecoder:
 
     def set_lora(self, lora, scale=1.0):
         """Point the linears at an adapter's ``{(layer, target): (A [in, r], B [r, out])}``
-        (None: no adapter).  The C step reads A transposed, ``[r, in]`` (a float32
+        (DoRA: ``(A, B, c [out])``, each output row then scaled by ``c``; None: no adapter).  The C step reads A transposed, ``[r, in]`` (a float32
         copy, small beside the weights: each rank row is then one contiguous dot
         product); B is used where it is when it is float32 and C-contiguous.  A fused
         linear's ``(A, B)`` adapts its parts: ``(A, B[:, lo:hi])`` each, at the same
         scale (``_fused_parts``; the parts share one A transposed)."""
         self.lora_keep = []
         lora = _split_fused(self.cfg, lora or {}, lambda i, t: (i, t),
-                            lambda ab, lo, hi: (ab[0], ab[1][:, lo:hi]))
+                            lambda ab, lo, hi: (ab[0], ab[1][:, lo:hi])
+                            + tuple(c[lo:hi] for c in ab[2:]))
         ats = {}  # id(A) -> A transposed: one copy for the parts of a fused linear
         for i in range(self.cfg.n_layers):
             for j, t in enumerate(_LINS):
                 lin = self.lins[i * len(_LINS) + j]
                 ab = lora.get((i, t))
                 if ab is None:
-                    lin.at = lin.b = None
+                    lin.at = lin.b = lin.col = None
                     lin.r, lin.scale = 0, 0.0
                     continue
                 a = np.asarray(ab[0])  # [in, r]
@@ -318,6 +320,14 @@ class BlockDecoder:
                     at = ats[id(ab[0])] = np.ascontiguousarray(a.T, np.float32)
                 self.lora_keep += [at, b]
                 lin.at, lin.b, lin.r, lin.scale = at.ctypes.data, b.ctypes.data, a.shape[1], scale
+                lin.col = None
+                if len(ab) == 3:  # DoRA: its fixed column factor (``infer.inputs.lora_arrays``)
+                    col = np.ascontiguousarray(ab[2], np.float32)
+                    if col.shape != (lin.rows,):
+                        raise ValueError(f"BlockDecoder: DoRA ({i}, {t}) factor "
+                                         f"{list(col.shape)} does not fit {lin.rows} rows")
+                    self.lora_keep.append(col)
+                    lin.col = col.ctypes.data
 
     def load(self, cache, ids=()):
         """Take over the rows of ``cache`` (a KVCache), the keys and values of the tokens

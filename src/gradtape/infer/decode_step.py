@@ -52,7 +52,7 @@ class DecodeStep:
         self.cfg, self.cap, self.g = cfg, cap, nh // nkv
         tp = Tape(dtype, eager=False)
         W = LazyConsts(tp, weights)
-        lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()}
+        lw = {key: tuple(tp.const(m) for m in ab) for key, ab in (lora or {}).items()}
         lin = linear_fn(tp, W, lw, lora_scale)
         zeros = np.zeros
         self.tok = tp.const(zeros(1, np.int64))

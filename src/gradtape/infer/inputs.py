@@ -10,6 +10,7 @@ import numpy as np
 
 from ..blocks import is_block_matrix
 from ..errors import GradtapeError
+from ..models.dora import column_factors
 from ..models.lora import check_adapter_fits
 
 
@@ -38,12 +39,16 @@ def weights_as(weights, dtype) -> dict:
     return {k: w if is_block_matrix(w) else w.astype(dtype) for k, w in weights.items()}
 
 
-def lora_arrays(adapter, cfg, dtype):
+def lora_arrays(adapter, cfg, dtype, weights=None):
     """``(lora arrays {(layer, target): (A, B)} in dtype, scale)`` from an adapter object
-    checked to fit the model's config; ``(None, 1.0)`` without one."""
+    checked to fit the model's config; ``(None, 1.0)`` without one.  A DoRA adapter's
+    entries are ``(A, B, c)``, ``c`` its fixed column factor from the model's
+    ``weights`` (``models.dora.column_factors``)."""
     if adapter is None:
         return None, 1.0
     check_adapter_fits(adapter, cfg)
+    factors = column_factors(weights, adapter) if adapter.dora else {}
     out = {key: (np.asarray(a, dtype), np.asarray(b, dtype))
+           + ((np.asarray(factors[key], dtype),) if key in factors else ())
            for key, (a, b) in adapter.weights.items()}
     return out, float(adapter.scale)

@@ -94,7 +94,7 @@ def forward_cached(cfg, weights, ids, cache: KVCache, lora=None, lora_scale=1.0,
     for i in range(cfg.n_layers):
         tp = Tape(dtype)
         W = LazyConsts(tp, weights)
-        lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()
+        lw = {key: tuple(tp.const(m) for m in ab) for key, ab in (lora or {}).items()
               if key[0] == i}
         kv = {}
         cos, sin = rope_tables(cfg, t, start, layer=i)  # [t, hd/2], positions start..

@@ -32,7 +32,7 @@ class PromptStep:
         self.cfg, self.rows = cfg, rows
         tp = Tape(np.float32, eager=False)
         W = LazyConsts(tp, weights)
-        lw = {key: (tp.const(a), tp.const(b)) for key, (a, b) in (lora or {}).items()}
+        lw = {key: tuple(tp.const(m) for m in ab) for key, ab in (lora or {}).items()}
         lin = linear_fn(tp, W, lw, lora_scale)
         self.ids = tp.const(np.zeros(rows, np.int64))
         self.last = tp.const(np.zeros(1, np.int64))  # the prompt's last row

@@ -82,7 +82,7 @@ class Runner:
         if ids.size == 0:
             raise GradtapeError("logits: needs at least one token")
         W = weights_as(self.model.weights, dtype)
-        lora, scale = lora_arrays(adapter, cfg, dtype)
+        lora, scale = lora_arrays(adapter, cfg, dtype, self.model.weights)
         cache = KVCache.empty(cfg)
         rows = [forward_cached(cfg, W, ids[a:a + PREFILL_CHUNK], cache, lora, scale, dtype)
                 for a in range(0, len(ids), PREFILL_CHUNK)]
@@ -157,7 +157,7 @@ class Runner:
         if decoder == "graph":
             return False
         ok = (np.dtype(dtype) == np.float32 and block_decoder.supported(self.model)
-              and all(a.shape[1] <= block_decoder.MAX_RANK for a, _ in (lora or {}).values()))
+              and all(ab[0].shape[1] <= block_decoder.MAX_RANK for ab in (lora or {}).values()))
         if decoder == "blocks" and not ok:
             raise GradtapeError("decoder 'blocks' needs float32, a C compiler, row lengths "
                                 "that are multiples of 16 and a LoRA rank <= "
@@ -196,7 +196,7 @@ class _Call:
         self.runner, self.cfg, self.adapter, self.decoding = runner, cfg, adapter, decoding
         self.n_prompt, self.max_new = n_prompt, max_new_tokens
         self.W = weights_as(runner.model.weights, decoding.dtype)
-        self.lora, self.scale = lora_arrays(adapter, cfg, decoding.dtype)
+        self.lora, self.scale = lora_arrays(adapter, cfg, decoding.dtype, runner.model.weights)
         self.cache = KVCache.empty(cfg)
         self.fast = runner.use_blocks(decoding.decoder, decoding.dtype, self.lora)
         self.compiled = prompt_compute(cfg, decoding.compute, n_prompt, decoding.dtype)

@@ -26,6 +26,7 @@ from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..io import atomic_path, atomic_write_bytes
 from .arch import ARCHS, HF_ACT, LINEARS
+from .dora import fold_magnitude
 from .load_gguf import permute_rope_rows
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "f32": np.float32, "f16": np.float16}
@@ -41,8 +42,8 @@ def _np_dtype(dtype):
 # --- merge --------------------------------------------------------------------------------
 
 def merge(weights: dict, adapter) -> dict:
-    """A new weights dict with the adapter folded in: ``W = w0 + scale * A @ B`` for each
-    ``(layer, target)`` the adapter holds (``A [in, r]``, ``B [r, out]``, ``scale`` =
+    """A new weights dict with the adapter folded in: ``W = w0 + scale * A @ B`` (DoRA:
+    each column then scaled to its magnitude) for each ``(layer, target)`` the adapter holds (``A [in, r]``, ``B [r, out]``, ``scale`` =
     alpha / r, or alpha / sqrt(r) for rsLoRA).  The sum is formed in float64 and rounded
     once to the weight's dtype.  Neither ``weights`` nor ``adapter`` is modified; tensors
     the adapter does not touch are shared with ``weights``, not copied."""
@@ -68,7 +69,8 @@ def dense(weights, name):
 
 def merged_tensor(weights, adapter, name):
     """``weights[name]`` with the adapter folded in when it adapts ``name`` (else as
-    ``dense`` gives it): ``w0 + scale * A @ B`` formed in float64 and rounded once to
+    ``dense`` gives it): ``w0 + scale * A @ B`` (DoRA: times ``m / ||w0 + scale * A @ B||``
+    per output column) formed in float64 and rounded once to
     float32 (the base's dtype, or float32 for a base kept in its stored type: merging
     back into quantized blocks is not done)."""
     w0 = dense(weights, name)
@@ -87,6 +89,8 @@ def merged_tensor(weights, adapter, name):
     w = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # [in, out]
     w *= float(adapter.scale)
     w += w0  # in place: one float64 temporary per tensor
+    if key in adapter.magnitudes:  # DoRA: each column rescaled to its magnitude
+        fold_magnitude(w, adapter.magnitudes[key])
     return w.astype(w0.dtype)
 
 
@@ -517,6 +521,15 @@ def lora_gguf_tensors(adapter, cfg, dtype="float32") -> dict:
     return out
 
 
+def refuse_dora(adapter, where):
+    """llama.cpp's LoRA GGUF holds A and B only: a DoRA adapter's magnitudes have no place
+    there (one line naming ``merge``, which folds them in)."""
+    if adapter.dora:
+        raise GradtapeError(f"{where}: a DoRA adapter cannot be a llama.cpp LoRA GGUF (it "
+                            "has no magnitude vectors); fold it into the model with "
+                            "'gradtape merge' instead")
+
+
 def save_gguf_lora(adapter, cfg, path, dtype="float32", name="") -> Path:
     """Write ``adapter`` (made for a model with config ``cfg``) as a llama.cpp LoRA GGUF:
     ``general.type = adapter``, ``adapter.type = lora``, ``adapter.lora.alpha``.  llama.cpp
@@ -527,6 +540,7 @@ def save_gguf_lora(adapter, cfg, path, dtype="float32", name="") -> Path:
     from .lora import check_adapter_fits
 
     check_adapter_fits(adapter, cfg, "adapter")
+    refuse_dora(adapter, "adapter")
     path = Path(path)
     tensors = lora_gguf_tensors(adapter, cfg, dtype)
     with atomic_path(path) as tmp:

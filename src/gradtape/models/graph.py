@@ -42,12 +42,18 @@ def weight_consts(tp, model) -> dict:
 
 def linear_fn(tp, W, lora, lora_scale):
     """``lin(i, target, x)``: ``x @ W[layers.i.target]``, plus the LoRA update where
-    ``lora`` has ``(i, target)``."""
+    ``lora`` has ``(i, target)``: ``(A, B)``, or ``(A, B, m, w0_sq)`` for DoRA
+    (``models.dora.adapter_leaves``), or ``(A, B, c)`` for DoRA with its column factor
+    fixed (generation: ``models.dora.column_factors``)."""
     def lin(i, target, x):
         w0 = W[f"layers.{i}.{target}"]
         ab = lora.get((i, target)) if lora else None
         if ab is None:
             return nn.linear(tp, x, w0)
+        if len(ab) == 4:
+            return nn.dora_linear(tp, x, w0, *ab, lora_scale)
+        if len(ab) == 3:
+            return nn.scaled_lora_linear(tp, x, w0, ab[0], ab[1], lora_scale, ab[2])
         return nn.lora_linear(tp, x, w0, ab[0], ab[1], lora_scale)
     return lin
 
@@ -193,7 +199,7 @@ def record_forward(tp, cfg: LlamaConfig, W, ids, n_seq, lora=None, lora_scale=1.
 
     ``ids``: integer const ``[n_seq*T]`` (the sequences concatenated); ``W``: from
     ``weight_consts``; ``lora``: ``None`` or ``{(layer, target): (A [in, r], B [r, out])}``
-    of Vars.  Linears, norms and the MLP run on all rows at once; attention per sequence.
+    of Vars (DoRA: ``(A, B, m [out], w0_sq [out])``, ``linear_fn``).  Linears, norms and the MLP run on all rows at once; attention per sequence.
 
     Packed sequences (several examples in one, ``train.data.pack_rows``): ``positions``
     and ``segments``, integer consts ``[n_seq*T]``, give each token its rope position and

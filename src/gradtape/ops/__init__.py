@@ -27,7 +27,7 @@ Everything is re-exported here: ``from gradtape import ops; ops.matmul(...)``.
 
 from .table import PRIMS, Prim, ShapeError, _rec  # noqa: F401  (the table first)
 from .elementwise import (  # noqa: F401
-    add, addc, div, exp, gtc, log, maxc, mul, neg, powc, rsqrt, scale, select, sigmoid,
+    add, addc, detach, div, exp, gtc, log, maxc, mul, neg, powc, rsqrt, scale, select, sigmoid,
     sqrt, sub, tanh)
 from .movement import (  # noqa: F401
     concat, pad, pick, put, reshape, scatter_rows, slice_, take_rows, transpose)

@@ -1,5 +1,5 @@
-"""Elementwise primitives: arithmetic, the unary functions, select and the comparisons
-with a constant.
+"""Elementwise primitives: arithmetic, the unary functions, select, the comparisons
+with a constant and ``detach`` (the identity that stops gradients).
 
 Binary ops broadcast their inputs (NumPy's rule); the engine (``tape.backward``) sums a
 broadcast input's gradient back to its shape, so the VJPs here return full-size
@@ -93,6 +93,10 @@ _prim("maxc", lambda s, c: s[0], lambda out, x, c: np.maximum(x, c, out=out),
 # the step function 1[x > c]: its derivative is zero wherever it is defined
 _prim("gtc", lambda s, c: s[0], lambda out, x, c: np.greater(x, c, out=out, casting="unsafe"),
       lambda g, out, x, c: (lambda: scale(g, 0.0),), elementwise=True)
+# the identity whose output is a constant for backward (PyTorch's ``detach``): DoRA's
+# weight norm, which PEFT detaches from the gradient graph
+_prim("detach", _same, lambda out, x: np.copyto(out, x), None, elementwise=True,
+      stops_gradient=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -115,3 +119,4 @@ def tanh(x): return _rec("tanh", x)
 def select(c, a, b): return _rec("select", c, a, b)
 def maxc(x, c): return _rec("maxc", x, c=float(c))
 def gtc(x, c): return _rec("gtc", x, c=float(c))
+def detach(x): return _rec("detach", x)

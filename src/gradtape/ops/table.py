@@ -35,15 +35,18 @@ class Prim:
     # fused primitives: ``(tp, *inputs, **attrs) -> Var``, the same value from composed
     # primitives, for a backend with no kernel of its own (``compile.decompose``)
     decompose: Callable | None = None
+    # the output carries no gradient (``detach``): backward never walks into its inputs
+    stops_gradient: bool = False
 
 
 PRIMS: dict[str, Prim] = {}
 
 
 def _prim(name, shape, forward, vjp, elementwise=False, index_inputs=(), block_inputs=(),
-          maybe_block_inputs=(), scratch=None, decompose=None):
+          maybe_block_inputs=(), scratch=None, decompose=None, stops_gradient=False):
     PRIMS[name] = Prim(name, shape, forward, vjp, elementwise, tuple(index_inputs),
-                       tuple(block_inputs), tuple(maybe_block_inputs), scratch, decompose)
+                       tuple(block_inputs), tuple(maybe_block_inputs), scratch, decompose,
+                       stops_gradient)
 
 
 def _rec(op, *inputs, **attrs):

@@ -47,7 +47,8 @@ from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
-from ..models.lora import check_folder, init_adapter, load_adapter, parse_targets
+from ..models.lora import (ADAPTER_TYPES, check_folder, init_adapter, load_adapter,
+                           parse_targets)
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
 
@@ -127,8 +128,17 @@ class FinetuneConfig:
     batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
                            checks.count(1))
+    fine_tune_type: str = _opt("lora", "what is trained: lora (a rank-r update A, B per "
+                                       "target) or dora (LoRA plus a magnitude per output "
+                                       "feature, the direction W0 + s B A normalised per "
+                                       "feature, as PEFT's use_dora; often better at low "
+                                       "rank, a step costs a little more)",
+                               checks.one_of(*ADAPTER_TYPES))
     rank: int = _opt(8, "LoRA rank r", checks.count(1))
-    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)", checks.positive())
+    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with "
+                              "--rslora)", checks.positive())
+    rslora: bool = _opt(False, "rank-stabilised LoRA (PEFT's use_rslora): scale alpha / "
+                               "sqrt(r), so higher ranks keep learning at the same --lr")
     targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
                         "(Phi-3: qkv,o,gate_up,down)", _known_targets)
     adapter: str = _opt("", "start from this PEFT LoRA adapter folder (ours, or one PEFT "
@@ -314,7 +324,8 @@ def _finetune(cfg, model, log, world, together):
         targets = adapter.targets
     else:
         adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
-                               base_model=model.name, dtype=dtype)
+                               base_model=model.name, dtype=dtype, rslora=cfg.rslora,
+                               fine_tune_type=cfg.fine_tune_type, weights=model.weights)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
@@ -336,7 +347,10 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    log(f"training {len(targets)} LoRA targets (r={adapter.rank}) on {what}, {len(held)} held "
+    kind = "DoRA" if adapter.dora else "LoRA"
+    log(f"training {len(targets)} {kind} targets (r={adapter.rank}"
+        + (", rsLoRA" if adapter.scale_override is not None else "") + f") on {what}, "
+        f"{len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} "
@@ -353,14 +367,17 @@ def _finetune(cfg, model, log, world, together):
 
 def _starting_adapter(cfg, model, targets, dtype, log):
     """The ``--adapter`` folder's adapter in the run's dtype, checked against the model;
-    a --rank, --alpha or --targets other than its default that contradicts it is one
-    line (left at their defaults, they follow the adapter)."""
+    a --rank, --alpha, --targets, --fine-tune-type or --rslora other than its default
+    that contradicts it is one line (left at their defaults, they follow the adapter)."""
     adapter = load_adapter(cfg.adapter, model)
     given = {f.name: f.default for f in dataclasses.fields(cfg)
-             if f.name in ("rank", "alpha", "targets")}
+             if f.name in ("rank", "alpha", "targets", "fine_tune_type", "rslora")}
     for name, theirs, ours in (("rank", adapter.rank, cfg.rank),
                                ("alpha", adapter.alpha, cfg.alpha),
-                               ("targets", adapter.targets, targets)):
+                               ("targets", adapter.targets, targets),
+                               ("fine_tune_type", "dora" if adapter.dora else "lora",
+                                cfg.fine_tune_type),
+                               ("rslora", adapter.scale_override is not None, cfg.rslora)):
         if getattr(cfg, name) != given[name] and ours != theirs:
             shown = ",".join(theirs) if name == "targets" else theirs
             raise GradtapeError(f"{flag(name)} {getattr(cfg, name)} contradicts --adapter "
@@ -368,8 +385,10 @@ def _starting_adapter(cfg, model, targets, dtype, log):
                                 "the adapter's is used")
     adapter.weights = {k: (a.astype(dtype), b.astype(dtype))
                        for k, (a, b) in adapter.weights.items()}
+    adapter.magnitudes = {k: m.astype(dtype) for k, m in adapter.magnitudes.items()}
     adapter.base_model = adapter.base_model or model.name
-    log(f"adapter: starting from {cfg.adapter} (r={adapter.rank}, alpha {adapter.alpha:g}, "
+    log(f"adapter: starting from {cfg.adapter} ({'DoRA' if adapter.dora else 'LoRA'}, "
+        f"r={adapter.rank}, alpha {adapter.alpha:g}, "
         f"scale {adapter.scale:g}{' (rsLoRA)' if adapter.scale_override is not None else ''}"
         f", targets {','.join(adapter.targets)} in {len(adapter.weights)} linears)")
     return adapter
@@ -553,6 +572,7 @@ def _finish(run, adapter, step_prog, records, log, steer):
     if world.is_root:
         if not steer.keeps_adapter:
             adapter.weights = step_prog.adapter_weights()
+            adapter.magnitudes = step_prog.adapter_magnitudes()
             adapter.save(out / "adapter")
         if records:
             plot_losses(records, out / "loss.png")
@@ -689,7 +709,7 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None,
 
 
 _SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
-             "seq_len", "batch_size", "grad_accum", "rank", "alpha",
+             "seq_len", "batch_size", "grad_accum", "fine_tune_type", "rank", "alpha", "rslora",
              "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
              "simpo_gamma", "adapter")
 

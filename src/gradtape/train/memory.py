@@ -97,7 +97,8 @@ def estimate(model, step) -> Estimate:
     """What ``step`` (a compiled ``TrainStep``) on ``model`` holds once it runs."""
     progs = _programs(step)
     dtype = step.tape.dtype
-    n_param = sum(a.size + b.size for a, b in step.adapter.weights.values())
+    n_param = sum(a.size + b.size for a, b in step.adapter.weights.values()) + sum(
+        m.size for m in step.adapter.magnitudes.values())  # DoRA's magnitudes
     # params, two moments, an accumulator, and a copy of each in the eval program
     state = n_param * dtype.itemsize * 5
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),

@@ -23,7 +23,7 @@ from ..formats.safetensors_reader import read_header, read_safetensors
 from . import samples as samples_mod
 
 META_KEY = "early_stop"
-BEST = "best."  # the checkpoint's copy of the best adapter: best.{layer}.{target}.{a|b}
+BEST = "best."  # the checkpoint's copy of the best adapter: best.{layer}.{target}.{a|b|m}
 
 
 @dataclass
@@ -66,8 +66,19 @@ class EarlyStop:
         return state
 
 
+def snapshot(step_prog):
+    """The adapter's trained arrays now: ``(weights, magnitudes)`` (DoRA's, else empty)."""
+    return step_prog.adapter_weights(), step_prog.adapter_magnitudes()
+
+
+def with_arrays(adapter, best):
+    """A copy of ``adapter`` holding a ``snapshot``'s arrays."""
+    weights, magnitudes = best
+    return dataclasses.replace(adapter, weights=weights, magnitudes=magnitudes)
+
+
 def _resumed(patience, checkpoint):
-    """``(EarlyStop, best weights or None)`` from a checkpoint's metadata and arrays."""
+    """``(EarlyStop, best snapshot or None)`` from a checkpoint's metadata and arrays."""
     entries, meta, _, _ = read_header(checkpoint)
     early = EarlyStop.from_meta(patience, meta, checkpoint)
     names = [n for n in entries if n.startswith(BEST)]
@@ -75,16 +86,20 @@ def _resumed(patience, checkpoint):
         return early, None
     arrays, _ = read_safetensors(checkpoint, float32=False, floats_only=False,
                                  skip=set(entries) - set(names))
-    best = {}
+    best, magnitudes = {}, {}
     for name in names:
         parts = name[len(BEST):].split(".")
-        if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in ("a", "b"):
+        if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in ("a", "b", "m"):
             raise GradtapeError(f"--resume: {checkpoint}: unreadable best adapter ({name})")
-        pair = best.setdefault((int(parts[0]), parts[1]), [None, None])
+        key = (int(parts[0]), parts[1])
+        if parts[2] == "m":
+            magnitudes[key] = arrays[name]
+            continue
+        pair = best.setdefault(key, [None, None])
         pair["ab".index(parts[2])] = arrays[name]
-    if any(x is None for pair in best.values() for x in pair):
+    if any(x is None for pair in best.values() for x in pair) or set(magnitudes) - set(best):
         raise GradtapeError(f"--resume: {checkpoint}: the best adapter lacks an A or a B")
-    return early, {k: tuple(v) for k, v in best.items()}
+    return early, ({k: tuple(v) for k, v in best.items()}, magnitudes)
 
 
 def check_options(cfg):
@@ -111,7 +126,7 @@ class Steering:
 
     def __init__(self, cfg, out, early, sampler, log, best=None):
         self.cfg, self.out, self.early, self.sampler, self.log = cfg, out, early, sampler, log
-        self.best = best  # the best evaluation's adapter weights {(layer, target): (A, B)}
+        self.best = best  # the best evaluation's ``snapshot``
         self.stopped_at = None
 
     @classmethod
@@ -127,7 +142,7 @@ class Steering:
             if checkpoint is not None:
                 early, best = _resumed(cfg.early_stop, checkpoint)
             if best is not None and writes:  # undo a later best of a run killed after it
-                dataclasses.replace(adapter, weights=best).save(out / "adapter")
+                with_arrays(adapter, best).save(out / "adapter")
             log(f"early stop: after {cfg.early_stop} evaluations without a lower held-out "
                 "loss; adapter/ keeps the best evaluation's weights"
                 + (f" (so far step {early.best_step}'s, eval loss {early.best_loss:.4f})"
@@ -148,16 +163,16 @@ class Steering:
         rec = {}
         if self.sampler is not None:
             # a new adapter object: generation keeps programs and cached rows per adapter
-            now = dataclasses.replace(adapter, weights=step_prog.adapter_weights())
+            now = with_arrays(adapter, snapshot(step_prog))
             rec["samples"] = self.sampler.answers(now)
             for line in samples_mod.show(rec["samples"]):
                 write(line)
         if self.early is not None:
             if self.early.update(step, eval_loss):
-                self.best = step_prog.adapter_weights()
+                self.best = snapshot(step_prog)
                 # PEFT's two files, each replaced atomically; the config is the same at
                 # every save, so a kill between them leaves a whole adapter
-                dataclasses.replace(adapter, weights=self.best).save(self.out / "adapter")
+                with_arrays(adapter, self.best).save(self.out / "adapter")
             rec.update(best_step=self.early.best_step, best_eval_loss=self.early.best_loss,
                        evals_without_improvement=self.early.since)
         return rec
@@ -179,10 +194,15 @@ class Steering:
         return self.early.meta() if self.early is not None else {}
 
     def checkpoint_arrays(self) -> dict:
-        """The best adapter's weights, for the checkpoint."""
+        """The best adapter's arrays, for the checkpoint."""
         out = {}
-        for (layer, target), (a, b) in sorted((self.best or {}).items()):
+        if self.best is None:
+            return out
+        weights, magnitudes = self.best
+        for (layer, target), (a, b) in sorted(weights.items()):
             out[f"{BEST}{layer}.{target}.a"], out[f"{BEST}{layer}.{target}.b"] = a, b
+        for (layer, target), m in sorted(magnitudes.items()):
+            out[f"{BEST}{layer}.{target}.m"] = m
         return out
 
     @property

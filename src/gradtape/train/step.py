@@ -42,6 +42,7 @@ from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
 from ..errors import GradtapeError
 from ..models.attention_choice import attention_from
+from ..models.dora import adapter_leaves, leaf_params
 from ..models.graph import head_loss, record_forward, weight_consts
 from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
@@ -124,7 +125,7 @@ class TrainStep:
             self._record_preference(W, batch_size, seq_len, backend)
         else:
             self._record_sft(W, batch_size, seq_len, backend)
-        params = [p for pair in self.lora.values() for p in pair]
+        params = leaf_params(self.lora)
         g = [self.grads[p] for p in params]
         # what runs, recorded in the plan: a model with no weight big enough for a bf16
         # GEMM stays float32; int8 is for the weights kept in their ggml blocks
@@ -175,8 +176,7 @@ class TrainStep:
         # each token's position and example within its row: rows may pack several examples
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
-        self.lora = {key: (tp.param(a), tp.param(b))
-                     for key, (a, b) in self.adapter.weights.items()}
+        self.lora = adapter_leaves(tp, self.adapter, self.model.weights)  # DoRA: 4 leaves
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
                                 self.adapter.scale, positions=self.positions,
                                 segments=self.segments, head=False,
@@ -194,8 +194,7 @@ class TrainStep:
         over the ``2 * batch_size`` sequences; the eval program outputs the loss, the
         policy's log-probabilities (what the reference pass keeps) and the metrics."""
         tp = self.tape
-        self.lora = {key: (tp.param(a), tp.param(b))
-                     for key, (a, b) in self.adapter.weights.items()}
+        self.lora = adapter_leaves(tp, self.adapter, self.model.weights)  # DoRA: 4 leaves
         # a placeholder batch gives the leaves their shapes; every step feeds its own
         dummy = [([0, 0], [0, 1], [0, 0], [0, 1])] * batch_size
         ref = np.zeros(2 * batch_size) if self.method.reference else None
@@ -237,7 +236,7 @@ class TrainStep:
         n), or without it (False or 0), from the passes' memory plan (nothing allocated),
         and the eval program built before it."""
         outputs, updates = self._step_graph
-        n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
+        n_param = sum(p.size for p in leaf_params(self.lora))
         return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
                        self.backend, built=[self.eval_program])
 
@@ -452,10 +451,16 @@ class TrainStep:
     def adapter_weights(self):
         """The trained adapter weights {(layer, target): (A, B)} as float32 arrays."""
         out = {}
-        for key, (a, b) in self.lora.items():
+        for key, (a, b, *_) in self.lora.items():
             out[key] = (self.program.state(a).astype(np.float32),
                         self.program.state(b).astype(np.float32))
         return out
+
+    def adapter_magnitudes(self):
+        """A DoRA adapter's trained magnitudes {(layer, target): m} as float32 arrays
+        (empty for LoRA)."""
+        return {key: self.program.state(leaves[2]).astype(np.float32)
+                for key, leaves in self.lora.items() if len(leaves) == 4}
 
     def state_arrays(self):
         """Everything a checkpoint needs, as named arrays."""

@@ -56,6 +56,7 @@ typedef struct {
     int64_t r;
     float scale;
     const float *bias;      /* [rows]; NULL: none */
+    const float *col;       /* DoRA: each row's factor m / ||w0 + s A B|| [rows]; NULL: none */
 } gd_lin;
 
 enum { GD_Q, GD_K, GD_V, GD_O, GD_GATE, GD_UP, GD_DOWN, GD_NLIN };
@@ -128,7 +129,9 @@ static void gd_lora_b(const gd_lin *L, const float *t, float *y, int64_t r0, int
     }
 }
 
-/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier) */
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier);
+   a DoRA linear (col) scales its rows before the bias and never accumulates (acc = 0:
+   gd_residual adds it) */
 static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
     int64_t r0 = 0, r1 = L->rows;
 #ifdef _OPENMP
@@ -136,6 +139,8 @@ static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y,
 #endif
     gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
     if (L->at) gd_lora_b(L, t, y, r0, r1);
+    if (L->col)
+        for (int64_t r = r0; r < r1; r++) y[r] *= L->col[r];
     if (L->bias)
         for (int64_t r = r0; r < r1; r++) y[r] += L->bias[r];
 }
@@ -222,12 +227,27 @@ static void gd_embed_scale(const gd_model *m, float *x, int64_t n) {
         for (int64_t j = 0; j < n; j++) x[j] *= m->embed_scale;
 }
 
+/* x[t, r] += h[t, r] (t < T) for this thread's share of L's rows (gd_linear's split) */
+static void gd_add_rows(const gd_lin *L, const float *h, float *x, int64_t T) {
+    int64_t r0 = 0, r1 = L->rows;
+#ifdef _OPENMP
+    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+#endif
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = r0; r < r1; r++) x[t * L->rows + r] += h[t * L->rows + r];
+}
+
 /* x += y Wout (+ bias), or with a post-norm w (layer i of it; NULL: none) x +=
    rmsnorm(y Wout) * w through h; every thread calls it, and it ends with a barrier */
 static void gd_residual(const gd_model *m, const gd_lin *L, const float *y, const float *t,
                         float *x, float *h, const float *post, int64_t i) {
     if (!post) {
-        gd_linear(L, y, t, x, 1);  /* each row of x owned by one thread */
+        if (L->col) {  /* DoRA: the scaled rows through h, each thread its own */
+            gd_linear(L, y, t, h, 0);
+            gd_add_rows(L, h, x, 1);
+        } else {
+            gd_linear(L, y, t, x, 1);  /* each row of x owned by one thread */
+        }
         GD_BARRIER
         return;
     }
@@ -338,6 +358,9 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
     gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
     if (L->at)
         for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
+    if (L->col)  /* DoRA (acc = 0: gd_residual_T adds it) */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t r = r0; r < r1; r++) Y[t * L->rows + r] *= L->col[r];
     if (L->bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t r = r0; r < r1; r++) Y[t * L->rows + r] += L->bias[r];
@@ -348,7 +371,12 @@ static void gd_residual_T(const gd_model *m, const gd_lin *L, const float *Y, in
                           const float *lt, int slot, float *X, float *H, const float *post,
                           int64_t i, float *tile) {
     if (!post) {
-        gd_linear_T(L, Y, T, lt, slot, X, 1, tile);
+        if (L->col) {  /* DoRA: the scaled rows through H, each thread its own */
+            gd_linear_T(L, Y, T, lt, slot, H, 0, tile);
+            gd_add_rows(L, H, X, T);
+        } else {
+            gd_linear_T(L, Y, T, lt, slot, X, 1, tile);
+        }
         GD_BARRIER
         return;
     }

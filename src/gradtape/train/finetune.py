@@ -4,7 +4,10 @@
 its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
 
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
-    checkpoint/         state.safetensors: adapter, AdamW moments; step and config as metadata
+    model/              --fine-tune-type full: the trained model, a Hugging Face folder
+                        (and model.gguf beside it with --save-gguf)
+    checkpoint/         state.safetensors: adapter (or every weight), AdamW moments; step
+                        and config as metadata
     log.jsonl           one JSON object per step (loss, lr, grad norm, tokens/s) and per eval
     loss.png            train (and eval) loss curves
     gradtape-run.json   marks the folder as ours (we never write into someone else's folder)
@@ -40,7 +43,7 @@ from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
-from . import distributed, preference_run
+from . import distributed, full, preference_run
 from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
@@ -81,6 +84,13 @@ def _beta(name, value):
         checks.positive()(name, value)
 
 
+def _gguf_precision(name, value):
+    """Empty (no GGUF) or the precision of its matrices."""
+    checks.check_type(name, value, str)
+    if value:
+        checks.one_of("float32", "float16")(name, value)
+
+
 def flag(field_name):
     """The command-line spelling of a config field: ``seq_len`` -> ``--seq-len``."""
     return "--" + field_name.replace("_", "-")
@@ -117,6 +127,16 @@ class FinetuneConfig:
     batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
                            checks.count(1))
+    fine_tune_type: str = _opt("lora", "what is trained: lora (a low-rank adapter per "
+                                       "target, written to adapter/) or full (every weight, "
+                                       "norms and embeddings too, in float32 with AdamW; "
+                                       "the trained model is written to model/ as a Hugging "
+                                       "Face folder; needs about 9 float32 copies of the "
+                                       "weights plus activations, checked before loading)",
+                               checks.one_of(*full.FINE_TUNE_TYPES))
+    save_gguf: str = _opt("", "full: also write the trained model as model.gguf in this "
+                              "precision, float32 or float16 (for llama.cpp)",
+                          _gguf_precision)
     rank: int = _opt(8, "LoRA rank r", checks.count(1))
     alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r)", checks.positive())
     targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
@@ -198,6 +218,16 @@ class FinetuneConfig:
                 raise GradtapeError(f"{flag(name)} applies to the preference methods, not "
                                     f"{meth.name}")
         check_options(meth, self.options())
+        # the adapter's options mean nothing when every weight is trained, and the other
+        # way round (one line, naming the flag)
+        if self.fine_tune_type == "full":
+            for name, default in (("rank", 8), ("alpha", 16.0), ("targets", "all")):
+                if getattr(self, name) != default:
+                    raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora, not "
+                                        "full (which trains every weight)")
+        elif self.save_gguf:
+            raise GradtapeError("--save-gguf applies to --fine-tune-type full (a LoRA run: "
+                                "gradtape merge --format gguf writes the merged model)")
 
     def options(self) -> Options:
         """The method's numbers (``train.methods.Options``)."""
@@ -243,6 +273,7 @@ def _finetune(cfg, model, log, world, together):
         _claim_folder(out, cfg.resume)
     model, available = _load_model(cfg, model, log)
     targets = parse_targets(cfg.targets, model.config)
+    is_full = cfg.fine_tune_type == "full"
     if meth.data == "preference":
         train, held = preference_run.load(cfg, data_file, eval_file, model.tokenizer,
                                           meth.average, log)
@@ -258,8 +289,8 @@ def _finetune(cfg, model, log, world, together):
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
     dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
 
-    adapter = init_adapter(model.config, cfg.rank, cfg.alpha, targets, cfg.seed,
-                           base_model=model.name, dtype=dtype)
+    adapter = None if is_full else init_adapter(model.config, cfg.rank, cfg.alpha, targets,
+                                                cfg.seed, base_model=model.name, dtype=dtype)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
@@ -277,7 +308,10 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    log(f"training {len(targets)} LoRA targets (r={cfg.rank}) on {what}, {len(held)} held "
+    trained = (f"every weight ({len(step_prog.trained)} tensors, "
+               f"{step_prog.n_param / 1e6:.1f}M values)" if is_full else
+               f"{len(targets)} LoRA targets (r={cfg.rank})")
+    log(f"training {trained} on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} sequences" if world.size > 1 else "")
@@ -310,7 +344,15 @@ def _load_model(cfg, model, log):
     if cfg.weights not in WEIGHT_MODES:
         raise GradtapeError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got "
                             f"{cfg.weights!r}")
-    if model is None:
+    if model is None and cfg.fine_tune_type == "full":
+        # from the header: refused before the weights are read; the stored matrices
+        # stay mapped, each dequantized once into its float32 param (train.full)
+        available = mem_available()
+        path, _ = models.model_source(cfg.model)
+        full.check_fits(path, available, cfg.model, OVERHEAD, cfg.ignore_memory,
+                        itemsize=np.dtype(cfg.dtype).itemsize)
+        model = models.load(cfg.model, keep_quantized=True)
+    elif model is None:
         available = mem_available()  # before the weights take their share
         path, kind = models.model_source(cfg.model)
         keep = _keep_quantized(cfg, path, available, log)
@@ -340,7 +382,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
     from .step import TrainStep
 
     hint = (": use a shorter --seq-len or a smaller --batch-size"
-            + ("" if any(is_block_matrix(w) for w in model.weights.values())
+            + (", or --fine-tune-type lora" if adapter is None else
+               "" if any(is_block_matrix(w) for w in model.weights.values())
                else ", or --weights stored") + " (or --ignore-memory to try anyway)")
     log("building the step (the first run on this CPU also times its GEMM "
         "layouts and attention at these shapes: up to a minute for an 8B model)")
@@ -350,7 +393,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
-                          memory_hint=hint, method=cfg.method, options=cfg.options())
+                          memory_hint=hint, method=cfg.method, options=cfg.options(),
+                          fine_tune_type=cfg.fine_tune_type)
     build_s = time.perf_counter() - t_build
     plan = step_prog.plan  # every choice of the run, with its reason
     f32 = plan.f32_gemms
@@ -445,18 +489,24 @@ def _diverged(run, loss, step):
 
 
 def _finish(run, adapter, step_prog, records, log):
-    """Rank 0 writes the adapter and the loss curve; the run's summary."""
+    """Rank 0 writes the adapter (or the trained model) and the loss curve; the run's
+    summary."""
     out, world = run.out, run.world
+    wrote = f"adapter in {out / 'adapter'}"
     if world.is_root:
-        adapter.weights = step_prog.adapter_weights()
-        adapter.save(out / "adapter")
+        if adapter is None:  # full fine-tuning: the model itself
+            trained = full.trained_model(step_prog.model, step_prog.model_weights())
+            wrote = full.save_model(trained, out, run.cfg.save_gguf)
+        else:
+            adapter.weights = step_prog.adapter_weights()
+            adapter.save(out / "adapter")
         plot_losses(records, out / "loss.png")
     summary = {"steps": run.steps, "final_loss": records[-1]["loss"] if records else None,
                "eval_loss": next((r["eval_loss"] for r in reversed(records)
                                   if "eval_loss" in r), None),
                "tokens_per_s": records[-1]["tokens_per_s"] if records else None,
                "out": str(out), "rank": world.rank}
-    log(f"done: adapter in {out / 'adapter'}, loss curve in {out / 'loss.png'}")
+    log(f"done: {wrote}, loss curve in {out / 'loss.png'}")
     return summary
 
 
@@ -580,7 +630,7 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
 
 
 _SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
-             "seq_len", "batch_size", "grad_accum", "rank", "alpha",
+             "seq_len", "batch_size", "grad_accum", "fine_tune_type", "rank", "alpha",
              "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
              "simpo_gamma")
 

@@ -43,6 +43,7 @@ from ..models.attention_choice import attention_from
 from ..models.graph import head_loss, record_forward, weight_consts
 from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
+from . import full
 from .data import IGNORE, empty_rows
 from .memory import planned
 from .methods import Options, method as method_row
@@ -81,7 +82,7 @@ class TrainStep:
                  compute=DEFAULT_COMPUTE, grad_checkpoint="off", memory_limit=None,
                  memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
                              "--ignore-memory to try anyway)", method="sft",
-                 options=Options()):
+                 options=Options(), fine_tune_type="lora"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes the
         fewest layers (the first ones) that keep the run within ``AUTO_SHARE`` of
@@ -92,7 +93,12 @@ class TrainStep:
         next-token loss; ``options`` its numbers.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
-        ``memory_hint``)."""
+        ``memory_hint``).  ``fine_tune_type``: "lora" trains ``adapter``; "full" trains
+        every weight of the model (``train.full``; ``adapter`` is None)."""
+        if fine_tune_type not in full.FINE_TUNE_TYPES:
+            raise ValueError(f"TrainStep: fine_tune_type must be one of "
+                             f"{full.FINE_TUNE_TYPES}, got {fine_tune_type!r}")
+        self.full = fine_tune_type == "full"
         if grad_checkpoint not in ("off", "on", "auto"):
             raise ValueError(f"TrainStep: grad_checkpoint must be 'off', 'on' or 'auto', got "
                              f"{grad_checkpoint!r}")
@@ -111,8 +117,10 @@ class TrainStep:
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
         n_seq = 2 * batch_size if self.preference else batch_size  # sequences a micro-batch
-        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype, compute,
-                                 attention=attention_from)
+        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype,
+                                 "float32" if self.full else compute, attention=attention_from)
+        if self.full and compute != "float32":
+            self.plan = self.plan.replace(compute=Decision("float32", full.BF16_WHY))
         self.plan = resident_weights(
             self.plan, resident_copy_bytes(model.weights),
             memory_limit if memory_limit is not None else mem_available())
@@ -121,12 +129,15 @@ class TrainStep:
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         tp = Tape(dtype, eager=False)
         self.tape = tp
-        W = weight_consts(tp, model)
+        W = full.weight_params(tp, model) if self.full else weight_consts(tp, model)
         if self.preference:
             self._record_preference(W, batch_size, seq_len, backend)
         else:
             self._record_sft(W, batch_size, seq_len, backend)
-        params = [p for pair in self.lora.values() for p in pair]
+        # the weights a full step trains (every one the loss reads), else the adapter's
+        self.trained = {k: w for k, w in W.items() if w in self.grads} if self.full else {}
+        params = (list(self.trained.values()) if self.full
+                  else [p for pair in self.lora.values() for p in pair])
         g = [self.grads[p] for p in params]
         # what runs, recorded in the plan: a model with no weight big enough for a bf16
         # GEMM stays float32; int8 is for the weights kept in their ggml blocks
@@ -177,10 +188,9 @@ class TrainStep:
         # each token's position and example within its row: rows may pack several examples
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
-        self.lora = {key: (tp.param(a), tp.param(b))
-                     for key, (a, b) in self.adapter.weights.items()}
+        self.lora = self._adapter_params()
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
-                                self.adapter.scale, positions=self.positions,
+                                self._scale, positions=self.positions,
                                 segments=self.segments, head=False,
                                 fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
@@ -196,12 +206,11 @@ class TrainStep:
         over the ``2 * batch_size`` sequences; the eval program outputs the loss, the
         policy's log-probabilities (what the reference pass keeps) and the metrics."""
         tp = self.tape
-        self.lora = {key: (tp.param(a), tp.param(b))
-                     for key, (a, b) in self.adapter.weights.items()}
+        self.lora = self._adapter_params()
         # a placeholder batch gives the leaves their shapes; every step feeds its own
         dummy = [([0, 0], [0, 1], [0, 0], [0, 1])] * batch_size
         ref = np.zeros(2 * batch_size) if self.method.reference else None
-        self.graph = record_preference(tp, self.model.config, W, self.lora, self.adapter.scale,
+        self.graph = record_preference(tp, self.model.config, W, self.lora, self._scale,
                                        self.method, pair_batch(dummy, seq_len, False),
                                        self.options, ref)
         self.metric_vars = self.graph.metrics
@@ -213,6 +222,32 @@ class TrainStep:
         self.eval_program = tp.compile([self.graph.loss, self.graph.logps,
                                         *self.metric_vars.values()],
                                        backend=backend, plan=self.plan)
+
+    def _adapter_params(self):
+        """``{(layer, target): (A, B)}`` params of the adapter (none when full)."""
+        if self.full:
+            return {}
+        return {key: (self.tape.param(a), self.tape.param(b))
+                for key, (a, b) in self.adapter.weights.items()}
+
+    @property
+    def _scale(self):
+        return 1.0 if self.full else self.adapter.scale
+
+    @property
+    def n_param(self) -> int:
+        """Values trained: the adapter's, or every weight's (full)."""
+        if self.full:
+            return sum(p.size for p in self.trained.values())
+        return sum(a.size + b.size for a, b in self.adapter.weights.values())
+
+    @property
+    def state_copies(self) -> int:
+        """Copies of each trained value the step holds (params, moments, accumulator,
+        the eval program's), for the memory estimate."""
+        if self.full:
+            return full.STEP_COPIES + (2 if self.grad_accum > 1 else 0)
+        return 5
 
     @property
     def compute(self) -> str:
@@ -238,9 +273,9 @@ class TrainStep:
         n), or without it (False or 0), from the passes' memory plan (nothing allocated),
         and the eval program built before it."""
         outputs, updates = self._step_graph
-        n_param = sum(a.size + b.size for a, b in self.adapter.weights.values())
-        return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
-                       self.backend, built=[self.eval_program])
+        return planned(self.model, self.tape, outputs, updates, self.n_param, checkpoint,
+                       self.backend, built=[self.eval_program], copies=self.state_copies,
+                       full=self.full)
 
     def _record_checkpoint(self):
         self.plan = self.plan.replace(checkpoint=Decision(
@@ -446,6 +481,14 @@ class TrainStep:
         for key, (a, b) in self.lora.items():
             out[key] = (self.program.state(a).astype(np.float32),
                         self.program.state(b).astype(np.float32))
+        return out
+
+    def model_weights(self):
+        """The trained weights of a full step ``{name: float32 array}`` (our names and
+        orientation), with any weight the loss does not read as the model has it."""
+        out = dict(self.model.weights)
+        out.update({k: self.program.state(p).astype(np.float32)
+                    for k, p in self.trained.items()})
         return out
 
     def state_arrays(self):

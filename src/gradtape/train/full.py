@@ -12,6 +12,7 @@ here: the loop, checkpoints (``train.finetune``), the graph (``models.graph``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -43,8 +44,12 @@ def weight_params(tp, model) -> dict:
 
 def trained_model(model, weights: dict):
     """A model of ``model``'s class with the trained ``weights`` (float32 arrays)."""
-    return dataclasses.replace(model, weights={k: np.asarray(w, np.float32)
-                                               for k, w in weights.items()})
+    weights = {k: np.asarray(w, np.float32) for k, w in weights.items()}
+    if dataclasses.is_dataclass(model):
+        return dataclasses.replace(model, weights=weights)
+    out = copy.copy(model)  # a record of another kind with the same fields
+    out.weights = weights
+    return out
 
 
 def n_values(model) -> int:

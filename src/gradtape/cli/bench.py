@@ -5,7 +5,9 @@ GEMM floor (measured in a clean process), the peak memory of each, the CPU and t
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
 same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
 model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
-bench/quant_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
+bench/quant_bench.py); on request full fine-tuning of every weight of SmolLM2 at T=256
+against transformers with AdamW, eager and under bf16 autocast (``smollm2-full``,
+bench/full_bench.py).  Needs a source checkout (the peer code lives in bench/, not in
 the package); the training workloads need the test extras (torch, transformers, peft),
 the generation peer needs llama-cpp-python (skipped with a note without it).
 """
@@ -26,8 +28,10 @@ SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 # workloads with a script of their own (the rest go to lora_bench.py)
 SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
            "llama8b-q4km-lora-2k": SCRIPT.with_name("quant_bench.py"),
-           "smollm2-generate": SCRIPT.with_name("generate_bench.py")}
-NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"]}
+           "smollm2-generate": SCRIPT.with_name("generate_bench.py"),
+           "smollm2-full": SCRIPT.with_name("full_bench.py"),
+           "tiny-full": SCRIPT.with_name("full_bench.py")}
+NEEDS_TORCH = {SCRIPT, SCRIPTS["llama8b-q4km-lora"], SCRIPTS["smollm2-full"]}
 
 
 def add_arguments(parser):
@@ -45,7 +49,11 @@ def add_arguments(parser):
                              "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "
                              "4.2 GiB file once, needs about 20 GB of memory for the peer); "
                              "llama8b-q4km-lora-2k: the same at T=2048, the peer with "
-                             "gradient checkpointing (about 10 minutes)")
+                             "gradient checkpointing (about 10 minutes); smollm2-full: "
+                             "every weight of SmolLM2 trained at T=256 vs transformers "
+                             "with AdamW, eager and under bf16 autocast, step time and "
+                             "peak memory as ratios (bench/full_bench.py; tiny-full: the "
+                             "same on a tiny model, seconds)")
     option(parser, "--backend", checks.one_of(*BACKENDS), default="cpu",
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,
@@ -93,6 +101,8 @@ def _benchmark(names, args):
             argv += ["--compute", args.compute]
         if script == SCRIPT:
             argv += ["--with-compile"] * args.with_compile + ["--no-autocast"] * args.no_autocast
+        if script == SCRIPTS["smollm2-full"]:
+            argv += ["--no-autocast"] * args.no_autocast
         if not script.is_file():
             raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
                                 "checkout")

@@ -119,3 +119,36 @@ def test_a_model_that_cannot_fit_is_refused_from_its_header(tiny_dir, tmp_path, 
 def test_options_that_do_not_apply_are_one_line(tmp_path, kw, message):
     with pytest.raises(GradtapeError, match=message):
         _cfg(tmp_path, "x", **kw)
+
+
+def test_checkpointing_a_full_step_changes_no_value():
+    """--grad-checkpoint on recomputes each layer's forward in backward: the same ops on
+    the same inputs, so the weights after a step are bitwise those without it."""
+    m = tiny_model(tied=True)
+    seqs = data_mod._pack_text(m.tokenizer.encode(TEXT), 16, 0)
+    after = []
+    for mode in ("off", "on"):
+        st = TrainStep(m, None, 2, 16, dtype=np.float64, fine_tune_type="full",
+                       grad_checkpoint=mode)
+        assert st.checkpointed == (m.config.n_layers if mode == "on" else 0)
+        st.step([(seqs.ids[:2], seqs.targets[:2])], 1, 1e-2)
+        after.append(st.model_weights())
+    for name in m.weights:
+        assert np.array_equal(after[0][name], after[1][name]), name
+
+
+def test_full_dpo_starts_at_its_reference(tmp_path):
+    """DPO with every weight trained: the reference pass is the starting model, so the
+    first loss is log 2; the trained model is written to model/."""
+    from support.tinymodel import tiny_model as tiny
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}: sky?", "chosen": f" blue {i}",
+                                        "rejected": f" red {i} no"}) + "\n"
+                            for i in range(8)))
+    cfg = _cfg(tmp_path, "dpo", data=str(data), method="dpo", seq_len=32, steps=2,
+               backend="numpy")
+    finetune(cfg, model=tiny(tied=True), log=quiet)
+    log = [json.loads(x) for x in (tmp_path / "dpo/log.jsonl").read_text().splitlines()]
+    assert log[0]["loss"] == pytest.approx(np.log(2), rel=1e-12)
+    assert (tmp_path / "dpo/model/model.safetensors").is_file()

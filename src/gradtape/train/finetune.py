@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -48,6 +49,7 @@ from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
+from ..models.export import write_safetensors
 from ..models.lora import init_adapter, parse_targets
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
@@ -609,21 +611,25 @@ def _claim_folder(out: Path, resume: bool):
 def _save_checkpoint(out, step_prog, step, cfg, world_size=1):
     """One file, written atomically: the state arrays, with the step and the run's config
     in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
-    from safetensors.numpy import save
-
     ck = out / "checkpoint"
-    arrays = step_prog.state_arrays()
-    bad = [k for k, a in arrays.items() if not np.isfinite(a).all()]
-    if bad:  # never replace a good checkpoint with a diverged state
-        raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "
-                            f"stopped, the last good checkpoint in {ck} is kept (lower --lr?)")
+    arrays = step_prog.state_arrays()  # read one array at a time: twice, to check first
+    shapes = {}
+    for k in sorted(arrays):
+        a = arrays[k]
+        if not np.isfinite(a).all():  # never replace a good checkpoint with a diverged state
+            raise GradtapeError(f"the training state became non-finite at step {step} ({k}); "
+                                f"stopped, the last good checkpoint in {ck} is kept "
+                                "(lower --lr?)")
+        shapes[k] = a.shape
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
             "world_size": str(world_size)}
     try:
         ck.mkdir(exist_ok=True)
         for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write
             stale.unlink()
-        atomic_write_bytes(ck / CHECKPOINT, save(arrays, metadata=meta))
+        write_safetensors(ck / CHECKPOINT, [(k, shape, functools.partial(arrays.get, k))
+                                            for k, shape in shapes.items()],
+                          step_prog.tape.dtype, meta)
     except OSError as e:
         raise GradtapeError(f"cannot write the checkpoint for step {step} ({e}); the "
                             f"previous checkpoint in {ck} is kept") from None

@@ -30,7 +30,9 @@ copied into ``grads_program``'s leaves after every update.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +67,31 @@ class Schedule:
         progress = min(1.0, (step - self.warmup) / span)
         cos = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
+
+
+class StateArrays(MutableMapping):
+    """Named arrays read one at a time when asked (``read``: name -> a function making the
+    array), so that a checkpoint of every weight and its moments never holds a second copy
+    of the whole state; an array assigned is kept as given."""
+
+    def __init__(self, read):
+        self._read, self._set = dict(read), {}
+
+    def __getitem__(self, name):
+        return self._set[name] if name in self._set else self._read[name]()
+
+    def __setitem__(self, name, value):
+        self._set[name] = value
+
+    def __delitem__(self, name):
+        self._read.pop(name, None)
+        self._set.pop(name, None)
+
+    def __iter__(self):
+        return iter(dict.fromkeys([*self._read, *self._set]))
+
+    def __len__(self):
+        return len(set(self._read) | set(self._set))
 
 
 # --grad-checkpoint auto recomputes as few layers as keep the run (the step's plan, the
@@ -492,13 +519,14 @@ class TrainStep:
         return out
 
     def state_arrays(self):
-        """Everything a checkpoint needs, as named arrays."""
-        arrays = {f"{kind}.{i}": self.program.state(leaf)
-                  for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
+        """Everything a checkpoint needs, as named arrays, each read from the program
+        when asked (``StateArrays``: a full step's state is several GB)."""
+        read = {f"{kind}.{i}": functools.partial(self.program.state, leaf)
+                for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
         if self.world is not None and self.grad_accum > 1:  # the single-process layout
-            arrays.update({f"acc.{i}": np.zeros(p.shape, self.tape.dtype)
-                           for i, p in enumerate(self.state_leaves["param"])})
-        return arrays
+            read.update({f"acc.{i}": functools.partial(np.zeros, p.shape, self.tape.dtype)
+                         for i, p in enumerate(self.state_leaves["param"])})
+        return StateArrays(read)
 
     def load_state_arrays(self, arrays):
         values = {}

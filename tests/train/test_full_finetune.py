@@ -111,6 +111,7 @@ def test_a_model_that_cannot_fit_is_refused_from_its_header(tiny_dir, tmp_path, 
 @pytest.mark.parametrize("kw, message", [
     ({"rank": 4}, "--rank applies to --fine-tune-type lora, not full"),
     ({"targets": "q,v"}, "--targets applies to --fine-tune-type lora"),
+    ({"weights": "stored"}, "--weights applies to --fine-tune-type lora"),
     ({"fine_tune_type": "lora", "save_gguf": "float16"},
      "--save-gguf applies to --fine-tune-type full"),
     ({"save_gguf": "q4"}, "--save-gguf must be one of float32, float16"),

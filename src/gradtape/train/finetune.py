@@ -223,7 +223,8 @@ class FinetuneConfig:
         # the adapter's options mean nothing when every weight is trained, and the other
         # way round (one line, naming the flag)
         if self.fine_tune_type == "full":
-            for name, default in (("rank", 8), ("alpha", 16.0), ("targets", "all")):
+            for name, default in (("rank", 8), ("alpha", 16.0), ("targets", "all"),
+                                  ("weights", "auto")):
                 if getattr(self, name) != default:
                     raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora, not "
                                         "full (which trains every weight)")

@@ -153,3 +153,14 @@ def test_full_dpo_starts_at_its_reference(tmp_path):
     log = [json.loads(x) for x in (tmp_path / "dpo/log.jsonl").read_text().splitlines()]
     assert log[0]["loss"] == pytest.approx(np.log(2), rel=1e-12)
     assert (tmp_path / "dpo/model/model.safetensors").is_file()
+
+
+def test_a_full_step_that_cannot_fit_is_refused_before_it_runs():
+    """The step's own estimate (weights, their params and moments, activations) against
+    the limit: one line naming what it needs, before anything is allocated."""
+    m = tiny_model(tied=True)
+    with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about .* "
+                                            r"params \+ optimizer .* or --fine-tune-type lora"):
+        TrainStep(m, None, 2, 16, dtype=np.float64, fine_tune_type="full",
+                  grad_checkpoint="auto", memory_limit=1 << 20,
+                  memory_hint=": use a shorter --seq-len, or --fine-tune-type lora")

@@ -1,9 +1,10 @@
-"""LoRA training: one step recorded once, replayed every step.
+"""LoRA (or full) training: one step recorded once, replayed every step.
 
 ``TrainStep`` records, on one tape, the forward of a micro-batch through the model with
 LoRA params, the next-token loss over target ids, ``backward`` (which touches only the
 adapter: frozen weights are consts and get no gradient), clipping by global norm and
-AdamW.  It compiles that into one Program whose state (adapter params, moments, and the
+AdamW.  Full fine-tuning (``fine_tune_type="full"``, ``train.full``) records the same
+graph with every weight a param instead of a const and no adapter.  It compiles that into one Program whose state (adapter params, moments, and the
 gradient accumulator when ``grad_accum > 1``) lives in the backend between steps.
 
 A preference method (``train.methods``, a row whose data is ``preference``) records

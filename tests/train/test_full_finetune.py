@@ -164,3 +164,18 @@ def test_a_full_step_that_cannot_fit_is_refused_before_it_runs():
         TrainStep(m, None, 2, 16, dtype=np.float64, fine_tune_type="full",
                   grad_checkpoint="auto", memory_limit=1 << 20,
                   memory_hint=": use a shorter --seq-len, or --fine-tune-type lora")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_the_eval_program_reads_the_params_where_the_step_keeps_them(backend):
+    """No copy of every weight for the eval program (``Program.share_state``): after a
+    step it sees the updated weights, the same loss as when they are fed to it."""
+    m = tiny_model(tied=True)
+    seqs = data_mod._pack_text(m.tokenizer.encode(TEXT), 16, 0)
+    st = TrainStep(m, None, 2, 16, dtype=np.float64, fine_tune_type="full", backend=backend)
+    assert st._eval_shares
+    before = st.eval_loss(seqs)
+    st.step([(seqs.ids[:2], seqs.targets[:2])], 1, 1e-2)
+    shared = st.eval_loss(seqs)
+    st._eval_shares = False  # feed them: the program takes its own copy
+    assert st.eval_loss(seqs) == shared != before

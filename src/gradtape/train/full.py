@@ -29,9 +29,10 @@ BF16_WHY = ("full fine-tuning: every weight is trained and changes every step, s
             "products run float32; the bf16 path converts a frozen weight once")
 
 # copies of each weight a full step holds outside its activations' arena: the param (the
-# tape's value and the step program's state), AdamW's two moments (the same two each), the
-# eval program's param (without gradient accumulation; it adds two)
-STEP_COPIES = 7
+# tape's value and the step program's state), AdamW's two moments (the tape's are zeros
+# never touched, the program's), a transient copy while a checkpoint or the model is
+# written; the eval program reads the step's params (gradient accumulation adds two)
+STEP_COPIES = 5
 # and what the header check counts per weight: those, the model's own copy and the gradient
 STATE_COPIES = STEP_COPIES + 2
 
@@ -69,7 +70,7 @@ def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4)
         raise GradtapeError(
             f"not enough memory: full fine-tuning of {name} ({n / 1e6:.0f}M weights) needs "
             f"about {need / GiB:.1f} GiB before its activations (each weight {STATE_COPIES} "
-            f"times: the model, its param, its gradient, 2 AdamW moments and their copies), "
+            f"times: the model's, the step's params, gradients and 2 AdamW moments), "
             f"but only {available / GiB:.1f} GiB is available; --fine-tune-type lora trains "
             "a small adapter instead (or --ignore-memory to try anyway)")
 

@@ -205,6 +205,9 @@ class TrainStep:
         self.program = tp.compile(outputs, backend=backend, updates=updates,
                                   plan=self.plan, checkpoint=self.checkpointed)
         self.plan = self.program.execution
+        # a full step's eval program reads the params where the step keeps them: a copy
+        # of every weight less (an adapter is small: it is fed, as it always was)
+        self._eval_shares = self.full and self.eval_program.share_state(self.program, params)
 
     def _record_sft(self, W, batch_size, seq_len, backend):
         """The next-token loss of ``batch_size`` rows, its gradients, the eval program."""
@@ -273,8 +276,9 @@ class TrainStep:
     def state_copies(self) -> int:
         """Copies of each trained value the step holds (params, moments, accumulator,
         the eval program's), for the memory estimate."""
-        if self.full:
-            return full.STEP_COPIES + (2 if self.grad_accum > 1 else 0)
+        if self.full:  # MPI: the gradients program's params, the eval program's own
+            return (full.STEP_COPIES + (2 if self.grad_accum > 1 else 0)
+                    + (2 if self.world is not None else 0))
         return 5
 
     @property
@@ -473,7 +477,7 @@ class TrainStep:
         with the current adapter: the loss and each metric averaged over the batches with
         their weights (each batch's share of the pairs), ``logps`` each batch's policy
         log-probabilities ``[2N]`` (the reference pass keeps them)."""
-        params = self.current_params()
+        params = self._eval_params()
         loss, metrics, logps = 0.0, dict.fromkeys(self.metric_vars, 0.0), []
         for batch, ref, weight in batches:
             ref = np.zeros(2 * batch.n_pairs) if ref is None and self.method.reference else ref
@@ -486,7 +490,7 @@ class TrainStep:
 
     def eval_loss(self, seqs):
         """Mean next-token loss over ``seqs`` (a data.Sequences) with the current adapter."""
-        feeds = self.current_params()
+        feeds = self._eval_params()
         total, count = 0.0, 0
         b = self.batch_size
         for s in range(0, len(seqs), b):
@@ -499,6 +503,10 @@ class TrainStep:
             (loss,) = self.eval_program.run({**feeds, **self._feeds(batch, 1)})
             total, count = total + float(loss), count + k
         return total / max(count, 1)
+
+    def _eval_params(self):
+        """The eval program's param feeds: none where it reads the step's own."""
+        return {} if getattr(self, "_eval_shares", False) else self.current_params()
 
     def current_params(self):
         return {p: self.program.state(p) for p in self.state_leaves["param"]}

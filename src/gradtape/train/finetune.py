@@ -133,7 +133,7 @@ class FinetuneConfig:
                                        "target, written to adapter/) or full (every weight, "
                                        "norms and embeddings too, in float32 with AdamW; "
                                        "the trained model is written to model/ as a Hugging "
-                                       "Face folder; needs about 7 float32 copies of the "
+                                       "Face folder; needs about 6 float32 copies of the "
                                        "weights plus activations, checked before loading)",
                                checks.one_of(*full.FINE_TUNE_TYPES))
     save_gguf: str = _opt("", "full: also write the trained model as model.gguf in this "

@@ -15,8 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import numpy as np
-
 from ..errors import GradtapeError
 from ..models.export import dense, save_gguf, save_hf_folder
 from ..models.memory import GiB, weight_bytes
@@ -29,10 +27,10 @@ BF16_WHY = ("full fine-tuning: every weight is trained and changes every step, s
             "products run float32; the bf16 path converts a frozen weight once")
 
 # copies of each weight a full step holds outside its activations' arena: the param (the
-# tape's value and the step program's state), AdamW's two moments (the tape's are zeros
-# never touched, the program's), a transient copy while a checkpoint or the model is
-# written; the eval program reads the step's params (gradient accumulation adds two)
-STEP_COPIES = 5
+# tape's value and the step program's state) and AdamW's two moments (the program's; the
+# tape's are zeros never touched); the eval program reads the step's params, checkpoints
+# and the model are written one array at a time (gradient accumulation adds two)
+STEP_COPIES = 4
 # and what the header check counts per weight: those, the model's own copy and the gradient
 STATE_COPIES = STEP_COPIES + 2
 
@@ -43,19 +41,14 @@ def weight_params(tp, model) -> dict:
     return {name: tp.param(dense(model.weights, name)) for name in model.weights}
 
 
-def trained_model(model, weights: dict):
-    """A model of ``model``'s class with the trained ``weights`` (float32 arrays)."""
-    weights = {k: np.asarray(w, np.float32) for k, w in weights.items()}
+def trained_model(model, weights):
+    """A model of ``model``'s class with the trained ``weights`` (a mapping of float32
+    arrays, such as ``TrainStep.model_weights``, read when the writers ask)."""
     if dataclasses.is_dataclass(model):
         return dataclasses.replace(model, weights=weights)
     out = copy.copy(model)  # a record of another kind with the same fields
     out.weights = weights
     return out
-
-
-def n_values(model) -> int:
-    """How many values the weights of ``model`` hold (block matrices by their shape)."""
-    return sum(int(np.prod(w.shape, dtype=np.int64)) for w in model.weights.values())
 
 
 def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
@@ -93,6 +94,10 @@ class StateArrays(MutableMapping):
 
     def __len__(self):
         return len(set(self._read) | set(self._set))
+
+
+def _float32_state(program, leaf):
+    return program.state(leaf).astype(np.float32, copy=False)
 
 
 # --grad-checkpoint auto recomputes as few layers as keep the run (the step's plan, the
@@ -521,11 +526,13 @@ class TrainStep:
 
     def model_weights(self):
         """The trained weights of a full step ``{name: float32 array}`` (our names and
-        orientation), with any weight the loss does not read as the model has it."""
-        out = dict(self.model.weights)
-        out.update({k: self.program.state(p).astype(np.float32)
-                    for k, p in self.trained.items()})
-        return out
+        orientation), with any weight the loss does not read as the model has it; each
+        read from the program when asked (``StateArrays``: a writer holds one at a time)."""
+        return StateArrays({
+            k: (functools.partial(_float32_state, self.program, self.trained[k])
+                if k in self.trained else functools.partial(operator.getitem,
+                                                            self.model.weights, k))
+            for k in self.model.weights})
 
     def state_arrays(self):
         """Everything a checkpoint needs, as named arrays, each read from the program

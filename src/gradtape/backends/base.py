@@ -59,6 +59,15 @@ class Backend:
     def leaf_value(self, leaf):
         raise NotImplementedError
 
+    def leaf_array(self, leaf):
+        """The host array a leaf's value lives in, not a copy (None: not on the host)."""
+        return None
+
+    def share_leaf(self, leaf, arr) -> bool:
+        """Read ``leaf`` from ``arr`` itself from now on, an array another program owns
+        and updates in place (this one never writes it); False where it cannot."""
+        return False
+
 
 def page_aligned(n, dtype, page=4096):
     """``np.empty(n, dtype)`` starting on a page boundary.  NumPy's own large arrays start
@@ -113,6 +122,19 @@ class HostBackend(Backend):
 
     def leaf_value(self, leaf):
         return self._values[leaf].copy()
+
+    def leaf_array(self, leaf):
+        return self._values.get(leaf)
+
+    def share_leaf(self, leaf, arr) -> bool:
+        if leaf not in self._values:
+            return True  # pruned: nothing reads it
+        if any(leaf is dst for dst, _ in self.graph.updates):
+            return False  # this program's own state
+        self._values[leaf] = arr  # a later set_leaf copies it first (not owned)
+        self._owned.discard(leaf)
+        self._stale = True
+        return True
 
     def set_leaf(self, leaf, arr):
         """Copy ``arr`` into the leaf's storage (taking a private copy first if shared:

@@ -7,10 +7,12 @@ same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shap
 model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
 bench/quant_bench.py); a DPO step on SmolLM2 and on that 8B-shaped file against TRL's
 ``DPOTrainer`` + PEFT, with the reference pass against an epoch (``smollm2-dpo``,
-``llama8b-q4km-dpo``, bench/dpo_bench.py).  Needs a source checkout (the peer code lives
-in bench/, not in the package); the training workloads need the test extras (torch,
-transformers, peft; the DPO workloads trl and datasets too), the generation peer needs
-llama-cpp-python (skipped with a note without it).
+``llama8b-q4km-dpo``, bench/dpo_bench.py); full fine-tuning of every weight of SmolLM2 at
+T=256 against transformers with AdamW, eager and under bf16 autocast (``smollm2-full``,
+bench/full_bench.py).  Needs a source checkout (the peer code lives in bench/, not in the
+package); the training workloads need the test extras (torch, transformers, peft; the DPO
+workloads trl and datasets too), the generation peer needs llama-cpp-python (skipped with a
+note without it).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
            "llama8b-q4km-lora-2k": SCRIPT.with_name("quant_bench.py"),
            "smollm2-generate": SCRIPT.with_name("generate_bench.py"),
+           "smollm2-full": SCRIPT.with_name("full_bench.py"),
+           "tiny-full": SCRIPT.with_name("full_bench.py"),
            **{w: SCRIPT.with_name("dpo_bench.py")
               for w in ("smollm2-dpo", "llama8b-q4km-dpo", "tiny-dpo")}}
 # the peers' packages each script needs
 PEER = ("torch", "transformers", "peft", "threadpoolctl")
-NEEDS = {SCRIPT: PEER, SCRIPTS["llama8b-q4km-lora"]: PEER,
+NEEDS = {SCRIPT: PEER, SCRIPTS["llama8b-q4km-lora"]: PEER, SCRIPTS["smollm2-full"]: PEER,
          SCRIPTS["smollm2-dpo"]: PEER + ("trl", "datasets")}
 COMPUTE_DEFAULT = "auto,float32,bf16"
 
@@ -60,7 +64,11 @@ def add_arguments(parser):
                              "(the 8B: bf16 weights), step time and peak memory as ours / "
                              "TRL, and our reference pass against an epoch over the same "
                              "pairs (bench/dpo_bench.py); tiny-dpo: the same on a tiny "
-                             "random model, in seconds")
+                             "random model, in seconds; smollm2-full: "
+                             "every weight of SmolLM2 trained at T=256 vs transformers "
+                             "with AdamW, eager and under bf16 autocast, step time and "
+                             "peak memory as ratios (bench/full_bench.py; tiny-full: the "
+                             "same on a tiny model, seconds)")
     option(parser, "--backend", checks.one_of(*BACKENDS), default="cpu",
            help="gradtape backend (default: %(default)s)")
     option(parser, "--reps", checks.count(0), type=int, default=0,
@@ -112,6 +120,8 @@ def _benchmark(names, args):
             argv += ["--no-autocast"] * args.no_autocast
         if script == SCRIPT:
             argv += ["--with-compile"] * args.with_compile
+        if script == SCRIPTS["smollm2-full"]:
+            argv += ["--no-autocast"] * args.no_autocast
         if not script.is_file():
             raise GradtapeError(f"{script} not found: gradtape bench runs from a source "
                                 "checkout")

@@ -118,6 +118,18 @@ class Program:
         for leaf, value in values.items():
             self.executable.set_leaf(leaf, self._check_feed(leaf, value))
 
+    def share_state(self, other, leaves) -> bool:
+        """Read ``leaves``, state of the program ``other``, straight from its storage: no
+        copy, always its current values (a training step's eval program reading the
+        params).  False where a backend cannot: the caller feeds the values instead (a
+        leaf fed is copied into this program's own storage, shared or not)."""
+        arrays = [other.executable.leaf_array(leaf) for leaf in leaves]
+        if any(a is None for a in arrays) or not all(
+                self.executable.share_leaf(leaf, a) for leaf, a in zip(leaves, arrays)):
+            return False
+        self._fed_last -= set(leaves)
+        return True
+
     def state(self, leaf):
         """The current value of a state leaf (or any leaf) held by the program."""
         return self.executable.leaf_value(leaf)

@@ -203,11 +203,12 @@ def hf_plan(cfg, weights, dtype="float32", adapter=None) -> list:
     return out
 
 
-def _write_safetensors(path, plan, dtype, metadata):
+def write_safetensors(path, plan, dtype, metadata):
     """A safetensors file written one tensor at a time from ``plan`` (``[(name, shape,
     make)]``, every tensor of ``dtype``): the header is known from the shapes alone."""
     dt = np.dtype(dtype)
-    code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}[dt]
+    code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+            np.dtype(np.float64): "F64"}[dt]
     header, off = {"__metadata__": metadata}, 0
     for name, shape, _ in plan:
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -239,7 +240,7 @@ def save_hf_folder(model, folder, dtype="float32", adapter=None) -> Path:
     if adapter is not None:
         from .lora import check_adapter_fits
         check_adapter_fits(adapter, cfg, "adapter")
-    _write_safetensors(folder / "model.safetensors", hf_plan(cfg, model.weights, dtype, adapter),
+    write_safetensors(folder / "model.safetensors", hf_plan(cfg, model.weights, dtype, adapter),
                        _np_dtype(dtype), {"format": "pt"})
     tok = getattr(model, "tokenizer", None)
     if tok is not None and hasattr(tok, "hf_files"):

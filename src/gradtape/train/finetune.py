@@ -4,7 +4,10 @@
 its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
 
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
-    checkpoint/         state.safetensors: adapter, AdamW moments; step and config as metadata
+    model/              --fine-tune-type full: the trained model, a Hugging Face folder
+                        (and model.gguf beside it with --save-gguf)
+    checkpoint/         state.safetensors: adapter (or every weight), AdamW moments; step
+                        and config as metadata
     log.jsonl           one JSON object per step (loss, lr, grad norm, tokens/s) and per eval
                         (eval loss, samples, the best step under --early-stop)
     loss.png            train (and eval) loss curves
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -42,11 +46,12 @@ from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
 from ..io import atomic_write_bytes, atomic_write_json
 from . import data as data_mod
-from . import config_file, distributed, preference_run, samples, steering
+from . import config_file, distributed, full, preference_run, samples, steering
 from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
 from ..blocks import is_block_matrix
 from ..models.arch import ARCHS
+from ..models.export import write_safetensors
 from ..models.lora import (ADAPTER_TYPES, check_folder, init_adapter, load_adapter,
                            parse_targets)
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
@@ -92,6 +97,13 @@ def _beta(name, value):
         checks.positive()(name, value)
 
 
+def _gguf_precision(name, value):
+    """Empty (no GGUF) or the precision of its matrices."""
+    checks.check_type(name, value, str)
+    if value:
+        checks.one_of("float32", "float16")(name, value)
+
+
 def flag(field_name):
     """The command-line spelling of a config field: ``seq_len`` -> ``--seq-len``."""
     return "--" + field_name.replace("_", "-")
@@ -129,11 +141,19 @@ class FinetuneConfig:
     grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
                            checks.count(1))
     fine_tune_type: str = _opt("lora", "what is trained: lora (a rank-r update A, B per "
-                                       "target) or dora (LoRA plus a magnitude per output "
-                                       "feature, the direction W0 + s B A normalised per "
-                                       "feature, as PEFT's use_dora; often better at low "
-                                       "rank, a step costs a little more)",
-                               checks.one_of(*ADAPTER_TYPES))
+                                       "target, written to adapter/), dora (LoRA plus a "
+                                       "magnitude per output feature, the direction W0 + s B A "
+                                       "normalised per feature, as PEFT's use_dora; often "
+                                       "better at low rank, a step costs a little more) or "
+                                       "full (every weight, norms and embeddings too, in "
+                                       "float32 with AdamW; the trained model is written to "
+                                       "model/ as a Hugging Face folder; needs about 6 float32 "
+                                       "copies of the weights plus activations, checked "
+                                       "before loading)",
+                               checks.one_of(*full.FINE_TUNE_TYPES))
+    save_gguf: str = _opt("", "full: also write the trained model as model.gguf in this "
+                              "precision, float32 or float16 (for llama.cpp)",
+                          _gguf_precision)
     rank: int = _opt(8, "LoRA rank r", checks.count(1))
     alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with "
                               "--rslora)", checks.positive())
@@ -240,6 +260,20 @@ class FinetuneConfig:
                 raise GradtapeError(f"{flag(name)} applies to the preference methods, not "
                                     f"{meth.name}")
         check_options(meth, self.options())
+        # the adapter's options mean nothing when every weight is trained, and the other
+        # way round (one line, naming the flag)
+        if self.fine_tune_type == "full":
+            for name, default in (("rank", 8), ("alpha", 16.0), ("targets", "all"),
+                                  ("weights", "auto"), ("rslora", False), ("adapter", "")):
+                if getattr(self, name) != default:
+                    raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora or "
+                                        "dora, not full (which trains every weight)")
+            if self.early_stop:
+                raise GradtapeError("--early-stop keeps the best evaluation's adapter; "
+                                    "--fine-tune-type full does not support it yet")
+        elif self.save_gguf:
+            raise GradtapeError("--save-gguf applies to --fine-tune-type full (a LoRA run: "
+                                "gradtape merge --format gguf writes the merged model)")
         steering.check_options(self)
 
     @classmethod
@@ -300,6 +334,7 @@ def _finetune(cfg, model, log, world, together):
         _claim_folder(out, cfg.resume)
     model, available = _load_model(cfg, model, log)
     targets = parse_targets(cfg.targets, model.config)
+    is_full = cfg.fine_tune_type == "full"
     if meth.data == "preference":
         train, held = preference_run.load(cfg, data_file, eval_file, model.tokenizer,
                                           meth.average, log, world)
@@ -319,7 +354,9 @@ def _finetune(cfg, model, log, world, together):
     steps = cfg.steps or max(1, math.ceil(cfg.epochs * len(train) / per_step))
     dtype = {"float32": np.float32, "float64": np.float64}[cfg.dtype]
 
-    if cfg.adapter:
+    if is_full:
+        adapter = None
+    elif cfg.adapter:
         adapter = _starting_adapter(cfg, model, targets, dtype, log)
         targets = adapter.targets
     else:
@@ -347,10 +384,14 @@ def _finetune(cfg, model, log, world, together):
     together.sync()  # every rank is ready (or all stop with the first setup error)
     what = (f"{len(train)} pairs" if meth.data == "preference" else
             f"{len(train)} sequences ({train.n_target_tokens} target tokens)")
-    kind = "DoRA" if adapter.dora else "LoRA"
-    log(f"training {len(targets)} {kind} targets (r={adapter.rank}"
-        + (", rsLoRA" if adapter.scale_override is not None else "") + f") on {what}, "
-        f"{len(held)} held "
+    if is_full:
+        trained = (f"every weight ({len(step_prog.trained)} tensors, "
+                   f"{step_prog.n_param / 1e6:.1f}M values)")
+    else:
+        trained = (f"{len(targets)} {'DoRA' if adapter.dora else 'LoRA'} targets "
+                   f"(r={adapter.rank}"
+                   + (", rsLoRA" if adapter.scale_override is not None else "") + ")")
+    log(f"training {trained} on {what}, {len(held)} held "
         f"out; {steps} steps "
         f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} "
@@ -415,7 +456,15 @@ def _load_model(cfg, model, log):
     if cfg.weights not in WEIGHT_MODES:
         raise GradtapeError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got "
                             f"{cfg.weights!r}")
-    if model is None:
+    if model is None and cfg.fine_tune_type == "full":
+        # from the header: refused before the weights are read; the stored matrices
+        # stay mapped, each dequantized once into its float32 param (train.full)
+        available = mem_available()
+        path, _ = models.model_source(cfg.model)
+        full.check_fits(path, available, cfg.model, OVERHEAD, cfg.ignore_memory,
+                        itemsize=np.dtype(cfg.dtype).itemsize)
+        model = models.load(cfg.model, keep_quantized=True)
+    elif model is None:
         available = mem_available()  # before the weights take their share
         path, kind = models.model_source(cfg.model)
         keep = _keep_quantized(cfg, path, available, log)
@@ -445,7 +494,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
     from .step import TrainStep
 
     hint = (": use a shorter --seq-len or a smaller --batch-size"
-            + ("" if any(is_block_matrix(w) for w in model.weights.values())
+            + (", or --fine-tune-type lora" if adapter is None else
+               "" if any(is_block_matrix(w) for w in model.weights.values())
                else ", or --weights stored") + " (or --ignore-memory to try anyway)")
     log("building the step (the first run on this CPU also times its GEMM "
         "layouts and attention at these shapes: up to a minute for an 8B model)")
@@ -455,7 +505,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
                           grad_accum=cfg.grad_accum, backend=cfg.backend, dtype=dtype,
                           world=world, compute=cfg.compute, grad_checkpoint=cfg.grad_checkpoint,
                           memory_limit=None if cfg.ignore_memory else available,
-                          memory_hint=hint, method=cfg.method, options=cfg.options())
+                          memory_hint=hint, method=cfg.method, options=cfg.options(),
+                          fine_tune_type=cfg.fine_tune_type)
     build_s = time.perf_counter() - t_build
     plan = step_prog.plan  # every choice of the run, with its reason
     f32 = plan.f32_gemms
@@ -567,10 +618,14 @@ def _diverged(run, loss, step):
 
 def _finish(run, adapter, step_prog, records, log, steer):
     """Rank 0 writes the adapter (unless ``adapter/`` holds the best evaluation's:
-    ``--early-stop``) and the loss curve; the run's summary."""
+    ``--early-stop``), or the trained model, and the loss curve; the run's summary."""
     out, world = run.out, run.world
+    wrote = f"adapter in {out / 'adapter'}"
     if world.is_root:
-        if not steer.keeps_adapter:
+        if adapter is None:  # full fine-tuning: the model itself
+            trained = full.trained_model(step_prog.model, step_prog.model_weights())
+            wrote = full.save_model(trained, out, run.cfg.save_gguf)
+        elif not steer.keeps_adapter:
             adapter.weights = step_prog.adapter_weights()
             adapter.magnitudes = step_prog.adapter_magnitudes()
             adapter.save(out / "adapter")
@@ -581,7 +636,7 @@ def _finish(run, adapter, step_prog, records, log, steer):
                                   if "eval_loss" in r), None),
                "tokens_per_s": records[-1]["tokens_per_s"] if records else None,
                "out": str(out), "rank": world.rank, **steer.summary(run.steps)}
-    log(f"done: adapter in {out / 'adapter'}, loss curve in {out / 'loss.png'}")
+    log(f"done: {wrote}, loss curve in {out / 'loss.png'}")
     return summary
 
 
@@ -688,21 +743,27 @@ def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None,
                      extra_arrays=None):
     """One file, written atomically: the state arrays, with the step and the run's config
     in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
-    from safetensors.numpy import save
-
     ck = out / "checkpoint"
-    arrays = {**step_prog.state_arrays(), **(extra_arrays or {})}
-    bad = [k for k, a in arrays.items() if not np.isfinite(a).all()]
-    if bad:  # never replace a good checkpoint with a diverged state
-        raise GradtapeError(f"the training state became non-finite at step {step} ({bad[0]}); "
-                            f"stopped, the last good checkpoint in {ck} is kept (lower --lr?)")
+    arrays = step_prog.state_arrays()  # read one array at a time: twice, to check first
+    for k, a in (extra_arrays or {}).items():  # one file, one dtype (float32 values exact)
+        arrays[k] = np.asarray(a, step_prog.tape.dtype)
+    shapes = {}
+    for k in sorted(arrays):
+        a = arrays[k]
+        if not np.isfinite(a).all():  # never replace a good checkpoint with a diverged state
+            raise GradtapeError(f"the training state became non-finite at step {step} ({k}); "
+                                f"stopped, the last good checkpoint in {ck} is kept "
+                                "(lower --lr?)")
+        shapes[k] = a.shape
     meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
             "world_size": str(world_size), **(extra_meta or {})}
     try:
         ck.mkdir(exist_ok=True)
         for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write
             stale.unlink()
-        atomic_write_bytes(ck / CHECKPOINT, save(arrays, metadata=meta))
+        write_safetensors(ck / CHECKPOINT, [(k, shape, functools.partial(arrays.get, k))
+                                            for k, shape in shapes.items()],
+                          step_prog.tape.dtype, meta)
     except OSError as e:
         raise GradtapeError(f"cannot write the checkpoint for step {step} ({e}); the "
                             f"previous checkpoint in {ck} is kept") from None

@@ -37,6 +37,7 @@ class Estimate:
     scratch: int
     state: int
     overhead: int = OVERHEAD
+    state_name: str = "adapter + optimizer"  # "params + optimizer" for full fine-tuning
 
     @property
     def total(self) -> int:
@@ -44,7 +45,7 @@ class Estimate:
 
     def describe(self) -> str:
         parts = [("weights", self.weights), ("activations", self.activations),
-                 ("scratch", self.scratch), ("adapter + optimizer", self.state),
+                 ("scratch", self.scratch), (self.state_name, self.state),
                  ("runtime", self.overhead)]
         return (f"about {self.total / GiB:.1f} GiB ("
                 + ", ".join(f"{name} {b / GiB:.2f}" for name, b in parts if b) + ")")
@@ -69,12 +70,13 @@ def _scratch(prog, weights, dtype):
 
 
 def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
-            built=()) -> Estimate:
+            built=(), copies=5, full=False) -> Estimate:
     """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
     the backend-independent passes and their memory plan, before any backend allocates
     anything (the cpu backend's own plan differs by a few percent), with what the programs
     ``built`` beside it hold (the eval program: its arena, its bf16 weight copies, which
-    the step shares, and its scratch)."""
+    the step shares, and its scratch); ``copies`` of each of the ``n_param`` trained
+    values (``TrainStep.state_copies``), ``full``: they are the model's weights."""
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
@@ -83,7 +85,11 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)
                                    + fused_scratch_bytes(p.graph) for p in built]),
-                    state=n_param * tape.dtype.itemsize * 5)
+                    state=n_param * tape.dtype.itemsize * copies, 
+                    state_name=_STATE_NAME[full])
+
+
+_STATE_NAME = {False: "adapter + optimizer", True: "params + optimizer"}
 
 
 def _bf16_copies(progs):
@@ -97,15 +103,14 @@ def estimate(model, step) -> Estimate:
     """What ``step`` (a compiled ``TrainStep``) on ``model`` holds once it runs."""
     progs = _programs(step)
     dtype = step.tape.dtype
-    n_param = sum(a.size + b.size for a, b in step.adapter.weights.values()) + sum(
-        m.size for m in step.adapter.magnitudes.values())  # DoRA's magnitudes
     # params, two moments, an accumulator, and a copy of each in the eval program
-    state = n_param * dtype.itemsize * 5
+    state = step.n_param * dtype.itemsize * step.state_copies
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),
                     activations=sum(int(p.memory.nbytes) for p in progs),
                     scratch=max((_scratch(p, model.weights, dtype)
                                  + fused_scratch_bytes(p.graph) for p in progs), default=0),
-                    state=state)
+                    state=state,
+                    state_name=_STATE_NAME[step.full])
 
 
 def check(est: Estimate, available, hint=""):

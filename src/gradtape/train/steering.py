@@ -148,7 +148,10 @@ class Steering:
                 + (f" (so far step {early.best_step}'s, eval loss {early.best_loss:.4f})"
                    if early.best_step else ""))
         sampler = None
-        if cfg.samples:
+        if cfg.samples and cfg.fine_tune_type == "full":  # generation reads an adapter
+            log("samples: not shown with --fine-tune-type full yet (generate from model/ "
+                "after the run)")
+        elif cfg.samples:
             if file_prompts is not None:
                 prompts = [samples_mod.encode_prompt(model.tokenizer, p) for p in file_prompts]
             else:

@@ -1,9 +1,10 @@
-"""LoRA training: one step recorded once, replayed every step.
+"""LoRA (or full) training: one step recorded once, replayed every step.
 
 ``TrainStep`` records, on one tape, the forward of a micro-batch through the model with
 LoRA params, the next-token loss over target ids, ``backward`` (which touches only the
 adapter: frozen weights are consts and get no gradient), clipping by global norm and
-AdamW.  It compiles that into one Program whose state (adapter params, moments, and the
+AdamW.  Full fine-tuning (``fine_tune_type="full"``, ``train.full``) records the same
+graph with every weight a param instead of a const and no adapter.  It compiles that into one Program whose state (adapter params, moments, and the
 gradient accumulator when ``grad_accum > 1``) lives in the backend between steps.
 
 A preference method (``train.methods``, a row whose data is ``preference``) records
@@ -32,7 +33,10 @@ copied into ``grads_program``'s leaves after every update.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +50,7 @@ from ..models.dora import adapter_leaves, leaf_params
 from ..models.graph import head_loss, record_forward, weight_consts
 from ..models.memory import GiB, mem_available, resident_copy_bytes
 from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
+from . import full
 from .data import IGNORE, empty_rows
 from .memory import planned
 from .methods import Options, method as method_row
@@ -69,6 +74,35 @@ class Schedule:
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos)
 
 
+class StateArrays(MutableMapping):
+    """Named arrays read one at a time when asked (``read``: name -> a function making the
+    array), so that a checkpoint of every weight and its moments never holds a second copy
+    of the whole state; an array assigned is kept as given."""
+
+    def __init__(self, read):
+        self._read, self._set = dict(read), {}
+
+    def __getitem__(self, name):
+        return self._set[name] if name in self._set else self._read[name]()
+
+    def __setitem__(self, name, value):
+        self._set[name] = value
+
+    def __delitem__(self, name):
+        self._read.pop(name, None)
+        self._set.pop(name, None)
+
+    def __iter__(self):
+        return iter(dict.fromkeys([*self._read, *self._set]))
+
+    def __len__(self):
+        return len(set(self._read) | set(self._set))
+
+
+def _float32_state(program, leaf):
+    return program.state(leaf).astype(np.float32, copy=False)
+
+
 # --grad-checkpoint auto recomputes as few layers as keep the run (the step's plan, the
 # eval program, the weights) within this share of the memory available; the rest stays
 # for the machine's other work and the estimate's error.  Recomputing a layer costs about
@@ -84,7 +118,7 @@ class TrainStep:
                  compute=DEFAULT_COMPUTE, grad_checkpoint="off", memory_limit=None,
                  memory_hint=": use a shorter --seq-len or a smaller --batch-size (or "
                              "--ignore-memory to try anyway)", method="sft",
-                 options=Options()):
+                 options=Options(), fine_tune_type="lora"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes the
         fewest layers (the first ones) that keep the run within ``AUTO_SHARE`` of
@@ -95,7 +129,12 @@ class TrainStep:
         next-token loss; ``options`` its numbers.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
-        ``memory_hint``)."""
+        ``memory_hint``).  ``fine_tune_type``: "lora" trains ``adapter``; "full" trains
+        every weight of the model (``train.full``; ``adapter`` is None)."""
+        if fine_tune_type not in full.FINE_TUNE_TYPES:
+            raise ValueError(f"TrainStep: fine_tune_type must be one of "
+                             f"{full.FINE_TUNE_TYPES}, got {fine_tune_type!r}")
+        self.full = fine_tune_type == "full"
         if grad_checkpoint not in ("off", "on", "auto"):
             raise ValueError(f"TrainStep: grad_checkpoint must be 'off', 'on' or 'auto', got "
                              f"{grad_checkpoint!r}")
@@ -110,8 +149,10 @@ class TrainStep:
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
         n_seq = 2 * batch_size if self.preference else batch_size  # sequences a micro-batch
-        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype, compute,
-                                 attention=attention_from)
+        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype,
+                                 "float32" if self.full else compute, attention=attention_from)
+        if self.full and compute != "float32":
+            self.plan = self.plan.replace(compute=Decision("float32", full.BF16_WHY))
         self.plan = resident_weights(
             self.plan, resident_copy_bytes(model.weights),
             memory_limit if memory_limit is not None else mem_available())
@@ -120,12 +161,14 @@ class TrainStep:
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         tp = Tape(dtype, eager=False)
         self.tape = tp
-        W = weight_consts(tp, model)
+        W = full.weight_params(tp, model) if self.full else weight_consts(tp, model)
         if self.preference:
             self._record_preference(W, batch_size, seq_len, backend)
         else:
             self._record_sft(W, batch_size, seq_len, backend)
-        params = leaf_params(self.lora)
+        # the weights a full step trains (every one the loss reads), else the adapter's
+        self.trained = {k: w for k, w in W.items() if w in self.grads} if self.full else {}
+        params = list(self.trained.values()) if self.full else leaf_params(self.lora)
         g = [self.grads[p] for p in params]
         # what runs, recorded in the plan: a model with no weight big enough for a bf16
         # GEMM stays float32; int8 is for the weights kept in their ggml blocks
@@ -165,6 +208,9 @@ class TrainStep:
         self.program = tp.compile(outputs, backend=backend, updates=updates,
                                   plan=self.plan, checkpoint=self.checkpointed)
         self.plan = self.program.execution
+        # a full step's eval program reads the params where the step keeps them: a copy
+        # of every weight less (an adapter is small: it is fed, as it always was)
+        self._eval_shares = self.full and self.eval_program.share_state(self.program, params)
 
     def _record_sft(self, W, batch_size, seq_len, backend):
         """The next-token loss of ``batch_size`` rows, its gradients, the eval program."""
@@ -176,9 +222,9 @@ class TrainStep:
         # each token's position and example within its row: rows may pack several examples
         self.positions = tp.const(np.zeros(rows, np.int64))
         self.segments = tp.const(np.zeros(rows, np.int64))
-        self.lora = adapter_leaves(tp, self.adapter, self.model.weights)  # DoRA: 4 leaves
+        self.lora = self._adapter_params()
         hidden = record_forward(tp, model.config, W, self.ids, batch_size, self.lora,
-                                self.adapter.scale, positions=self.positions,
+                                self._scale, positions=self.positions,
                                 segments=self.segments, head=False,
                                 fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
@@ -194,11 +240,11 @@ class TrainStep:
         over the ``2 * batch_size`` sequences; the eval program outputs the loss, the
         policy's log-probabilities (what the reference pass keeps) and the metrics."""
         tp = self.tape
-        self.lora = adapter_leaves(tp, self.adapter, self.model.weights)  # DoRA: 4 leaves
+        self.lora = self._adapter_params()
         # a placeholder batch gives the leaves their shapes; every step feeds its own
         dummy = [([0, 0], [0, 1], [0, 0], [0, 1])] * batch_size
         ref = np.zeros(2 * batch_size) if self.method.reference else None
-        self.graph = record_preference(tp, self.model.config, W, self.lora, self.adapter.scale,
+        self.graph = record_preference(tp, self.model.config, W, self.lora, self._scale,
                                        self.method, pair_batch(dummy, seq_len, False),
                                        self.options, ref)
         self.metric_vars = self.graph.metrics
@@ -211,6 +257,32 @@ class TrainStep:
         self.eval_program = tp.compile([self.graph.eval_loss, self.graph.logps,
                                         *self.graph.eval_metrics.values()],
                                        backend=backend, plan=self.plan)
+
+    def _adapter_params(self):
+        """The adapter's leaves (``models.dora.adapter_leaves``; none when full)."""
+        if self.full:
+            return {}
+        return adapter_leaves(self.tape, self.adapter, self.model.weights)  # DoRA: 4 leaves
+
+    @property
+    def _scale(self):
+        return 1.0 if self.full else self.adapter.scale
+
+    @property
+    def n_param(self) -> int:
+        """Values trained: the adapter's, or every weight's (full)."""
+        if self.full:
+            return sum(p.size for p in self.trained.values())
+        return sum(p.size for p in leaf_params(self.lora))
+
+    @property
+    def state_copies(self) -> int:
+        """Copies of each trained value the step holds (params, moments, accumulator,
+        the eval program's), for the memory estimate."""
+        if self.full:  # MPI: the gradients program's params, the eval program's own
+            return (full.STEP_COPIES + (2 if self.grad_accum > 1 else 0)
+                    + (2 if self.world is not None else 0))
+        return 5
 
     @property
     def compute(self) -> str:
@@ -236,9 +308,9 @@ class TrainStep:
         n), or without it (False or 0), from the passes' memory plan (nothing allocated),
         and the eval program built before it."""
         outputs, updates = self._step_graph
-        n_param = sum(p.size for p in leaf_params(self.lora))
-        return planned(self.model, self.tape, outputs, updates, n_param, checkpoint,
-                       self.backend, built=[self.eval_program])
+        return planned(self.model, self.tape, outputs, updates, self.n_param, checkpoint,
+                       self.backend, built=[self.eval_program], copies=self.state_copies,
+                       full=self.full)
 
     def _record_checkpoint(self):
         self.plan = self.plan.replace(checkpoint=Decision(
@@ -418,7 +490,7 @@ class TrainStep:
         with the current adapter: the loss and each metric averaged over the batches with
         their weights (each batch's share of the pairs), ``logps`` each batch's policy
         log-probabilities ``[2N]`` (the reference pass keeps them)."""
-        params = self.current_params()
+        params = self._eval_params()
         loss, metrics, logps = 0.0, dict.fromkeys(self.metric_vars, 0.0), []
         for batch, ref, weight in batches:
             ref = np.zeros(2 * batch.n_pairs) if ref is None and self.method.reference else ref
@@ -431,7 +503,7 @@ class TrainStep:
 
     def eval_loss(self, seqs):
         """Mean next-token loss over ``seqs`` (a data.Sequences) with the current adapter."""
-        feeds = self.current_params()
+        feeds = self._eval_params()
         total, count = 0.0, 0
         b = self.batch_size
         for s in range(0, len(seqs), b):
@@ -444,6 +516,10 @@ class TrainStep:
             (loss,) = self.eval_program.run({**feeds, **self._feeds(batch, 1)})
             total, count = total + float(loss), count + k
         return total / max(count, 1)
+
+    def _eval_params(self):
+        """The eval program's param feeds: none where it reads the step's own."""
+        return {} if getattr(self, "_eval_shares", False) else self.current_params()
 
     def current_params(self):
         return {p: self.program.state(p) for p in self.state_leaves["param"]}
@@ -462,14 +538,25 @@ class TrainStep:
         return {key: self.program.state(leaves[2]).astype(np.float32)
                 for key, leaves in self.lora.items() if len(leaves) == 4}
 
+    def model_weights(self):
+        """The trained weights of a full step ``{name: float32 array}`` (our names and
+        orientation), with any weight the loss does not read as the model has it; each
+        read from the program when asked (``StateArrays``: a writer holds one at a time)."""
+        return StateArrays({
+            k: (functools.partial(_float32_state, self.program, self.trained[k])
+                if k in self.trained else functools.partial(operator.getitem,
+                                                            self.model.weights, k))
+            for k in self.model.weights})
+
     def state_arrays(self):
-        """Everything a checkpoint needs, as named arrays."""
-        arrays = {f"{kind}.{i}": self.program.state(leaf)
-                  for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
+        """Everything a checkpoint needs, as named arrays, each read from the program
+        when asked (``StateArrays``: a full step's state is several GB)."""
+        read = {f"{kind}.{i}": functools.partial(self.program.state, leaf)
+                for kind, leaves in self.state_leaves.items() for i, leaf in enumerate(leaves)}
         if self.world is not None and self.grad_accum > 1:  # the single-process layout
-            arrays.update({f"acc.{i}": np.zeros(p.shape, self.tape.dtype)
-                           for i, p in enumerate(self.state_leaves["param"])})
-        return arrays
+            read.update({f"acc.{i}": functools.partial(np.zeros, p.shape, self.tape.dtype)
+                         for i, p in enumerate(self.state_leaves["param"])})
+        return StateArrays(read)
 
     def load_state_arrays(self, arrays):
         values = {}

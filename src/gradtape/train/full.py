@@ -1,0 +1,82 @@
+"""Full fine-tuning (``--fine-tune-type full``): every weight of the model is trained.
+
+What sets it apart from LoRA lives here: the parameters (every weight a float32 param,
+a GGUF's blocks dequantized; norms and embeddings too, as transformers' full fine-tuning
+trains every parameter; a tied LM head reads the embedding param, so it stays tied), the
+memory check made from the file's header before the weights are loaded (weights,
+gradients and AdamW's two moments), and the output (the trained model as a Hugging Face
+folder, a GGUF on request, through the writers ``gradtape merge`` has).  The step itself
+is ``train.step.TrainStep``'s, the same graph with params where LoRA has consts.  Not
+here: the loop, checkpoints (``train.finetune``), the graph (``models.graph``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from ..errors import GradtapeError
+from ..models.export import dense, save_gguf, save_hf_folder
+from ..models.lora import ADAPTER_TYPES
+from ..models.memory import GiB, weight_bytes
+
+FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or every weight
+
+# why a full step's weight products stay float32 under --compute bf16/int8: the cpu
+# backend converts a frozen weight to bf16 once; a trained weight changes every step
+BF16_WHY = ("full fine-tuning: every weight is trained and changes every step, so its "
+            "products run float32; the bf16 path converts a frozen weight once")
+
+# copies of each weight a full step holds outside its activations' arena: the param (the
+# tape's value and the step program's state) and AdamW's two moments (the program's; the
+# tape's are zeros never touched); the eval program reads the step's params, checkpoints
+# and the model are written one array at a time (gradient accumulation adds two)
+STEP_COPIES = 4
+# and what the header check counts per weight: those, the model's own copy and the gradient
+STATE_COPIES = STEP_COPIES + 2
+
+
+def weight_params(tp, model) -> dict:
+    """``{name: tp.param}`` of every weight of ``model`` (our names and orientation), in
+    the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized."""
+    return {name: tp.param(dense(model.weights, name)) for name in model.weights}
+
+
+def trained_model(model, weights):
+    """A model of ``model``'s class with the trained ``weights`` (a mapping of float32
+    arrays, such as ``TrainStep.model_weights``, read when the writers ask)."""
+    if dataclasses.is_dataclass(model):
+        return dataclasses.replace(model, weights=weights)
+    out = copy.copy(model)  # a record of another kind with the same fields
+    out.weights = weights
+    return out
+
+
+def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4):
+    """Refuse, from the file's header alone, a model whose full fine-tuning cannot fit:
+    its weights, their params, gradients and two AdamW moments (``STATE_COPIES`` values
+    each, ``itemsize`` bytes) and ``overhead`` bytes above ``available`` (None: unknown)."""
+    if available is None or ignore_memory:
+        return
+    n = weight_bytes(path, keep_quantized=False) // 4
+    need = n * itemsize * STATE_COPIES + overhead
+    if need > available:
+        raise GradtapeError(
+            f"not enough memory: full fine-tuning of {name} ({n / 1e6:.0f}M weights) needs "
+            f"about {need / GiB:.1f} GiB before its activations (each weight {STATE_COPIES} "
+            f"times: the model's, the step's params, gradients and 2 AdamW moments), "
+            f"but only {available / GiB:.1f} GiB is available; --fine-tune-type lora trains "
+            "a small adapter instead (or --ignore-memory to try anyway)")
+
+
+def save_model(model, out, gguf_dtype=""):
+    """Write the trained ``model`` into the run folder ``out``: ``model/`` (a Hugging Face
+    folder: config.json, model.safetensors, the tokenizer's files), and with
+    ``gguf_dtype`` (float32 or float16) ``model.gguf`` too; returns what it wrote, in
+    words."""
+    folder = save_hf_folder(model, out / "model", "float32")
+    what = f"model in {folder}"
+    if gguf_dtype:
+        path = save_gguf(model, out / "model.gguf", gguf_dtype)
+        what += f" and {path} ({gguf_dtype})"
+    return what

@@ -184,7 +184,7 @@ def test_early_stop_keeps_the_best_steps_adapter_and_says_so(tmp_path, monkeypat
 @pytest.mark.parametrize("kind", ["lora", "dora"])  # DoRA: the best's magnitudes kept too
 def test_early_stop_survives_a_resume_bit_for_bit(tmp_path, monkeypatch, kind):
     m = tiny_model()
-    # DoRA's magnitudes damp the step: a higher rate makes its held-out loss rise too
+    # at 5e-2 DoRA's held-out loss still falls at step 30; at 0.2 it rises again
     _cfg = functools.partial(globals()["_cfg"], fine_tune_type=kind,
                              **({"lr": 0.2} if kind == "dora" else {}))
     whole = finetune(_cfg(tmp_path, "whole"), model=m, log=QUIET)

@@ -54,6 +54,7 @@ import numpy as np
 from gradtape import checks
 from gradtape.cli.options import check_args, option
 from gradtape.errors import GradtapeError
+from gradtape.io import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,8 +222,6 @@ def train(run, cfg, resume):
 
 
 def write_outcome(run, cfg, ran, plan):
-    from gradtape.io import atomic_write_json
-
     recs = read_log(run.folder)
     atomic_write_json(run.folder / "outcome.json", {
         "config": dataclasses.asdict(cfg), "compute_ran": ran, "plan": plan,
@@ -246,6 +245,44 @@ def outcome(run):
     return json.loads((run.folder / "outcome.json").read_text())
 
 
+def rescore(args, runs):
+    """Each run's final adapter scored again on its held-out split by one float32 step
+    (the same rows, the same loss), so that the precisions' adapters are compared by one
+    measure; the loss kept in the run's ``outcome.json`` as ``final_f32``."""
+    from gradtape import models
+    from gradtape.formats.safetensors_reader import read_safetensors
+    from gradtape.models.lora import init_adapter, parse_targets
+    from gradtape.train import data as data_mod
+    from gradtape.train.step import TrainStep
+
+    todo = [r for r in runs if "final_f32" not in outcome(r)]
+    if not todo:
+        return
+    print(f"scoring {len(todo)} final adapter(s) on the held-out splits in float32")
+    model = models.load("smollm2")  # a float32 copy of the weights
+    for d in dict.fromkeys(r.data for r in todo):
+        cfg = config(args, todo[0])
+        held_file = data_mod.read_data(str(DATA[d] / "test.jsonl"), "--eval-data", "",
+                                       split="eval")
+        examples, _ = data_mod.tokenize_examples(held_file, model.tokenizer, cfg.seq_len,
+                                                 cfg.train_on_prompt)
+        held = data_mod.pack_rows(examples, cfg.seq_len, model.tokenizer.eos_id)
+        adapter = init_adapter(model.config, cfg.rank, cfg.alpha,
+                               parse_targets(cfg.targets, model.config), 0,
+                               base_model=model.name, dtype=np.float32)
+        step = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len, backend="cpu",
+                         dtype=np.float32, compute="float32")
+        for r in (r for r in todo if r.data == d):
+            arrays, _ = read_safetensors(r.folder / "checkpoint" / "state.safetensors",
+                                         float32=False, floats_only=False)
+            step.load_state_arrays(arrays)
+            o = outcome(r)
+            o["final_f32"] = step.eval_loss(held)
+            print(f"  {d}, --compute {r.compute}, seed {r.seed}: {o['final_f32']:.5f} "
+                  f"(in its own run: {o['curve'][-1][1]:.5f})", flush=True)
+            atomic_write_json(r.folder / "outcome.json", o)
+
+
 def estimate(args, runs, done):
     """Seconds the runs not in ``done`` should take: each compute's rate from its
     finished runs (their steps include the held-out evaluations), else the prior."""
@@ -255,7 +292,7 @@ def estimate(args, runs, done):
         o = outcome(r)
         if o.get("s_per_step"):
             rate.setdefault(r.compute, []).append(o["s_per_step"])
-    evals = args.steps // args.eval_every + 1
+    evals = -(-args.steps // args.eval_every)
     total = 0.0
     for r in runs:
         if r in done:
@@ -273,30 +310,30 @@ def _minutes(s):
     return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
 
 
+def _spread(finals):
+    return {"mean": float(np.mean(finals)), "min": min(finals), "max": max(finals)}
+
+
 def summarise(args, runs):
-    """Per data set and compute: the final held-out losses over the seeds, and where each
-    reduced precision's mean falls against float32's range."""
+    """Per data set and compute: the final held-out losses over the seeds, as each run
+    measured them (in its own precision) and scored again in float32; where each reduced
+    precision's float32-scored mean falls against float32's runs' range."""
     rows = []
     for d in args.data:
         by = {}
         for r in runs:
             if r.data == d:
-                o = outcome(r)
-                by.setdefault(r.compute, []).append(o)
-        ref = by.get("float32")
-        lo = hi = None
-        if ref:
-            finals = [o["curve"][-1][1] for o in ref]
-            lo, hi = min(finals), max(finals)
+                by.setdefault(r.compute, []).append(outcome(r))
+        ref = [o["final_f32"] for o in by.get("float32", [])]
         for c, outs in by.items():
-            finals = [o["curve"][-1][1] for o in outs]
-            ran = sorted({o["compute_ran"] for o in outs})
-            mean = float(np.mean(finals))
-            row = {"data": d, "compute": c, "ran": ran, "seeds": len(finals),
-                   "finals": finals, "mean": mean, "min": min(finals), "max": max(finals),
+            own = _spread([o["curve"][-1][1] for o in outs])
+            f32 = _spread([o["final_f32"] for o in outs])
+            row = {"data": d, "compute": c, "ran": sorted({o["compute_ran"] for o in outs}),
+                   "seeds": len(outs), "final": own, "final_f32": f32,
                    "s_per_step": float(np.median([o["s_per_step"] for o in outs])),
                    "plan": outs[0]["plan"], "curves": [o["curve"] for o in outs]}
-            if c != "float32" and lo is not None:
+            if c != "float32" and ref:
+                lo, hi, mean = min(ref), max(ref), f32["mean"]
                 miss = 0.0 if lo <= mean <= hi else (mean - hi if mean > hi else mean - lo)
                 row["vs_float32"] = {"range": [lo, hi], "miss": miss}
             rows.append(row)
@@ -310,51 +347,77 @@ def verdict(row) -> str:
     lo, hi = v["range"]
     if v["miss"] == 0.0:
         return f"within float32's range [{lo:.4f}, {hi:.4f}]"
-    width = hi - lo
-    return (f"misses float32's range [{lo:.4f}, {hi:.4f}] by {v['miss']:+.4f} "
-            f"({v['miss'] / ((lo + hi) / 2):+.1%} of its middle"
-            + (f", {abs(v['miss']) / width:.1f}x its width)" if width > 0 else ")"))
+    width, miss = hi - lo, v["miss"]
+    return (f"misses float32's range [{lo:.4f}, {hi:.4f}] by {miss:+.2g} "
+            f"({miss / ((lo + hi) / 2):+.2%} of its middle"
+            + (f", {abs(miss) / width:.1f}x its width)" if width > 0 else ")"))
 
 
 def table(args, rows) -> str:
+    def cell(x):
+        return f"{x['mean']:.4f} ({x['min']:.4f} - {x['max']:.4f})"
+
     head = (f"SmolLM2-135M-Instruct LoRA r={RANK}, {args.steps} steps of {args.batch_size} x "
-            f"{args.seq_len} tokens, lr {LR:g}; final held-out loss (nats per target "
-            f"token) over {args.seeds} seed(s).\n\n{machine()}\n\n"
-            "| data | --compute | ran | final held-out loss, mean | min - max | s/step | "
-            "against float32 |\n|---|---|---|---|---|---|---|\n")
+            f"{args.seq_len} tokens, lr {LR:g}, {args.seeds} seed(s); the final held-out "
+            "loss (nats per target token), mean (min - max) over the seeds, as each run "
+            "measured it (in its own precision) and scored again in float32; the verdict "
+            f"compares the float32 scores.\n\n{machine()}\n\n"
+            "| data | --compute | ran | final, in the run | final, float32-scored | "
+            "s/step (evals included) | against float32's seeds |\n"
+            "|---|---|---|---|---|---|---|\n")
     body = "".join(
-        f"| {r['data']} | {r['compute']} | {', '.join(r['ran'])} | {r['mean']:.4f} | "
-        f"{r['min']:.4f} - {r['max']:.4f} | {r['s_per_step']:.2f} | {verdict(r)} |\n"
-        for r in rows)
+        f"| {r['data']} | {r['compute']} | {', '.join(r['ran'])} | {cell(r['final'])} | "
+        f"{cell(r['final_f32'])} | {r['s_per_step']:.2f} | {verdict(r)} |\n" for r in rows)
     notes = "".join(f"\n- {r['data']}, {r['compute']}: {r['plan']}" for r in rows
                     if r["plan"])
     return head + body + ("\nThe plan's compute per run:" + notes + "\n" if notes else "")
 
 
+def _mean_curve(curves):
+    """``(steps, mean over the curves that have each step)``."""
+    steps = sorted({s for curve in curves for s, _ in curve})
+    return steps, [float(np.mean([dict(c)[s] for c in curves if s in dict(c)]))
+                   for s in steps]
+
+
 def plot(args, rows, path):
+    """A panel per data set: the held-out loss of every run (thin) and each compute's mean
+    over the seeds (thick); with float32 among the computes, a second row gives each
+    curve's difference from float32's mean, where float32's own seeds show its spread."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(args.data), figsize=(6 * len(args.data), 4.2), dpi=110,
-                             squeeze=False)
-    for ax, d in zip(axes[0], args.data):
-        for r in (r for r in rows if r["data"] == d):
+    diff = "float32" in args.computes
+    fig, axes = plt.subplots(1 + diff, len(args.data), figsize=(6 * len(args.data),
+                             4.2 + 3 * diff), dpi=110, squeeze=False,
+                             sharex="col", height_ratios=[4.2, 3][:1 + diff])
+    for col, d in enumerate(args.data):
+        mine = [r for r in rows if r["data"] == d]
+        ref = next((dict(zip(*_mean_curve(r["curves"]))) for r in mine
+                    if r["compute"] == "float32"), None)
+        ax = axes[0][col]
+        for r in mine:
             colour = COLOURS[r["compute"]]
-            for curve in r["curves"]:
-                ax.plot(*zip(*curve), color=colour, lw=0.8, alpha=0.45)
-            steps = sorted({s for curve in r["curves"] for s, _ in curve})
-            mean = [np.mean([dict(curve)[s] for curve in r["curves"] if s in dict(curve)])
-                    for s in steps]
             label = r["compute"] + ("" if r["ran"] == [r["compute"]]
                                     else f" (ran {', '.join(r['ran'])})")
-            ax.plot(steps, mean, "o-", color=colour, lw=2, ms=3,
-                    label=f"{label}: {r['mean']:.3f}")
+            for curve in r["curves"]:
+                ax.plot(*zip(*curve), color=colour, lw=0.8, alpha=0.45)
+            ax.plot(*_mean_curve(r["curves"]), "o-", color=colour, lw=2, ms=3,
+                    label=f"{label}: {r['final']['mean']:.3f}")
+            if diff and ref:
+                for curve in r["curves"]:
+                    pts = [(s, v - ref[s]) for s, v in curve if s in ref]
+                    axes[1][col].plot(*zip(*pts), color=colour, lw=1, alpha=0.7)
         ax.set_title(f"{d}: held-out loss, {args.seeds} seed(s) each")
-        ax.set_xlabel("step")
         ax.set_ylabel("held-out loss (nats / target token)")
-        ax.grid(alpha=0.3)
         ax.legend(title="compute: final mean")
+        if diff:
+            axes[1][col].axhline(0, color="grey", lw=0.8)
+            axes[1][col].set_ylabel("minus float32's mean")
+        axes[-1][col].set_xlabel("step")
+        for a in axes[:, col]:
+            a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -382,10 +445,9 @@ def main(argv=None) -> int:
         done.append(r)
         print(f"{what}: done in {_minutes(time.perf_counter() - t)}; about "
               f"{_minutes(estimate(args, runs, done))} to go", flush=True)
+    rescore(args, runs)
     rows = summarise(args, runs)
     text = table(args, rows)
-    from gradtape.io import atomic_write_json
-
     (args.out / "results.md").write_text(text)
     atomic_write_json(args.out / "results.json", {"machine": machine(), "rows": rows,
                                                   "options": {k: str(v) for k, v in

@@ -214,6 +214,7 @@ def train(run, cfg, resume):
         lines.append(str(msg))
         print(f"    {msg}", flush=True)
 
+    (run.folder / "outcome.json").unlink(missing_ok=True)  # an earlier run's, other options
     finetune(dataclasses.replace(cfg, resume=resume, progress=False), log=log)
     ran = next((m.group(1) for m in map(re.compile(r"^training .* compute (\w+) ").match,
                                         lines) if m), run.compute)
@@ -464,3 +465,5 @@ if __name__ == "__main__":
         sys.exit(main())
     except GradtapeError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: run the same command again to continue")

@@ -146,17 +146,23 @@ def record(r):
             "output": output}
 
 
-def main():
+def rows(n=400):
+    """The ``n`` records, each question (instruction and input) once."""
     r = random.Random(2026)
-    here = Path(__file__).parent
-    seen, rows = set(), []
-    while len(rows) < 400:
+    seen, out = set(), []
+    while len(out) < n:
         rec = record(r)
         key = (rec["instruction"], rec.get("input", ""))
         if key not in seen:
             seen.add(key)
-            rows.append(rec)
-    for name, part in (("train.jsonl", rows[:360]), ("test.jsonl", rows[360:])):
+            out.append(rec)
+    return out
+
+
+def main():
+    here = Path(__file__).parent
+    recs = rows()
+    for name, part in (("train.jsonl", recs[:360]), ("test.jsonl", recs[360:])):
         (here / name).write_text("".join(json.dumps(x) + "\n" for x in part))
 
 

@@ -261,18 +261,18 @@ def rescore(args, runs):
         return
     print(f"scoring {len(todo)} final adapter(s) on the held-out splits in float32")
     model = models.load("smollm2")  # a float32 copy of the weights
+    cfg = config(args, todo[0])
+    adapter = init_adapter(model.config, cfg.rank, cfg.alpha,
+                           parse_targets(cfg.targets, model.config), 0,
+                           base_model=model.name, dtype=np.float32)
+    step = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len, backend="cpu",
+                     dtype=np.float32, compute="float32")
     for d in dict.fromkeys(r.data for r in todo):
-        cfg = config(args, todo[0])
         held_file = data_mod.read_data(str(DATA[d] / "test.jsonl"), "--eval-data", "",
                                        split="eval")
         examples, _ = data_mod.tokenize_examples(held_file, model.tokenizer, cfg.seq_len,
                                                  cfg.train_on_prompt)
         held = data_mod.pack_rows(examples, cfg.seq_len, model.tokenizer.eos_id)
-        adapter = init_adapter(model.config, cfg.rank, cfg.alpha,
-                               parse_targets(cfg.targets, model.config), 0,
-                               base_model=model.name, dtype=np.float32)
-        step = TrainStep(model, adapter, cfg.batch_size, cfg.seq_len, backend="cpu",
-                         dtype=np.float32, compute="float32")
         for r in (r for r in todo if r.data == d):
             arrays, _ = read_safetensors(r.folder / "checkpoint" / "state.safetensors",
                                          float32=False, floats_only=False)
@@ -285,8 +285,9 @@ def rescore(args, runs):
 
 
 def estimate(args, runs, done):
-    """Seconds the runs not in ``done`` should take: each compute's rate from its
-    finished runs (their steps include the held-out evaluations), else the prior."""
+    """Seconds the runs not in ``done`` should take, and the scoring of their adapters
+    in float32: each compute's rate from its finished runs (their steps include the
+    held-out evaluations), else the prior."""
     tokens = args.batch_size * args.seq_len
     rate = {}
     for r in done:
@@ -294,16 +295,15 @@ def estimate(args, runs, done):
         if o.get("s_per_step"):
             rate.setdefault(r.compute, []).append(o["s_per_step"])
     evals = -(-args.steps // args.eval_every)
-    total = 0.0
-    for r in runs:
-        if r in done:
-            continue
+    held = HELD_TOKENS * EVAL_COST  # one evaluation, in training tokens
+    todo = [r for r in runs if r not in done]
+    total = (SETUP_S + len(todo) * held * PRIOR_S_PER_TOKEN["float32"]) if todo else 0.0
+    for r in todo:
         if r.compute in rate:
             total += SETUP_S + args.steps * float(np.median(rate[r.compute]))
         else:
-            per_token = PRIOR_S_PER_TOKEN[r.compute]
-            total += SETUP_S + per_token * (args.steps * tokens
-                                            + evals * HELD_TOKENS * EVAL_COST)
+            total += SETUP_S + PRIOR_S_PER_TOKEN[r.compute] * (args.steps * tokens
+                                                               + evals * held)
     return total
 
 

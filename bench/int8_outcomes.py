@@ -27,7 +27,8 @@ other options starts over.  So the benchmark can be stopped and started again, a
 larger ``--seeds`` adds runs to the ones already made.  What comes out, in ``--out``:
 
   heldout_loss.png   the held-out loss against the step, a panel per data set, a colour
-                     per compute: each seed a thin line, their mean a thick one
+                     per compute: each seed a thin line, their mean a thick one; below,
+                     each curve minus float32's mean (float32's own seeds show its spread)
   results.md         per data set and compute, the final held-out loss's mean and
                      min-max over the seeds, and for each reduced precision whether its
                      mean lies within float32's seed-to-seed range (else by how much it
@@ -35,7 +36,10 @@ larger ``--seeds`` adds runs to the ones already made.  What comes out, in ``--o
                      GEMMs are not faster on this CPU, and the table says so)
   results.json       the same, with every run's curve
 
-Each run's held-out loss is computed by its own step, in its own precision.
+A run's curve is its own held-out loss, computed by its step in its own precision.  The
+final adapters are also scored again by one float32 step (the same rows and loss), and
+the verdict compares those scores: int8's own evaluation adds its products' error to the
+loss, where the question is what the adapter it trained is worth.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ COLOURS = {"float32": "#1f77b4", "bf16": "#2ca02c", "int8": "#d62728"}
 # the run's options besides those on the command line
 RANK, ALPHA, LR, WARMUP = 8, 16.0, 1e-3, 10
 # a prior for the first estimate of the total time, seconds per token of a training step
-# by compute on a 2-core AVX-512 machine; replaced by the rate of runs already made
+# by compute on 2 cores of a bf16-capable CPU; replaced by the rate of runs already made
 PRIOR_S_PER_TOKEN = {"float32": 3.2e-3, "bf16": 1.4e-3, "int8": 1.3e-3}
 SETUP_S = 15  # loading the model and building one run's step
 EVAL_COST = 1 / 3  # a held-out token's forward pass, against a training token's step
@@ -144,6 +148,7 @@ def machine() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
+    """One run: a data set, a --compute, a seed, and the folder it trains in."""
     data: str
     compute: str
     seed: int
@@ -151,11 +156,13 @@ class Run:
 
 
 def plan_runs(args):
+    """Every run, data set by data set, compute by compute."""
     return [Run(d, c, s, args.out / d / f"{c}-seed{s}")
             for d in args.data for c in args.computes for s in range(args.seeds)]
 
 
 def config(args, run):
+    """The run's ``FinetuneConfig``: the held-out split is the data set's test.jsonl."""
     from gradtape.train.finetune import FinetuneConfig
 
     src = DATA[run.data]

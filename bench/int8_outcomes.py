@@ -31,8 +31,8 @@ larger ``--seeds`` adds runs to the ones already made.  What comes out, in ``--o
                      each curve minus float32's mean (float32's own seeds show its spread)
   results.md         per data set and compute, the final held-out loss's mean and
                      min-max over the seeds, and for each reduced precision whether its
-                     mean lies within float32's seed-to-seed range (else by how much it
-                     misses); the compute that ran is the plan's (int8 runs bf16 where its
+                     mean lies within float32's seed-to-seed range (else how far above
+                     or below it); the compute that ran is the plan's (int8 runs bf16 where its
                      GEMMs are not faster on this CPU, and the table says so)
   results.json       the same, with every run's curve
 
@@ -222,7 +222,7 @@ def train(run, cfg, resume):
         print(f"    {msg}", flush=True)
 
     (run.folder / "outcome.json").unlink(missing_ok=True)  # an earlier run's, other options
-    finetune(dataclasses.replace(cfg, resume=resume, progress=False), log=log)
+    finetune(dataclasses.replace(cfg, resume=resume), log=log)
     ran = next((m.group(1) for m in map(re.compile(r"^training .* compute (\w+) ").match,
                                         lines) if m), run.compute)
     plan = next((ln for ln in lines if ln.startswith("compute: ")), "")
@@ -356,9 +356,10 @@ def verdict(row) -> str:
     if v["miss"] == 0.0:
         return f"within float32's range [{lo:.4f}, {hi:.4f}]"
     width, miss = hi - lo, v["miss"]
-    return (f"misses float32's range [{lo:.4f}, {hi:.4f}] by {miss:+.2g} "
-            f"({miss / ((lo + hi) / 2):+.2%} of its middle"
-            + (f", {abs(miss) / width:.1f}x its width)" if width > 0 else ")"))
+    return (f"{'above' if miss > 0 else 'below'} float32's range [{lo:.4f}, {hi:.4f}] by "
+            f"{abs(miss):.2g} ({abs(miss) / ((lo + hi) / 2):.2%} of its middle"
+            + (f", {abs(miss) / width:.1f}x its width)" if width > 0 else ")")
+            + ("" if miss > 0 else ": a lower loss"))
 
 
 def table(args, rows) -> str:

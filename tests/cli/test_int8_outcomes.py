@@ -115,8 +115,11 @@ def test_verdict_against_float32s_seeds(bench, tmp_path):
     assert rows["int8"]["vs_float32"]["miss"] == pytest.approx(0.47 - 0.45)
     assert bench["verdict"](rows["bf16"]).startswith("within float32's range [0.4000, 0.4500]")
     said = bench["verdict"](rows["int8"])
-    assert said == ("misses float32's range [0.4000, 0.4500] by +0.02 (+4.71% of its "
+    assert said == ("above float32's range [0.4000, 0.4500] by 0.02 (4.71% of its "
                     "middle, 0.4x its width)"), said
+    rows["int8"]["vs_float32"]["miss"] = -0.01
+    assert bench["verdict"](rows["int8"]).endswith("by 0.01 (2.35% of its middle, 0.2x its "
+                                                    "width): a lower loss")
     text = bench["table"](args, list(rows.values()))
     assert "| instructions | int8 | int8 | 0.4800 (0.4700 - 0.4900) | 0.4700 (0.4600 - " \
            "0.4800) |" in text, text

@@ -132,17 +132,21 @@ def isa_class(flags) -> str:
 
 
 def machine() -> str:
-    """The CPU, its ISA class and flags, the threads and NumPy's BLAS, in a line."""
+    """The CPU, its ISA class and flags (and the class the kernels are capped at, where
+    ``$GRADTAPE_ISA`` caps them), the cores and NumPy's BLAS, in a line."""
+    from gradtape.backends.cpu.measure import cpu_summary
     from gradtape.backends.cpu.toolchain import cpu_info
     from threadpoolctl import threadpool_info
 
     info = cpu_info()
+    cap = cpu_summary().get("isa", "native")
     wanted = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
     blas = "; ".join(f"{p.get('internal_api')} {p.get('version')} "
                      f"({p.get('threading_layer')}, {p.get('architecture')})"
                      for p in threadpool_info() if p.get("user_api") == "blas")
-    return (f"CPU: {info['model']}, ISA class {isa_class(info['flags'])} "
-            f"(flags {' '.join(f for f in wanted if f in info['flags']) or 'none'}), "
+    return (f"CPU: {info['model']}, ISA class {isa_class(info['flags'])}"
+            + ("" if cap == "native" else f", kernels capped at {cap} ($GRADTAPE_ISA)")
+            + f" (flags {' '.join(f for f in wanted if f in info['flags']) or 'none'}), "
             f"{os.cpu_count()} cores; NumPy's BLAS: {blas or 'unknown'}")
 
 

@@ -175,7 +175,7 @@ def config(args, run):
                           batch_size=args.batch_size, rank=RANK, alpha=ALPHA, lr=LR,
                           warmup=WARMUP, eval_every=args.eval_every,
                           save_every=args.eval_every, seed=run.seed, backend="cpu",
-                          compute=run.compute)
+                          compute=run.compute, samples=0)  # the loss alone
 
 
 def _same(old: dict, cfg) -> bool:

@@ -429,7 +429,7 @@ def test_hostile_adapter_weights(files, tmp_path, case):
     ({"r": 0}, "r = 0"), ({"r": -3}, "r = -3"), ({"r": "8"}, "r = '8'"),
     ({"r": 1e300}, "r = 1e\\+300"), ({"lora_alpha": "x"}, "lora_alpha"),
     ({"lora_alpha": float("inf")}, "lora_alpha"), ({"peft_type": "IA3"}, "not a LoRA"),
-    ({"r": 8}, "do not match rank 8"), ({"use_dora": True}, "DoRA"),
+    ({"r": 8}, "do not match rank 8"), ({"use_dora": True}, "lacks lora_magnitude_vector"),
 ])
 def test_hostile_adapter_config(files, tmp_path, config, match):
     folder = _adapter(files, tmp_path, config=config)

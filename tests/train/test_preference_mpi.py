@@ -51,7 +51,8 @@ def test_two_ranks_equal_one_process_with_twice_the_pairs(tiny_dir, tmp_path, me
     for q, r in zip(*logs):
         assert set(r) == set(q)
         for k, v in q.items():
-            if k not in ("tokens_per_s", "elapsed_s", "lr", "step"):
+            # samples: greedy text, and the adapters agree to rounding only
+            if k not in ("tokens_per_s", "elapsed_s", "lr", "step", "samples"):
                 assert r[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (r["step"], k)
     assert "eval_rewards/accuracies" in logs[1][1]
     if method == "dpo":  # the reference pass, shared out over the ranks, kept once

@@ -2,8 +2,9 @@
 
 Workloads ``smollm2-generate-avx2`` and ``smollm2-generate-native``: SmolLM2-135M-Instruct
 as Q4_1 (the embedded GGUF) and as Q4_K_M (made from that file by llama.cpp's own
-quantizer, ``llama_model_quantize`` with ``allow_requantize``: its tensors of 576 columns
-fall back to Q5_0 as llama-quantize does; cached in ``$GRADTAPE_CACHE/bench``), 2 threads,
+quantizer, ``llama_model_quantize`` with ``allow_requantize``: tensors of 576 columns fall
+back from Q4_K / Q6_K to Q5_0 / Q8_0 as llama-quantize does, ffn_down stays Q4_K / Q6_K;
+cached in ``$GRADTAPE_CACHE/bench``), 2 threads,
 fresh prompts (a different 256-token window of one text each rep), 128 greedy tokens.
 
 * gradtape runs in a subprocess with ``GRADTAPE_ISA=<class>`` (every kernel built and chosen

@@ -128,7 +128,7 @@ class Side:
         line = self.proc.stdout.readline()
         if not line:
             rc = self.proc.wait()
-            raise SystemExit(f"generate_isa: worker {self.proc.args[2:5]} ended (exit {rc}); "
+            raise SystemExit(f"generate_isa: the {self.proc.args[3]} worker ended (exit {rc}); "
                              "its messages are above")
         return json.loads(line)
 

@@ -255,7 +255,8 @@ def test_bench_arguments(capsys, monkeypatch):
     line = one_error(capsys, "bench", "--workloads", "tiny-lora,huge")
     assert line == ("gradtape bench: error: --workloads: unknown workload 'huge'; known: "
                     "smollm2-lora, tiny-lora, smollm2-lora-2k, smollm2-lora-8k, llama8b-q4km-lora, "
-                    "llama8b-q4km-lora-2k, smollm2-generate, smollm2-full, tiny-full, smollm2-dpo, "
+                    "llama8b-q4km-lora-2k, smollm2-generate, smollm2-generate-avx2, "
+                    "smollm2-generate-native, smollm2-full, tiny-full, smollm2-dpo, "
                     "llama8b-q4km-dpo, tiny-dpo")
 
 

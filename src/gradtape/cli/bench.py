@@ -3,7 +3,9 @@ on SmolLM2 (T=256; on request T=2048 and 8192, ``smollm2-lora-2k`` / ``-8k``) an
 Hugging Face transformers + PEFT (eager float32 and under bf16 autocast), with the step's
 GEMM floor (measured in a clean process), the peak memory of each, the CPU and the GEMM
 paths (``bench/lora_bench.py``); generation on SmolLM2 Q4_1 against llama.cpp on the
-same file (``smollm2-generate``, bench/generate_bench.py); on request an 8B-shaped Q4_K_M
+same file (``smollm2-generate``, bench/generate_bench.py), and at an instruction-set
+class against llama.cpp built for it, Q4_1 and Q4_K_M (``smollm2-generate-avx2``,
+``smollm2-generate-native``, bench/generate_isa.py); on request an 8B-shaped Q4_K_M
 model kept quantized (``llama8b-q4km-lora``, at T=2048 ``llama8b-q4km-lora-2k``,
 bench/quant_bench.py); a DPO step on SmolLM2 and on that 8B-shaped file against TRL's
 ``DPOTrainer`` + PEFT, with the reference pass against an epoch (``smollm2-dpo``,
@@ -32,6 +34,8 @@ SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "lora_bench.py"
 SCRIPTS = {"llama8b-q4km-lora": SCRIPT.with_name("quant_bench.py"),
            "llama8b-q4km-lora-2k": SCRIPT.with_name("quant_bench.py"),
            "smollm2-generate": SCRIPT.with_name("generate_bench.py"),
+           **{w: SCRIPT.with_name("generate_isa.py")
+              for w in ("smollm2-generate-avx2", "smollm2-generate-native")},
            "smollm2-full": SCRIPT.with_name("full_bench.py"),
            "tiny-full": SCRIPT.with_name("full_bench.py"),
            **{w: SCRIPT.with_name("dpo_bench.py")
@@ -53,6 +57,10 @@ def add_arguments(parser):
                              "smollm2-lora-8k: SmolLM2 LoRA at T=2048 / 8192 (the peer under "
                              "autocast only at 8k); smollm2-generate: "
                              "prefill and decode vs llama.cpp on the same Q4_1 file; "
+                             "smollm2-generate-avx2, smollm2-generate-native: the same on "
+                             "Q4_1 and a Q4_K_M made from it, ours with GRADTAPE_ISA at that "
+                             "class against llama.cpp built for it (make llama-cpp-avx2, "
+                             "make llama-cpp-native; bench/generate_isa.py); "
                              "llama8b-q4km-lora: "
                              "LoRA on an 8B-shaped Q4_K_M GGUF kept quantized vs "
                              "transformers + PEFT in bf16 (bench/quant_bench.py; writes a "

@@ -515,6 +515,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
         log(f"attention: {plan.attention_from.why}")
     if plan.resident_weights.why:
         log(f"block weights: {plan.resident_weights.why}")
+    if plan.trained_bf16.value:
+        log(f"trained weights: {plan.trained_bf16.why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "

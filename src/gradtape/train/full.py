@@ -22,10 +22,10 @@ from ..models.memory import GiB, weight_bytes
 
 FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or every weight
 
-# why a full step's weight products stay float32 under --compute bf16/int8: the cpu
-# backend converts a frozen weight to bf16 once; a trained weight changes every step
-BF16_WHY = ("full fine-tuning: every weight is trained and changes every step, so its "
-            "products run float32; the bf16 path converts a frozen weight once")
+# how a full step's weight products run under bf16 compute (the plan's trained_bf16):
+# a trained weight changes every step, so its bf16 copy is made again each step
+BF16_WHY = ("each converted to bf16 once a step, its products and gradient with bf16 "
+            "inputs and float32 sums, as under torch's autocast")
 
 # copies of each weight a full step holds outside its activations' arena: the param (the
 # tape's value and the step program's state) and AdamW's two moments (the program's; the

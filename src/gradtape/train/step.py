@@ -149,13 +149,14 @@ class TrainStep:
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
         n_seq = 2 * batch_size if self.preference else batch_size  # sequences a micro-batch
-        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype,
-                                 "float32" if self.full else compute, attention=attention_from)
-        if self.full and compute != "float32":
-            self.plan = self.plan.replace(compute=Decision("float32", full.BF16_WHY))
-        self.plan = resident_weights(
-            self.plan, resident_copy_bytes(model.weights),
-            memory_limit if memory_limit is not None else mem_available())
+        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype, compute,
+                                 attention=attention_from)
+        if self.full and self.plan.compute.value != "float32":
+            self.plan = self.plan.replace(trained_bf16=Decision(True, full.BF16_WHY))
+        elif not self.full:  # a full step reads no block weight
+            self.plan = resident_weights(
+                self.plan, resident_copy_bytes(model.weights),
+                memory_limit if memory_limit is not None else mem_available())
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum

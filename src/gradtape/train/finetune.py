@@ -222,8 +222,10 @@ class FinetuneConfig:
     simpo_gamma: float = _opt(0.5, "simpo's target reward margin", checks.nonnegative())
     # runs people steer (train/steering.py, train/samples.py)
     early_stop: int = _opt(0, "stop after N evaluations (--eval-every) without a lower "
-                              "held-out loss; adapter/ then holds the best evaluation's "
-                              "weights, and the run says its step (0: off)", checks.count(0))
+                              "held-out loss; adapter/ (model/ with --fine-tune-type full, "
+                              "which keeps a copy of the best weights in memory) then holds "
+                              "the best evaluation's weights, and the run says its step "
+                              "(0: off)", checks.count(0))
     samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts "
                            "(with --sample-prompts: to each of the file's), printed under "
                            "the progress bar and kept in log.jsonl (0: off)",
@@ -268,9 +270,6 @@ class FinetuneConfig:
                 if getattr(self, name) != default:
                     raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora or "
                                         "dora, not full (which trains every weight)")
-            if self.early_stop:
-                raise GradtapeError("--early-stop keeps the best evaluation's adapter; "
-                                    "--fine-tune-type full does not support it yet")
         elif self.save_gguf:
             raise GradtapeError("--save-gguf applies to --fine-tune-type full (a LoRA run: "
                                 "gradtape merge --format gguf writes the merged model)")
@@ -619,12 +618,15 @@ def _diverged(run, loss, step):
 
 
 def _finish(run, adapter, step_prog, records, log, steer):
-    """Rank 0 writes the adapter (unless ``adapter/`` holds the best evaluation's:
-    ``--early-stop``), or the trained model, and the loss curve; the run's summary."""
+    """Rank 0 writes the adapter, or the trained model (unless ``adapter/`` or ``model/``
+    holds the best evaluation's: ``--early-stop``), and the loss curve; the run's
+    summary."""
     out, world = run.out, run.world
     wrote = f"adapter in {out / 'adapter'}"
     if world.is_root:
-        if adapter is None:  # full fine-tuning: the model itself
+        if adapter is None and steer.keeps_adapter:  # model/ holds the best evaluation's
+            wrote = f"model in {out / 'model'}"
+        elif adapter is None:  # full fine-tuning: the model itself
             trained = full.trained_model(step_prog.model, step_prog.model_weights())
             wrote = full.save_model(trained, out, run.cfg.save_gguf)
         elif not steer.keeps_adapter:

@@ -539,10 +539,17 @@ class TrainStep:
         return {key: self.program.state(leaves[2]).astype(np.float32)
                 for key, leaves in self.lora.items() if len(leaves) == 4}
 
-    def model_weights(self):
+    def model_weights(self, live=False):
         """The trained weights of a full step ``{name: float32 array}`` (our names and
         orientation), with any weight the loss does not read as the model has it; each
-        read from the program when asked (``StateArrays``: a writer holds one at a time)."""
+        read from the program when asked (``StateArrays``: a writer holds one at a time).
+        ``live``: the arrays the program keeps them in, in the step's dtype, no copy (a
+        reader done before the next step, such as the samples' generation)."""
+        if live:
+            arrays = {k: self.program.executable.leaf_array(leaf)
+                      for k, leaf in self.trained.items()}
+            if all(a is not None for a in arrays.values()):
+                return {**self.model.weights, **arrays}
         return StateArrays({
             k: (functools.partial(_float32_state, self.program, self.trained[k])
                 if k in self.trained else functools.partial(operator.getitem,

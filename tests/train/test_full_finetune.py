@@ -115,7 +115,7 @@ def test_a_model_that_cannot_fit_is_refused_from_its_header(tiny_dir, tmp_path, 
     ({"fine_tune_type": "lora", "save_gguf": "float16"},
      "--save-gguf applies to --fine-tune-type full"),
     ({"save_gguf": "q4"}, "--save-gguf must be one of float32, float16"),
-    ({"fine_tune_type": "qlora"}, "--fine-tune-type must be one of lora, full"),
+    ({"fine_tune_type": "qlora"}, "--fine-tune-type must be one of lora, dora, full"),
 ])
 def test_options_that_do_not_apply_are_one_line(tmp_path, kw, message):
     with pytest.raises(GradtapeError, match=message):

@@ -459,8 +459,10 @@ class CpuBackend(HostBackend):
         base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
         out = []
         for i, s in enumerate(self._call_owners):
-            if s in self._dense_bf16 or s in self._grad_bf16:
-                label = f"bf16 conversion for {s.op} {list(s.shape)}"
+            if s in self._dense_bf16:
+                label = f"bf16 conversion {list(s.inputs[0].shape)}"
+            elif s in self._grad_bf16:
+                label = f"bf16 conversion for x^T dY {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:

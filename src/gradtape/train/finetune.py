@@ -461,7 +461,7 @@ def _load_model(cfg, model, log):
         available = mem_available()
         path, _ = models.model_source(cfg.model)
         full.check_fits(path, available, cfg.model, OVERHEAD, cfg.ignore_memory,
-                        itemsize=np.dtype(cfg.dtype).itemsize)
+                        itemsize=np.dtype(cfg.dtype).itemsize, early_stop=bool(cfg.early_stop))
         model = models.load(cfg.model, keep_quantized=True)
     elif model is None:
         available = mem_available()  # before the weights take their share

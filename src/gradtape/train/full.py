@@ -52,19 +52,23 @@ def trained_model(model, weights):
     return out
 
 
-def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4):
+def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4,
+               early_stop=False):
     """Refuse, from the file's header alone, a model whose full fine-tuning cannot fit:
     its weights, their params, gradients and two AdamW moments (``STATE_COPIES`` values
-    each, ``itemsize`` bytes) and ``overhead`` bytes above ``available`` (None: unknown)."""
+    each, ``itemsize`` bytes; ``early_stop``: one more, the best evaluation's) and
+    ``overhead`` bytes above ``available`` (None: unknown)."""
     if available is None or ignore_memory:
         return
     n = weight_bytes(path, keep_quantized=False) // 4
-    need = n * itemsize * STATE_COPIES + overhead
+    copies = STATE_COPIES + int(early_stop)
+    need = n * itemsize * copies + overhead
     if need > available:
         raise GradtapeError(
             f"not enough memory: full fine-tuning of {name} ({n / 1e6:.0f}M weights) needs "
-            f"about {need / GiB:.1f} GiB before its activations (each weight {STATE_COPIES} "
-            f"times: the model's, the step's params, gradients and 2 AdamW moments), "
+            f"about {need / GiB:.1f} GiB before its activations (each weight {copies} "
+            f"times: the model's, the step's params, gradients and 2 AdamW moments"
+            + (", the best evaluation's for --early-stop" if early_stop else "") + "), "
             f"but only {available / GiB:.1f} GiB is available; --fine-tune-type lora trains "
             "a small adapter instead (or --ignore-memory to try anyway)")
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
+
 from ..errors import GradtapeError
 from ..models.export import dense, save_gguf, save_hf_folder
 from ..models.lora import ADAPTER_TYPES
@@ -38,8 +40,12 @@ STATE_COPIES = STEP_COPIES + 2
 
 def weight_params(tp, model) -> dict:
     """``{name: tp.param}`` of every weight of ``model`` (our names and orientation), in
-    the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized."""
-    return {name: tp.param(dense(model.weights, name)) for name in model.weights}
+    the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized.
+    Each in C order, as the step program keeps its params: a program reading a weight
+    in C kernels (bf16 compute's conversion) takes no copy of its own before it shares
+    the step's (a GGUF's matrices arrive transposed)."""
+    return {name: tp.param(np.ascontiguousarray(dense(model.weights, name)))
+            for name in model.weights}
 
 
 def trained_model(model, weights):

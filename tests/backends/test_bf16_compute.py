@@ -224,11 +224,12 @@ def test_a_full_step_in_bf16_stays_within_the_gate():
                 np.concatenate([b.ravel() for b in r16[1:]])) >= 0.999
 
 
-def test_a_full_trainstep_runs_bf16_and_its_eval_reads_the_new_weights(monkeypatch):
+@pytest.mark.parametrize("kw", [{}, {"grad_accum": 2, "grad_checkpoint": "on"}])
+def test_a_full_trainstep_runs_bf16_and_its_eval_reads_the_new_weights(monkeypatch, kw):
     """``TrainStep(fine_tune_type="full")`` under bf16 compute: the plan says so, and
     after each step the step's and the eval program's losses stay within 1e-2 of a
     float32 step's run alongside (a stale bf16 copy would leave the eval loss where it
-    was)."""
+    was); with micro-batches accumulated and every layer recomputed too."""
     _need_onednn()
     from gradtape.train.step import TrainStep
 
@@ -237,9 +238,9 @@ def test_a_full_trainstep_runs_bf16_and_its_eval_reads_the_new_weights(monkeypat
     m = _wide_model()
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 512, (1, 64))
-    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
-    steps = {c: TrainStep(m, None, 1, 64, backend="cpu", compute=c, fine_tune_type="full")
-             for c in ("float32", "bf16")}
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])] * kw.get("grad_accum", 1)
+    steps = {c: TrainStep(m, None, 1, 64, backend="cpu", compute=c, fine_tune_type="full",
+                          **kw) for c in ("float32", "bf16")}
     assert steps["bf16"].compute == "bf16" and steps["bf16"].plan.trained_bf16.value
     assert not steps["float32"].plan.trained_bf16.value
     seqs = _Rows(batch)

@@ -65,7 +65,9 @@ _SHARED_COPIES = weakref.WeakKeyDictionary()
 # block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
 _RESIDENT = weakref.WeakKeyDictionary()
 # trained weight leaf -> its bf16 copy, shared by a step and its eval program: each
-# program converts it again before its first product in every replay
+# program converts it again before its first product in every replay (one conversion a
+# step; a scratch converted per product would hold less but convert each weight twice a
+# step, for x W and dY W^T, and again for each layer recomputed)
 _TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
@@ -367,7 +369,7 @@ class CpuBackend(HostBackend):
                 a, w = s.inputs
                 if w in self._trained16 and w not in converted:  # its value of this step
                     copy, kernel = self._trained16[w]
-                    batch.add(s, kernel, (val[w].ctypes.data, copy.ctypes.data))
+                    batch.add(w, kernel, (val[w].ctypes.data, copy.ctypes.data))
                     converted.add(w)
                 # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
                 # these conversions write _act16; a, read here, is still live)
@@ -452,9 +454,9 @@ class CpuBackend(HostBackend):
         return functools.partial(PRIMS[s.op].forward, val[s], *ins, **s.attrs)
 
     def kernel_calls(self):
-        """Each generated-kernel call of the bound replay, in order: ``(schedule step,
-        label, callable running that call alone)``; the label names a bf16 GEMM's
-        activation conversion, a fused group's kind, domain and ops, or a lone op (a
+        """Each generated-kernel call of the bound replay, in order: ``(schedule step (a
+        trained weight for its conversion), label, callable running that call alone)``;
+        the label names a bf16 GEMM's activation or trained weight's conversion, a fused group's kind, domain and ops, or a lone op (a
         profile's: ``bench/profile_step.py --kernels``)."""
         base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
         out = []
@@ -463,6 +465,8 @@ class CpuBackend(HostBackend):
                 label = f"bf16 conversion {list(s.inputs[0].shape)}"
             elif s in self._grad_bf16:
                 label = f"bf16 conversion for x^T dY {list(s.shape)}"
+            elif s in self._trained16:
+                label = f"bf16 conversion of a trained weight {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:

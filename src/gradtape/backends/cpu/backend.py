@@ -456,8 +456,9 @@ class CpuBackend(HostBackend):
     def kernel_calls(self):
         """Each generated-kernel call of the bound replay, in order: ``(schedule step (a
         trained weight for its conversion), label, callable running that call alone)``;
-        the label names a bf16 GEMM's activation or trained weight's conversion, a fused group's kind, domain and ops, or a lone op (a
-        profile's: ``bench/profile_step.py --kernels``)."""
+        the label names a bf16 GEMM's activation or trained weight's conversion, a fused
+        group's kind, domain and ops, or a lone op (a profile's: ``bench/profile_step.py
+        --kernels``)."""
         base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
         out = []
         for i, s in enumerate(self._call_owners):

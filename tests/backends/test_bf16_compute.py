@@ -196,22 +196,26 @@ def _wide_model():
     return tiny_model(dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=512, tied=True)
 
 
-def test_a_full_step_in_bf16_stays_within_the_gate():
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_a_full_step_in_bf16_stays_within_the_gate(monkeypatch, fused_head):
     """Every weight's gradient with the trained weights' products in bf16 against
     float32: loss within 1e-2 relative, the whole gradient's cosine >= 0.999, each
-    weight's >= 0.995 (the gates of the module docstring)."""
+    weight's >= 0.995 (the gates of the module docstring); with the LM head fused with
+    the loss too, whose table's (the tied embedding's) gradient then takes bf16."""
     _need_onednn()
-    from gradtape.models.graph import record_forward
+    from gradtape.models import graph
     from gradtape.train import full
 
+    monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0 if fused_head else graph.HEAD_FUSE_MIN)
     m = _wide_model()
     ids = np.random.default_rng(0).integers(0, 512, 64)
     tp = gt.Tape(np.float32, eager=False)
     W = full.weight_params(tp, m)
-    last = record_forward(tp, m.config, W, tp.const(ids), 1, {}, 1.0)
+    last = graph.record_forward(tp, m.config, W, tp.const(ids), 1, {}, 1.0, head=False)
     tid, wt = (tp.const(a) for a in nn.ce_targets_fill(np.r_[ids[1:], -100]))
-    loss = nn.cross_entropy_ids(tp, last, tid, wt)
+    loss = graph.head_loss(tp, m.config, W, last, tid, wt)
     g = tp.backward(loss)
+    assert fused_head == any(v.op == "head_nll_grad_w" for v in tp.vars)
     outs = [loss] + [g[w] for w in W.values()]
     r32 = tp.compile(outs, backend="cpu").run()
     p16 = tp.compile(outs, backend="cpu", plan=_trained_plan())

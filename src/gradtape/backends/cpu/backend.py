@@ -26,7 +26,8 @@ before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmu
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
 trained weight (a float param) is read in bf16 the same way, converted by a kernel at the
 head of each replay (the weight changes every step), and its gradient ``x^T dY`` takes
-bf16 inputs too (``_bf16_weight_grad``).  Everything else stays float32.  ``compute="int8"`` is bf16's, except
+bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
+``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"`` is bf16's, except
 that the block-weight products take int8 inputs, each row of the activation and each row
 (forward) or column (backward) of W with its own scale, summed in int32
 (``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot products

@@ -194,9 +194,10 @@ class CpuBackend(HostBackend):
         self._trained16 = {}
         # the block-weight products that run with bf16 and with int8 inputs
         self._block_bf16, self._block_int8 = set(), set()
+        # whether trained weights take bf16 as the frozen ones (the plan's trained_bf16)
+        self._trained_ok = bool(execution is not None and execution.trained_bf16.value)
         if compute in ("bf16", "int8") and dtype == np.float32:
-            self._take_low_precision(compute, src, block_ops, bool(
-                execution is not None and execution.trained_bf16.value))
+            self._take_low_precision(compute, src, block_ops, self._trained_ok)
         # the column scales of the block weights int8 GEMMs read transposed (weight leaf
         # -> qgemm_int8.col_scales' pair), computed on their first use
         self._col_scales_of = {}
@@ -341,7 +342,8 @@ class CpuBackend(HostBackend):
         keeps from step to step lives as long as the program."""
         key = (np.dtype(dtype).str, bf16)
         if key not in self._ctiles:
-            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only)
+            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only,
+                                             trained_bf16=bf16 and self._trained_ok)
         return self._ctiles[key]
 
     # --- binding ---------------------------------------------------------------------

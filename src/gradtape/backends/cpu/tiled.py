@@ -47,9 +47,12 @@ class CTiles:
     attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``);
     ``f32_onednn``: the fused head's float32 GEMMs run in oneDNN (as the program's other
     matmuls, ``backend.CpuBackend._f32_gemms``); ``only``: the ways of the fused head's
-    bf16 products the execution plan leaves (``measure.fastest``)."""
+    bf16 products the execution plan leaves (``measure.fastest``); ``trained_bf16``: the
+    fused head's trained table gets its gradient with bf16 inputs too (full
+    fine-tuning)."""
 
-    def __init__(self, dtype, bf16=False, f32_onednn=False, only=((), "")):
+    def __init__(self, dtype, bf16=False, f32_onednn=False, only=((), ""),
+                 trained_bf16=False):
         self.only = only
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
         lib = _lib()
@@ -66,7 +69,7 @@ class CTiles:
         self.head_gemms = self.grad_w_gemms = tiled.HeadGemms
         if self.suf == "f32" and (bf16 or f32_onednn):
             self.head_gemms = Bf16HeadGemms if bf16 else OnednnHeadGemms
-        if self.suf == "f32" and bf16:  # a trained table's gradient (full fine-tuning)
+        if self.suf == "f32" and trained_bf16:  # a trained table's gradient
             self.grad_w_gemms = Bf16HeadGemms
         self._buffers = {}
 

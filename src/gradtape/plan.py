@@ -7,12 +7,12 @@ sequence's attention is the fused primitive (``attention_from``), which ways of 
 block-weight product may be timed (``product_ways``), whether block weights read by bf16
 products keep one bf16 copy each (``resident_weights``), how many layers backward
 recomputes (``checkpoint``), whether products with trained weights take bf16 too
-(``trained_bf16``: full fine-tuning) and the threads.  Each choice carries the sentence that says
-why.  Where a measurement decides (bf16 against float32, the attention's two routes), it
-is made here once per CPU and cached (``backends.cpu.measure.rates``); settings come from
-``settings``.  ``compile``, the backends, ``TrainStep`` and generation receive the plan
-and carry it out: a backend that cannot honour a choice says so, and the caller records
-the plan it ran (``Plan.replace``).
+(``trained_bf16``: full fine-tuning) and the threads.  Each choice carries the sentence
+that says why.  Where a measurement decides (bf16 against float32, the attention's two
+routes), it is made here once per CPU and cached (``backends.cpu.measure.rates``);
+settings come from ``settings``.  ``compile``, the backends, ``TrainStep`` and generation
+receive the plan and carry it out: a backend that cannot honour a choice says so, and
+the caller records the plan it ran (``Plan.replace``).
 
 Not here: the per-product timings of a block-weight GEMM's tile layouts, which the CPU
 backend makes as it binds each product, among the ways the plan leaves open.

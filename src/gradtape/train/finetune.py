@@ -195,9 +195,9 @@ class FinetuneConfig:
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
-    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs (with --fine-tune-type "
-                                "full: every weight's, each converted once a step, and the "
-                                "weight gradients'): auto (bf16 where this "
+    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs (with "
+                                "--fine-tune-type full: every weight's, each converted once "
+                                "a step, and the weight gradients'): auto (bf16 where this "
                                 "CPU runs it faster, measured once at the model's shapes, "
                                 "else float32), float32, bf16 (bf16 inputs, float32 "
                                 "accumulation; where not faster: a notice and float32), or "

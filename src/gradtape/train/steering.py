@@ -6,10 +6,11 @@ once (full fine-tuning: the model into ``model/``), so that it holds the best st
 weights when the run ends (stopped early or not).  Its state travels in the checkpoint
 (the counts in its metadata, the best weights as arrays), so a resumed run puts the
 checkpoint's best back and stops at the same step with the same weights.  Samples of a
-full run decode from a model holding the step's current weights (``train.full``).  ``Steering`` joins it with the
-samples (``train.samples``) for the loop in ``train.finetune``: one call per
-evaluation, one agreed decision to stop (every MPI rank stops at the same step), what
-the checkpoint keeps, the summary.  Not here: the evaluation itself (the step's), the loop.
+full run decode from a model holding the step's current weights (``train.full``).
+``Steering`` joins it with the samples (``train.samples``) for the loop in
+``train.finetune``: one call per evaluation, one agreed decision to stop (every MPI rank
+stops at the same step), what the checkpoint keeps, the summary.  Not here: the
+evaluation itself (the step's), the loop.
 """
 
 from __future__ import annotations

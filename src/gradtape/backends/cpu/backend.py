@@ -16,22 +16,22 @@ says so (``plan.complete``: measured at the main matmul shape), else in NumPy's 
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 
-``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
-leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
-is converted to bf16 once and reordered, per direction, into the layout oneDNN's kernel
-keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in the batch
-before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``,
-``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
+``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float
+const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the
+weight is converted to bf16 once and reordered, per direction, into the layout oneDNN's
+kernel keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in
+the batch before each such GEMM.  Products with a weight kept in its ggml blocks
+(``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
-trained weight (a float param) is read in bf16 the same way, converted by a kernel at the
-head of each replay (the weight changes every step), and its gradient ``x^T dY`` takes
-bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
-``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"`` is bf16's, except
-that the block-weight products take int8 inputs, each row of the activation and each row
-(forward) or column (backward) of W with its own scale, summed in int32
-(``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot products
-(AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
+trained weight (a float param) is read in bf16 the same way, converted by a kernel at
+the head of each replay (the weight changes every step), and its gradient ``x^T dY``
+takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
+``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
+is bf16's, except that the block-weight products take int8 inputs, each row of the
+activation and each row (forward) or column (backward) of W with its own scale, summed
+in int32 (``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot
+products (AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
 says so and ``backends.get_backend`` gives the NumPy reference backend instead (one

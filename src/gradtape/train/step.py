@@ -178,6 +178,8 @@ class TrainStep:
             self.plan = self.plan.replace(compute=Decision(ran, (
                 "no weight is kept in ggml blocks for an int8 GEMM" if ran == "bf16"
                 else "no weight is big enough for a bf16 GEMM")))
+        if ran == "float32":
+            self.plan = self.plan.replace(trained_bf16=Decision(False, ""))
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return

@@ -6,12 +6,13 @@ precision of the frozen-weight products (``compute``), where float32 GEMMs run
 sequence's attention is the fused primitive (``attention_from``), which ways of a
 block-weight product may be timed (``product_ways``), whether block weights read by bf16
 products keep one bf16 copy each (``resident_weights``), how many layers backward
-recomputes (``checkpoint``) and the threads.  Each choice carries the sentence that says
-why.  Where a measurement decides (bf16 against float32, the attention's two routes), it
-is made here once per CPU and cached (``backends.cpu.measure.rates``); settings come from
-``settings``.  ``compile``, the backends, ``TrainStep`` and generation receive the plan
-and carry it out: a backend that cannot honour a choice says so, and the caller records
-the plan it ran (``Plan.replace``).
+recomputes (``checkpoint``), whether products with trained weights take bf16 too
+(``trained_bf16``: full fine-tuning) and the threads.  Each choice carries the sentence
+that says why.  Where a measurement decides (bf16 against float32, the attention's two
+routes), it is made here once per CPU and cached (``backends.cpu.measure.rates``);
+settings come from ``settings``.  ``compile``, the backends, ``TrainStep`` and generation
+receive the plan and carry it out: a backend that cannot honour a choice says so, and
+the caller records the plan it ran (``Plan.replace``).
 
 Not here: the per-product timings of a block-weight GEMM's tile layouts, which the CPU
 backend makes as it binds each product, among the ways the plan leaves open.
@@ -74,6 +75,9 @@ class Plan:
     # whether each block weight read by bf16 products keeps a bf16 copy of itself
     # (dequantized once) rather than dequantizing its tiles at every step
     resident_weights: Decision = Decision(False, "")
+    # whether the products with a trained weight (a float param: full fine-tuning) take
+    # bf16 inputs as the frozen-weight ones do, the weight converted once per replay
+    trained_bf16: Decision = Decision(False, "")
     threads: int = 1
 
     def replace(self, **changes) -> "Plan":
@@ -96,6 +100,8 @@ class Plan:
             lines.append(f"activation checkpointing: {self.checkpoint}")
         if self.resident_weights.value:
             lines.append(f"block weights: {self.resident_weights.why}")
+        if self.trained_bf16.value:
+            lines.append(f"trained weights: {self.trained_bf16.why}")
         return "\n".join(lines)
 
 

@@ -60,6 +60,11 @@ class HeadGemms:
     def weigh(self, z, out):
         np.matmul(z, self.wc, out=out)
 
+    def table_grad(self, z, out):
+        """``out = z^T @ x``: a block of the table's gradient (``z``: its logits'
+        gradient)."""
+        np.matmul(z.T, self.x, out=out)
+
 
 def _in_chunk(ids, v0, v1):
     rows = np.nonzero((ids >= v0) & (ids < v1))[0]
@@ -88,6 +93,7 @@ class NumpyTiles:
         return False
 
     head_gemms = HeadGemms
+    grad_w_gemms = HeadGemms  # those of the table's gradient (a trained table)
 
     @staticmethod
     def buffer(name, shape, dtype):
@@ -265,10 +271,11 @@ def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, kern=NUMPY
 
 
 def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
-    """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only)."""
-    for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern,
-                                        HeadGemms(x, w, None, kern)):
-        np.matmul(dz.T, x, out=out[v0:v1])
+    """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only), in
+    ``kern.grad_w_gemms`` (NumPy's, or a backend's: bf16 inputs where it runs them)."""
+    gemms = kern.grad_w_gemms(x, w, None, kern)
+    for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern, gemms):
+        gemms.table_grad(dz, out[v0:v1])
 
 
 # --- attention ----------------------------------------------------------------------------

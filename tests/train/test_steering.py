@@ -142,12 +142,14 @@ def test_cli_config_with_flags_overriding_and_its_mistakes(tiny_dir, tmp_path, c
 # --- early stopping and samples ---------------------------------------------------------
 
 def _snapshots(monkeypatch):
-    """The adapter's weights after every optimizer step of the runs that follow."""
+    """The adapter's weights (a full step's: the model's) after every optimizer step of
+    the runs that follow."""
     seen, real = {}, TrainStep.step
 
     def step(self, micro, opt_step, *a, **k):
         out = real(self, micro, opt_step, *a, **k)
-        seen[opt_step] = self.adapter_weights()
+        seen[opt_step] = (dict(self.model_weights()) if self.full
+                          else self.adapter_weights())
         return out
     monkeypatch.setattr(TrainStep, "step", step)
     return seen
@@ -181,12 +183,46 @@ def test_early_stop_keeps_the_best_steps_adapter_and_says_so(tmp_path, monkeypat
     assert any(x.startswith("  sample: ") for x in lines)
 
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])  # DoRA: the best's magnitudes kept too
+# a full run whose held-out loss falls, then rises: its best evaluation at step 10, its
+# stop at step 14 (every weight trained, at the rank an adapter's options leave alone)
+FULL = {"rank": 8, "lr": 0.1}
+
+
+def test_full_early_stop_keeps_the_best_model_and_samples_its_weights(tmp_path, monkeypatch):
+    """--fine-tune-type full: model/ holds the best evaluation's weights (the same bytes
+    as that step's model written on its own), and each evaluation's samples are greedy
+    answers from the weights of that step."""
+    from gradtape.train import full
+
+    snaps = _snapshots(monkeypatch)
+    m = tiny_model()
+    lines = []
+    summary = finetune(_cfg(tmp_path, "run", fine_tune_type="full", **FULL), model=m,
+                       log=lines.append)
+    out = tmp_path / "run"
+    evals = [r for r in _log(out) if "eval_loss" in r]
+    best = evals[int(np.argmin([r["eval_loss"] for r in evals]))]["step"]
+    assert summary["stopped_early"] and summary["best_step"] == best < summary["steps"]
+    assert any(f"model/ holds step {best}'s weights" in x for x in lines), lines
+    full.save_model(full.trained_model(m, snaps[best]), tmp_path / "ref")
+    got = (out / "model/model.safetensors").read_bytes()
+    assert got == (tmp_path / "ref/model/model.safetensors").read_bytes()
+    # the samples at an evaluation are the answers of that step's weights
+    prompts = [np.asarray(m.tokenizer.encode(s["prompt"])) for s in evals[0]["samples"]]
+    sampler = samples.Sampler(m, prompts, 6)
+    for r in evals:
+        assert r["samples"] == sampler.answers(None, model=full.trained_model(
+            m, snaps[r["step"]]))
+    assert evals[0]["samples"] != evals[-1]["samples"]
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "full"])  # the best's magnitudes, model
 def test_early_stop_survives_a_resume_bit_for_bit(tmp_path, monkeypatch, kind):
     m = tiny_model()
     # at 5e-2 DoRA's held-out loss still falls at step 30; at 0.2 it rises again
     _cfg = functools.partial(globals()["_cfg"], fine_tune_type=kind,
-                             **({"lr": 0.2} if kind == "dora" else {}))
+                             **({"lr": 0.2} if kind == "dora" else FULL if kind == "full"
+                                else {}))
     whole = finetune(_cfg(tmp_path, "whole"), model=m, log=QUIET)
     best, last = whole["best_step"], whole["steps"]
     assert best < last
@@ -208,9 +244,9 @@ def test_early_stop_survives_a_resume_bit_for_bit(tmp_path, monkeypatch, kind):
     assert (again["best_step"], again["steps"], again["best_eval_loss"]) == \
         (best, last, whole["best_eval_loss"])
     assert any("so far step" in x for x in lines), lines
-    for f in ("adapter_model.safetensors", "adapter_config.json"):
-        assert (tmp_path / "whole/adapter" / f).read_bytes() == \
-            (tmp_path / "split/adapter" / f).read_bytes()
+    for f in (("model/model.safetensors", "model/config.json") if kind == "full" else
+              ("adapter/adapter_model.safetensors", "adapter/adapter_config.json")):
+        assert (tmp_path / "whole" / f).read_bytes() == (tmp_path / "split" / f).read_bytes()
     strip = lambda log: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")}
                          for r in log]
     assert strip(_log(tmp_path / "split")) == strip(_log(tmp_path / "whole"))

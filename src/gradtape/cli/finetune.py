@@ -109,5 +109,6 @@ def run(args) -> int:
           + (f", eval loss {summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "")
           + (f", {summary['tokens_per_s']:.0f} target tokens/s"
              if summary["tokens_per_s"] is not None else "")
-          + (f"; adapter from step {summary['best_step']}" if summary.get("best_step") else ""))
+          + (f"; {'model' if cfg.fine_tune_type == 'full' else 'adapter'} from step "
+             f"{summary['best_step']}" if summary.get("best_step") else ""))
     return 0

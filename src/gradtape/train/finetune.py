@@ -195,7 +195,9 @@ class FinetuneConfig:
     ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
                                       "available")
     dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
-    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs: auto (bf16 where this "
+    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs (with "
+                                "--fine-tune-type full: every weight's, each converted once "
+                                "a step, and the weight gradients'): auto (bf16 where this "
                                 "CPU runs it faster, measured once at the model's shapes, "
                                 "else float32), float32, bf16 (bf16 inputs, float32 "
                                 "accumulation; where not faster: a notice and float32), or "
@@ -222,8 +224,10 @@ class FinetuneConfig:
     simpo_gamma: float = _opt(0.5, "simpo's target reward margin", checks.nonnegative())
     # runs people steer (train/steering.py, train/samples.py)
     early_stop: int = _opt(0, "stop after N evaluations (--eval-every) without a lower "
-                              "held-out loss; adapter/ then holds the best evaluation's "
-                              "weights, and the run says its step (0: off)", checks.count(0))
+                              "held-out loss; adapter/ (model/ with --fine-tune-type full, "
+                              "which keeps a copy of the best weights in memory) then holds "
+                              "the best evaluation's weights, and the run says its step "
+                              "(0: off)", checks.count(0))
     samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts "
                            "(with --sample-prompts: to each of the file's), printed under "
                            "the progress bar and kept in log.jsonl (0: off)",
@@ -268,9 +272,6 @@ class FinetuneConfig:
                 if getattr(self, name) != default:
                     raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora or "
                                         "dora, not full (which trains every weight)")
-            if self.early_stop:
-                raise GradtapeError("--early-stop keeps the best evaluation's adapter; "
-                                    "--fine-tune-type full does not support it yet")
         elif self.save_gguf:
             raise GradtapeError("--save-gguf applies to --fine-tune-type full (a LoRA run: "
                                 "gradtape merge --format gguf writes the merged model)")
@@ -462,7 +463,7 @@ def _load_model(cfg, model, log):
         available = mem_available()
         path, _ = models.model_source(cfg.model)
         full.check_fits(path, available, cfg.model, OVERHEAD, cfg.ignore_memory,
-                        itemsize=np.dtype(cfg.dtype).itemsize)
+                        itemsize=np.dtype(cfg.dtype).itemsize, early_stop=bool(cfg.early_stop))
         model = models.load(cfg.model, keep_quantized=True)
     elif model is None:
         available = mem_available()  # before the weights take their share
@@ -515,6 +516,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
         log(f"attention: {plan.attention_from.why}")
     if plan.resident_weights.why:
         log(f"block weights: {plan.resident_weights.why}")
+    if plan.trained_bf16.value:
+        log(f"trained weights: {plan.trained_bf16.why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "
@@ -617,12 +620,15 @@ def _diverged(run, loss, step):
 
 
 def _finish(run, adapter, step_prog, records, log, steer):
-    """Rank 0 writes the adapter (unless ``adapter/`` holds the best evaluation's:
-    ``--early-stop``), or the trained model, and the loss curve; the run's summary."""
+    """Rank 0 writes the adapter, or the trained model (unless ``adapter/`` or ``model/``
+    holds the best evaluation's: ``--early-stop``), and the loss curve; the run's
+    summary."""
     out, world = run.out, run.world
     wrote = f"adapter in {out / 'adapter'}"
     if world.is_root:
-        if adapter is None:  # full fine-tuning: the model itself
+        if adapter is None and steer.keeps_adapter:  # model/ holds the best evaluation's
+            wrote = f"model in {out / 'model'}"
+        elif adapter is None:  # full fine-tuning: the model itself
             trained = full.trained_model(step_prog.model, step_prog.model_weights())
             wrote = full.save_model(trained, out, run.cfg.save_gguf)
         elif not steer.keeps_adapter:

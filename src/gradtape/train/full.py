@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import numpy as np
+
 from ..errors import GradtapeError
 from ..models.export import dense, save_gguf, save_hf_folder
 from ..models.lora import ADAPTER_TYPES
@@ -22,10 +24,10 @@ from ..models.memory import GiB, weight_bytes
 
 FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or every weight
 
-# why a full step's weight products stay float32 under --compute bf16/int8: the cpu
-# backend converts a frozen weight to bf16 once; a trained weight changes every step
-BF16_WHY = ("full fine-tuning: every weight is trained and changes every step, so its "
-            "products run float32; the bf16 path converts a frozen weight once")
+# how a full step's weight products run under bf16 compute (the plan's trained_bf16):
+# a trained weight changes every step, so its bf16 copy is made again each step
+BF16_WHY = ("each converted to bf16 once a step, its products and gradient with bf16 "
+            "inputs and float32 sums, as under torch's autocast")
 
 # copies of each weight a full step holds outside its activations' arena: the param (the
 # tape's value and the step program's state) and AdamW's two moments (the program's; the
@@ -38,8 +40,12 @@ STATE_COPIES = STEP_COPIES + 2
 
 def weight_params(tp, model) -> dict:
     """``{name: tp.param}`` of every weight of ``model`` (our names and orientation), in
-    the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized."""
-    return {name: tp.param(dense(model.weights, name)) for name in model.weights}
+    the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized.
+    Each in C order, as the step program keeps its params: a program reading a weight
+    in C kernels (bf16 compute's conversion) takes no copy of its own before it shares
+    the step's (a GGUF's matrices arrive transposed)."""
+    return {name: tp.param(np.ascontiguousarray(dense(model.weights, name)))
+            for name in model.weights}
 
 
 def trained_model(model, weights):
@@ -52,19 +58,23 @@ def trained_model(model, weights):
     return out
 
 
-def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4):
+def check_fits(path, available, name, overhead, ignore_memory=False, itemsize=4,
+               early_stop=False):
     """Refuse, from the file's header alone, a model whose full fine-tuning cannot fit:
     its weights, their params, gradients and two AdamW moments (``STATE_COPIES`` values
-    each, ``itemsize`` bytes) and ``overhead`` bytes above ``available`` (None: unknown)."""
+    each, ``itemsize`` bytes; ``early_stop``: one more, the best evaluation's) and
+    ``overhead`` bytes above ``available`` (None: unknown)."""
     if available is None or ignore_memory:
         return
     n = weight_bytes(path, keep_quantized=False) // 4
-    need = n * itemsize * STATE_COPIES + overhead
+    copies = STATE_COPIES + int(early_stop)
+    need = n * itemsize * copies + overhead
     if need > available:
         raise GradtapeError(
             f"not enough memory: full fine-tuning of {name} ({n / 1e6:.0f}M weights) needs "
-            f"about {need / GiB:.1f} GiB before its activations (each weight {STATE_COPIES} "
-            f"times: the model's, the step's params, gradients and 2 AdamW moments), "
+            f"about {need / GiB:.1f} GiB before its activations (each weight {copies} "
+            f"times: the model's, the step's params, gradients and 2 AdamW moments"
+            + (", the best evaluation's for --early-stop" if early_stop else "") + "), "
             f"but only {available / GiB:.1f} GiB is available; --fine-tune-type lora trains "
             "a small adapter instead (or --ignore-memory to try anyway)")
 

@@ -7,7 +7,8 @@ chat's conversation up to the assistant's turn, rendered by the chat template as
 training; a completion's prompt; a text's first tokens) or a file's, one prompt a line or
 a JSON Lines file of strings, ``{"prompt": ...}`` or ``{"messages": [...]}``, sent through
 the model's chat template where it has one (as ``generate --chat``).  Answers come from
-``infer``'s generation loop (the C decoder where it runs, the adapter set per call): the
+``infer``'s generation loop (the C decoder where it runs, the adapter set per call; full
+fine-tuning's: a model holding the step's weights, with a runner of its own): the
 training program is never recompiled.  Not here: when to sample (the loop's evaluations).
 """
 
@@ -110,11 +111,14 @@ class Sampler:
     def __len__(self):
         return len(self.prompts)
 
-    def answers(self, adapter) -> list[dict]:
-        """``[{"prompt": text, "answer": text}]``, one per prompt (float32, greedy)."""
+    def answers(self, adapter, model=None) -> list[dict]:
+        """``[{"prompt": text, "answer": text}]``, one per prompt (float32, greedy);
+        ``model``: another model of the same config and tokenizer to answer from (full
+        fine-tuning's weights now: a ``Runner`` of its own, dropped after)."""
+        runner = self.runner if model is None else Runner(model)
         out = []
         for ids in self.prompts:
-            new = self.runner.generate(ids, self.tokens, Sampling(0.0), adapter,
+            new = runner.generate(ids, self.tokens, Sampling(0.0), adapter,
                                        Stopping(ids=self.stops), Decoding(np.float32))
             new = [t for t in new if t not in self.stops]
             out.append({"prompt": self.tokenizer.decode(ids.tolist()),

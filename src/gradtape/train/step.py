@@ -149,13 +149,14 @@ class TrainStep:
         # GEMMs' precision, the attention's route, ...; the programs carry it out
         cfg = model.config
         n_seq = 2 * batch_size if self.preference else batch_size  # sequences a micro-batch
-        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype,
-                                 "float32" if self.full else compute, attention=attention_from)
-        if self.full and compute != "float32":
-            self.plan = self.plan.replace(compute=Decision("float32", full.BF16_WHY))
-        self.plan = resident_weights(
-            self.plan, resident_copy_bytes(model.weights),
-            memory_limit if memory_limit is not None else mem_available())
+        self.plan = for_training(cfg, n_seq, seq_len, backend, dtype, compute,
+                                 attention=attention_from)
+        if self.full and self.plan.compute.value != "float32":
+            self.plan = self.plan.replace(trained_bf16=Decision(True, full.BF16_WHY))
+        elif not self.full:  # a full step reads no block weight
+            self.plan = resident_weights(
+                self.plan, resident_copy_bytes(model.weights),
+                memory_limit if memory_limit is not None else mem_available())
         self.world = world if world is not None and world.size > 1 else None
         self.stop_agreed = False  # distributed: did any rank ask to stop at the last step
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
@@ -177,6 +178,8 @@ class TrainStep:
             self.plan = self.plan.replace(compute=Decision(ran, (
                 "no weight is kept in ggml blocks for an int8 GEMM" if ran == "bf16"
                 else "no weight is big enough for a bf16 GEMM")))
+        if ran == "float32":
+            self.plan = self.plan.replace(trained_bf16=Decision(False, ""))
         if self.world is not None:
             self._compile_split(params, g, opt, clip, backend)
             return
@@ -538,10 +541,17 @@ class TrainStep:
         return {key: self.program.state(leaves[2]).astype(np.float32)
                 for key, leaves in self.lora.items() if len(leaves) == 4}
 
-    def model_weights(self):
+    def model_weights(self, live=False):
         """The trained weights of a full step ``{name: float32 array}`` (our names and
         orientation), with any weight the loss does not read as the model has it; each
-        read from the program when asked (``StateArrays``: a writer holds one at a time)."""
+        read from the program when asked (``StateArrays``: a writer holds one at a time).
+        ``live``: the arrays the program keeps them in, in the step's dtype, no copy (a
+        reader done before the next step, such as the samples' generation)."""
+        if live:
+            arrays = {k: self.program.executable.leaf_array(leaf)
+                      for k, leaf in self.trained.items()}
+            if all(a is not None for a in arrays.values()):
+                return {**self.model.weights, **arrays}
         return StateArrays({
             k: (functools.partial(_float32_state, self.program, self.trained[k])
                 if k in self.trained else functools.partial(operator.getitem,

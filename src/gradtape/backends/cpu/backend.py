@@ -16,18 +16,22 @@ says so (``plan.complete``: measured at the main matmul shape), else in NumPy's 
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 
-``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float const
-leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the weight
-is converted to bf16 once and reordered, per direction, into the layout oneDNN's kernel
-keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in the batch
-before each such GEMM.  Products with a weight kept in its ggml blocks (``qmatmul``,
-``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
+``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float
+const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the
+weight is converted to bf16 once and reordered, per direction, into the layout oneDNN's
+kernel keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in
+the batch before each such GEMM.  Products with a weight kept in its ggml blocks
+(``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
-(``csrc/flash.c``).  Everything else stays float32.  ``compute="int8"`` is bf16's, except
-that the block-weight products take int8 inputs, each row of the activation and each row
-(forward) or column (backward) of W with its own scale, summed in int32
-(``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot products
-(AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
+(``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
+trained weight (a float param) is read in bf16 the same way, converted by a kernel at
+the head of each replay (the weight changes every step), and its gradient ``x^T dY``
+takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
+``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
+is bf16's, except that the block-weight products take int8 inputs, each row of the
+activation and each row (forward) or column (backward) of W with its own scale, summed
+in int32 (``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot
+products (AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
 says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
@@ -61,6 +65,11 @@ _LIBS = {}  # path -> loaded CDLL (one load per process)
 _SHARED_COPIES = weakref.WeakKeyDictionary()
 # block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
 _RESIDENT = weakref.WeakKeyDictionary()
+# trained weight leaf -> its bf16 copy, shared by a step and its eval program: each
+# program converts it again before its first product in every replay (one conversion a
+# step; a scratch converted per product would hold less but convert each weight twice a
+# step, for x W and dY W^T, and again for each layer recomputed)
+_TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
 PACK_SHARE = 0.125
@@ -104,14 +113,30 @@ def _mm_step(out, a, b, ta=False, tb=False):
     return functools.partial(np.matmul, _mT(a, ta), _mT(b, tb), out=out)
 
 
-def _bf16_matmul(v):
-    """A matmul whose right operand is a big frozen weight (a float const leaf): the
-    GEMMs that ``compute="bf16"`` runs with bf16 inputs (``x @ W0``, ``dY @ W0^T``, the LM
-    head and its transpose)."""
+def _bf16_matmul(v, trained=False):
+    """A matmul whose right operand is a big frozen weight (a float const leaf), or with
+    ``trained`` a big trained one (a param): the GEMMs that ``compute="bf16"`` runs with
+    bf16 inputs (``x @ W0``, ``dY @ W0^T``, the LM head and its transpose)."""
     if v.op != "matmul" or v.ndim != 2 or v.attrs.get("ta"):
         return False
     b = v.inputs[1]
-    return b.op == "const" and b.size >= BF16_MIN_WEIGHT and v.dtype == np.float32
+    return (b.op == "const" or trained and b.op == "param") and b.size >= BF16_MIN_WEIGHT \
+        and v.dtype == np.float32
+
+
+def _bf16_weight_grad(v):
+    """A trained weight's gradient ``dW = x^T dY`` (a 2-d matmul transposing its left
+    operand, as big as a bf16 weight), in a program whose trained weights take bf16.
+
+    It runs with bf16 inputs and float32 sums, as under torch's autocast: it is a third of
+    a full step's GEMM work, which float32 would run at a quarter of bf16's rate (half
+    the step's GEMM time); rounding x and dY by at most 2^-9 each is the error the
+    forward and dX products already carry, and AdamW divides each gradient by its own
+    running scale, so no weight's update is lost to it (``tests/backends/
+    test_bf16_compute.py`` gates the gradients' cosine)."""
+    return (v.op == "matmul" and v.ndim == 2 and bool(v.attrs.get("ta"))
+            and not v.attrs.get("tb") and v.size >= BF16_MIN_WEIGHT
+            and v.dtype == np.float32)
 
 
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
@@ -163,10 +188,16 @@ class CpuBackend(HostBackend):
                      and s.op in qgemm.QOPS]
         # dense matmul -> the kernel converting its activation to bf16 (low precision)
         self._dense_bf16 = {}
+        # a trained weight's gradient -> the kernels converting its two operands to bf16
+        self._grad_bf16 = {}
+        # trained weight leaf -> (its bf16 copy, the kernel converting it)
+        self._trained16 = {}
         # the block-weight products that run with bf16 and with int8 inputs
         self._block_bf16, self._block_int8 = set(), set()
+        # whether trained weights take bf16 as the frozen ones (the plan's trained_bf16)
+        self._trained_ok = bool(execution is not None and execution.trained_bf16.value)
         if compute in ("bf16", "int8") and dtype == np.float32:
-            self._take_low_precision(compute, src, block_ops)
+            self._take_low_precision(compute, src, block_ops, self._trained_ok)
         # the column scales of the block weights int8 GEMMs read transposed (weight leaf
         # -> qgemm_int8.col_scales' pair), computed on their first use
         self._col_scales_of = {}
@@ -179,7 +210,7 @@ class CpuBackend(HostBackend):
         self.n_kernels = len(src.bodies)
         self.lib = None
         self.cache_hit = None
-        if self._kernel_of or self._dense_bf16:
+        if self._kernel_of or self._dense_bf16 or self._grad_bf16:
             path, self.cache_hit = toolchain.build(src.source(),
                                                    flags=toolchain.threads_flags())
             self.lib = _load(path)
@@ -191,17 +222,22 @@ class CpuBackend(HostBackend):
         # weight none of them was fed (copy on feed, in set_leaf)
         for s in self._dense_bf16:
             w = s.inputs[1]
-            if w not in self._weight_copies:
+            if w in self._trained16:
+                self._step_weight16[s] = (self._trained16[w][0], False)
+            elif w not in self._weight_copies:
                 self._weight_copies[w] = _SHARED_COPIES.setdefault(w, _Bf16Copies())
-        self._copy_weights(self._dense_bf16)
+        self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] not in self._trained16])
         self._bind()
 
-    def _take_low_precision(self, compute, src, block_ops):
+    def _take_low_precision(self, compute, src, block_ops, trained=False):
         """Which GEMMs of a float32 program take bf16 or int8 inputs, and their scratch.
         A dense one's activation is converted by a kernel in the batch before it into
         one shared buffer (GEMMs run one at a time); its weight is converted once
         (``_copy_weights``).  Block-weight products convert both operands themselves
-        (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own."""
+        (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own.  ``trained``: the
+        products with trained weights and their gradients take bf16 too; each such
+        weight has one bf16 copy, which a kernel refreshes before its first product in
+        every replay (``_bind_steps``)."""
         try:
             self._dnnl = onednn.dnnl()
         except onednn.DnnlError as e:
@@ -209,10 +245,21 @@ class CpuBackend(HostBackend):
                           RuntimeWarning, stacklevel=6)
             return
         steps = [s for s in self.schedule.steps
-                 if not isinstance(s, FusedGroup) and _bf16_matmul(s)]
+                 if not isinstance(s, FusedGroup) and _bf16_matmul(s, trained)]
         self._dense_bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
         if steps:  # the bf16 copy of a dense GEMM's activation
             self._act16 = page_aligned(max(s.inputs[0].size for s in steps), np.uint16)
+        for w in dict.fromkeys(s.inputs[1] for s in steps if s.inputs[1].op == "param"):
+            copy = _TRAINED16.get(w)
+            if copy is None:
+                copy = _TRAINED16[w] = page_aligned(w.size, np.uint16).reshape(w.shape)
+            self._trained16[w] = (copy, src.bf16_kernel(w.size))
+        grads = [s for s in self.schedule.steps if trained and not isinstance(s, FusedGroup)
+                 and _bf16_weight_grad(s)]
+        self._grad_bf16 = {s: tuple(src.bf16_kernel(x.size) for x in s.inputs) for s in grads}
+        if grads:  # the bf16 copies of a weight gradient's x and dY
+            self._gx16, self._gy16 = (
+                page_aligned(max(s.inputs[i].size for s in grads), np.uint16) for i in (0, 1))
         self._block_bf16 = {s for s in block_ops if bf16_eligible(s)}
         # int8 compute: the block-weight GEMMs whose sums fit int32 take int8
         if compute == "int8":
@@ -222,7 +269,7 @@ class CpuBackend(HostBackend):
             self._bf16_scratch = Bf16Scratch.allocate(self._block_bf16)
         if self._block_int8:
             self._int8_scratch = Int8Scratch.allocate(self._block_int8)
-        if self._dense_bf16 or self._block_bf16 or self._block_int8:
+        if self._dense_bf16 or self._grad_bf16 or self._block_bf16 or self._block_int8:
             self.compute = "int8" if self._block_int8 else "bf16"
 
     def _f32_gemms(self, execution):
@@ -278,7 +325,7 @@ class CpuBackend(HostBackend):
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""
         return ([a for w in self._weight_copies.values() for a in w.arrays()]
-                + list(self._resident.values()))
+                + list(self._resident.values()) + [c for c, _ in self._trained16.values()])
 
     def _resident_copy(self, leaf, qtype, k):
         """The block weight ``leaf`` dequantized once into bf16 (uint16 ``[rows, k]``, its
@@ -295,13 +342,14 @@ class CpuBackend(HostBackend):
         keeps from step to step lives as long as the program."""
         key = (np.dtype(dtype).str, bf16)
         if key not in self._ctiles:
-            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only)
+            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only,
+                                             trained_bf16=bf16 and self._trained_ok)
         return self._ctiles[key]
 
     # --- binding ---------------------------------------------------------------------
     def _bind_steps(self, val):
         # C kernels read raw pointers: every float leaf they touch must be C-contiguous
-        for g in list(self._kernel_of) + list(self._dense_bf16):
+        for g in list(self._kernel_of) + list(self._dense_bf16) + list(self._grad_bf16):
             for x in g.inputs:
                 if x.is_leaf and not val[x].flags.c_contiguous:
                     self._own(x)
@@ -309,11 +357,23 @@ class CpuBackend(HostBackend):
         steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
+        converted = set()  # the trained weights this replay has converted so far
         for s in self.schedule.steps:
             if views_in_place(s, val):  # the plan put it on its input: nothing to run
                 continue
+            if s in self._grad_bf16:  # x and dY converted in the batch, then oneDNN
+                for x, kernel, x16 in zip(s.inputs, self._grad_bf16[s],
+                                          (self._gx16, self._gy16)):
+                    batch.add(s, kernel, (val[x].ctypes.data, x16.ctypes.data))
+                batch.flush(steps)
+                steps.append(("py", self._grad_gemm(s, val)))
+                continue
             if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
-                a = s.inputs[0]
+                a, w = s.inputs
+                if w in self._trained16 and w not in converted:  # its value of this step
+                    copy, kernel = self._trained16[w]
+                    batch.add(w, kernel, (val[w].ctypes.data, copy.ctypes.data))
+                    converted.add(w)
                 # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
                 # these conversions write _act16; a, read here, is still live)
                 if a is not last_act16:
@@ -357,6 +417,17 @@ class CpuBackend(HostBackend):
                                                    packed)
         return self._dense_gemms[s]
 
+    def _grad_gemm(self, s, val):
+        """The oneDNN call of a trained weight's gradient ``s`` (``x^T dY``: x ``[k, m]``
+        and dY ``[k, n]`` read from their bf16 copies), bound once."""
+        if s not in self._dense_gemms:
+            (k, m), n = s.inputs[0].shape, s.shape[1]
+            run = self._dnnl.bind_ptrs(onednn.Gemm(m, k, n, ta=True), self._gx16.ctypes.data,
+                                       self._gy16.ctypes.data, val[s].ctypes.data)
+            run.keep = (self._gx16, self._gy16, val[s])
+            self._dense_gemms[s] = run
+        return self._dense_gemms[s]
+
     def _host_step(self, s, val, rounded=False):
         """The callable running step ``s`` outside the kernel batch: a matmul, a
         block-weight product, a tiled primitive with its C kernels, or the op's NumPy
@@ -386,15 +457,20 @@ class CpuBackend(HostBackend):
         return functools.partial(PRIMS[s.op].forward, val[s], *ins, **s.attrs)
 
     def kernel_calls(self):
-        """Each generated-kernel call of the bound replay, in order: ``(schedule step,
-        label, callable running that call alone)``; the label names a bf16 GEMM's
-        activation conversion, a fused group's kind, domain and ops, or a lone op (a
-        profile's: ``bench/profile_step.py --kernels``)."""
+        """Each generated-kernel call of the bound replay, in order: ``(schedule step (a
+        trained weight for its conversion), label, callable running that call alone)``;
+        the label names a bf16 GEMM's activation or trained weight's conversion, a fused
+        group's kind, domain and ops, or a lone op (a profile's: ``bench/profile_step.py
+        --kernels``)."""
         base, ptrs = self._calls.ctypes.data, ctypes.addressof(self._ptrs)
         out = []
         for i, s in enumerate(self._call_owners):
             if s in self._dense_bf16:
                 label = f"bf16 conversion {list(s.inputs[0].shape)}"
+            elif s in self._grad_bf16:
+                label = f"bf16 conversion for x^T dY {list(s.shape)}"
+            elif s in self._trained16:
+                label = f"bf16 conversion of a trained weight {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:
@@ -421,6 +497,8 @@ class CpuBackend(HostBackend):
             arrays += self._bf16_scratch.arrays()
         if self._block_int8:
             arrays += self._int8_scratch.arrays()
+        if self._grad_bf16:
+            arrays += [self._gx16, self._gy16]
         return sum(a.nbytes for a in arrays if a is not None)
 
     def _col_scales(self, leaf, qtype, rows, k):

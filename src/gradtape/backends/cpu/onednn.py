@@ -55,24 +55,25 @@ class DnnlError(RuntimeError):
 
 @dataclass(frozen=True)
 class Gemm:
-    """The shape and layouts of one matmul ``out [m, n] (+)= a [m, k] @ op(W) [k, n]``: a
-    and W bf16 (int8 where ``s8``), out float32 (int32 where ``s8``)."""
+    """The shape and layouts of one matmul ``out [m, n] (+)= op(a) [m, k] @ op(W) [k, n]``:
+    a and W bf16 (int8 where ``s8``), out float32 (int32 where ``s8``)."""
 
     m: int
     k: int
     n: int
     tb: bool = False  # W stored [n, k] (ignored where vnni or packed)
-    lda: int | None = None  # a's rows this many values apart (default k)
+    lda: int | None = None  # a's rows this many values apart (default k; m where ta)
     ldc: int | None = None  # out's rows this many values apart (default n)
     acc: bool = False  # the product added to out instead of written
     vnni: bool = False  # W in the kernel's blocked layout (VNNI_INNER, VNNI_INNER_S8)
     packed: bool = False  # W in the kernel's own layout, as ``pack`` wrote it
     s8: bool = False  # a and W int8 (a as u8 where vnni), out int32: exact sums
+    ta: bool = False  # a stored [k, m] (a weight's gradient x^T dY)
 
     def normal(self):
         """The same matmul with the defaults spelled out (one primitive per such)."""
         return replace(self, tb=self.tb and not (self.vnni or self.packed),
-                       lda=self.k if self.lda is None else self.lda,
+                       lda=(self.m if self.ta else self.k) if self.lda is None else self.lda,
                        ldc=self.n if self.ldc is None else self.ldc)
 
 
@@ -156,11 +157,11 @@ class _Dnnl:
         if key in self._prims:
             return self._prims[key]
         m, k, n, tb, lda, ldc = key.m, key.k, key.n, key.tb, key.lda, key.ldc
-        acc, vnni, packed, s8 = key.acc, key.vnni, key.packed, key.s8
+        acc, vnni, packed, s8, ta = key.acc, key.vnni, key.packed, key.s8, key.ta
         inputs, name = (_S8, "int8") if s8 else (_BF16, "bf16")
         # int8 in the blocked layout: the activation as u8 (q + 128), whose kernels keep
         # their weights without a compensation term of their own
-        src = self._md((m, k), (lda, 1), _U8 if s8 and vnni else inputs)
+        src = self._md((m, k), (1, lda) if ta else (lda, 1), _U8 if s8 and vnni else inputs)
         if vnni or packed:
             wei = _vp()
             self._ok(self.lib.dnnl_memory_desc_create_with_tag(

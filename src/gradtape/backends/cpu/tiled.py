@@ -47,9 +47,12 @@ class CTiles:
     attention's GEMMs take bf16 inputs (float32 sums; ``--compute bf16``);
     ``f32_onednn``: the fused head's float32 GEMMs run in oneDNN (as the program's other
     matmuls, ``backend.CpuBackend._f32_gemms``); ``only``: the ways of the fused head's
-    bf16 products the execution plan leaves (``measure.fastest``)."""
+    bf16 products the execution plan leaves (``measure.fastest``); ``trained_bf16``: the
+    fused head's trained table gets its gradient with bf16 inputs too (full
+    fine-tuning)."""
 
-    def __init__(self, dtype, bf16=False, f32_onednn=False, only=((), "")):
+    def __init__(self, dtype, bf16=False, f32_onednn=False, only=((), ""),
+                 trained_bf16=False):
         self.only = only
         self.suf = "f32" if np.dtype(dtype) == np.float32 else "f64"
         lib = _lib()
@@ -63,9 +66,11 @@ class CTiles:
         self.lanes = lib.gt_flash_lanes()  # of the GEMM blocks' vectors (0: plain C)
         # whether the bf16 GEMMs are the CPU's instructions (else plain C: for the tests)
         self.bf16_native = bool(lib.gt_flash_bf16_native())
-        self.head_gemms = tiled.HeadGemms
+        self.head_gemms = self.grad_w_gemms = tiled.HeadGemms
         if self.suf == "f32" and (bf16 or f32_onednn):
             self.head_gemms = Bf16HeadGemms if bf16 else OnednnHeadGemms
+        if self.suf == "f32" and trained_bf16:  # a trained table's gradient
+            self.grad_w_gemms = Bf16HeadGemms
         self._buffers = {}
 
     def buffer(self, name, shape, dtype):
@@ -251,6 +256,15 @@ class Bf16HeadGemms:
         w16 = self.wn16 if self.vnni else self.wc16
         self.dnnl.gemm(Gemm(self.T, self.c, self.D, vnni=self.vnni), self.z16.ctypes.data,
                        w16.ctypes.data, out.ctypes.data)
+
+    def table_grad(self, z, out):
+        """out = z^T @ x ([c, D], rows contiguous), z rounded to bf16 (as
+        ``backend._bf16_weight_grad`` says why)"""
+        assert z.flags.c_contiguous and out.flags.c_contiguous
+        self.z16 = self.kern.buffer("head z16", (z.size,), np.uint16)
+        qgemm.lib().gt_f32_bf16(z.ctypes.data, self.z16.ctypes.data, z.size)
+        self.dnnl.gemm(Gemm(self.c, self.T, self.D, ta=True), self.z16.ctypes.data,
+                       self.x16.ctypes.data, out.ctypes.data)
 
 
 class OnednnHeadGemms(tiled.HeadGemms):

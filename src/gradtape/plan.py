@@ -2,7 +2,8 @@
 
 A ``Plan`` says, for one model, shape and machine, how a compiled program runs: the
 precision of the frozen-weight products (``compute``), where float32 GEMMs run
-(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), from how many rows a
+(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), which library runs the
+plain bf16 GEMMs (``bf16_gemms``: oneDNN, or MKL where installed and faster), from how many rows a
 sequence's attention is the fused primitive (``attention_from``), which ways of a
 block-weight product may be timed (``product_ways``), whether block weights read by bf16
 products keep one bf16 copy each (``resident_weights``), how many layers backward
@@ -67,6 +68,8 @@ class Plan:
     backend: str = "numpy"
     compute: Decision = Decision("float32", "asked for")
     f32_gemms: Decision | None = None  # None: decided from the compiled graph
+    # which library runs the plain bf16 GEMMs of block-weight products: onednn or mkl
+    bf16_gemms: Decision = Decision("onednn", "")
     attention_from: Decision = Decision(ATTN_TILED_MIN, "")
     product_ways: tuple = ()  # the only ways a block-weight product may take; () = any
     product_tile: str = ""  # the only tile size it may take; "" = any
@@ -87,6 +90,8 @@ class Plan:
                  f"compute: {self.compute}"]
         if self.f32_gemms is not None and self.f32_gemms.why:
             lines.append(f"float32 GEMMs: {self.f32_gemms}")
+        if self.bf16_gemms.why:
+            lines.append(f"bf16 GEMMs: {self.bf16_gemms}")
         if self.attention_from.why:
             lines.append(f"attention: fused from {self.attention_from}")
         if self.product_ways or self.product_tile:
@@ -164,6 +169,18 @@ def f32_gemms(shape) -> Decision:
         return Decision("blas", "float32 GEMMs in NumPy's BLAS (small ones, not measured)")
     in_dnnl, why = _measure().f32_onednn(tuple(int(d) for d in shape))
     return Decision("onednn" if in_dnnl else "blas", why)
+
+
+def bf16_gemms(compute: Decision, backend: str, shape) -> Decision:
+    """Which library runs the plain bf16 GEMMs of block-weight products ("onednn" or
+    "mkl"): MKL where the products are bf16 or int8 on the cpu backend, MKL may run here
+    (``backends.cpu.mkl``, an optional dependency) and it measured faster than oneDNN at
+    ``shape``, the model's FFN ``(m, k, n)``; else oneDNN, unsaid where MKL is not in
+    question."""
+    if backend != "cpu" or compute.value not in ("bf16", "int8"):
+        return Decision("onednn", "")
+    value, why = _measure().bf16_provider(tuple(int(d) for d in shape))
+    return Decision(value, why)
 
 
 def _forced_ways():
@@ -269,9 +286,11 @@ def for_training(cfg, n_seq, t, backend, dtype, compute, attention) -> Plan:
     step's to add (``Plan.replace``): it is decided from the compiled step's memory."""
     rows = n_seq * t
     applies = backend == "cpu" and np.dtype(dtype) == np.float32
-    precision = decide_compute(compute, applies=applies, shape=(rows, cfg.dim, cfg.ffn_dim))
-    return for_program(backend, precision.value).replace(compute=precision,
-                        attention_from=attention(cfg, n_seq, t, backend, precision.value))
+    shape = (rows, cfg.dim, cfg.ffn_dim)
+    precision = decide_compute(compute, applies=applies, shape=shape)
+    return for_program(backend, precision.value).replace(
+        compute=precision, bf16_gemms=bf16_gemms(precision, backend, shape),
+        attention_from=attention(cfg, n_seq, t, backend, precision.value))
 
 
 # bf16 copies of the block weights (2 bytes a value) are kept where they take at most this

@@ -19,6 +19,10 @@ accumulation.  The ways of running one product, each a function here:
   the program's life (where the execution plan leaves room for it): the tiles' very
   values, without dequantizing them again each step.
 
+The GEMMs of the plain, direct and resident ways read plain rows: where the plan's
+``bf16_gemms`` says MKL (``mkl.py``), MKL runs them instead of oneDNN, and their names
+say so ("plain 16M mkl").
+
 The tiled ways come in each of ``bf16_tile_sizes()``; small tiles stay in cache between
 their dequantization and their GEMM, which takes ``BF16_SMALL_TILE_ROWS`` rows of the
 activation at a time ("by 256 rows").  A block of result columns is written into
@@ -73,7 +77,8 @@ class Bf16Scratch:
         return self.prod.ctypes.data if self.prod is not None else None
 
 
-def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=None):
+def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=None,
+               plain_gemms=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` from the input
     arrays ``ins`` with bf16 inputs and float32 accumulation, in ``scratch``
     (``Bf16Scratch``):
@@ -86,8 +91,13 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=
     ``rounded``: ``scratch.act`` already holds x's bf16 copy when this runs (a
     ``qmatmul`` after another of the same x, whose run wrote it and nothing since).
     ``resident``: a callable giving W's bf16 copy (uint16 ``[rows, k]``, made on its
-    first call and shared by the products of W), which offers the ``resident`` way."""
+    first call and shared by the products of W), which offers the ``resident`` way.
+    ``plain_gemms``: the library running the GEMMs on plain rows (the plain, direct and
+    resident ways; ``mkl.Mkl``, as the plan's ``bf16_gemms`` says), named in those ways'
+    names; None: ``dnnl``."""
     p = BlockProduct.of(v, out, ins)
+    plain = dnnl if plain_gemms is None else plain_gemms
+    tag = "" if plain_gemms is None else f" {plain_gemms.provider.lower()}"
     if rounded and p.transposed:
         raise ValueError("lower_bf16: a qmatmul_t rounds its own operand (its tiles may "
                          "write act16 column by column)")
@@ -99,17 +109,19 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=
                 name = f"{layout} {size_name(elems)}"
                 if way.rows_at_once < p.T:  # a new way: timed anew where a decision was cached
                     name += f" by {way.rows_at_once} rows"
-                runs[name] = _BoundOnFirstCall(functools.partial(_bind_tiles, p, scratch, dnnl,
+                gemms = plain if layout == "plain" else dnnl
+                name += tag if layout == "plain" else ""
+                runs[name] = _BoundOnFirstCall(functools.partial(_bind_tiles, p, scratch, gemms,
                                                                  way, rounded))
     need = lib().gt_fused_scratch(p.type_id, p.rows, p.k, p.T, int(p.transposed))
     if need and scratch.tile.size >= need:
         runs["fused"] = _BoundOnFirstCall(functools.partial(_bind_fused, p, scratch, rounded))
     if p.qtype == "BF16" and p.w_stride == 2 * p.k:
-        runs["direct"] = _BoundOnFirstCall(functools.partial(_bind_direct, p, scratch, dnnl,
-                                                             rounded))
+        runs["direct" + tag] = _BoundOnFirstCall(functools.partial(_bind_direct, p, scratch,
+                                                                   plain, rounded))
     elif resident is not None:
-        runs["resident"] = _BoundOnFirstCall(functools.partial(_bind_resident, p, scratch,
-                                                               dnnl, rounded, resident))
+        runs["resident" + tag] = _BoundOnFirstCall(functools.partial(
+            _bind_resident, p, scratch, plain, rounded, resident))
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {p.qtype}",
                                                             (p.T, p.rows, p.k), runs)
     return runs[name].bound()

@@ -2,9 +2,9 @@
 
 A ``Plan`` says, for one model, shape and machine, how a compiled program runs: the
 precision of the frozen-weight products (``compute``), where float32 GEMMs run
-(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), which library runs the
-plain bf16 GEMMs (``bf16_gemms``: oneDNN, or MKL where installed and faster), from how many rows a
-sequence's attention is the fused primitive (``attention_from``), which ways of a
+(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), whose bf16 GEMMs the
+block-weight products may take (``bf16_gemms``: oneDNN's, and MKL's where installed and
+faster), from how many rows a sequence's attention is the fused primitive (``attention_from``), which ways of a
 block-weight product may be timed (``product_ways``), whether block weights read by bf16
 products keep one bf16 copy each (``resident_weights``), how many layers backward
 recomputes (``checkpoint``) and the threads.  Each choice carries the sentence that says
@@ -37,7 +37,7 @@ BLOCK_PRODUCTS = ("qmatmul", "qmatmul_t")
 
 COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
-PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "direct", "resident")
+PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "amx", "direct", "resident")
 
 # the attention is fused from this many rows of a sequence on (it keeps no [T, T]
 # scores); below it, with at most two query tiles, the tiled walk skips at most a
@@ -68,7 +68,8 @@ class Plan:
     backend: str = "numpy"
     compute: Decision = Decision("float32", "asked for")
     f32_gemms: Decision | None = None  # None: decided from the compiled graph
-    # which library runs the plain bf16 GEMMs of block-weight products: onednn or mkl
+    # the libraries of block-weight products' bf16 GEMMs: onednn, or mkl (MKL's plain
+    # ways timed beside oneDNN's)
     bf16_gemms: Decision = Decision("onednn", "")
     attention_from: Decision = Decision(ATTN_TILED_MIN, "")
     product_ways: tuple = ()  # the only ways a block-weight product may take; () = any
@@ -172,11 +173,11 @@ def f32_gemms(shape) -> Decision:
 
 
 def bf16_gemms(compute: Decision, backend: str, shape) -> Decision:
-    """Which library runs the plain bf16 GEMMs of block-weight products ("onednn" or
-    "mkl"): MKL where the products are bf16 or int8 on the cpu backend, MKL may run here
-    (``backends.cpu.mkl``, an optional dependency) and it measured faster than oneDNN at
-    ``shape``, the model's FFN ``(m, k, n)``; else oneDNN, unsaid where MKL is not in
-    question."""
+    """The libraries whose bf16 GEMMs block-weight products may take: "mkl" (MKL's plain
+    ways timed beside oneDNN's, per product) where the products are bf16 or int8 on the
+    cpu backend, MKL may run here (``backends.cpu.mkl``, an optional dependency) and its
+    plain GEMMs measured faster than oneDNN's at ``shape``, the model's FFN ``(m, k,
+    n)``; else "onednn", unsaid where MKL is not in question."""
     if backend != "cpu" or compute.value not in ("bf16", "int8"):
         return Decision("onednn", "")
     value, why = _measure().bf16_provider(tuple(int(d) for d in shape))

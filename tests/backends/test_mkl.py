@@ -6,8 +6,9 @@ products' plain GEMMs, on an AMX CPU (elsewhere these skip, naming what the CPU 
   over k <= 1100 terms, about 1e-6 observed), for each layout ``onednn.Gemm`` names (W
   ``[n, k]`` or ``[k, n]``, row strides, added to out); and against the float32 product
   of the unrounded operands, an error of bf16's size (bf16 inputs: 2^-9 a value).
-* The plan's ``bf16_gemms = mkl``: block-weight products run their plain, direct and
-  resident ways' GEMMs in MKL (named so), at the same 1e-5 against the rounded reference.
+* The plan's ``bf16_gemms = mkl``: block-weight products offer their plain, direct and
+  resident ways run by MKL too (named so); taken, they give the same 1e-5 against the
+  rounded reference.
 * The decision: MKL is not in question without it, and a capped ISA leaves it out.
 """
 
@@ -66,20 +67,20 @@ def test_mkl_takes_plain_gemms_only():
 @pytest.mark.parametrize("qtype,layout", [("Q4_K", "plain"), ("Q8_0", "plain"),
                                           ("Q4_K", "resident"), ("BF16", "direct")])
 def test_block_products_with_mkl_match_rounded_reference(qtype, layout, monkeypatch):
-    """The plan names MKL: the plain ways' tiles (3 row tiles forward, 3 column tiles
-    backward), a BF16 W read in place (direct) and any other from its bf16 copy
-    (resident) multiply in MKL, the ways' names say so, and the values are bf16's."""
+    """The plan names MKL: each of oneDNN's plain, direct and resident ways is offered
+    run by MKL as well; taken, the plain ways' tiles (3 row tiles forward, 3 column
+    tiles backward), a BF16 W read in place (direct) and any other from its bf16 copy
+    (resident) multiply in MKL, and the values are bf16's."""
     hardware.onednn_bf16()
     hardware.mkl_bf16()
     monkeypatch.setattr(qgemm_tiles, "BF16_TILE_ELEMS", 32 * 768)
     monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", layout)
     offered = {}
-    fastest = measure.fastest
 
-    def recording(what, shape, runs, only=((), "")):
+    def mkl_way(what, shape, runs, only=((), "")):  # the MKL way of the layout asked for
         offered.setdefault(what, []).extend(runs)
-        return fastest(what, shape, runs, only)
-    monkeypatch.setattr(measure, "fastest", recording)
+        return next(n for n in runs if n.split()[0] == layout and n.endswith(" mkl"))
+    monkeypatch.setattr(measure, "fastest", mkl_way)
     r = np.random.default_rng(7)
     T, rows, k = 9, 70, 768
     bm = random_blocks(qtype, rows, k, r)
@@ -93,9 +94,10 @@ def test_block_products_with_mkl_match_rounded_reference(qtype, layout, monkeypa
         resident_weights=plan.Decision(layout == "resident", "the test's"))
     prog = tp.compile([y, z], backend="cpu", plan=execution)
     assert prog.executable.compute == "bf16"
-    names = [n for ways in offered.values() for n in ways]
-    assert names and all(n.endswith(" mkl") for n in names
-                         if n.split()[0] in ("plain", "direct", "resident"))
+    for ways in offered.values():  # MKL's plain ways beside each of oneDNN's
+        assert {n[:-4] for n in ways if n.endswith(" mkl")} == \
+            {n for n in ways if n.split()[0] in ("plain", "direct", "resident")
+             and not n.endswith(" mkl")}
     assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == [layout] * 2
     got_y, got_z = prog.run()
     deq = _b16(bm.dequantize())
@@ -125,3 +127,21 @@ def test_a_capped_isa_leaves_mkl_out(monkeypatch):
     finally:
         monkeypatch.delenv("GRADTAPE_ISA")
         mkl._load.cache_clear()
+
+
+def test_a_plan_naming_mkl_where_it_cannot_run_runs_onednn_and_says_so(monkeypatch):
+    hardware.onednn_bf16()
+
+    def missing():
+        raise mkl.MklError("MKL is not installed (pip install gradtape[mkl])")
+    monkeypatch.setattr(mkl, "mkl", missing)
+    r = np.random.default_rng(3)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((9, 256)))
+    y = ops.qmatmul(x, tp.const(random_blocks("Q8_0", 64, 256, r)))
+    execution = plan.for_program("cpu", "bf16").replace(
+        bf16_gemms=plan.Decision("mkl", "the test's"))
+    with pytest.warns(RuntimeWarning, match="names MKL for the bf16 GEMMs, running oneDNN"):
+        prog = tp.compile([y], backend="cpu", plan=execution)
+    assert prog.execution.bf16_gemms == ("onednn", "MKL is not installed (pip install "
+                                                   "gradtape[mkl])")

@@ -283,8 +283,9 @@ def bf16_provider(shape) -> tuple:
     """``("mkl", why)`` where MKL's bf16 GEMM (``mkl.py``: installed, on an AMX CPU, no
     ``$GRADTAPE_ISA`` cap) runs the plain bf16 GEMMs of the model's FFN at ``shape``
     (``(m, k, n)``: forward ``x @ W^T`` and backward ``dy @ W`` of a W stored ``[n, k]``)
-    faster than oneDNN, else ``("onednn", why)``; timed once per CPU model and library
-    versions like ``bf16_fast``."""
+    faster than oneDNN: then each block product times MKL's plain ways beside oneDNN's
+    ways (``qgemm_bf16.lower_bf16``); else ``("onednn", why)``, and MKL costs no first-step
+    timings.  Timed once per CPU model and library versions, like ``bf16_fast``."""
     ok, why = mkl.available()
     if not ok:
         return "onednn", ""
@@ -295,8 +296,8 @@ def bf16_provider(shape) -> tuple:
             f"{'x'.join(map(str, shape))} forward and backward, measured"
             f"{' before' if cached else ''} on this CPU")
     if blas > 1.05 * dnnl:
-        return "mkl", f"plain bf16 GEMMs in MKL ({said})"
-    return "onednn", f"plain bf16 GEMMs in oneDNN ({said})"
+        return "mkl", f"MKL's plain GEMMs timed beside oneDNN's ways ({said})"
+    return "onednn", f"oneDNN's ways alone ({said})"
 
 
 def measured_provider_rates(m=256, k=576, n=1536, reps=7):

@@ -655,6 +655,8 @@ static void gemm_rows(int mr, const uint16_t *a, long lda, const uint32_t *b, lo
    x 16 columns (tmm6-7, rows 256 bytes apart: the panel's words are the tiles' rows).
    Rows past the last 16 and pairs past the last 16 go to gemm_rows. */
 #define AMX
+#define AMX_KC 256  /* values of K a chunk on tiles (a multiple of 256, at most FUSED_KC):
+                       a chunk's A and B then stay in L1 */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -836,6 +838,11 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
 #ifdef FUSED
     gb_deq_fn f; int bl, by;
     if (gb_layout(t, &f, &bl, &by)) return -1;
+#ifdef AMX
+    const long KC = amx ? AMX_KC : FUSED_KC;  /* values of K a chunk */
+#else
+    const long KC = FUSED_KC;
+#endif
     const long each = core_elems(backward, T);
     if (!backward) {
         void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k : bf16_q6_k;
@@ -857,8 +864,8 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
 #endif
             for (long r0 = first; r0 < end; r0 += FUSED_ROWS) {
                 const long n = end - r0 < FUSED_ROWS ? end - r0 : FUSED_ROWS;
-                for (long k0 = 0; k0 < k; k0 += FUSED_KC) {
-                    const long kc = k - k0 < FUSED_KC ? k - k0 : FUSED_KC;
+                for (long k0 = 0; k0 < k; k0 += KC) {
+                    const long kc = k - k0 < KC ? k - k0 : KC;
                     const double t0 = deq ? now() : 0.0;
                     fused_rows(direct, by, w, rb, r0, n, k0, kc, tile);
                     if (deq) spent += now() - t0;
@@ -897,8 +904,8 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
 #endif
         for (long g = g0; g < g1; g++) {
             const long j = g * FUSED_GROUP;
-            for (long k0 = 0; k0 < rows; k0 += FUSED_KC) {
-                const long kc = rows - k0 < FUSED_KC ? rows - k0 : FUSED_KC;
+            for (long k0 = 0; k0 < rows; k0 += KC) {
+                const long kc = rows - k0 < KC ? rows - k0 : KC;
                 const double t0 = deq ? now() : 0.0;
                 fused_chunk(vecs, by, w, rb, j, FUSED_GROUP, k0, kc, buf);
                 if (deq) spent += now() - t0;

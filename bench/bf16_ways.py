@@ -66,9 +66,9 @@ def main():
                 secs = measure.seconds_in_turn([runs[n] for n in names], args.rounds)
             flops = 2 * args.T * rows * k
             best = min(secs)
-            print(f"{v.op} {args.qtype} W [{rows}, {k}] T={args.T}: " + ", ".join(
-                f"{n} {1e3 * t:.0f} ms ({flops / t / 1e9:.0f} GFLOP/s{', best' if t == best else ''})"
-                for n, t in zip(names, secs)))
+            said = [f"{n} {1e3 * t:.0f} ms ({flops / t / 1e9:.0f} GFLOP/s"
+                    f"{', best' if t == best else ''})" for n, t in zip(names, secs)]
+            print(f"{v.op} {args.qtype} W [{rows}, {k}] T={args.T}: " + ", ".join(said))
 
 
 if __name__ == "__main__":

@@ -245,6 +245,31 @@ def test_fused_products_match_rounded_reference(qtype, way, T, monkeypatch):
     assert qgemm.lib().gt_fused_scratch(tid, 64, 100 * 32, 13, 0) == 0  # k: not blocks
 
 
+def test_amx_and_onednns_tiles_take_turns_in_the_same_threads():
+    """Our AMX tiles and oneDNN's (each configures its own tiles per call) run in turn,
+    as when the ways are timed, on the same OpenMP threads: each keeps giving its
+    values (a call that trusted another's tile configuration would not)."""
+    from gradtape.backends.cpu import onednn
+    from gradtape.backends.cpu.qgemm_bf16 import Bf16Scratch, lower_bf16
+    hardware.onednn_bf16()
+    if not qgemm.lib().gt_amx_ready():
+        pytest.skip("no AMX on this CPU (or its class capped by $GRADTAPE_ISA, or Linux "
+                    "refuses this process its tiles)")
+    tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(11), 40, 512, 768)
+    for v, a, want in ((y, x, _b16(x.value) @ deq.T), (z, g, _b16(g.value) @ deq)):
+        out = np.zeros(v.shape, np.float32)
+        scratch = Bf16Scratch.allocate([v])
+        runs = {}
+        lower_bf16(v, out, (a.value, v.inputs[1].value), onednn.dnnl(), scratch,
+                   lambda what, shape, offered: runs.update(offered) or "amx")
+        others = [n for n in runs if n.split()[0] in ("blocked", "plain")]
+        assert "amx" in runs and others
+        for name in ["amx", *others, "amx", others[0], "amx"]:
+            out[...] = np.nan
+            runs[name]()
+            assert rel_err(out, want) <= 1e-5, name
+
+
 @pytest.mark.parametrize("m,k", [(9, 768), (70, 512), (64, 256)])
 def test_swapped_operands_are_packed_and_products_moved_exactly(m, k):
     """A swapped product's two copies are the same values rearranged: gt_rows_vnni's

@@ -20,11 +20,12 @@ quantization error (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
 
-Three more decisions of the kind, timed the same way: ``fastest``, whether the tiles of
+More decisions of the kind, timed the same way: ``fastest``, whether the tiles of
 a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or plain rows,
 and how large they are; ``packed_weights``, whether a dense weight is packed into it once;
 ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool with our
-kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
+kernels) or NumPy's BLAS; ``bf16_provider``, whether MKL's bf16 GEMM (``mkl.py``, where
+installed) is timed beside oneDNN's.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
 

@@ -14,7 +14,6 @@ read the ratios, and re-measure on a quiet machine.
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,9 @@ def child(provider, shapes, reps):
     rng = np.random.default_rng(0)
     if provider == "torch":
         import torch
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+        from gradtape import settings
+        torch.set_num_threads(settings.omp_threads())
     else:
         from gradtape.backends.cpu import mkl, onednn
         from gradtape.backends.cpu.blas import one_blas_thread

@@ -2,8 +2,9 @@
 
 A ``Plan`` says, for one model, shape and machine, how a compiled program runs: the
 precision of the frozen-weight products (``compute``), where float32 GEMMs run
-(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), from how many rows a
-sequence's attention is the fused primitive (``attention_from``), which ways of a
+(``f32_gemms``: oneDNN on OpenMP's threads, or NumPy's BLAS), whose bf16 GEMMs the
+block-weight products may take (``bf16_gemms``: oneDNN's, and MKL's where installed and
+faster), from how many rows a sequence's attention is the fused primitive (``attention_from``), which ways of a
 block-weight product may be timed (``product_ways``), whether block weights read by bf16
 products keep one bf16 copy each (``resident_weights``), how many layers backward
 recomputes (``checkpoint``), whether products with trained weights take bf16 too
@@ -37,7 +38,7 @@ BLOCK_PRODUCTS = ("qmatmul", "qmatmul_t")
 
 COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
-PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "direct", "resident")
+PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "amx", "direct", "resident")
 
 # the attention is fused from this many rows of a sequence on (it keeps no [T, T]
 # scores); below it, with at most two query tiles, the tiled walk skips at most a
@@ -68,6 +69,9 @@ class Plan:
     backend: str = "numpy"
     compute: Decision = Decision("float32", "asked for")
     f32_gemms: Decision | None = None  # None: decided from the compiled graph
+    # the libraries of block-weight products' bf16 GEMMs: onednn, or mkl (MKL's plain
+    # ways timed beside oneDNN's)
+    bf16_gemms: Decision = Decision("onednn", "")
     attention_from: Decision = Decision(ATTN_TILED_MIN, "")
     product_ways: tuple = ()  # the only ways a block-weight product may take; () = any
     product_tile: str = ""  # the only tile size it may take; "" = any
@@ -91,6 +95,8 @@ class Plan:
                  f"compute: {self.compute}"]
         if self.f32_gemms is not None and self.f32_gemms.why:
             lines.append(f"float32 GEMMs: {self.f32_gemms}")
+        if self.bf16_gemms.why:
+            lines.append(f"bf16 GEMMs: {self.bf16_gemms}")
         if self.attention_from.why:
             lines.append(f"attention: fused from {self.attention_from}")
         if self.product_ways or self.product_tile:
@@ -170,6 +176,18 @@ def f32_gemms(shape) -> Decision:
         return Decision("blas", "float32 GEMMs in NumPy's BLAS (small ones, not measured)")
     in_dnnl, why = _measure().f32_onednn(tuple(int(d) for d in shape))
     return Decision("onednn" if in_dnnl else "blas", why)
+
+
+def bf16_gemms(compute: Decision, backend: str, shape) -> Decision:
+    """The libraries whose bf16 GEMMs block-weight products may take: "mkl" (MKL's plain
+    ways timed beside oneDNN's, per product) where the products are bf16 or int8 on the
+    cpu backend, MKL may run here (``backends.cpu.mkl``, an optional dependency) and its
+    plain GEMMs measured faster than oneDNN's at ``shape``, the model's FFN ``(m, k,
+    n)``; else "onednn", unsaid where MKL is not in question."""
+    if backend != "cpu" or compute.value not in ("bf16", "int8"):
+        return Decision("onednn", "")
+    value, why = _measure().bf16_provider(tuple(int(d) for d in shape))
+    return Decision(value, why)
 
 
 def _forced_ways():
@@ -275,9 +293,11 @@ def for_training(cfg, n_seq, t, backend, dtype, compute, attention) -> Plan:
     step's to add (``Plan.replace``): it is decided from the compiled step's memory."""
     rows = n_seq * t
     applies = backend == "cpu" and np.dtype(dtype) == np.float32
-    precision = decide_compute(compute, applies=applies, shape=(rows, cfg.dim, cfg.ffn_dim))
-    return for_program(backend, precision.value).replace(compute=precision,
-                        attention_from=attention(cfg, n_seq, t, backend, precision.value))
+    shape = (rows, cfg.dim, cfg.ffn_dim)
+    precision = decide_compute(compute, applies=applies, shape=shape)
+    return for_program(backend, precision.value).replace(
+        compute=precision, bf16_gemms=bf16_gemms(precision, backend, shape),
+        attention_from=attention(cfg, n_seq, t, backend, precision.value))
 
 
 # bf16 copies of the block weights (2 bytes a value) are kept where they take at most this

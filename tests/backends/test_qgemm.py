@@ -197,8 +197,9 @@ def test_bf16_compute_matches_rounded_reference(qtype, rows, k, tile, backward, 
     assert rel_err(got_y, x.value.astype(np.float64) @ bm.dequantize().T) > 1e-4
 
 
+@pytest.mark.parametrize("way,T", [("fused", 13), ("amx", 13), ("amx", 45)])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_fused_products_match_rounded_reference(qtype, monkeypatch):
+def test_fused_products_match_rounded_reference(qtype, way, T, monkeypatch):
     """The fused way (gt_qgemm_bf16_fused: each core dequantizes its own part of W a
     chunk of K at a time and multiplies it with our GEMM) at the edges of its blocking:
     forward over W [200, 768], each core's share of W's rows (in blocks of 6; two cores:
@@ -206,15 +207,19 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     and 256, T = 13 (x^T's panel padded, the sums of 13 columns moved into y), and over
     W [5, 256], one block of rows (a core without a share); backward over W [1030, 512],
     two groups of columns and W's rows in chunks of 512, 512 and 6, T = 13 (a last block
-    of one row of g)."""
+    of one row of g).  The amx way (gt_qgemm_bf16_amx: the same with its GEMM on AMX
+    tiles, 32 x 32 of C at a time) the same, and at T = 45 backward (a block of 32 rows
+    of g on tiles, 13 left to the vector GEMM; the last chunk's 3 pairs too)."""
     hardware.onednn_bf16()
     tid = qgemm.type_id(qtype)
     if not (qgemm.lib().gt_fused_scratch(tid, 200, 768, 13, 0) and
             qgemm.lib().gt_fused_scratch(tid, 1030, 512, 13, 1)):
         pytest.skip("no fused kernel on this CPU (it needs AVX512-BF16)")
-    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", "fused")
+    if way == "amx" and not qgemm.lib().gt_amx_ready():
+        pytest.skip("no AMX on this CPU (or its class capped by $GRADTAPE_ISA, or Linux "
+                    "refuses this process its tiles)")
+    monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", way)
     r = np.random.default_rng(300 + TYPES.index(qtype))
-    T = 13
     w1, w2 = random_blocks(qtype, 200, 768, r), random_blocks(qtype, 1030, 512, r)
     w3 = random_blocks(qtype, 5, 256, r)
     tp = gt.Tape(np.float32)
@@ -225,7 +230,7 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     y3 = ops.qmatmul(x3, tp.const(w3))
     prog = tp.compile([y, z, y3], backend="cpu", compute="bf16")
     runs = [s for s in prog.executable._steps if hasattr(s, "layout")]
-    assert [s.layout for s in runs] == ["fused"] * 3
+    assert [s.layout for s in runs] == [way] * 3
     got_y, got_z, got_y3 = prog.run()
     assert rel_err(got_y, _b16(x.value) @ _b16(w1.dequantize()).T) <= 1e-5
     assert rel_err(got_z, _b16(g.value) @ _b16(w2.dequantize())) <= 1e-5
@@ -238,6 +243,31 @@ def test_fused_products_match_rounded_reference(qtype, monkeypatch):
     # and the widths that do not fit its blocking are not offered it
     assert qgemm.lib().gt_fused_scratch(tid, 71, 768, 13, 1) == 0  # an odd K backward
     assert qgemm.lib().gt_fused_scratch(tid, 64, 100 * 32, 13, 0) == 0  # k: not blocks
+
+
+def test_amx_and_onednns_tiles_take_turns_in_the_same_threads():
+    """Our AMX tiles and oneDNN's (each configures its own tiles per call) run in turn,
+    as when the ways are timed, on the same OpenMP threads: each keeps giving its
+    values (a call that trusted another's tile configuration would not)."""
+    from gradtape.backends.cpu import onednn
+    from gradtape.backends.cpu.qgemm_bf16 import Bf16Scratch, lower_bf16
+    hardware.onednn_bf16()
+    if not qgemm.lib().gt_amx_ready():
+        pytest.skip("no AMX on this CPU (or its class capped by $GRADTAPE_ISA, or Linux "
+                    "refuses this process its tiles)")
+    tp, x, g, y, z, deq = _bf16_product_pair(np.random.default_rng(11), 40, 512, 768)
+    for v, a, want in ((y, x, _b16(x.value) @ deq.T), (z, g, _b16(g.value) @ deq)):
+        out = np.zeros(v.shape, np.float32)
+        scratch = Bf16Scratch.allocate([v])
+        runs = {}
+        lower_bf16(v, out, (a.value, v.inputs[1].value), onednn.dnnl(), scratch,
+                   lambda what, shape, offered: runs.update(offered) or "amx")
+        others = [n for n in runs if n.split()[0] in ("blocked", "plain")]
+        assert "amx" in runs and others
+        for name in ["amx", *others, "amx", others[0], "amx"]:
+            out[...] = np.nan
+            runs[name]()
+            assert rel_err(out, want) <= 1e-5, name
 
 
 @pytest.mark.parametrize("m,k", [(9, 768), (70, 512), (64, 256)])
@@ -348,8 +378,8 @@ def test_small_tiles_take_the_activation_a_block_of_rows_at_a_time(k, monkeypatc
         def fastest(what, shape, runs, only=((), "")):
             small = [n for n in runs if n.startswith(layout) and n.endswith("by 4 rows")]
             # (a swapped product's GEMM takes all rows of x as its N, unsplit; a fused
-            # one has no tiles)
-            tiled = [n for n in runs if "swapped" not in n and n != "fused"]
+            # one, on AMX tiles or not, has no tiles of W)
+            tiled = [n for n in runs if "swapped" not in n and n not in ("fused", "amx")]
             assert {n for n in tiled if "by" not in n} == {
                 n for n in tiled if n.endswith(" 163840")}
             ran.append(small[0] if small else next(iter(runs)))

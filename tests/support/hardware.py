@@ -27,6 +27,24 @@ _AVX2_LACKS = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
 ONEDNN_PLATFORM = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
+def mkl_bf16():
+    """MKL with its bf16 GEMM (``backends.cpu.mkl``), or a skip naming what this CPU
+    lacks (AMX; or a ``$GRADTAPE_ISA`` cap hiding it).  MKL is a test dependency on Linux
+    x86-64 (``mkl``): not loading there, on an AMX CPU, fails."""
+    from gradtape.backends.cpu import mkl
+
+    if not ONEDNN_PLATFORM:
+        pytest.skip(f"the mkl wheel is tested on Linux x86-64 only, not "
+                    f"{sys.platform} {platform.machine()}")
+    if toolchain.isa() != "native" or "amx_bf16" not in toolchain.cpu_info()["flags"]:
+        pytest.skip("this CPU has no AMX (or $GRADTAPE_ISA caps it): MKL's bf16 GEMM is "
+                    "offered with AMX only")
+    ok, why = mkl.available()
+    if not ok:
+        pytest.fail(f"MKL is a test dependency on Linux x86-64 and does not load: {why}")
+    return mkl.mkl()
+
+
 def onednn_bf16():
     """oneDNN with its bf16 matmul, or a skip naming what this CPU lacks.  oneDNN is a
     dependency on Linux x86-64 (``onednn-cpu-gomp``): not loading there fails."""

@@ -98,7 +98,8 @@ def test_a_bf16_step_on_block_weights_keeps_one_bf16_copy_of_each(files, monkeyp
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, ""))
     monkeypatch.setattr(compute, "fastest",  # the resident way wherever it is offered
                         lambda what, shape, runs, only=((), ""):
-                        "resident" if "resident" in runs else next(iter(runs)))
+                        next((n for n in runs if n.split()[0] == "resident"),
+                             next(iter(runs))))
     model = llama.load(files / "tiny-q8.gguf", keep_quantized=True)
     adapter = init_adapter(model.config, 2, 4.0, seed=0)
     step = TrainStep(model, adapter, 2, 16, backend="cpu", compute="bf16")

@@ -54,7 +54,7 @@ from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
 from ..lowering import C_ELEMENTWISE
-from . import codegen, measure, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled, toolchain
+from . import codegen, measure, mkl, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled, toolchain
 from .blas import one_blas_thread
 from .qgemm_bf16 import Bf16Scratch
 from .qgemm_int8 import Int8Scratch
@@ -267,10 +267,27 @@ class CpuBackend(HostBackend):
             self._block_bf16 -= self._block_int8
         if self._block_bf16:
             self._bf16_scratch = Bf16Scratch.allocate(self._block_bf16)
+            self._plain_gemms = self._bf16_provider()
         if self._block_int8:
             self._int8_scratch = Int8Scratch.allocate(self._block_int8)
         if self._dense_bf16 or self._grad_bf16 or self._block_bf16 or self._block_int8:
             self.compute = "int8" if self._block_int8 else "bf16"
+
+    def _bf16_provider(self):
+        """The library the plan's ``bf16_gemms`` names for the plain bf16 GEMMs of block
+        products: ``mkl.Mkl``, or None for oneDNN (also, with a warning, where MKL was
+        named and cannot run here)."""
+        named = self.execution is not None and self.execution.bf16_gemms.value == "mkl"
+        if not named:
+            return None
+        try:
+            return mkl.mkl()
+        except mkl.MklError as e:
+            warnings.warn(f"gradtape: the plan names MKL for the bf16 GEMMs, running "
+                          f"oneDNN's: {e}", RuntimeWarning, stacklevel=7)
+            said = self.execution.bf16_gemms  # the plan records what runs
+            self.execution = self.execution.replace(bf16_gemms=type(said)("onednn", str(e)))
+            return None
 
     def _f32_gemms(self, execution):
         """``(in oneDNN, why)`` for the float32 matmuls of a float32 program, as the plan
@@ -447,7 +464,8 @@ class CpuBackend(HostBackend):
                                           s.attrs["k"]) if self._resident_ok else None)
             return qgemm_bf16.lower_bf16(s, val[s], ins, self._dnnl, self._bf16_scratch,
                                          functools.partial(measure.fastest, only=self._only),
-                                         rounded=rounded, resident=resident)
+                                         rounded=rounded, resident=resident,
+                                         plain_gemms=self._plain_gemms)
         if s.op in qgemm.QOPS:
             return qgemm.lower(s, val[s], ins, self._tile_scratch)
         if s.op in tiled.TILED_OPS:  # the blocks' elementwise work in C

@@ -20,11 +20,12 @@ quantization error (``bench/bf16_cosine.py --int8`` measures what it does to the
 gradients: short of bf16's exactness, so ``auto`` never picks it).  Asked for where it
 is not faster, it says so once and runs bf16.
 
-Three more decisions of the kind, timed the same way: ``fastest``, whether the tiles of
+More decisions of the kind, timed the same way: ``fastest``, whether the tiles of
 a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or plain rows,
 and how large they are; ``packed_weights``, whether a dense weight is packed into it once;
 ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool with our
-kernels) or NumPy's BLAS.  This module runs nothing but those measurements.
+kernels) or NumPy's BLAS; ``bf16_provider``, whether MKL's bf16 GEMM (``mkl.py``, where
+installed) is timed beside oneDNN's.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
 
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import settings
-from . import onednn, toolchain
+from . import mkl, onednn, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
@@ -277,6 +278,51 @@ def measured_int8_rates(m=256, k=576, n=1536, reps=7):
     gemm8 = dnnl.bind_ptrs(onednn.Gemm(m, k, n, s8=True), a8.ctypes.data, w8.ctypes.data,
                            sums.ctypes.data)
     return _best_in_turn([_replay_rate(best, gemm16), _replay_rate(best, gemm8)])
+
+
+def bf16_provider(shape) -> tuple:
+    """``("mkl", why)`` where MKL's bf16 GEMM (``mkl.py``: installed, on an AMX CPU, no
+    ``$GRADTAPE_ISA`` cap) runs the plain bf16 GEMMs of the model's FFN at ``shape``
+    (``(m, k, n)``: forward ``x @ W^T`` and backward ``dy @ W`` of a W stored ``[n, k]``)
+    faster than oneDNN: then each block product times MKL's plain ways beside oneDNN's
+    ways (``qgemm_bf16.lower_bf16``); else ``("onednn", why)``, and MKL costs no first-step
+    timings.  Timed once per CPU model and library versions, like ``bf16_fast``."""
+    ok, why = mkl.available()
+    if not ok:
+        return "onednn", ""
+    shape = measured_shape(shape)
+    (dnnl, blas), cached = rates(f"bf16 provider {mkl.mkl().version}", shape,
+                                 measured_provider_rates)
+    said = (f"MKL {blas / 1e9:.0f} vs oneDNN {dnnl / 1e9:.0f} GFLOP/s at "
+            f"{'x'.join(map(str, shape))} forward and backward, measured"
+            f"{' before' if cached else ''} on this CPU")
+    if blas > 1.05 * dnnl:
+        return "mkl", f"MKL's plain GEMMs timed beside oneDNN's ways ({said})"
+    return "onednn", f"oneDNN's ways alone ({said})"
+
+
+def measured_provider_rates(m=256, k=576, n=1536, reps=7):
+    """(oneDNN, MKL) bf16 FLOP/s of the two plain GEMMs of a W stored ``[n, k]``, the
+    forward ``[m, k] @ W^T`` and the backward ``[m, n] @ W``, in turn
+    (``_best_in_turn``), NumPy's BLAS on one thread as in a bf16 replay."""
+    rng = np.random.default_rng(0)
+    x = onednn.to_bf16(rng.standard_normal((m, max(k, n)), dtype=np.float32))
+    w = onednn.to_bf16(rng.standard_normal((n, k), dtype=np.float32))
+    out = np.empty((m, max(k, n)), np.float32)
+    reps = min(reps, 3) if 2 * m * k * n > 1e10 else reps
+    flops = 4 * m * k * n
+
+    def timing(lib):
+        fwd = lib.bind_ptrs(onednn.Gemm(m, k, n, True), x.ctypes.data, w.ctypes.data,
+                            out.ctypes.data)
+        bwd = lib.bind_ptrs(onednn.Gemm(m, n, k), x.ctypes.data, w.ctypes.data,
+                            out.ctypes.data)
+
+        def both():
+            fwd()
+            bwd()
+        return _replay_rate(lambda fn: flops / min(call_seconds(fn, reps)), both)
+    return _best_in_turn([timing(onednn.dnnl()), timing(mkl.mkl())])
 
 
 # What one thread pool saves a float32 step: with the GEMMs in NumPy's BLAS, the C

@@ -73,6 +73,10 @@ def lib():
         so.gt_qgemm_bf16_fused.argtypes = [_i, _p, _l, _l, _l, _i, _p, _p, _l, _p, _p, _l,
                                            _p]
         so.gt_qgemm_bf16_fused.restype = _i
+        so.gt_qgemm_bf16_amx.argtypes = so.gt_qgemm_bf16_fused.argtypes
+        so.gt_qgemm_bf16_amx.restype = _i
+        so.gt_amx_ready.argtypes = []
+        so.gt_amx_ready.restype = _i
         so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]
         so.gt_rows_vnni.restype = None
         so.gt_quant_rows_s8.argtypes = [_p, _l, _l, _l, _p, _i, _p, _p]

@@ -14,10 +14,16 @@ accumulation.  The ways of running one product, each a function here:
 * ``fused``: one call of our own (``gt_qgemm_bf16_fused``) in which each core
   dequantizes its own part of W a chunk at a time and multiplies it at once with our
   AVX512-BF16 GEMM, where the CPU has it and W's shape fits its blocking;
+* ``amx``: ``fused`` with its GEMM on AMX tiles (``gt_qgemm_bf16_amx``), where the build
+  has AMX's instructions and Linux grants this process their use;
 * ``direct``: a BF16 W (its bits are the tiles') read where it lies by one GEMM;
 * ``resident``: ``direct`` on a bf16 copy of the whole W, dequantized once and kept for
   the program's life (where the execution plan leaves room for it): the tiles' very
   values, without dequantizing them again each step.
+
+The GEMMs of the plain, direct and resident ways read plain rows: where the plan's
+``bf16_gemms`` says MKL (``mkl.py``), those ways are offered run by MKL as well, their
+names saying so ("plain 16M mkl"), and timed with the others.
 
 The tiled ways come in each of ``bf16_tile_sizes()``; small tiles stay in cache between
 their dequantization and their GEMM, which takes ``BF16_SMALL_TILE_ROWS`` rows of the
@@ -73,7 +79,8 @@ class Bf16Scratch:
         return self.prod.ctypes.data if self.prod is not None else None
 
 
-def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=None):
+def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=None,
+               plain_gemms=None):
     """A callable computing ``qmatmul`` / ``qmatmul_t`` ``v`` into ``out`` from the input
     arrays ``ins`` with bf16 inputs and float32 accumulation, in ``scratch``
     (``Bf16Scratch``):
@@ -86,30 +93,40 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=
     ``rounded``: ``scratch.act`` already holds x's bf16 copy when this runs (a
     ``qmatmul`` after another of the same x, whose run wrote it and nothing since).
     ``resident``: a callable giving W's bf16 copy (uint16 ``[rows, k]``, made on its
-    first call and shared by the products of W), which offers the ``resident`` way."""
+    first call and shared by the products of W), which offers the ``resident`` way.
+    ``plain_gemms``: a second library for the GEMMs on plain rows (``mkl.Mkl``, where the
+    plan's ``bf16_gemms`` says so): the plain, direct and resident ways run by it are
+    offered too, named so ("plain 16M mkl"); None: oneDNN's ways alone."""
     p = BlockProduct.of(v, out, ins)
     if rounded and p.transposed:
         raise ValueError("lower_bf16: a qmatmul_t rounds its own operand (its tiles may "
                          "write act16 column by column)")
     runs = {}
-    for elems in bf16_tile_sizes():  # largest first: the default
-        for layout in ("blocked", "plain", "swapped"):
-            way = _tile_way(p, scratch, dnnl, layout, elems)
-            if way is not None:
-                name = f"{layout} {size_name(elems)}"
-                if way.rows_at_once < p.T:  # a new way: timed anew where a decision was cached
-                    name += f" by {way.rows_at_once} rows"
-                runs[name] = _BoundOnFirstCall(functools.partial(_bind_tiles, p, scratch, dnnl,
-                                                                 way, rounded))
-    need = lib().gt_fused_scratch(p.type_id, p.rows, p.k, p.T, int(p.transposed))
-    if need and scratch.tile.size >= need:
-        runs["fused"] = _BoundOnFirstCall(functools.partial(_bind_fused, p, scratch, rounded))
-    if p.qtype == "BF16" and p.w_stride == 2 * p.k:
-        runs["direct"] = _BoundOnFirstCall(functools.partial(_bind_direct, p, scratch, dnnl,
-                                                             rounded))
-    elif resident is not None:
-        runs["resident"] = _BoundOnFirstCall(functools.partial(_bind_resident, p, scratch,
-                                                               dnnl, rounded, resident))
+    # oneDNN's ways first (the first is the default), then MKL's plain ones beside them
+    for gemms in (dnnl, *([plain_gemms] if plain_gemms is not None else [])):
+        tag = "" if gemms is dnnl else f" {gemms.provider.lower()}"
+        for elems in bf16_tile_sizes():  # largest first: the default
+            for layout in ("blocked", "plain", "swapped") if gemms is dnnl else ("plain",):
+                way = _tile_way(p, scratch, dnnl, layout, elems)
+                if way is not None:
+                    name = f"{layout} {size_name(elems)}"
+                    if way.rows_at_once < p.T:  # a new name: a cached decision is timed anew
+                        name += f" by {way.rows_at_once} rows"
+                    runs[name + tag] = _BoundOnFirstCall(functools.partial(
+                        _bind_tiles, p, scratch, gemms, way, rounded))
+        need = lib().gt_fused_scratch(p.type_id, p.rows, p.k, p.T, int(p.transposed))
+        if gemms is dnnl and need and scratch.tile.size >= need:
+            runs["fused"] = _BoundOnFirstCall(functools.partial(_bind_fused, p, scratch,
+                                                                rounded))
+            if lib().gt_amx_ready():
+                runs["amx"] = _BoundOnFirstCall(functools.partial(_bind_fused, p, scratch,
+                                                                  rounded, amx=True))
+        if p.qtype == "BF16" and p.w_stride == 2 * p.k:
+            runs["direct" + tag] = _BoundOnFirstCall(functools.partial(
+                _bind_direct, p, scratch, gemms, rounded))
+        elif resident is not None:
+            runs["resident" + tag] = _BoundOnFirstCall(functools.partial(
+                _bind_resident, p, scratch, gemms, rounded, resident))
     name = next(iter(runs)) if choose is None else choose(f"{v.op} {p.qtype}",
                                                             (p.T, p.rows, p.k), runs)
     return runs[name].bound()
@@ -274,12 +291,12 @@ def _swapped_steps(p, scratch, dnnl, R):
     return pack, steps
 
 
-def _bind_fused(p, scratch, rounded):
+def _bind_fused(p, scratch, rounded, amx=False):
     """The callable running the product as one fused call: each core dequantizes its own
     part of W a chunk at a time and multiplies it while it is in its cache, with a GEMM
     of ours (forward as y^T = W x^T, x16^T packed once past x16 as in the swapped way).
     In a profile's split the cores' mean time dequantizing counts as "dequantize", the
-    rest as "GEMM"."""
+    rest as "GEMM".  ``amx``: the GEMM on AMX tiles instead (``gt_qgemm_bf16_amx``)."""
     L, T, k = lib(), p.T, p.k
     first = [] if rounded else [_round_x(p, scratch)]
     xt = None if p.transposed else scratch.act_addr + 2 * T * k
@@ -287,7 +304,7 @@ def _bind_fused(p, scratch, rounded):
         first.append((L.gt_rows_vnni, (scratch.act_addr, T, k, xt)))
     args = (p.type_id, p.w_addr, p.w_stride, p.rows, k, int(p.transposed), scratch.act_addr,
             xt, T, p.out_addr, scratch.tile_addr, scratch.tile.size)
-    fused = L.gt_qgemm_bf16_fused
+    fused = L.gt_qgemm_bf16_amx if amx else L.gt_qgemm_bf16_fused
 
     def run(split=None):
         for f, f_args in first:
@@ -299,7 +316,7 @@ def _bind_fused(p, scratch, rounded):
         check(fused(*args, ctypes.byref(deq)), p.op)
         split["dequantize"] += deq.value
         split["GEMM"] += time.perf_counter() - t0 - deq.value
-    return _described(run, p, "fused", None, rounded,
+    return _described(run, p, "amx" if amx else "fused", None, rounded,
                       (p.x, p.w, p.out, scratch.act, scratch.tile))
 
 

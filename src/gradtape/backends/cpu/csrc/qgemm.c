@@ -648,6 +648,92 @@ static void gemm_rows(int mr, const uint16_t *a, long lda, const uint32_t *b, lo
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same product on AMX tiles (gt_qgemm_bf16_amx): C's block [m, 64] (+)= A [m, 2 pairs]
+   times the panel's rows of pairs, 32 x 32 of C at a time in four 16 x 16 float32 tiles
+   (tmm0-3), two tiles of A's 16 rows x 32 values (tmm4-5) and two of the panel's 16 pairs
+   x 16 columns (tmm6-7, rows 256 bytes apart: the panel's words are the tiles' rows).
+   Rows past the last 16 and pairs past the last 16 go to gemm_rows. */
+#define AMX
+#define AMX_KC 256  /* values of K a chunk on tiles (a multiple of 256, at most FUSED_KC):
+                       a chunk's A and B then stay in L1 */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* each thread's tiles: eight of 16 rows x 64 bytes */
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* whether this process may use AMX tiles (Linux asks for the permission once) */
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+#define AMX_C_LOAD(t, ptr) do { if (add) _tile_loadd(t, ptr, ldc * 4); else _tile_zero(t); } while (0)
+
+static void amx_rows(long m, const uint16_t *a, long lda, const uint32_t *b, long pairs,
+                     float *c, long ldc, int add) {
+    const long p16 = pairs / 16 * 16, m16 = m / 16 * 16;
+    for (long cb = 0; cb < VN_N && p16; cb += 32) {
+        long i = 0;
+        for (; i + 32 <= m16; i += 32) {
+            float *c0 = c + i * ldc + cb, *c1 = c0 + 16 * ldc;
+            AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16); AMX_C_LOAD(2, c1); AMX_C_LOAD(3, c1 + 16);
+            for (long p = 0; p < p16; p += 16) {
+                _tile_loadd(4, a + i * lda + 2 * p, lda * 2);
+                _tile_loadd(5, a + (i + 16) * lda + 2 * p, lda * 2);
+                _tile_loadd(6, b + p * VN_N + cb, VN_N * 4);
+                _tile_loadd(7, b + p * VN_N + cb + 16, VN_N * 4);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
+            _tile_stored(2, c1, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4);
+        }
+        if (i < m16) {  /* 16 rows left */
+            float *c0 = c + i * ldc + cb;
+            AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16);
+            for (long p = 0; p < p16; p += 16) {
+                _tile_loadd(4, a + i * lda + 2 * p, lda * 2);
+                _tile_loadd(6, b + p * VN_N + cb, VN_N * 4);
+                _tile_loadd(7, b + p * VN_N + cb + 16, VN_N * 4);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
+        }
+    }
+    const long m0 = p16 ? m16 : 0;  /* the rows the tiles took */
+    if (p16 < pairs)  /* their pairs past the last 16 */
+        for (long i = 0; i < m0; i += GEMM_MR)
+            gemm_rows(m0 - i < GEMM_MR ? (int)(m0 - i) : GEMM_MR, a + i * lda + 2 * p16, lda,
+                      b + p16 * VN_N, pairs - p16, c + i * ldc, ldc, 1);
+    for (long i = m0; i < m; i += GEMM_MR)  /* the rows past them, all pairs */
+        gemm_rows(m - i < GEMM_MR ? (int)(m - i) : GEMM_MR, a + i * lda, lda, b, pairs,
+                  c + i * ldc, ldc, add);
+}
+#endif
+
 /* backward: W's rows [k0, k0 + kc) over its columns 64 j .. (a block of 256 per four
    panels) as B = W's chunk in the blocked layout, pairs of rows, the rows 8 on asked for */
 static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, long j, long np,
@@ -741,14 +827,22 @@ long gt_fused_scratch(int t, long rows, long k, long T, int backward) {
    a: bf16 rows; scratch: at least gt_fused_scratch values.  deq: NULL, or where the
    seconds the cores spent dequantizing (their mean) are added (a profile's split).
    -1 where the scratch needed is 0. */
-int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int backward,
-                        const uint16_t *a, const uint16_t *xt, long T, float *c,
-                        uint16_t *scratch, long scratch_elems, double *deq) {
+static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, int backward,
+                         const uint16_t *a, const uint16_t *xt, long T, float *c,
+                         uint16_t *scratch, long scratch_elems, double *deq, int amx) {
     const long need = gt_fused_scratch(t, rows, k, T, backward);
     if (!need || scratch_elems < need) return -1;
+#ifndef AMX
+    if (amx) return -1;
+#endif
 #ifdef FUSED
     gb_deq_fn f; int bl, by;
     if (gb_layout(t, &f, &bl, &by)) return -1;
+#ifdef AMX
+    const long KC = amx ? AMX_KC : FUSED_KC;  /* values of K a chunk */
+#else
+    const long KC = FUSED_KC;
+#endif
     const long each = core_elems(backward, T);
     if (!backward) {
         void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k : bf16_q6_k;
@@ -765,14 +859,23 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
             uint16_t *tile = scratch + id * each;
             float *sums = (float *)(tile + FUSED_ROWS * FUSED_LDA);
             double spent = 0.0;
+#ifdef AMX
+            if (amx) amx_configure();
+#endif
             for (long r0 = first; r0 < end; r0 += FUSED_ROWS) {
                 const long n = end - r0 < FUSED_ROWS ? end - r0 : FUSED_ROWS;
-                for (long k0 = 0; k0 < k; k0 += FUSED_KC) {
-                    const long kc = k - k0 < FUSED_KC ? k - k0 : FUSED_KC;
+                for (long k0 = 0; k0 < k; k0 += KC) {
+                    const long kc = k - k0 < KC ? k - k0 : KC;
                     const double t0 = deq ? now() : 0.0;
                     fused_rows(direct, by, w, rb, r0, n, k0, kc, tile);
                     if (deq) spent += now() - t0;
                     for (long q = 0; q < Tp / VN_N; q++)
+#ifdef AMX
+                        if (amx)
+                            amx_rows(n, tile, FUSED_LDA, b + q * (k / 2 * VN_N) + k0 / 2 * VN_N,
+                                     kc / 2, sums + q * VN_N, Tp, k0 > 0);
+                        else
+#endif
                         for (long i = 0; i < n; i += GEMM_MR)
                             gemm_rows(n - i < GEMM_MR ? n - i : GEMM_MR, tile + i * FUSED_LDA,
                                       FUSED_LDA, b + q * (k / 2 * VN_N) + k0 / 2 * VN_N,
@@ -781,6 +884,9 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
                 for (long j0 = 0; j0 < T; j0 += 16)
                     cols_t(sums, Tp, n, j0, j0 + 16 < T ? j0 + 16 : T, c + r0, rows);
             }
+#ifdef AMX
+            if (amx) _tile_release();
+#endif
             if (deq) add_mean(deq, spent);
         }
         return 0;
@@ -793,27 +899,66 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
         core_share(groups, &id, &g0, &g1);
         uint32_t *buf = (uint32_t *)(scratch + id * each);
         double spent = 0.0;
+#ifdef AMX
+        if (amx) amx_configure();
+#endif
         for (long g = g0; g < g1; g++) {
             const long j = g * FUSED_GROUP;
-            for (long k0 = 0; k0 < rows; k0 += FUSED_KC) {
-                const long kc = rows - k0 < FUSED_KC ? rows - k0 : FUSED_KC;
+            for (long k0 = 0; k0 < rows; k0 += KC) {
+                const long kc = rows - k0 < KC ? rows - k0 : KC;
                 const double t0 = deq ? now() : 0.0;
                 fused_chunk(vecs, by, w, rb, j, FUSED_GROUP, k0, kc, buf);
                 if (deq) spent += now() - t0;
                 for (long q = 0; q < FUSED_GROUP; q++)
+#ifdef AMX
+                    if (amx)
+                        amx_rows(T, a + k0, rows, buf + q * FUSED_PANEL, kc / 2,
+                                 c + (j + q) * VN_N, k, k0 > 0);
+                    else
+#endif
                     for (long i = 0; i < T; i += GEMM_MR)
                         gemm_rows(T - i < GEMM_MR ? T - i : GEMM_MR, a + i * rows + k0, rows,
                                   buf + q * FUSED_PANEL, kc / 2, c + i * k + (j + q) * VN_N,
                                   k, k0 > 0);
             }
         }
+#ifdef AMX
+        if (amx) _tile_release();
+#endif
         if (deq) add_mean(deq, spent);
     }
     return 0;
 #else
     (void)w; (void)rb; (void)a; (void)xt; (void)T; (void)c; (void)scratch; (void)deq;
+    (void)amx;
     return -1;
 #endif
+}
+
+int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int backward,
+                        const uint16_t *a, const uint16_t *xt, long T, float *c,
+                        uint16_t *scratch, long scratch_elems, double *deq) {
+    return fused_product(t, w, rb, rows, k, backward, a, xt, T, c, scratch, scratch_elems,
+                         deq, 0);
+}
+
+/* whether gt_qgemm_bf16_amx runs here: built with AMX's instructions, and Linux lets
+   this process use its tiles */
+int gt_amx_ready(void) {
+#ifdef AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* gt_qgemm_bf16_fused with its GEMM on AMX tiles (-1 where gt_amx_ready says no) */
+int gt_qgemm_bf16_amx(int t, const uint8_t *w, long rb, long rows, long k, int backward,
+                      const uint16_t *a, const uint16_t *xt, long T, float *c,
+                      uint16_t *scratch, long scratch_elems, double *deq) {
+    if (!gt_amx_ready()) return -1;
+    return fused_product(t, w, rb, rows, k, backward, a, xt, T, c, scratch, scratch_elems,
+                         deq, 1);
 }
 
 /* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into

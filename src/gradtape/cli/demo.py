@@ -49,7 +49,7 @@ def add_arguments(parser):
 def _run_folder(name, value):
     """--out: a new, empty or earlier demo folder we can write in (checked before the
     model is loaded; a demo run continues an earlier one)."""
-    from ..train.finetune import check_out_folder
+    from ..train.run_folder import check_out_folder
 
     out = Path(value).expanduser()
     check_out_folder(out, resume=(out / "checkpoint" / "state.safetensors").is_file())

@@ -1,7 +1,8 @@
-"""The fine-tuning run: config, loop, checkpoints, logs and the loss curve.
+"""The fine-tuning run: loading, the step, the loop, evaluations and the run's end.
 
-``FinetuneConfig`` is the single definition of every option (the CLI is generated from
-its fields and help texts).  ``finetune(cfg)`` writes into ``cfg.out``:
+``finetune(cfg)`` runs the options of a ``FinetuneConfig`` (``options``: every option,
+defined once) and writes into ``cfg.out`` (``run_folder``: the checkpoint, the log, the
+loss curve):
 
     adapter/            the trained adapter, PEFT format (adapter_config.json + safetensors)
     model/              --fine-tune-type full: the trained model, a Hugging Face folder
@@ -28,271 +29,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .. import checks
-from ..backends import BACKENDS
-from ..plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 from ..errors import GradtapeError
-from ..io import atomic_write_bytes, atomic_write_json
+from ..io import atomic_write_json
 from . import data as data_mod
 from . import config_file, distributed, full, preference_run, samples, steering
-from .methods import METHODS, Options, check_options, method as method_row
-from .records import check_columns
+from .methods import check_options, method as method_row
 from ..blocks import is_block_matrix
-from ..models.arch import ARCHS
-from ..models.export import write_safetensors
-from ..models.lora import (ADAPTER_TYPES, check_folder, init_adapter, load_adapter,
-                           parse_targets)
+from ..models.lora import init_adapter, load_adapter, parse_targets
 from ..models.memory import WEIGHT_MODES, GiB, keep_stored, mem_available, resident_bytes
 from .memory import OVERHEAD, check as check_memory, estimate as estimate_memory
-
-MARKER = "gradtape-run.json"
-CHECKPOINT = "state.safetensors"
-
-
-def _opt(default, help, check=None, **kw):
-    """A config field with its help text and its valid range (a ``checks.Check``, or a
-    function ``(name, value)`` raising ``GradtapeError``): the CLI's option and the
-    dataclass's validation are both built from it."""
-    return field(default=default, metadata={"help": help, "check": check, **kw})
-
-
-def _known_targets(name, value):
-    """Names some family has (the model, loaded later, checks its own: Phi-3's are fused)."""
-    checks.check_type(name, value, str)
-    try:
-        parse_targets(value)
-    except GradtapeError as e:
-        for family in ARCHS:
-            try:
-                parse_targets(value, family=family)
-                return
-            except GradtapeError:
-                pass
-        raise GradtapeError(f"{name}: {e}") from None
-
-
-def _adapter_dir(name, value):
-    """``""`` (a fresh adapter) or a PEFT LoRA folder (its tensors are checked against
-    the model once it is loaded)."""
-    checks.check_type(name, value, str)
-    if value:
-        check_folder(value, name)
-
-
-def _beta(name, value):
-    """``None`` (the method's default) or a finite number > 0."""
-    if value is not None:
-        checks.positive()(name, value)
-
-
-def _gguf_precision(name, value):
-    """Empty (no GGUF) or the precision of its matrices."""
-    checks.check_type(name, value, str)
-    if value:
-        checks.one_of("float32", "float16")(name, value)
-
-
-def flag(field_name):
-    """The command-line spelling of a config field: ``seq_len`` -> ``--seq-len``."""
-    return "--" + field_name.replace("_", "-")
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    model: str = _opt("smollm2", "base model: 'smollm2' (embedded), a .gguf file or a "
-                                 "Hugging Face folder", path=True)
-    data: str = _opt("", "training data: a .jsonl, .json or .parquet file of OpenAI chat "
-                         "(messages), ShareGPT (conversations), Alpaca (instruction, input, "
-                         "output), prompt/completion or text records; a dataset folder (its "
-                         "train split); or plain text", required=True, path=True)
-    eval_data: str = _opt("", "held-out data, in any --data format: a file, or a dataset "
-                              "folder's validation (else test) split; default: --eval-frac "
-                              "of --data", path=True)
-    columns: str = _opt("", "map other field names onto the schema's, FIELD=COLUMN,... "
-                            "(e.g. prompt=question,completion=answer)",
-                        check_columns)
-    packing: bool = _opt(True, "examples are packed into --seq-len rows, best fit, each "
-                               "attending only to itself with positions from 0; "
-                               "--no-packing: one example a row, padded")
-    train_on_prompt: bool = _opt(False, "train on every token, the prompt's too (default: "
-                                        "only the answers / assistant turns)")
-    out: str = _opt("", "output folder (adapter, checkpoint, log.jsonl, loss.png)",
-                    required=True, path=True)
-    steps: int = _opt(0, "optimizer steps (0: derive from --epochs)", checks.count(0))
-    epochs: float = _opt(1.0, "passes over the training split when --steps is 0",
-                         checks.positive())
-    # a target is the next token: a sequence needs two positions to have one
-    seq_len: int = _opt(256, "tokens per row (longer examples are truncated, text continues "
-                             "into the next row)",
-                        checks.count(2))
-    batch_size: int = _opt(4, "sequences per micro-batch", checks.count(1))
-    grad_accum: int = _opt(1, "micro-batches per optimizer step (weighted by token count)",
-                           checks.count(1))
-    fine_tune_type: str = _opt("lora", "what is trained: lora (a rank-r update A, B per "
-                                       "target, written to adapter/), dora (LoRA plus a "
-                                       "magnitude per output feature, the direction W0 + s B A "
-                                       "normalised per feature, as PEFT's use_dora; often "
-                                       "better at low rank, a step costs a little more) or "
-                                       "full (every weight, norms and embeddings too, in "
-                                       "float32 with AdamW; the trained model is written to "
-                                       "model/ as a Hugging Face folder; needs about 6 float32 "
-                                       "copies of the weights plus activations, checked "
-                                       "before loading)",
-                               checks.one_of(*full.FINE_TUNE_TYPES))
-    save_gguf: str = _opt("", "full: also write the trained model as model.gguf in this "
-                              "precision, float32 or float16 (for llama.cpp)",
-                          _gguf_precision)
-    rank: int = _opt(8, "LoRA rank r", checks.count(1))
-    alpha: float = _opt(16.0, "LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with "
-                              "--rslora)", checks.positive())
-    rslora: bool = _opt(False, "rank-stabilised LoRA (PEFT's use_rslora): scale alpha / "
-                               "sqrt(r), so higher ranks keep learning at the same --lr")
-    targets: str = _opt("all", "comma-separated LoRA targets among q,k,v,o,gate,up,down "
-                        "(Phi-3: qkv,o,gate_up,down)", _known_targets)
-    adapter: str = _opt("", "start from this PEFT LoRA adapter folder (ours, or one PEFT "
-                            "wrote) instead of a fresh adapter, with any --method: its "
-                            "rank, alpha, targets and scale (rsLoRA) become the run's, so "
-                            "--rank, --alpha and --targets left at their defaults follow "
-                            "it and any other value is an error; for dpo and ipo the "
-                            "model with this adapter is the reference", _adapter_dir,
-                        path=True)
-    lr: float = _opt(1e-3, "peak learning rate", checks.positive())
-    warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)",
-                       checks.count(0))
-    weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", checks.nonnegative())
-    clip: float = _opt(1.0, "clip gradients to this global norm (0: off)", checks.nonnegative())
-    eval_frac: float = _opt(0.1, "fraction of examples held out for the eval loss (when no "
-                                 "--eval-data)",
-                            checks.fraction())
-    eval_every: int = _opt(20, "evaluate the held-out loss every N steps (0: only at the end)",
-                           checks.count(0))
-    save_every: int = _opt(50, "write a checkpoint every N steps", checks.count(1))
-    seed: int = _opt(0, "seed for the adapter init, the split and the batch order",
-                     checks.count(0))
-    backend: str = _opt("cpu", "execution backend: cpu (generated C + BLAS; falls back to "
-                               "numpy, with a warning, without a C compiler) or numpy "
-                               "(the reference)", checks.one_of(*BACKENDS))
-    weights: str = _opt("auto", "frozen weights: float32 (dequantized at load), stored (kept "
-                                "in the file's own type -- Q4_K, Q8_0, bf16 ... -- memory-"
-                                "mapped, dequantized tile by tile in the matmuls) or auto "
-                                "(stored when the float32 copy would leave less than a "
-                                "fifth of the available memory, with --compute int8, or "
-                                "where a GGUF's products run in bf16: they read bf16 "
-                                "copies made from its blocks, no float32 copy is kept)",
-                        checks.one_of(*WEIGHT_MODES))
-    ignore_memory: bool = _opt(False, "start even when the memory estimate exceeds what is "
-                                      "available")
-    dtype: str = _opt("float32", "float32 or float64", checks.one_of("float32", "float64"))
-    compute: str = _opt(DEFAULT_COMPUTE, "precision of the frozen-weight GEMMs (with "
-                                "--fine-tune-type full: every weight's, each converted once "
-                                "a step, and the weight gradients'): auto (bf16 where this "
-                                "CPU runs it faster, measured once at the model's shapes, "
-                                "else float32), float32, bf16 (bf16 inputs, float32 "
-                                "accumulation; where not faster: a notice and float32), or "
-                                "int8 (bf16, and the GEMMs against a quantized GGUF's "
-                                "weights in int8 with per-row scales: faster where the CPU "
-                                "has AVX512-VNNI or AMX; not exact: see docs/benchmarks.md)",
-                        checks.one_of(*COMPUTE_CHOICES))
-    grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
-                                        "layer's forward in backward, keeping only the "
-                                        "layers' inputs: about one more forward pass), off, "
-                                        "or auto (as few layers recomputed as keep the "
-                                        "run within 3/4 of the available memory)",
-                                checks.one_of("auto", "on", "off"))
-    method: str = _opt("sft", "training method: sft (next-token loss on the answers) or a "
-                              "preference method on pairs (prompt, chosen, rejected): dpo, "
-                              "ipo (both against the starting model, a reference pass "
-                              "before the first step), orpo, simpo (no reference); as "
-                              "TRL computes them", checks.one_of(*METHODS))
-    beta: float | None = _opt(None, "the preference methods' beta (default: the method's, "
-                                    "TRL's 0.1)", _beta, kind=float)
-    label_smoothing: float = _opt(0.0, "dpo: robust DPO's label noise; simpo: the "
-                                       "conservative loss's", checks.Check(float, lo=0, hi=0.5,
-                                                                          hi_open=True))
-    simpo_gamma: float = _opt(0.5, "simpo's target reward margin", checks.nonnegative())
-    # runs people steer (train/steering.py, train/samples.py)
-    early_stop: int = _opt(0, "stop after N evaluations (--eval-every) without a lower "
-                              "held-out loss; adapter/ (model/ with --fine-tune-type full, "
-                              "which keeps a copy of the best weights in memory) then holds "
-                              "the best evaluation's weights, and the run says its step "
-                              "(0: off)", checks.count(0))
-    samples: int = _opt(2, "at each evaluation, greedy answers to N held-out prompts "
-                           "(with --sample-prompts: to each of the file's), printed under "
-                           "the progress bar and kept in log.jsonl (0: off)",
-                        checks.Check(int, lo=0, hi=64))
-    sample_tokens: int = _opt(32, "new tokens per sample answer",
-                              checks.Check(int, lo=1, hi=4096))
-    sample_prompts: str = _opt("", "sample these prompts instead of held-out ones: a file "
-                                   "of one prompt a line, or a .jsonl of strings, "
-                                   "{\"prompt\": ...} or {\"messages\": [...]}; sent "
-                                   "through the model's chat template where it has one",
-                               path=True)
-    resume: bool = _opt(False, "continue from the checkpoint in --out")
-    progress: bool = _opt(True, "show a progress bar", cli=False)
-
-    def __post_init__(self):
-        """Every field against its declared type and range: a bad value stops here, before
-        a model is loaded or a file is touched."""
-        for f in dataclasses.fields(self):
-            name, value, meta = flag(f.name), getattr(self, f.name), f.metadata
-            if meta.get("path") and isinstance(value, os.PathLike):
-                value = os.fspath(value)
-                object.__setattr__(self, f.name, value)  # frozen: normalise once, here
-            if value is None and "kind" in meta:  # an optional number left to its default
-                continue
-            checks.check_type(name, value, meta.get("kind", f.type))
-            if meta.get("required") and not value:
-                raise GradtapeError(f"{name} is required")
-            if meta.get("check") is not None:
-                meta["check"](name, value)
-        # the options against the method: --label-smoothing with ipo, ... (one line)
-        meth = method_row(self.method)
-        for name, default in (("label_smoothing", 0.0), ("simpo_gamma", 0.5)):
-            if meth.data != "preference" and getattr(self, name) != default:
-                raise GradtapeError(f"{flag(name)} applies to the preference methods, not "
-                                    f"{meth.name}")
-        check_options(meth, self.options())
-        # the adapter's options mean nothing when every weight is trained, and the other
-        # way round (one line, naming the flag)
-        if self.fine_tune_type == "full":
-            for name, default in (("rank", 8), ("alpha", 16.0), ("targets", "all"),
-                                  ("weights", "auto"), ("rslora", False), ("adapter", "")):
-                if getattr(self, name) != default:
-                    raise GradtapeError(f"{flag(name)} applies to --fine-tune-type lora or "
-                                        "dora, not full (which trains every weight)")
-        elif self.save_gguf:
-            raise GradtapeError("--save-gguf applies to --fine-tune-type full (a LoRA run: "
-                                "gradtape merge --format gguf writes the merged model)")
-        steering.check_options(self)
-
-    @classmethod
-    def from_yaml(cls, path, **overrides) -> "FinetuneConfig":
-        """The options of a YAML file (keys as the flags spell them: ``seq-len`` or
-        ``seq_len``), ``overrides`` winning; every value checked as its flag's."""
-        return cls(**{**config_file.read_config(path, cls), **overrides})
-
-    def options(self) -> Options:
-        """The method's numbers (``train.methods.Options``)."""
-        return Options(self.beta, self.label_smoothing, self.simpo_gamma)
-
-    @property
-    def micro_rows(self) -> int:
-        """Token rows a micro-batch's forward runs: a preference method's pairs are two
-        sequences each."""
-        pairs = method_row(self.method).data == "preference"
-        return (2 if pairs else 1) * self.batch_size * self.seq_len
+from .options import FinetuneConfig, flag
+from .run_folder import (CHECKPOINT, MARKER, append_log, claim_folder, load_checkpoint,
+                         plot_losses, read_log, save_checkpoint)
 
 
 def finetune(cfg: FinetuneConfig, model=None, log=print):
@@ -332,7 +89,7 @@ def _finetune(cfg, model, log, world, together):
     data_file, eval_file = _read_data(cfg, log, meth.data)
     file_prompts = samples.read_prompts(cfg.sample_prompts) if cfg.sample_prompts else None
     if world.is_root or cfg.resume:  # the other ranks only read (a checkpoint to resume)
-        _claim_folder(out, cfg.resume)
+        claim_folder(out, cfg.resume)
     model, available = _load_model(cfg, model, log)
     targets = parse_targets(cfg.targets, model.config)
     is_full = cfg.fine_tune_type == "full"
@@ -372,7 +129,7 @@ def _finetune(cfg, model, log, world, together):
             preference_run.load_reference(sets, out, log)
         else:
             preference_run.reference_pass(step_prog, sets, out, log, world)
-    start = _load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
+    start = load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
         if not cfg.resume:
             (out / "log.jsonl").write_text("")
@@ -400,7 +157,7 @@ def _finetune(cfg, model, log, world, together):
         + f" (the step built in {build_s:.1f} s)")
 
     run = _Run(cfg, out, world, together, steps, micro_size)
-    records = _read_log(out) if cfg.resume and world.is_root else []
+    records = read_log(out) if cfg.resume and world.is_root else []
     last = _train_steps(run, step_prog, train, held, schedule, start, records, log, steer,
                         adapter)
     return _finish(dataclasses.replace(run, steps=last), adapter, step_prog, records, log,
@@ -574,13 +331,13 @@ def _train_steps(run, step_prog, train, held, schedule, start, records, log, ste
                 steer.stopped_at = step + 1
             records.append(rec)
             if world.is_root:
-                _append_log(out, rec)
+                append_log(out, rec)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                             tok_s=f"{rec['tokens_per_s']:.0f}")
             if world.is_root and ((step + 1) % cfg.save_every == 0 or step + 1 == run.steps
                                   or stopping or early):
-                _save_checkpoint(out, step_prog, step + 1, cfg, world.size,
+                save_checkpoint(out, step_prog, step + 1, cfg, world.size,
                                  steer.checkpoint_meta(), steer.checkpoint_arrays())
             if early:
                 bar.close()
@@ -722,166 +479,8 @@ def _deferred_interrupt():
             signal.signal(s, handler)
 
 
-def check_out_folder(out: Path, resume: bool):
-    """The run folder, before any work: for ``resume``, a run with a checkpoint; else a
-    new or empty folder, or an earlier run's (ours to overwrite); writable either way."""
-    checks.output_folder(out, "--out")  # a folder, or creatable; writable
-    if resume:
-        if not (out / "checkpoint" / CHECKPOINT).is_file():
-            raise GradtapeError(f"--resume: no checkpoint in {out}")
-        return
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise GradtapeError(f"--out {out} exists and is not a gradtape run folder; "
-                            "choose a new or empty folder")
-
-
-def _claim_folder(out: Path, resume: bool):
-    check_out_folder(out, resume)
-    if resume:
-        return
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GradtapeError(f"--out {out}: cannot be created ({e.strerror or e})") from None
-
-
-def _save_checkpoint(out, step_prog, step, cfg, world_size=1, extra_meta=None,
-                     extra_arrays=None):
-    """One file, written atomically: the state arrays, with the step and the run's config
-    in its metadata, so a kill at any moment leaves the previous checkpoint or this one."""
-    ck = out / "checkpoint"
-    arrays = step_prog.state_arrays()  # read one array at a time: twice, to check first
-    for k, a in (extra_arrays or {}).items():  # one file, one dtype (float32 values exact)
-        arrays[k] = np.asarray(a, step_prog.tape.dtype)
-    shapes = {}
-    for k in sorted(arrays):
-        a = arrays[k]
-        if not np.isfinite(a).all():  # never replace a good checkpoint with a diverged state
-            raise GradtapeError(f"the training state became non-finite at step {step} ({k}); "
-                                f"stopped, the last good checkpoint in {ck} is kept "
-                                "(lower --lr?)")
-        shapes[k] = a.shape
-    meta = {"step": str(step), "config": json.dumps(dataclasses.asdict(cfg)),
-            "world_size": str(world_size), **(extra_meta or {})}
-    try:
-        ck.mkdir(exist_ok=True)
-        for stale in ck.glob(f".{CHECKPOINT}.*.tmp"):  # left by a run killed mid-write
-            stale.unlink()
-        write_safetensors(ck / CHECKPOINT, [(k, shape, functools.partial(arrays.get, k))
-                                            for k, shape in shapes.items()],
-                          step_prog.tape.dtype, meta)
-    except OSError as e:
-        raise GradtapeError(f"cannot write the checkpoint for step {step} ({e}); the "
-                            f"previous checkpoint in {ck} is kept") from None
-
-
-_SAME_RUN = ("model", "data", "eval_data", "columns", "packing", "train_on_prompt",
-             "seq_len", "batch_size", "grad_accum", "fine_tune_type", "rank", "alpha", "rslora",
-             "targets", "seed", "dtype", "eval_frac", "method", "beta", "label_smoothing",
-             "simpo_gamma", "adapter")
-
-
-def _load_checkpoint(out, step_prog, cfg, world=distributed.World()):
-    from ..formats.safetensors_reader import read_safetensors
-
-    path = out / "checkpoint" / CHECKPOINT
-    try:
-        arrays, meta = read_safetensors(path, float32=False, floats_only=False)
-        step, old = int(meta["step"]), json.loads(meta["config"])
-        old_world = int(meta.get("world_size", "1"))
-        if not isinstance(old, dict):
-            raise ValueError("config is not an object")
-    except (GradtapeError, KeyError, ValueError) as e:
-        raise GradtapeError(f"--resume: {path} is not a readable checkpoint ({e})") from None
-    # another number of MPI ranks is fine when the global batch stays the same
-    if isinstance(old.get("batch_size"), int) and old_world * old["batch_size"] == \
-            world.size * cfg.batch_size:
-        old = {**old, "batch_size": cfg.batch_size}
-    elif old_world != world.size:
-        raise GradtapeError(f"--resume: the checkpoint's run took {old_world} x "
-                            f"{old.get('batch_size')} sequences per micro-batch (ranks x "
-                            f"--batch-size), this one {world.size} x {cfg.batch_size}; keep "
-                            "their product")
-    if isinstance(old.get("seq_len"), int):  # a run from before packing padded its rows
-        old.setdefault("packing", False)
-    changed = [k for k in _SAME_RUN if k in old and old[k] != getattr(cfg, k)]
-    if changed:
-        raise GradtapeError("--resume: options differ from the checkpoint's run: "
-                            + ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {getattr(cfg, k)}"
-                                        for k in changed))
-    try:
-        step_prog.load_state_arrays(arrays)
-    except ValueError as e:
-        raise GradtapeError(f"--resume: {path}: {e}") from None
-    if world.is_root:  # keep the log consistent with the checkpoint: drop steps after it
-        recs = [r for r in _read_log(out) if r["step"] <= step]
-        (out / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return step
-
-
-def _read_log(out):
-    path = out / "log.jsonl"
-    if not path.is_file():
-        return []
-    recs = []
-    for line in path.read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line torn by a kill: everything after it is gone too
-    return recs
-
-
-def _append_log(out, rec):
-    with open(out / "log.jsonl", "a") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
 def _progress(total, initial, enabled):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
                 dynamic_ncols=True, desc="finetune")
-
-
-def plot_losses(records, path):
-    """Train loss per step (and its moving average) and the eval loss, as a PNG; a
-    preference run's held-out reward accuracy and margin too."""
-    import io
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    loss = np.array([r["loss"] for r in records])
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot(steps, loss, color="#9ecae1", lw=1, label="train loss")
-    if len(loss) >= 5:
-        k = max(2, len(loss) // 10)
-        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-        ax.plot(steps[k - 1:], smooth, color="#08519c", lw=2, label=f"train ({k}-step mean)")
-    ev = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    if ev:
-        ax.plot(*zip(*ev), "o-", color="#e6550d", lw=2, label="eval loss (held out)")
-    ax.set_xlabel("step")
-    pref = [(r["step"], r["eval_rewards/accuracies"], r["eval_rewards/margins"])
-            for r in records if "eval_rewards/accuracies" in r]
-    ax.set_ylabel("loss" if pref else "next-token loss (nats)")
-    ax.set_title("gradtape finetune")
-    ax.grid(alpha=0.3)
-    handles = ax.get_legend_handles_labels()
-    if pref:  # a preference run: the held-out reward accuracy and margin, on their own axis
-        steps_, acc, margin = zip(*pref)
-        ax2 = ax.twinx()
-        ax2.plot(steps_, acc, "s--", color="#31a354", label="eval reward accuracy")
-        ax2.plot(steps_, margin, "^--", color="#756bb1", label="eval reward margin")
-        ax2.set_ylabel("reward accuracy / margin")
-        more = ax2.get_legend_handles_labels()
-        handles = (handles[0] + more[0], handles[1] + more[1])
-    ax.legend(*handles)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())

@@ -4,7 +4,7 @@ share (a LoRA adapter folder).
 ``option(parser, flag, check, ...)`` adds an argparse option and remembers its check (a
 ``checks.Check`` or a function ``(name, value)``), whose range also shows in ``--help``;
 ``check_args`` runs them all after parsing, before a command starts.  Options that come
-from a config dataclass (``finetune``'s ``FinetuneConfig``) are checked by the dataclass
+from a config dataclass (``train.options.FinetuneConfig``) are checked by the dataclass
 itself, the same check for the Python API and the CLI.
 """
 

@@ -2,7 +2,7 @@
 run folder keeps (``config.yaml``).
 
 Generic over a config dataclass whose fields carry ``help``, ``check`` and ``kind`` in
-their metadata (``train.finetune.FinetuneConfig``): a key is a field's flag name without
+their metadata (``train.options.FinetuneConfig``): a key is a field's flag name without
 the dashes, spelled with ``-`` or ``_`` (``seq-len`` or ``seq_len``); an option on by
 default is also turned off as its flag spells it (``no-packing: true``).  Every value goes
 through the field's own type and range check, the message naming the file and the key.

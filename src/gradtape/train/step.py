@@ -1,11 +1,13 @@
-"""LoRA (or full) training: one step recorded once, replayed every step.
+"""Training: one step recorded once, replayed every step.
 
 ``TrainStep`` records, on one tape, the forward of a micro-batch through the model with
-LoRA params, the next-token loss over target ids, ``backward`` (which touches only the
-adapter: frozen weights are consts and get no gradient), clipping by global norm and
-AdamW.  Full fine-tuning (``fine_tune_type="full"``, ``train.full``) records the same
-graph with every weight a param instead of a const and no adapter.  It compiles that into one Program whose state (adapter params, moments, and the
-gradient accumulator when ``grad_accum > 1``) lives in the backend between steps.
+the adapter's params (LoRA's A and B; DoRA's magnitudes too: ``models.dora``), the
+next-token loss over target ids, ``backward`` (which touches only the adapter: frozen
+weights are consts and get no gradient), clipping by global norm and AdamW.  Full
+fine-tuning (``fine_tune_type="full"``, ``train.full``) records the same graph with every
+weight a param instead of a const and no adapter.  It compiles that into one Program whose
+state (params, moments, and the gradient accumulator when ``grad_accum > 1``) lives in the
+backend between steps.
 
 A preference method (``train.methods``, a row whose data is ``preference``) records
 ``train.preference.record_preference`` in place of the next-token loss: one forward over
@@ -129,8 +131,9 @@ class TrainStep:
         next-token loss; ``options`` its numbers.  With
         ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
-        ``memory_hint``).  ``fine_tune_type``: "lora" trains ``adapter``; "full" trains
-        every weight of the model (``train.full``; ``adapter`` is None)."""
+        ``memory_hint``).  ``fine_tune_type``: "lora" or "dora" trains ``adapter`` (its
+        magnitudes say which); "full" trains every weight (``train.full``; ``adapter`` is
+        None)."""
         if fine_tune_type not in full.FINE_TUNE_TYPES:
             raise ValueError(f"TrainStep: fine_tune_type must be one of "
                              f"{full.FINE_TUNE_TYPES}, got {fine_tune_type!r}")

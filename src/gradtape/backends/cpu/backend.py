@@ -18,9 +18,10 @@ intermediates.
 
 ``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float
 const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the
-weight is converted to bf16 once and reordered, per direction, into the layout oneDNN's
-kernel keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in
-the batch before each such GEMM.  Products with a weight kept in its ggml blocks
+weight is converted to bf16 once (from any strides: a transposed weight gets no float32
+copy) and reordered, per direction, into the layout oneDNN's kernel keeps its weights in
+(``_Bf16Copies``), the activation operand by a C kernel in the batch before each such
+GEMM.  Products with a weight kept in its ggml blocks
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a

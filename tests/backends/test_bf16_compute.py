@@ -179,15 +179,20 @@ def test_a_transposed_weight_is_read_in_place(monkeypatch, compute_):
             assert rel_err(f, c) < 2e-5
 
 
-def test_a_transposed_models_lora_step_keeps_no_float_weight_copy(monkeypatch):
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_a_transposed_models_lora_step_keeps_no_float_weight_copy(monkeypatch, fused_head):
     """A LoRA ``TrainStep`` and its eval program under bf16 on a model whose matrices are
-    Fortran-order views (as a Hugging Face folder's would be, read in place): neither
-    program keeps a float32 copy of a weight; the losses are the C-order model's."""
+    Fortran-order views (a Hugging Face folder's linears are, ``models/load_hf.py``):
+    neither program keeps a float32 copy of a weight; the losses are the C-order model's;
+    with the LM head fused with the loss too (its table, the tied embedding, converted a
+    block of rows at a time)."""
     _need_onednn()
+    from gradtape.models import graph
     from gradtape.models.lora import init_adapter
     from gradtape.train.step import TrainStep
 
     monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0 if fused_head else graph.HEAD_FUSE_MIN)
     rng = np.random.default_rng(1)
     ids = rng.integers(0, 512, (1, 64))
     batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
@@ -198,6 +203,7 @@ def test_a_transposed_models_lora_step_keeps_no_float_weight_copy(monkeypatch):
         st = TrainStep(m, init_adapter(m.config, 4, 8.0, seed=1), 1, 64, backend="cpu",
                        compute="bf16")
         assert st.compute == "bf16"
+        assert fused_head == any(v.op.startswith("head_nll") for v in st.program.graph.ops)
         losses[order] = st.step(batch, 1, 1e-3)[0], st.eval_loss(_Rows(batch))
         for prog in (st.program, st.eval_program):
             assert _weight_leaves_owned(prog) == []

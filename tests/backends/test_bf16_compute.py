@@ -137,6 +137,81 @@ def test_cpu_backend_bf16_path_runs_and_stays_close():
         assert cos > 0.999
 
 
+def _weight_leaves_owned(prog):
+    """The float weight leaves ``prog`` keeps a private copy of (a fed or trained leaf, or
+    one a C kernel reads by raw pointer and found not C-contiguous)."""
+    return [x for x in prog.executable._owned if x.op == "const" and x.size >= 1 << 16]
+
+
+@pytest.mark.parametrize("compute_", ["bf16", "float32"])
+def test_a_transposed_weight_is_read_in_place(monkeypatch, compute_):
+    """A frozen weight stored transposed (a Hugging Face ``[out, in]`` tensor seen as our
+    ``[in, out]``: a Fortran-order view) gets no float32 copy in the program; under bf16
+    its bf16 copy, converted a band of rows at a time (``CONVERT_BAND`` shrunk here so
+    the bands are ragged), holds the C-order weight's very values, and the outputs are the
+    C-order program's."""
+    if compute_ == "bf16":
+        _need_onednn()
+    from gradtape.backends.cpu import backend as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "CONVERT_BAND", 4 * 320 * 7)
+    runs = {}
+    for order in ("C", "F"):
+        tp = gt.Tape(np.float32, eager=False)
+        outs, (_, w1, w2) = _weight_graph(tp, np.random.default_rng(0))
+        for w in (w1, w2):
+            w._value = np.asarray(w._value, order=order)
+        prog = tp.compile(outs, backend="cpu", compute=compute_)
+        assert prog.executable.compute == compute_
+        assert w1.value.flags.f_contiguous == (order == "F")
+        assert _weight_leaves_owned(prog) == []
+        runs[order] = prog, prog.run()
+    if compute_ == "bf16":
+        copies = [[a for a, _ in runs[o][0].executable._step_weight16.values()]
+                  for o in ("C", "F")]
+        assert len(copies[0]) == 3
+        for c, f in zip(*copies):
+            np.testing.assert_array_equal(c, f)
+        for c, f in zip(runs["C"][1], runs["F"][1]):  # the same GEMMs on the same copies
+            np.testing.assert_array_equal(c, f)
+    else:  # BLAS reads the transposed weight with its own order of sums
+        for c, f in zip(runs["C"][1], runs["F"][1]):
+            assert rel_err(f, c) < 2e-5
+
+
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_a_transposed_models_lora_step_keeps_no_float_weight_copy(monkeypatch, fused_head):
+    """A LoRA ``TrainStep`` and its eval program under bf16 on a model whose matrices are
+    Fortran-order views (a Hugging Face folder's linears are, ``models/load_hf.py``):
+    neither program keeps a float32 copy of a weight; the losses are the C-order model's;
+    with the LM head fused with the loss too (its table, the tied embedding, converted a
+    block of rows at a time)."""
+    _need_onednn()
+    from gradtape.models import graph
+    from gradtape.models.lora import init_adapter
+    from gradtape.train.step import TrainStep
+
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0 if fused_head else graph.HEAD_FUSE_MIN)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 512, (1, 64))
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
+    losses = {}
+    for order in ("C", "F"):
+        m = _wide_model()
+        m.weights = {k: np.asarray(w, order=order) for k, w in m.weights.items()}
+        st = TrainStep(m, init_adapter(m.config, 4, 8.0, seed=1), 1, 64, backend="cpu",
+                       compute="bf16")
+        assert st.compute == "bf16"
+        assert fused_head == any(v.op.startswith("head_nll") for v in st.program.graph.ops)
+        losses[order] = st.step(batch, 1, 1e-3)[0], st.eval_loss(_Rows(batch))
+        for prog in (st.program, st.eval_program):
+            assert _weight_leaves_owned(prog) == []
+    # k and v are too narrow for bf16: BLAS reads them transposed, in its own order
+    for c, f in zip(losses["C"], losses["F"]):
+        assert abs(f - c) < 2e-5 * abs(c)
+
+
 def _trained_plan():
     """A bf16 program's plan whose trained weights (params) take bf16 too, as a full
     fine-tuning step's (``TrainStep``: ``Plan.trained_bf16``)."""

@@ -18,9 +18,10 @@ intermediates.
 
 ``compute="bf16"`` (float32 programs): matmuls against a big frozen weight (a float
 const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py``); the
-weight is converted to bf16 once and reordered, per direction, into the layout oneDNN's
-kernel keeps its weights in (``_Bf16Copies``), the activation operand by a C kernel in
-the batch before each such GEMM.  Products with a weight kept in its ggml blocks
+weight is converted to bf16 once (from any strides: a transposed weight gets no float32
+copy) and reordered, per direction, into the layout oneDNN's kernel keeps its weights in
+(``_Bf16Copies``), the activation operand by a C kernel in the batch before each such
+GEMM.  Products with a weight kept in its ggml blocks
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
@@ -73,6 +74,9 @@ _TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
 PACK_SHARE = 0.125
+# a weight that is not C-contiguous float32 is converted to bf16 a band of rows at a time
+# through a float32 scratch of at most this many bytes
+CONVERT_BAND = 4 << 20
 
 
 class _Bf16Copies:
@@ -300,11 +304,30 @@ class CpuBackend(HostBackend):
         return execution.f32_gemms.value == "onednn", execution.f32_gemms.why
 
     def _convert(self, leaf, out=None):
-        x = np.ascontiguousarray(self._values[leaf], np.float32)
+        """The bf16 copy (uint16, C order, ``leaf``'s shape) of a float weight of any
+        strides: a C-contiguous one converted in one call, any other a band of rows at a
+        time through a float32 scratch of at most ``CONVERT_BAND`` bytes, so a transposed
+        weight never costs a whole float32 copy (rounding is per element: the same
+        values whatever the layout)."""
+        w = self._values[leaf]
         out = np.empty(leaf.shape, np.uint16) if out is None else out
+        if w.dtype == np.float32 and w.flags.c_contiguous:
+            self._to_bf16(w, out)
+            return out
+        rows = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(1, -1)
+        dst = out.reshape(rows.shape)
+        band = max(1, CONVERT_BAND // (4 * rows.shape[1]))
+        scratch = np.empty((min(band, rows.shape[0]), rows.shape[1]), np.float32)
+        for i in range(0, rows.shape[0], band):
+            part = scratch[:min(band, rows.shape[0] - i)]
+            np.copyto(part, rows[i:i + band], casting="same_kind")
+            self._to_bf16(part, dst[i:i + band])
+        return out
+
+    def _to_bf16(self, x, out):
+        """C-contiguous float32 ``x`` rounded into the C-contiguous uint16 ``out``."""
         self.lib.gt_to_bf16(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(out.ctypes.data),
                             ctypes.c_long(x.size))
-        return out
 
     def _copy_weights(self, steps):
         """Each bf16 step's copy of its weight (``self._step_weight16``): a pack in its
@@ -365,11 +388,13 @@ class CpuBackend(HostBackend):
 
     # --- binding ---------------------------------------------------------------------
     def _bind_steps(self, val):
-        # C kernels read raw pointers: every float leaf they touch must be C-contiguous
-        for g in list(self._kernel_of) + list(self._dense_bf16) + list(self._grad_bf16):
-            for x in g.inputs:
-                if x.is_leaf and not val[x].flags.c_contiguous:
-                    self._own(x)
+        # C kernels read raw pointers: every float leaf they read must be C-contiguous.
+        # A bf16 GEMM's frozen weight is not one of them: its kernels read its bf16
+        # copy, converted from any strides (``_convert``), so a transposed weight (a
+        # Hugging Face [out, in] tensor seen as [in, out]) gets no float32 copy here.
+        for x in self._raw_leaves():
+            if not val[x].flags.c_contiguous:
+                self._own(x)
         batch = _KernelBatch()
         steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
@@ -423,6 +448,16 @@ class CpuBackend(HostBackend):
                 functools.partial(self.lib.gt_run, ctypes.addressof(self._ptrs),
                                   base + 8 * rest[0], rest[1])
                 for kind, *rest in steps]
+
+    def _raw_leaves(self):
+        """The leaves a C kernel of the batch reads by raw pointer: a fused group's or a
+        lone op's inputs, a bf16 GEMM's activation and a trained weight it converts, both
+        operands of a weight gradient in bf16."""
+        read = [x for g in list(self._kernel_of) + list(self._grad_bf16) for x in g.inputs]
+        for s in self._dense_bf16:
+            a, w = s.inputs
+            read += [a, w] if w in self._trained16 else [a]
+        return [x for x in dict.fromkeys(read) if x.is_leaf]
 
     def _dense_gemm(self, s, val):
         """The oneDNN call of bf16 step ``s`` (bound once: its operands stay in place)."""

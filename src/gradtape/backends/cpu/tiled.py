@@ -176,7 +176,9 @@ class Bf16HeadGemms:
         self.T, self.D = x.shape
         self.x16 = kern.buffer("head x16", x.shape, np.uint16)
         _f32_bf16(np.ascontiguousarray(x), self.x16, x.size)
-        self.w, self.qtype = np.ascontiguousarray(w), qtype
+        # a float table of any strides is made contiguous a block of rows at a time (a
+        # transposed one never costs a whole copy); a block table's rows are read in place
+        self.w, self.qtype = (w if qtype is None else np.ascontiguousarray(w)), qtype
         self.blocked = None  # the way of a block table's rows, decided on its first block
 
     def rows(self, v0, v1):
@@ -196,7 +198,7 @@ class Bf16HeadGemms:
         self.c, self.vnni = c, blocked
         if self.qtype is None:
             self.wc16 = self.kern.buffer("head rows16", (c * D,), np.uint16)
-            _f32_bf16(self.w[v0:v1], self.wc16, c * D)
+            _f32_bf16(np.ascontiguousarray(self.w[v0:v1]), self.wc16, c * D)
             return
         w, lib, tid = self.w, qgemm.lib(), BLOCK_TYPES[self.qtype].id
         if not blocked:

@@ -5,10 +5,9 @@ Weights come from ``model.safetensors`` or the shards a ``model.safetensors.inde
 lists, read by a small safetensors parser (header JSON + memory map) that checks every
 dtype, shape and byte range before use and understands bfloat16 (which NumPy lacks).
 Nothing is unpickled: a folder with only ``pytorch_model.bin`` is refused.  Tensors are
-renamed to ours by the family's name map and linears seen as ``[in, out]`` (a transposed
-view of the stored ``[out, in]``, never copied); a tensor the family does not have is
-refused by name; a tied LM head is left out (``tok_embd`` serves), an untied one is kept
-as ``lm_head [V, D]``.
+renamed to ours by the family's name map and linears transposed to ``[in, out]``; a
+tensor the family does not have is refused by name; a tied LM head is left out
+(``tok_embd`` serves), an untied one is kept as ``lm_head [V, D]``.
 """
 
 from __future__ import annotations
@@ -173,11 +172,8 @@ def load_hf_folder(folder, keep_quantized=False) -> tuple[LlamaConfig, dict,
             if isinstance(arr, BlockMatrix):  # stays [out, in] (tok_embd: [V, D]) as stored
                 weights[ours] = arr
                 continue
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
-            # a linear stays [out, in] as stored, seen as its [in, out] transpose: no copy
-            # (the GEMMs and bf16 conversions read it transposed, the C decode engine as
-            # stored)
-            weights[ours] = arr.T if base in _LINEARS else arr
+            weights[ours] = np.ascontiguousarray(arr.T if base in _LINEARS else arr,
+                                                 dtype=np.float32)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise FileFormatError(f"{folder}: missing weights for {', '.join(missing[:5])}"

@@ -9,11 +9,11 @@ LLAMA_SDIST ?= $(VENV)/cache/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
 
 .PHONY: demo test test-fast bench setup clean llama-cpp-avx2 llama-cpp-native
 
-# The llama.cpp peer of `gradtape bench --workloads smollm2-generate-isa`, built from the
-# source package above at an instruction-set class: llama-cpp-python's Python package with
-# the llama.cpp it vendors compiled as shared libraries (libllama, libggml*) beside it.
+# The llama.cpp peer of `gradtape bench --workloads smollm2-generate-avx2` (and -native),
+# built from the source package above at an instruction-set class: llama-cpp-python's
+# package with the llama.cpp it vendors compiled as shared libraries beside it.
 # Each build goes into its own folder (put it on PYTHONPATH to import that llama_cpp);
-# `make test` never builds it. About 10 minutes of 2 cores each.
+# `make test` never builds it. Several minutes of 2 cores each.
 LLAMA_AVX2   ?= $(VENV)/llama-cpp-avx2
 LLAMA_NATIVE ?= $(VENV)/llama-cpp-native
 LLAMA_JOBS   ?= 2
@@ -24,7 +24,7 @@ LLAMA_AVX2_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON
     -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF \
     -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF $(LLAMA_OFF)
 # this CPU's class: AVX-512 (with VNNI and BF16 where present) but no AMX, whose kernels
-# crash on quantized types in this llama.cpp version (docs: /work/shared/DESIGN.md)
+# crash on quantized types in this llama.cpp version
 CPUFLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 LLAMA_NATIVE_FLAGS := $(if $(filter avx512f,$(CPUFLAGS)),-DGGML_NATIVE=OFF -DGGML_AVX2=ON \
     -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \

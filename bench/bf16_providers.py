@@ -17,7 +17,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
 SHAPES = ("256x4096x4096t,256x4096x1024t,256x4096x14336t,256x14336x4096t,"
           "256x14336x4096,256x4096x14336,256x4096x256t,256x4096x4096,1024x4096x14336t")
@@ -31,13 +30,9 @@ def parse(shape):
 
 
 def _time(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median seconds of ``reps`` calls after a warm-up (``measure.call_seconds``)."""
+    from gradtape.backends.cpu.measure import call_seconds
+    return statistics.median(call_seconds(fn, reps))
 
 
 def child(provider, shapes, reps):

@@ -167,3 +167,22 @@ def tiny_dir(tmp_path_factory):
     write_hf_folder(tiny_model(seed=4), root / "model")
     (root / "text.txt").write_text(TINY_TEXT)
     return root
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """``folders(family)``: that family's small random Hugging Face folder
+    (``tests/models/families.py``'s ``make_folder``), made on first use, once per session."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))
+    from families import make_folder
+
+    root, made = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in made:
+            made[family] = make_folder(family, root / family)
+        return made[family]
+    return get

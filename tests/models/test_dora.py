@@ -25,18 +25,6 @@ pytestmark = pytest.mark.slow  # transformers and PEFT models of four families
 FAMILIES = ["llama3", "qwen2", "gemma3", "phi3"]
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dora_families")
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = make_folder(family, root / family)
-        return made[family]
-    return get
-
-
 def _peft(hf, ad, cfg, dtype):
     """PEFT's DoRA model over ``hf`` holding ``ad``'s A, B and magnitudes."""
     import torch

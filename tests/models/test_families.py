@@ -43,19 +43,6 @@ def _report(family, check, err):
     print(f"FAMILY {family} {check} {err:.2e}")
 
 
-@pytest.fixture(scope="session")
-def folders(tmp_path_factory):
-    """family -> its Hugging Face folder (made on first use)."""
-    root = tmp_path_factory.mktemp("families")
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = make_folder(family, root / family)
-        return made[family]
-    return get
-
-
 def _need_converter():
     assert converter_dir() is not None, (
         "llama.cpp's convert_hf_to_gguf.py not found (make test extracts it into "

@@ -16,6 +16,7 @@ from gradtape.models.lora import load_adapter
 from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.step import TrainStep
 from support.tinymodel import tiny_model
+from support.interrupt import killed_at_step
 
 TEXT = ("the quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun "
         "and the birds sing songs of the morning to the trees that sway in the wind ") * 6
@@ -40,19 +41,8 @@ def test_dora_finetune_trains_magnitudes_and_resumes_exactly(tmp_path, monkeypat
     start = init_magnitudes(m.weights, a.weights)
     assert a.dora and max(np.max(np.abs(a.magnitudes[k] - start[k])) for k in start) > 1e-4
 
-    calls = {"n": 0}
-    real_step = TrainStep.step
-
-    def dying_step(self, *args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(self, *args, **kw)
-
-    monkeypatch.setattr(TrainStep, "step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5):
         finetune(_cfg(tmp_path, "split"), model=m, log=quiet)
-    monkeypatch.setattr(TrainStep, "step", real_step)
     with pytest.raises(GradtapeError, match="--fine-tune-type dora -> lora"):
         finetune(_cfg(tmp_path, "split", resume=True, fine_tune_type="lora"), model=m, log=quiet)
     finetune(_cfg(tmp_path, "split", resume=True), model=m, log=quiet)

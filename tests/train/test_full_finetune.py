@@ -17,6 +17,7 @@ from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.step import TrainStep
 from support.compare import rel_err
 from support.tinymodel import TINY_TEXT as TEXT, tiny_model
+from support.interrupt import killed_at_step
 
 quiet = lambda *a, **k: None  # noqa: E731
 
@@ -70,19 +71,8 @@ def test_full_run_writes_the_model_and_resumes_exactly(tiny_dir, tmp_path, monke
     assert rel_err(llama.load(out / "model.gguf").logits(ids), logits) <= 1e-5
 
     # killed after step 4 (the checkpoint is at step 3), resumed: the same state, bit for bit
-    calls = {"n": 0}
-    real_step = TrainStep.step
-
-    def dying_step(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(self, *a, **k)
-
-    monkeypatch.setattr(TrainStep, "step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5):
         finetune(_cfg(tmp_path, "split"), model=m, log=quiet)
-    monkeypatch.setattr(TrainStep, "step", real_step)
     finetune(_cfg(tmp_path, "split", resume=True), model=m, log=quiet)
     a = load_file(str(out / "checkpoint/state.safetensors"))
     b = load_file(str(tmp_path / "split/checkpoint/state.safetensors"))

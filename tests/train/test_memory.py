@@ -22,6 +22,7 @@ from gradtape.models.lora import init_adapter
 from support import hardware
 from support.filebuilders import write_tiny_gguf
 from support.tinymodel import tiny_model
+from support.interrupt import killed_at_step
 
 TEXT = "pack my box with five dozen liquor jugs. " * 40
 
@@ -230,19 +231,8 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     logs = []
     finetune(cfg("full"), log=logs.append)
     assert "compute: int8 (forced)" in logs
-    real_step = TrainStep.step
-    calls = {"n": 0}
-
-    def dying_step(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 4:  # after the checkpoint of step 2 and one step more
-            raise KeyboardInterrupt
-        return real_step(self, *a, **k)
-
-    monkeypatch.setattr(TrainStep, "step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 4):  # after the checkpoint of step 2 and one step more
         finetune(cfg("split"), log=lambda *a: None)
-    monkeypatch.setattr(TrainStep, "step", real_step)
     finetune(cfg("split", resume=True), log=lambda *a: None)
     a = llama.load_adapter(tmp_path / "full" / "adapter")
     b = llama.load_adapter(tmp_path / "split" / "adapter")

@@ -18,6 +18,7 @@ from gradtape.train.pairs import Pair
 from gradtape.train.step import TrainStep
 
 from support.tinymodel import tiny_model
+from support.interrupt import killed_at_step
 
 QUIET = lambda *a: None  # noqa: E731
 METRICS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
@@ -90,19 +91,8 @@ def test_dpo_stopped_and_resumed_is_bit_for_bit_without_a_second_reference_pass(
         tmp_path, monkeypatch):
     m = tiny_model()
     finetune(_cfg(tmp_path, "full", steps=4), model=m, log=QUIET)
-    calls = {"n": 0}
-    real_step = TrainStep.step
-
-    def dying_step(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:  # the checkpoint is at step 2
-            raise KeyboardInterrupt
-        return real_step(self, *a, **k)
-
-    monkeypatch.setattr(TrainStep, "step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 3):  # the checkpoint is at step 2
         finetune(_cfg(tmp_path, "split", steps=4), model=m, log=QUIET)
-    monkeypatch.setattr(TrainStep, "step", real_step)
 
     def no_second_pass(*a, **k):
         raise AssertionError("the reference pass ran again")

@@ -18,26 +18,23 @@ is ``test_families``' float64 reference.  Float32 runs TRL unchanged.
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from families import make_folder  # noqa: E402
-from support.adapters import random_adapter  # noqa: E402
-from support.compare import rel_err  # noqa: E402
+from support.adapters import random_adapter
+from support.compare import rel_err
 
-import gradtape as gt  # noqa: E402
-from gradtape.models.graph import weight_consts  # noqa: E402
-from gradtape.train import methods as M  # noqa: E402
-from gradtape.train import preference as P  # noqa: E402
+import gradtape as gt
+from gradtape.models.graph import weight_consts
+from gradtape.train import methods as M
+from gradtape.train import preference as P
 
-import torch  # noqa: E402  (test-only references, installed by make test)
-import trl  # noqa: E402, F401
+import torch  # test-only references, installed by make test
+import trl  # noqa: F401  (imported: a broken install fails here)
+
 pytestmark = pytest.mark.slow  # transformers, PEFT and TRL per family and method
 
 FAMILIES = ["llama3", "qwen2", "gemma3"]
@@ -50,17 +47,6 @@ CASES = {"dpo": ("dpo", M.Options(), "sigmoid"),
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
 METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected"]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root, made = tmp_path_factory.mktemp("pref_families"), {}
-
-    def get(family):
-        if family not in made:
-            made[family] = make_folder(family, root / family)
-        return made[family]
-    return get
 
 
 def _pairs(vocab, seed=0):

@@ -19,6 +19,7 @@ from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.step import TrainStep
 
 from support.tinymodel import tiny_model
+from support.interrupt import killed_at_step
 
 QUIET = lambda *a: None  # noqa: E731
 WORDS = ("pack my box with five dozen liquor jugs. " * 60).split()
@@ -228,17 +229,8 @@ def test_early_stop_survives_a_resume_bit_for_bit(tmp_path, monkeypatch, kind):
     assert best < last
     # killed after the best evaluation was written, before the stop; the checkpoint is at
     # step 6 (--save-every 3), the best evaluation at step 4
-    calls, real = {"n": 0}, TrainStep.step
-
-    def dying(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == last:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-    monkeypatch.setattr(TrainStep, "step", dying)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, last):
         finetune(_cfg(tmp_path, "split"), model=m, log=QUIET)
-    monkeypatch.setattr(TrainStep, "step", real)
     lines = []
     again = finetune(_cfg(tmp_path, "split", resume=True), model=m, log=lines.append)
     assert (again["best_step"], again["steps"], again["best_eval_loss"]) == \
@@ -261,15 +253,7 @@ def test_a_resume_puts_the_checkpoints_best_back(tmp_path, monkeypatch):
     from the checkpoint's best, whatever it then trains (here: nothing more)."""
     m = tiny_model()
     snaps = _snapshots(monkeypatch)
-    calls, real = {"n": 0}, TrainStep.step
-
-    def dying(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-    monkeypatch.setattr(TrainStep, "step", dying)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5):
         finetune(_cfg(tmp_path, "run", lr=1e-2, early_stop=3), model=m, log=QUIET)
     log = _log(tmp_path / "run")
     assert [r.get("best_step") for r in log] == [None, 2, None, 4]

@@ -13,6 +13,7 @@ from gradtape.models.lora import init_adapter, load_adapter
 from gradtape.train.step import Schedule, TrainStep
 
 from support.tinymodel import tiny_model
+from support.interrupt import killed_at_step
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -184,19 +185,8 @@ def test_finetune_writes_adapter_log_curve_and_resumes_exactly(tmp_path, monkeyp
     assert full["steps"] == 6
 
     # interrupt a second run after step 4 (the checkpoint is at step 3), then resume
-    calls = {"n": 0}
-    real_step = TrainStep.step
-
-    def dying_step(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(self, *a, **k)
-
-    monkeypatch.setattr(TrainStep, "step", dying_step)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at_step(monkeypatch, 5):
         finetune(_cfg(tmp_path, "split", data, **opts), model=m, log=quiet)
-    monkeypatch.setattr(TrainStep, "step", real_step)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "split/checkpoint/state.safetensors"), "np") as f:
         assert f.metadata()["step"] == "3"

@@ -133,9 +133,9 @@ def _bf16_weight_grad(v):
     operand, as big as a bf16 weight), in a program whose trained weights take bf16.
 
     It runs with bf16 inputs and float32 sums, as under torch's autocast: it is a third of
-    a full step's GEMM work, which float32 would run at a quarter of bf16's rate (half
-    the step's GEMM time); rounding x and dY by at most 2^-9 each is the error the
-    forward and dX products already carry, and AdamW divides each gradient by its own
+    a full step's GEMM work, which float32 would run at a fraction of bf16's rate (the
+    plan chose bf16 by measuring so); rounding x and dY by at most 2^-9 each is the error
+    the forward and dX products already carry, and AdamW divides each gradient by its own
     running scale, so no weight's update is lost to it (``tests/backends/
     test_bf16_compute.py`` gates the gradients' cosine)."""
     return (v.op == "matmul" and v.ndim == 2 and bool(v.attrs.get("ta"))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from support.compare import rel_err
-from test_families import _hf, _hf64, _ids, _report, folders  # noqa: F401 (a fixture)
+from test_families import _hf, _hf64, _ids, _report
 
 pytestmark = pytest.mark.slow  # transformers' models of three families
 FULL_FAMILIES = ["llama3", "qwen2", "gemma3"]

@@ -10,8 +10,10 @@ return copies of the outputs), ``set_leaf``, ``leaf_value``, ``plan`` and ``comp
 
 ``HostBackend`` holds values in host NumPy arrays (the numpy and cpu backends): leaves
 share the tape's recorded arrays read-only until fed or updated, then get storage of
-their own; intermediates live in the buffers of the memory plan, allocated once; state
-updates are simultaneous (a source that is itself an updated leaf is snapshotted into a
+their own; intermediates live in the buffers of the memory plan, allocated once, or in a
+``SharedArena`` that programs which never run at the same time draw from (a training
+step and its eval program: one arena sized for the larger); state updates are
+simultaneous (a source that is itself an updated leaf is snapshotted into a
 preallocated buffer first, so ``{a: b, b: a}`` swaps).  A subclass says how to run the
 schedule (``_bind_steps``).
 """
@@ -25,6 +27,7 @@ class Backend:
     name = ""
     passes = ()  # optional compile passes this backend wants, run in compile.lower
     fallback = None  # the backend that runs where this one cannot (see ``unavailable``)
+    takes_arena = False  # whether it keeps intermediates in a ``SharedArena`` it is given
 
     @classmethod
     def fusion(cls, graph) -> dict:
@@ -80,20 +83,72 @@ def page_aligned(n, dtype, page=4096):
     return raw[start:start + n * dtype.itemsize].view(dtype)
 
 
+class SharedArena:
+    """The intermediates' storage of several programs that never run at the same time
+    (a training step, its eval program, ...): one page-aligned buffer per dtype, as large
+    as the largest program's plan asks.  Sharing is sound because a replay reads no
+    intermediate it did not write in that same replay: every value is written by its step
+    before any step reads it, outputs are copied out and update sources copied into their
+    leaves before ``run`` returns.  A program asking for more than the buffer holds gets a
+    larger one; the programs on the smaller one move to it before their next replay
+    (``version`` counts the moves), so it is freed.  Not for programs run from two
+    threads at once."""
+
+    def __init__(self):
+        self._buffers = {}  # dtype -> its buffer
+        self.version = 0
+
+    def buffers(self, sizes) -> list:
+        """The buffers for a memory plan's ``buffer_sizes`` (each at least that long)."""
+        out = []
+        for dtype, n in sizes:
+            dtype = np.dtype(dtype)
+            buf = self._buffers.get(dtype)
+            if buf is None or buf.size < n:
+                buf = self._buffers[dtype] = page_aligned(max(n, 1), dtype)
+                self.version += 1
+            out.append(buf)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+
 class HostBackend(Backend):
+    takes_arena = True
+
     @classmethod
     def has_kernel(cls, op):
         return True  # every primitive's NumPy forward runs on the host
 
-    def __init__(self, graph, schedule, plan, execution=None):
+    def __init__(self, graph, schedule, plan, execution=None, arena=None):
+        """``arena``: a ``SharedArena`` for the intermediates (None: buffers of this
+        program's own)."""
         super().__init__(graph, schedule, plan, execution)
-        self._buffers = [page_aligned(n, dtype) for dtype, n in plan.buffer_sizes]
+        self._arena = arena
         self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
         self._owned = set()
         for leaf, _ in graph.updates:
             self._own(leaf)
-        for v in plan.slot:
-            self._values[v] = plan.view(self._buffers, v)
+        self._view_buffers()
+
+    def _view_buffers(self):
+        """Every intermediate's array in the buffers: this program's own, or the shared
+        arena's as they are now."""
+        if self._arena is None:
+            self._buffers = [page_aligned(n, dtype) for dtype, n in self.plan.buffer_sizes]
+        else:
+            self._arena_version = self._arena.version
+            self._buffers = self._arena.buffers(self.plan.buffer_sizes)
+        for v in self.plan.slot:
+            self._values[v] = self.plan.view(self._buffers, v)
+        self._stale = True
+
+    def _arena_moved(self):
+        """The shared arena got a larger buffer since this program was bound: its values
+        move there (a subclass also drops what it bound to the old arrays)."""
+        self._view_buffers()
 
     def _own(self, leaf):
         self._values[leaf] = np.array(leaf._value, copy=True, order="C")
@@ -150,6 +205,8 @@ class HostBackend(Backend):
     def run(self, arrays):
         for leaf, arr in arrays.items():
             self.set_leaf(leaf, arr)
+        if self._arena is not None and self._arena.version != self._arena_version:
+            self._arena_moved()
         if self._stale:
             self._bind()
         self._execute()

@@ -18,8 +18,8 @@ from .base import HostBackend
 class NumpyBackend(HostBackend):
     name = "numpy"
 
-    def __init__(self, graph, schedule, plan, execution=None):
-        super().__init__(graph, schedule, plan, execution)
+    def __init__(self, graph, schedule, plan, execution=None, arena=None):
+        super().__init__(graph, schedule, plan, execution, arena)
         self._bind()
 
     def _bind_steps(self, val):

@@ -22,16 +22,20 @@ from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
 
 def compile_program(tape, outputs, backend_cls, updates=None, execution=None,
-                    checkpoint=False, complete=None):
+                    checkpoint=False, complete=None, arena=None):
     """The pipeline: the backend-independent passes (``passes``), then the passes the
     backend declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``)
     with the execution plan it carries out (``execution``: a ``gradtape.plan.Plan``, made
     final for the compiled graph by ``complete(execution, graph)`` where given; None: the
-    tape's own arithmetic everywhere).  ``checkpoint``: see ``passes``."""
+    tape's own arithmetic everywhere).  ``checkpoint``: see ``passes``; ``arena``: a
+    ``backends.base.SharedArena`` the program's intermediates live in (None, or a backend
+    that keeps them elsewhere: its own)."""
     graph = passes(tape, outputs, updates, backend_cls, checkpoint)
     if complete is not None:
         execution = complete(execution, graph)
-    return Program(graph, lower(graph, backend_cls, execution=execution), backend_cls.name)
+    shared = {"arena": arena} if arena is not None and backend_cls.takes_arena else {}
+    return Program(graph, lower(graph, backend_cls, execution=execution, **shared),
+                   backend_cls.name)
 
 
 def passes(tape, outputs, updates, backend_cls, checkpoint=False):

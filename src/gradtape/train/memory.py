@@ -70,18 +70,19 @@ def _scratch(prog, weights, dtype):
 
 
 def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
-            built=(), copies=5, full=False) -> Estimate:
+            built=(), copies=5, full=False, shared=False) -> Estimate:
     """What a step compiled from ``outputs`` / ``updates`` for ``backend`` would hold, from
     the backend-independent passes and their memory plan, before any backend allocates
     anything (the cpu backend's own plan differs by a few percent), with what the programs
     ``built`` beside it hold (the eval program: its arena, its bf16 weight copies, which
     the step shares, and its scratch); ``copies`` of each of the ``n_param`` trained
-    values (``TrainStep.state_copies``), ``full``: they are the model's weights."""
+    values (``TrainStep.state_copies``), ``full``: they are the model's weights;
+    ``shared``: the programs' intermediates share one arena (``SharedArena``)."""
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
-                    activations=int(plan_memory(graph).nbytes)
-                    + sum(int(p.memory.nbytes) for p in built),
+                    activations=_arenas([plan_memory(graph)] + [p.memory for p in built],
+                                        shared),
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)
                                    + fused_scratch_bytes(p.graph) for p in built]),
@@ -90,6 +91,18 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
 
 
 _STATE_NAME = {False: "adapter + optimizer", True: "params + optimizer"}
+
+
+def _arenas(plans, shared) -> int:
+    """Bytes of the memory plans' buffers: their sum, or ``shared`` in one arena per
+    dtype, as large as the largest plan's."""
+    if not shared:
+        return sum(int(p.nbytes) for p in plans)
+    most = {}
+    for p in plans:
+        for dtype, n in p.buffer_sizes:
+            most[dtype] = max(most.get(dtype, 0), n * dtype.itemsize)
+    return sum(most.values())
 
 
 def _bf16_copies(progs):
@@ -106,7 +119,9 @@ def estimate(model, step) -> Estimate:
     # params, two moments, an accumulator, and a copy of each in the eval program
     state = step.n_param * dtype.itemsize * step.state_copies
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(progs),
-                    activations=sum(int(p.memory.nbytes) for p in progs),
+                    # a shared arena, where the backend took it (cuda keeps its own)
+                    activations=(getattr(getattr(step, "arena", None), "nbytes", 0)
+                                 or sum(int(p.memory.nbytes) for p in progs)),
                     scratch=max((_scratch(p, model.weights, dtype)
                                  + fused_scratch_bytes(p.graph) for p in progs), default=0),
                     state=state,

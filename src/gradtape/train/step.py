@@ -46,6 +46,7 @@ import numpy as np
 from .. import nn, ops
 from ..optim import AdamWConfig, adamw, clip_by_global_norm, global_norm
 from ..tape import Tape
+from ..backends.base import SharedArena
 from ..errors import GradtapeError
 from ..models.attention_choice import attention_from
 from ..models.dora import adapter_leaves, leaf_params
@@ -165,6 +166,9 @@ class TrainStep:
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         tp = Tape(dtype, eager=False)
         self.tape = tp
+        # the step's programs (step, eval; MPI: gradients, update) never run at the same
+        # time: their intermediates share one arena, sized for the largest
+        self.arena = SharedArena()
         W = full.weight_params(tp, model) if self.full else weight_consts(tp, model)
         if self.preference:
             self._record_preference(W, batch_size, seq_len, backend)
@@ -212,7 +216,8 @@ class TrainStep:
         self.checkpointed = self._decide_checkpoint(outputs, updates)
         self._record_checkpoint()
         self.program = tp.compile(outputs, backend=backend, updates=updates,
-                                  plan=self.plan, checkpoint=self.checkpointed)
+                                  plan=self.plan, checkpoint=self.checkpointed,
+                                  arena=self.arena)
         self.plan = self.program.execution
         # a full step's eval program reads the params where the step keeps them: a copy
         # of every weight less (an adapter is small: it is fed, as it always was)
@@ -239,7 +244,8 @@ class TrainStep:
         self.metric_vars = {}
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
                               training=False)
-        self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan)
+        self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan,
+                                       arena=self.arena)
 
     def _record_preference(self, W, batch_size, seq_len, backend):
         """The method's loss over ``batch_size`` pairs (``train.preference``): one forward
@@ -262,7 +268,7 @@ class TrainStep:
         # the held-out evaluation weighs each pair (``PairData.batches``: padding by 0)
         self.eval_program = tp.compile([self.graph.eval_loss, self.graph.logps,
                                         *self.graph.eval_metrics.values()],
-                                       backend=backend, plan=self.plan)
+                                       backend=backend, plan=self.plan, arena=self.arena)
 
     def _adapter_params(self):
         """The adapter's leaves (``models.dora.adapter_leaves``; none when full)."""
@@ -316,7 +322,7 @@ class TrainStep:
         outputs, updates = self._step_graph
         return planned(self.model, self.tape, outputs, updates, self.n_param, checkpoint,
                        self.backend, built=[self.eval_program], copies=self.state_copies,
-                       full=self.full)
+                       full=self.full, shared=True)
 
     def _record_checkpoint(self):
         self.plan = self.plan.replace(checkpoint=Decision(
@@ -387,7 +393,8 @@ class TrainStep:
         self.checkpointed = self._decide_checkpoint([flat], updates)
         self._record_checkpoint()
         self.grads_program = tp.compile([flat], backend=backend, updates=updates,
-                                        plan=self.plan, checkpoint=self.checkpointed)
+                                        plan=self.plan, checkpoint=self.checkpointed,
+                                        arena=self.arena)
         self.plan = self.grads_program.execution
         # the summed vector, sliced back into per-param gradients
         self.reduced = tp.const(np.zeros(flat.shape, dtype))
@@ -404,7 +411,8 @@ class TrainStep:
         # a run can resume with another number of ranks
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": []}
-        self.program = tp.compile([self.grad_norm], backend=backend, updates=new)
+        self.program = tp.compile([self.grad_norm], backend=backend, updates=new,
+                                  arena=self.arena)
 
     def _step_split(self, micro_feeds, scalars, stop):
         """One distributed step over this rank's micro-batches' leaves ``micro_feeds``."""

@@ -172,8 +172,8 @@ class CpuBackend(HostBackend):
             return str(e)
         return None
 
-    def __init__(self, graph, schedule, plan, execution=None):
-        super().__init__(graph, schedule, plan, execution)
+    def __init__(self, graph, schedule, plan, execution=None, arena=None):
+        super().__init__(graph, schedule, plan, execution, arena)
         self.dtype = dtype = _float_dtype(graph)
         compute = execution.compute.value if execution is not None else "float32"
         # the ways of a block-weight product the plan leaves to be timed, and whether it
@@ -361,6 +361,10 @@ class CpuBackend(HostBackend):
                     plain = self._convert(w) if plain is None else plain
                     copies.plain = hit = plain
                 self._step_weight16[s] = (hit, packed)
+
+    def _arena_moved(self):
+        super()._arena_moved()
+        self._dense_gemms.clear()  # oneDNN calls bound to the old buffer's outputs
 
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""

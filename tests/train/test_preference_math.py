@@ -27,7 +27,7 @@ def _numpy_logps(model, ids, n_seq, targets, weights):
 @pytest.mark.parametrize("fused", [False, True], ids=["composed", "fused-head"])
 def test_sequence_logps_equal_numpy(fused, monkeypatch):
     if fused:
-        monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0)
+        monkeypatch.setattr(graph, "LOGPS_FUSE_MIN", 0)
     model = tiny_model()
     rng = np.random.default_rng(1)
     n_seq, t = 3, 6

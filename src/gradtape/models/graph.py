@@ -157,16 +157,23 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 
 
 
+# logits elements from which the per-sequence log-probabilities fuse the head (16 MB
+# float32): a preference batch holds 2N sequences, and the composed route would keep
+# their [2NT, V] logits and, in the step, their gradient as well (192 MB for one pair of
+# SmolLM2 at T=256: most of the eval program's and reference pass's memory)
+LOGPS_FUSE_MIN = 1 << 22
+
+
 def sequence_logps(tp, cfg, W, x, targets, weights, ones=None, training=True):
     """``[k, 1]``: ``-(weights^T @ nll)``, weighted sums of the target tokens'
-    log-probabilities from the last hidden rows ``x [N, D]``, by the same head route as
-    ``head_loss`` (composed logits below ``HEAD_FUSE_MIN``, else the fused head).
+    log-probabilities from the last hidden rows ``x [N, D]`` (composed logits below
+    ``LOGPS_FUSE_MIN``, else the fused head, as ``head_loss``'s).
     ``targets``: integer const ``[N]``; ``weights``: const ``[N, k]``, column ``s`` the
     rows counted in sum ``s`` (1 on sequence ``s``'s completion tokens for a summed log-
     probability, ``1/n_s`` for an average; any other weighting, such as a pooled NLL, is
     one more column).  What a preference method's loss is built from."""
     ones = ones if ones is not None else nn.ones(tp, cfg.dim)
-    if x.shape[0] * cfg.vocab_size < HEAD_FUSE_MIN:
+    if x.shape[0] * cfg.vocab_size < LOGPS_FUSE_MIN:
         nll = ops.nll_ids(lm_head(tp, cfg, W, x, ones), targets)  # [N, 1]
     else:
         h = _rmsnorm(tp, cfg, x, W["norm"], ones)

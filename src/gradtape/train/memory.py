@@ -38,6 +38,7 @@ class Estimate:
     state: int
     overhead: int = OVERHEAD
     state_name: str = "adapter + optimizer"  # "params + optimizer" for full fine-tuning
+    flops: int = 0  # the step program's matrix products, per replay (``planned`` only)
 
     @property
     def total(self) -> int:
@@ -86,11 +87,25 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)
                                    + fused_scratch_bytes(p.graph) for p in built]),
-                    state=n_param * tape.dtype.itemsize * copies, 
-                    state_name=_STATE_NAME[full])
+                    state=n_param * tape.dtype.itemsize * copies,
+                    state_name=_STATE_NAME[full], flops=product_flops(graph))
 
 
 _STATE_NAME = {False: "adapter + optimizer", True: "params + optimizer"}
+
+
+def product_flops(graph) -> int:
+    """The floating-point operations of ``graph``'s matrix products (dense and with
+    block weights), ``2 m k n`` each: most of a step's work, and what recomputing a
+    layer adds (the fused primitives' own products are left out)."""
+    total = 0
+    for v in graph.ops:
+        if v.op == "matmul":
+            a = v.inputs[0]
+            total += 2 * v.size * a.shape[-2 if v.attrs.get("ta") else -1]
+        elif v.op in ("qmatmul", "qmatmul_t"):
+            total += 2 * v.size * v.inputs[0].shape[-1]
+    return total
 
 
 def _arenas(plans, shared) -> int:

@@ -111,6 +111,23 @@ def _float32_state(program, leaf):
 # for the machine's other work and the estimate's error.  Recomputing a layer costs about
 # one more forward pass of it, so the fewer the better.
 AUTO_SHARE = 0.75
+# ... and every layer where that is a good trade even though the run fits: it frees at
+# least this share of the run's memory, at no more work than a GFLOP of recomputed
+# products per AUTO_MB_PER_GFLOP MB freed.  Long rows (a preference pair's 2 x T, or 2T
+# rows of one sequence) on a small model free a third of its memory at about 4 MB per
+# GFLOP; 256 rows free a sixth; an 8B model's activations are small beside its products
+# (about 0.4 MB per GFLOP): it recomputes only to fit.
+AUTO_FREES = 0.25
+AUTO_MB_PER_GFLOP = 1.0
+
+
+def recompute_pays(off, on) -> bool:
+    """Whether recomputing every layer (``on``, a ``memory.Estimate``) rather than none
+    (``off``) frees at least ``AUTO_FREES`` of the run's memory and ``AUTO_MB_PER_GFLOP``
+    MB per GFLOP of products it adds."""
+    freed, work = off.total - on.total, on.flops - off.flops
+    return (freed >= AUTO_FREES * off.total
+            and freed / 2**20 >= AUTO_MB_PER_GFLOP * max(work, 1) / 1e9)
 
 
 class TrainStep:
@@ -331,21 +348,23 @@ class TrainStep:
 
     def _decide_checkpoint(self, outputs, updates):
         """How many layers to recompute in backward (0: none; every layer with "on"; with
-        "auto", the fewest for a run within ``AUTO_SHARE`` of the limit), from the memory
-        plans (no allocation); refuses a step that fits no way."""
+        "auto", every layer where that frees enough memory for its work
+        (``recompute_pays``), else the fewest for a run within ``AUTO_SHARE`` of the
+        limit), from the memory plans (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
         layers = self.model.config.n_layers
         if mode == "off" and limit is None:
             return 0
+        est = None
         if mode == "auto":
-            if limit is None:
-                return 0
-            need_off = self.planned_memory(0).total
-            if need_off <= AUTO_SHARE * limit:
+            off, est = self.planned_memory(0), self.planned_memory(layers)
+            need_off = off.total
+            if not recompute_pays(off, est) and (limit is None
+                                                 or need_off <= AUTO_SHARE * limit):
                 return 0
         n = layers if mode != "off" else 0
-        est = self.planned_memory(n)
+        est = est or self.planned_memory(n)
         if limit is not None and est.total > limit:
             how = "with" if n else "without"
             raise GradtapeError(
@@ -353,7 +372,8 @@ class TrainStep:
                 f"checkpointing, but only {limit / GiB:.1f} GiB is available"
                 + ("" if n else " (--grad-checkpoint on would need less)")
                 + self.memory_hint)
-        if mode == "auto" and est.total < AUTO_SHARE * limit:
+        if (mode == "auto" and limit is not None and need_off > AUTO_SHARE * limit
+                and est.total < AUTO_SHARE * limit and not recompute_pays(off, est)):
             n = self._fewest_recomputed(need_off, est.total, AUTO_SHARE * limit)
         return n
 

@@ -1,7 +1,10 @@
 """Long-context training steps: the fused head in a whole training step equals the
 composed one; activation checkpointing (``compile.checkpoint``, ``TrainStep(
-grad_checkpoint=...)``) trains the same with less memory, ``auto`` chooses it only when
-needed, and a run that fits neither way is refused before anything is allocated."""
+grad_checkpoint=...)``) trains the same with less memory, ``auto`` chooses it when needed or when
+it pays (``recompute_pays``), and a run that fits neither way is refused before anything is
+allocated."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -161,3 +164,38 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
         step("off", need_off - 1)
     with pytest.raises(ValueError, match="grad_checkpoint must be 'off', 'on' or 'auto'"):
         step("sometimes", None)
+
+
+def test_recompute_pays_weighs_memory_freed_against_work_added():
+    """``auto`` recomputes every layer, fitting or not, where that frees a quarter of the
+    run or more at >= 1 MB per GFLOP recomputed; not where it frees less, or costs more."""
+    from gradtape.train.memory import Estimate
+    from gradtape.train.step import recompute_pays
+
+    MB, GF = 1 << 20, 10**9
+    off = Estimate(weights=300 * MB, activations=500 * MB, scratch=0, state=0,
+                   overhead=400 * MB, flops=250 * GF)  # 1200 MB
+    assert recompute_pays(off, dataclasses.replace(off, activations=80 * MB, flops=344 * GF))
+    # frees a sixth of the run only (256 rows beside the same weights)
+    assert not recompute_pays(off, dataclasses.replace(off, activations=300 * MB,
+                                                       flops=300 * GF))
+    # frees enough, but 0.4 MB per GFLOP (an 8B model's layers)
+    assert not recompute_pays(off, dataclasses.replace(off, activations=80 * MB,
+                                                       flops=1300 * GF))
+
+
+def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
+    """No memory limit: the tiny model's activations are a small share beside the runtime,
+    so ``auto`` keeps them; where the trade is made to pay, every layer is recomputed."""
+    from gradtape.train import step as S
+
+    model = tiny_model(seed=2, n_layers=4)
+
+    def step():
+        return TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, 64,
+                         grad_checkpoint="auto")
+
+    assert step().checkpointed == 0
+    monkeypatch.setattr(S, "AUTO_FREES", 0.0)
+    monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
+    assert step().checkpointed == 4

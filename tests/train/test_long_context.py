@@ -1,8 +1,8 @@
 """Long-context training steps: the fused head in a whole training step equals the
 composed one; activation checkpointing (``compile.checkpoint``, ``TrainStep(
-grad_checkpoint=...)``) trains the same with less memory, ``auto`` chooses it when needed or when
-it pays (``recompute_pays``), and a run that fits neither way is refused before anything is
-allocated."""
+grad_checkpoint=...)``) trains the same with less memory, ``auto`` chooses it when needed
+or when it pays (``recompute_pays``), and a run that fits neither way is refused before
+anything is allocated."""
 
 import dataclasses
 

@@ -218,6 +218,19 @@ def _ours(model, ad, pairs, t, name, opt, dtype):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preference_loss_and_gradients_equal_trl(family, case, dtype, folders, monkeypatch):
+    _check(family, case, dtype, folders, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["dpo", "orpo"])
+def test_fused_head_logps_equal_trl(case, folders, monkeypatch):
+    """The same through the fused LM head (``graph.LOGPS_FUSE_MIN``: a preference batch
+    of real size takes it; these tiny ones would not)."""
+    from gradtape.models import graph
+    monkeypatch.setattr(graph, "LOGPS_FUSE_MIN", 0)
+    _check("llama3", case, np.float64, folders, monkeypatch)
+
+
+def _check(family, case, dtype, folders, monkeypatch):
     from gradtape import llama
     name, opt, loss_type = CASES[case]
     folder = folders(family)

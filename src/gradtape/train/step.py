@@ -111,12 +111,14 @@ def _float32_state(program, leaf):
 # for the machine's other work and the estimate's error.  Recomputing a layer costs about
 # one more forward pass of it, so the fewer the better.
 AUTO_SHARE = 0.75
-# ... and every layer where that is a good trade even though the run fits: it frees at
-# least this share of the run's memory, at no more work than a GFLOP of recomputed
-# products per AUTO_MB_PER_GFLOP MB freed.  Long rows (a preference pair's 2 x T, or 2T
-# rows of one sequence) on a small model free a third of its memory at about 4 MB per
-# GFLOP; 256 rows free a sixth; an 8B model's activations are small beside its products
-# (about 0.4 MB per GFLOP): it recomputes only to fit.
+# ... and as few as keep the activations within this share of the run even where it fits
+# (a preference pair's 2 x 256 rows of an 8B model: about 10 of 32 layers)
+AUTO_ACTIVATIONS = 1 / 3
+# ... and every layer where that is a good trade: it frees at least this share of the
+# run's memory, at no more work than a GFLOP of recomputed products per
+# AUTO_MB_PER_GFLOP MB freed.  512 rows of a small model (a preference pair at T=256) free
+# a third of its memory at about 4 MB per GFLOP; 256 rows free a sixth; an 8B model's
+# activations are small beside its products (about 0.4 MB per GFLOP).
 AUTO_FREES = 0.25
 AUTO_MB_PER_GFLOP = 1.0
 
@@ -140,10 +142,11 @@ class TrainStep:
                              "--ignore-memory to try anyway)", method="sft",
                  options=Options(), fine_tune_type="lora"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
-        only the layers' input rows), "off" keeps the activations, "auto" recomputes the
-        fewest layers (the first ones) that keep the run within ``AUTO_SHARE`` of
-        ``memory_limit`` bytes (none with no limit given); ``checkpointed`` says how many
-        layers it recomputes.  ``method``: a row of ``train.methods``; a preference
+        only the layers' input rows), "off" keeps the activations, "auto" recomputes every
+        layer where that frees much memory for little work (``recompute_pays``), else the
+        fewest (the first ones) that keep the activations within ``AUTO_ACTIVATIONS`` of
+        the run and the run within ``AUTO_SHARE`` of ``memory_limit`` bytes (where
+        given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row of ``train.methods``; a preference
         method's step takes ``batch_size`` pairs (``2 * batch_size`` sequences) a
         micro-batch and records ``train.preference.record_preference`` instead of the
         next-token loss; ``options`` its numbers.  With
@@ -350,7 +353,8 @@ class TrainStep:
         """How many layers to recompute in backward (0: none; every layer with "on"; with
         "auto", every layer where that frees enough memory for its work
         (``recompute_pays``), else the fewest for a run within ``AUTO_SHARE`` of the
-        limit), from the memory plans (no allocation); refuses a step that fits no way."""
+        limit with activations at most ``AUTO_ACTIVATIONS`` of it), from the memory plans
+        (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
         layers = self.model.config.n_layers
@@ -359,9 +363,12 @@ class TrainStep:
         est = None
         if mode == "auto":
             off, est = self.planned_memory(0), self.planned_memory(layers)
-            need_off = off.total
-            if not recompute_pays(off, est) and (limit is None
-                                                 or need_off <= AUTO_SHARE * limit):
+            need_off, pays = off.total, recompute_pays(off, est)
+            # the run whose activations are AUTO_ACTIVATIONS of it (the rest stays)
+            budget = (need_off - off.activations) / (1 - AUTO_ACTIVATIONS)
+            if limit is not None:
+                budget = min(budget, AUTO_SHARE * limit)
+            if not pays and need_off <= budget:
                 return 0
         n = layers if mode != "off" else 0
         est = est or self.planned_memory(n)
@@ -372,9 +379,8 @@ class TrainStep:
                 f"checkpointing, but only {limit / GiB:.1f} GiB is available"
                 + ("" if n else " (--grad-checkpoint on would need less)")
                 + self.memory_hint)
-        if (mode == "auto" and limit is not None and need_off > AUTO_SHARE * limit
-                and est.total < AUTO_SHARE * limit and not recompute_pays(off, est)):
-            n = self._fewest_recomputed(need_off, est.total, AUTO_SHARE * limit)
+        if mode == "auto" and not pays and est.total < budget:
+            n = self._fewest_recomputed(need_off, est.total, budget)
         return n
 
     def _fewest_recomputed(self, need_none, need_all, budget):

@@ -172,8 +172,11 @@ class FinetuneConfig:
     grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
-                                        "or auto (as few layers recomputed as keep the "
-                                        "run within 3/4 of the available memory)",
+                                        "or auto (every layer where that frees 1/4 of the "
+                                        "run's memory at >= 1 MB per GFLOP recomputed; "
+                                        "else as few as keep the activations within 1/3 "
+                                        "of the run and the run within 3/4 of the "
+                                        "available memory)",
                                 checks.one_of("auto", "on", "off"))
     method: str = _opt("sft", "training method: sft (next-token loss on the answers) or a "
                               "preference method on pairs (prompt, chosen, rejected): dpo, "

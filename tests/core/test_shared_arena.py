@@ -79,14 +79,18 @@ def test_a_larger_program_joining_later_moves_the_others(backend):
     assert ev.executable._buffers[0] is st.executable._buffers[0]
 
 
-def test_a_training_step_shares_one_arena():
-    """``TrainStep``'s step and eval programs draw from one arena: the estimate counts
-    the larger plan, not the sum."""
+def test_a_training_step_shares_one_arena(monkeypatch):
+    """``TrainStep``'s step and eval programs draw from one arena (and the fused head's
+    scratch tiles): the estimate counts the larger plan, not the sum; the shared run
+    trains as the one with buffers of each program's own, bitwise."""
+    from gradtape.models import graph
     from gradtape.models.lora import init_adapter
+    from gradtape.train import step as S
     from gradtape.train.memory import estimate
     from gradtape.train.step import TrainStep
     from support.tinymodel import tiny_model
 
+    monkeypatch.setattr(graph, "HEAD_FUSE_MIN", 0)  # the fused head at these sizes
     model = tiny_model()
     adapter = init_adapter(model.config, 4, 8)
     step = TrainStep(model, adapter, 2, 8, backend="cpu")
@@ -94,3 +98,27 @@ def test_a_training_step_shares_one_arena():
     step.eval_program.run()  # compiled first, it moves onto the step's larger buffer
     assert step.program.executable._buffers[0] is step.eval_program.executable._buffers[0]
     assert max(plans) <= estimate(model, step).activations < sum(plans)
+    tiles = [p.executable._ctiles for p in (step.program, step.eval_program)]
+    assert tiles[0] and tiles[0].keys() == tiles[1].keys()
+    assert all(tiles[0][k] is tiles[1][k] for k in tiles[0])
+
+    class OwnArena(SharedArena):  # each program its own buffers, as without sharing
+        def buffers(self, sizes):
+            return SharedArena().buffers(sizes)
+
+        def kept(self, key, make):
+            return make()
+
+    monkeypatch.setattr(S, "SharedArena", OwnArena)
+    own = TrainStep(model, init_adapter(model.config, 4, 8), 2, 8, backend="cpu")
+    rng = np.random.default_rng(3)
+    for i in range(3):
+        ids = rng.integers(0, model.config.vocab_size, (2, 8))
+        batch = [(ids, np.roll(ids, -1, 1))]
+        assert step.step(batch, i + 1, 1e-2) == own.step(batch, i + 1, 1e-2)
+        seqs = [(ids, np.roll(ids, -1, 1))]
+        a = step.eval_program.run(step._feeds(seqs[0], 1))
+        b = own.eval_program.run(own._feeds(seqs[0], 1))
+        assert np.array_equal(a[0], b[0])
+    for x, y in zip(step.adapter_weights().values(), own.adapter_weights().values()):
+        assert all(np.array_equal(u, v) for u, v in zip(x, y))

@@ -96,7 +96,16 @@ class SharedArena:
 
     def __init__(self):
         self._buffers = {}  # dtype -> its buffer
+        self._kept = {}  # key -> a backend's scratch object (``kept``)
         self.version = 0
+
+    def kept(self, key, make):
+        """The scratch object ``key`` a backend keeps from call to call (the cpu
+        backend's tiles of the fused primitives, ``make()`` once), one for all the
+        programs: the same reasoning, a call writes its scratch before reading it."""
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
 
     def buffers(self, sizes) -> list:
         """The buffers for a memory plan's ``buffer_sizes`` (each at least that long)."""

@@ -383,11 +383,16 @@ class CpuBackend(HostBackend):
 
     def _tiled_kernels(self, dtype, bf16):
         """This program's ``tiled.CTiles`` for ``dtype``: the scratch the fused head
-        keeps from step to step lives as long as the program."""
+        keeps from step to step lives as long as the program (or its ``SharedArena``:
+        one for all the programs drawing from it)."""
         key = (np.dtype(dtype).str, bf16)
         if key not in self._ctiles:
-            self._ctiles[key] = tiled.CTiles(dtype, bf16, self._f32_dnnl, self._only,
-                                             trained_bf16=bf16 and self._trained_ok)
+            trained = bf16 and self._trained_ok
+            make = functools.partial(tiled.CTiles, dtype, bf16, self._f32_dnnl, self._only,
+                                     trained_bf16=trained)
+            # one for the programs sharing an arena (they never run at once)
+            self._ctiles[key] = make() if self._arena is None else self._arena.kept(
+                ("CTiles", *key, self._f32_dnnl, repr(self._only), trained), make)
         return self._ctiles[key]
 
     # --- binding ---------------------------------------------------------------------

@@ -347,7 +347,8 @@ class TrainStep:
     def _record_checkpoint(self):
         self.plan = self.plan.replace(checkpoint=Decision(
             self.checkpointed, f"{self.checkpointed} of {self.model.config.n_layers} layers "
-                               f"recomputed (--grad-checkpoint {self.grad_checkpoint})"))
+                               f"recomputed (--grad-checkpoint {self.grad_checkpoint}"
+                               f"{self._checkpoint_why})"))
 
     def _decide_checkpoint(self, outputs, updates):
         """How many layers to recompute in backward (0: none; every layer with "on"; with
@@ -357,6 +358,7 @@ class TrainStep:
         (no allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
+        self._checkpoint_why = ""
         layers = self.model.config.n_layers
         if mode == "off" and limit is None:
             return 0
@@ -370,6 +372,14 @@ class TrainStep:
                 budget = min(budget, AUTO_SHARE * limit)
             if not pays and need_off <= budget:
                 return 0
+            freed = (need_off - est.total) / need_off
+            self._checkpoint_why = (
+                f": frees {freed:.0%} of the run at "
+                f"{(need_off - est.total) / 2**20 / max(est.flops - off.flops, 1) * 1e9:.1f}"
+                " MB per GFLOP recomputed" if pays else
+                ": activations within a third of the run" if budget < need_off and (
+                    limit is None or budget < AUTO_SHARE * limit) else
+                ": the run within 3/4 of the memory available")
         n = layers if mode != "off" else 0
         est = est or self.planned_memory(n)
         if limit is not None and est.total > limit:

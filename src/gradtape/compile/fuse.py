@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops import PRIMS
-from .memplan import MemoryPlan, plan_liveness, reshape_views
+from .memplan import MemoryPlan, in_place_updates, plan_liveness, reshape_views
 
 REDUCE_OPS = ("sum", "softmax", "logsumexp")
 
@@ -215,15 +215,36 @@ def step_outputs(step):
     return step.outputs if isinstance(step, FusedGroup) else (step,)
 
 
-def plan_schedule_memory(schedule) -> MemoryPlan:
+def reads_same_index(step, leaf) -> bool:
+    """Whether ``step`` reads ``leaf`` at each element of its domain before writing its
+    outputs there: an elementwise group over exactly the leaf's shape (one C loop, each
+    element read, computed and written in turn)."""
+    return (isinstance(step, FusedGroup) and step.kind == "elementwise"
+            and tuple(step.domain) == tuple(leaf.shape)
+            and all(tuple(m.shape) == tuple(leaf.shape) for m in step.outputs))
+
+
+def schedule_in_place(schedule) -> dict:
+    """``{src: leaf}``: the schedule's state updates written straight into their leaves
+    (``memplan.in_place_updates``)."""
+    return in_place_updates([(s, step_inputs(s), step_outputs(s)) for s in schedule.steps],
+                            schedule.graph.updates, set(schedule.graph.outputs),
+                            reads_same_index)
+
+
+def plan_schedule_memory(schedule, in_place=None) -> MemoryPlan:
     """Liveness planning over the schedule's steps, like ``plan_memory`` over ops, but
     only values that leave a step get a buffer (group-internal values live in registers).
 
     A step's outputs are placed before its inputs are released, so no step writes over
     what it reads.  Outputs and update sources keep buffers of their own.  A lone reshape
     is its input's region seen in another shape (``reshape_views``): a copy saved.
+    ``in_place``: update sources that live in their leaves' storage instead
+    (``schedule_in_place``).
     """
     graph = schedule.graph
-    pinned = set(graph.outputs) | {src for _, src in graph.updates}
+    in_place = in_place or {}
+    pinned = set(graph.outputs) | {src for _, src in graph.updates if src not in in_place}
+    views = {v: x for v, x in reshape_views(schedule.steps).items() if x not in in_place}
     return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned,
-                         reshape_views(schedule.steps))
+                         views, in_place)

@@ -16,7 +16,7 @@ from ..var import Var, fmt_shape
 from .checkpoint import checkpoint as checkpoint_pass
 from .cse import merge_common
 from .decompose import decompose
-from .fuse import fuse, plan_schedule_memory, unfused
+from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
@@ -53,7 +53,9 @@ def lower(graph, backend_cls, **kwargs):
     """``graph`` through the passes ``backend_cls.passes`` names (in this order:
     ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
     backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
-    no kernel for are decomposed first (already done where ``passes`` ran)."""
+    no kernel for are decomposed first (already done where ``passes`` ran).  A backend
+    with ``updates_in_place`` gets the state updates it can write straight into their
+    leaves in the memory plan (``MemoryPlan.in_place``)."""
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
@@ -61,7 +63,8 @@ def lower(graph, backend_cls, **kwargs):
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:
         schedule = unfused(graph)
-    return backend_cls(graph, schedule, plan_schedule_memory(schedule), **kwargs)
+    in_place = schedule_in_place(schedule) if backend_cls.updates_in_place else {}
+    return backend_cls(graph, schedule, plan_schedule_memory(schedule, in_place), **kwargs)
 
 
 class Program:

@@ -96,15 +96,21 @@ class HostBackend(Backend):
         self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
         self._owned = set()
         for leaf, _ in graph.updates:
-            self._own(leaf)
+            self._own(leaf, adopt=leaf in plan.donated)
         for v in plan.slot:
             self._values[v] = plan.view(self._buffers, v)
         self._in_place = {leaf: src for src, leaf in plan.in_place.items()}
         for leaf, src in self._in_place.items():
             self._values[src] = self._values[leaf]
 
-    def _own(self, leaf):
-        self._values[leaf] = np.array(leaf._value, copy=True, order="C")
+    def _own(self, leaf, adopt=False):
+        """Storage of the program's own for ``leaf``: a copy of its recorded value, or
+        with ``adopt`` (a donated leaf) that very array where it is writeable C-order."""
+        v = leaf._value
+        if not (adopt and isinstance(v, np.ndarray) and v.flags.c_contiguous
+                and v.flags.writeable and v.dtype == leaf.dtype):
+            v = np.array(v, copy=True, order="C")
+        self._values[leaf] = v
         self._owned.add(leaf)
         src = getattr(self, "_in_place", {}).get(leaf)
         if src is not None:  # its new value is written where it lives

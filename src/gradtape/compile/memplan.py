@@ -36,6 +36,8 @@ class MemoryPlan:
     offset: dict = field(default_factory=dict)  # Var -> element offset in its buffer
     # update source -> its state leaf: written straight into the leaf's storage, no region
     in_place: dict = field(default_factory=dict)
+    # update targets whose state lives in their recorded arrays (the tape's), not a copy
+    donated: frozenset = frozenset()
 
     @property
     def n_buffers(self):

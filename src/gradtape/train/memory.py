@@ -80,7 +80,7 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
     graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
-                    activations=int(plan_memory(graph).nbytes)
+                    activations=int(plan_memory(graph, in_place=True).nbytes)
                     + sum(int(p.memory.nbytes) for p in built),
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)

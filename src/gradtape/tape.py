@@ -37,6 +37,7 @@ class Tape:
         self.eager = eager
         self.vars: list[Var] = []
         self.backward_marks: list[int] = []  # where each backward call began recording
+        self.backward_ends: list[int] = []  # and where it ended (what follows: the update)
         self.checkpoints: list[Var] = []  # kept values a checkpointed compile recomputes from
 
     # --- leaves ---
@@ -168,6 +169,7 @@ class Tape:
                 if gx.shape != x.shape:  # the input was broadcast: sum over those axes
                     gx = ops.sum_to(gx, x.shape)
                 grads[x] = ops.add(grads[x], gx) if x in grads else gx
+        self.backward_ends.append(len(self.vars))
         # keep the params' recording order, which callers find natural
         return dict(sorted(out.items(), key=lambda kv: kv[0].index))
 

@@ -18,6 +18,7 @@ from ..var import Var, fmt_shape
 from .checkpoint import checkpoint as checkpoint_pass
 from .cse import merge_common
 from .decompose import decompose
+from .early_updates import early_updates
 from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
@@ -57,13 +58,15 @@ def lower(graph, backend_cls, donate=(), **kwargs):
     """``graph`` through the passes ``backend_cls.passes`` names (in this order:
     ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
     backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
-    no kernel for are decomposed first (already done where ``passes`` ran).  A backend
+    no kernel for are decomposed first (already done where ``passes`` ran); what follows
+    backward runs as soon as its inputs are ready (``early_updates``).  A backend
     with ``updates_in_place`` gets the state updates it can write straight into their
     leaves in the memory plan (``MemoryPlan.in_place``), and keeps the state of the
     update targets in ``donate`` in their recorded arrays (``MemoryPlan.donated``)."""
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
+    graph = early_updates(graph)
     if "fuse" in backend_cls.passes:
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:

@@ -26,7 +26,9 @@ import numpy as np
 class Backend:
     name = ""
     passes = ()  # optional compile passes this backend wants, run in compile.lower
-    updates_in_place = False  # whether compile.lower may plan updates into their leaves
+    # whether compile.lower may plan a value into storage its step reads: a state update
+    # into its leaf, an elementwise group's output over an input that dies there
+    writes_in_place = False
     fallback = None  # the backend that runs where this one cannot (see ``unavailable``)
 
     @classmethod
@@ -84,7 +86,7 @@ def page_aligned(n, dtype, page=4096):
 
 
 class HostBackend(Backend):
-    updates_in_place = True
+    writes_in_place = True
 
     @classmethod
     def has_kernel(cls, op):

@@ -66,13 +66,13 @@ def fused_scratch_bytes(graph) -> int:
     return max(kept) + max(other)
 
 
-def in_place_updates(steps, updates, outputs=(), same_index=lambda step, leaf: False) -> dict:
+def in_place_updates(steps, updates, outputs=(), same_index=lambda step, x, v: False) -> dict:
     """``{src: leaf}`` for the updates ``leaf <- src`` whose source can be written straight
     into the leaf's storage (AdamW's new param and moments: no region for the new value,
     no copy after the run).  ``steps``: ``(step, inputs, outputs)`` in execution order.
     Safe where every step reading the leaf's old value runs before the step writing
     ``src``, or is that step and reads the leaf at each element before writing it there
-    (``same_index(step, leaf)``: an elementwise kernel over the leaf's shape); never for
+    (``same_index(step, leaf, src)``: an elementwise kernel over the leaf's shape); never for
     a source that is a leaf or another update's target, nor one feeding two updates, nor
     for a leaf that is itself one of the run's ``outputs`` (read after the run)."""
     targets = {leaf for leaf, _ in updates}
@@ -92,7 +92,7 @@ def in_place_updates(steps, updates, outputs=(), same_index=lambda step, leaf: F
         if (k is None or src.is_leaf or src in targets or count[src] > 1
                 or leaf in count or leaf in outputs):
             continue
-        if all(i < k or (i == k and same_index(steps[k][0], leaf))
+        if all(i < k or (i == k and same_index(steps[k][0], leaf, src))
                for i in reads.get(leaf, ())):
             out[src] = leaf
     return out

@@ -60,8 +60,10 @@ def lower(graph, backend_cls, donate=(), **kwargs):
     backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
     no kernel for are decomposed first (already done where ``passes`` ran); what follows
     backward runs as soon as its inputs are ready (``early_updates``).  A backend
-    with ``updates_in_place`` gets the state updates it can write straight into their
-    leaves in the memory plan (``MemoryPlan.in_place``), and keeps the state of the
+    with ``writes_in_place`` gets the state updates it can write straight into their
+    leaves in the memory plan (``MemoryPlan.in_place``), each elementwise group's
+    output over an input that dies there where it can (``fuse.plan_schedule_memory``),
+    and keeps the state of the
     update targets in ``donate`` in their recorded arrays (``MemoryPlan.donated``)."""
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
@@ -72,10 +74,11 @@ def lower(graph, backend_cls, donate=(), **kwargs):
     else:
         schedule = unfused(graph)
     in_place, donated = {}, frozenset()
-    if backend_cls.updates_in_place:
+    reuse = backend_cls.writes_in_place
+    if reuse:
         in_place = schedule_in_place(schedule)
         donated = frozenset(donate) & {leaf for leaf, _ in graph.updates}
-    plan = plan_schedule_memory(schedule, in_place)
+    plan = plan_schedule_memory(schedule, in_place, reuse)
     if donated:
         plan = dataclasses.replace(plan, donated=donated)
     return backend_cls(graph, schedule, plan, **kwargs)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..blocks import is_block_matrix
+from ..compile.early_updates import early_updates
 from ..compile.memplan import fused_scratch_bytes, plan_memory
 from ..compile.program import passes
 from ..errors import GradtapeError
@@ -77,10 +78,10 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
     ``built`` beside it hold (the eval program: its arena, its bf16 weight copies, which
     the step shares, and its scratch); ``copies`` of each of the ``n_param`` trained
     values (``TrainStep.state_copies``), ``full``: they are the model's weights."""
-    graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
+    graph = early_updates(passes(tape, outputs, updates, get_backend(backend), checkpoint))
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
-                    activations=int(plan_memory(graph).nbytes)
+                    activations=int(plan_memory(graph, in_place=True).nbytes)
                     + sum(int(p.memory.nbytes) for p in built),
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)

@@ -17,7 +17,7 @@ import argparse
 import ctypes
 import time
 
-import gradtape  # noqa: F401  (first: it hands OpenBLAS the class's core type before NumPy loads it)
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the class before NumPy loads)
 import numpy as np
 
 from gradtape.backends.cpu import blas, onednn, toolchain

@@ -1,10 +1,12 @@
-"""Where a SmolLM2 LoRA training step's time goes: each step of the compiled program timed
+"""Where a SmolLM2 training step's time goes (LoRA, or every weight: ``--fine-tune-type
+full``): each step of the compiled program timed
 on its own (matmuls by shape, generated C kernel runs, NumPy ops by name); with
 ``--kernels N``, also each generated kernel call timed alone, the N costliest kinds.
 
     python bench/profile_step.py [--batch 1] [--seq-len 256] [--backend cpu] [--reps 2]
                                  [--compute float32|bf16|auto] [--model PATH]
                                  [--keep-quantized] [--rank 8] [--kernels 20]
+                                 [--fine-tune-type lora|full] [--clip 1.0]
 """
 
 import argparse
@@ -97,14 +99,20 @@ def main():
     ap.add_argument("--keep-quantized", action="store_true",
                     help="keep the GGUF's blocks (the block-weight GEMMs)")
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--fine-tune-type", default="lora", choices=("lora", "full"),
+                    help="lora (an adapter of --rank) or full (every weight, as "
+                         "bench/full_bench.py trains it with --clip 0)")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="clip the gradient's global norm (0: no clipping)")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also time each generated kernel call alone and list the N "
                          "costliest kinds (cpu backend)")
     args = ap.parse_args()
     model = llama.load(args.model, keep_quantized=args.keep_quantized)
-    st = TrainStep(model, init_adapter(model.config, args.rank, 2 * args.rank, seed=0),
-                   args.batch, args.seq_len,
-                   backend=args.backend, compute=args.compute)
+    full = args.fine_tune_type == "full"
+    adapter = None if full else init_adapter(model.config, args.rank, 2 * args.rank, seed=0)
+    st = TrainStep(model, adapter, args.batch, args.seq_len, backend=args.backend,
+                   compute=args.compute, clip=args.clip, fine_tune_type=args.fine_tune_type)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, args.seq_len))
     st.step([(ids, np.roll(ids, -1, 1))], 1, 1e-4)  # first run: binds fed leaves
     ex = st.program.executable

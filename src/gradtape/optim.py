@@ -43,10 +43,13 @@ class AdamWScalars:
 
 
 def global_norm(grads):
-    """sqrt(sum of squares of every gradient): a () Var."""
+    """sqrt(sum of squares of every gradient): a () Var.  Each gradient is seen flat
+    (a reshape: no copy), so its squares and their sum are one row reduction that a
+    backend fuses: the squares are never stored."""
     total = None
     for g in grads:
-        s = ops.reduce_sum(ops.mul(g, g))
+        flat = g if g.ndim == 1 else ops.reshape(g, (g.size,))
+        s = ops.reduce_sum(ops.mul(flat, flat))
         total = s if total is None else ops.add(total, s)
     return ops.sqrt(total)
 

@@ -243,14 +243,14 @@ def complete(plan: Plan, graph) -> Plan:
 
 
 def compile_tape(tape, outputs, backend="numpy", updates=None, compute="float32",
-                 checkpoint=False, plan=None, arena=None):
+                 checkpoint=False, plan=None, donate=(), arena=None):
     """``Tape.compile``'s body, the core's one door to compilation: the backend named
     resolved (``backends.get_backend``, which may fall back), and the compile pipeline
     carrying out ``plan`` (or one for ``compute``), completed for the compiled graph."""
     cls = get_backend(backend)
     plan = for_program(cls.name, compute) if plan is None else plan.replace(backend=cls.name)
     return compile_program(tape, outputs, cls, updates, plan, checkpoint, complete=complete,
-                           arena=arena)
+                           donate=donate, arena=arena)
 
 
 def attention_route(cfg, n_seq, t, backend, compute, probe,

@@ -37,6 +37,7 @@ class Tape:
         self.eager = eager
         self.vars: list[Var] = []
         self.backward_marks: list[int] = []  # where each backward call began recording
+        self.backward_ends: list[int] = []  # and where it ended (what follows: the update)
         self.checkpoints: list[Var] = []  # kept values a checkpointed compile recomputes from
 
     # --- leaves ---
@@ -168,6 +169,7 @@ class Tape:
                 if gx.shape != x.shape:  # the input was broadcast: sum over those axes
                     gx = ops.sum_to(gx, x.shape)
                 grads[x] = ops.add(grads[x], gx) if x in grads else gx
+        self.backward_ends.append(len(self.vars))
         # keep the params' recording order, which callers find natural
         return dict(sorted(out.items(), key=lambda kv: kv[0].index))
 
@@ -182,7 +184,7 @@ class Tape:
 
     # --- compilation ---
     def compile(self, outputs, backend="numpy", updates=None, compute="float32",
-                checkpoint=False, plan=None, arena=None):
+                checkpoint=False, plan=None, donate=(), arena=None):
         """Compile the ops ``outputs`` need into a replayable ``Program``.
 
         ``updates`` ({leaf: Var}) makes state: after each run the leaf takes the Var's
@@ -192,10 +194,13 @@ class Tape:
         ``checkpoint=True``: recompute forward values in backward from the values marked
         with ``Tape.checkpoint`` (activation checkpointing; same values, less memory); a
         number n: only those of the first n marked layers, the others keep theirs.
+        ``donate``: update targets whose recorded arrays a host backend keeps the state in
+        instead of a copy (a full step's params: a copy of every weight less); those
+        leaves' values on the tape then change with every run.
         ``arena``: a ``backends.base.SharedArena`` shared by programs that never run at
         the same time (a training step and its eval program): their intermediates take
         the largest one's memory instead of the sum (host backends; others ignore it).
         """
         from .plan import compile_tape  # the core's one door upward (see the module doc)
         return compile_tape(self, outputs, backend, updates, compute, checkpoint, plan,
-                            arena)
+                            donate, arena)

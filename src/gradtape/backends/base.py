@@ -14,8 +14,10 @@ their own; intermediates live in the buffers of the memory plan, allocated once,
 ``SharedArena`` that programs which never run at the same time draw from (a training
 step and its eval program: one arena sized for the larger); state updates are
 simultaneous (a source that is itself an updated leaf is snapshotted into a
-preallocated buffer first, so ``{a: b, b: a}`` swaps).  A subclass says how to run the
-schedule (``_bind_steps``).
+preallocated buffer first, so ``{a: b, b: a}`` swaps); an update the memory plan writes
+in place (``MemoryPlan.in_place``: AdamW's new param and moments) has its source bound to
+the leaf's own array, so nothing is copied.  A subclass says how to run the schedule
+(``_bind_steps``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import numpy as np
 class Backend:
     name = ""
     passes = ()  # optional compile passes this backend wants, run in compile.lower
+    # whether compile.lower may plan a value into storage its step reads: a state update
+    # into its leaf, an elementwise group's output over an input that dies there
+    writes_in_place = False
     fallback = None  # the backend that runs where this one cannot (see ``unavailable``)
     takes_arena = False  # whether it keeps intermediates in a ``SharedArena`` it is given
 
@@ -125,6 +130,7 @@ class SharedArena:
 
 
 class HostBackend(Backend):
+    writes_in_place = True
     takes_arena = True
 
     @classmethod
@@ -139,12 +145,13 @@ class HostBackend(Backend):
         self._values = {leaf: leaf._value for leaf in graph.leaves}  # Var -> its array
         self._owned = set()
         for leaf, _ in graph.updates:
-            self._own(leaf)
+            self._own(leaf, adopt=leaf in plan.donated)
+        self._in_place = {leaf: src for src, leaf in plan.in_place.items()}
         self._view_buffers()
 
     def _view_buffers(self):
         """Every intermediate's array in the buffers: this program's own, or the shared
-        arena's as they are now."""
+        arena's as they are now; an update written in place where its leaf lives."""
         if self._arena is None:
             self._buffers = [page_aligned(n, dtype) for dtype, n in self.plan.buffer_sizes]
         else:
@@ -152,6 +159,8 @@ class HostBackend(Backend):
             self._buffers = self._arena.buffers(self.plan.buffer_sizes)
         for v in self.plan.slot:
             self._values[v] = self.plan.view(self._buffers, v)
+        for leaf, src in self._in_place.items():
+            self._values[src] = self._values[leaf]
         self._stale = True
 
     def _arena_moved(self):
@@ -159,9 +168,18 @@ class HostBackend(Backend):
         move there (a subclass also drops what it bound to the old arrays)."""
         self._view_buffers()
 
-    def _own(self, leaf):
-        self._values[leaf] = np.array(leaf._value, copy=True, order="C")
+    def _own(self, leaf, adopt=False):
+        """Storage of the program's own for ``leaf``: a copy of its recorded value, or
+        with ``adopt`` (a donated leaf) that very array where it is writeable C-order."""
+        v = leaf._value
+        if not (adopt and isinstance(v, np.ndarray) and v.flags.c_contiguous
+                and v.flags.writeable and v.dtype == leaf.dtype):
+            v = np.array(v, copy=True, order="C")
+        self._values[leaf] = v
         self._owned.add(leaf)
+        src = getattr(self, "_in_place", {}).get(leaf)
+        if src is not None:  # its new value is written where it lives
+            self._values[src] = self._values[leaf]
 
     def _bind(self):
         """(Re)bind every step to the arrays values live in (after a leaf got storage)."""
@@ -173,7 +191,7 @@ class HostBackend(Backend):
                        if src in targets]
         snap_of = {id(a): b for a, b in self._snaps}
         self._updates = [(val[leaf], snap_of[id(val[src])] if src in targets else val[src])
-                         for leaf, src in self.graph.updates]
+                         for leaf, src in self.graph.updates if leaf not in self._in_place]
         self._outputs = [val[v] for v in self.graph.outputs]
 
     def _bind_steps(self, values) -> list:

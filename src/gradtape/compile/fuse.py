@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops import PRIMS
-from .memplan import MemoryPlan, plan_liveness, reshape_views
+from .memplan import MemoryPlan, in_place_updates, plan_liveness, reshape_views
 
 REDUCE_OPS = ("sum", "softmax", "logsumexp")
 
@@ -215,15 +215,75 @@ def step_outputs(step):
     return step.outputs if isinstance(step, FusedGroup) else (step,)
 
 
-def plan_schedule_memory(schedule) -> MemoryPlan:
+def reads_same_index(step, x, v) -> bool:
+    """Whether the group ``step`` may write its member ``v`` over its input ``x``: an
+    elementwise group over exactly their shape (one loop, each element read, computed
+    and written in turn) in which every member reading ``x`` is ``v`` or feeds it, so
+    each element of ``x`` is read before ``v``'s value there exists to be stored (true
+    however the compiler orders the loads of ``restrict`` pointers)."""
+    if not (isinstance(step, FusedGroup) and step.kind == "elementwise"
+            and tuple(step.domain) == tuple(x.shape) == tuple(v.shape)
+            and x.dtype == v.dtype and v in step.ops):
+        return False
+    feeds = {v}  # v and the members it is computed from
+    for m in reversed(step.ops):
+        if m in feeds:
+            feeds.update(m.inputs)
+    return all(m in feeds for m in step.ops if x in m.inputs)
+
+
+def schedule_in_place(schedule) -> dict:
+    """``{src: leaf}``: the schedule's state updates written straight into their leaves
+    (``memplan.in_place_updates``)."""
+    return in_place_updates([(s, step_inputs(s), step_outputs(s)) for s in schedule.steps],
+                            schedule.graph.updates, set(schedule.graph.outputs),
+                            reads_same_index)
+
+
+def overwritten_inputs(steps, pinned, views) -> dict:
+    """``{v: x}``: an elementwise group's output ``v`` placed over its input ``x``, a
+    computed value of the same shape and dtype whose last reader is that group
+    (``reads_same_index``); ``v`` then needs no region of its own.  Inputs that are
+    pinned or part of a reshape view stay apart."""
+    last = {}
+    for i, s in enumerate(steps):
+        for x in step_inputs(s):
+            last[x] = i
+    apart = set(pinned) | set(views) | set(views.values())
+    out = {}
+    for i, s in enumerate(steps):
+        if not isinstance(s, FusedGroup) or s.kind != "elementwise":
+            continue
+        taken = set()
+        for v in s.outputs:
+            if v in apart:
+                continue
+            x = next((x for x in s.inputs
+                      if not x.is_leaf and x not in apart and x not in taken
+                      and last.get(x) == i and reads_same_index(s, x, v)), None)
+            if x is not None:
+                out[v] = x
+                taken.add(x)
+    return out
+
+
+def plan_schedule_memory(schedule, in_place=None, reuse=False) -> MemoryPlan:
     """Liveness planning over the schedule's steps, like ``plan_memory`` over ops, but
     only values that leave a step get a buffer (group-internal values live in registers).
 
     A step's outputs are placed before its inputs are released, so no step writes over
     what it reads.  Outputs and update sources keep buffers of their own.  A lone reshape
     is its input's region seen in another shape (``reshape_views``): a copy saved.
+    ``in_place``: update sources that live in their leaves' storage instead
+    (``schedule_in_place``).  ``reuse``: an elementwise group's output may take the
+    region of an input that dies there (``overwritten_inputs``).
     """
     graph = schedule.graph
-    pinned = set(graph.outputs) | {src for _, src in graph.updates}
+    in_place = in_place or {}
+    pinned = set(graph.outputs) | {src for _, src in graph.updates if src not in in_place}
+    views = {v: x for v, x in reshape_views(schedule.steps).items() if x not in in_place}
+    shares = dict(views)
+    if reuse:
+        shares.update(overwritten_inputs(schedule.steps, pinned | set(in_place), views))
     return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned,
-                         reshape_views(schedule.steps))
+                         shares, in_place)

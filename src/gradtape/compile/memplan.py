@@ -34,6 +34,10 @@ class MemoryPlan:
     buffer_sizes: tuple  # (dtype, n_elements) per buffer (one arena per dtype)
     slot: dict  # Var -> buffer index
     offset: dict = field(default_factory=dict)  # Var -> element offset in its buffer
+    # update source -> its state leaf: written straight into the leaf's storage, no region
+    in_place: dict = field(default_factory=dict)
+    # update targets whose state lives in their recorded arrays (the tape's), not a copy
+    donated: frozenset = frozenset()
 
     @property
     def n_buffers(self):
@@ -62,16 +66,51 @@ def fused_scratch_bytes(graph) -> int:
     return max(kept) + max(other)
 
 
-def plan_liveness(steps, pinned, views=None) -> MemoryPlan:
+def in_place_updates(steps, updates, outputs=(), same_index=lambda step, x, v: False) -> dict:
+    """``{src: leaf}`` for the updates ``leaf <- src`` whose source can be written straight
+    into the leaf's storage (AdamW's new param and moments: no region for the new value,
+    no copy after the run).  ``steps``: ``(step, inputs, outputs)`` in execution order.
+    Safe where every step reading the leaf's old value runs before the step writing
+    ``src``, or is that step and reads the leaf at each element before writing it there
+    (``same_index(step, leaf, src)``: an elementwise kernel over the leaf's shape); never for
+    a source that is a leaf or another update's target, nor one feeding two updates, nor
+    for a leaf that is itself one of the run's ``outputs`` (read after the run)."""
+    targets = {leaf for leaf, _ in updates}
+    count = {}
+    for _, src in updates:
+        count[src] = count.get(src, 0) + 1
+    writer, reads = {}, {}
+    for i, (_, reads_, writes) in enumerate(steps):
+        for v in writes:
+            writer[v] = i
+        for x in reads_:
+            if x in targets:
+                reads.setdefault(x, []).append(i)
+    out = {}
+    for leaf, src in updates:
+        k = writer.get(src)
+        if (k is None or src.is_leaf or src in targets or count[src] > 1
+                or leaf in count or leaf in outputs):
+            continue
+        if all(i < k or (i == k and same_index(steps[k][0], leaf, src))
+               for i in reads.get(leaf, ())):
+            out[src] = leaf
+    return out
+
+
+def plan_liveness(steps, pinned, views=None, in_place=None) -> MemoryPlan:
     """Plan regions for ``steps``, a list of ``(inputs, outputs)`` Var tuples in execution
     order; every output gets a region, ``pinned`` ones live to the end.  ``views``: ``{v:
     x}`` for outputs that are the values of ``x`` reshaped: ``v`` shares ``x``'s region
     (where ``x`` has one here), which then lives as long as either, and the step making
-    ``v`` has nothing left to do (``views_in_place``)."""
+    ``v`` has nothing left to do (``views_in_place``).  ``in_place``: ``{src: leaf}``
+    (``in_place_updates``), sources that live in their leaf's storage, not here."""
+    in_place = dict(in_place or {})
     born, dies = {}, {}
     for i, (inputs, outputs) in enumerate(steps):
         for v in outputs:
-            born[v] = dies[v] = i
+            if v not in in_place:
+                born[v] = dies[v] = i
         for x in inputs:
             if x in born:
                 dies[x] = i
@@ -117,7 +156,7 @@ def plan_liveness(steps, pinned, views=None) -> MemoryPlan:
         sizes.append((dtype, total))
     for v, r in root.items():
         slot[v], offset[v] = slot[r], offset[r]
-    return MemoryPlan(buffer_sizes=tuple(sizes), slot=slot, offset=offset)
+    return MemoryPlan(buffer_sizes=tuple(sizes), slot=slot, offset=offset, in_place=in_place)
 
 
 def reshape_views(steps):
@@ -134,7 +173,11 @@ def views_in_place(step, values) -> bool:
             and values[step].ctypes.data == values[step.inputs[0]].ctypes.data)
 
 
-def plan_memory(graph) -> MemoryPlan:
-    """One step per op of the graph."""
+def plan_memory(graph, in_place=False) -> MemoryPlan:
+    """One step per op of the graph; ``in_place``: update sources written into their
+    leaves where they can be (``in_place_updates``), as a host backend runs them."""
     pinned = set(graph.outputs) | {src for _, src in graph.updates}
-    return plan_liveness([(v.inputs, (v,)) for v in graph.ops], pinned)
+    steps = [(v.inputs, (v,)) for v in graph.ops]
+    donated = (in_place_updates([(v, v.inputs, (v,)) for v in graph.ops], graph.updates,
+                                set(graph.outputs)) if in_place else {})
+    return plan_liveness(steps, pinned, in_place=donated)

@@ -10,31 +10,35 @@ run wrote into it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..var import Var, fmt_shape
 from .checkpoint import checkpoint as checkpoint_pass
 from .cse import merge_common
 from .decompose import decompose
-from .fuse import fuse, plan_schedule_memory, unfused
+from .early_updates import early_updates
+from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
 
 def compile_program(tape, outputs, backend_cls, updates=None, execution=None,
-                    checkpoint=False, complete=None, arena=None):
+                    checkpoint=False, complete=None, donate=(), arena=None):
     """The pipeline: the backend-independent passes (``passes``), then the passes the
     backend declares (``lower``), bound to ``backend_cls`` (from ``backends.get_backend``)
     with the execution plan it carries out (``execution``: a ``gradtape.plan.Plan``, made
     final for the compiled graph by ``complete(execution, graph)`` where given; None: the
-    tape's own arithmetic everywhere).  ``checkpoint``: see ``passes``; ``arena``: a
-    ``backends.base.SharedArena`` the program's intermediates live in (None, or a backend
-    that keeps them elsewhere: its own)."""
+    tape's own arithmetic everywhere).  ``checkpoint``: see ``passes``; ``donate``: see
+    ``lower``; ``arena``: a ``backends.base.SharedArena`` the program's intermediates live
+    in (None, or a backend that keeps them elsewhere: its own)."""
     graph = passes(tape, outputs, updates, backend_cls, checkpoint)
     if complete is not None:
         execution = complete(execution, graph)
     shared = {"arena": arena} if arena is not None and backend_cls.takes_arena else {}
-    return Program(graph, lower(graph, backend_cls, execution=execution, **shared),
+    return Program(graph, lower(graph, backend_cls, execution=execution, donate=donate,
+                                **shared),
                    backend_cls.name)
 
 
@@ -53,19 +57,34 @@ def passes(tape, outputs, updates, backend_cls, checkpoint=False):
     return rematerialize(graph, tape.backward_marks)
 
 
-def lower(graph, backend_cls, **kwargs):
+def lower(graph, backend_cls, donate=(), **kwargs):
     """``graph`` through the passes ``backend_cls.passes`` names (in this order:
     ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
     backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
-    no kernel for are decomposed first (already done where ``passes`` ran)."""
+    no kernel for are decomposed first (already done where ``passes`` ran); what follows
+    backward runs as soon as its inputs are ready (``early_updates``).  A backend
+    with ``writes_in_place`` gets the state updates it can write straight into their
+    leaves in the memory plan (``MemoryPlan.in_place``), each elementwise group's
+    output over an input that dies there where it can (``fuse.plan_schedule_memory``),
+    and keeps the state of the
+    update targets in ``donate`` in their recorded arrays (``MemoryPlan.donated``)."""
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
+    graph = early_updates(graph)
     if "fuse" in backend_cls.passes:
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:
         schedule = unfused(graph)
-    return backend_cls(graph, schedule, plan_schedule_memory(schedule), **kwargs)
+    in_place, donated = {}, frozenset()
+    reuse = backend_cls.writes_in_place
+    if reuse:
+        in_place = schedule_in_place(schedule)
+        donated = frozenset(donate) & {leaf for leaf, _ in graph.updates}
+    plan = plan_schedule_memory(schedule, in_place, reuse)
+    if donated:
+        plan = dataclasses.replace(plan, donated=donated)
+    return backend_cls(graph, schedule, plan, **kwargs)
 
 
 class Program:

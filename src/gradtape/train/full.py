@@ -29,11 +29,11 @@ FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or ev
 BF16_WHY = ("each converted to bf16 once a step, its products and gradient with bf16 "
             "inputs and float32 sums, as under torch's autocast")
 
-# copies of each weight a full step holds outside its activations' arena: the param (the
-# tape's value and the step program's state) and AdamW's two moments (the program's; the
-# tape's are zeros never touched); the eval program reads the step's params, checkpoints
-# and the model are written one array at a time (gradient accumulation adds two)
-STEP_COPIES = 4
+# copies of each weight a full step holds outside its activations' arena: the param and
+# AdamW's two moments (the step program keeps them in the tape's own arrays and writes
+# their new values there); the eval program reads the step's params, checkpoints and the
+# model are written one array at a time (gradient accumulation adds the accumulator)
+STEP_COPIES = 3
 # and what the header check counts per weight: those, the model's own copy and the gradient
 STATE_COPIES = STEP_COPIES + 2
 

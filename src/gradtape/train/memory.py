@@ -20,6 +20,7 @@ import numpy as np
 
 from ..backends import get_backend
 from ..blocks import is_block_matrix
+from ..compile.early_updates import early_updates
 from ..compile.memplan import fused_scratch_bytes, plan_memory
 from ..compile.program import passes
 from ..errors import GradtapeError
@@ -79,11 +80,11 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
     the step shares, and its scratch); ``copies`` of each of the ``n_param`` trained
     values (``TrainStep.state_copies``), ``full``: they are the model's weights;
     ``shared``: the programs' intermediates share one arena (``SharedArena``)."""
-    graph = passes(tape, outputs, updates, get_backend(backend), checkpoint)
+    graph = early_updates(passes(tape, outputs, updates, get_backend(backend), checkpoint))
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
-                    activations=_arenas([plan_memory(graph)] + [p.memory for p in built],
-                                        shared),
+                    activations=_arenas([plan_memory(graph, in_place=True)]
+                                        + [p.memory for p in built], shared),
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)
                                    + fused_scratch_bytes(p.graph) for p in built]),

@@ -235,9 +235,10 @@ class TrainStep:
         outputs = [self.loss, self.grad_norm, *self.metric_vars.values()]
         self.checkpointed = self._decide_checkpoint(outputs, updates)
         self._record_checkpoint()
+        # the state lives in the tape's own arrays (``Tape.param`` copies): no second copy
         self.program = tp.compile(outputs, backend=backend, updates=updates,
                                   plan=self.plan, checkpoint=self.checkpointed,
-                                  arena=self.arena)
+                                  donate=list(updates), arena=self.arena)
         self.plan = self.program.execution
         # a full step's eval program reads the params where the step keeps them: a copy
         # of every weight less (an adapter is small: it is fed, as it always was)
@@ -312,9 +313,9 @@ class TrainStep:
         """Copies of each trained value the step holds (params, moments, accumulator,
         the eval program's), for the memory estimate."""
         if self.full:  # MPI: the gradients program's params, the eval program's own
-            return (full.STEP_COPIES + (2 if self.grad_accum > 1 else 0)
+            return (full.STEP_COPIES + (1 if self.grad_accum > 1 else 0)
                     + (2 if self.world is not None else 0))
-        return 5
+        return 4  # the params (the tape's arrays, the step's state), 2 moments, the eval's
 
     @property
     def compute(self) -> str:
@@ -448,7 +449,7 @@ class TrainStep:
         self.state_leaves = {"param": params, "m": [m for m, _ in moments],
                              "v": [v for _, v in moments], "acc": []}
         self.program = tp.compile([self.grad_norm], backend=backend, updates=new,
-                                  arena=self.arena)
+                                  donate=list(new), arena=self.arena)
 
     def _step_split(self, micro_feeds, scalars, stop):
         """One distributed step over this rank's micro-batches' leaves ``micro_feeds``."""

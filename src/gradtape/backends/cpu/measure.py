@@ -157,19 +157,30 @@ def rates(kind, shape, measure, n=2, kernels=False):
     which tiles win), their version), else measured (about a second) and written there
     atomically.  The libraries' own GEMM rates are
     not timed again when only our kernels change: each new timing is another chance
-    for a noisy host to decide wrong."""
+    for a noisy host to decide wrong.  A timing taken while other processes used the
+    cores (``BUSY_CORES``) serves this process only: the next one times it again."""
     key = "|".join([kind, cpu_info()["model"], " ".join(sorted(cpu_info()["flags"])),
                     f"isa {toolchain.isa()}",
                     _blas_name(), onednn.library().version, f"timing {TIMING}",
                     *([f"kernels {toolchain.csrc_version()}"] if kernels else []),
                     "x".join(map(str, shape))])
     path = _cache_file()
-    hit = _read_table(path).get(key)
+    hit = _BUSY_TIMINGS.get((path, key)) or _read_table(path).get(key)
     if isinstance(hit, list) and len(hit) == n:
         return tuple(float(r) for r in hit), True
+    before, start = others_core_seconds(), time.perf_counter()
     got = tuple(float(r) for r in measure(*shape))
+    after = others_core_seconds()
+    busy = (None if before is None or after is None
+            else (after - before) / max(time.perf_counter() - start, 0.2))  # 10 ms ticks
     table = dict(_read_table(path))  # as it is now: another process may have added to it
-    table[key] = list(got)
+    if busy is not None and busy > BUSY_CORES:
+        # timed while other processes took the cores: this run uses it, the next times it
+        # again (a busy spell's timing, cached, would decide every later run)
+        _BUSY_TIMINGS[path, key] = list(got)
+        table[key] = {"rates": list(got), "cores used by other processes": round(busy, 2)}
+    else:
+        table[key] = list(got)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -178,6 +189,28 @@ def rates(kind, shape, measure, n=2, kernels=False):
     except OSError:  # a read-only cache: measured again next time
         pass
     return got, False
+
+
+# a timing during which other processes used more than this many cores on average is
+# marked in the cache file as taken under load, and timed again by the next run
+BUSY_CORES = 0.25
+_BUSY_TIMINGS = {}  # (file, key) -> rates timed under load, for the rest of this process
+
+
+def others_core_seconds():
+    """The CPU seconds (summed over cores) that every other process on the machine has
+    used since boot: ``/proc/stat``'s busy time less this process's own (and its
+    finished children's); None where
+    there is no ``/proc/stat`` (then every timing is taken as quiet)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        busy = sum(ticks[:8]) - sum(ticks[3:5])  # user .. steal, less idle and iowait
+        own = os.times()
+        mine = own.user + own.system + own.children_user + own.children_system
+        return busy / os.sysconf("SC_CLK_TCK") - mine
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _blas_name():

@@ -117,23 +117,21 @@ def threads_flags(flags=None):
     return tuple(flags) + ("-fopenmp",)
 
 
-# GOMP_SPINCOUNT where every thread of a step is OpenMP's (our kernels, oneDNN's bf16
-# GEMMs and, where measured fast, its float32 ones: measure.f32_onednn; NumPy's BLAS idle
-# or on one thread): idle threads spin this long, so the next parallel region of a replay
-# (there are thousands) finds them awake instead of paying a futex wake-up.  Much longer
-# spins (the default) slow steps beside other processes; beside OpenBLAS's own threads a
-# spinning team slows a float32 step, hence sleeping threads on CPUs without bf16 matrix
-# instructions (docs/benchmarks.md has the figures).
-SPIN_BF16 = "5000"
+# GOMP_SPINCOUNT: idle OpenMP threads spin this long, so the next parallel region of a
+# replay (there are thousands) finds them awake instead of paying a futex wake-up.  Every
+# thread of a step is OpenMP's (our kernels, oneDNN's bf16 GEMMs and its float32 ones
+# wherever measured within measure.F32_POOL_GAIN of NumPy's BLAS, NumPy's BLAS idle or
+# on one thread), on every CPU class: sleeping threads cost an AVX2 float32 step as much
+# as its C kernels.  Much longer spins (libgomp's default) slow steps beside other
+# processes.
+SPIN = "5000"
 
 
 def quiet_openmp():
     """Set libgomp's idle-thread policy before anything loads it (our kernels, oneDNN:
-    it is read once): a short spin on a CPU with bf16 matrix instructions (every thread
-    of a step is OpenMP's there) and sleeping elsewhere (see ``threads_flags``).  A
-    user's ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left alone."""
-    settings.omp_wait_policy(SPIN_BF16 if {"amx_bf16", "avx512_bf16"} & cpu_info()["flags"]
-                             else None)
+    it is read once): a short spin (``SPIN``).  A user's ``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT`` is left alone."""
+    settings.omp_wait_policy(SPIN)
 
 
 def cpu_info() -> dict:

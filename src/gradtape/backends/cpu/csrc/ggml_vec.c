@@ -388,12 +388,13 @@ void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
 
 /* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
    Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then
-   their dots with 4 X rows at a time: in vector registers (gv_tile_dots) where there is
-   a vector unit, else 16 lane accumulators each, over k. */
+   their dots with GV_TR X rows at a time: in vector registers (gv_tile_dots) where
+   there is a vector unit, else 16 lane accumulators each, over k. */
 #ifdef GV_W
 /* X rows per register block: AVX-512's 32 registers hold 4 x 4 accumulators, AVX2's 16
-   hold 4 x 2 (and the x and w vectors beside them) */
-#define GV_XR (GV_W == 16 ? 4 : 2)
+   hold 4 x 3 (with the 3 x vectors and one w vector beside them: 12 independent sums,
+   more than the FMA units' latency times their count, where 4 x 2 left them waiting) */
+#define GV_XR (GV_W == 16 ? 4 : 3)
 /* out[i][u] = tile row i . X row u for i < 4, u < nt <= 4, k a multiple of GV_W:
    4 x GV_XR blocks of one GV_W-lane accumulator each, over k */
 static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, int64_t nt,
@@ -408,7 +409,12 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
         for (int64_t j = 0; j < k; j += GV_W) {
             for (int u = 0; u < GV_XR; u++) xv[u] = gv_load(xr[u] + j);
             for (int i = 0; i < 4; i++) {
-                const gv_f w = gv_load(tile + i * k + j);
+                gv_f w = gv_load(tile + i * k + j);
+#if GV_W == 8 && !defined(GV_EMULATE) && defined(__GNUC__)
+                /* w in a register for its 3 uses: GCC would fold a load into each FMA,
+                   15 loads for 12 FMAs, and the load ports would set the pace */
+                __asm__("" : "+x"(w));
+#endif
                 for (int u = 0; u < GV_XR; u++) a[i][u] = gv_fma(w, xv[u], a[i][u]);
             }
         }
@@ -416,6 +422,9 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
             for (int u = 0; u < GV_XR; u++) out[i][u0 + u] = gv_sum(a[i][u]);
     }
 }
+#define GV_TR GV_XR  /* X rows per gv_tile_dots call */
+#else
+#define GV_TR 4
 #endif
 
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
@@ -425,8 +434,8 @@ void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
         const int64_t nr = r + 4 <= r1 ? 4 : r1 - r;
         gv_deq_rows(type, W, row_bytes, k, r, nr, tile);
         for (int64_t i = nr; i < 4; i++) memset(tile + i * k, 0, k * sizeof(float));
-        for (int64_t t = 0; t < T; t += 4) {
-            const int64_t nt = t + 4 <= T ? 4 : T - t;
+        for (int64_t t = 0; t < T; t += GV_TR) {
+            const int64_t nt = t + GV_TR <= T ? GV_TR : T - t;
             float out[4][4];
 #ifdef GV_W
             if (k % GV_W == 0) gv_tile_dots(tile, X + t * k, k, nt, out);

@@ -146,11 +146,11 @@ class TrainStep:
         layer where that frees much memory for little work (``recompute_pays``), else the
         fewest (the first ones) that keep the activations within ``AUTO_ACTIVATIONS`` of
         the run and the run within ``AUTO_SHARE`` of ``memory_limit`` bytes (where
-        given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row of ``train.methods``; a preference
-        method's step takes ``batch_size`` pairs (``2 * batch_size`` sequences) a
-        micro-batch and records ``train.preference.record_preference`` instead of the
-        next-token loss; ``options`` its numbers.  With
-        ``memory_limit`` set, a step that would not fit even checkpointed is refused
+        given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row
+        of ``train.methods``; a preference method's step takes ``batch_size`` pairs
+        (``2 * batch_size`` sequences) a micro-batch and records
+        ``train.preference.record_preference`` instead of the next-token loss; ``options``
+        its numbers.  With ``memory_limit`` set, a step that would not fit even checkpointed is refused
         here, before anything is allocated (``GradtapeError`` naming what it needs, then
         ``memory_hint``).  ``fine_tune_type``: "lora" or "dora" trains ``adapter`` (its
         magnitudes say which); "full" trains every weight (``train.full``; ``adapter`` is

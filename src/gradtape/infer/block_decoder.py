@@ -17,7 +17,10 @@ B`` to each adapted row; DoRA then scales each output row by its fixed factor ``
 ||w0 + s A B||``); a fused linear's adapter adapts its parts with one A and B
 split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
 ``models.graph.block`` in float32 with the same dequantized weights; only the order of
-float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
+float32 sums differs from the graph replay, unless the step's products read their input
+row quantized to 8 bits (``dots="q8"``, the default of ``$GRADTAPE_DECODE_DOTS``: llama.cpp's
+scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots; then the logits
+differ from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
 layers many rows per call (GEMMs from four dequantized weight rows at a time); ``load``
 takes over a cache filled by the graph instead.
 """
@@ -34,6 +37,7 @@ from ..backends.cpu import ggml_vec
 from ..models.arch import ARCHS, LINEARS
 from ..models.load_gguf import unpermute_rope_rows
 from ..models.rope import rope_tables
+from ..settings import DECODE_DOTS, decode_dots
 
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
@@ -58,7 +62,7 @@ class _Model(ctypes.Structure):
         ("window", ctypes.c_void_p), ("iscale", ctypes.c_float),
         ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
         ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float),
-        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64)]
+        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64), ("q8", ctypes.c_int64)]
 
 
 def _fused_parts(cfg) -> dict:
@@ -202,8 +206,13 @@ class BlockDecoder:
     ``step(token)`` returns the logits ``[V]`` (a buffer reused by the next step) and
     appends the token's key and value rows."""
 
-    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None):
+    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None,
+                 dots=None):
         cfg = model.config
+        self.dots = dots or decode_dots()
+        if self.dots not in DECODE_DOTS:
+            raise ValueError(f"BlockDecoder: dots={self.dots!r}, not one of "
+                             f"{', '.join(DECODE_DOTS)}")
         self.cfg, self.cap = cfg, int(cap)
         self.keep = []  # every array the C struct points at
         lins = (_Lin * (cfg.n_layers * len(_LINS)))()
@@ -257,6 +266,7 @@ class BlockDecoder:
                    nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps,
                    iscale=cfg.attn_iscale, attn_softcap=cfg.attn_softcap,
                    final_softcap=cfg.final_softcap, geglu=_ACTS[cfg.act],
+                   q8=int(self.dots == "q8"),
                    embed_scale=math.sqrt(cfg.dim) if cfg.embed_scale else 0.0)
         if post:
             m.post_attn_norm, m.post_ffn_norm = post[0].ctypes.data, post[1].ctypes.data

@@ -38,6 +38,7 @@
 #include "ggml_blocks.h" /* the ggml type ids */
 #include "ggml_vec.h"
 #include "gv_simd.h"
+#include "q8_dots.h"
 
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")
@@ -79,12 +80,26 @@ typedef struct {
     float embed_scale;        /* 0: none, else the embeddings' factor */
     float attn_softcap, final_softcap;  /* 0: none */
     int64_t geglu;            /* 1: gelu_tanh(g) * u, 0: silu(g) * u */
+    int64_t q8;               /* 1: a step's products whose weight type has integer dots
+                                 (q8_dots.c) read their input quantized to 8 bits */
 } gd_model;
 
+static int64_t gd_kmax(const gd_model *m) {
+    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
+    return k > m->nh * m->hd ? k : m->nh * m->hd;
+}
+
 int64_t gd_scratch_floats(const gd_model *m) {
-    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head */
+    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head, the 8-bit row */
     return 2 * m->dim + 2 * m->nh * m->hd + 2 * m->nkv * m->hd + 2 * m->ffn + 256
-           + m->nh * (m->cap + 1);
+           + m->nh * (m->cap + 1) + (gq_bytes(gd_kmax(m)) + 3) / 4;
+}
+
+/* the forms of an 8-bit input row the linears a, b, c (NULL: none) read: 0 where the
+   step keeps float32 inputs (m->q8 = 0) or none of them has integer dots */
+static int gd_need(const gd_model *m, const gd_lin *a, const gd_lin *b, const gd_lin *c) {
+    if (!m->q8) return 0;
+    return (a ? gq_need(a->type) : 0) | (b ? gq_need(b->type) : 0) | (c ? gq_need(c->type) : 0);
 }
 
 static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -129,15 +144,20 @@ static void gd_lora_b(const gd_lin *L, const float *t, float *y, int64_t r0, int
     }
 }
 
-/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier);
-   a DoRA linear (col) scales its rows before the bias and never accumulates (acc = 0:
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier),
+   with integer dots against xq (x quantized) where it holds what L's type reads; a DoRA
+   linear (col) scales its rows before the bias and never accumulates (acc = 0:
    gd_residual adds it) */
-static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
+static void gd_linear(const gd_lin *L, const float *x, const gq_row *xq, const float *t,
+                      float *y, int acc) {
     int64_t r0 = 0, r1 = L->rows;
 #ifdef _OPENMP
     gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
-    gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
+    if (gq_ready(xq, L->type, L->k))
+        gq_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, xq, y, acc);
+    else
+        gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
     if (L->at) gd_lora_b(L, t, y, r0, r1);
     if (L->col)
         for (int64_t r = r0; r < r1; r++) y[r] *= L->col[r];
@@ -239,19 +259,19 @@ static void gd_add_rows(const gd_lin *L, const float *h, float *x, int64_t T) {
 
 /* x += y Wout (+ bias), or with a post-norm w (layer i of it; NULL: none) x +=
    rmsnorm(y Wout) * w through h; every thread calls it, and it ends with a barrier */
-static void gd_residual(const gd_model *m, const gd_lin *L, const float *y, const float *t,
-                        float *x, float *h, const float *post, int64_t i) {
+static void gd_residual(const gd_model *m, const gd_lin *L, const float *y, const gq_row *yq,
+                        const float *t, float *x, float *h, const float *post, int64_t i) {
     if (!post) {
         if (L->col) {  /* DoRA: the scaled rows through h, each thread its own */
-            gd_linear(L, y, t, h, 0);
+            gd_linear(L, y, yq, t, h, 0);
             gd_add_rows(L, h, x, 1);
         } else {
-            gd_linear(L, y, t, x, 1);  /* each row of x owned by one thread */
+            gd_linear(L, y, yq, t, x, 1);  /* each row of x owned by one thread */
         }
         GD_BARRIER
         return;
     }
-    gd_linear(L, y, t, h, 0);
+    gd_linear(L, y, yq, t, h, 0);
     GD_BARRIER
     GD_SINGLE
     gd_post_add(x, h, post + i * m->dim, m->dim, m->eps);
@@ -275,6 +295,10 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     float *sc = t + 256;
     float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
     const float iscale = m->iscale;
+    /* the 8-bit input row the threads share: each quantization is one thread's, between
+       barriers (the products that read the previous one have finished) */
+    gq_row xr;
+    gq_init(&xr, sc + nh * (m->cap + 1), gd_kmax(m));
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
     gd_embed_scale(m, x, D);
 #ifdef _OPENMP
@@ -287,12 +311,21 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         const float *cs, *sn;
         int64_t lo;
         gd_layer_at(m, i, pos, &cs, &sn, &lo);
+        const int nqkv = gd_need(m, &L[GD_Q], &L[GD_K], &L[GD_V]), no = gd_need(m, &L[GD_O], 0, 0);
+        const int nffn = gd_need(m, &L[GD_GATE], &L[GD_UP], 0), nd = gd_need(m, &L[GD_DOWN], 0, 0);
+        /* the attention's output quantized head by head where its form has blocks of 32
+           that tile a head (no barrier of its own) */
+        const int ohead = no == GQ_Q80 && hd % 32 == 0;
         GD_SINGLE
-        gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);  /* implicit barrier */
+        {
+            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
+            if (nqkv) gq_quantize(&xr, h, D, nqkv);
+            else xr.have = 0;
+        }  /* implicit barrier */
         gd_lora_ts(&L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
-        gd_linear(&L[GD_Q], h, tq, q, 0);
-        gd_linear(&L[GD_K], h, tk, k, 0);
-        gd_linear(&L[GD_V], h, tv, v, 0);
+        gd_linear(&L[GD_Q], h, &xr, tq, q, 0);
+        gd_linear(&L[GD_K], h, &xr, tk, k, 0);
+        gd_linear(&L[GD_V], h, &xr, tv, v, 0);
         GD_BARRIER
         GD_SINGLE
         {
@@ -304,29 +337,54 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
             gd_rope(k, nkv, hd, cs, sn);
             memcpy(kc + pos * kvw, k, kvw * sizeof(float));
             memcpy(vc + pos * kvw, v, kvw * sizeof(float));
+            xr.k = nh * hd;  /* filled head by head below */
+            xr.have = ohead ? GQ_Q80 : 0;
         }
         GD_FOR
-        for (int64_t qh = 0; qh < nh; qh++)
+        for (int64_t qh = 0; qh < nh; qh++) {
             gd_attend(q + qh * hd, kc + lo * kvw + (qh / g) * hd, vc + lo * kvw + (qh / g) * hd,
                       kvw, n - lo, hd, iscale, m->attn_softcap, sc + qh * (m->cap + 1),
                       att + qh * hd);
+            if (ohead)
+                gq_q8_0(att + qh * hd, hd, xr.q0 + qh * hd, xr.d0 + qh * hd / 32,
+                        xr.s0 + qh * hd / 32);
+        }
         /* implicit barrier */
+        if (no && !ohead) {
+            GD_SINGLE
+            gq_quantize(&xr, att, nh * hd, no);
+        }
         gd_lora_ts(&L[GD_O], 0, 0, att, tq, 0, 0);
-        gd_residual(m, &L[GD_O], att, tq, x, h, m->post_attn_norm, i);
+        gd_residual(m, &L[GD_O], att, &xr, tq, x, h, m->post_attn_norm, i);
         GD_SINGLE
-        gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+        {
+            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+            if (nffn) gq_quantize(&xr, h, D, nffn);
+            else xr.have = 0;
+        }
         gd_lora_ts(&L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
-        gd_linear(&L[GD_GATE], h, tk, mlp, 0);
-        gd_linear(&L[GD_UP], h, tu, up, 0);
+        gd_linear(&L[GD_GATE], h, &xr, tk, mlp, 0);
+        gd_linear(&L[GD_UP], h, &xr, tu, up, 0);
         GD_BARRIER
-        GD_FOR
-        for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        if (nd) {  /* the activation and its quantization on one thread: one barrier */
+            GD_SINGLE
+            {
+                for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+                gq_quantize(&xr, mlp, F, nd);
+            }
+        } else {
+            GD_FOR
+            for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        }
         gd_lora_ts(&L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
-        gd_residual(m, &L[GD_DOWN], mlp, tv, x, h, m->post_ffn_norm, i);
+        gd_residual(m, &L[GD_DOWN], mlp, &xr, tv, x, h, m->post_ffn_norm, i);
     }
     GD_SINGLE
-    gd_rmsnorm(x, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, logits, 0);
+    {
+        gd_rmsnorm(x, m->norm, h, D, m->eps);
+        gq_quantize(&xr, h, D, gd_need(m, &m->head, 0, 0));
+    }
+    gd_linear(&m->head, h, &xr, 0, logits, 0);
     gd_final_cap(m, logits);
     }
 }
@@ -336,11 +394,6 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed. */
-
-static int64_t gd_kmax(const gd_model *m) {
-    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
-    return k > m->nh * m->hd ? k : m->nh * m->hd;
-}
 
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
@@ -472,7 +525,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     }
     GD_SINGLE
     gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, logits, 0);
+    gd_linear(&m->head, h, 0, 0, logits, 0);
     gd_final_cap(m, logits);
     }
 }

@@ -209,10 +209,6 @@ class BlockDecoder:
     def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None,
                  dots=None):
         cfg = model.config
-        self.dots = dots or decode_dots()
-        if self.dots not in DECODE_DOTS:
-            raise ValueError(f"BlockDecoder: dots={self.dots!r}, not one of "
-                             f"{', '.join(DECODE_DOTS)}")
         self.cfg, self.cap = cfg, int(cap)
         self.keep = []  # every array the C struct points at
         lins = (_Lin * (cfg.n_layers * len(_LINS)))()
@@ -266,7 +262,6 @@ class BlockDecoder:
                    nthreads=nthreads or ggml_vec.threads(), eps=cfg.norm_eps,
                    iscale=cfg.attn_iscale, attn_softcap=cfg.attn_softcap,
                    final_softcap=cfg.final_softcap, geglu=_ACTS[cfg.act],
-                   q8=int(self.dots == "q8"),
                    embed_scale=math.sqrt(cfg.dim) if cfg.embed_scale else 0.0)
         if post:
             m.post_attn_norm, m.post_ffn_norm = post[0].ctypes.data, post[1].ctypes.data
@@ -283,6 +278,7 @@ class BlockDecoder:
         self.scratch = np.zeros(lib.gd_scratch_floats(ctypes.byref(m)), np.float32)
         m.scratch = self.scratch.ctypes.data
         self.m = m
+        self.set_dots(dots)
         self.logits = np.zeros(cfg.vocab_size, np.float32)
         self._call = lib.gd_step
         self._args = (ctypes.addressof(m), self.logits.ctypes.data)
@@ -290,6 +286,19 @@ class BlockDecoder:
         self.length = 0
         self.ids = []  # the tokens of the cached rows, where known (see kept)
         self.exact = True  # whether the cached rows were computed in float32 (generate)
+
+    def set_dots(self, dots=None):
+        """How the steps multiply: ``"q8"`` (8-bit input rows, integer dots where the
+        weight type has them) or ``"float"``; None: ``$GRADTAPE_DECODE_DOTS``.  A change
+        forgets which tokens the cached rows hold (their values came from the other way),
+        so the next prompt is run again."""
+        dots = dots or decode_dots()
+        if dots not in DECODE_DOTS:
+            raise ValueError(f"BlockDecoder: dots={dots!r}, not one of {', '.join(DECODE_DOTS)}")
+        if getattr(self, "dots", dots) != dots:
+            self.ids = []
+        self.dots = dots
+        self.m.q8 = int(dots == "q8")
 
     def _lin(self, block):
         qtype, data = block

@@ -21,8 +21,9 @@
            d d_x (sum_s sc_s (sum n q)_s - 32 sum_s sc_s bsum_s)
    The integer sums are exact (no 16-bit step can saturate at these ranges: |q| <= 127,
    n <= 63); only the float sums' order differs from a scalar loop.  Paths: AVX2
-   (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class has it), and
-   plain C.  Other types keep ggml_vec.c's float dots. */
+   (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class has it), with
+   AVX-512 two 32-element blocks a step, and plain C.  Other types keep ggml_vec.c's float
+   dots. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -215,47 +216,85 @@ static inline __m256i gq_sc2(int lo, int hi) {
                                    _mm_set1_epi16((short)hi), 1);
 }
 
-/* the 32-element types: block b's integer dot in lanes (and whether it has a min term) */
-#define GQ_DOT32(NAME, BS, LANES, MIN)                                                   \
+/* the 32-element types' weight bytes in element order: signed (SGN 1: Q4_0, Q5_0, Q8_0,
+   the offset taken off) or unsigned (Q4_1, Q5_1: the min term is added apart) */
+static inline __m256i gq_w_q4_0(const uint8_t *p) {
+    return _mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8));
+}
+static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
+static inline __m256i gq_w_q5_0(const uint8_t *p) {
+    return _mm256_sub_epi8(_mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2)), _mm256_set1_epi8(16));
+}
+static inline __m256i gq_w_q5_1(const uint8_t *p) {
+    return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));
+}
+static inline __m256i gq_w_q8_0(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)(p + 2));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* two blocks a 512-bit step: 16 int32 lanes, the first 8 block b's, the others b + 1's */
+static inline __m512i gq_us2(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+/* signed w: |w| times s negated where w < 0 (AVX-512 has no byte sign instruction) */
+static inline __m512i gq_ss2(__m512i w, __m512i s) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return gq_us2(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+}
+#define GQ_PAIR(W, SGN, p, p1, y)                                                       \
+    (SGN ? gq_ss2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y)         \
+         : gq_us2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y))
+#define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                           \
-    float m0 = 0.0f, m1 = 0.0f;                                                          \
+    __m512 a = _mm512_setzero_ps();                                                      \
+    __m256 t = _mm256_setzero_ps();                                                      \
+    float m = 0.0f;                                                                      \
     int64_t b = 0;                                                                       \
     for (; b + 1 < nb; b += 2) {                                                         \
         const uint8_t *p = row + BS * b, *p1 = p + BS;                                   \
-        const __m256i i0 = LANES(p, gq_y(x->q0 + 32 * b));                               \
-        const __m256i i1 = LANES(p1, gq_y(x->q0 + 32 * b + 32));                         \
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]), _mm256_cvtepi32_ps(i0), a0);  \
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p1) * x->d0[b + 1]), _mm256_cvtepi32_ps(i1), a1); \
-        if (MIN) { m0 += gb_h2f(p + 2) * x->s0[b]; m1 += gb_h2f(p1 + 2) * x->s0[b + 1]; } \
+        const __m512i i = GQ_PAIR(W, SGN, p, p1, _mm512_loadu_si512(x->q0 + 32 * b));    \
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(gb_h2f(p) * x->d0[b]),        \
+                                            _mm256_set1_ps(gb_h2f(p1) * x->d0[b + 1]), 1); \
+        a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), a);                                \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b] + gb_h2f(p1 + 2) * x->s0[b + 1];          \
     }                                                                                    \
     if (b < nb) {                                                                        \
         const uint8_t *p = row + BS * b;                                                 \
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                       \
-                             _mm256_cvtepi32_ps(LANES(p, gq_y(x->q0 + 32 * b))), a0);   \
-        if (MIN) m0 += gb_h2f(p + 2) * x->s0[b];                                         \
+        const __m256i y = gq_y(x->q0 + 32 * b);                                          \
+        t = _mm256_mul_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                          \
+                          _mm256_cvtepi32_ps(SGN ? gq_ss(W(p), y) : gq_us(W(p), y)));    \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
     }                                                                                    \
-    return gq_hsum(_mm256_add_ps(a0, a1)) + (m0 + m1);                                   \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(a),                \
+                                               _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
 }
-static inline __m256i gq_l_q4_0(const uint8_t *p, __m256i y) {
-    return gq_ss(_mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8)), y);
+#else
+/* one block a step into two accumulators, alternately */
+#define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
+static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                            \
+    float m = 0.0f;                                                                      \
+    for (int64_t b = 0; b < nb; b++) {                                                   \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256i y = gq_y(x->q0 + 32 * b);                                          \
+        const __m256i i = SGN ? gq_ss(W(p), y) : gq_us(W(p), y);                         \
+        a[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                 \
+                                   _mm256_cvtepi32_ps(i), a[b & 1]);                     \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
+    }                                                                                    \
+    return gq_hsum(_mm256_add_ps(a[0], a[1])) + m;                                       \
 }
-static inline __m256i gq_l_q4_1(const uint8_t *p, __m256i y) { return gq_us(gq_nibs(p + 4), y); }
-static inline __m256i gq_l_q5_0(const uint8_t *p, __m256i y) {
-    const __m256i n = _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));
-    return gq_ss(_mm256_sub_epi8(n, _mm256_set1_epi8(16)), y);
-}
-static inline __m256i gq_l_q5_1(const uint8_t *p, __m256i y) {
-    return gq_us(_mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4)), y);
-}
-static inline __m256i gq_l_q8_0(const uint8_t *p, __m256i y) {
-    return gq_ss(_mm256_loadu_si256((const __m256i *)(p + 2)), y);
-}
-GQ_DOT32(gq_dot_q4_0, 18, gq_l_q4_0, 0)
-GQ_DOT32(gq_dot_q4_1, 20, gq_l_q4_1, 1)
-GQ_DOT32(gq_dot_q5_0, 22, gq_l_q5_0, 0)
-GQ_DOT32(gq_dot_q5_1, 24, gq_l_q5_1, 1)
-GQ_DOT32(gq_dot_q8_0, 34, gq_l_q8_0, 0)
+#endif
+GQ_DOT32(gq_dot_q4_0, 18, gq_w_q4_0, 1, 0)
+GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
+GQ_DOT32(gq_dot_q5_0, 22, gq_w_q5_0, 1, 0)
+GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
+GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
 
 /* Q4_K / Q5_K: the 8 sub-blocks' n . q, each times its 6-bit scale, in int32 lanes
    (maddubs's pair sums <= 2 * 31 * 127, times sc <= 63 in madd: no overflow) */

@@ -1,12 +1,15 @@
 /* One LLaMA decode step (a single new token) in one call, from the weights as stored.
 
    gt_expf (gt_prelude.h) is float32 exp within about 1 ulp, vectorizable; the
-   matrix-vector products are ggml_vec.c's (ggml_vec.h).  The whole step runs in one OpenMP
-   parallel region: the matrix-vector products (the bytes of every weight are read once
-   per token, and that decides the speed) split their rows over the threads, and so do
-   the LoRA down-projections x @ A (their rank rows); the small row operations
-   (RMSNorm, rope) run on one thread between barriers; attention splits over query
-   heads.  The math is model.py's _block
+   matrix-vector products are ggml_vec.c's (ggml_vec.h), or with m->q8 q8_dots.c's: the
+   input row quantized to 8 bits once per product (shared by q / k / v and by gate / up)
+   and integer dots, for the weight types that have them.  The whole step runs in one
+   OpenMP parallel region whose threads meet at the step's own spinning barrier
+   (gd_sync): the matrix-vector products (the bytes of every weight are read once per
+   token, and that decides the speed) split their rows over the threads, and so do the
+   LoRA down-projections x @ A (their rank rows); the small row operations (RMSNorm,
+   rope, the quantizations) run on one thread between barriers; attention splits over
+   query heads.  The math is model.py's _block
    for one row, in float32, with sums of squares and softmax sums in double:
      h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B) (+ bias);
      per head (where the family norms q and k: Qwen3, SmolLM3 has none) q_h = rmsnorm(q_h)

@@ -249,12 +249,36 @@ static inline __m512i gq_ss2(__m512i w, __m512i s) {
 #define GQ_PAIR(W, SGN, p, p1, y)                                                       \
     (SGN ? gq_ss2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y)         \
          : gq_us2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y))
+/* 16 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m:
+   two f16), d_w d_x and m_w s_x in lanes; each pair's d_w d_x then moved into place by a
+   permute.  The rest (under 16 blocks) a pair at a time with scalar scales. */
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
-    __m512 a = _mm512_setzero_ps();                                                      \
+    __m512 a = _mm512_setzero_ps(), mv = _mm512_setzero_ps();                            \
     __m256 t = _mm256_setzero_ps();                                                      \
     float m = 0.0f;                                                                      \
+    const __m512i at = _mm512_mullo_epi32(                                               \
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),         \
+        _mm512_set1_epi32(BS));                                                          \
     int64_t b = 0;                                                                       \
+    for (; b + 16 <= nb; b += 16) {                                                      \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m512i g = _mm512_i32gather_epi32(at, (const void *)p, 1);                \
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),        \
+                                       _mm512_loadu_ps(x->d0 + b));                      \
+        if (MIN)                                                                         \
+            mv = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(                  \
+                                     _mm512_srli_epi32(g, 16))),                         \
+                                 _mm512_loadu_ps(x->s0 + b), mv);                        \
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  \
+        for (int j = 0; j < 16; j += 2) {                                                \
+            const uint8_t *pj = p + BS * j;                                              \
+            const __m512i i = GQ_PAIR(W, SGN, pj, pj + BS,                               \
+                                      _mm512_loadu_si512(x->q0 + 32 * (b + j)));         \
+            a = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, d), _mm512_cvtepi32_ps(i), a); \
+            pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));                         \
+        }                                                                                \
+    }                                                                                    \
     for (; b + 1 < nb; b += 2) {                                                         \
         const uint8_t *p = row + BS * b, *p1 = p + BS;                                   \
         const __m512i i = GQ_PAIR(W, SGN, p, p1, _mm512_loadu_si512(x->q0 + 32 * b));    \
@@ -270,6 +294,7 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
                           _mm256_cvtepi32_ps(SGN ? gq_ss(W(p), y) : gq_us(W(p), y)));    \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
     }                                                                                    \
+    if (MIN) a = _mm512_add_ps(a, mv);  /* (its lanes summed with the rest) */           \
     return gq_hsum(_mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(a),                \
                                                _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
 }

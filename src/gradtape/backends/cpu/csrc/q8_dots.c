@@ -246,9 +246,26 @@ static inline __m512i gq_ss2(__m512i w, __m512i s) {
     const __mmask64 neg = _mm512_movepi8_mask(w);
     return gq_us2(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
 }
-#define GQ_PAIR(W, SGN, p, p1, y)                                                       \
-    (SGN ? gq_ss2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y)         \
-         : gq_us2(_mm512_inserti64x4(_mm512_castsi256_si512(W(p)), W(p1), 1), y))
+/* two blocks' weight bytes: W's of each, or for Q5_0 / Q5_1 (qh: the fifth bits' byte
+   offset) the nibbles with 16 added where a byte mask from both blocks' bits says */
+static inline __m512i gq_w2(__m256i w, __m256i w1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w), w1, 1);
+}
+static inline __m512i gq_w2_q5(const uint8_t *p, const uint8_t *p1, int qs, int qh, int off) {
+    uint32_t h, h1;
+    memcpy(&h, p + qh, 4);
+    memcpy(&h1, p1 + qh, 4);
+    const __m512i n = gq_w2(gq_nibs(p + qs), gq_nibs(p1 + qs));
+    const __m512i v = _mm512_mask_add_epi8(n, (__mmask64)h | (__mmask64)h1 << 32, n,
+                                           _mm512_set1_epi8(16));
+    return off ? _mm512_sub_epi8(v, _mm512_set1_epi8((char)off)) : v;
+}
+static inline __m512i gq_w_q4_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q4_0(p), gq_w_q4_0(p1)); }
+static inline __m512i gq_w_q4_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q4_1(p), gq_w_q4_1(p1)); }
+static inline __m512i gq_w_q5_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 6, 2, 16); }
+static inline __m512i gq_w_q5_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 8, 4, 0); }
+static inline __m512i gq_w_q8_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q8_0(p), gq_w_q8_0(p1)); }
+#define GQ_PAIR(W, SGN, p, p1, y) (SGN ? gq_ss2(W##_2(p, p1), y) : gq_us2(W##_2(p, p1), y))
 /* 16 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m:
    two f16), d_w d_x and m_w s_x in lanes; each pair's d_w d_x then moved into place by a
    permute.  The rest (under 16 blocks) a pair at a time with scalar scales. */

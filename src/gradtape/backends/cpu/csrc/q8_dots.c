@@ -316,12 +316,42 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
                                                _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
 }
 #else
-/* one block a step into two accumulators, alternately */
+/* 8 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m: two
+   f16), d_w d_x and m_w s_x in lanes; each block's d_w d_x then broadcast from its lane.
+   The rest (under 8 blocks) one at a time with scalar scales.  Two accumulators,
+   alternately. */
+static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 of each u32 */
+    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i v = _mm256_shuffle_epi8(g, pick);
+    return _mm_unpacklo_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
-    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                            \
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mv = _mm256_setzero_ps();  \
     float m = 0.0f;                                                                      \
-    for (int64_t b = 0; b < nb; b++) {                                                   \
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
+                                          _mm256_set1_epi32(BS));                        \
+    int64_t b = 0;                                                                       \
+    for (; b + 8 <= nb; b += 8) {                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)p, at, 1);   \
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(gq_halves(g, 0)),                 \
+                                       _mm256_loadu_ps(x->d0 + b));                      \
+        if (MIN)                                                                         \
+            mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_halves(g, 1)),                       \
+                                 _mm256_loadu_ps(x->s0 + b), mv);                        \
+        for (int j = 0; j < 8; j++) {                                                    \
+            const uint8_t *pj = p + BS * j;                                              \
+            const __m256i y = gq_y(x->q0 + 32 * (b + j));                                \
+            const __m256i i = SGN ? gq_ss(W(pj), y) : gq_us(W(pj), y);                   \
+            a[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j)),  \
+                                       _mm256_cvtepi32_ps(i), a[j & 1]);                 \
+        }                                                                                \
+    }                                                                                    \
+    for (; b < nb; b++) {                                                                \
         const uint8_t *p = row + BS * b;                                                 \
         const __m256i y = gq_y(x->q0 + 32 * b);                                          \
         const __m256i i = SGN ? gq_ss(W(p), y) : gq_us(W(p), y);                         \
@@ -329,7 +359,7 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
                                    _mm256_cvtepi32_ps(i), a[b & 1]);                     \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
     }                                                                                    \
-    return gq_hsum(_mm256_add_ps(a[0], a[1])) + m;                                       \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), mv)) + m;                    \
 }
 #endif
 GQ_DOT32(gq_dot_q4_0, 18, gq_w_q4_0, 1, 0)

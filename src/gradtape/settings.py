@@ -36,6 +36,10 @@ SETTINGS = {s.name: s for s in (
             "oneDNN and OpenBLAS) as if the CPU had no more than that instruction set"),
     Setting("GRADTAPE_THREADS", "",
             "threads of the decode kernels (default: the CPUs this process may use)"),
+    Setting("GRADTAPE_DECODE_DOTS", "q8",
+            "q8 | float: the C decode step's products quantize their input row to 8 bits "
+            "and sum in integers, as llama.cpp does, or keep it float32 (closer to the "
+            "float graph, slower)"),
     Setting("GRADTAPE_ATTENTION", "",
             "fused | composed: the training attention at 129-256 rows, instead of timing "
             "both"),
@@ -139,6 +143,19 @@ def cap_libraries():
         return
     for name, value in wanted.items():
         os.environ.setdefault(name, value)
+
+
+DECODE_DOTS = ("q8", "float")
+
+
+def decode_dots() -> str:
+    """How the C decode step multiplies (``$GRADTAPE_DECODE_DOTS``, default "q8"); anything
+    else is a ``GradtapeError`` listing the choices."""
+    raw = get("GRADTAPE_DECODE_DOTS").strip().lower() or "q8"
+    if raw not in DECODE_DOTS:
+        raise GradtapeError(f"$GRADTAPE_DECODE_DOTS must be one of {' | '.join(DECODE_DOTS)}, "
+                            f"got {get('GRADTAPE_DECODE_DOTS')!r}")
+    return raw
 
 
 def cpus() -> int:

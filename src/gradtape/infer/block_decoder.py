@@ -17,7 +17,10 @@ B`` to each adapted row; DoRA then scales each output row by its fixed factor ``
 ||w0 + s A B||``); a fused linear's adapter adapts its parts with one A and B
 split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
 ``models.graph.block`` in float32 with the same dequantized weights; only the order of
-float32 sums differs from the graph replay.  ``prefill`` runs a prompt through the same
+float32 sums differs from the graph replay, unless the step's products read their input
+row quantized to 8 bits (``dots="q8"``, the default of ``$GRADTAPE_DECODE_DOTS``: llama.cpp's
+scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots; then the logits
+differ from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
 layers many rows per call (GEMMs from four dequantized weight rows at a time); ``load``
 takes over a cache filled by the graph instead.
 """
@@ -34,6 +37,7 @@ from ..backends.cpu import ggml_vec
 from ..models.arch import ARCHS, LINEARS
 from ..models.load_gguf import unpermute_rope_rows
 from ..models.rope import rope_tables
+from ..settings import DECODE_DOTS, decode_dots
 
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
@@ -58,7 +62,7 @@ class _Model(ctypes.Structure):
         ("window", ctypes.c_void_p), ("iscale", ctypes.c_float),
         ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
         ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float),
-        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64)]
+        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64), ("q8", ctypes.c_int64)]
 
 
 def _fused_parts(cfg) -> dict:
@@ -202,7 +206,8 @@ class BlockDecoder:
     ``step(token)`` returns the logits ``[V]`` (a buffer reused by the next step) and
     appends the token's key and value rows."""
 
-    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None):
+    def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None,
+                 dots=None):
         cfg = model.config
         self.cfg, self.cap = cfg, int(cap)
         self.keep = []  # every array the C struct points at
@@ -273,6 +278,7 @@ class BlockDecoder:
         self.scratch = np.zeros(lib.gd_scratch_floats(ctypes.byref(m)), np.float32)
         m.scratch = self.scratch.ctypes.data
         self.m = m
+        self.set_dots(dots)
         self.logits = np.zeros(cfg.vocab_size, np.float32)
         self._call = lib.gd_step
         self._args = (ctypes.addressof(m), self.logits.ctypes.data)
@@ -280,6 +286,19 @@ class BlockDecoder:
         self.length = 0
         self.ids = []  # the tokens of the cached rows, where known (see kept)
         self.exact = True  # whether the cached rows were computed in float32 (generate)
+
+    def set_dots(self, dots=None):
+        """How the steps multiply: ``"q8"`` (8-bit input rows, integer dots where the
+        weight type has them) or ``"float"``; None: ``$GRADTAPE_DECODE_DOTS``.  A change
+        forgets which tokens the cached rows hold (their values came from the other way),
+        so the next prompt is run again."""
+        dots = dots or decode_dots()
+        if dots not in DECODE_DOTS:
+            raise ValueError(f"BlockDecoder: dots={dots!r}, not one of {', '.join(DECODE_DOTS)}")
+        if getattr(self, "dots", dots) != dots:
+            self.ids = []
+        self.dots = dots
+        self.m.q8 = int(dots == "q8")
 
     def _lin(self, block):
         qtype, data = block

@@ -183,6 +183,7 @@ class Runner:
         if key != hit[0]:
             dec.ids = []
         dec.set_lora(lora, scale)
+        dec.set_dots()  # $GRADTAPE_DECODE_DOTS as it is now
         self.block_dec = (key, dec)
         return dec
 

@@ -7,7 +7,9 @@ its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 ``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
 threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
-weight rows.  This module does not quantize activations, run training GEMMs (the cpu
+weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
+once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
+blocks of the types in ``Q8_TYPES``.  This module does not run training GEMMs (the cpu
 backend's tiled GEMM does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 
@@ -29,7 +31,7 @@ from ... import settings
 from ...blocks import BLOCK_TYPES, F32
 from . import toolchain
 
-SOURCES = ("ggml_vec.c", "llama_decode.c")
+SOURCES = ("ggml_vec.c", "q8_dots.c", "llama_decode.c")
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
@@ -87,6 +89,12 @@ def lib():
         so.gd_prefill.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
         so.gd_step.restype = None
         so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
+        so.gq_path.restype = so.gq_bytes.restype = _i64
+        so.gq_bytes.argtypes = [_i64]
+        so.gq_q8_0.restype = so.gq_q8_k.restype = so.gq_matvec.restype = None
+        so.gq_q8_0.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
+        so.gq_q8_k.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
+        so.gq_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr]
         _LIBS[plain] = so
     return _LIBS[plain]
 
@@ -177,4 +185,55 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
     out = np.empty((ids.size, k), np.float32)
     lib().gv_take_rows(QTYPES[qtype][0], data.ctypes.data, k, data.shape[1],
                        ids.ctypes.data, ids.size, out.ctypes.data)
+    return out
+
+
+# the types with integer dots against an 8-bit activation row (csrc/q8_dots.c), and the
+# row form each reads: Q8_0 blocks of 32 (with Q8_1's sums) or Q8_K blocks of 256
+Q8_TYPES = {"Q4_0": "Q8_0", "Q4_1": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q8_0": "Q8_0",
+            "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K"}
+
+
+def _row(x, block):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 1 or x.size % block:
+        raise ValueError(f"ggml_vec: a row of a multiple of {block} floats, got "
+                         f"{list(x.shape)}")
+    return x
+
+
+def quantize_q8_0(x):
+    """``(q int8 [k], d [k/32], s [k/32])``: x in Q8_0 blocks as llama.cpp's x86
+    ``quantize_row_q8_1`` rounds them (d and s the float32 values of their f16 stores)."""
+    x = _row(x, 32)
+    q = np.empty(x.size, np.int8)
+    d, s = np.empty(x.size // 32, np.float32), np.empty(x.size // 32, np.float32)
+    lib().gq_q8_0(x.ctypes.data, x.size, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    return q, d, s
+
+
+def quantize_q8_k(x):
+    """``(q int8 [k], d [k/256], bsums int16 [k/16])``: x in Q8_K blocks
+    (``quantize_row_q8_K_ref``)."""
+    x = _row(x, 256)
+    q = np.empty(x.size, np.int8)
+    d, bs = np.empty(x.size // 256, np.float32), np.empty(x.size // 16, np.int16)
+    lib().gq_q8_k(x.ctypes.data, x.size, q.ctypes.data, d.ctypes.data, bs.ctypes.data)
+    return q, d, bs
+
+
+def matvec_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
+    """``deq(W) @ x -> [rows]`` (float32) with x quantized to 8 bits once and integer
+    block dots (``Q8_TYPES``), as the decode step runs it by default."""
+    if qtype not in Q8_TYPES:
+        raise ValueError(f"ggml_vec.matvec_q8: {qtype} has no integer dots (those that "
+                         f"do: {', '.join(Q8_TYPES)})")
+    k = _check(qtype, data)
+    x = _row(x, QTYPES[qtype][1])
+    if x.size != k:
+        raise ValueError(f"ggml_vec.matvec_q8: x[{x.size}] against W[{data.shape[0]}, {k}]")
+    out = np.empty(data.shape[0], np.float32)
+    buf = np.empty(lib().gq_bytes(k), np.uint8)
+    lib().gq_matvec(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
+                    x.ctypes.data, out.ctypes.data, nthreads or threads(), buf.ctypes.data)
     return out

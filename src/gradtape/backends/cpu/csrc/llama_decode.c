@@ -1,12 +1,15 @@
 /* One LLaMA decode step (a single new token) in one call, from the weights as stored.
 
    gt_expf (gt_prelude.h) is float32 exp within about 1 ulp, vectorizable; the
-   matrix-vector products are ggml_vec.c's (ggml_vec.h).  The whole step runs in one OpenMP
-   parallel region: the matrix-vector products (the bytes of every weight are read once
-   per token, and that decides the speed) split their rows over the threads, and so do
-   the LoRA down-projections x @ A (their rank rows); the small row operations
-   (RMSNorm, rope) run on one thread between barriers; attention splits over query
-   heads.  The math is model.py's _block
+   matrix-vector products are ggml_vec.c's (ggml_vec.h), or with m->q8 q8_dots.c's: the
+   input row quantized to 8 bits once per product (shared by q / k / v and by gate / up)
+   and integer dots, for the weight types that have them.  The whole step runs in one
+   OpenMP parallel region whose threads meet at the step's own spinning barrier
+   (gd_sync): the matrix-vector products (the bytes of every weight are read once per
+   token, and that decides the speed) split their rows over the threads, and so do the
+   LoRA down-projections x @ A (their rank rows); the small row operations (RMSNorm,
+   rope, the quantizations) run on one thread between barriers; attention splits over
+   query heads.  The math is model.py's _block
    for one row, in float32, with sums of squares and softmax sums in double:
      h = rmsnorm(x) * w;  q, k, v = h Wq, h Wk, h Wv (+ s (h A) B) (+ bias);
      per head (where the family norms q and k: Qwen3, SmolLM3 has none) q_h = rmsnorm(q_h)
@@ -38,7 +41,10 @@
 #include "ggml_blocks.h" /* the ggml type ids */
 #include "ggml_vec.h"
 #include "gv_simd.h"
+#include "q8_dots.h"
 
+#include <stdatomic.h>
+#include <sched.h>
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")
 #define GD_BARRIER _Pragma("omp barrier")
@@ -48,6 +54,43 @@
 #define GD_BARRIER
 #define GD_SINGLE
 #endif
+
+/* The decode step's own barrier (the prefill keeps OpenMP's): a step meets about 8 times
+   a layer, and OpenMP's barrier sleeps on a futex under the passive wait policy gradtape
+   sets on CPUs without bf16 matrix instructions (toolchain.quiet_openmp), a wake-up at
+   every meeting.  Here the last thread to arrive starts a new generation and the others
+   spin on it (pause), yielding their core after GD_SPINS pauses so that a team member
+   the OS has descheduled can run. */
+#define GD_SPINS 4096
+typedef struct { atomic_int arrived, gen; } gd_bar;
+typedef struct { int tid, nt; gd_bar *bar; } gd_team;  /* a thread of the step's team */
+
+static inline void gd_pause(void) {
+#if defined(__SSE2__)
+    _mm_pause();
+#endif
+}
+
+static void gd_sync(const gd_team *t) {
+    if (t->nt == 1) return;
+    gd_bar *b = t->bar;
+    const int g = atomic_load_explicit(&b->gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == t->nt - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->gen, g + 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->gen, memory_order_acquire) == g; spins++) {
+        if (spins < GD_SPINS) gd_pause();
+        else sched_yield();
+    }
+}
+
+/* the team member's contiguous share [*a, *b) of n items */
+static void gd_part(const gd_team *t, int64_t n, int64_t *a, int64_t *b) {
+    *a = n * t->tid / t->nt;
+    *b = n * (t->tid + 1) / t->nt;
+}
 
 typedef struct {
     const uint8_t *w;       /* blocks, rows = out, row_bytes apart */
@@ -79,12 +122,26 @@ typedef struct {
     float embed_scale;        /* 0: none, else the embeddings' factor */
     float attn_softcap, final_softcap;  /* 0: none */
     int64_t geglu;            /* 1: gelu_tanh(g) * u, 0: silu(g) * u */
+    int64_t q8;               /* 1: a step's products whose weight type has integer dots
+                                 (q8_dots.c) read their input quantized to 8 bits */
 } gd_model;
 
+static int64_t gd_kmax(const gd_model *m) {
+    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
+    return k > m->nh * m->hd ? k : m->nh * m->hd;
+}
+
 int64_t gd_scratch_floats(const gd_model *m) {
-    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head */
+    /* x, h, q, k, v, att, mlp, up, lora t (4 x 64), scores per head, the 8-bit row */
     return 2 * m->dim + 2 * m->nh * m->hd + 2 * m->nkv * m->hd + 2 * m->ffn + 256
-           + m->nh * (m->cap + 1);
+           + m->nh * (m->cap + 1) + (gq_bytes(gd_kmax(m)) + 3) / 4;
+}
+
+/* the forms of an 8-bit input row the linears a, b, c (NULL: none) read: 0 where the
+   step keeps float32 inputs (m->q8 = 0) or none of them has integer dots */
+static int gd_need(const gd_model *m, const gd_lin *a, const gd_lin *b, const gd_lin *c) {
+    if (!m->q8) return 0;
+    return (a ? gq_need(a->type) : 0) | (b ? gq_need(b->type) : 0) | (c ? gq_need(c->type) : 0);
 }
 
 static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, float eps) {
@@ -101,23 +158,25 @@ static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
 }
 
 /* t_s = x A_s for the adapted ones of up to three targets L[s] (NULL or no A: skipped),
-   all their rank rows split over the threads: in a parallel region, every thread calls
-   it; it ends with the loop's barrier when there is work. */
-static void gd_lora_ts(const gd_lin *L0, const gd_lin *L1, const gd_lin *L2,
-                       const float *x, float *t0, float *t1, float *t2) {
+   all their rank rows split over the team: every member calls it; it ends with a
+   barrier when there is work. */
+static void gd_lora_ts(const gd_team *tm, const gd_lin *L0, const gd_lin *L1,
+                       const gd_lin *L2, const float *x, float *t0, float *t1, float *t2) {
     const gd_lin *Ls[3] = {L0 && L0->at ? L0 : 0, L1 && L1->at ? L1 : 0, L2 && L2->at ? L2 : 0};
     float *ts[3] = {t0, t1, t2};
     const int64_t n0 = Ls[0] ? Ls[0]->r : 0, n1 = n0 + (Ls[1] ? Ls[1]->r : 0);
     const int64_t n = n1 + (Ls[2] ? Ls[2]->r : 0);
     if (n == 0) return;
-    GD_FOR
-    for (int64_t i = 0; i < n; i++) {
+    int64_t a, b;
+    gd_part(tm, n, &a, &b);
+    for (int64_t i = a; i < b; i++) {
         const int s = i < n0 ? 0 : i < n1 ? 1 : 2;
         const int64_t j = i - (s == 0 ? 0 : s == 1 ? n0 : n1);
         const gd_lin *L = Ls[s];
         gv_rows(T_F32, (const uint8_t *)L->at, L->k * 4, L->k, j, j + 1, x, 1, L->k, ts[s],
                 L->r, 0);
     }
+    gd_sync(tm);
 }
 
 /* y[r] += scale * sum_j t[j] B[j, r] for rows [r0, r1): one pass over each row of B
@@ -129,15 +188,20 @@ static void gd_lora_b(const gd_lin *L, const float *t, float *y, int64_t r0, int
     }
 }
 
-/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier);
-   a DoRA linear (col) scales its rows before the bias and never accumulates (acc = 0:
+/* y[r] (+)= W[r] . x (+ scale * t B[:, r]) for this thread's share of rows (no barrier),
+   with integer dots against xq (x quantized) where it holds what L's type reads; a DoRA
+   linear (col) scales its rows before the bias and never accumulates (acc = 0:
    gd_residual adds it) */
-static void gd_linear(const gd_lin *L, const float *x, const float *t, float *y, int acc) {
+static void gd_linear(const gd_lin *L, const float *x, const gq_row *xq, const float *t,
+                      float *y, int acc) {
     int64_t r0 = 0, r1 = L->rows;
 #ifdef _OPENMP
     gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
 #endif
-    gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
+    if (gq_ready(xq, L->type, L->k))
+        gq_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, xq, y, acc);
+    else
+        gv_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x, 1, L->k, y, L->rows, acc);
     if (L->at) gd_lora_b(L, t, y, r0, r1);
     if (L->col)
         for (int64_t r = r0; r < r1; r++) y[r] *= L->col[r];
@@ -238,23 +302,25 @@ static void gd_add_rows(const gd_lin *L, const float *h, float *x, int64_t T) {
 }
 
 /* x += y Wout (+ bias), or with a post-norm w (layer i of it; NULL: none) x +=
-   rmsnorm(y Wout) * w through h; every thread calls it, and it ends with a barrier */
-static void gd_residual(const gd_model *m, const gd_lin *L, const float *y, const float *t,
-                        float *x, float *h, const float *post, int64_t i) {
+   rmsnorm(y Wout) * w through h; every member of the team calls it, and it ends with a
+   barrier */
+static void gd_residual(const gd_team *tm, const gd_model *m, const gd_lin *L, const float *y,
+                        const gq_row *yq, const float *t, float *x, float *h,
+                        const float *post, int64_t i) {
     if (!post) {
         if (L->col) {  /* DoRA: the scaled rows through h, each thread its own */
-            gd_linear(L, y, t, h, 0);
+            gd_linear(L, y, yq, t, h, 0);
             gd_add_rows(L, h, x, 1);
         } else {
-            gd_linear(L, y, t, x, 1);  /* each row of x owned by one thread */
+            gd_linear(L, y, yq, t, x, 1);  /* each row of x owned by one thread */
         }
-        GD_BARRIER
+        gd_sync(tm);
         return;
     }
-    gd_linear(L, y, t, h, 0);
-    GD_BARRIER
-    GD_SINGLE
-    gd_post_add(x, h, post + i * m->dim, m->dim, m->eps);
+    gd_linear(L, y, yq, t, h, 0);
+    gd_sync(tm);
+    if (tm->tid == 0) gd_post_add(x, h, post + i * m->dim, m->dim, m->eps);
+    gd_sync(tm);
 }
 
 /* logits = cap tanh(logits / cap) where the family caps them; every thread calls it */
@@ -275,27 +341,48 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     float *sc = t + 256;
     float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
     const float iscale = m->iscale;
+    /* the 8-bit input row the threads share: each quantization is one thread's, between
+       barriers (the products that read the previous one have finished) */
+    gq_row xr;
+    gq_init(&xr, sc + nh * (m->cap + 1), gd_kmax(m));
+    gd_bar bar;
+    atomic_init(&bar.arrived, 0);
+    atomic_init(&bar.gen, 0);
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, &token, 1, x);
     gd_embed_scale(m, x, D);
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)m->nthreads)
 #endif
     {
+#ifdef _OPENMP
+    const gd_team team = {omp_get_thread_num(), omp_get_num_threads(), &bar}, *tm = &team;
+#else
+    const gd_team team = {0, 1, &bar}, *tm = &team;
+#endif
+    const int lead = tm->tid == 0;  /* the member that runs the one-thread parts */
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
         float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
         const float *cs, *sn;
-        int64_t lo;
+        int64_t lo, a, b;
         gd_layer_at(m, i, pos, &cs, &sn, &lo);
-        GD_SINGLE
-        gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);  /* implicit barrier */
-        gd_lora_ts(&L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
-        gd_linear(&L[GD_Q], h, tq, q, 0);
-        gd_linear(&L[GD_K], h, tk, k, 0);
-        gd_linear(&L[GD_V], h, tv, v, 0);
-        GD_BARRIER
-        GD_SINGLE
-        {
+        const int nqkv = gd_need(m, &L[GD_Q], &L[GD_K], &L[GD_V]), no = gd_need(m, &L[GD_O], 0, 0);
+        const int nffn = gd_need(m, &L[GD_GATE], &L[GD_UP], 0), nd = gd_need(m, &L[GD_DOWN], 0, 0);
+        /* the attention's output quantized head by head where its form has blocks of 32
+           that tile a head (no barrier of its own) */
+        const int ohead = no == GQ_Q80 && hd % 32 == 0;
+        if (lead) {
+            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
+            if (nqkv) gq_quantize(&xr, h, D, nqkv);
+            else xr.have = 0;
+        }
+        gd_sync(tm);
+        gd_lora_ts(tm, &L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
+        gd_linear(&L[GD_Q], h, &xr, tq, q, 0);
+        gd_linear(&L[GD_K], h, &xr, tk, k, 0);
+        gd_linear(&L[GD_V], h, &xr, tv, v, 0);
+        gd_sync(tm);
+        if (lead) {
             if (m->q_norm) {
                 gd_head_norm(q, nh, hd, m->q_norm + i * hd, m->eps);
                 gd_head_norm(k, nkv, hd, m->k_norm + i * hd, m->eps);
@@ -304,30 +391,62 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
             gd_rope(k, nkv, hd, cs, sn);
             memcpy(kc + pos * kvw, k, kvw * sizeof(float));
             memcpy(vc + pos * kvw, v, kvw * sizeof(float));
+            xr.k = nh * hd;  /* filled head by head below */
+            xr.have = ohead ? GQ_Q80 : 0;
         }
-        GD_FOR
-        for (int64_t qh = 0; qh < nh; qh++)
+        gd_sync(tm);
+        gd_part(tm, nh, &a, &b);
+        for (int64_t qh = a; qh < b; qh++) {
             gd_attend(q + qh * hd, kc + lo * kvw + (qh / g) * hd, vc + lo * kvw + (qh / g) * hd,
                       kvw, n - lo, hd, iscale, m->attn_softcap, sc + qh * (m->cap + 1),
                       att + qh * hd);
-        /* implicit barrier */
-        gd_lora_ts(&L[GD_O], 0, 0, att, tq, 0, 0);
-        gd_residual(m, &L[GD_O], att, tq, x, h, m->post_attn_norm, i);
-        GD_SINGLE
-        gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
-        gd_lora_ts(&L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
-        gd_linear(&L[GD_GATE], h, tk, mlp, 0);
-        gd_linear(&L[GD_UP], h, tu, up, 0);
-        GD_BARRIER
-        GD_FOR
-        for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
-        gd_lora_ts(&L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
-        gd_residual(m, &L[GD_DOWN], mlp, tv, x, h, m->post_ffn_norm, i);
+            if (ohead)
+                gq_q8_0(att + qh * hd, hd, xr.q0 + qh * hd, xr.d0 + qh * hd / 32,
+                        xr.s0 + qh * hd / 32);
+        }
+        gd_sync(tm);
+        if (no && !ohead) {
+            if (lead) gq_quantize(&xr, att, nh * hd, no);
+            gd_sync(tm);
+        }
+        gd_lora_ts(tm, &L[GD_O], 0, 0, att, tq, 0, 0);
+        gd_residual(tm, m, &L[GD_O], att, &xr, tq, x, h, m->post_attn_norm, i);
+        if (lead) {
+            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
+            if (nffn) gq_quantize(&xr, h, D, nffn);
+            else xr.have = 0;
+        }
+        gd_sync(tm);
+        gd_lora_ts(tm, &L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
+        gd_linear(&L[GD_GATE], h, &xr, tk, mlp, 0);
+        gd_linear(&L[GD_UP], h, &xr, tu, up, 0);
+        gd_sync(tm);
+        if (nd) {  /* the activation and its quantization on one thread: one barrier */
+            if (lead) {
+                for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+                gq_quantize(&xr, mlp, F, nd);
+            }
+        } else {
+            gd_part(tm, F, &a, &b);
+            for (int64_t j = a; j < b; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        }
+        gd_sync(tm);
+        gd_lora_ts(tm, &L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
+        gd_residual(tm, m, &L[GD_DOWN], mlp, &xr, tv, x, h, m->post_ffn_norm, i);
     }
-    GD_SINGLE
-    gd_rmsnorm(x, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, logits, 0);
-    gd_final_cap(m, logits);
+    if (lead) {
+        gd_rmsnorm(x, m->norm, h, D, m->eps);
+        gq_quantize(&xr, h, D, gd_need(m, &m->head, 0, 0));
+    }
+    gd_sync(tm);
+    gd_linear(&m->head, h, &xr, 0, logits, 0);
+    if (m->final_softcap > 0.0f) {  /* logits = cap tanh(logits / cap) */
+        int64_t a, b;
+        gd_sync(tm);
+        gd_part(tm, m->vocab, &a, &b);
+        for (int64_t r = a; r < b; r++)
+            logits[r] = tanhf(logits[r] * (1.0f / m->final_softcap)) * m->final_softcap;
+    }
     }
 }
 
@@ -336,11 +455,6 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed. */
-
-static int64_t gd_kmax(const gd_model *m) {
-    int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
-    return k > m->nh * m->hd ? k : m->nh * m->hd;
-}
 
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
@@ -472,7 +586,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     }
     GD_SINGLE
     gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, logits, 0);
+    gd_linear(&m->head, h, 0, 0, logits, 0);
     gd_final_cap(m, logits);
     }
 }

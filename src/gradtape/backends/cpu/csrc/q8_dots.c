@@ -1,0 +1,599 @@
+/* Integer dot products for the decode step: the activation row quantized to 8 bits once
+   per matrix-vector product (and shared by the products that read the same row), the
+   weights' blocks read as stored.  This is llama.cpp's CPU matvec scheme; ggml_vec.c's
+   dots keep the activations in float32 instead.  Nothing here runs a prefill GEMM.
+
+   The row x [k] is quantized in the form(s) its weights need (gq_need):
+     Q8_0 (blocks of 32), for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights:
+       a = max_j |x_j|, d = f16(a / 127), q_j = round_half_even(x_j * (127 / a)) (0 where
+       a = 0), and s = f16(a / 127 * sum_j q_j) for Q4_1 / Q5_1's min term: llama.cpp's
+       x86 quantize_row_q8_0 / quantize_row_q8_1, rounding for rounding;
+     Q8_K (blocks of 256), for Q4_K / Q5_K / Q6_K weights: m = the first x_j of largest
+       |x_j|, q_j = min(127, round_half_even(x_j * (-127 / m))), d = 1 / (-127 / m)
+       (float32), and the sums of q over each 16: quantize_row_q8_K_ref.
+   A weight block then adds (d_w d_x) * (an integer dot) and its min term:
+     Q4_0  w = d (n - 8):    d d_x sum (n - 8) q       Q5_0  as Q4_0, 5-bit n, n - 16
+     Q4_1  w = d n + m:      d d_x sum n q + m s       Q5_1  as Q4_1, 5-bit n
+     Q8_0  w = d n:          d d_x sum n q
+     Q4_K  w = d sc_s n - dmin mn_s (sub-blocks s of 32):
+           d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)
+     Q5_K  as Q4_K, 5-bit n;   Q6_K  w = d sc_s (n - 32), sub-blocks of 16:
+           d d_x (sum_s sc_s (sum n q)_s - 32 sum_s sc_s bsum_s)
+   The integer sums are exact (no 16-bit step can saturate at these ranges: |q| <= 127,
+   n <= 63); only the float sums' order differs from a scalar loop.  Paths: AVX2
+   (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class has it), with
+   AVX-512 two 32-element blocks a step, and plain C.  Other types keep ggml_vec.c's float
+   dots. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "gt_prelude.h"
+#include "ggml_blocks.h"
+#include "q8_dots.h"
+#if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
+#include <immintrin.h>
+#define GQ_AVX2 1
+#endif
+
+/* the float an f16 store of v reads back as (round to nearest even) */
+static inline float gq_f16(float v) {
+#ifdef __F16C__
+    return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+    return (float)(_Float16)v;
+#endif
+}
+
+int gq_need(int64_t type) {
+    switch (type) {
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return GQ_Q80;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return GQ_Q8K;
+    }
+    return 0;
+}
+
+/* --- the quantizers ------------------------------------------------------------------ */
+
+/* q[32] = round_half_even(x * id) for |x * id| <= 127.5, and their sum */
+static inline int gq_round32(const float *x, float id, int8_t *q) {
+#ifdef GQ_AVX2
+    const __m256 m = _mm256_set1_ps(id);
+    __m256i v[4];
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), m),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    /* 32 -> 16 -> 8 bits (saturating: the values fit), then the 64-bit lanes the packs
+       interleaved back in order */
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                         _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                            b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    return _mm_cvtsi128_si32(s4);
+#else
+    int s = 0;
+    for (int j = 0; j < 32; j++) {
+        const int v = (int)nearbyintf(x[j] * id);
+        q[j] = (int8_t)v;
+        s += v;
+    }
+    return s;
+#endif
+}
+
+static inline float gq_absmax(const float *x, int64_t n) {
+#ifdef GQ_AVX2
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int64_t j = 8; j < n; j += 8) a = _mm256_max_ps(a, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+#else
+    float a = 0.0f;
+    for (int64_t j = 0; j < n; j++) a = fabsf(x[j]) > a ? fabsf(x[j]) : a;
+    return a;
+#endif
+}
+
+/* Q8_0 (with Q8_1's sums) of x [k], k a multiple of 32: q [k], d [k/32], s [k/32] */
+void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float a = gq_absmax(x + 32 * b, 32), dd = a / 127.0f;
+        const int sum = gq_round32(x + 32 * b, a != 0.0f ? 127.0f / a : 0.0f, q + 32 * b);
+        d[b] = gq_f16(dd);
+        s[b] = gq_f16(dd * (float)sum);
+    }
+}
+
+/* Q8_K of x [k], k a multiple of 256: q [k], d [k/256], bs [k/16] */
+void gq_q8_k(const float *x, int64_t k, int8_t *q, float *d, int16_t *bs) {
+    for (int64_t b = 0; b < k / 256; b++) {
+        const float *xb = x + 256 * b;
+        int8_t *qb = q + 256 * b;
+        const float a = gq_absmax(xb, 256);
+        if (a == 0.0f) {
+            d[b] = 0.0f;
+            memset(qb, 0, 256);
+            memset(bs + 16 * b, 0, 16 * sizeof(int16_t));
+            continue;
+        }
+        int64_t j = 0;
+        while (fabsf(xb[j]) != a) j++;  /* the first of largest magnitude */
+        const float is = -127.0f / xb[j];
+        /* |x_j * is| <= 127 up to one rounding: the ref's min(127, .) changes nothing */
+        for (int64_t i = 0; i < 8; i++) gq_round32(xb + 32 * i, is, qb + 32 * i);
+        for (int64_t g = 0; g < 16; g++) {
+            int t = 0;
+            for (int l = 0; l < 16; l++) t += qb[16 * g + l];
+            bs[16 * b + g] = (int16_t)t;
+        }
+        d[b] = 1.0f / is;
+    }
+}
+
+static int64_t gq_up(int64_t n) { return (n + 63) / 64 * 64; }
+
+int64_t gq_bytes(int64_t kmax) {
+    return 2 * gq_up(kmax) + 2 * gq_up(4 * (kmax / 32)) + gq_up(4 * (kmax / 256 + 1))
+           + gq_up(2 * (kmax / 16)) + 64;
+}
+
+void gq_init(gq_row *r, void *buf, int64_t kmax) {
+    uint8_t *p = (uint8_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    r->q0 = (int8_t *)p; p += gq_up(kmax);
+    r->qk = (int8_t *)p; p += gq_up(kmax);
+    r->d0 = (float *)p; p += gq_up(4 * (kmax / 32));
+    r->s0 = (float *)p; p += gq_up(4 * (kmax / 32));
+    r->dk = (float *)p; p += gq_up(4 * (kmax / 256 + 1));
+    r->bk = (int16_t *)p;
+    r->k = 0;
+    r->have = 0;
+}
+
+void gq_quantize(gq_row *r, const float *x, int64_t k, int need) {
+    r->k = k;
+    r->have = 0;
+    if ((need & GQ_Q80) && k % 32 == 0) {
+        gq_q8_0(x, k, r->q0, r->d0, r->s0);
+        r->have |= GQ_Q80;
+    }
+    if ((need & GQ_Q8K) && k % 256 == 0) {
+        gq_q8_k(x, k, r->qk, r->dk, r->bk);
+        r->have |= GQ_Q8K;
+    }
+}
+
+/* --- the block dots ------------------------------------------------------------------ */
+
+#ifdef GQ_AVX2
+/* 8 int32 lanes, each the sum of 4 products u * s (u unsigned, s signed bytes) */
+static inline __m256i gq_us(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+/* the same for signed w: |w| times s with w's sign */
+static inline __m256i gq_ss(__m256i w, __m256i s) {
+    return gq_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+}
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high */
+static inline __m256i gq_nibs(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
+                                   _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
+}
+/* byte j = 16 where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
+static inline __m256i gq_bit4(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+static inline float gq_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline __m256i gq_y(const int8_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
+/* scale (int16) lo for the low 128 bits, hi for the high */
+static inline __m256i gq_sc2(int lo, int hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)lo)),
+                                   _mm_set1_epi16((short)hi), 1);
+}
+
+/* the 32-element types' weight bytes in element order: signed (SGN 1: Q4_0, Q5_0, Q8_0,
+   the offset taken off) or unsigned (Q4_1, Q5_1: the min term is added apart) */
+static inline __m256i gq_w_q4_0(const uint8_t *p) {
+    return _mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8));
+}
+static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
+static inline __m256i gq_w_q5_0(const uint8_t *p) {
+    return _mm256_sub_epi8(_mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2)), _mm256_set1_epi8(16));
+}
+static inline __m256i gq_w_q5_1(const uint8_t *p) {
+    return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));
+}
+static inline __m256i gq_w_q8_0(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)(p + 2));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* two blocks a 512-bit step: 16 int32 lanes, the first 8 block b's, the others b + 1's */
+static inline __m512i gq_us2(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+/* signed w: |w| times s negated where w < 0 (AVX-512 has no byte sign instruction) */
+static inline __m512i gq_ss2(__m512i w, __m512i s) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return gq_us2(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(s, neg, _mm512_setzero_si512(), s));
+}
+/* two blocks' weight bytes: W's of each, or for Q5_0 / Q5_1 (qh: the fifth bits' byte
+   offset) the nibbles with 16 added where a byte mask from both blocks' bits says */
+static inline __m512i gq_w2(__m256i w, __m256i w1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(w), w1, 1);
+}
+static inline __m512i gq_w2_q5(const uint8_t *p, const uint8_t *p1, int qs, int qh, int off) {
+    uint32_t h, h1;
+    memcpy(&h, p + qh, 4);
+    memcpy(&h1, p1 + qh, 4);
+    const __m512i n = gq_w2(gq_nibs(p + qs), gq_nibs(p1 + qs));
+    const __m512i v = _mm512_mask_add_epi8(n, (__mmask64)h | (__mmask64)h1 << 32, n,
+                                           _mm512_set1_epi8(16));
+    return off ? _mm512_sub_epi8(v, _mm512_set1_epi8((char)off)) : v;
+}
+static inline __m512i gq_w_q4_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q4_0(p), gq_w_q4_0(p1)); }
+static inline __m512i gq_w_q4_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q4_1(p), gq_w_q4_1(p1)); }
+static inline __m512i gq_w_q5_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 6, 2, 16); }
+static inline __m512i gq_w_q5_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 8, 4, 0); }
+static inline __m512i gq_w_q8_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q8_0(p), gq_w_q8_0(p1)); }
+#define GQ_PAIR(W, SGN, p, p1, y) (SGN ? gq_ss2(W##_2(p, p1), y) : gq_us2(W##_2(p, p1), y))
+/* 16 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m:
+   two f16), d_w d_x and m_w s_x in lanes; each pair's d_w d_x then moved into place by a
+   permute.  The rest (under 16 blocks) a pair at a time with scalar scales. */
+#define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
+static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
+    __m512 a = _mm512_setzero_ps(), mv = _mm512_setzero_ps();                            \
+    __m256 t = _mm256_setzero_ps();                                                      \
+    float m = 0.0f;                                                                      \
+    const __m512i at = _mm512_mullo_epi32(                                               \
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),         \
+        _mm512_set1_epi32(BS));                                                          \
+    int64_t b = 0;                                                                       \
+    for (; b + 16 <= nb; b += 16) {                                                      \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m512i g = _mm512_i32gather_epi32(at, (const void *)p, 1);                \
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),        \
+                                       _mm512_loadu_ps(x->d0 + b));                      \
+        if (MIN)                                                                         \
+            mv = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(                  \
+                                     _mm512_srli_epi32(g, 16))),                         \
+                                 _mm512_loadu_ps(x->s0 + b), mv);                        \
+        __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);  \
+        for (int j = 0; j < 16; j += 2) {                                                \
+            const uint8_t *pj = p + BS * j;                                              \
+            const __m512i i = GQ_PAIR(W, SGN, pj, pj + BS,                               \
+                                      _mm512_loadu_si512(x->q0 + 32 * (b + j)));         \
+            a = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, d), _mm512_cvtepi32_ps(i), a); \
+            pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));                         \
+        }                                                                                \
+    }                                                                                    \
+    for (; b + 1 < nb; b += 2) {                                                         \
+        const uint8_t *p = row + BS * b, *p1 = p + BS;                                   \
+        const __m512i i = GQ_PAIR(W, SGN, p, p1, _mm512_loadu_si512(x->q0 + 32 * b));    \
+        const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(gb_h2f(p) * x->d0[b]),        \
+                                            _mm256_set1_ps(gb_h2f(p1) * x->d0[b + 1]), 1); \
+        a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(i), a);                                \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b] + gb_h2f(p1 + 2) * x->s0[b + 1];          \
+    }                                                                                    \
+    if (b < nb) {                                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256i y = gq_y(x->q0 + 32 * b);                                          \
+        t = _mm256_mul_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                          \
+                          _mm256_cvtepi32_ps(SGN ? gq_ss(W(p), y) : gq_us(W(p), y)));    \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
+    }                                                                                    \
+    if (MIN) a = _mm512_add_ps(a, mv);  /* (its lanes summed with the rest) */           \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(a),                \
+                                               _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
+}
+#else
+/* 8 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m: two
+   f16), d_w d_x and m_w s_x in lanes; each block's d_w d_x then broadcast from its lane.
+   The rest (under 8 blocks) one at a time with scalar scales.  Two accumulators,
+   alternately. */
+static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 of each u32 */
+    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i v = _mm256_shuffle_epi8(g, pick);
+    return _mm_unpacklo_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+#define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
+static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mv = _mm256_setzero_ps();  \
+    float m = 0.0f;                                                                      \
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
+                                          _mm256_set1_epi32(BS));                        \
+    int64_t b = 0;                                                                       \
+    for (; b + 8 <= nb; b += 8) {                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)p, at, 1);   \
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(gq_halves(g, 0)),                 \
+                                       _mm256_loadu_ps(x->d0 + b));                      \
+        if (MIN)                                                                         \
+            mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_halves(g, 1)),                       \
+                                 _mm256_loadu_ps(x->s0 + b), mv);                        \
+        for (int j = 0; j < 8; j++) {                                                    \
+            const uint8_t *pj = p + BS * j;                                              \
+            const __m256i y = gq_y(x->q0 + 32 * (b + j));                                \
+            const __m256i i = SGN ? gq_ss(W(pj), y) : gq_us(W(pj), y);                   \
+            a[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j)),  \
+                                       _mm256_cvtepi32_ps(i), a[j & 1]);                 \
+        }                                                                                \
+    }                                                                                    \
+    for (; b < nb; b++) {                                                                \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256i y = gq_y(x->q0 + 32 * b);                                          \
+        const __m256i i = SGN ? gq_ss(W(p), y) : gq_us(W(p), y);                         \
+        a[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                 \
+                                   _mm256_cvtepi32_ps(i), a[b & 1]);                     \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
+    }                                                                                    \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), mv)) + m;                    \
+}
+#endif
+GQ_DOT32(gq_dot_q4_0, 18, gq_w_q4_0, 1, 0)
+GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
+GQ_DOT32(gq_dot_q5_0, 22, gq_w_q5_0, 1, 0)
+GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
+GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
+
+/* Q4_K / Q5_K: the 8 sub-blocks' n . q, each times its 6-bit scale, in int32 lanes
+   (maddubs's pair sums <= 2 * 31 * 127, times sc <= 63 in madd: no overflow) */
+static inline float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    const int64_t BS = five ? 176 : 144;
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16);
+        const int8_t *y = x->qk + 256 * b;
+        const int16_t *bs = x->bk + 16 * b;
+        int sc[8], mn[8];
+        k_scale_min(p + 4, sc, mn);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+        __m256i is = _mm256_setzero_si256();
+        for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
+            }
+            const __m256i p0 = _mm256_maddubs_epi16(lo, gq_y(y + 64 * pr));
+            const __m256i p1 = _mm256_maddubs_epi16(hi, gq_y(y + 64 * pr + 32));
+            is = _mm256_add_epi32(is, _mm256_add_epi32(
+                     _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * pr])),
+                     _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * pr + 1]))));
+        }
+        int im = 0;
+        for (int s = 0; s < 8; s++) im += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+        const float dy = x->dk[b];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * dy), _mm256_cvtepi32_ps(is), acc);
+        mins += gb_h2f(p + 2) * dy * (float)im;
+    }
+    return gq_hsum(acc) - mins;
+}
+static float gq_dot_q4_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 0); }
+static float gq_dot_q5_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 1); }
+
+/* Q6_K: n (0..63) . q per 16 in maddubs, times the signed scale in madd; the offset 32
+   taken off in integers through the sums of q (into lane 0, before the one conversion) */
+static float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 210 * b;
+        const int8_t *sc = (const int8_t *)(p + 192), *y = x->qk + 256 * b;
+        const int16_t *bs = x->bk + 16 * b;
+        __m256i is = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (g & 1)));
+                const __m256i n = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), m4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m2), 4));
+                const int s = 8 * h + 2 * g;
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(
+                         _mm256_maddubs_epi16(n, gq_y(y + 128 * h + 32 * g)), gq_sc2(sc[s], sc[s + 1])));
+            }
+        }
+        int off = 0;
+        for (int s = 0; s < 16; s++) off += sc[s] * bs[s];
+        is = _mm256_sub_epi32(is, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 208) * x->dk[b]), _mm256_cvtepi32_ps(is), acc);
+    }
+    return gq_hsum(acc);
+}
+
+#else  /* plain C: the same integer sums, one block at a time */
+/* not vectorized: GCC 12 turns the signed byte products below into AVX-VNNI's
+   unsigned-by-signed dpbusd where the target has it (the 16-lane emulation build on such
+   a CPU), giving wrong sums; a CPU on this path has no such instructions anyway */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-tree-vectorize")
+#endif
+
+/* the integer dot of a 32-element block at p (its quants at byte qs, the fifth bits' u32
+   at byte qh where qh > 0, minus off) with the row's quants y */
+static inline int gq_i32(const uint8_t *p, int qs, int qh, int off, const int8_t *y) {
+    int i = 0;
+    if (qs < 0) {  /* Q8_0: signed bytes at p + 2 */
+        for (int j = 0; j < 32; j++) i += (int)(int8_t)p[2 + j] * y[j];
+        return i;
+    }
+    uint32_t h = 0;
+    if (qh > 0) memcpy(&h, p + qh, 4);
+    for (int l = 0; l < 16; l++) {
+        const int lo = (p[qs + l] & 15) | (int)((h >> l) & 1) << 4;
+        const int hi = (p[qs + l] >> 4) | (int)((h >> (l + 16)) & 1) << 4;
+        i += (lo - off) * y[l] + (hi - off) * y[l + 16];
+    }
+    return i;
+}
+#define GQ_DOT32(NAME, BS, QS, QH, OFF, MIN)                                              \
+static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
+    float s = 0.0f, m = 0.0f;                                                            \
+    for (int64_t b = 0; b < nb; b++) {                                                   \
+        const uint8_t *p = row + BS * b;                                                 \
+        const int i = gq_i32(p, QS, QH, OFF, x->q0 + 32 * b);                            \
+        s += gb_h2f(p) * x->d0[b] * (float)i;                                            \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
+    }                                                                                    \
+    return s + m;                                                                        \
+}
+GQ_DOT32(gq_dot_q4_0, 18, 2, 0, 8, 0)
+GQ_DOT32(gq_dot_q4_1, 20, 4, 0, 0, 1)
+GQ_DOT32(gq_dot_q5_0, 22, 6, 2, 16, 0)
+GQ_DOT32(gq_dot_q5_1, 24, 8, 4, 0, 1)
+GQ_DOT32(gq_dot_q8_0, 34, -1, 0, 0, 0)
+
+static inline float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
+    float s = 0.0f, mins = 0.0f;
+    const int64_t BS = five ? 176 : 144;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16), *qh = p + 16;
+        const int8_t *y = x->qk + 256 * b;
+        const int16_t *bs = x->bk + 16 * b;
+        int sc[8], mn[8], is = 0, im = 0;
+        k_scale_min(p + 4, sc, mn);
+        for (int sb = 0; sb < 8; sb++) {
+            int t = 0;
+            for (int l = 0; l < 32; l++) {
+                int n = (qs[32 * (sb / 2) + l] >> (4 * (sb & 1))) & 15;
+                if (five) n |= ((qh[l] >> sb) & 1) << 4;
+                t += n * y[32 * sb + l];
+            }
+            is += sc[sb] * t;
+            im += mn[sb] * (bs[2 * sb] + bs[2 * sb + 1]);
+        }
+        s += gb_h2f(p) * x->dk[b] * (float)is;
+        mins += gb_h2f(p + 2) * x->dk[b] * (float)im;
+    }
+    return s - mins;
+}
+static float gq_dot_q4_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 0); }
+static float gq_dot_q5_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 1); }
+
+static float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 210 * b;
+        const int8_t *sc = (const int8_t *)(p + 192), *y = x->qk + 256 * b;
+        int is = 0;
+        for (int h = 0; h < 2; h++)
+            for (int g = 0; g < 4; g++)
+                for (int l = 0; l < 32; l++) {
+                    const int n = ((p[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15)
+                                  | (((p[128 + 32 * h + l] >> (2 * g)) & 3) << 4);
+                    is += sc[8 * h + 2 * g + l / 16] * (n - 32) * y[128 * h + 32 * g + l];
+                }
+        s += gb_h2f(p + 208) * x->dk[b] * (float)is;
+    }
+    return s;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+#endif
+
+typedef float (*gq_fn)(const uint8_t *, int64_t, const gq_row *);
+
+/* the dot of a type and its block size (0: the type has none) */
+static int gq_kernel(int64_t type, gq_fn *fn) {
+    switch (type) {
+    case T_Q4_0: *fn = gq_dot_q4_0; return 32;
+    case T_Q4_1: *fn = gq_dot_q4_1; return 32;
+    case T_Q5_0: *fn = gq_dot_q5_0; return 32;
+    case T_Q5_1: *fn = gq_dot_q5_1; return 32;
+    case T_Q8_0: *fn = gq_dot_q8_0; return 32;
+    case T_Q4_K: *fn = gq_dot_q4_k; return 256;
+    case T_Q5_K: *fn = gq_dot_q5_k; return 256;
+    case T_Q6_K: *fn = gq_dot_q6_k; return 256;
+    }
+    *fn = 0;
+    return 0;
+}
+
+int gq_ready(const gq_row *x, int64_t type, int64_t k) {
+    const int need = gq_need(type);
+    return x && need && x->k == k && (x->have & need) == need;
+}
+
+void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
+             int64_t r1, const gq_row *x, float *y, int accumulate) {
+    gq_fn fn;
+    const int64_t nb = k / gq_kernel(type, &fn);
+    for (int64_t r = r0; r < r1; r++) {
+        const float v = fn(W + r * row_bytes, nb, x);
+        y[r] = accumulate ? y[r] + v : v;
+    }
+}
+
+/* y[rows] = W x through x quantized once into buf (gq_bytes(k) bytes), rows split over
+   nthreads threads (the kernels' test and bench entry; the decode step calls gq_rows) */
+void gq_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
+               const float *x, float *y, int64_t nthreads, void *buf) {
+    gq_row r;
+    gq_init(&r, buf, k);
+    gq_quantize(&r, x, k, gq_need(type));
+    if (nthreads < 1) nthreads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t c = (rows + 15) / 16;
+        int64_t a = c * t / nt * 16, e = c * (t + 1) / nt * 16;
+        a = a > rows ? rows : a;
+        e = e > rows ? rows : e;
+        gq_rows(type, W, row_bytes, k, a, e, &r, y, 0);
+    }
+#else
+    gq_rows(type, W, row_bytes, k, 0, rows, &r, y, 0);
+#endif
+}
+
+/* which path the dots take: 0 plain C, 1 AVX2 (maddubs), 2 AVX2 with VNNI's dpbusd */
+int64_t gq_path(void) {
+#if defined(GQ_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+    return 2;
+#elif defined(GQ_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}

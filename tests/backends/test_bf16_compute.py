@@ -332,6 +332,40 @@ def test_a_full_trainstep_runs_bf16_and_its_eval_reads_the_new_weights(monkeypat
     assert evals[-1]["bf16"] < evals[0]["bf16"] - 0.1  # it learns
 
 
+def test_a_full_steps_update_kernels_write_the_weights_bf16_copies(monkeypatch):
+    """Each trained weight's bf16 copy is written by its AdamW update kernel (no
+    conversion pass): after every step it holds the new weights' rounding bit for bit,
+    the eval program reads it as is, and a state set from outside (``--resume``) is
+    converted again before the next replay."""
+    _need_onednn()
+    from gradtape.train.step import TrainStep
+
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    m = _wide_model()
+    ids = np.random.default_rng(2).integers(0, 512, (1, 64))
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
+    st = TrainStep(m, None, 1, 64, backend="cpu", compute="bf16", fine_tune_type="full")
+    ex = st.program.executable
+    assert ex._trained16 and ex._written16 == set(ex._trained16)
+
+    def copies_hold_the_params():
+        for w, rec in ex._trained16.items():
+            assert np.array_equal(rec.array, onednn.to_bf16(st.program.state(w))), w
+
+    for k in range(1, 3):
+        st.step(batch, k, 1e-3)
+        copies_hold_the_params()
+        st.eval_loss(_Rows(batch))
+        copies_hold_the_params()
+    w = next(iter(ex._trained16))
+    st.program.set_state({w: st.program.state(w) * 0.5})
+    loss = st.eval_loss(_Rows(batch))  # the eval program converts the new values
+    copies_hold_the_params()
+    assert np.isfinite(loss)
+    st.step(batch, 3, 1e-3)
+    copies_hold_the_params()
+
+
 class _Rows:
     """``data.Sequences``' two members ``eval_loss`` reads, over one batch."""
 

@@ -66,10 +66,9 @@ _LIBS = {}  # path -> loaded CDLL (one load per process)
 _SHARED_COPIES = weakref.WeakKeyDictionary()
 # block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
 _RESIDENT = weakref.WeakKeyDictionary()
-# trained weight leaf -> its bf16 copy, shared by a step and its eval program: each
-# program converts it again before its first product in every replay (one conversion a
-# step; a scratch converted per product would hold less but convert each weight twice a
-# step, for x W and dY W^T, and again for each layer recomputed)
+# trained weight leaf -> its _Trained16, shared by a step and its eval program (a scratch
+# converted per product would hold less but convert each weight twice a step, for x W and
+# dY W^T, and again for each layer recomputed)
 _TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
@@ -77,6 +76,21 @@ PACK_SHARE = 0.125
 # a weight that is not C-contiguous float32 is converted to bf16 a band of rows at a time
 # through a float32 scratch of at most this many bytes
 CONVERT_BAND = 4 << 20
+
+
+class _Trained16:
+    """The one bf16 copy (``array``: uint16, C order) of a trained weight, and ``src``: the
+    float32 array whose current values it holds rounded (None: none).  The step's update
+    kernel writes the copy with the new weight (``codegen.lower_elementwise``'s ``bf16``),
+    so a step converts nothing; a program whose weight array is not ``src`` (a feed,
+    ``--resume``, the first replay, an update that did not write it) converts it at the
+    head of its replay."""
+
+    __slots__ = ("array", "src")
+
+    def __init__(self, shape, size):
+        self.array = page_aligned(size, np.uint16).reshape(shape)
+        self.src = None
 
 
 class _Bf16Copies:
@@ -184,17 +198,13 @@ class CpuBackend(HostBackend):
         self._resident = {}  # block-weight leaf -> its resident bf16 copy, once made
         # kernels: one translation unit for the program
         src = codegen.ProgramSource()
-        self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
-        for s in schedule.steps:  # data movement: block copies in C as well
-            if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
-                self._kernel_of[s] = src.copy_kernel(s, dtype)
         block_ops = [s for s in schedule.steps if not isinstance(s, FusedGroup)
                      and s.op in qgemm.QOPS]
         # dense matmul -> the kernel converting its activation to bf16 (low precision)
         self._dense_bf16 = {}
         # a trained weight's gradient -> the kernels converting its two operands to bf16
         self._grad_bf16 = {}
-        # trained weight leaf -> (its bf16 copy, the kernel converting it)
+        # trained weight leaf -> its _Trained16 (the bf16 copy its products read)
         self._trained16 = {}
         # the block-weight products that run with bf16 and with int8 inputs
         self._block_bf16, self._block_int8 = set(), set()
@@ -202,6 +212,17 @@ class CpuBackend(HostBackend):
         self._trained_ok = bool(execution is not None and execution.trained_bf16.value)
         if compute in ("bf16", "int8") and dtype == np.float32:
             self._take_low_precision(compute, src, block_ops, self._trained_ok)
+        # update group -> the trained weights' copies it writes, and their leaves
+        self._writes16, self._written16 = self._copy_writers()
+        self._kernel_of = {g: src.kernel(g, dtype, tuple(self._in_place[w]
+                                                         for w in self._writes16.get(g, ())))
+                           for g in schedule.groups}
+        for s in schedule.steps:  # data movement: block copies in C as well
+            if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
+                self._kernel_of[s] = src.copy_kernel(s, dtype)
+        # the leaves this program updates without writing their bf16 copy (checked at
+        # each replay: a later program may make a copy of one)
+        self._unwritten = [w for w, _ in graph.updates if w not in self._written16]
         # the column scales of the block weights int8 GEMMs read transposed (weight leaf
         # -> qgemm_int8.col_scales' pair), computed on their first use
         self._col_scales_of = {}
@@ -227,7 +248,7 @@ class CpuBackend(HostBackend):
         for s in self._dense_bf16:
             w = s.inputs[1]
             if w in self._trained16:
-                self._step_weight16[s] = (self._trained16[w][0], False)
+                self._step_weight16[s] = (self._trained16[w].array, False)
             elif w not in self._weight_copies:
                 self._weight_copies[w] = _SHARED_COPIES.setdefault(w, _Bf16Copies())
         self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] not in self._trained16])
@@ -240,8 +261,8 @@ class CpuBackend(HostBackend):
         (``_copy_weights``).  Block-weight products convert both operands themselves
         (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own.  ``trained``: the
         products with trained weights and their gradients take bf16 too; each such
-        weight has one bf16 copy, which a kernel refreshes before its first product in
-        every replay (``_bind_steps``)."""
+        weight has one bf16 copy (``_Trained16``), written by its update kernel
+        (``_copy_writers``) or converted at the head of a replay (``_refresh16``)."""
         try:
             self._dnnl = onednn.dnnl()
         except onednn.DnnlError as e:
@@ -254,10 +275,9 @@ class CpuBackend(HostBackend):
         if steps:  # the bf16 copy of a dense GEMM's activation
             self._act16 = page_aligned(max(s.inputs[0].size for s in steps), np.uint16)
         for w in dict.fromkeys(s.inputs[1] for s in steps if s.inputs[1].op == "param"):
-            copy = _TRAINED16.get(w)
-            if copy is None:
-                copy = _TRAINED16[w] = page_aligned(w.size, np.uint16).reshape(w.shape)
-            self._trained16[w] = (copy, src.bf16_kernel(w.size))
+            if w not in _TRAINED16:
+                _TRAINED16[w] = _Trained16(w.shape, w.size)
+            self._trained16[w] = _TRAINED16[w]
         grads = [s for s in self.schedule.steps if trained and not isinstance(s, FusedGroup)
                  and _bf16_weight_grad(s)]
         self._grad_bf16 = {s: tuple(src.bf16_kernel(x.size) for x in s.inputs) for s in grads}
@@ -276,6 +296,31 @@ class CpuBackend(HostBackend):
             self._int8_scratch = Int8Scratch.allocate(self._block_int8)
         if self._dense_bf16 or self._grad_bf16 or self._block_bf16 or self._block_int8:
             self.compute = "int8" if self._block_int8 else "bf16"
+
+    def _copy_writers(self):
+        """``({update group: [trained weights whose bf16 copy it writes]}, their set)``: a
+        trained weight's new value written in place (nothing reads the old one after it)
+        by an elementwise group writes its bf16 rounding into the copy too, so the next
+        replay's products read it without a conversion pass over every weight."""
+        writes = {}
+        if not self._trained16:
+            return writes, set()
+        group_of = {m: g for g in self.schedule.groups if g.kind == "elementwise"
+                    for m in g.outputs}
+        for w in self._trained16:
+            g = group_of.get(self._in_place.get(w))
+            if g is not None:
+                writes.setdefault(g, []).append(w)
+        return writes, {w for ws in writes.values() for w in ws}
+
+    def _refresh16(self):
+        """Convert each trained weight's bf16 copy this program reads whose values are not
+        its weight's current ones (``_Trained16.src``)."""
+        for w, rec in self._trained16.items():
+            a = self._values[w]
+            if rec.src is not a:
+                self._convert(w, rec.array)
+                rec.src = a
 
     def _bf16_provider(self):
         """The library the plan's ``bf16_gemms`` names for the plain bf16 GEMMs of block
@@ -365,7 +410,7 @@ class CpuBackend(HostBackend):
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""
         return ([a for w in self._weight_copies.values() for a in w.arrays()]
-                + list(self._resident.values()) + [c for c, _ in self._trained16.values()])
+                + list(self._resident.values()) + [r.array for r in self._trained16.values()])
 
     def _resident_copy(self, leaf, qtype, k):
         """The block weight ``leaf`` dequantized once into bf16 (uint16 ``[rows, k]``, its
@@ -399,7 +444,6 @@ class CpuBackend(HostBackend):
         steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
-        converted = set()  # the trained weights this replay has converted so far
         for s in self.schedule.steps:
             if views_in_place(s, val):  # the plan put it on its input: nothing to run
                 continue
@@ -411,11 +455,7 @@ class CpuBackend(HostBackend):
                 steps.append(("py", self._grad_gemm(s, val)))
                 continue
             if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
-                a, w = s.inputs
-                if w in self._trained16 and w not in converted:  # its value of this step
-                    copy, kernel = self._trained16[w]
-                    batch.add(w, kernel, (val[w].ctypes.data, copy.ctypes.data))
-                    converted.add(w)
+                a = s.inputs[0]
                 # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
                 # these conversions write _act16; a, read here, is still live)
                 if a is not last_act16:
@@ -428,7 +468,9 @@ class CpuBackend(HostBackend):
             if s in self._kernel_of:
                 outs = s.outputs if isinstance(s, FusedGroup) else (s,)
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
-                          + [val[m].ctypes.data for m in outs])
+                          + [val[m].ctypes.data for m in outs]
+                          + [self._trained16[w].array.ctypes.data
+                             for w in self._writes16.get(s, ())])
                 continue
             batch.flush(steps)
             if s in self._block_bf16:
@@ -451,12 +493,10 @@ class CpuBackend(HostBackend):
 
     def _raw_leaves(self):
         """The leaves a C kernel of the batch reads by raw pointer: a fused group's or a
-        lone op's inputs, a bf16 GEMM's activation and a trained weight it converts, both
-        operands of a weight gradient in bf16."""
+        lone op's inputs, a bf16 GEMM's activation, both operands of a weight gradient in
+        bf16."""
         read = [x for g in list(self._kernel_of) + list(self._grad_bf16) for x in g.inputs]
-        for s in self._dense_bf16:
-            a, w = s.inputs
-            read += [a, w] if w in self._trained16 else [a]
+        read += [s.inputs[0] for s in self._dense_bf16]
         return [x for x in dict.fromkeys(read) if x.is_leaf]
 
     def _dense_gemm(self, s, val):
@@ -522,8 +562,6 @@ class CpuBackend(HostBackend):
                 label = f"bf16 conversion {list(s.inputs[0].shape)}"
             elif s in self._grad_bf16:
                 label = f"bf16 conversion for x^T dY {list(s.shape)}"
-            elif s in self._trained16:
-                label = f"bf16 conversion of a trained weight {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:
@@ -570,6 +608,8 @@ class CpuBackend(HostBackend):
     def set_leaf(self, leaf, arr):
         super().set_leaf(leaf, arr)
         self._col_scales_of.pop(leaf, None)
+        if leaf in self._trained16:  # new values: converted before the next replay
+            self._trained16[leaf].src = None
         if leaf in self._resident:  # a fed block weight: a copy of this program's own
             if self._resident[leaf] is _RESIDENT.get(leaf):
                 self._resident[leaf] = np.empty_like(self._resident[leaf])
@@ -593,8 +633,15 @@ class CpuBackend(HostBackend):
 
     # --- replay ------------------------------------------------------------------------
     def _execute(self):
+        self._refresh16()
         with self.replay_context():
             super()._execute()
+        for w in self._written16:  # its update kernel wrote the copy with the new values
+            self._trained16[w].src = self._values[w]
+        for w in self._unwritten:  # updated (now or after this) without its copy
+            rec = _TRAINED16.get(w)
+            if rec is not None:
+                rec.src = None
 
     @contextlib.contextmanager
     def replay_context(self):

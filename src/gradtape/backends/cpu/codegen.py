@@ -54,17 +54,20 @@ int gt_denormals(int flush) { (void)flush; return -1; }
 class _Lowering:
     """Shared pieces: pointer declarations and member statements for one group."""
 
-    def __init__(self, group, ct):
+    def __init__(self, group, ct, bf16=()):
         self.g, self.ct = group, ct
         self.member_id = {m: k for k, m in enumerate(group.ops)}
         self.in_id = {x: k for k, x in enumerate(group.inputs)}
         self.out_id = {m: k for k, m in enumerate(group.outputs)}
-        n_in = len(group.inputs)
+        self.b16_id = {m: k for k, m in enumerate(bf16)}
+        n_in, n_out = len(group.inputs), len(group.outputs)
         t = ct.t
         self.decls = [f"    const {t} *restrict a{k} = (const {t} *)p[{k}];"
                       for k in range(n_in)]
         self.decls += [f"    {t} *restrict o{k} = ({t} *)p[{n_in + k}];"
-                       for k in range(len(group.outputs))]
+                       for k in range(n_out)]
+        self.decls += [f"    uint16_t *restrict b{k} = (uint16_t *)p[{n_in + n_out + k}];"
+                       for k in range(len(bf16))]
 
     def operand(self, x, strides_of, ivars):
         if x in self.member_id:
@@ -77,13 +80,17 @@ class _Lowering:
         s = f"const {self.ct.t} v{k} = {expr(m.op, args, m.attrs, self.ct)};"
         if write and m in self.out_id:
             s += f" o{self.out_id[m]}[{index_expr(strides_of[m], ivars)}] = v{k};"
+        if write and m in self.b16_id:  # its bf16 rounding too (gt_to_bf16's bits)
+            s += f" b{self.b16_id[m]}[{index_expr(strides_of[m], ivars)}] = gt_bf16(v{k});"
         return s
 
 
-def lower_elementwise(group, ct):
+def lower_elementwise(group, ct, bf16=()):
     """Loop nest over the (squeezed, collapsed) domain; each member computed at the depth
-    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row."""
-    low = _Lowering(group, ct)
+    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row.
+    ``bf16``: escaping members whose bf16 rounding is written too, each into one more
+    pointer after the outputs (a trained weight's copy, written by its update)."""
+    low = _Lowering(group, ct, bf16)
     dom = list(group.domain)
     arrays = list(group.inputs) + list(group.ops)
     strides = {x: broadcast_strides(x.shape, dom) for x in arrays}
@@ -382,10 +389,12 @@ def copy_kernel_body(v, dtype):
     return "\n".join(lines)
 
 
-def group_kernel_body(group, dtype):
+def group_kernel_body(group, dtype, bf16=()):
     ct = CTypes(dtype)
     if group.kind == "elementwise":
-        return "\n".join(lower_elementwise(group, ct))
+        return "\n".join(lower_elementwise(group, ct, bf16))
+    if bf16:
+        raise ValueError("a bf16 copy is written only by an elementwise group")
     return "\n".join(lower_rowreduce(group, ct))
 
 
@@ -395,9 +404,10 @@ class ProgramSource:
     def __init__(self):
         self.bodies = {}  # body text -> kernel index
 
-    def kernel(self, group, dtype):
-        body = group_kernel_body(group, dtype)
-        return self._add(body)
+    def kernel(self, group, dtype, bf16=()):
+        """The kernel of a fused group; ``bf16``: its members whose bf16 rounding it
+        writes too (``lower_elementwise``)."""
+        return self._add(group_kernel_body(group, dtype, bf16))
 
     def copy_kernel(self, v, dtype):
         if v.op in C_ROWS:

@@ -366,6 +366,39 @@ def test_a_full_steps_update_kernels_write_the_weights_bf16_copies(monkeypatch):
     copies_hold_the_params()
 
 
+def test_a_resumed_full_bf16_step_ends_bitwise_the_same(monkeypatch):
+    """A full step under bf16 compute resumed from its state after 2 steps (a new
+    ``TrainStep``, its bf16 copies converted from the loaded weights) ends 2 steps later
+    with every weight and moment bit for bit as the run that went on."""
+    _need_onednn()
+    from gradtape.train.step import TrainStep
+
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    m = _wide_model()
+    ids = np.random.default_rng(3).integers(0, 512, (1, 64))
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
+
+    def new():
+        return TrainStep(m, None, 1, 64, backend="cpu", compute="bf16",
+                         fine_tune_type="full")
+
+    whole = new()
+    for k in range(1, 5):
+        whole.step(batch, k, 1e-3)
+    first = new()
+    for k in range(1, 3):
+        first.step(batch, k, 1e-3)
+    saved = {k: np.array(v) for k, v in first.state_arrays().items()}
+    del first
+    resumed = new()
+    resumed.load_state_arrays(saved)
+    for k in range(3, 5):
+        resumed.step(batch, k, 1e-3)
+    a, b = whole.state_arrays(), resumed.state_arrays()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
 class _Rows:
     """``data.Sequences``' two members ``eval_loss`` reads, over one batch."""
 

@@ -444,15 +444,23 @@ class CpuBackend(HostBackend):
         steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
+        last_gx = None  # the weight gradient's x whose bf16 copy self._gx16 holds
         for s in self.schedule.steps:
             if views_in_place(s, val):  # the plan put it on its input: nothing to run
                 continue
             if s in self._grad_bf16:  # x and dY converted in the batch, then oneDNN
-                for x, kernel, x16 in zip(s.inputs, self._grad_bf16[s],
-                                          (self._gx16, self._gy16)):
-                    batch.add(s, kernel, (val[x].ctypes.data, x16.ctypes.data))
+                x, dy = s.inputs
+                kx, ky = self._grad_bf16[s]
+                # q, k, v (gate, up) gradients read one x: rounded once while it lasts
+                if x is not last_gx:
+                    batch.add(s, kx, (val[x].ctypes.data, self._gx16.ctypes.data))
+                    last_gx = x
+                # dY W^T, just before, left dY rounded in _act16: read there
+                dy16 = self._act16 if dy is last_act16 else self._gy16
+                if dy16 is self._gy16:
+                    batch.add(s, ky, (val[dy].ctypes.data, dy16.ctypes.data))
                 batch.flush(steps)
-                steps.append(("py", self._grad_gemm(s, val)))
+                steps.append(("py", self._grad_gemm(s, val, dy16)))
                 continue
             if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
                 a = s.inputs[0]
@@ -509,14 +517,14 @@ class CpuBackend(HostBackend):
                                                    packed)
         return self._dense_gemms[s]
 
-    def _grad_gemm(self, s, val):
+    def _grad_gemm(self, s, val, dy16):
         """The oneDNN call of a trained weight's gradient ``s`` (``x^T dY``: x ``[k, m]``
-        and dY ``[k, n]`` read from their bf16 copies), bound once."""
+        and dY ``[k, n]`` read from their bf16 copies, dY's in ``dy16``), bound once."""
         if s not in self._dense_gemms:
             (k, m), n = s.inputs[0].shape, s.shape[1]
             run = self._dnnl.bind_ptrs(onednn.Gemm(m, k, n, ta=True), self._gx16.ctypes.data,
-                                       self._gy16.ctypes.data, val[s].ctypes.data)
-            run.keep = (self._gx16, self._gy16, val[s])
+                                       dy16.ctypes.data, val[s].ctypes.data)
+            run.keep = (self._gx16, dy16, val[s])
             self._dense_gemms[s] = run
         return self._dense_gemms[s]
 

@@ -25,9 +25,9 @@ GEMM.  Products with a weight kept in its ggml blocks
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
-trained weight (a float param) is read in bf16 the same way, converted by a kernel at
-the head of each replay (the weight changes every step), and its gradient ``x^T dY``
-takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
+trained weight (a float param) is read in bf16 the same way, from one copy that its
+update kernel writes beside the new weight (``_Trained16``: no conversion pass), and its
+gradient ``x^T dY`` takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
 ``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
 is bf16's, except that the block-weight products take int8 inputs, each row of the
 activation and each row (forward) or column (backward) of W with its own scale, summed

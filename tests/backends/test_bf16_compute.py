@@ -495,13 +495,40 @@ def test_one_operand_of_several_bf16_gemms_is_rounded_once():
     ex = prog.executable
     assert ex.compute == "bf16" and len(ex._dense_bf16) == 4
     labels = [label for _, label, _ in ex.kernel_calls()]
-    assert labels.count("bf16 conversion [24, 288]") == 2  # x once, q * q once
+    # x once; q * q by the kernel that computes it (``_act_writers``)
+    assert labels.count("bf16 conversion [24, 288]") == 1 and len(ex._act_writer) == 1
     got = prog.run()
     x16 = _bf16_exact(x.value)
     for out, w in zip(got[:3], ws):
         assert rel_err(out, x16 @ _bf16_exact(w)) < 1e-5
+    assert rel_err(got[3], _bf16_exact(got[0] * got[0]) @ _bf16_exact(ws[0])) < 1e-5
     qq = _bf16_exact(got[0].astype(np.float64) ** 2)
     assert rel_err(got[3], qq @ _bf16_exact(ws[0])) < 1e-5
+
+
+def test_a_kernel_rounding_its_output_gives_the_conversions_bits(monkeypatch):
+    """A fused group writing the bf16 rounding of the activation the next GEMM reads
+    (``_act_writers``) gives that GEMM the very bits a conversion pass would: the
+    products are bitwise those of a program converting it (the same GEMM, same inputs)."""
+    _need_onednn()
+    from gradtape.backends.cpu.backend import CpuBackend
+
+    def run():
+        rng = np.random.default_rng(5)
+        tp = gt.Tape(np.float32, eager=False)
+        x = tp.const(rng.standard_normal((24, 288)).astype(np.float32))
+        w = tp.const(rng.standard_normal((288, 288)).astype(np.float32) / 17)
+        h = ops.mul(ops.matmul(x, w), ops.sigmoid(x))
+        prog = tp.compile([ops.matmul(h, w), h], backend="cpu", compute="bf16")
+        return prog.executable, prog.run()
+
+    ex, fused = run()
+    assert len(ex._act_writer) == 1
+    monkeypatch.setattr(CpuBackend, "_act_writers", lambda self: {})
+    ex, converted = run()
+    assert not ex._act_writer
+    for a, b in zip(fused, converted):
+        assert np.array_equal(a, b)
 
 
 def _both_ways(tp, rng):

@@ -214,8 +214,9 @@ class CpuBackend(HostBackend):
             self._take_low_precision(compute, src, block_ops, self._trained_ok)
         # update group -> the trained weights' copies it writes, and their leaves
         self._writes16, self._written16 = self._copy_writers()
-        self._kernel_of = {g: src.kernel(g, dtype, tuple(self._in_place[w]
-                                                         for w in self._writes16.get(g, ())))
+        # group -> the activation whose bf16 rounding it writes into _act16 as well
+        self._act_writer = self._act_writers()
+        self._kernel_of = {g: src.kernel(g, dtype, self._bf16_members(g))
                            for g in schedule.groups}
         for s in schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
@@ -312,6 +313,31 @@ class CpuBackend(HostBackend):
             if g is not None:
                 writes.setdefault(g, []).append(w)
         return writes, {w for ws in writes.values() for w in ws}
+
+    def _act_writers(self):
+        """``{elementwise group: activation}``: a group producing the activation that the
+        next bf16 GEMM rounds into ``_act16`` writes that rounding itself, so the GEMM
+        converts nothing (the same bits: ``gt_bf16``).  Not across a weight gradient,
+        which may read the dY its ``dY W^T`` left in ``_act16`` (``_bind_steps``)."""
+        if not self._dense_bf16:
+            return {}
+        out, pending = {}, {}  # pending: output -> its group, since the last GEMM
+        for s in self.schedule.steps:
+            if isinstance(s, FusedGroup):
+                if s.kind == "elementwise":
+                    pending.update(dict.fromkeys(s.outputs, s))
+            elif s in self._dense_bf16 or s in self._grad_bf16:
+                g = pending.get(s.inputs[0]) if s in self._dense_bf16 else None
+                if g is not None:
+                    out[g] = s.inputs[0]
+                pending = {}
+        return out
+
+    def _bf16_members(self, g):
+        """The members of group ``g`` whose bf16 rounding its kernel writes too, in the
+        order of their pointers after its outputs (``_bind_steps``)."""
+        return tuple([self._in_place[w] for w in self._writes16.get(g, ())]
+                     + ([self._act_writer[g]] if g in self._act_writer else []))
 
     def _refresh16(self):
         """Convert each trained weight's bf16 copy this program reads whose values are not
@@ -465,7 +491,8 @@ class CpuBackend(HostBackend):
             if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
                 a = s.inputs[0]
                 # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
-                # these conversions write _act16; a, read here, is still live)
+                # these conversions and _act_writer's groups write _act16; a, read
+                # here, is still live)
                 if a is not last_act16:
                     batch.add(s, self._dense_bf16[s], (val[a].ctypes.data,
                                                        self._act16.ctypes.data))
@@ -478,7 +505,10 @@ class CpuBackend(HostBackend):
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
                           + [val[m].ctypes.data for m in outs]
                           + [self._trained16[w].array.ctypes.data
-                             for w in self._writes16.get(s, ())])
+                             for w in self._writes16.get(s, ())]
+                          + ([self._act16.ctypes.data] if s in self._act_writer else []))
+                if s in self._act_writer:  # the next bf16 GEMM's activation, rounded
+                    last_act16 = self._act_writer[s]
                 continue
             batch.flush(steps)
             if s in self._block_bf16:

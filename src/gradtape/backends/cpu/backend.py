@@ -218,6 +218,10 @@ class CpuBackend(HostBackend):
         self._act_writer = self._act_writers()
         self._kernel_of = {g: src.kernel(g, dtype, self._bf16_members(g))
                            for g in schedule.groups}
+        # one-add group -> (the row scatter only it reads, its other input, scratch)
+        self._scatter_add = self._scatter_adds() if dtype is not None else {}
+        for g, (sc, _, _) in self._scatter_add.items():
+            self._kernel_of[g] = src.scatter_add_kernel(g, sc, dtype)
         for s in schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
@@ -331,6 +335,34 @@ class CpuBackend(HostBackend):
                 if g is not None:
                     out[g] = s.inputs[0]
                 pending = {}
+        return out
+
+    def _scatter_adds(self):
+        """``{group: (scatter, b, scratch)}``: a group adding a ``scatter_rows`` that
+        nothing else reads to a value of its shape runs ``codegen.scatter_add_body``
+        instead of both (the scatter's zeros never written nor read again).  Only where
+        the add runs right after the scatter: the scatter's inputs are then still where
+        it read them."""
+        readers = {}
+        pos = {st: i for i, st in enumerate(self.schedule.steps)}
+        for st in self.schedule.steps:
+            for x in st.inputs:
+                readers.setdefault(x, []).append(st)
+        keep = set(self.graph.outputs) | {src for _, src in self.graph.updates}
+        out = {}
+        for g in self.schedule.groups:
+            if g.kind != "elementwise" or [v.op for v in g.ops] != ["add"] \
+                    or len(g.inputs) != 2:
+                continue
+            for sc, b in (g.inputs, g.inputs[::-1]):
+                if (sc.op == "scatter_rows" and not sc.is_leaf and sc not in keep
+                        and readers.get(sc) == [g] and pos.get(sc, -2) + 1 == pos[g]
+                        and b.shape == sc.shape == g.ops[0].shape
+                        and sc.inputs[1].dtype == np.int64 and b is not sc):
+                    n, d = sc.inputs[0].shape
+                    out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
+                                      np.empty(max(n, 1), np.int64)))
+                    break
         return out
 
     def _bf16_members(self, g):
@@ -471,8 +503,15 @@ class CpuBackend(HostBackend):
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
         last_gx = None  # the weight gradient's x whose bf16 copy self._gx16 holds
+        fused_scatters = {sc for sc, _, _ in self._scatter_add.values()}
         for s in self.schedule.steps:
-            if views_in_place(s, val):  # the plan put it on its input: nothing to run
+            if views_in_place(s, val) or s in fused_scatters:  # nothing to run
+                continue
+            if s in self._scatter_add:  # b + scatter_rows(src, ids) in one kernel
+                sc, b, (acc, first) = self._scatter_add[s]
+                batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in
+                                                  (b, *sc.inputs, s.outputs[0])]
+                          + [acc.ctypes.data, first.ctypes.data])
                 continue
             if s in self._grad_bf16:  # x and dY converted in the batch, then oneDNN
                 x, dy = s.inputs
@@ -535,6 +574,7 @@ class CpuBackend(HostBackend):
         bf16."""
         read = [x for g in list(self._kernel_of) + list(self._grad_bf16) for x in g.inputs]
         read += [s.inputs[0] for s in self._dense_bf16]
+        read += [x for sc, _, _ in self._scatter_add.values() for x in sc.inputs]
         return [x for x in dict.fromkeys(read) if x.is_leaf]
 
     def _dense_gemm(self, s, val):

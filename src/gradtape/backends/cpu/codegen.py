@@ -389,6 +389,47 @@ def copy_kernel_body(v, dtype):
     return "\n".join(lines)
 
 
+def scatter_add_body(group, scatter, dtype):
+    """``b + scatter_rows(src, ids, n)``: a one-add group and the row scatter that only it
+    reads (a tied embedding's two gradients), without the scatter's ``[n, d]`` of zeros.
+    ``p``: b, src, ids, the output (which may be b's storage), then scratch for one row
+    per id (``[len(ids), d]``) and each id's first position (int64).  The same sums in
+    the same order as the two ops: each id's rows added into zero one after another, as
+    ``np.add.at`` adds them, then b's row plus that; every other row b + 0."""
+    t = CTypes(dtype).t
+    n, d = scatter.inputs[0].shape
+    rows = scatter.shape[0]
+    return "\n".join([
+        f"    const {t} *b = (const {t} *)p[0];",
+        f"    const {t} *restrict src = (const {t} *)p[1];",
+        "    const int64_t *restrict ids = (const int64_t *)p[2];",
+        f"    {t} *o = ({t} *)p[3];",
+        f"    {t} *restrict acc = ({t} *)p[4];",
+        "    int64_t *restrict first = (int64_t *)p[5];",
+        f"    for (long j = 0; j < {n}L; j++) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        "        long k = 0;",
+        f"        while ((ids[k] < 0 ? ids[k] + {rows}L : ids[k]) != id) k++;",
+        f"        first[j] = (id >= 0 && id < {rows}L) ? k : -1;",
+        f"        {t} *restrict a = acc + k*{d}L;",
+        f"        const {t} *restrict r = src + j*{d}L;",
+        f"        if (k == j) for (long c = 0; c < {d}L; c++) a[c] = ({t})0 + r[c];",
+        f"        else for (long c = 0; c < {d}L; c++) a[c] += r[c];",
+        "    }",
+        "    /* b's rows of the ids read before o (perhaps b itself) is written */",
+        f"    for (long j = 0; j < {n}L; j++) if (first[j] == j) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        f"        for (long c = 0; c < {d}L; c++) acc[j*{d}L + c] = b[id*{d}L + c] + "
+        f"acc[j*{d}L + c];",
+        "    }",
+        _omp_for(rows * d).replace("schedule(static)", "simd schedule(static)"),
+        f"    for (long i = 0; i < {rows * d}L; i++) o[i] = b[i] + ({t})0;",
+        f"    for (long j = 0; j < {n}L; j++) if (first[j] == j) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        f"        memcpy(o + id*{d}L, acc + j*{d}L, {d}UL * sizeof({t}));",
+        "    }"])
+
+
 def group_kernel_body(group, dtype, bf16=()):
     ct = CTypes(dtype)
     if group.kind == "elementwise":
@@ -408,6 +449,10 @@ class ProgramSource:
         """The kernel of a fused group; ``bf16``: its members whose bf16 rounding it
         writes too (``lower_elementwise``)."""
         return self._add(group_kernel_body(group, dtype, bf16))
+
+    def scatter_add_kernel(self, group, scatter, dtype):
+        """``scatter_add_body``'s kernel."""
+        return self._add(scatter_add_body(group, scatter, dtype))
 
     def copy_kernel(self, v, dtype):
         if v.op in C_ROWS:

@@ -12,7 +12,8 @@ cores (OpenMP) when big enough.  Matmuls write straight into their planned buffe
 oneDNN's float32 matmul, on the same OpenMP threads, where the execution plan
 says so (``plan.complete``: measured at the main matmul shape), else in NumPy's BLAS
 (``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
-``ops/``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``ops/``, except a row scatter that only an add reads (a tied table's gradients), which
+runs in that add's kernel (``codegen.scatter_add_body``).  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 
@@ -21,7 +22,8 @@ const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py
 weight is converted to bf16 once (from any strides: a transposed weight gets no float32
 copy) and reordered, per direction, into the layout oneDNN's kernel keeps its weights in
 (``_Bf16Copies``), the activation operand by a C kernel in the batch before each such
-GEMM.  Products with a weight kept in its ggml blocks
+GEMM, or by the fused group that computes it, which writes its rounding too
+(``_act_writers``).  Products with a weight kept in its ggml blocks
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
@@ -227,7 +229,8 @@ class CpuBackend(HostBackend):
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
         # the leaves this program updates without writing their bf16 copy (checked at
         # each replay: a later program may make a copy of one)
-        self._unwritten = [w for w, _ in graph.updates if w not in self._written16]
+        self._unwritten = [w for w, _ in graph.updates
+                           if w not in self._written16 and w.size >= BF16_MIN_WEIGHT]
         # the column scales of the block weights int8 GEMMs read transposed (weight leaf
         # -> qgemm_int8.col_scales' pair), computed on their first use
         self._col_scales_of = {}

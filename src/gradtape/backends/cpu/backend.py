@@ -13,7 +13,8 @@ oneDNN's float32 matmul, on the same OpenMP threads, where the execution plan
 says so (``plan.complete``: measured at the main matmul shape), else in NumPy's BLAS
 (``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
 ``ops/``, except a row scatter that only an add reads (a tied table's gradients), which
-runs in that add's kernel (``codegen.scatter_add_body``).  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+runs in that add's kernel (``codegen.scatter_add_body``).  Consecutive kernels between
+two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 

@@ -332,6 +332,73 @@ def test_a_full_trainstep_runs_bf16_and_its_eval_reads_the_new_weights(monkeypat
     assert evals[-1]["bf16"] < evals[0]["bf16"] - 0.1  # it learns
 
 
+def test_a_full_steps_update_kernels_write_the_weights_bf16_copies(monkeypatch):
+    """Each trained weight's bf16 copy is written by its AdamW update kernel (no
+    conversion pass): after every step it holds the new weights' rounding bit for bit,
+    the eval program reads it as is, and a state set from outside (``--resume``) is
+    converted again before the next replay."""
+    _need_onednn()
+    from gradtape.train.step import TrainStep
+
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    m = _wide_model()
+    ids = np.random.default_rng(2).integers(0, 512, (1, 64))
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
+    st = TrainStep(m, None, 1, 64, backend="cpu", compute="bf16", fine_tune_type="full")
+    ex = st.program.executable
+    assert ex._trained16 and ex._written16 == set(ex._trained16)
+
+    def copies_hold_the_params():
+        for w, rec in ex._trained16.items():
+            assert np.array_equal(rec.array, onednn.to_bf16(st.program.state(w))), w
+
+    for k in range(1, 3):
+        st.step(batch, k, 1e-3)
+        copies_hold_the_params()
+        st.eval_loss(_Rows(batch))
+        copies_hold_the_params()
+    w = next(iter(ex._trained16))
+    st.program.set_state({w: st.program.state(w) * 0.5})
+    loss = st.eval_loss(_Rows(batch))  # the eval program converts the new values
+    copies_hold_the_params()
+    assert np.isfinite(loss)
+    st.step(batch, 3, 1e-3)
+    copies_hold_the_params()
+
+
+def test_a_resumed_full_bf16_step_ends_bitwise_the_same(monkeypatch):
+    """A full step under bf16 compute resumed from its state after 2 steps (a new
+    ``TrainStep``, its bf16 copies converted from the loaded weights) ends 2 steps later
+    with every weight and moment bit for bit as the run that went on."""
+    _need_onednn()
+    from gradtape.train.step import TrainStep
+
+    monkeypatch.setattr(compute, "bf16_fast", lambda shape: (True, "the test's"))
+    m = _wide_model()
+    ids = np.random.default_rng(3).integers(0, 512, (1, 64))
+    batch = [(ids, np.c_[ids[:, 1:], [[-100]]])]
+
+    def new():
+        return TrainStep(m, None, 1, 64, backend="cpu", compute="bf16",
+                         fine_tune_type="full")
+
+    whole = new()
+    for k in range(1, 5):
+        whole.step(batch, k, 1e-3)
+    first = new()
+    for k in range(1, 3):
+        first.step(batch, k, 1e-3)
+    saved = {k: np.array(v) for k, v in first.state_arrays().items()}
+    del first
+    resumed = new()
+    resumed.load_state_arrays(saved)
+    for k in range(3, 5):
+        resumed.step(batch, k, 1e-3)
+    a, b = whole.state_arrays(), resumed.state_arrays()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
 class _Rows:
     """``data.Sequences``' two members ``eval_loss`` reads, over one batch."""
 
@@ -428,13 +495,40 @@ def test_one_operand_of_several_bf16_gemms_is_rounded_once():
     ex = prog.executable
     assert ex.compute == "bf16" and len(ex._dense_bf16) == 4
     labels = [label for _, label, _ in ex.kernel_calls()]
-    assert labels.count("bf16 conversion [24, 288]") == 2  # x once, q * q once
+    # x once; q * q by the kernel that computes it (``_act_writers``)
+    assert labels.count("bf16 conversion [24, 288]") == 1 and len(ex._act_writer) == 1
     got = prog.run()
     x16 = _bf16_exact(x.value)
     for out, w in zip(got[:3], ws):
         assert rel_err(out, x16 @ _bf16_exact(w)) < 1e-5
+    assert rel_err(got[3], _bf16_exact(got[0] * got[0]) @ _bf16_exact(ws[0])) < 1e-5
     qq = _bf16_exact(got[0].astype(np.float64) ** 2)
     assert rel_err(got[3], qq @ _bf16_exact(ws[0])) < 1e-5
+
+
+def test_a_kernel_rounding_its_output_gives_the_conversions_bits(monkeypatch):
+    """A fused group writing the bf16 rounding of the activation the next GEMM reads
+    (``_act_writers``) gives that GEMM the very bits a conversion pass would: the
+    products are bitwise those of a program converting it (the same GEMM, same inputs)."""
+    _need_onednn()
+    from gradtape.backends.cpu.backend import CpuBackend
+
+    def run():
+        rng = np.random.default_rng(5)
+        tp = gt.Tape(np.float32, eager=False)
+        x = tp.const(rng.standard_normal((24, 288)).astype(np.float32))
+        w = tp.const(rng.standard_normal((288, 288)).astype(np.float32) / 17)
+        h = ops.mul(ops.matmul(x, w), ops.sigmoid(x))
+        prog = tp.compile([ops.matmul(h, w), h], backend="cpu", compute="bf16")
+        return prog.executable, prog.run()
+
+    ex, fused = run()
+    assert len(ex._act_writer) == 1
+    monkeypatch.setattr(CpuBackend, "_act_writers", lambda self: {})
+    ex, converted = run()
+    assert not ex._act_writer
+    for a, b in zip(fused, converted):
+        assert np.array_equal(a, b)
 
 
 def _both_ways(tp, rng):

@@ -87,6 +87,32 @@ def test_loss_softmax_and_transposes_run_in_c():
     assert _python_steps(prog) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_tied_tables_two_gradients_add_without_the_scatters_zeros(dtype):
+    """A table read by ``take_rows`` and by a product (a tied embedding): the add of its
+    scatter's gradient and the product's runs as one kernel (``scatter_add_body``, no
+    ``[n, d]`` of zeros), the NumPy reference's two ops (float64: bit for bit): repeated
+    ids summed in the same order, a negative id counted from the end as ``np.add.at``."""
+    table0 = np.random.default_rng(0).standard_normal((500, 48)).astype(dtype)
+    ids = np.array([3, 7, 3, -1, 499, 3, 7, 0] * 40, np.int64)  # above OMP_MIN_WORK
+    got = {}
+    for backend in ("numpy", "cpu"):
+        tp = gt.Tape(dtype, eager=False)
+        table = tp.param(table0)
+        x = ops.take_rows(table, tp.const(ids))  # [320, 48]
+        y = ops.matmul(ops.matmul(x, tp.const(np.full((48, 48), 0.1, dtype))),
+                       ops.transpose(table, (1, 0)))  # [320, 500]
+        loss = ops.reduce_sum(ops.mul(y, y))
+        prog = tp.compile([tp.backward(loss)[table]], backend=backend)
+        if backend == "cpu":
+            assert len(prog.executable._scatter_add) == 1
+        got[backend] = prog.run()[0]
+    if dtype == np.float64:  # both products in NumPy's BLAS: the same sums throughout
+        assert np.array_equal(got["numpy"], got["cpu"])
+    else:  # the product may run in oneDNN, in its own order
+        assert rel_err(got["cpu"], got["numpy"]) < TOL[np.dtype(dtype)]
+
+
 def test_threaded_kernels_use_openmp_where_available(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     flags = toolchain.threads_flags()

@@ -12,7 +12,9 @@ cores (OpenMP) when big enough.  Matmuls write straight into their planned buffe
 oneDNN's float32 matmul, on the same OpenMP threads, where the execution plan
 says so (``plan.complete``: measured at the main matmul shape), else in NumPy's BLAS
 (``np.matmul(..., out=)``); the remaining ops (gathers ...) run their NumPy forwards from
-``ops/``.  Consecutive kernels between two such ops run as one ctypes call.  Buffers come from
+``ops/``, except a row scatter that only an add reads (a tied table's gradients), which
+runs in that add's kernel (``codegen.scatter_add_body``).  Consecutive kernels between
+two such ops run as one ctypes call.  Buffers come from
 ``plan_schedule_memory`` and are allocated once here: a replay allocates no
 intermediates.
 
@@ -21,13 +23,14 @@ const leaf) run in oneDNN with bf16 inputs and float32 accumulation (``onednn.py
 weight is converted to bf16 once (from any strides: a transposed weight gets no float32
 copy) and reordered, per direction, into the layout oneDNN's kernel keeps its weights in
 (``_Bf16Copies``), the activation operand by a C kernel in the batch before each such
-GEMM.  Products with a weight kept in its ggml blocks
+GEMM, or by the fused group that computes it, which writes its rounding too
+(``_act_writers``).  Products with a weight kept in its ggml blocks
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
-trained weight (a float param) is read in bf16 the same way, converted by a kernel at
-the head of each replay (the weight changes every step), and its gradient ``x^T dY``
-takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
+trained weight (a float param) is read in bf16 the same way, from one copy that its
+update kernel writes beside the new weight (``_Trained16``: no conversion pass), and its
+gradient ``x^T dY`` takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
 ``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
 is bf16's, except that the block-weight products take int8 inputs, each row of the
 activation and each row (forward) or column (backward) of W with its own scale, summed
@@ -66,10 +69,9 @@ _LIBS = {}  # path -> loaded CDLL (one load per process)
 _SHARED_COPIES = weakref.WeakKeyDictionary()
 # block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
 _RESIDENT = weakref.WeakKeyDictionary()
-# trained weight leaf -> its bf16 copy, shared by a step and its eval program: each
-# program converts it again before its first product in every replay (one conversion a
-# step; a scratch converted per product would hold less but convert each weight twice a
-# step, for x W and dY W^T, and again for each layer recomputed)
+# trained weight leaf -> its _Trained16, shared by a step and its eval program (a scratch
+# converted per product would hold less but convert each weight twice a step, for x W and
+# dY W^T, and again for each layer recomputed)
 _TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
@@ -77,6 +79,21 @@ PACK_SHARE = 0.125
 # a weight that is not C-contiguous float32 is converted to bf16 a band of rows at a time
 # through a float32 scratch of at most this many bytes
 CONVERT_BAND = 4 << 20
+
+
+class _Trained16:
+    """The one bf16 copy (``array``: uint16, C order) of a trained weight, and ``src``: the
+    float32 array whose current values it holds rounded (None: none).  The step's update
+    kernel writes the copy with the new weight (``codegen.lower_elementwise``'s ``bf16``),
+    so a step converts nothing; a program whose weight array is not ``src`` (a feed,
+    ``--resume``, the first replay, an update that did not write it) converts it at the
+    head of its replay."""
+
+    __slots__ = ("array", "src")
+
+    def __init__(self, shape, size):
+        self.array = page_aligned(size, np.uint16).reshape(shape)
+        self.src = None
 
 
 class _Bf16Copies:
@@ -184,17 +201,13 @@ class CpuBackend(HostBackend):
         self._resident = {}  # block-weight leaf -> its resident bf16 copy, once made
         # kernels: one translation unit for the program
         src = codegen.ProgramSource()
-        self._kernel_of = {g: src.kernel(g, dtype) for g in schedule.groups}
-        for s in schedule.steps:  # data movement: block copies in C as well
-            if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
-                self._kernel_of[s] = src.copy_kernel(s, dtype)
         block_ops = [s for s in schedule.steps if not isinstance(s, FusedGroup)
                      and s.op in qgemm.QOPS]
         # dense matmul -> the kernel converting its activation to bf16 (low precision)
         self._dense_bf16 = {}
         # a trained weight's gradient -> the kernels converting its two operands to bf16
         self._grad_bf16 = {}
-        # trained weight leaf -> (its bf16 copy, the kernel converting it)
+        # trained weight leaf -> its _Trained16 (the bf16 copy its products read)
         self._trained16 = {}
         # the block-weight products that run with bf16 and with int8 inputs
         self._block_bf16, self._block_int8 = set(), set()
@@ -202,6 +215,23 @@ class CpuBackend(HostBackend):
         self._trained_ok = bool(execution is not None and execution.trained_bf16.value)
         if compute in ("bf16", "int8") and dtype == np.float32:
             self._take_low_precision(compute, src, block_ops, self._trained_ok)
+        # update group -> the trained weights' copies it writes, and their leaves
+        self._writes16, self._written16 = self._copy_writers()
+        # group -> the activation whose bf16 rounding it writes into _act16 as well
+        self._act_writer = self._act_writers()
+        self._kernel_of = {g: src.kernel(g, dtype, self._bf16_members(g))
+                           for g in schedule.groups}
+        # one-add group -> (the row scatter only it reads, its other input, scratch)
+        self._scatter_add = self._scatter_adds() if dtype is not None else {}
+        for g, (sc, _, _) in self._scatter_add.items():
+            self._kernel_of[g] = src.scatter_add_kernel(g, sc, dtype)
+        for s in schedule.steps:  # data movement: block copies in C as well
+            if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
+                self._kernel_of[s] = src.copy_kernel(s, dtype)
+        # the leaves this program updates without writing their bf16 copy (checked at
+        # each replay: a later program may make a copy of one)
+        self._unwritten = [w for w, _ in graph.updates
+                           if w not in self._written16 and w.size >= BF16_MIN_WEIGHT]
         # the column scales of the block weights int8 GEMMs read transposed (weight leaf
         # -> qgemm_int8.col_scales' pair), computed on their first use
         self._col_scales_of = {}
@@ -227,7 +257,7 @@ class CpuBackend(HostBackend):
         for s in self._dense_bf16:
             w = s.inputs[1]
             if w in self._trained16:
-                self._step_weight16[s] = (self._trained16[w][0], False)
+                self._step_weight16[s] = (self._trained16[w].array, False)
             elif w not in self._weight_copies:
                 self._weight_copies[w] = _SHARED_COPIES.setdefault(w, _Bf16Copies())
         self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] not in self._trained16])
@@ -240,8 +270,8 @@ class CpuBackend(HostBackend):
         (``_copy_weights``).  Block-weight products convert both operands themselves
         (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own.  ``trained``: the
         products with trained weights and their gradients take bf16 too; each such
-        weight has one bf16 copy, which a kernel refreshes before its first product in
-        every replay (``_bind_steps``)."""
+        weight has one bf16 copy (``_Trained16``), written by its update kernel
+        (``_copy_writers``) or converted at the head of a replay (``_refresh16``)."""
         try:
             self._dnnl = onednn.dnnl()
         except onednn.DnnlError as e:
@@ -254,10 +284,9 @@ class CpuBackend(HostBackend):
         if steps:  # the bf16 copy of a dense GEMM's activation
             self._act16 = page_aligned(max(s.inputs[0].size for s in steps), np.uint16)
         for w in dict.fromkeys(s.inputs[1] for s in steps if s.inputs[1].op == "param"):
-            copy = _TRAINED16.get(w)
-            if copy is None:
-                copy = _TRAINED16[w] = page_aligned(w.size, np.uint16).reshape(w.shape)
-            self._trained16[w] = (copy, src.bf16_kernel(w.size))
+            if w not in _TRAINED16:
+                _TRAINED16[w] = _Trained16(w.shape, w.size)
+            self._trained16[w] = _TRAINED16[w]
         grads = [s for s in self.schedule.steps if trained and not isinstance(s, FusedGroup)
                  and _bf16_weight_grad(s)]
         self._grad_bf16 = {s: tuple(src.bf16_kernel(x.size) for x in s.inputs) for s in grads}
@@ -276,6 +305,84 @@ class CpuBackend(HostBackend):
             self._int8_scratch = Int8Scratch.allocate(self._block_int8)
         if self._dense_bf16 or self._grad_bf16 or self._block_bf16 or self._block_int8:
             self.compute = "int8" if self._block_int8 else "bf16"
+
+    def _copy_writers(self):
+        """``({update group: [trained weights whose bf16 copy it writes]}, their set)``: a
+        trained weight's new value written in place (nothing reads the old one after it)
+        by an elementwise group writes its bf16 rounding into the copy too, so the next
+        replay's products read it without a conversion pass over every weight."""
+        writes = {}
+        if not self._trained16:
+            return writes, set()
+        group_of = {m: g for g in self.schedule.groups if g.kind == "elementwise"
+                    for m in g.outputs}
+        for w in self._trained16:
+            g = group_of.get(self._in_place.get(w))
+            if g is not None:
+                writes.setdefault(g, []).append(w)
+        return writes, {w for ws in writes.values() for w in ws}
+
+    def _act_writers(self):
+        """``{elementwise group: activation}``: a group producing the activation that the
+        next bf16 GEMM rounds into ``_act16`` writes that rounding itself, so the GEMM
+        converts nothing (the same bits: ``gt_bf16``).  Not across a weight gradient,
+        which may read the dY its ``dY W^T`` left in ``_act16`` (``_bind_steps``)."""
+        if not self._dense_bf16:
+            return {}
+        out, pending = {}, {}  # pending: output -> its group, since the last GEMM
+        for s in self.schedule.steps:
+            if isinstance(s, FusedGroup):
+                if s.kind == "elementwise":
+                    pending.update(dict.fromkeys(s.outputs, s))
+            elif s in self._dense_bf16 or s in self._grad_bf16:
+                g = pending.get(s.inputs[0]) if s in self._dense_bf16 else None
+                if g is not None:
+                    out[g] = s.inputs[0]
+                pending = {}
+        return out
+
+    def _scatter_adds(self):
+        """``{group: (scatter, b, scratch)}``: a group adding a ``scatter_rows`` that
+        nothing else reads to a value of its shape runs ``codegen.scatter_add_body``
+        instead of both (the scatter's zeros never written nor read again).  Only where
+        the add runs right after the scatter: the scatter's inputs are then still where
+        it read them."""
+        readers = {}
+        pos = {st: i for i, st in enumerate(self.schedule.steps)}
+        for st in self.schedule.steps:
+            for x in st.inputs:
+                readers.setdefault(x, []).append(st)
+        keep = set(self.graph.outputs) | {src for _, src in self.graph.updates}
+        out = {}
+        for g in self.schedule.groups:
+            if g.kind != "elementwise" or [v.op for v in g.ops] != ["add"] \
+                    or len(g.inputs) != 2:
+                continue
+            for sc, b in (g.inputs, g.inputs[::-1]):
+                if (sc.op == "scatter_rows" and not sc.is_leaf and sc not in keep
+                        and readers.get(sc) == [g] and pos.get(sc, -2) + 1 == pos[g]
+                        and b.shape == sc.shape == g.ops[0].shape
+                        and sc.inputs[1].dtype == np.int64 and b is not sc):
+                    n, d = sc.inputs[0].shape
+                    out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
+                                      np.empty(max(n, 1), np.int64)))
+                    break
+        return out
+
+    def _bf16_members(self, g):
+        """The members of group ``g`` whose bf16 rounding its kernel writes too, in the
+        order of their pointers after its outputs (``_bind_steps``)."""
+        return tuple([self._in_place[w] for w in self._writes16.get(g, ())]
+                     + ([self._act_writer[g]] if g in self._act_writer else []))
+
+    def _refresh16(self):
+        """Convert each trained weight's bf16 copy this program reads whose values are not
+        its weight's current ones (``_Trained16.src``)."""
+        for w, rec in self._trained16.items():
+            a = self._values[w]
+            if rec.src is not a:
+                self._convert(w, rec.array)
+                rec.src = a
 
     def _bf16_provider(self):
         """The library the plan's ``bf16_gemms`` names for the plain bf16 GEMMs of block
@@ -369,7 +476,7 @@ class CpuBackend(HostBackend):
     def bf16_weights(self):
         """The bf16 weight copies this program reads (for the memory estimate)."""
         return ([a for w in self._weight_copies.values() for a in w.arrays()]
-                + list(self._resident.values()) + [c for c, _ in self._trained16.values()])
+                + list(self._resident.values()) + [r.array for r in self._trained16.values()])
 
     def _resident_copy(self, leaf, qtype, k):
         """The block weight ``leaf`` dequantized once into bf16 (uint16 ``[rows, k]``, its
@@ -408,25 +515,36 @@ class CpuBackend(HostBackend):
         steps = []  # ("py", callable) or ("c", first call, calls): the replay, in order
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
-        converted = set()  # the trained weights this replay has converted so far
+        last_gx = None  # the weight gradient's x whose bf16 copy self._gx16 holds
+        fused_scatters = {sc for sc, _, _ in self._scatter_add.values()}
         for s in self.schedule.steps:
-            if views_in_place(s, val):  # the plan put it on its input: nothing to run
+            if views_in_place(s, val) or s in fused_scatters:  # nothing to run
+                continue
+            if s in self._scatter_add:  # b + scatter_rows(src, ids) in one kernel
+                sc, b, (acc, first) = self._scatter_add[s]
+                batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in
+                                                  (b, *sc.inputs, s.outputs[0])]
+                          + [acc.ctypes.data, first.ctypes.data])
                 continue
             if s in self._grad_bf16:  # x and dY converted in the batch, then oneDNN
-                for x, kernel, x16 in zip(s.inputs, self._grad_bf16[s],
-                                          (self._gx16, self._gy16)):
-                    batch.add(s, kernel, (val[x].ctypes.data, x16.ctypes.data))
+                x, dy = s.inputs
+                kx, ky = self._grad_bf16[s]
+                # q, k, v (gate, up) gradients read one x: rounded once while it lasts
+                if x is not last_gx:
+                    batch.add(s, kx, (val[x].ctypes.data, self._gx16.ctypes.data))
+                    last_gx = x
+                # dY W^T, just before, left dY rounded in _act16: read there
+                dy16 = self._act16 if dy is last_act16 else self._gy16
+                if dy16 is self._gy16:
+                    batch.add(s, ky, (val[dy].ctypes.data, dy16.ctypes.data))
                 batch.flush(steps)
-                steps.append(("py", self._grad_gemm(s, val)))
+                steps.append(("py", self._grad_gemm(s, val, dy16)))
                 continue
             if s in self._dense_bf16:  # convert op(a) in the batch, then one oneDNN call
-                a, w = s.inputs
-                if w in self._trained16 and w not in converted:  # its value of this step
-                    copy, kernel = self._trained16[w]
-                    batch.add(w, kernel, (val[w].ctypes.data, copy.ctypes.data))
-                    converted.add(w)
+                a = s.inputs[0]
                 # q, k, v (gate, up) read one x: rounded once while the copy lasts (only
-                # these conversions write _act16; a, read here, is still live)
+                # these conversions and _act_writer's groups write _act16; a, read
+                # here, is still live)
                 if a is not last_act16:
                     batch.add(s, self._dense_bf16[s], (val[a].ctypes.data,
                                                        self._act16.ctypes.data))
@@ -437,7 +555,12 @@ class CpuBackend(HostBackend):
             if s in self._kernel_of:
                 outs = s.outputs if isinstance(s, FusedGroup) else (s,)
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
-                          + [val[m].ctypes.data for m in outs])
+                          + [val[m].ctypes.data for m in outs]
+                          + [self._trained16[w].array.ctypes.data
+                             for w in self._writes16.get(s, ())]
+                          + ([self._act16.ctypes.data] if s in self._act_writer else []))
+                if s in self._act_writer:  # the next bf16 GEMM's activation, rounded
+                    last_act16 = self._act_writer[s]
                 continue
             batch.flush(steps)
             if s in self._block_bf16:
@@ -460,12 +583,11 @@ class CpuBackend(HostBackend):
 
     def _raw_leaves(self):
         """The leaves a C kernel of the batch reads by raw pointer: a fused group's or a
-        lone op's inputs, a bf16 GEMM's activation and a trained weight it converts, both
-        operands of a weight gradient in bf16."""
+        lone op's inputs, a bf16 GEMM's activation, both operands of a weight gradient in
+        bf16."""
         read = [x for g in list(self._kernel_of) + list(self._grad_bf16) for x in g.inputs]
-        for s in self._dense_bf16:
-            a, w = s.inputs
-            read += [a, w] if w in self._trained16 else [a]
+        read += [s.inputs[0] for s in self._dense_bf16]
+        read += [x for sc, _, _ in self._scatter_add.values() for x in sc.inputs]
         return [x for x in dict.fromkeys(read) if x.is_leaf]
 
     def _dense_gemm(self, s, val):
@@ -478,14 +600,14 @@ class CpuBackend(HostBackend):
                                                    packed)
         return self._dense_gemms[s]
 
-    def _grad_gemm(self, s, val):
+    def _grad_gemm(self, s, val, dy16):
         """The oneDNN call of a trained weight's gradient ``s`` (``x^T dY``: x ``[k, m]``
-        and dY ``[k, n]`` read from their bf16 copies), bound once."""
+        and dY ``[k, n]`` read from their bf16 copies, dY's in ``dy16``), bound once."""
         if s not in self._dense_gemms:
             (k, m), n = s.inputs[0].shape, s.shape[1]
             run = self._dnnl.bind_ptrs(onednn.Gemm(m, k, n, ta=True), self._gx16.ctypes.data,
-                                       self._gy16.ctypes.data, val[s].ctypes.data)
-            run.keep = (self._gx16, self._gy16, val[s])
+                                       dy16.ctypes.data, val[s].ctypes.data)
+            run.keep = (self._gx16, dy16, val[s])
             self._dense_gemms[s] = run
         return self._dense_gemms[s]
 
@@ -531,8 +653,6 @@ class CpuBackend(HostBackend):
                 label = f"bf16 conversion {list(s.inputs[0].shape)}"
             elif s in self._grad_bf16:
                 label = f"bf16 conversion for x^T dY {list(s.shape)}"
-            elif s in self._trained16:
-                label = f"bf16 conversion of a trained weight {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:
@@ -579,6 +699,8 @@ class CpuBackend(HostBackend):
     def set_leaf(self, leaf, arr):
         super().set_leaf(leaf, arr)
         self._col_scales_of.pop(leaf, None)
+        if leaf in self._trained16:  # new values: converted before the next replay
+            self._trained16[leaf].src = None
         if leaf in self._resident:  # a fed block weight: a copy of this program's own
             if self._resident[leaf] is _RESIDENT.get(leaf):
                 self._resident[leaf] = np.empty_like(self._resident[leaf])
@@ -602,8 +724,15 @@ class CpuBackend(HostBackend):
 
     # --- replay ------------------------------------------------------------------------
     def _execute(self):
+        self._refresh16()
         with self.replay_context():
             super()._execute()
+        for w in self._written16:  # its update kernel wrote the copy with the new values
+            self._trained16[w].src = self._values[w]
+        for w in self._unwritten:  # updated (now or after this) without its copy
+            rec = _TRAINED16.get(w)
+            if rec is not None:
+                rec.src = None
 
     @contextlib.contextmanager
     def replay_context(self):

@@ -54,17 +54,20 @@ int gt_denormals(int flush) { (void)flush; return -1; }
 class _Lowering:
     """Shared pieces: pointer declarations and member statements for one group."""
 
-    def __init__(self, group, ct):
+    def __init__(self, group, ct, bf16=()):
         self.g, self.ct = group, ct
         self.member_id = {m: k for k, m in enumerate(group.ops)}
         self.in_id = {x: k for k, x in enumerate(group.inputs)}
         self.out_id = {m: k for k, m in enumerate(group.outputs)}
-        n_in = len(group.inputs)
+        self.b16_id = {m: k for k, m in enumerate(bf16)}
+        n_in, n_out = len(group.inputs), len(group.outputs)
         t = ct.t
         self.decls = [f"    const {t} *restrict a{k} = (const {t} *)p[{k}];"
                       for k in range(n_in)]
         self.decls += [f"    {t} *restrict o{k} = ({t} *)p[{n_in + k}];"
-                       for k in range(len(group.outputs))]
+                       for k in range(n_out)]
+        self.decls += [f"    uint16_t *restrict b{k} = (uint16_t *)p[{n_in + n_out + k}];"
+                       for k in range(len(bf16))]
 
     def operand(self, x, strides_of, ivars):
         if x in self.member_id:
@@ -77,13 +80,17 @@ class _Lowering:
         s = f"const {self.ct.t} v{k} = {expr(m.op, args, m.attrs, self.ct)};"
         if write and m in self.out_id:
             s += f" o{self.out_id[m]}[{index_expr(strides_of[m], ivars)}] = v{k};"
+        if write and m in self.b16_id:  # its bf16 rounding too (gt_to_bf16's bits)
+            s += f" b{self.b16_id[m]}[{index_expr(strides_of[m], ivars)}] = gt_bf16(v{k});"
         return s
 
 
-def lower_elementwise(group, ct):
+def lower_elementwise(group, ct, bf16=()):
     """Loop nest over the (squeezed, collapsed) domain; each member computed at the depth
-    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row."""
-    low = _Lowering(group, ct)
+    of its prefix level, so a [T, 1] member inside a [T, n] group runs once per row.
+    ``bf16``: escaping members whose bf16 rounding is written too, each into one more
+    pointer after the outputs (a trained weight's copy, written by its update)."""
+    low = _Lowering(group, ct, bf16)
     dom = list(group.domain)
     arrays = list(group.inputs) + list(group.ops)
     strides = {x: broadcast_strides(x.shape, dom) for x in arrays}
@@ -382,10 +389,53 @@ def copy_kernel_body(v, dtype):
     return "\n".join(lines)
 
 
-def group_kernel_body(group, dtype):
+def scatter_add_body(group, scatter, dtype):
+    """``b + scatter_rows(src, ids, n)``: a one-add group and the row scatter that only it
+    reads (a tied embedding's two gradients), without the scatter's ``[n, d]`` of zeros.
+    ``p``: b, src, ids, the output (which may be b's storage), then scratch for one row
+    per id (``[len(ids), d]``) and each id's first position (int64).  The same sums in
+    the same order as the two ops: each id's rows added into zero one after another, as
+    ``np.add.at`` adds them, then b's row plus that; every other row b + 0."""
+    t = CTypes(dtype).t
+    n, d = scatter.inputs[0].shape
+    rows = scatter.shape[0]
+    return "\n".join([
+        f"    const {t} *b = (const {t} *)p[0];",
+        f"    const {t} *restrict src = (const {t} *)p[1];",
+        "    const int64_t *restrict ids = (const int64_t *)p[2];",
+        f"    {t} *o = ({t} *)p[3];",
+        f"    {t} *restrict acc = ({t} *)p[4];",
+        "    int64_t *restrict first = (int64_t *)p[5];",
+        f"    for (long j = 0; j < {n}L; j++) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        "        long k = 0;",
+        f"        while ((ids[k] < 0 ? ids[k] + {rows}L : ids[k]) != id) k++;",
+        f"        first[j] = (id >= 0 && id < {rows}L) ? k : -1;",
+        f"        {t} *restrict a = acc + k*{d}L;",
+        f"        const {t} *restrict r = src + j*{d}L;",
+        f"        if (k == j) for (long c = 0; c < {d}L; c++) a[c] = ({t})0 + r[c];",
+        f"        else for (long c = 0; c < {d}L; c++) a[c] += r[c];",
+        "    }",
+        "    /* b's rows of the ids read before o (perhaps b itself) is written */",
+        f"    for (long j = 0; j < {n}L; j++) if (first[j] == j) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        f"        for (long c = 0; c < {d}L; c++) acc[j*{d}L + c] = b[id*{d}L + c] + "
+        f"acc[j*{d}L + c];",
+        "    }",
+        _omp_for(rows * d).replace("schedule(static)", "simd schedule(static)"),
+        f"    for (long i = 0; i < {rows * d}L; i++) o[i] = b[i] + ({t})0;",
+        f"    for (long j = 0; j < {n}L; j++) if (first[j] == j) {{",
+        f"        const int64_t id = ids[j] < 0 ? ids[j] + {rows}L : ids[j];",
+        f"        memcpy(o + id*{d}L, acc + j*{d}L, {d}UL * sizeof({t}));",
+        "    }"])
+
+
+def group_kernel_body(group, dtype, bf16=()):
     ct = CTypes(dtype)
     if group.kind == "elementwise":
-        return "\n".join(lower_elementwise(group, ct))
+        return "\n".join(lower_elementwise(group, ct, bf16))
+    if bf16:
+        raise ValueError("a bf16 copy is written only by an elementwise group")
     return "\n".join(lower_rowreduce(group, ct))
 
 
@@ -395,9 +445,14 @@ class ProgramSource:
     def __init__(self):
         self.bodies = {}  # body text -> kernel index
 
-    def kernel(self, group, dtype):
-        body = group_kernel_body(group, dtype)
-        return self._add(body)
+    def kernel(self, group, dtype, bf16=()):
+        """The kernel of a fused group; ``bf16``: its members whose bf16 rounding it
+        writes too (``lower_elementwise``)."""
+        return self._add(group_kernel_body(group, dtype, bf16))
+
+    def scatter_add_kernel(self, group, scatter, dtype):
+        """``scatter_add_body``'s kernel."""
+        return self._add(scatter_add_body(group, scatter, dtype))
 
     def copy_kernel(self, v, dtype):
         if v.op in C_ROWS:

@@ -58,7 +58,8 @@ from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
 from ..lowering import C_ELEMENTWISE
-from . import codegen, measure, mkl, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled, toolchain
+from . import (codegen, measure, mkl, narrow, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled,
+               toolchain)
 from .blas import one_blas_thread
 from .qgemm_bf16 import Bf16Scratch
 from .qgemm_int8 import Int8Scratch
@@ -664,11 +665,21 @@ class CpuBackend(HostBackend):
         """A float32 matmul: in a bf16 program, and in a float32 one that measured it
         fast (``_f32_gemms``), through oneDNN where it can (its threads are the OpenMP
         threads the bf16 GEMMs and our kernels use; in a bf16 replay NumPy's BLAS is kept
-        on one thread, see ``_execute``), else NumPy's BLAS."""
+        on one thread, see ``_execute``), or, for one with a side of at most
+        ``narrow.NARROW`` (LoRA's rank-r products), through ``narrow.py``'s loops where
+        measured faster at its shape (``measure.narrow_way``); else NumPy's BLAS."""
         if self.low_precision or self._f32_dnnl:
-            run = onednn.library().bind_f32(out, _mT(a, ta), _mT(b, tb))
+            a, b = _mT(a, ta), _mT(b, tb)
+            way = (measure.narrow_way(a, b) if a.ndim == b.ndim == 2 and a.dtype == np.float32
+                   and narrow.form(*a.shape, b.shape[1]) else "onednn")
+            if way != "onednn":  # a rank-r product: our loops, measured faster
+                run = narrow.bind(out, a, b, threaded=way == "narrow")
+                if run is not None:
+                    return run
+            run = onednn.library().bind_f32(out, a, b)
             if run is not None:
                 return run
+            return _mm_step(out, a, b)
         return _mm_step(out, a, b, ta, tb)
 
     def scratch_bytes(self):

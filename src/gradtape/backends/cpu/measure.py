@@ -24,7 +24,8 @@ More decisions of the kind, timed the same way: ``fastest``, whether the tiles o
 a bf16 or int8 block-weight product go into oneDNN's blocked weight layout or plain rows,
 and how large they are; ``packed_weights``, whether a dense weight is packed into it once;
 ``f32_onednn``, whether a float32 step's GEMMs run in oneDNN (one thread pool with our
-kernels) or NumPy's BLAS; ``bf16_provider``, whether MKL's bf16 GEMM (``mkl.py``, where
+kernels) or NumPy's BLAS; ``narrow_way``, whether a float32 product with a narrow side
+(LoRA's rank-r ones) runs in oneDNN or our own loops (``narrow.py``); ``bf16_provider``, whether MKL's bf16 GEMM (``mkl.py``, where
 installed) is timed beside oneDNN's.  This module runs nothing but those measurements.
 ``cpu_summary()`` is what ``gradtape bench`` prints beside its figures.
 """
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import settings
-from . import mkl, onednn, toolchain
+from . import mkl, narrow, onednn, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
@@ -427,6 +428,43 @@ def fastest(what, shape, runs, only=((), "")) -> str:
     seconds, _ = rates(f"bf16-tiles {what} [{', '.join(names)}]", shape, measure, len(names),
                        kernels=True)
     return names[seconds.index(min(seconds))]
+
+
+NARROW_REPS = 20
+
+
+def _repeated(fn):
+    def run():
+        for _ in range(NARROW_REPS):
+            fn()
+    return run
+
+
+def narrow_way(a, b) -> str:
+    """How the float32 product ``a @ b`` with a narrow side (``narrow.form``) runs
+    fastest on this CPU: "onednn" (oneDNN's GEMM), "narrow" (``csrc/narrow_gemm.c``'s
+    loops on the OpenMP threads) or "narrow 1 thread" (the same on the calling thread:
+    no parallel region for a few microseconds' work); timed once per shape and
+    transposition on random operands of ``a``'s and ``b``'s layouts (``fastest``)."""
+    rng = np.random.default_rng(0)
+
+    def like(x):  # random values in x's layout (C order, or a transposed view)
+        if x.flags.c_contiguous or not x.T.flags.c_contiguous:
+            return rng.standard_normal(x.shape, dtype=np.float32)
+        return rng.standard_normal(x.shape[::-1], dtype=np.float32).T
+    a2, b2 = like(a), like(b)
+    out = np.empty((a.shape[0], b.shape[1]), np.float32)
+    runs = {"onednn": onednn.library().bind_f32(out, a2, b2),
+            "narrow": narrow.bind(out, a2, b2),
+            "narrow 1 thread": narrow.bind(out, a2, b2, threaded=False)}
+    # each timed call runs the product REPS times: one call of a few microseconds is
+    # mostly the timer's and the machine's noise
+    runs = {k: _repeated(v) for k, v in runs.items() if v is not None}
+    if len(runs) < 2:
+        return next(iter(runs), "onednn")
+    lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
+                  for x in (a, b))
+    return fastest(f"f32 narrow {lay}", (a.shape[0], a.shape[1], b.shape[1]), runs)
 
 
 def blocked_faster(what, shape, blocked, plain, only=((), "")) -> bool:

@@ -4,7 +4,8 @@
 ``codegen.py`` (the C text of fused groups and single ops) and ``toolchain.py`` (the C
 compiler, the on-disk build cache, what the machine offers); ``measure.py`` (the cached
 timings that decide precision and GEMM layouts on this CPU); ``onednn.py`` (oneDNN's
-matmul through ctypes) and ``blas.py`` (NumPy's own BLAS); the products of weights kept
+matmul through ctypes), ``blas.py`` (NumPy's own BLAS) and ``narrow.py`` (float32
+products with a narrow side, LoRA's rank-r ones, in our own loops); the products of weights kept
 in their ggml blocks: ``qgemm.py`` (the C library and the float products),
 ``qgemm_tiles.py`` (how a product is cut into tiles), ``qgemm_bf16.py`` and
 ``qgemm_int8.py`` (the low-precision ways); ``tiled.py`` (the C side of the tiled

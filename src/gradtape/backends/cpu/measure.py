@@ -445,26 +445,37 @@ def narrow_way(a, b) -> str:
     fastest on this CPU: "onednn" (oneDNN's GEMM), "narrow" (``csrc/narrow_gemm.c``'s
     loops on the OpenMP threads) or "narrow 1 thread" (the same on the calling thread:
     no parallel region for a few microseconds' work); timed once per shape and
-    transposition on random operands of ``a``'s and ``b``'s layouts (``fastest``)."""
+    transposition on random operands of ``a``'s and ``b``'s layouts (``fastest``), and
+    kept for the process (a step binds hundreds of such products, of a dozen shapes)."""
+    lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
+                  for x in (a, b))
+    key = (toolchain.isa(), lay, a.shape, b.shape)
+    if key not in _NARROW_WAYS:
+        _NARROW_WAYS[key] = _time_narrow(lay, a.shape, b.shape)
+    return _NARROW_WAYS[key]
+
+
+_NARROW_WAYS = {}  # (class, layouts, shapes) -> narrow_way's answer, for this process
+
+
+def _time_narrow(lay, sa, sb):
     rng = np.random.default_rng(0)
 
-    def like(x):  # random values in x's layout (C order, or a transposed view)
-        if x.flags.c_contiguous or not x.T.flags.c_contiguous:
-            return rng.standard_normal(x.shape, dtype=np.float32)
-        return rng.standard_normal(x.shape[::-1], dtype=np.float32).T
-    a2, b2 = like(a), like(b)
-    out = np.empty((a.shape[0], b.shape[1]), np.float32)
-    runs = {"onednn": onednn.library().bind_f32(out, a2, b2),
-            "narrow": narrow.bind(out, a2, b2),
-            "narrow 1 thread": narrow.bind(out, a2, b2, threaded=False)}
-    # each timed call runs the product REPS times: one call of a few microseconds is
-    # mostly the timer's and the machine's noise
+    def like(shape, t):  # random values in a layout: C order, or a transposed view
+        if t == "N":
+            return rng.standard_normal(shape, dtype=np.float32)
+        return rng.standard_normal(shape[::-1], dtype=np.float32).T
+    a, b = like(sa, lay[0]), like(sb, lay[1])
+    out = np.empty((sa[0], sb[1]), np.float32)
+    runs = {"onednn": onednn.library().bind_f32(out, a, b),
+            "narrow": narrow.bind(out, a, b),
+            "narrow 1 thread": narrow.bind(out, a, b, threaded=False)}
+    # each timed call runs the product NARROW_REPS times: one call of a few microseconds
+    # is mostly the timer's and the machine's noise
     runs = {k: _repeated(v) for k, v in runs.items() if v is not None}
     if len(runs) < 2:
         return next(iter(runs), "onednn")
-    lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
-                  for x in (a, b))
-    return fastest(f"f32 narrow {lay}", (a.shape[0], a.shape[1], b.shape[1]), runs)
+    return fastest(f"f32 narrow {lay}", (sa[0], sa[1], sb[1]), runs)
 
 
 def blocked_faster(what, shape, blocked, plain, only=((), "")) -> bool:

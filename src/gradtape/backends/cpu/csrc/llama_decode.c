@@ -452,14 +452,14 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
 
 /* --- prefill: T new rows at positions start .. start+T-1 in one call -------------------
    The same layer math as gd_step on T rows at once: the linears are GEMMs from the
-   blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
+   blocks (gv_gemm_rows: GV_PANEL weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed. */
 
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
     return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
-           + m->nthreads * 4 * gd_kmax(m);
+           + m->nthreads * GV_PANEL * gd_kmax(m);
 }
 
 /* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64). */
@@ -519,7 +519,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
 #endif
     {
 #ifdef _OPENMP
-    float *tile = tiles + omp_get_thread_num() * 4 * kmax;
+    float *tile = tiles + omp_get_thread_num() * GV_PANEL * kmax;
 #else
     float *tile = tiles;
 #endif

@@ -6,7 +6,7 @@ A block matrix here is ``(qtype, data)``: a ggml type name and a ``uint8`` array
 its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 ``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
-threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
+threads; ``matmul`` does the same for many rows (prefill) from panels of dequantized
 weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
 once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
 blocks of the types in ``Q8_TYPES``.  This module does not run training GEMMs (the cpu

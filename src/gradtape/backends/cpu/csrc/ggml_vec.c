@@ -472,7 +472,7 @@ void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
 }
 
 /* Y[T, rows] = X[T, k] @ deq(W)^T, any T, rows split over nthreads threads; `tile`
-   holds nthreads * 4 * k floats. */
+   holds nthreads * GV_PANEL * k floats. */
 void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
                const float *X, int64_t T, float *Y, int64_t nthreads, float *tile) {
     if (nthreads < 1) nthreads = 1;

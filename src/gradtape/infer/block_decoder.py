@@ -21,7 +21,7 @@ float32 sums differs from the graph replay, unless the step's products read thei
 row quantized to 8 bits (``dots="q8"``, the default of ``$GRADTAPE_DECODE_DOTS``: llama.cpp's
 scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots; then the logits
 differ from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
-layers many rows per call (GEMMs from four dequantized weight rows at a time); ``load``
+layers many rows per call (GEMMs from panels of dequantized weight rows); ``load``
 takes over a cache filled by the graph instead.
 """
 

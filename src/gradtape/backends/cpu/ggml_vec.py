@@ -6,7 +6,7 @@ A block matrix here is ``(qtype, data)``: a ggml type name and a ``uint8`` array
 its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 ``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
-threads; ``matmul`` does the same for many rows (prefill) from tiles of four dequantized
+threads; ``matmul`` does the same for many rows (prefill) from panels of dequantized
 weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
 once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
 blocks of the types in ``Q8_TYPES``.  This module does not run training GEMMs (the cpu
@@ -35,6 +35,7 @@ SOURCES = ("ggml_vec.c", "q8_dots.c", "llama_decode.c")
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
+PANEL = 16  # weight rows a matmul dequantizes at a time (csrc/ggml_vec.h's GV_PANEL)
 MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
 
 _LIBS = {}  # the build flags (the instruction-set class in force) -> the library
@@ -162,7 +163,7 @@ def matvec_call(qtype: str, w: np.ndarray, rows: int, k: int, x: np.ndarray,
 
 
 def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
-    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): four weight rows are
+    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): PANEL weight rows are
     dequantized at a time and used by every row of x; float32 accumulation."""
     k = _check(qtype, data)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -170,7 +171,7 @@ def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
         raise ValueError(f"ggml_vec.matmul: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
     nt = nthreads or threads()
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    tile = np.empty(nt * 4 * k, np.float32)
+    tile = np.empty(nt * PANEL * k, np.float32)
     lib().gv_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
                     x.ctypes.data, x.shape[0], out.ctypes.data, nt, tile.ctypes.data)
     return out

@@ -74,31 +74,59 @@ static inline float gb_h2f(const uint8_t *p) {
 /* --- one block -> float32 (bit-identical to gguf.quants.dequantize) ------------------- */
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* AVX2 (without AVX-512): a 4-bit block's 32 values, 8 bytes of q widened at a time,
-   then the same float operations as the loops below, d * (nibble - off) (+ m where
-   add; the sum is left out, not 0 added, so that a -0.0 product stays -0.0).  GCC's
-   own vectorization of those loops extracts the bytes one by one at this width. */
-static inline void gb_q4_avx2(const uint8_t *q, float d, float m, int off, int add,
-                              float *o) {
+/* AVX2 (without AVX-512): a 4- or 5-bit block's 32 values, 8 bytes of q widened at a
+   time (where five: bit j of qh or'd in as bit 4 of value j), then the same float
+   operations as the loops below, d * (n - off) (+ m where add; the sum is left out, not
+   0 added, so that a -0.0 product stays -0.0).  GCC's own vectorization of those loops
+   extracts the bytes one by one at this width. */
+static inline void gb_q45_avx2(const uint8_t *q, uint32_t qh, int five, float d, float m,
+                               int off, int add, float *o) {
     const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
     const __m256i ov = _mm256_set1_epi32(off), m4 = _mm256_set1_epi32(15);
+    const __m256i one = _mm256_set1_epi32(1), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int h = 0; h < 2; h++) {
         const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * h)));
-        __m256 lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(
-            _mm256_sub_epi32(_mm256_and_si256(x, m4), ov)));
-        __m256 hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(
-            _mm256_sub_epi32(_mm256_srli_epi32(x, 4), ov)));
+        __m256i nl = _mm256_and_si256(x, m4), nh = _mm256_srli_epi32(x, 4);
+        if (five) {  /* bits 8 h + lane and 16 + 8 h + lane of qh, as bit 4 */
+            const __m256i b = _mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> 8 * h)), lane);
+            nl = _mm256_or_si256(nl, _mm256_slli_epi32(_mm256_and_si256(b, one), 4));
+            nh = _mm256_or_si256(nh, _mm256_slli_epi32(
+                _mm256_and_si256(_mm256_srli_epi32(b, 16), one), 4));
+        }
+        __m256 lo = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(nl, ov)));
+        __m256 hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_sub_epi32(nh, ov)));
         if (add) lo = _mm256_add_ps(lo, mv), hi = _mm256_add_ps(hi, mv);
         _mm256_storeu_ps(o + 8 * h, lo);
         _mm256_storeu_ps(o + 16 + 8 * h, hi);
     }
 }
 #endif
+#ifdef __AVX512F__
+/* AVX-512: a 5-bit block's 32 values, 16 at a time, as gb_q45_avx2 */
+static inline void gb_q5_avx512(const uint8_t *q, uint32_t qh, float d, float m, int off,
+                                int add, float *o) {
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+    const __m512i ov = _mm512_set1_epi32(off), m4 = _mm512_set1_epi32(15);
+    const __m512i one = _mm512_set1_epi32(1), lane = _mm512_setr_epi32(
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m512i b = _mm512_srlv_epi32(_mm512_set1_epi32((int)qh), lane);
+    const __m512i nl = _mm512_or_si512(_mm512_and_si512(x, m4),
+                                       _mm512_slli_epi32(_mm512_and_si512(b, one), 4));
+    const __m512i nh = _mm512_or_si512(_mm512_srli_epi32(x, 4), _mm512_slli_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(b, 16), one), 4));
+    __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_sub_epi32(nl, ov)));
+    __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_sub_epi32(nh, ov)));
+    if (add) lo = _mm512_add_ps(lo, mv), hi = _mm512_add_ps(hi, mv);
+    _mm512_storeu_ps(o, lo);
+    _mm512_storeu_ps(o + 16, hi);
+}
+#endif
 
 static inline void deq_q4_0(const uint8_t *b, float *o) {
     const float d = gb_h2f(b); const uint8_t *q = b + 2;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    gb_q4_avx2(q, d, 0.0f, 8, 0, o);
+    gb_q45_avx2(q, 0, 0, d, 0.0f, 8, 0, o);
 #else
     for (int l = 0; l < 16; l++) {
         o[l] = d * (float)((int)(q[l] & 15) - 8);
@@ -109,7 +137,7 @@ static inline void deq_q4_0(const uint8_t *b, float *o) {
 static inline void deq_q4_1(const uint8_t *b, float *o) {
     const float d = gb_h2f(b), m = gb_h2f(b + 2); const uint8_t *q = b + 4;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-    gb_q4_avx2(q, d, m, 0, 1, o);
+    gb_q45_avx2(q, 0, 0, d, m, 0, 1, o);
 #else
     for (int l = 0; l < 16; l++) {
         o[l] = d * (float)(q[l] & 15) + m;
@@ -119,18 +147,30 @@ static inline void deq_q4_1(const uint8_t *b, float *o) {
 }
 static inline void deq_q5_0(const uint8_t *b, float *o) {
     const float d = gb_h2f(b); uint32_t qh; memcpy(&qh, b + 2, 4); const uint8_t *q = b + 6;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    gb_q45_avx2(q, qh, 1, d, 0.0f, 16, 0, o);
+#elif defined(__AVX512F__)
+    gb_q5_avx512(q, qh, d, 0.0f, 16, 0, o);
+#else
     for (int l = 0; l < 16; l++) {
         o[l] = d * (float)((int)((q[l] & 15) | (((qh >> l) & 1) << 4)) - 16);
         o[l + 16] = d * (float)((int)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
     }
+#endif
 }
 static inline void deq_q5_1(const uint8_t *b, float *o) {
     const float d = gb_h2f(b), m = gb_h2f(b + 2); uint32_t qh; memcpy(&qh, b + 4, 4);
     const uint8_t *q = b + 8;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    gb_q45_avx2(q, qh, 1, d, m, 0, 1, o);
+#elif defined(__AVX512F__)
+    gb_q5_avx512(q, qh, d, m, 0, 1, o);
+#else
     for (int l = 0; l < 16; l++) {
         o[l] = d * (float)((q[l] & 15) | (((qh >> l) & 1) << 4)) + m;
         o[l + 16] = d * (float)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) + m;
     }
+#endif
 }
 static inline void deq_q8_0(const uint8_t *b, float *o) {
     const float d = gb_h2f(b); const int8_t *q = (const int8_t *)(b + 2);

@@ -387,8 +387,9 @@ void gv_take_rows(int64_t type, const uint8_t *W, int64_t k, int64_t row_bytes,
 }
 
 /* --- many rows of x (prefill): Y[t, r] (+)= X[t] . deq(W)[r] for rows [r0, r1) ---------
-   Four rows of W are dequantized into `tile` [4, k] (reused by all T rows of X), then
-   their dots with GV_TR X rows at a time: in vector registers (gv_tile_dots) where
+   GV_PANEL rows of W are dequantized into `tile` [GV_PANEL, k] (reused by all T rows of
+   X); each GV_TR rows of X then meet the panel's rows four at a time (the X rows are read
+   from L1 by all of them rather than streamed from L2 for every four), their dots: in vector registers (gv_tile_dots) where
    there is a vector unit, else 16 lane accumulators each, over k. */
 #ifdef GV_W
 /* X rows per register block: AVX-512's 32 registers hold 4 x 4 accumulators, AVX2's 16
@@ -430,40 +431,48 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                   int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
                   int64_t ldy, int accumulate, float *tile) {
-    for (int64_t r = r0; r < r1; r += 4) {
-        const int64_t nr = r + 4 <= r1 ? 4 : r1 - r;
-        gv_deq_rows(type, W, row_bytes, k, r, nr, tile);
-        for (int64_t i = nr; i < 4; i++) memset(tile + i * k, 0, k * sizeof(float));
+    /* a panel of about 32 KB of float32 (L1 with the X rows beside it): 4 to GV_PANEL
+       rows, a multiple of 4 */
+    int64_t pr = GV_PANEL_FLOATS / k / 4 * 4;
+    pr = pr < 4 ? 4 : pr > GV_PANEL ? GV_PANEL : pr;
+    for (int64_t p = r0; p < r1; p += pr) {
+        const int64_t np = p + pr <= r1 ? pr : r1 - p, ng = (np + 3) / 4;
+        gv_deq_rows(type, W, row_bytes, k, p, np, tile);
+        for (int64_t i = np; i < 4 * ng; i++) memset(tile + i * k, 0, k * sizeof(float));
         for (int64_t t = 0; t < T; t += GV_TR) {
             const int64_t nt = t + GV_TR <= T ? GV_TR : T - t;
-            float out[4][4];
+            for (int64_t g = 0; g < ng; g++) {  /* X rows t.. stay in L1 for the panel */
+                const int64_t r = p + 4 * g, nr = 4 * g + 4 <= np ? 4 : np - 4 * g;
+                const float *wt = tile + 4 * g * k;
+                float out[4][4];
 #ifdef GV_W
-            if (k % GV_W == 0) gv_tile_dots(tile, X + t * k, k, nt, out);
-            else
+                if (k % GV_W == 0) gv_tile_dots(wt, X + t * k, k, nt, out);
+                else
 #endif
-            {
-                for (int i = 0; i < 4; i++)
-                    for (int u = 0; u < nt; u++) {
-                        float a16[16] = {0};
-                        const float *w = tile + i * k, *x = X + (t + u) * k;
-                        int64_t j = 0;
-                        for (; j + 16 <= k; j += 16)
-                            for (int l = 0; l < 16; l++) a16[l] += w[j + l] * x[j + l];
-                        for (; j < k; j++) a16[j & 15] += w[j] * x[j];
-                        out[i][u] = gv_hsum(a16);
+                {
+                    for (int i = 0; i < 4; i++)
+                        for (int u = 0; u < nt; u++) {
+                            float a16[16] = {0};
+                            const float *w = wt + i * k, *x = X + (t + u) * k;
+                            int64_t j = 0;
+                            for (; j + 16 <= k; j += 16)
+                                for (int l = 0; l < 16; l++) a16[l] += w[j + l] * x[j + l];
+                            for (; j < k; j++) a16[j & 15] += w[j] * x[j];
+                            out[i][u] = gv_hsum(a16);
+                        }
+                }
+                for (int64_t i = 0; i < nr; i++)
+                    for (int64_t u = 0; u < nt; u++) {
+                        float *y = Y + (t + u) * ldy + r + i;
+                        *y = accumulate ? *y + out[i][u] : out[i][u];
                     }
             }
-            for (int64_t i = 0; i < nr; i++)
-                for (int64_t u = 0; u < nt; u++) {
-                    float *y = Y + (t + u) * ldy + r + i;
-                    *y = accumulate ? *y + out[i][u] : out[i][u];
-                }
         }
     }
 }
 
 /* Y[T, rows] = X[T, k] @ deq(W)^T, any T, rows split over nthreads threads; `tile`
-   holds nthreads * 4 * k floats. */
+   holds nthreads * GV_PANEL * k floats. */
 void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
                const float *X, int64_t T, float *Y, int64_t nthreads, float *tile) {
     if (nthreads < 1) nthreads = 1;
@@ -472,7 +481,7 @@ void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t 
     {
         int64_t r0, r1, tid = omp_get_thread_num();
         gv_share(rows, tid, omp_get_num_threads(), &r0, &r1);
-        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * 4 * k);
+        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * GV_PANEL * k);
     }
 #else
     gv_gemm_rows(type, W, row_bytes, k, 0, rows, X, T, Y, rows, 0, tile);

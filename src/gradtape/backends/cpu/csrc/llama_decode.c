@@ -242,7 +242,25 @@ static void gd_layer_at(const gd_model *m, int64_t i, int64_t p, const float **c
 static void gd_attend(const float *q, const float *k, const float *v, int64_t stride,
                       int64_t n, int64_t hd, float iscale, float cap, float *s, float *o) {
     float mx = -INFINITY;
-    for (int64_t p = 0; p < n; p++) {
+    int64_t p = 0;
+#ifdef GV_W
+    /* four positions at a time: four independent sums (one sum's FMAs wait on each
+       other), each in the single position's order */
+    for (; p + 4 <= n; p += 4) {
+        const float *kp = k + p * stride;
+        gv_f a0 = gv_zero(), a1 = gv_zero(), a2 = gv_zero(), a3 = gv_zero();
+        for (int64_t j = 0; j < hd; j += GV_W) {
+            const gv_f qv = gv_load(q + j);
+            a0 = gv_fma(qv, gv_load(kp + j), a0);
+            a1 = gv_fma(qv, gv_load(kp + stride + j), a1);
+            a2 = gv_fma(qv, gv_load(kp + 2 * stride + j), a2);
+            a3 = gv_fma(qv, gv_load(kp + 3 * stride + j), a3);
+        }
+        s[p] = gv_sum(a0) * iscale, s[p + 1] = gv_sum(a1) * iscale;
+        s[p + 2] = gv_sum(a2) * iscale, s[p + 3] = gv_sum(a3) * iscale;
+    }
+#endif
+    for (; p < n; p++) {
         const float *kp = k + p * stride;
 #ifdef GV_W
         gv_f a = gv_zero();
@@ -254,17 +272,37 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
             for (int l = 0; l < 16; l++) a[l] += q[j + l] * kp[j + l];
         s[p] = gv_hsum(a) * iscale;
 #endif
+    }
+    for (p = 0; p < n; p++) {
         if (cap > 0.0f) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
         mx = s[p] > mx ? s[p] : mx;
     }
-    for (int64_t p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
+    for (p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
     double den = 0.0;
-    for (int64_t p = 0; p < n; p++) den += s[p];
+    for (p = 0; p < n; p++) den += s[p];
     const float inv = (float)(1.0 / den);
-    for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-    for (int64_t p = 0; p < n; p++) {
+    int64_t j0 = 0;
+#ifdef GV_W
+    /* 4 GV_W columns of o at a time in registers over all positions (o[j] += w v[j], a
+       product then a sum, in the positions' order as below) */
+    for (; j0 + 4 * GV_W <= hd; j0 += 4 * GV_W) {
+        gv_f o0 = gv_zero(), o1 = gv_zero(), o2 = gv_zero(), o3 = gv_zero();
+        for (p = 0; p < n; p++) {
+            const gv_f w = gv_set1(s[p] * inv);
+            const float *vp = v + p * stride + j0;
+            o0 = gv_add(o0, gv_mul(w, gv_load(vp)));
+            o1 = gv_add(o1, gv_mul(w, gv_load(vp + GV_W)));
+            o2 = gv_add(o2, gv_mul(w, gv_load(vp + 2 * GV_W)));
+            o3 = gv_add(o3, gv_mul(w, gv_load(vp + 3 * GV_W)));
+        }
+        gv_store(o + j0, o0), gv_store(o + j0 + GV_W, o1);
+        gv_store(o + j0 + 2 * GV_W, o2), gv_store(o + j0 + 3 * GV_W, o3);
+    }
+#endif
+    for (int64_t j = j0; j < hd; j++) o[j] = 0.0f;
+    for (p = 0; p < n; p++) {
         const float w = s[p] * inv, *vp = v + p * stride;
-        for (int64_t j = 0; j < hd; j++) o[j] += w * vp[j];
+        for (int64_t j = j0; j < hd; j++) o[j] += w * vp[j];
     }
 }
 
@@ -452,14 +490,14 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
 
 /* --- prefill: T new rows at positions start .. start+T-1 in one call -------------------
    The same layer math as gd_step on T rows at once: the linears are GEMMs from the
-   blocks (gv_gemm_rows: four weight rows dequantized once per call and used by all T
+   blocks (gv_gemm_rows: GV_PANEL weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed. */
 
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
     return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
-           + m->nthreads * 4 * gd_kmax(m);
+           + m->nthreads * GV_PANEL * gd_kmax(m);
 }
 
 /* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64). */
@@ -519,7 +557,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
 #endif
     {
 #ifdef _OPENMP
-    float *tile = tiles + omp_get_thread_num() * 4 * kmax;
+    float *tile = tiles + omp_get_thread_num() * GV_PANEL * kmax;
 #else
     float *tile = tiles;
 #endif

@@ -194,15 +194,19 @@ static inline __m256i gq_nibs(const uint8_t *qs) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
                                    _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
 }
-/* byte j = 16 where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
-static inline __m256i gq_bit4(const uint8_t *qh) {
+/* byte j = 0xFF where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
+static inline __m256i gq_bits(const uint8_t *qh) {
     uint32_t h;
     memcpy(&h, qh, 4);
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
     const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick), bit);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+    return _mm256_cmpeq_epi8(v, bit);
+}
+/* byte j = 16 where bit j is set, else 0 */
+static inline __m256i gq_bit4(const uint8_t *qh) {
+    return _mm256_and_si256(gq_bits(qh), _mm256_set1_epi8(16));
 }
 static inline float gq_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -222,8 +226,10 @@ static inline __m256i gq_w_q4_0(const uint8_t *p) {
     return _mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8));
 }
 static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
+/* n - 16 as a signed byte: the nibble with 0xF0 or'd in where the fifth bit is clear */
 static inline __m256i gq_w_q5_0(const uint8_t *p) {
-    return _mm256_sub_epi8(_mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2)), _mm256_set1_epi8(16));
+    return _mm256_or_si256(gq_nibs(p + 6), _mm256_andnot_si256(gq_bits(p + 2),
+                                                                _mm256_set1_epi8((char)0xF0)));
 }
 static inline __m256i gq_w_q5_1(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));

@@ -93,7 +93,7 @@ def lib():
         so.gq_path.restype = so.gq_bytes.restype = _i64
         so.gq_bytes.argtypes = [_i64]
         so.gq_q8_0.restype = so.gq_q8_k.restype = so.gq_matvec.restype = None
-        so.gq_q8_0.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
+        so.gq_q8_0.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
         so.gq_q8_k.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
         so.gq_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr]
         _LIBS[plain] = so
@@ -209,7 +209,9 @@ def quantize_q8_0(x):
     x = _row(x, 32)
     q = np.empty(x.size, np.int8)
     d, s = np.empty(x.size // 32, np.float32), np.empty(x.size // 32, np.float32)
-    lib().gq_q8_0(x.ctypes.data, x.size, q.ctypes.data, d.ctypes.data, s.ctypes.data)
+    z = np.empty(x.size // 4, np.int32)  # Q5_0's offset term, not returned
+    lib().gq_q8_0(x.ctypes.data, x.size, q.ctypes.data, d.ctypes.data, s.ctypes.data,
+                  z.ctypes.data)
     return q, d, s
 
 

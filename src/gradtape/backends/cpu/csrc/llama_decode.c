@@ -440,7 +440,7 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
                       att + qh * hd);
             if (ohead)
                 gq_q8_0(att + qh * hd, hd, xr.q0 + qh * hd, xr.d0 + qh * hd / 32,
-                        xr.s0 + qh * hd / 32);
+                        xr.s0 + qh * hd / 32, xr.z0 + qh * hd / 4);
         }
         gd_sync(tm);
         if (no && !ohead) {

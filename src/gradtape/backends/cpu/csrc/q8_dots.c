@@ -103,13 +103,18 @@ static inline float gq_absmax(const float *x, int64_t n) {
 #endif
 }
 
-/* Q8_0 (with Q8_1's sums) of x [k], k a multiple of 32: q [k], d [k/32], s [k/32] */
-void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+/* Q8_0 (with Q8_1's sums) of x [k], k a multiple of 32: q [k], d [k/32], s [k/32], and
+   z [k/4] = 16 times the sum of each 4 quants (the int32 lanes of the AVX2 dots, so Q5_0's
+   sum (n - 16) q is the unsigned sum n q less z: the same integers) */
+void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float a = gq_absmax(x + 32 * b, 32), dd = a / 127.0f;
         const int sum = gq_round32(x + 32 * b, a != 0.0f ? 127.0f / a : 0.0f, q + 32 * b);
         d[b] = gq_f16(dd);
         s[b] = gq_f16(dd * (float)sum);
+        for (int l = 0; l < 8; l++)
+            z[8 * b + l] = 16 * (q[32 * b + 4 * l] + q[32 * b + 4 * l + 1]
+                                 + q[32 * b + 4 * l + 2] + q[32 * b + 4 * l + 3]);
     }
 }
 
@@ -143,7 +148,7 @@ static int64_t gq_up(int64_t n) { return (n + 63) / 64 * 64; }
 
 int64_t gq_bytes(int64_t kmax) {
     return 2 * gq_up(kmax) + 2 * gq_up(4 * (kmax / 32)) + gq_up(4 * (kmax / 256 + 1))
-           + gq_up(2 * (kmax / 16)) + 64;
+           + gq_up(2 * (kmax / 16)) + gq_up(kmax) + 64;
 }
 
 void gq_init(gq_row *r, void *buf, int64_t kmax) {
@@ -153,7 +158,8 @@ void gq_init(gq_row *r, void *buf, int64_t kmax) {
     r->d0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->s0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->dk = (float *)p; p += gq_up(4 * (kmax / 256 + 1));
-    r->bk = (int16_t *)p;
+    r->bk = (int16_t *)p; p += gq_up(2 * (kmax / 16));
+    r->z0 = (int32_t *)p;
     r->k = 0;
     r->have = 0;
 }
@@ -162,7 +168,7 @@ void gq_quantize(gq_row *r, const float *x, int64_t k, int need) {
     r->k = k;
     r->have = 0;
     if ((need & GQ_Q80) && k % 32 == 0) {
-        gq_q8_0(x, k, r->q0, r->d0, r->s0);
+        gq_q8_0(x, k, r->q0, r->d0, r->s0, r->z0);
         r->have |= GQ_Q80;
     }
     if ((need & GQ_Q8K) && k % 256 == 0) {
@@ -231,6 +237,10 @@ static inline __m256i gq_w_q5_0(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 6), _mm256_andnot_si256(gq_bits(p + 2),
                                                                 _mm256_set1_epi8((char)0xF0)));
 }
+/* Q5_0's n unsigned (its - 16 taken off as the row's z0) */
+static inline __m256i gq_w_q5_0u(const uint8_t *p) {
+    return _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));
+}
 static inline __m256i gq_w_q5_1(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));
 }
@@ -271,6 +281,9 @@ static inline __m512i gq_w_q4_1_2(const uint8_t *p, const uint8_t *p1) { return 
 static inline __m512i gq_w_q5_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 6, 2, 16); }
 static inline __m512i gq_w_q5_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 8, 4, 0); }
 static inline __m512i gq_w_q8_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q8_0(p), gq_w_q8_0(p1)); }
+#define GQ_W5 gq_w_q5_0
+#define GQ_W5_2 gq_w_q5_0_2
+#define GQ_S5 1
 #define GQ_PAIR(W, SGN, p, p1, y) (SGN ? gq_ss2(W##_2(p, p1), y) : gq_us2(W##_2(p, p1), y))
 /* 16 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m:
    two f16), d_w d_x and m_w s_x in lanes; each pair's d_w d_x then moved into place by a
@@ -334,6 +347,13 @@ static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 
     const __m256i v = _mm256_shuffle_epi8(g, pick);
     return _mm_unpacklo_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
+/* block zb's int32 lanes: SGN 0 unsigned w, 1 signed, 2 unsigned less the row's z0 */
+#define GQ_I(W, SGN, p, y, zb)                                                           \
+    (SGN == 2 ? _mm256_sub_epi32(gq_us(W(p), y),                                         \
+                                 _mm256_loadu_si256((const __m256i *)(x->z0 + 8 * (zb)))) \
+     : SGN ? gq_ss(W(p), y) : gq_us(W(p), y))
+#define GQ_W5 gq_w_q5_0u
+#define GQ_S5 2
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                     \
     __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mv = _mm256_setzero_ps();  \
@@ -352,7 +372,7 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
         for (int j = 0; j < 8; j++) {                                                    \
             const uint8_t *pj = p + BS * j;                                              \
             const __m256i y = gq_y(x->q0 + 32 * (b + j));                                \
-            const __m256i i = SGN ? gq_ss(W(pj), y) : gq_us(W(pj), y);                   \
+            const __m256i i = GQ_I(W, SGN, pj, y, b + j);                                \
             a[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j)),  \
                                        _mm256_cvtepi32_ps(i), a[j & 1]);                 \
         }                                                                                \
@@ -360,7 +380,7 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
     for (; b < nb; b++) {                                                                \
         const uint8_t *p = row + BS * b;                                                 \
         const __m256i y = gq_y(x->q0 + 32 * b);                                          \
-        const __m256i i = SGN ? gq_ss(W(p), y) : gq_us(W(p), y);                         \
+        const __m256i i = GQ_I(W, SGN, p, y, b);                                         \
         a[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                 \
                                    _mm256_cvtepi32_ps(i), a[b & 1]);                     \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
@@ -370,7 +390,7 @@ static float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {            
 #endif
 GQ_DOT32(gq_dot_q4_0, 18, gq_w_q4_0, 1, 0)
 GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
-GQ_DOT32(gq_dot_q5_0, 22, gq_w_q5_0, 1, 0)
+GQ_DOT32(gq_dot_q5_0, 22, GQ_W5, GQ_S5, 0)
 GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
 

@@ -11,13 +11,14 @@ typedef struct {
     int8_t *q0, *qk;      /* [k] the quants of either form */
     float *d0, *s0, *dk;  /* [k/32] Q8_0 scales and Q8_1 sums (f16 values), [k/256] Q8_K's */
     int16_t *bk;          /* [k/16] Q8_K's sums of 16 quants */
+    int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q5_0's offset term */
 } gq_row;
 
 int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer dots) */
 int64_t gq_bytes(int64_t kmax);  /* the buffer gq_init carves a row of <= kmax from */
 void gq_init(gq_row *r, void *buf, int64_t kmax);
 void gq_quantize(gq_row *r, const float *x, int64_t k, int need);
-void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s);  /* one form's parts */
+void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z);  /* one form's parts */
 int gq_ready(const gq_row *x, int64_t type, int64_t k);  /* x holds what type's dots read */
 void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
              int64_t r1, const gq_row *x, float *y, int accumulate);

@@ -14,6 +14,7 @@
    A weight block then adds (d_w d_x) * (an integer dot) and its min term:
      Q4_0  w = d (n - 8):    d d_x sum (n - 8) q       Q5_0  as Q4_0, 5-bit n, n - 16
      Q4_1  w = d n + m:      d d_x sum n q + m s       Q5_1  as Q4_1, 5-bit n
+       (AVX2's Q5_0: sum n q - z, z = 16 times each 4 quants' sum kept with the row)
      Q8_0  w = d n:          d d_x sum n q
      Q4_K  w = d sc_s n - dmin mn_s (sub-blocks s of 32):
            d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)

@@ -159,8 +159,8 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 
 # logits elements from which the per-sequence log-probabilities fuse the head (16 MB
 # float32): a preference batch holds 2N sequences, and the composed route would keep
-# their [2NT, V] logits and, in the step, their gradient as well (192 MB for one pair of
-# SmolLM2 at T=256: most of the eval program's and reference pass's memory)
+# their [2NT, V] logits and, in the step, their gradient as well (most of a small
+# model's eval program and reference pass)
 LOGPS_FUSE_MIN = 1 << 22
 
 

@@ -112,13 +112,12 @@ def _float32_state(program, leaf):
 # one more forward pass of it, so the fewer the better.
 AUTO_SHARE = 0.75
 # ... and as few as keep the activations within this share of the run even where it fits
-# (a preference pair's 2 x 256 rows of an 8B model: about 10 of 32 layers)
+# (a big model's preference pair: a third of its layers or so)
 AUTO_ACTIVATIONS = 1 / 3
 # ... and every layer where that is a good trade: it frees at least this share of the
 # run's memory, at no more work than a GFLOP of recomputed products per
-# AUTO_MB_PER_GFLOP MB freed.  512 rows of a small model (a preference pair at T=256) free
-# a third of its memory at about 4 MB per GFLOP; 256 rows free a sixth; an 8B model's
-# activations are small beside its products (about 0.4 MB per GFLOP).
+# AUTO_MB_PER_GFLOP MB freed: a small model's activations weigh much beside its products
+# (recomputing pays), a big model's little (docs/benchmarks.md has the measured cases).
 AUTO_FREES = 0.25
 AUTO_MB_PER_GFLOP = 1.0
 

@@ -18,20 +18,12 @@ from . import toolchain
 
 NARROW = 32  # csrc/narrow_gemm.c's NARROW: the widest narrow side
 
-_LIBS = {}  # the build flags (the instruction-set class in force) -> the library
-
-
 def _lib():
-    key = toolchain.isa_flags()
-    if key not in _LIBS:
-        path, _ = toolchain.build_csrc(["narrow_gemm.c"], flags=toolchain.threads_flags(),
-                                       prefix="narrow")
-        lib = ctypes.CDLL(str(path))
-        vp, lg = ctypes.c_void_p, ctypes.c_long
-        lib.gt_narrow.argtypes = [vp, vp, lg, lg, vp, lg, lg, lg, lg, lg, vp, ctypes.c_int]
-        lib.gt_narrow.restype = None
-        _LIBS[key] = lib
-    return _LIBS[key]
+    lib = toolchain.csrc_library(["narrow_gemm.c"], "narrow")
+    vp, lg = ctypes.c_void_p, ctypes.c_long
+    lib.gt_narrow.argtypes = [vp, vp, lg, lg, vp, lg, lg, lg, lg, lg, vp, ctypes.c_int]
+    lib.gt_narrow.restype = None
+    return lib
 
 
 def _strides(x):

@@ -23,16 +23,8 @@ from ..base import page_aligned
 from . import blas, measure, onednn, qgemm, toolchain
 from .onednn import Gemm
 
-_LIBS = {}  # the build flags (the instruction-set class in force) -> the library
-
-
 def _lib():
-    key = toolchain.isa_flags()
-    if key not in _LIBS:
-        path, _ = toolchain.build_csrc(["flash.c"], flags=toolchain.threads_flags(),
-                                       prefix="tiled")
-        _LIBS[key] = ctypes.CDLL(str(path))
-    return _LIBS[key]
+    return toolchain.csrc_library(["flash.c"], "tiled")
 
 
 def _p(a):

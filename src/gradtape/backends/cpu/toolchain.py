@@ -15,6 +15,7 @@ This module generates no kernel text (``codegen.py`` does) and loads no library.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -186,6 +187,19 @@ def compiler():
 
 def _csrc_texts():
     return [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
+
+
+_CSRC_LIBS = {}  # (files, prefix, build flags) -> the loaded library
+
+
+def csrc_library(names, prefix):
+    """The library of csrc ``names`` with OpenMP, built for the instruction-set class in
+    force (``build_csrc``) and loaded once per class in this process."""
+    key = (tuple(names), prefix, isa_flags())
+    if key not in _CSRC_LIBS:
+        path, _ = build_csrc(list(names), flags=threads_flags(), prefix=prefix)
+        _CSRC_LIBS[key] = ctypes.CDLL(str(path))
+    return _CSRC_LIBS[key]
 
 
 def build_csrc(names, flags=None, prefix="gt"):

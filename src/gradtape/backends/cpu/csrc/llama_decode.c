@@ -56,9 +56,9 @@
 #endif
 
 /* The decode step's own barrier (the prefill keeps OpenMP's): a step meets about 8 times
-   a layer, and OpenMP's barrier sleeps on a futex under the passive wait policy gradtape
-   sets on CPUs without bf16 matrix instructions (toolchain.quiet_openmp), a wake-up at
-   every meeting.  Here the last thread to arrive starts a new generation and the others
+   a layer, and OpenMP's barrier sleeps on a futex once its short spin
+   (toolchain.quiet_openmp) or a user's passive wait policy runs out, a wake-up at every
+   meeting.  Here the last thread to arrive starts a new generation and the others
    spin on it (pause), yielding their core after GD_SPINS pauses so that a team member
    the OS has descheduled can run. */
 #define GD_SPINS 4096

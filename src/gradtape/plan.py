@@ -38,7 +38,8 @@ BLOCK_PRODUCTS = ("qmatmul", "qmatmul_t")
 
 COMPUTE_CHOICES = ("float32", "bf16", "int8", "auto")
 DEFAULT_COMPUTE = "auto"
-PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "amx", "direct", "resident")
+PRODUCT_WAYS = ("blocked", "plain", "swapped", "fused", "amx", "amx-rows", "direct",
+                "resident")
 
 # the attention is fused from this many rows of a sequence on (it keeps no [T, T]
 # scores); below it, with at most two query tiles, the tiled walk skips at most a

@@ -245,6 +245,36 @@ def test_fused_products_match_rounded_reference(qtype, way, T, monkeypatch):
     assert qgemm.lib().gt_fused_scratch(tid, 64, 100 * 32, 13, 0) == 0  # k: not blocks
 
 
+@pytest.mark.parametrize("T", [13, 45, 96])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_amx_rows_is_the_amx_ways_backward_bit_for_bit(qtype, T, monkeypatch):
+    """The amx-rows way (gt_qgemm_bf16_amx_rows: backward with g's rows outermost, g's
+    chunks and the sums copied into rows of their own) adds the same products in the same
+    order as the amx way: the same bits, over W [1030, 512] (chunks of K 256 and a last
+    of 6 values: 3 pairs, left to amx_rows) and [512, 768] (three groups of columns), at
+    T = 13 (no block of 32 rows), 45 (one, and 13 rows left) and 96 (three)."""
+    hardware.onednn_bf16()
+    if not qgemm.lib().gt_amx_ready():
+        pytest.skip("no AMX on this CPU (or its class capped by $GRADTAPE_ISA, or Linux "
+                    "refuses this process its tiles)")
+    out = {}
+    for way in ("amx", "amx-rows"):
+        monkeypatch.setenv("GRADTAPE_BF16_LAYOUT", way)
+        tp = gt.Tape(np.float32)
+        zs = []
+        for rows, k in ((1030, 512), (512, 768)):
+            w = random_blocks(qtype, rows, k, np.random.default_rng(rows + TYPES.index(qtype)))
+            g = tp.param(np.random.default_rng(T + rows).standard_normal((T, rows)))
+            zs.append(ops.qmatmul_t(g, tp.const(w)))
+        prog = tp.compile(zs, backend="cpu", compute="bf16")
+        assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == [way] * 2
+        out[way] = prog.run()
+    for a, b in zip(out["amx"], out["amx-rows"]):
+        assert np.array_equal(a, b)
+    # and they are the product: the last, W [512, 768], against bf16 inputs in float64
+    assert rel_err(out["amx-rows"][1], _b16(g.value) @ _b16(w.dequantize())) <= 1e-5
+
+
 def test_amx_and_onednns_tiles_take_turns_in_the_same_threads():
     """Our AMX tiles and oneDNN's (each configures its own tiles per call) run in turn,
     as when the ways are timed, on the same OpenMP threads: each keeps giving its

@@ -406,7 +406,7 @@ def fastest(what, shape, runs, only=((), "")) -> str:
     block-weight product: its tiles in oneDNN's blocked weight layout or in plain rows,
     of ``qgemm_bf16.bf16_tile_sizes()`` values; the names say which ("blocked 16M";
     "swapped": a forward product as ``y^T = W x^T``; "fused": one call dequantizing and
-    multiplying with our own GEMM; "direct": a BF16 W read in place, see
+    multiplying with our own GEMM; "amx", "amx-rows": the same on AMX tiles; "direct": a BF16 W read in place, see
     ``qgemm_bf16``).  ``only``: the execution plan's ``(product_ways, product_tile)``,
     the ways and tile size it leaves (none named: all); one way left is taken untimed."""
     names = list(runs)
@@ -414,8 +414,10 @@ def fastest(what, shape, runs, only=((), "")) -> str:
     for want, var in ((ways[0] if ways else "", "GRADTAPE_BF16_LAYOUT"),
                       (tile, "GRADTAPE_BF16_TILE")):
         kept = [n for n in names if want in n.split()]
-        # (only a forward block product has a swapped way: the others are timed, unsaid)
-        if want and not kept and not (want == "swapped" and not what.startswith("qmatmul ")):
+        # (only a forward block product has a swapped way, only a backward one amx-rows:
+        # the others are timed, unsaid)
+        forward = what.startswith("qmatmul ")
+        if want and not kept and (want, forward) not in (("swapped", False), ("amx-rows", True)):
             _warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
                        "timing them")
         names = kept or names

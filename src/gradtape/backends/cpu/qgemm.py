@@ -75,6 +75,8 @@ def lib():
         so.gt_qgemm_bf16_fused.restype = _i
         so.gt_qgemm_bf16_amx.argtypes = so.gt_qgemm_bf16_fused.argtypes
         so.gt_qgemm_bf16_amx.restype = _i
+        so.gt_qgemm_bf16_amx_rows.argtypes = so.gt_qgemm_bf16_fused.argtypes
+        so.gt_qgemm_bf16_amx_rows.restype = _i
         so.gt_amx_ready.argtypes = []
         so.gt_amx_ready.restype = _i
         so.gt_rows_vnni.argtypes = [_p, _l, _l, _p]

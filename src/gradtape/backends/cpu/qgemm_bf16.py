@@ -15,7 +15,10 @@ accumulation.  The ways of running one product, each a function here:
   dequantizes its own part of W a chunk at a time and multiplies it at once with our
   AVX512-BF16 GEMM, where the CPU has it and W's shape fits its blocking;
 * ``amx``: ``fused`` with its GEMM on AMX tiles (``gt_qgemm_bf16_amx``), where the build
-  has AMX's instructions and Linux grants this process their use;
+  has AMX's instructions and Linux grants this process their use; ``amx-rows``
+  (backward): the same with g's rows outermost, each 32 of them in L1 while a group's
+  panels pass, from copies in strides off the cache's 4 KB sets
+  (``gt_qgemm_bf16_amx_rows``; faster from a few hundred rows of g);
 * ``direct``: a BF16 W (its bits are the tiles') read where it lies by one GEMM;
 * ``resident``: ``direct`` on a bf16 copy of the whole W, dequantized once and kept for
   the program's life (where the execution plan leaves room for it): the tiles' very
@@ -121,6 +124,9 @@ def lower_bf16(v, out, ins, dnnl, scratch, choose=None, rounded=False, resident=
             if lib().gt_amx_ready():
                 runs["amx"] = _BoundOnFirstCall(functools.partial(_bind_fused, p, scratch,
                                                                   rounded, amx=True))
+                if p.transposed:
+                    runs["amx-rows"] = _BoundOnFirstCall(functools.partial(
+                        _bind_fused, p, scratch, rounded, amx="rows"))
         if p.qtype == "BF16" and p.w_stride == 2 * p.k:
             runs["direct" + tag] = _BoundOnFirstCall(functools.partial(
                 _bind_direct, p, scratch, gemms, rounded))
@@ -296,7 +302,8 @@ def _bind_fused(p, scratch, rounded, amx=False):
     part of W a chunk at a time and multiplies it while it is in its cache, with a GEMM
     of ours (forward as y^T = W x^T, x16^T packed once past x16 as in the swapped way).
     In a profile's split the cores' mean time dequantizing counts as "dequantize", the
-    rest as "GEMM".  ``amx``: the GEMM on AMX tiles instead (``gt_qgemm_bf16_amx``)."""
+    rest as "GEMM".  ``amx``: the GEMM on AMX tiles instead (``gt_qgemm_bf16_amx``);
+    ``"rows"``: backward, with g's rows outermost (``gt_qgemm_bf16_amx_rows``)."""
     L, T, k = lib(), p.T, p.k
     first = [] if rounded else [_round_x(p, scratch)]
     xt = None if p.transposed else scratch.act_addr + 2 * T * k
@@ -304,7 +311,8 @@ def _bind_fused(p, scratch, rounded, amx=False):
         first.append((L.gt_rows_vnni, (scratch.act_addr, T, k, xt)))
     args = (p.type_id, p.w_addr, p.w_stride, p.rows, k, int(p.transposed), scratch.act_addr,
             xt, T, p.out_addr, scratch.tile_addr, scratch.tile.size)
-    fused = L.gt_qgemm_bf16_amx if amx else L.gt_qgemm_bf16_fused
+    fused = (L.gt_qgemm_bf16_amx_rows if amx == "rows" else L.gt_qgemm_bf16_amx if amx
+             else L.gt_qgemm_bf16_fused)
 
     def run(split=None):
         for f, f_args in first:
@@ -316,8 +324,8 @@ def _bind_fused(p, scratch, rounded, amx=False):
         check(fused(*args, ctypes.byref(deq)), p.op)
         split["dequantize"] += deq.value
         split["GEMM"] += time.perf_counter() - t0 - deq.value
-    return _described(run, p, "amx" if amx else "fused", None, rounded,
-                      (p.x, p.w, p.out, scratch.act, scratch.tile))
+    way = "amx-rows" if amx == "rows" else "amx" if amx else "fused"
+    return _described(run, p, way, None, rounded, (p.x, p.w, p.out, scratch.act, scratch.tile))
 
 
 def _bind_direct(p, scratch, dnnl, rounded):

@@ -732,6 +732,38 @@ static void amx_rows(long m, const uint16_t *a, long lda, const uint32_t *b, lon
         gemm_rows(m - i < GEMM_MR ? (int)(m - i) : GEMM_MR, a + i * lda, lda, b, pairs,
                   c + i * ldc, ldc, add);
 }
+
+/* amx_rows over a group's FUSED_GROUP panels (FUSED_PANEL words apart), A's rows
+   outermost: each 32 rows of A stay in L1 while the group's panels pass under them
+   (amx_rows reads all of A's chunk per panel, which at a few hundred rows no longer
+   fits); rows and pairs past the tiles' multiples go to amx_rows */
+static void amx_group(long m, const uint16_t *a, long lda, const uint32_t *b, long pairs,
+                      float *c, long ldc, int add) {
+    const long m32 = pairs % 16 ? 0 : m / 32 * 32;
+    for (long i = 0; i < m32; i += 32)
+        for (long q = 0; q < FUSED_GROUP; q++)
+            for (long cb = 0; cb < VN_N; cb += 32) {
+                const uint32_t *bq = b + q * FUSED_PANEL + cb;
+                float *c0 = c + i * ldc + q * VN_N + cb, *c1 = c0 + 16 * ldc;
+                AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16); AMX_C_LOAD(2, c1); AMX_C_LOAD(3, c1 + 16);
+                for (long p = 0; p < pairs; p += 16) {
+                    _tile_loadd(4, a + i * lda + 2 * p, lda * 2);
+                    _tile_loadd(5, a + (i + 16) * lda + 2 * p, lda * 2);
+                    _tile_loadd(6, bq + p * VN_N, VN_N * 4);
+                    _tile_loadd(7, bq + p * VN_N + 16, VN_N * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
+                _tile_stored(2, c1, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4);
+            }
+    if (m32 < m)
+        for (long q = 0; q < FUSED_GROUP; q++)
+            amx_rows(m - m32, a + m32 * lda, lda, b + q * FUSED_PANEL, pairs,
+                     c + m32 * ldc + q * VN_N, ldc, add);
+}
 #endif
 
 /* backward: W's rows [k0, k0 + kc) over its columns 64 j .. (a block of 256 per four
@@ -800,6 +832,14 @@ static long core_elems(int backward, long T) {
     return backward ? FUSED_GROUP * FUSED_PANEL * 2
                     : FUSED_ROWS * FUSED_LDA + 2 * FUSED_ROWS * pad64(T);
 }
+
+/* backward on AMX with A's rows outermost (amx_group): a core's group of z's columns
+   summed in its own rows BWD_CLD floats apart, and each chunk of g's columns copied into
+   rows BWD_ALD values apart; both strides off the 4 KB sets that rows of g and z
+   (widths of powers of two, or 7 * 2^11) all fall on */
+#define BWD_CLD (FUSED_GROUP * VN_N + 16)
+#define BWD_ALD (FUSED_KC + 32)
+static long rows_outer_elems(long T) { return 2 * T * BWD_CLD + T * BWD_ALD; }
 #endif
 
 /* the bf16 values of scratch gt_qgemm_bf16_fused needs for T rows of the activation,
@@ -813,7 +853,11 @@ long gt_fused_scratch(int t, long rows, long k, long T, int backward) {
 #else
     const long nt = 1;
 #endif
-    return nt * core_elems(backward, T);
+    long extra = 0;
+#ifdef AMX
+    if (backward && amx_permitted()) extra = rows_outer_elems(T);  /* the amx rows way's */
+#endif
+    return nt * (core_elems(backward, T) + extra);
 #else
     (void)t; (void)rows; (void)k; (void)T; (void)backward;
     return 0;
@@ -831,7 +875,7 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
                          const uint16_t *a, const uint16_t *xt, long T, float *c,
                          uint16_t *scratch, long scratch_elems, double *deq, int amx) {
     const long need = gt_fused_scratch(t, rows, k, T, backward);
-    if (!need || scratch_elems < need) return -1;
+    if (!need || scratch_elems < need || (amx == 2 && !backward)) return -1;
 #ifndef AMX
     if (amx) return -1;
 #endif
@@ -843,7 +887,7 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
 #else
     const long KC = FUSED_KC;
 #endif
-    const long each = core_elems(backward, T);
+    const long each = core_elems(backward, T) + (amx == 2 ? rows_outer_elems(T) : 0);
     if (!backward) {
         void (*direct)(const uint8_t *, uint16_t *) = t == T_Q4_K ? bf16_q4_k : bf16_q6_k;
         const long Tp = pad64(T), blocks = (rows + GEMM_MR - 1) / GEMM_MR;
@@ -898,6 +942,8 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
         long id, g0, g1;
         core_share(groups, &id, &g0, &g1);
         uint32_t *buf = (uint32_t *)(scratch + id * each);
+        float *sums = (float *)(scratch + id * each + FUSED_GROUP * FUSED_PANEL * 2);
+        uint16_t *rows_a = (uint16_t *)(sums + T * BWD_CLD);  /* (amx == 2) */
         double spent = 0.0;
 #ifdef AMX
         if (amx) amx_configure();
@@ -909,6 +955,14 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
                 const double t0 = deq ? now() : 0.0;
                 fused_chunk(vecs, by, w, rb, j, FUSED_GROUP, k0, kc, buf);
                 if (deq) spent += now() - t0;
+#ifdef AMX
+                if (amx == 2) {
+                    for (long i = 0; i < T; i++)
+                        memcpy(rows_a + i * BWD_ALD, a + i * rows + k0, 2 * kc);
+                    amx_group(T, rows_a, BWD_ALD, buf, kc / 2, sums, BWD_CLD, k0 > 0);
+                    continue;
+                }
+#endif
                 for (long q = 0; q < FUSED_GROUP; q++)
 #ifdef AMX
                     if (amx)
@@ -921,6 +975,9 @@ static int fused_product(int t, const uint8_t *w, long rb, long rows, long k, in
                                   buf + q * FUSED_PANEL, kc / 2, c + i * k + (j + q) * VN_N,
                                   k, k0 > 0);
             }
+            if (amx == 2)  /* the group's sums into their columns of z */
+                for (long i = 0; i < T; i++)
+                    memcpy(c + i * k + j * VN_N, sums + i * BWD_CLD, 4 * FUSED_GROUP * VN_N);
         }
 #ifdef AMX
         if (amx) _tile_release();
@@ -959,6 +1016,17 @@ int gt_qgemm_bf16_amx(int t, const uint8_t *w, long rb, long rows, long k, int b
     if (!gt_amx_ready()) return -1;
     return fused_product(t, w, rb, rows, k, backward, a, xt, T, c, scratch, scratch_elems,
                          deq, 1);
+}
+
+/* the backward product of gt_qgemm_bf16_amx with g's rows outermost (amx_group), its
+   chunks of g and its sums in the core's own rows (rows_outer_elems): the same sums in
+   the same order, so the same bits; -1 forward, or where gt_amx_ready says no */
+int gt_qgemm_bf16_amx_rows(int t, const uint8_t *w, long rb, long rows, long k,
+                           int backward, const uint16_t *a, const uint16_t *xt, long T,
+                           float *c, uint16_t *scratch, long scratch_elems, double *deq) {
+    if (!gt_amx_ready()) return -1;
+    return fused_product(t, w, rb, rows, k, backward, a, xt, T, c, scratch, scratch_elems,
+                         deq, 2);
 }
 
 /* dst[i * ldd + j] = src[i * n + j] for i < m, j < n: a GEMM's product, written into

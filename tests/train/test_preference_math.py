@@ -88,3 +88,29 @@ def test_log_sigmoid_is_stable():
     got = M.log_sigmoid(tp.const(x)).value
     ref = -np.logaddexp(0.0, -x)
     assert np.all(np.isfinite(got)) and np.max(np.abs(got - ref)) < 1e-15
+
+
+def test_eval_logps_take_a_head_without_the_backwards_fold(monkeypatch):
+    """Through the fused head, the held-out evaluation (and the reference pass, which runs
+    it) reads a head recorded with training=False: the same log-probabilities, bit for
+    bit, without the softmax-weighted table rows the training head folds up for its
+    backward (``fwd_head_nll_e``)."""
+    monkeypatch.setattr(graph, "LOGPS_FUSE_MIN", 0)
+    model = tiny_model()
+    pairs = [([1, 2, 3, 4], [0, 0, 1, 1], [1, 2, 5], [0, 0, 1]),
+             ([3, 1, 4], [0, 1, 1], [3, 1, 5, 9], [0, 1, 1, 1])]
+    tp = gt.Tape(np.float32)
+    W = graph.weight_consts(tp, model.weights)
+    g = P.record_preference(tp, model.config, W, None, 1.0, M.method("orpo"),
+                            P.pair_batch(pairs, 5, average=True))
+    assert g.eval_logps is not g.logps
+    both = tp.compile([g.logps, g.eval_logps], backend="cpu").run()
+    assert np.array_equal(both[0], both[1])
+    ev = tp.compile([g.eval_loss, g.eval_logps], backend="cpu")
+    names = {getattr(getattr(s, "func", s), "__name__", "") for s in ev.executable._steps}
+    assert "fwd_head_nll" in names and "fwd_head_nll_e" not in names
+    # the composed head (below LOGPS_FUSE_MIN) folds nothing: one head for both
+    monkeypatch.setattr(graph, "LOGPS_FUSE_MIN", 1 << 40)
+    g2 = P.record_preference(tp, model.config, W, None, 1.0, M.method("orpo"),
+                             P.pair_batch(pairs, 5, average=True))
+    assert g2.eval_logps is g2.logps

@@ -164,6 +164,11 @@ def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
 LOGPS_FUSE_MIN = 1 << 22
 
 
+def logps_fused(cfg, rows) -> bool:
+    """Whether ``sequence_logps`` over ``rows`` rows takes the fused head."""
+    return rows * cfg.vocab_size >= LOGPS_FUSE_MIN
+
+
 def sequence_logps(tp, cfg, W, x, targets, weights, ones=None, training=True):
     """``[k, 1]``: ``-(weights^T @ nll)``, weighted sums of the target tokens'
     log-probabilities from the last hidden rows ``x [N, D]`` (composed logits below
@@ -173,7 +178,7 @@ def sequence_logps(tp, cfg, W, x, targets, weights, ones=None, training=True):
     probability, ``1/n_s`` for an average; any other weighting, such as a pooled NLL, is
     one more column).  What a preference method's loss is built from."""
     ones = ones if ones is not None else nn.ones(tp, cfg.dim)
-    if x.shape[0] * cfg.vocab_size < LOGPS_FUSE_MIN:
+    if not logps_fused(cfg, x.shape[0]):
         nll = ops.nll_ids(lm_head(tp, cfg, W, x, ones), targets)  # [N, 1]
     else:
         h = _rmsnorm(tp, cfg, x, W["norm"], ones)

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import nn, ops
 from ..errors import GradtapeError
-from ..models.graph import record_forward, sequence_logps, weight_consts
+from ..models.graph import logps_fused, record_forward, sequence_logps, weight_consts
 from ..tape import Tape
 from .methods import Logps, Method, Options, build_loss
 
@@ -98,14 +98,16 @@ def pair_batch(pairs, seq_len, average, pad_id=0, where="batch", pair_weights=No
 class PreferenceGraph:
     """A recorded preference loss: ``loss`` (one element), ``metrics`` (TRL's names),
     ``logps [2N, 1]`` the policy's, the const leaves ``feeds`` fills, and the held-out
-    evaluation's ``eval_loss`` and ``eval_metrics`` (the same, each pair weighted by the
-    batch's ``pair_weights``)."""
+    evaluation's ``eval_loss``, ``eval_metrics`` (the same, each pair weighted by the
+    batch's ``pair_weights``) and ``eval_logps``: the same values from a head that folds
+    in nothing for a backward (``sequence_logps(training=False)``)."""
     loss: object
     metrics: dict
     logps: object
     leaves: dict
     eval_loss: object = None
     eval_metrics: dict = None
+    eval_logps: object = None
 
     def feeds(self, batch: PairBatch, ref=None) -> dict:
         """``{leaf: array}`` for ``Program.run`` of ``batch`` (and the reference's
@@ -134,12 +136,20 @@ def _leaves(tp, batch: PairBatch):
             "counts": tp.const(batch.counts.astype(dt)[:, None])}
 
 
-def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training):
+def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training, evaluated=False):
+    """The sums ``[2N+1, 1]`` of ``sequence_logps``; ``evaluated``: ``(sums, the same
+    from a head recorded with training=False)`` (one head where both are the same)."""
     ones = nn.ones(tp, cfg.dim)
     hidden = record_forward(tp, cfg, W, lv["ids"], n_seq, lora, lora_scale, ones=ones,
                             positions=lv["positions"], segments=lv["segments"], head=False)
-    return sequence_logps(tp, cfg, W, hidden, lv["targets"], lv["weights"], ones,
-                          training=training)  # [2N+1, 1]
+    sums = sequence_logps(tp, cfg, W, hidden, lv["targets"], lv["weights"], ones,
+                          training=training)
+    if not evaluated:
+        return sums
+    if not training or not logps_fused(cfg, hidden.shape[0]):
+        return sums, sums  # the composed head: nothing folded in for a backward
+    return sums, sequence_logps(tp, cfg, W, hidden, lv["targets"], lv["weights"], ones,
+                                training=False)
 
 
 def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
@@ -151,7 +161,10 @@ def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
     a const leaf fed each step; required where the method has a reference."""
     n = batch.n_pairs
     lv = _leaves(tp, batch)
-    sums = _forward_logps(tp, cfg, W, lora, lora_scale, lv, 2 * n, training=True)
+    # the held-out evaluation (and the reference pass) reads a head of its own: the
+    # training one's forward also folds up what its backward needs
+    sums, eval_sums = _forward_logps(tp, cfg, W, lora, lora_scale, lv, 2 * n, training=True,
+                                     evaluated=True)
     logps = _rows(sums, 0, 2 * n)
     rc = rr = None
     if m.reference:
@@ -159,17 +172,19 @@ def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
             raise GradtapeError(f"method {m.name} needs the reference log-probabilities")
         lv["ref"] = tp.const(np.asarray(ref, tp.dtype).reshape(2 * n, 1))
         rc, rr = _rows(lv["ref"], 0, n), _rows(lv["ref"], n, 2 * n)
-    nll = None
-    if m.nll:
-        nll = ops.neg(ops.reduce_sum(_rows(sums, 2 * n, 2 * n + 1)))  # column 2N: -NLL
     counts = lv["counts"]
-    lp = Logps(_rows(sums, 0, n), _rows(sums, n, 2 * n), rc, rr, nll,
-               _rows(counts, 0, n), _rows(counts, n, 2 * n))
-    loss, metrics = build_loss(m, lp, opt)
+
+    def logps_of(s):  # column 2N of the sums: -NLL
+        nll = ops.neg(ops.reduce_sum(_rows(s, 2 * n, 2 * n + 1))) if m.nll else None
+        return Logps(_rows(s, 0, n), _rows(s, n, 2 * n), rc, rr, nll,
+                     _rows(counts, 0, n), _rows(counts, n, 2 * n))
+    loss, metrics = build_loss(m, logps_of(sums), opt)
     # the held-out means: the same loss with each pair weighted (a batch's padding by 0)
     lv["pair_weights"] = tp.const(np.full((n, 1), 1.0 / n, tp.dtype))
-    eval_loss, eval_metrics = build_loss(m, replace(lp, weight=lv["pair_weights"]), opt)
-    return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics)
+    eval_lp = logps if eval_sums is sums else _rows(eval_sums, 0, 2 * n)
+    eval_loss, eval_metrics = build_loss(m, replace(logps_of(eval_sums),
+                                                    weight=lv["pair_weights"]), opt)
+    return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics, eval_lp)
 
 
 def _rows(v, a, b):

@@ -286,7 +286,7 @@ class TrainStep:
         self.loss = ops.mul(self.graph.loss, self.share)
         self.grads = tp.backward(self.loss)
         # the held-out evaluation weighs each pair (``PairData.batches``: padding by 0)
-        self.eval_program = tp.compile([self.graph.eval_loss, self.graph.logps,
+        self.eval_program = tp.compile([self.graph.eval_loss, self.graph.eval_logps,
                                         *self.graph.eval_metrics.values()],
                                        backend=backend, plan=self.plan, arena=self.arena)
 

@@ -585,8 +585,8 @@ static void gd_residual_T(const gd_model *m, const gd_lin *L, const float *Y, in
         gd_post_add(X + t * m->dim, H + t * m->dim, post + i * m->dim, m->dim, m->eps);
 }
 
-/* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
-   rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
+/* logits[vocab] of the last of `tokens[T]` placed at positions start .. (logits NULL:
+   none); the caches get rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
 void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
                 float *logits, float *buf) {
     const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
@@ -684,9 +684,11 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         if (GD_ANY8(GD_DOWN, GD_DOWN, GD_DOWN)) gd_quantize_T(&x8, mlp, T, F);
         gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile, &x8);
     }
-    GD_SINGLE
-    gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, 0, logits, 0);
-    gd_final_cap(m, logits);
+    if (logits) {  /* NULL: a chunk before the prompt's last, whose logits nobody reads */
+        GD_SINGLE
+        gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
+        gd_linear(&m->head, h, 0, 0, logits, 0);
+        gd_final_cap(m, logits);
+    }
     }
 }

@@ -96,8 +96,8 @@ def lib():
         so.gq_q8_0.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
         so.gq_q8_k.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
         so.gq_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr]
-        so.gq_amx_ready.restype = ctypes.c_int
-        so.gq_amx_ready.argtypes = []
+        so.gq_amx_ready.restype = so.gq_amx_build.restype = ctypes.c_int
+        so.gq_amx_ready.argtypes = so.gq_amx_build.argtypes = []
         so.gq_amx_scratch_bytes.restype = so.gq_amx_buf_bytes.restype = _i64
         so.gq_amx_scratch_bytes.argtypes = [_i64]
         so.gq_amx_buf_bytes.argtypes = [_i64, _i64]

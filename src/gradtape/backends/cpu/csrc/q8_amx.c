@@ -55,6 +55,8 @@ typedef struct {
     uint8_t rows[16];
 } gq_tilecfg;
 
+int gq_amx_build(void) { return 1; }
+
 int gq_amx_ready(void) {
     static int state = -1;  /* Linux grants the tile state once per process */
     if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -209,6 +211,7 @@ void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
 }
 
 #else
+int gq_amx_build(void) { return 0; }  /* whether this build has the AMX GEMM */
 int gq_amx_ready(void) { return 0; }
 
 void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,

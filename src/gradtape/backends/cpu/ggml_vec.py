@@ -9,7 +9,8 @@ exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split ov
 threads; ``matmul`` does the same for many rows (prefill) from panels of dequantized
 weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
 once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
-blocks of the types in ``Q8_TYPES``.  This module does not run training GEMMs (the cpu
+blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme over many rows, integer
+GEMMs on AMX tiles for ``AMX_TYPES`` (``csrc/q8_amx.c``, where ``amx_int8()``).  This module does not run training GEMMs (the cpu
 backend's tiled GEMM does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 

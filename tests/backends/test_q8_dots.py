@@ -258,10 +258,14 @@ def test_amx_gemm_equals_the_scheme(qtype, exact):
     a panel of 5 past two of 16), each product the scheme's, as ``matvec_q8`` holds it."""
     hardware.amx_int8()
     rows, T = 37, 37
+    block = ggml_vec.QTYPES[qtype][1]
     for seed in range(2):
-        k = (576, 608)[seed]  # 18 and 19 blocks: groups of 4 tiles and the rest
+        # 18 and 19 blocks of 32: groups of 4 tiles and the rest; K-quants: 6 and 3 blocks
+        # (24 and 12 units of 32, 96 and 48 of Q6_K's 16)
+        k = (576, 608)[seed] if block == 32 else (1536, 768)[seed]
         W = weight_rows(qtype, rows, k, seed, exact)
-        X = np.stack([activations(k, seed + 10 + t, exact) for t in range(T)])
+        X = np.stack([activations(k, seed + 10 + t, exact, block if exact else 32)
+                      for t in range(T)])
         got = ggml_vec.matmul_q8(qtype, W, X)
         for t in range(0, T, 4):
             for r in range(rows):
@@ -273,8 +277,8 @@ def test_amx_gemm_equals_the_scheme(qtype, exact):
 
 
 def test_matmul_q8_names_what_it_lacks():
-    with pytest.raises(ValueError, match="Q6_K has no AMX GEMM"):
-        ggml_vec.matmul_q8("Q6_K", np.zeros((4, 210), np.uint8), np.zeros((2, 256), np.float32))
+    with pytest.raises(ValueError, match="Q2_K has no AMX GEMM"):
+        ggml_vec.matmul_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros((2, 256), np.float32))
     hardware.amx_int8()
     W = weight_rows("Q5_0", 4, 64, 0)
     with pytest.raises(ValueError, match=r"x\[2, 32\] against W\[4, 64\]"):

@@ -198,9 +198,9 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
     return out
 
 
-# the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c): 32-element
-# blocks, against Q8_0 rows
-AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
+# the row form of Q8_TYPES
+AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def amx_int8() -> bool:
@@ -211,8 +211,8 @@ def amx_int8() -> bool:
 
 
 def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
-    """``x [T, k] @ deq(W).T -> [T, rows]`` with each row of x quantized to Q8_0 and
-    integer block dots on AMX tiles (``csrc/q8_amx.c``): the decode step's q8 scheme
+    """``x [T, k] @ deq(W).T -> [T, rows]`` with each row of x quantized to 8 bits (the
+    type's form in ``Q8_TYPES``) and integer block dots on AMX tiles (``csrc/q8_amx.c``): the decode step's q8 scheme
     (``matvec_q8``) over many rows, as the prefill runs it where ``amx_int8()``."""
     if qtype not in AMX_TYPES:
         raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no AMX GEMM (those that do: "

@@ -494,11 +494,13 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed.
    With m->q8 where AMX-INT8 runs (gq_amx_ready), the products whose weight type the AMX
-   GEMM takes (gq_amx_type) read their input rows quantized to Q8_0 instead, as the steps
-   do (q8_amx.c: the same scheme as q8_dots.c's dots); the other types keep float32 rows. */
+   GEMM takes (gq_amx_type) read their input rows quantized to 8 bits instead (Q8_0 or
+   Q8_K), as the steps do (q8_amx.c: the same scheme as q8_dots.c's dots); the other
+   types keep float32 rows. */
 
-/* the Q8_0 rows [Tp, k] of a linear's input (Tp: T up to a multiple of 16, zero rows
-   past T), the AMX GEMM's per-thread scratch; q NULL: not used in this call */
+/* the 8-bit rows [Tp, k] of a linear's input (Tp: T up to a multiple of 16, zero rows
+   past T): Q8_0's d and s [Tp, k/32], or Q8_K's d [Tp, k/256] with s holding the int16
+   sums of each 32 quants; the AMX GEMM's per-thread scratch; q NULL: not used */
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -517,17 +519,28 @@ int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
            + m->nthreads * GV_PANEL * kmax + (x8 + 3) / 4;
 }
 
-/* whether L's product runs on the quantized rows (the AMX GEMM takes its type) */
-static int gd_amx(const gd_x8 *x8, const gd_lin *L) {
-    return x8->q && gq_amx_type(L->type) && L->k % 32 == 0;
+/* whether L's product runs on the quantized rows of form f (GQ_Q80, GQ_Q8K; 0: none):
+   the AMX GEMM takes its type, against rows of that form */
+static int gd_amx(const gd_x8 *x8, const gd_lin *L, int f) {
+    return x8->q && f && gq_amx_type(L->type) == f;
 }
 
-/* X [T, k]'s rows as Q8_0 into x8 (zero rows T .. Tp), split over the threads */
-static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k) {
+/* the form of the quantized rows the linears a, b, c (one input) read: the first's that
+   the AMX GEMM takes (the others of another form keep float32 rows); 0: none */
+static int gd_form(const gd_x8 *x8, const gd_lin *a, const gd_lin *b, const gd_lin *c) {
+    if (!x8->q) return 0;
+    return gq_amx_type(a->type) ? gq_amx_type(a->type)
+           : gq_amx_type(b->type) ? gq_amx_type(b->type) : gq_amx_type(c->type);
+}
+
+/* X [T, k]'s rows in form f into x8 (zero rows T .. Tp), split over the threads */
+static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k, int f) {
     const int64_t nb = k / 32;
     GD_FOR
     for (int64_t t = 0; t < gd_pad16(T); t++) {
-        if (t < T) {
+        if (t < T && f == GQ_Q8K) {
+            gq_q8_k_rows(X, t, t + 1, k, x8->q, x8->d, (int16_t *)(void *)x8->s);
+        } else if (t < T) {
             gq_q8_0_rows(X, t, t + 1, k, x8->q, x8->d, x8->s);
         } else {
             memset(x8->q + t * k, 0, k);
@@ -540,14 +553,14 @@ static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k)
 /* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64);
    the base product from x8's quantized rows where gd_amx says so. */
 static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float *lt,
-                        int slot, float *Y, int acc, float *tile, const gd_x8 *x8) {
+                        int slot, float *Y, int acc, float *tile, const gd_x8 *x8, int f) {
     int64_t r0 = 0, r1 = L->rows;
     int tid = 0;
 #ifdef _OPENMP
     tid = omp_get_thread_num();
     gv_share(L->rows, tid, omp_get_num_threads(), &r0, &r1);
 #endif
-    if (gd_amx(x8, L)) {
+    if (gd_amx(x8, L, f)) {
         if (r0 < r1)
             gq_amx_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x8->q, x8->d, x8->s,
                              T, Y, L->rows, acc, x8->scratch + tid * x8->scratch_bytes);
@@ -567,18 +580,18 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
 /* gd_residual on T rows: X += Y Wout, or X += rmsnorm(Y Wout) * w row by row through H */
 static void gd_residual_T(const gd_model *m, const gd_lin *L, const float *Y, int64_t T,
                           const float *lt, int slot, float *X, float *H, const float *post,
-                          int64_t i, float *tile, const gd_x8 *x8) {
+                          int64_t i, float *tile, const gd_x8 *x8, int f) {
     if (!post) {
         if (L->col) {  /* DoRA: the scaled rows through H, each thread its own */
-            gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8);
+            gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8, f);
             gd_add_rows(L, H, X, T);
         } else {
-            gd_linear_T(L, Y, T, lt, slot, X, 1, tile, x8);
+            gd_linear_T(L, Y, T, lt, slot, X, 1, tile, x8, f);
         }
         GD_BARRIER
         return;
     }
-    gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8);
+    gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8, f);
     GD_BARRIER
     GD_FOR
     for (int64_t t = 0; t < T; t++)
@@ -606,8 +619,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         x8.scratch = (uint8_t *)(x8.s + tp * (kmax / 32));
         x8.scratch_bytes = (gq_amx_scratch_bytes(kmax) + 63) / 64 * 64;
     }
-    /* whether any of the linears a, b, c reads the quantized rows */
-#define GD_ANY8(a, b, c) (gd_amx(&x8, &L[a]) || gd_amx(&x8, &L[b]) || gd_amx(&x8, &L[c]))
+#define GD_FORM(a, b, c) gd_form(&x8, &L[a], &L[b], &L[c])
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
     gd_embed_scale(m, x, T * D);
 #ifdef _OPENMP
@@ -629,10 +641,11 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             if (L[GD_K].at) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
             if (L[GD_V].at) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
         }
-        if (GD_ANY8(GD_Q, GD_K, GD_V)) gd_quantize_T(&x8, h, T, D);
-        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile, &x8);
-        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile, &x8);
-        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile, &x8);
+        int f = GD_FORM(GD_Q, GD_K, GD_V);
+        if (f) gd_quantize_T(&x8, h, T, D, f);
+        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile, &x8, f);
         GD_BARRIER
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
@@ -663,17 +676,19 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
         }
-        if (GD_ANY8(GD_O, GD_O, GD_O)) gd_quantize_T(&x8, att, T, qw);
-        gd_residual_T(m, &L[GD_O], att, T, lt, 0, x, h, m->post_attn_norm, i, tile, &x8);
+        f = GD_FORM(GD_O, GD_O, GD_O);
+        if (f) gd_quantize_T(&x8, att, T, qw, f);
+        gd_residual_T(m, &L[GD_O], att, T, lt, 0, x, h, m->post_attn_norm, i, tile, &x8, f);
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
             if (L[GD_GATE].at) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
             if (L[GD_UP].at) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
         }
-        if (GD_ANY8(GD_GATE, GD_UP, GD_UP)) gd_quantize_T(&x8, h, T, D);
-        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile, &x8);
-        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile, &x8);
+        f = GD_FORM(GD_GATE, GD_UP, GD_UP);
+        if (f) gd_quantize_T(&x8, h, T, D, f);
+        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile, &x8, f);
         GD_BARRIER
         GD_FOR
         for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
@@ -681,8 +696,9 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
         }
-        if (GD_ANY8(GD_DOWN, GD_DOWN, GD_DOWN)) gd_quantize_T(&x8, mlp, T, F);
-        gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile, &x8);
+        f = GD_FORM(GD_DOWN, GD_DOWN, GD_DOWN);
+        if (f) gd_quantize_T(&x8, mlp, T, F, f);
+        gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile, &x8, f);
     }
     if (logits) {  /* NULL: a chunk before the prompt's last, whose logits nobody reads */
         GD_SINGLE

@@ -23,7 +23,10 @@ from gradtape.backends.cpu import ggml_vec
 from gradtape.errors import GradtapeError
 from gradtape.infer import block_decoder as E
 
+from support import hardware
+from support.filebuilders import write_tiny_gguf
 from support.hardware import kernel_isa  # noqa: F401  (a fixture)
+from support.tinymodel import tiny_model
 
 Q8_MEDIAN = 0.04  # median over steps of max |q8 - float| / max |float|
 Q8_MAX = 0.08  # the largest such step
@@ -89,3 +92,23 @@ def test_q8_prefill_reads_8_bit_rows_where_amx_runs(smollm2):
         for i in range(smollm2.config.n_layers):
             e = np.abs(a[i, :300] - b[i, :300]).max() / np.abs(b[i, :300]).max()
             assert e <= Q8_CACHE, (i, e)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+def test_amx_prefill_quantizes_as_the_steps(qtype, tmp_path):
+    """Layer 0's keys and values after an AMX prefill are the q8 steps' up to float32
+    order: both quantize the same normed rows the same way (Q8_0 / Q8_K) and sum the
+    same integers (a tiny llama whose matrices are random blocks of ``qtype``)."""
+    hardware.amx_int8()
+    from gradtape import llama
+    m = tiny_model(seed=3, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=258)
+    path = write_tiny_gguf(m, tmp_path / f"{qtype}.gguf", qtype=qtype,
+                           rng=np.random.default_rng(1))
+    model = llama.load(path, keep_quantized=True)
+    ids = np.random.default_rng(0).integers(0, 258, 40).tolist()
+    pre, steps = _decoders(model, cap=64)["q8"], _decoders(model, cap=64)["q8"]
+    pre.prefill(ids)
+    for t in ids:
+        steps.step(t)
+    for a, b in ((pre.kc[0, :40], steps.kc[0, :40]), (pre.vc[0, :40], steps.vc[0, :40])):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

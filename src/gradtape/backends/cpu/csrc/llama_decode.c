@@ -690,8 +690,13 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
         gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile, &x8, f);
         gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile, &x8, f);
         GD_BARRIER
-        GD_FOR
-        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        if (m->geglu) {
+            GD_FOR
+            for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        } else {  /* silu's loop apart, without the branch: vectorized */
+            GD_FOR
+            for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        }
         if (L[GD_DOWN].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);

@@ -273,13 +273,22 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
         s[p] = gv_hsum(a) * iscale;
 #endif
     }
-    for (p = 0; p < n; p++) {
-        if (cap > 0.0f) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
-        mx = s[p] > mx ? s[p] : mx;
-    }
+    if (cap > 0.0f)
+        for (p = 0; p < n; p++) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
+    /* the max and the sum in 8 and 4 lanes (vectorized; one chain's latency would set
+       the pace): the max is the same whatever the order, the sum in double */
+    float m8[8];
+    double d4[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int l = 0; l < 8; l++) m8[l] = -INFINITY;
+    for (p = 0; p + 8 <= n; p += 8)
+        for (int l = 0; l < 8; l++) m8[l] = s[p + l] > m8[l] ? s[p + l] : m8[l];
+    for (; p < n; p++) mx = s[p] > mx ? s[p] : mx;
+    for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;
     for (p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
-    double den = 0.0;
-    for (p = 0; p < n; p++) den += s[p];
+    for (p = 0; p + 4 <= n; p += 4)
+        for (int l = 0; l < 4; l++) d4[l] += s[p + l];
+    double den = (d4[0] + d4[1]) + (d4[2] + d4[3]);
+    for (; p < n; p++) den += s[p];
     const float inv = (float)(1.0 / den);
     int64_t j0 = 0;
 #ifdef GV_W

@@ -544,17 +544,18 @@ static int gd_form(const gd_x8 *x8, const gd_lin *a, const gd_lin *b, const gd_l
 
 /* X [T, k]'s rows in form f into x8 (zero rows T .. Tp), split over the threads */
 static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k, int f) {
-    const int64_t nb = k / 32;
+    const int k8 = f == GQ_Q8K;
+    const int64_t nd = k8 ? k / 256 : k / 32, ns = k8 ? k / 32 * 2 : k / 32 * 4;  /* d, s bytes */
     GD_FOR
     for (int64_t t = 0; t < gd_pad16(T); t++) {
-        if (t < T && f == GQ_Q8K) {
+        if (t < T && k8) {
             gq_q8_k_rows(X, t, t + 1, k, x8->q, x8->d, (int16_t *)(void *)x8->s);
         } else if (t < T) {
             gq_q8_0_rows(X, t, t + 1, k, x8->q, x8->d, x8->s);
         } else {
             memset(x8->q + t * k, 0, k);
-            memset(x8->d + t * nb, 0, nb * sizeof(float));
-            memset(x8->s + t * nb, 0, nb * sizeof(float));
+            memset(x8->d + t * nd, 0, nd * sizeof(float));
+            memset((uint8_t *)x8->s + t * ns, 0, ns);
         }
     }
 }

@@ -38,8 +38,8 @@ SETTINGS = {s.name: s for s in (
             "threads of the decode kernels (default: the CPUs this process may use)"),
     Setting("GRADTAPE_DECODE_DOTS", "q8",
             "q8 | float: the C decode step's products quantize their input row to 8 bits "
-            "and sum in integers, as llama.cpp does, or keep it float32 (closer to the "
-            "float graph, slower)"),
+            "and sum in integers, as llama.cpp does (its prompt prefill's too where "
+            "AMX-INT8 runs), or keep it float32 (closer to the float graph, slower)"),
     Setting("GRADTAPE_ATTENTION", "",
             "fused | composed: the training attention at 129-256 rows, instead of timing "
             "both"),
@@ -149,7 +149,7 @@ DECODE_DOTS = ("q8", "float")
 
 
 def decode_dots() -> str:
-    """How the C decode step multiplies (``$GRADTAPE_DECODE_DOTS``, default "q8"); anything
+    """How the C decode step (and its AMX prefill) multiplies (``$GRADTAPE_DECODE_DOTS``, default "q8"); anything
     else is a ``GradtapeError`` listing the choices."""
     raw = get("GRADTAPE_DECODE_DOTS").strip().lower() or "q8"
     if raw not in DECODE_DOTS:

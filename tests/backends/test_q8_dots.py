@@ -3,7 +3,9 @@ same quantized scheme: the activation row's Q8_0 / Q8_K blocks bit for bit (llam
 rounding), the integer block sums exactly (with power-of-two scales every float step is
 exact, so the product must equal the reference bit for bit), and on random blocks the
 product within float32 rounding of the reference summed in float64.  At every
-instruction-set class this CPU runs, and the plain C path (the 16-lane emulation build)."""
+instruction-set class this CPU runs, and the plain C path (the 16-lane emulation build).
+The prefill's GEMM on AMX tiles (``csrc/q8_amx.c``) is held to the same reference, many
+rows at once, where the CPU has AMX-INT8."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 
 from gradtape.backends.cpu import ggml_vec
 
+from support import hardware
 from support.hardware import kernel_isa  # noqa: F401  (a fixture)
 from support.lanes import sixteen_lanes  # noqa: F401  (a fixture)
 
@@ -241,3 +244,42 @@ def test_matvec_q8_names_what_it_lacks():
         ggml_vec.matvec_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros(256, np.float32))
     with pytest.raises(ValueError, match=r"x\[32\] against W\[4, 64\]"):
         ggml_vec.matvec_q8("Q4_1", W, np.zeros(32, np.float32))
+
+
+# --- the prefill's integer GEMM on AMX tiles (csrc/q8_amx.c) ------------------------------
+
+AMX = list(ggml_vec.AMX_TYPES)
+
+
+@pytest.mark.parametrize("qtype", AMX)
+@pytest.mark.parametrize("exact", [True, False], ids=["integer-exact", "random"])
+def test_amx_gemm_equals_the_scheme(qtype, exact):
+    """Many rows at once (37 rows of x: two tiles of 16 and 5 past them; 37 weight rows:
+    a panel of 5 past two of 16), each product the scheme's, as ``matvec_q8`` holds it."""
+    hardware.amx_int8()
+    rows, T = 37, 37
+    block = ggml_vec.QTYPES[qtype][1]
+    for seed in range(2):
+        # 18 and 19 blocks of 32: groups of 4 tiles and the rest; K-quants: 6 and 3 blocks
+        # (24 and 12 units of 32, 96 and 48 of Q6_K's 16)
+        k = (576, 608)[seed] if block == 32 else (1536, 768)[seed]
+        W = weight_rows(qtype, rows, k, seed, exact)
+        X = np.stack([activations(k, seed + 10 + t, exact, block if exact else 32)
+                      for t in range(T)])
+        got = ggml_vec.matmul_q8(qtype, W, X)
+        for t in range(0, T, 4):
+            for r in range(rows):
+                want, scale = ref_row(qtype, W[r], X[t])
+                if exact:  # integer sums * 2^-e, partial sums < 2^24: exact in float32
+                    assert got[t, r] == np.float32(want), (qtype, t, r, got[t, r], want)
+                else:
+                    assert abs(got[t, r] - want) <= 1e-6 * scale + 1e-30, (qtype, t, r)
+
+
+def test_matmul_q8_names_what_it_lacks():
+    with pytest.raises(ValueError, match="Q2_K has no AMX GEMM"):
+        ggml_vec.matmul_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros((2, 256), np.float32))
+    hardware.amx_int8()
+    W = weight_rows("Q5_0", 4, 64, 0)
+    with pytest.raises(ValueError, match=r"x\[2, 32\] against W\[4, 64\]"):
+        ggml_vec.matmul_q8("Q5_0", W, np.zeros((2, 32), np.float32))

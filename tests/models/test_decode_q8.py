@@ -6,7 +6,11 @@ text that still answers, and the setting's range check.  The kernels' exactness 
 
 The bound: quantizing each product's input to 8 bits per block of 32 (llama.cpp's Q8_0)
 moves SmolLM2's logits by about 2% of the largest (median over steps) and at most about
-4% (measured over 96 steps at 256 cached rows); the tests allow twice that.
+4% (measured over 96 steps at 256 cached rows); the tests allow twice that.  The prefill
+reads 8-bit rows too where its products run on AMX tiles (``csrc/q8_amx.c``): a 300-row
+prompt's last logits then move by about 1.3% of the largest, its cached keys and values
+by at most about 5% of each layer's largest (layer 29's values); elsewhere the q8
+prefill is the float32 one, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,11 +19,18 @@ import numpy as np
 import pytest
 
 from gradtape import settings
+from gradtape.backends.cpu import ggml_vec
 from gradtape.errors import GradtapeError
 from gradtape.infer import block_decoder as E
 
+from support import hardware
+from support.filebuilders import write_tiny_gguf
+from support.hardware import kernel_isa  # noqa: F401  (a fixture)
+from support.tinymodel import tiny_model
+
 Q8_MEDIAN = 0.04  # median over steps of max |q8 - float| / max |float|
 Q8_MAX = 0.08  # the largest such step
+Q8_CACHE = 0.1  # a q8 prefill's cached rows: max |q8 - float| / max |float| per layer
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting the steps "
         "as his father had taught him, and lit the lamp before the fishing boats came home.")
@@ -60,3 +71,44 @@ def test_decode_dots_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GRADTAPE_DECODE_DOTS", "int8")
     with pytest.raises(GradtapeError, match=r"\$GRADTAPE_DECODE_DOTS must be one of q8 \| float"):
         settings.decode_dots()
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_q8_prefill_reads_8_bit_rows_where_amx_runs(smollm2):
+    """A 300-row prompt (two calls where AMX runs, 256 rows and 44): with AMX-INT8 the
+    q8 prefill's logits and cache lie within the bounds of the float32 prefill's; at a
+    class without it (or a CPU) the two are the same prefill, bit for bit."""
+    prompt = (smollm2.tokenizer.encode(TEXT) * 10)[:300]
+    decs = _decoders(smollm2, cap=320)
+    z = {name: d.prefill(prompt).copy() for name, d in decs.items()}
+    f, q = decs["float"], decs["q8"]
+    if not ggml_vec.amx_int8():
+        assert np.array_equal(z["q8"].view(np.uint32), z["float"].view(np.uint32))
+        assert np.array_equal(q.kc[:, :300], f.kc[:, :300])
+        return
+    err = np.abs(z["q8"] - z["float"]).max() / np.abs(z["float"]).max()
+    assert 0 < err <= Q8_MAX, err
+    for a, b in ((q.kc, f.kc), (q.vc, f.vc)):
+        for i in range(smollm2.config.n_layers):
+            e = np.abs(a[i, :300] - b[i, :300]).max() / np.abs(b[i, :300]).max()
+            assert e <= Q8_CACHE, (i, e)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+def test_amx_prefill_quantizes_as_the_steps(qtype, tmp_path):
+    """Layer 0's keys and values after an AMX prefill are the q8 steps' up to float32
+    order: both quantize the same normed rows the same way (Q8_0 / Q8_K) and sum the
+    same integers (a tiny llama whose matrices are random blocks of ``qtype``)."""
+    hardware.amx_int8()
+    from gradtape import llama
+    m = tiny_model(seed=3, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=258)
+    path = write_tiny_gguf(m, tmp_path / f"{qtype}.gguf", qtype=qtype,
+                           rng=np.random.default_rng(1))
+    model = llama.load(path, keep_quantized=True)
+    ids = np.random.default_rng(0).integers(0, 258, 40).tolist()
+    pre, steps = _decoders(model, cap=64)["q8"], _decoders(model, cap=64)["q8"]
+    pre.prefill(ids)
+    for t in ids:
+        steps.step(t)
+    for a, b in ((pre.kc[0, :40], steps.kc[0, :40]), (pre.vc[0, :40], steps.vc[0, :40])):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

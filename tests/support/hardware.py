@@ -2,7 +2,7 @@
 instruction-set classes the kernel parity tests run at.
 
 A test skips only for hardware: a CPU without bf16 matrix instructions (oneDNN has no
-bf16 matmul there), without AVX512-BF16 or int8 dot products, or without a GPU.  Every
+bf16 matmul there), without AVX512-BF16, int8 dot products or AMX-INT8, or without a GPU.  Every
 package ``make test`` installs is imported plainly, so a broken install fails.
 
 ``pytest --cpu=avx2`` (``tests/conftest.py``) runs a whole session as on an AVX2-only
@@ -43,6 +43,22 @@ def mkl_bf16():
     if not ok:
         pytest.fail(f"MKL is a test dependency on Linux x86-64 and does not load: {why}")
     return mkl.mkl()
+
+
+def amx_int8():
+    """A skip naming what is missing for the prefill's integer GEMM on AMX tiles
+    (``ggml_vec.amx_int8``): AMX-INT8 in this CPU (or under the ``$GRADTAPE_ISA`` cap),
+    or the tile state, which Linux grants from 5.16 on.  On such a CPU and kernel at the
+    native class, a build without it fails."""
+    from gradtape.backends.cpu import ggml_vec
+
+    if toolchain.isa() != "native" or "amx_int8" not in toolchain.cpu_info()["flags"]:
+        pytest.skip("this CPU has no AMX-INT8 (or $GRADTAPE_ISA caps it): the prefill's "
+                    "integer GEMM runs on AMX tiles only")
+    if not ggml_vec.amx_int8():
+        if ggml_vec.lib().gq_amx_build() and not ggml_vec.lib().gq_amx_ready():
+            pytest.skip("Linux does not grant this process the AMX tile state (kernel < 5.16)")
+        pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
 def onednn_bf16():

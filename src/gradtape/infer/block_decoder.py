@@ -21,7 +21,9 @@ float32 sums differs from the graph replay, unless the step's products read thei
 row quantized to 8 bits (``dots="q8"``, the default of ``$GRADTAPE_DECODE_DOTS``: llama.cpp's
 scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots; then the logits
 differ from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
-layers many rows per call (GEMMs from panels of dequantized weight rows); ``load``
+layers many rows per call (GEMMs from panels of dequantized weight rows; with ``"q8"``
+where AMX-INT8 runs, the products with 32-element block weights read their rows
+quantized as the steps do, integer GEMMs on AMX tiles: ``csrc/q8_amx.c``); ``load``
 takes over a cache filled by the graph instead.
 """
 
@@ -42,6 +44,9 @@ from ..settings import DECODE_DOTS, decode_dots
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
 PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L2)
+# ... where its products run as integer GEMMs on AMX tiles (q8 dots, ggml_vec.amx_int8):
+# each panel of weight rows is unpacked once per call, so more rows a call pay for it
+PREFILL_ROWS_AMX = 256
 
 
 class _Lin(ctypes.Structure):
@@ -282,7 +287,7 @@ class BlockDecoder:
         self.logits = np.zeros(cfg.vocab_size, np.float32)
         self._call = lib.gd_step
         self._args = (ctypes.addressof(m), self.logits.ctypes.data)
-        self._pbuf = None
+        self._pbuf, self._pbuf_rows = None, 0
         self.length = 0
         self.ids = []  # the tokens of the cached rows, where known (see kept)
         self.exact = True  # whether the cached rows were computed in float32 (generate)
@@ -376,20 +381,23 @@ class BlockDecoder:
 
     def prefill(self, ids) -> np.ndarray:
         """Logits ``[V]`` after the rows ``ids`` (appended to the cache), computed
-        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks."""
+        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks (``PREFILL_ROWS_AMX``
+        where the q8 products run on AMX tiles)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if self.length + len(ids) > self.cap:
             raise ValueError(f"BlockDecoder: {self.length} + {len(ids)} rows do not fit "
                              f"capacity {self.cap}")
         lib = ggml_vec.lib()
         self.ids[self.length:] = ids.tolist()
-        if self._pbuf is None:
-            n = lib.gd_prefill_floats(ctypes.addressof(self.m), PREFILL_ROWS)
-            self._pbuf = np.zeros(n, np.float32)
-        for a in range(0, len(ids), PREFILL_ROWS):
-            chunk = ids[a:a + PREFILL_ROWS]
+        rows = PREFILL_ROWS_AMX if self.dots == "q8" and ggml_vec.amx_int8() else PREFILL_ROWS
+        if self._pbuf is None or self._pbuf_rows < rows:
+            n = lib.gd_prefill_floats(ctypes.addressof(self.m), rows)
+            self._pbuf, self._pbuf_rows = np.zeros(n, np.float32), rows
+        for a in range(0, len(ids), rows):
+            chunk = ids[a:a + rows]
+            last = a + rows >= len(ids)  # only the last chunk computes logits
             lib.gd_prefill(self._args[0], chunk.ctypes.data, len(chunk), self.length,
-                           self._args[1], self._pbuf.ctypes.data)
+                           self._args[1] if last else None, self._pbuf.ctypes.data)
             self.length += len(chunk)
         return self.logits
 

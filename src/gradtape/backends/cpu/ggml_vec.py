@@ -9,7 +9,8 @@ exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split ov
 threads; ``matmul`` does the same for many rows (prefill) from panels of dequantized
 weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
 once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
-blocks of the types in ``Q8_TYPES``.  This module does not run training GEMMs (the cpu
+blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme over many rows, integer
+GEMMs on AMX tiles for ``AMX_TYPES`` (``csrc/q8_amx.c``, where ``amx_int8()``).  This module does not run training GEMMs (the cpu
 backend's tiled GEMM does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 
@@ -31,7 +32,7 @@ from ... import settings
 from ...blocks import BLOCK_TYPES, F32
 from . import toolchain
 
-SOURCES = ("ggml_vec.c", "q8_dots.c", "llama_decode.c")
+SOURCES = ("ggml_vec.c", "q8_dots.c", "q8_amx.c", "llama_decode.c")
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
@@ -96,6 +97,14 @@ def lib():
         so.gq_q8_0.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]
         so.gq_q8_k.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr]
         so.gq_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr]
+        so.gq_amx_ready.restype = so.gq_amx_build.restype = ctypes.c_int
+        so.gq_amx_ready.argtypes = so.gq_amx_build.argtypes = []
+        so.gq_amx_scratch_bytes.restype = so.gq_amx_buf_bytes.restype = _i64
+        so.gq_amx_scratch_bytes.argtypes = [_i64]
+        so.gq_amx_buf_bytes.argtypes = [_i64, _i64]
+        so.gq_amx_matmul.restype = ctypes.c_int
+        so.gq_amx_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
+                                     _ptr, _ptr]
         _LIBS[plain] = so
     return _LIBS[plain]
 
@@ -186,6 +195,42 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
     out = np.empty((ids.size, k), np.float32)
     lib().gv_take_rows(QTYPES[qtype][0], data.ctypes.data, k, data.shape[1],
                        ids.ctypes.data, ids.size, out.ctypes.data)
+    return out
+
+
+# the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
+# the row form of Q8_TYPES
+AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def amx_int8() -> bool:
+    """Whether the prefill's products with ``AMX_TYPES`` weights can run as integer GEMMs
+    on AMX tiles here: a build of the class in force with AMX-INT8 (``native`` on such a
+    CPU) and the tile state granted by Linux."""
+    return available() and bool(lib().gq_amx_ready())
+
+
+def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` with each row of x quantized to 8 bits (the
+    type's form in ``Q8_TYPES``) and integer block dots on AMX tiles (``csrc/q8_amx.c``): the decode step's q8 scheme
+    (``matvec_q8``) over many rows, as the prefill runs it where ``amx_int8()``."""
+    if qtype not in AMX_TYPES:
+        raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no AMX GEMM (those that do: "
+                         f"{', '.join(AMX_TYPES)})")
+    if not amx_int8():
+        raise RuntimeError("ggml_vec.matmul_q8: no AMX-INT8 in this build or process")
+    k = _check(qtype, data)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"ggml_vec.matmul_q8: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+    nt = nthreads or threads()
+    out = np.empty((x.shape[0], data.shape[0]), np.float32)
+    so = lib()
+    buf = np.empty(so.gq_amx_buf_bytes(x.shape[0], k), np.uint8)
+    scratch = np.empty(nt * (so.gq_amx_scratch_bytes(k) + 64), np.uint8)
+    so.gq_amx_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
+                     x.ctypes.data, x.shape[0], out.ctypes.data, nt, buf.ctypes.data,
+                     scratch.ctypes.data)
     return out
 
 

@@ -273,13 +273,22 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
         s[p] = gv_hsum(a) * iscale;
 #endif
     }
-    for (p = 0; p < n; p++) {
-        if (cap > 0.0f) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
-        mx = s[p] > mx ? s[p] : mx;
-    }
+    if (cap > 0.0f)
+        for (p = 0; p < n; p++) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
+    /* the max and the sum in 8 and 4 lanes (vectorized; one chain's latency would set
+       the pace): the max is the same whatever the order, the sum in double */
+    float m8[8];
+    double d4[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int l = 0; l < 8; l++) m8[l] = -INFINITY;
+    for (p = 0; p + 8 <= n; p += 8)
+        for (int l = 0; l < 8; l++) m8[l] = s[p + l] > m8[l] ? s[p + l] : m8[l];
+    for (; p < n; p++) mx = s[p] > mx ? s[p] : mx;
+    for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;
     for (p = 0; p < n; p++) s[p] = gt_expf(s[p] - mx);  /* vectorized */
-    double den = 0.0;
-    for (p = 0; p < n; p++) den += s[p];
+    for (p = 0; p + 4 <= n; p += 4)
+        for (int l = 0; l < 4; l++) d4[l] += s[p + l];
+    double den = (d4[0] + d4[1]) + (d4[2] + d4[3]);
+    for (; p < n; p++) den += s[p];
     const float inv = (float)(1.0 / den);
     int64_t j0 = 0;
 #ifdef GV_W
@@ -492,22 +501,82 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    The same layer math as gd_step on T rows at once: the linears are GEMMs from the
    blocks (gv_gemm_rows: GV_PANEL weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
-   <= start + t) split over query heads.  Only the last row's logits are computed. */
+   <= start + t) split over query heads.  Only the last row's logits are computed.
+   With m->q8 where AMX-INT8 runs (gq_amx_ready), the products whose weight type the AMX
+   GEMM takes (gq_amx_type) read their input rows quantized to 8 bits instead (Q8_0 or
+   Q8_K), as the steps do (q8_amx.c: the same scheme as q8_dots.c's dots); the other
+   types keep float32 rows. */
+
+/* the 8-bit rows [Tp, k] of a linear's input (Tp: T up to a multiple of 16, zero rows
+   past T): Q8_0's d and s [Tp, k/32], or Q8_K's d [Tp, k/256] with s holding the int16
+   sums of each 32 quants; the AMX GEMM's per-thread scratch; q NULL: not used */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    uint8_t *scratch;
+    int64_t scratch_bytes;
+} gd_x8;
+
+static int64_t gd_pad16(int64_t T) { return (T + 15) / 16 * 16; }
 
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
-    const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd;
+    const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd, kmax = gd_kmax(m);
+    const int64_t tp = gd_pad16(T);
+    const int64_t x8 = tp * kmax + 8 * tp * (kmax / 32) + 64   /* the Q8_0 rows (bytes) */
+                       + m->nthreads * ((gq_amx_scratch_bytes(kmax) + 63) / 64 * 64);
     return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
-           + m->nthreads * GV_PANEL * gd_kmax(m);
+           + m->nthreads * GV_PANEL * kmax + (x8 + 3) / 4;
 }
 
-/* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64). */
+/* whether L's product runs on the quantized rows of form f (GQ_Q80, GQ_Q8K; 0: none):
+   the AMX GEMM takes its type, against rows of that form */
+static int gd_amx(const gd_x8 *x8, const gd_lin *L, int f) {
+    return x8->q && f && gq_amx_type(L->type) == f;
+}
+
+/* the form of the quantized rows the linears a, b, c (one input) read: the first's that
+   the AMX GEMM takes (the others of another form keep float32 rows); 0: none */
+static int gd_form(const gd_x8 *x8, const gd_lin *a, const gd_lin *b, const gd_lin *c) {
+    if (!x8->q) return 0;
+    return gq_amx_type(a->type) ? gq_amx_type(a->type)
+           : gq_amx_type(b->type) ? gq_amx_type(b->type) : gq_amx_type(c->type);
+}
+
+/* X [T, k]'s rows in form f into x8 (zero rows T .. Tp), split over the threads */
+static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k, int f) {
+    const int k8 = f == GQ_Q8K;
+    const int64_t nd = k8 ? k / 256 : k / 32, ns = k8 ? k / 32 * 2 : k / 32 * 4;  /* d, s bytes */
+    GD_FOR
+    for (int64_t t = 0; t < gd_pad16(T); t++) {
+        if (t < T && k8) {
+            gq_q8_k_rows(X, t, t + 1, k, x8->q, x8->d, (int16_t *)(void *)x8->s);
+        } else if (t < T) {
+            gq_q8_0_rows(X, t, t + 1, k, x8->q, x8->d, x8->s);
+        } else {
+            memset(x8->q + t * k, 0, k);
+            memset(x8->d + t * nd, 0, nd * sizeof(float));
+            memset((uint8_t *)x8->s + t * ns, 0, ns);
+        }
+    }
+}
+
+/* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64);
+   the base product from x8's quantized rows where gd_amx says so. */
 static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float *lt,
-                        int slot, float *Y, int acc, float *tile) {
+                        int slot, float *Y, int acc, float *tile, const gd_x8 *x8, int f) {
     int64_t r0 = 0, r1 = L->rows;
+    int tid = 0;
 #ifdef _OPENMP
-    gv_share(L->rows, omp_get_thread_num(), omp_get_num_threads(), &r0, &r1);
+    tid = omp_get_thread_num();
+    gv_share(L->rows, tid, omp_get_num_threads(), &r0, &r1);
 #endif
-    gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
+    if (gd_amx(x8, L, f)) {
+        if (r0 < r1)
+            gq_amx_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x8->q, x8->d, x8->s,
+                             T, Y, L->rows, acc, x8->scratch + tid * x8->scratch_bytes);
+    } else {
+        gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
+    }
     if (L->at)
         for (int64_t t = 0; t < T; t++) gd_lora_b(L, lt + t * 256 + slot * 64, Y + t * L->rows, r0, r1);
     if (L->col)  /* DoRA (acc = 0: gd_residual_T adds it) */
@@ -521,26 +590,26 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
 /* gd_residual on T rows: X += Y Wout, or X += rmsnorm(Y Wout) * w row by row through H */
 static void gd_residual_T(const gd_model *m, const gd_lin *L, const float *Y, int64_t T,
                           const float *lt, int slot, float *X, float *H, const float *post,
-                          int64_t i, float *tile) {
+                          int64_t i, float *tile, const gd_x8 *x8, int f) {
     if (!post) {
         if (L->col) {  /* DoRA: the scaled rows through H, each thread its own */
-            gd_linear_T(L, Y, T, lt, slot, H, 0, tile);
+            gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8, f);
             gd_add_rows(L, H, X, T);
         } else {
-            gd_linear_T(L, Y, T, lt, slot, X, 1, tile);
+            gd_linear_T(L, Y, T, lt, slot, X, 1, tile, x8, f);
         }
         GD_BARRIER
         return;
     }
-    gd_linear_T(L, Y, T, lt, slot, H, 0, tile);
+    gd_linear_T(L, Y, T, lt, slot, H, 0, tile, x8, f);
     GD_BARRIER
     GD_FOR
     for (int64_t t = 0; t < T; t++)
         gd_post_add(X + t * m->dim, H + t * m->dim, post + i * m->dim, m->dim, m->eps);
 }
 
-/* logits[vocab] of the last of `tokens[T]` placed at positions start ..; the caches get
-   rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
+/* logits[vocab] of the last of `tokens[T]` placed at positions start .. (logits NULL:
+   none); the caches get rows start .. start + T - 1.  `buf` holds gd_prefill_floats(m, T) floats. */
 void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t start,
                 float *logits, float *buf) {
     const int64_t D = m->dim, hd = m->hd, nh = m->nh, nkv = m->nkv, F = m->ffn;
@@ -548,8 +617,19 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     float *x = buf, *h = x + T * D, *q = h + T * D, *k = q + T * qw, *v = k + T * kvw;
     float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
     float *sc = lt + T * 256, *tiles = sc + nh * (m->cap + 1);
-    const int64_t kmax = gd_kmax(m);
+    const int64_t kmax = gd_kmax(m), tp = gd_pad16(T);
     const float iscale = m->iscale;
+    gd_x8 x8 = {0};
+    if (m->q8 && gq_amx_ready()) {  /* the Q8_0 rows after the float32 tiles */
+        uint8_t *b8 = (uint8_t *)(((uintptr_t)(tiles + m->nthreads * GV_PANEL * kmax) + 63)
+                                  & ~(uintptr_t)63);
+        x8.q = (int8_t *)b8;
+        x8.d = (float *)(b8 + tp * kmax);
+        x8.s = x8.d + tp * (kmax / 32);
+        x8.scratch = (uint8_t *)(x8.s + tp * (kmax / 32));
+        x8.scratch_bytes = (gq_amx_scratch_bytes(kmax) + 63) / 64 * 64;
+    }
+#define GD_FORM(a, b, c) gd_form(&x8, &L[a], &L[b], &L[c])
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);
     gd_embed_scale(m, x, T * D);
 #ifdef _OPENMP
@@ -571,9 +651,11 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             if (L[GD_K].at) gd_lora_t(&L[GD_K], h + t * D, lt + t * 256 + 64);
             if (L[GD_V].at) gd_lora_t(&L[GD_V], h + t * D, lt + t * 256 + 128);
         }
-        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile);
-        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile);
-        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile);
+        int f = GD_FORM(GD_Q, GD_K, GD_V);
+        if (f) gd_quantize_T(&x8, h, T, D, f);
+        gd_linear_T(&L[GD_Q], h, T, lt, 0, q, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_K], h, T, lt, 1, k, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_V], h, T, lt, 2, v, 0, tile, &x8, f);
         GD_BARRIER
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
@@ -604,27 +686,40 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);
         }
-        gd_residual_T(m, &L[GD_O], att, T, lt, 0, x, h, m->post_attn_norm, i, tile);
+        f = GD_FORM(GD_O, GD_O, GD_O);
+        if (f) gd_quantize_T(&x8, att, T, qw, f);
+        gd_residual_T(m, &L[GD_O], att, T, lt, 0, x, h, m->post_attn_norm, i, tile, &x8, f);
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->ffn_norm + i * D, h + t * D, D, m->eps);
             if (L[GD_GATE].at) gd_lora_t(&L[GD_GATE], h + t * D, lt + t * 256 + 64);
             if (L[GD_UP].at) gd_lora_t(&L[GD_UP], h + t * D, lt + t * 256 + 192);
         }
-        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile);
-        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile);
+        f = GD_FORM(GD_GATE, GD_UP, GD_UP);
+        if (f) gd_quantize_T(&x8, h, T, D, f);
+        gd_linear_T(&L[GD_GATE], h, T, lt, 1, mlp, 0, tile, &x8, f);
+        gd_linear_T(&L[GD_UP], h, T, lt, 3, up, 0, tile, &x8, f);
         GD_BARRIER
-        GD_FOR
-        for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        if (m->geglu) {
+            GD_FOR
+            for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        } else {  /* silu's loop apart, without the branch: vectorized */
+            GD_FOR
+            for (int64_t j = 0; j < T * F; j++) mlp[j] = gd_silu(mlp[j]) * up[j];
+        }
         if (L[GD_DOWN].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_DOWN], mlp + t * F, lt + t * 256 + 128);
         }
-        gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile);
+        f = GD_FORM(GD_DOWN, GD_DOWN, GD_DOWN);
+        if (f) gd_quantize_T(&x8, mlp, T, F, f);
+        gd_residual_T(m, &L[GD_DOWN], mlp, T, lt, 2, x, h, m->post_ffn_norm, i, tile, &x8, f);
     }
-    GD_SINGLE
-    gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
-    gd_linear(&m->head, h, 0, 0, logits, 0);
-    gd_final_cap(m, logits);
+    if (logits) {  /* NULL: a chunk before the prompt's last, whose logits nobody reads */
+        GD_SINGLE
+        gd_rmsnorm(x + (T - 1) * D, m->norm, h, D, m->eps);
+        gd_linear(&m->head, h, 0, 0, logits, 0);
+        gd_final_cap(m, logits);
+    }
     }
 }

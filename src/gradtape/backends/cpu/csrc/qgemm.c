@@ -784,13 +784,16 @@ static void fused_chunk(vecs_fn vecs, int by, const uint8_t *w, long rb, long j,
 }
 
 /* forward: W's rows [r0, r0 + n) over K's values [k0, k0 + kc) as plain bf16 rows
-   FUSED_LDA apart (A of y^T = W x^T), the row 4 on asked for */
+   FUSED_LDA apart (A of y^T = W x^T), the row 4 on asked for meanwhile */
 static void fused_rows(void (*direct)(const uint8_t *, uint16_t *), int by, const uint8_t *w,
                        long rb, long r0, long n, long k0, long kc, uint16_t *tile) {
     const long first = k0 / 256 * by, blocks = kc / 256;
     for (long i = 0; i < n; i++) {
         const uint8_t *row = w + (r0 + i) * rb + first;
         if (i + 4 < n) pf_bytes(row + 4 * rb, blocks * by);
+        /* and this row's blocks of the next chunk: the rows are too many streams for the
+           cores' own prefetchers, and the chunk is reached well after they arrive */
+        pf_bytes(row + blocks * by, blocks * by);
         for (long b = 0; b < blocks; b++) direct(row + b * by, tile + i * FUSED_LDA + 256 * b);
     }
 }

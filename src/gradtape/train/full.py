@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..models.export import dense, save_gguf, save_hf_folder
 from ..models.lora import ADAPTER_TYPES
@@ -43,9 +44,14 @@ def weight_params(tp, model) -> dict:
     the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized.
     Each in C order, as the step program keeps its params: a program reading a weight
     in C kernels (bf16 compute's conversion) takes no copy of its own before it shares
-    the step's (a GGUF's matrices arrive transposed)."""
-    return {name: tp.param(np.ascontiguousarray(dense(model.weights, name)))
-            for name in model.weights}
+    the step's (a GGUF's matrices arrive transposed).  A block matrix's mapped pages are
+    released once it is dequantized (``BlockMatrix.release``)."""
+    out = {}
+    for name, w in model.weights.items():
+        out[name] = tp.param(np.ascontiguousarray(dense(model.weights, name)))
+        if is_block_matrix(w):  # its mapped pages are not read again by the step
+            w.release()
+    return out
 
 
 def trained_model(model, weights):

@@ -23,6 +23,7 @@ from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
+from .sink import sink_large
 
 def compile_program(tape, outputs, backend_cls, updates=None, execution=None,
                     checkpoint=False, complete=None, donate=(), arena=None):
@@ -71,7 +72,7 @@ def lower(graph, backend_cls, donate=(), **kwargs):
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
-    graph = early_updates(graph)
+    graph = sink_large(early_updates(graph))
     if "fuse" in backend_cls.passes:
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:
@@ -81,7 +82,8 @@ def lower(graph, backend_cls, donate=(), **kwargs):
     if reuse:
         in_place = schedule_in_place(schedule)
         donated = frozenset(donate) & {leaf for leaf, _ in graph.updates}
-    plan = plan_schedule_memory(schedule, in_place, reuse)
+    plan = plan_schedule_memory(schedule, in_place, reuse, 
+                                backend_cls.fuses_scatter_add(graph))
     if donated:
         plan = dataclasses.replace(plan, donated=donated)
     return backend_cls(graph, schedule, plan, **kwargs)

@@ -53,7 +53,7 @@ import weakref
 
 import numpy as np
 
-from ...compile.fuse import FusedGroup
+from ...compile.fuse import FusedGroup, scatter_adds
 from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
@@ -181,6 +181,10 @@ class CpuBackend(HostBackend):
         dtype = _float_dtype(graph)
         return {"fusible": _fusible_for(dtype) if dtype else (lambda v: False),
                 "reductions": dtype is not None}
+
+    @classmethod
+    def fuses_scatter_add(cls, graph):
+        return _float_dtype(graph) is not None  # as ``_scatter_adds`` runs them
 
     @classmethod
     def unavailable(cls):
@@ -343,31 +347,14 @@ class CpuBackend(HostBackend):
         return out
 
     def _scatter_adds(self):
-        """``{group: (scatter, b, scratch)}``: a group adding a ``scatter_rows`` that
-        nothing else reads to a value of its shape runs ``codegen.scatter_add_body``
-        instead of both (the scatter's zeros never written nor read again).  Only where
-        the add runs right after the scatter: the scatter's inputs are then still where
-        it read them."""
-        readers = {}
-        pos = {st: i for i, st in enumerate(self.schedule.steps)}
-        for st in self.schedule.steps:
-            for x in st.inputs:
-                readers.setdefault(x, []).append(st)
-        keep = set(self.graph.outputs) | {src for _, src in self.graph.updates}
+        """``{group: (scatter, b, scratch)}``: each ``compile.fuse.scatter_adds`` pair runs
+        ``codegen.scatter_add_body`` instead of both ops (the scatter's zeros never
+        written nor read again; the plan gave it its add's region)."""
         out = {}
-        for g in self.schedule.groups:
-            if g.kind != "elementwise" or [v.op for v in g.ops] != ["add"] \
-                    or len(g.inputs) != 2:
-                continue
-            for sc, b in (g.inputs, g.inputs[::-1]):
-                if (sc.op == "scatter_rows" and not sc.is_leaf and sc not in keep
-                        and readers.get(sc) == [g] and pos.get(sc, -2) + 1 == pos[g]
-                        and b.shape == sc.shape == g.ops[0].shape
-                        and sc.inputs[1].dtype == np.int64 and b is not sc):
-                    n, d = sc.inputs[0].shape
-                    out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
-                                      np.empty(max(n, 1), np.int64)))
-                    break
+        for g, (sc, b) in scatter_adds(self.schedule).items():
+            n, d = sc.inputs[0].shape
+            out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
+                              np.empty(max(n, 1), np.int64)))
         return out
 
     def _bf16_members(self, g):

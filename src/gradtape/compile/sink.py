@@ -1,0 +1,66 @@
+"""Computing a large value late: just before the ops that read it.
+
+Recording order computes a value where the tape recorded it, which can be long before its
+first use: a tied LM head's weight gradient ``dlogits^T h`` (``[V, D]``, a copy of the
+embedding) is recorded at the start of backward but read only at its end, where the
+embedding's own gradient is added to it, so it stays alive through the whole backward.
+``sink_large`` moves such an op to just before its first reader (before the reader's other
+inputs made since, so that a producer and its one reader stay adjacent) where that
+shortens the lives of more bytes than it lengthens: the op's output lives shorter, the
+inputs it was the last to read live longer.  Only the order changes: every op computes
+what it did, from the same values.  Not moved: an op reading a state leaf (its update may
+be written in place before the reader), one nothing reads in the graph (an output), or
+one whose move would gain nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+# only values at least this big move: a small one frees little, and moving it away from
+# the elementwise chain it was recorded in could split a fused kernel
+SINK_MIN = 1 << 22  # bytes
+
+
+def _nbytes(v):
+    return v.size * v.dtype.itemsize
+
+
+def sink_large(graph):
+    """``graph`` with each large op placed just before its first reader where that frees
+    more bytes than it holds (see the module docstring)."""
+    ops = list(graph.ops)
+    targets = {leaf for leaf, _ in graph.updates}
+    keep = set(graph.outputs) | {src for _, src in graph.updates}
+    moved = True
+    while moved:  # one op at a time: each move changes the others' last readers
+        moved = False
+        pos = {v: i for i, v in enumerate(ops)}
+        first, last = {}, {}
+        for i, v in enumerate(ops):
+            for x in v.inputs:
+                first.setdefault(x, i)
+                last[x] = i
+        best = None
+        for i, v in enumerate(ops):
+            c = first.get(v)
+            if (c is None or c <= i + 1 or _nbytes(v) < SINK_MIN or v in keep or any(x in targets for x in v.inputs)):
+                continue
+            # the reader's other inputs made after v come first: v goes right before them
+            at = min([c] + [pos[x] for x in ops[c].inputs if x in pos and i < pos[x] < c])
+            if at <= i + 1:
+                continue
+            longer = sum(_nbytes(x) for x in dict.fromkeys(v.inputs)
+                         if not x.is_leaf and last.get(x) == i)
+            gain = (_nbytes(v) - longer) * (at - 1 - i)
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, i, at)
+        if best is not None:
+            _, i, at = best
+            v = ops.pop(i)
+            ops.insert(at - 1, v)
+            moved = True
+    if ops == list(graph.ops):
+        return graph
+    return dataclasses.replace(graph, ops=tuple(ops))

@@ -12,12 +12,12 @@ import gradtape as gt
 from gradtape import ops
 from gradtape.backends.cpu.backend import CpuBackend
 from gradtape.compile import build_graph, plan_memory, program
-from gradtape.compile.sink import SINK_MIN, sink_large
+from gradtape.compile.sink import SINK_MIN, SINK_SPAN, sink_large
 from gradtape.optim import AdamWConfig, adamw, global_norm
 
 from support.fd import BACKENDS
 
-V, D, T, LAYERS = 4096, 256, 8, 3  # the table [V, D] float32 is SINK_MIN bytes
+V, D, T, LAYERS = 4096, 256, 8, 16  # the table [V, D] float32 is SINK_MIN bytes
 
 
 def _step(dtype, seed=0):
@@ -65,7 +65,7 @@ def test_the_head_gradient_moves_next_to_the_scatter():
     assert len(head_grad) == 1
     i = moved.ops.index(head_grad[0])
     assert [v.op for v in moved.ops[i + 1:i + 3]] == ["scatter_rows", "add"]
-    assert graph.ops.index(head_grad[0]) < i - 10  # it was recorded long before
+    assert graph.ops.index(head_grad[0]) < i - SINK_SPAN  # it was recorded long before
     assert sorted(v.index for v in moved.ops) == sorted(v.index for v in graph.ops)
     pos = {v: k for k, v in enumerate(moved.ops)}
     assert all(pos[x] < pos[v] for v in moved.ops for x in v.inputs if x in pos)
@@ -76,13 +76,20 @@ def test_a_value_read_late_is_made_late_and_the_plan_shrinks():
     tp = gt.Tape(np.float32, eager=False)
     x, w = tp.const(np.ones((n, n), np.float32)), tp.const(np.eye(n, dtype=np.float32))
     early = ops.matmul(x, w)  # recorded first, read last
-    s = ops.reduce_sum(ops.tanh(ops.tanh(x)))
+    c = x
+    for _ in range(SINK_SPAN):  # a chain longer than SINK_SPAN between the two
+        c = ops.tanh(c)
+    s = ops.reduce_sum(c)
     y = ops.mul(ops.matmul(early, tp.const(np.ones((n, 1), np.float32))), s)  # [n, 1]
     graph = build_graph(tp, [y], None)
     moved = sink_large(graph)
     assert moved.ops.index(early) == moved.ops.index(y.inputs[0]) - 1
     assert graph.ops.index(early) == 0
     assert plan_memory(moved).nbytes < 0.8 * plan_memory(graph).nbytes
+    near = ops.matmul(x, w)  # read within SINK_SPAN ops: stays
+    z = ops.mul(ops.matmul(near, tp.const(np.ones((n, 1), np.float32))),
+                ops.reduce_sum(ops.tanh(x)))
+    assert sink_large(build_graph(tp, [z], None)).ops.index(near) == 0
 
 
 def test_the_plan_holds_one_table_gradient_at_the_end(monkeypatch):

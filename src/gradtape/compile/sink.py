@@ -9,8 +9,8 @@ inputs made since, so that a producer and its one reader stay adjacent) where th
 shortens the lives of more bytes than it lengthens: the op's output lives shorter, the
 inputs it was the last to read live longer.  Only the order changes: every op computes
 what it did, from the same values.  Not moved: an op reading a state leaf (its update may
-be written in place before the reader), one nothing reads in the graph (an output), or
-one whose move would gain nothing.
+be written in place before the reader), one nothing reads in the graph (an output), one
+read within ``SINK_SPAN`` ops, or one whose move would gain nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import dataclasses
 # only values at least this big move: a small one frees little, and moving it away from
 # the elementwise chain it was recorded in could split a fused kernel
 SINK_MIN = 1 << 22  # bytes
+# ... and only past at least this many ops: a value read a few ops later lives briefly
+# anyway, and a short move only changes which neighbours run together (products sharing
+# an input, which round it to bf16 once)
+SINK_SPAN = 64
 
 
 def _nbytes(v):
@@ -29,38 +33,37 @@ def _nbytes(v):
 
 def sink_large(graph):
     """``graph`` with each large op placed just before its first reader where that frees
-    more bytes than it holds (see the module docstring)."""
+    more bytes than it holds (see the module docstring); the candidates are chosen on
+    the recorded order, in one pass."""
     ops = list(graph.ops)
     targets = {leaf for leaf, _ in graph.updates}
     keep = set(graph.outputs) | {src for _, src in graph.updates}
-    moved = True
-    while moved:  # one op at a time: each move changes the others' last readers
-        moved = False
-        pos = {v: i for i, v in enumerate(ops)}
-        first, last = {}, {}
-        for i, v in enumerate(ops):
-            for x in v.inputs:
-                first.setdefault(x, i)
-                last[x] = i
-        best = None
-        for i, v in enumerate(ops):
-            c = first.get(v)
-            if (c is None or c <= i + 1 or _nbytes(v) < SINK_MIN or v in keep or any(x in targets for x in v.inputs)):
-                continue
-            # the reader's other inputs made after v come first: v goes right before them
-            at = min([c] + [pos[x] for x in ops[c].inputs if x in pos and i < pos[x] < c])
-            if at <= i + 1:
-                continue
-            longer = sum(_nbytes(x) for x in dict.fromkeys(v.inputs)
-                         if not x.is_leaf and last.get(x) == i)
-            gain = (_nbytes(v) - longer) * (at - 1 - i)
-            if gain > 0 and (best is None or gain > best[0]):
-                best = (gain, i, at)
-        if best is not None:
-            _, i, at = best
-            v = ops.pop(i)
-            ops.insert(at - 1, v)
-            moved = True
-    if ops == list(graph.ops):
+    pos = {v: i for i, v in enumerate(ops)}
+    first, last = {}, {}
+    for i, v in enumerate(ops):
+        for x in v.inputs:
+            first.setdefault(x, i)
+            last[x] = i
+    moves = {}  # op -> the position of the op it goes right before
+    for i, v in enumerate(ops):
+        c = first.get(v)
+        if (c is None or c <= i + 1 or _nbytes(v) < SINK_MIN or v in keep
+                or any(x in targets for x in v.inputs)):
+            continue
+        # the reader's other inputs made after v come first: v goes right before them
+        at = min([c] + [pos[x] for x in ops[c].inputs if x in pos and i < pos[x] < c])
+        longer = sum(_nbytes(x) for x in dict.fromkeys(v.inputs)
+                     if not x.is_leaf and last.get(x) == i)
+        if at - i > SINK_SPAN and _nbytes(v) > longer:
+            moves[v] = at
+    if not moves:
         return graph
-    return dataclasses.replace(graph, ops=tuple(ops))
+    before = {}
+    for v, at in moves.items():
+        before.setdefault(at, []).append(v)
+    order = []
+    for i, v in enumerate(ops):
+        order.extend(before.get(i, ()))
+        if v not in moves:
+            order.append(v)
+    return dataclasses.replace(graph, ops=tuple(order))

@@ -120,14 +120,20 @@ AUTO_ACTIVATIONS = 1 / 3
 # (recomputing pays), a big model's little (docs/benchmarks.md has the measured cases).
 AUTO_FREES = 0.25
 AUTO_MB_PER_GFLOP = 1.0
+# ... or, where the trained values' state (params and AdamW's moments) is at least this
+# share of the run (full fine-tuning: 12 bytes a weight), wherever it pays that much a
+# GFLOP: the state is fixed, the activations are the one large part a choice can shed
+AUTO_STATE = 0.5
 
 
 def recompute_pays(off, on) -> bool:
     """Whether recomputing every layer (``on``, a ``memory.Estimate``) rather than none
-    (``off``) frees at least ``AUTO_FREES`` of the run's memory and ``AUTO_MB_PER_GFLOP``
-    MB per GFLOP of products it adds."""
+    (``off``) frees at least ``AUTO_MB_PER_GFLOP`` MB per GFLOP of products it adds and
+    either ``AUTO_FREES`` of the run's memory or, in a run whose trained state is at
+    least ``AUTO_STATE`` of it, anything at all."""
     freed, work = off.total - on.total, on.flops - off.flops
-    return (freed >= AUTO_FREES * off.total
+    share = freed >= AUTO_FREES * off.total or off.state >= AUTO_STATE * off.total
+    return (freed > 0 and share
             and freed / 2**20 >= AUTO_MB_PER_GFLOP * max(work, 1) / 1e9)
 
 
@@ -142,7 +148,8 @@ class TrainStep:
                  options=Options(), fine_tune_type="lora"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes every
-        layer where that frees much memory for little work (``recompute_pays``), else the
+        layer where that frees much memory for little work, or any beside a large trained
+        state (``recompute_pays``), else the
         fewest (the first ones) that keep the activations within ``AUTO_ACTIVATIONS`` of
         the run and the run within ``AUTO_SHARE`` of ``memory_limit`` bytes (where
         given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row
@@ -373,8 +380,11 @@ class TrainStep:
             if not pays and need_off <= budget:
                 return 0
             freed = (need_off - est.total) / need_off
+            of_run = (f"{freed:.0%} of the run" if freed >= AUTO_FREES else
+                      f"{(need_off - est.total) / 2**20:.0f} MB beside "
+                      f"{off.state / 2**30:.1f} GiB of trained state")
             self._checkpoint_why = (
-                f": frees {freed:.0%} of the run at "
+                f": frees {of_run} at "
                 f"{(need_off - est.total) / 2**20 / max(est.flops - off.flops, 1) * 1e9:.1f}"
                 " MB per GFLOP recomputed" if pays else
                 ": activations within a third of the run" if budget < need_off and (

@@ -27,8 +27,9 @@ FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or ev
 
 # how a full step's weight products run under bf16 compute (the plan's trained_bf16):
 # a trained weight changes every step, so its bf16 copy is made again each step
-BF16_WHY = ("each rounded to bf16 once a step (by its update), its products and gradient "
-            "with bf16 inputs and float32 sums, as under torch's autocast")
+BF16_WHY = ("each rounded to bf16 before its products (the largest by its update, the "
+            "others into one scratch), its products and gradient with bf16 inputs and "
+            "float32 sums, as under torch's autocast")
 
 # copies of each weight a full step holds outside its activations' arena: the param and
 # AdamW's two moments (the step program keeps them in the tape's own arrays and writes

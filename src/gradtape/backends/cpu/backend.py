@@ -28,8 +28,10 @@ GEMM, or by the fused group that computes it, which writes its rounding too
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
-trained weight (a float param) is read in bf16 the same way, from one copy that its
-update kernel writes beside the new weight (``_Trained16``: no conversion pass), and its
+trained weight (a float param) is read in bf16 the same way: the largest one from a copy
+that its update kernel writes beside the new weight (``_Trained16``: no conversion pass),
+each other one rounded into one shared scratch just before its products
+(``_resident_trained``: a copy of one weight's size, not the model's), and its
 gradient ``x^T dY`` takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
 ``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
 is bf16's, except that the block-weight products take int8 inputs, each row of the

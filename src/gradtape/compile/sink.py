@@ -8,9 +8,10 @@ embedding's own gradient is added to it, so it stays alive through the whole bac
 inputs made since, so that a producer and its one reader stay adjacent) where that
 shortens the lives of more bytes than it lengthens: the op's output lives shorter, the
 inputs it was the last to read live longer.  Only the order changes: every op computes
-what it did, from the same values.  Not moved: an op reading a state leaf (its update may
-be written in place before the reader), one nothing reads in the graph (an output), one
-read within ``SINK_SPAN`` ops, or one whose move would gain nothing.
+what it did, from the same values.  Not moved: an op reading a state leaf whose new value
+is not computed from it (that update may be written in place before the reader), one
+nothing reads in the graph (an output), one read within ``SINK_SPAN`` ops, or one whose
+move would gain nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,20 @@ def _nbytes(v):
     return v.size * v.dtype.itemsize
 
 
+def _feeds(v, out) -> bool:
+    """Whether ``out`` is computed from ``v``: a state leaf that ``v`` reads and whose new
+    value ``out`` is then takes that value after ``v`` wherever ``v`` runs."""
+    seen, stack = set(), [out]
+    while stack:
+        x = stack.pop()
+        if x is v:
+            return True
+        if x not in seen and not x.is_leaf:
+            seen.add(x)
+            stack.extend(x.inputs)
+    return False
+
+
 def sink_large(graph):
     """``graph`` with each large op placed just before its first reader where that frees
     more bytes than it holds (see the module docstring); the candidates are chosen on
@@ -44,11 +59,12 @@ def sink_large(graph):
         for x in v.inputs:
             first.setdefault(x, i)
             last[x] = i
+    source = dict(graph.updates)
     moves = {}  # op -> the position of the op it goes right before
     for i, v in enumerate(ops):
         c = first.get(v)
         if (c is None or c <= i + 1 or _nbytes(v) < SINK_MIN or v in keep
-                or any(x in targets for x in v.inputs)):
+                or any(x in targets and not _feeds(v, source[x]) for x in v.inputs)):
             continue
         # the reader's other inputs made after v come first: v goes right before them
         at = min([c] + [pos[x] for x in ops[c].inputs if x in pos and i < pos[x] < c])

@@ -31,6 +31,13 @@ BF16_WHY = ("each rounded to bf16 before its products (the largest by its update
             "others into one scratch), its products and gradient with bf16 inputs and "
             "float32 sums, as under torch's autocast")
 
+# logits from which a full step's LM head and loss are the fused primitive (as the
+# preference log-probabilities', models.graph.LOGPS_FUSE_MIN): the composed head keeps
+# the [N, V] logits' gradient alive until the trained table's gradient (x^T dlogits) is
+# made, which then lives beside it; the fused one makes that gradient from h and the
+# table, both alive anyway, so it runs last (compile.sink) and nothing [N, V] exists
+HEAD_FUSE_FROM = 1 << 22
+
 # copies of each weight a full step holds outside its activations' arena: the param and
 # AdamW's two moments (the step program keeps them in the tape's own arrays and writes
 # their new values there); the eval program reads the step's params, checkpoints and the

@@ -266,11 +266,13 @@ class TrainStep:
                                 segments=self.segments, head=False,
                                 fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
-        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
+        fuse_from = full.HEAD_FUSE_FROM if self.full else None
+        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
+                              fuse_from=fuse_from)
         self.grads = tp.backward(self.loss)
         self.metric_vars = {}
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
-                              training=False)
+                              training=False, fuse_from=fuse_from)
         self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan,
                                        arena=self.arena)
 

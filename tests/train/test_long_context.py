@@ -208,3 +208,20 @@ def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
     monkeypatch.setattr(S, "AUTO_FREES", 0.0)
     monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
     assert step().checkpointed == 4
+
+
+def test_auto_beside_a_large_state_recomputes_the_fewest_layers_that_free_as_much(
+        monkeypatch):
+    """Where the trained state counts as most of the run (here made so), ``auto``
+    recomputes as few layers as give all layers' plan (within 1 MB), and says so."""
+    from gradtape.train import step as S
+
+    model = tiny_model(seed=2, n_layers=4)
+    monkeypatch.setattr(S, "AUTO_STATE", 0.0)
+    monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
+    st = TrainStep(model, None, 2, 64, fine_tune_type="full", grad_checkpoint="auto")
+    n, layers = st.checkpointed, model.config.n_layers
+    assert 0 < n <= layers
+    assert st.planned_memory(n).total <= st.planned_memory(layers).total + 2**20
+    if n < layers:
+        assert "the fewest layers that free as much" in st.plan.checkpoint.why

@@ -403,6 +403,11 @@ class TrainStep:
                 + self.memory_hint)
         if mode == "auto" and not pays and est.total < budget:
             n = self._fewest_recomputed(need_off, est.total, budget)
+        elif mode == "auto" and pays and freed < AUTO_FREES and need_off > est.total + 2**20:
+            # beside a large state: as few layers as reach all layers' plan (its peak may
+            # be set by what no recompute frees, such as the embedding's gradient)
+            n = self._fewest_recomputed(need_off, est.total, est.total + 2**20)
+            self._checkpoint_why += "; the fewest layers that free as much"
         return n
 
     def _fewest_recomputed(self, need_none, need_all, budget):

@@ -37,6 +37,10 @@ BF16_WHY = ("each rounded to bf16 before its products (the largest by its update
 # made, which then lives beside it; the fused one makes that gradient from h and the
 # table, both alive anyway, so it runs last (compile.sink) and nothing [N, V] exists
 HEAD_FUSE_FROM = 1 << 22
+# ... its logits blocks of this many elements (a quarter of tiled.HEAD_BUDGET): the
+# block's scratch (logits, bf16 table rows and products: about 11 bytes an element) is
+# kept beside the whole state, and narrower blocks cost the head's GEMMs little
+HEAD_BUDGET = 1 << 21
 
 # copies of each weight a full step holds outside its activations' arena: the param and
 # AdamW's two moments (the step program keeps them in the tape's own arrays and writes

@@ -266,13 +266,14 @@ class TrainStep:
                                 segments=self.segments, head=False,
                                 fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
-        fuse_from = full.HEAD_FUSE_FROM if self.full else None
+        fuse_from, budget = (full.HEAD_FUSE_FROM, full.HEAD_BUDGET) if self.full else (None,
+                                                                                    None)
         self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
-                              fuse_from=fuse_from)
+                              fuse_from=fuse_from, budget=budget)
         self.grads = tp.backward(self.loss)
         self.metric_vars = {}
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
-                              training=False, fuse_from=fuse_from)
+                              training=False, fuse_from=fuse_from, budget=budget)
         self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan,
                                        arena=self.arena)
 

@@ -7,7 +7,7 @@ Workloads (every weight trained, float32 master weights, AdamW, one sequence a s
 
 Sides: gradtape's ``TrainStep(..., fine_tune_type="full")`` as ``finetune
 --fine-tune-type full`` builds it (under ``--compute auto``: bf16 where this CPU runs it
-faster, each weight converted once a step: ``train/full.py``), the
+faster: ``train/full.py``), the
 peer eager in float32 and the peer under ``torch.autocast("cpu", torch.bfloat16)``, each
 ``loss.backward()`` then ``torch.optim.AdamW.step()`` over every parameter.  Each side
 runs in its own process (torch's OpenMP pool and NumPy's BLAS never share one), their

@@ -121,6 +121,30 @@ class BlockMatrix:
         the NumPy reference, ``gguf.quants.dequantize``."""
         return dequantize(self.data if rows is None else self.data[rows], self.qtype)
 
+    def release(self):
+        """Drop this process's resident pages of ``data`` where it is a view of a memory
+        map (``MADV_DONTNEED``; the file's page cache keeps them, a later read maps them
+        again): for blocks copied elsewhere (full fine-tuning's float32 params) that stop
+        counting in the resident set.  Best effort: a no-op for a copy or where the
+        platform cannot."""
+        import mmap
+
+        base, top = self.data, None
+        while base is not None and not isinstance(base, mmap.mmap):
+            top, base = base, getattr(base, "base", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if base is None or advice is None or not isinstance(top, np.ndarray):
+            return
+        page = mmap.PAGESIZE
+        start = self.data.ctypes.data - top.ctypes.data  # top: the whole map's array
+        lo = -(-start // page) * page
+        hi = (start + self.data.nbytes) // page * page
+        if hi > lo:
+            try:
+                base.madvise(advice, lo, hi - lo)
+            except (OSError, ValueError):
+                pass
+
     def __repr__(self):
         return f"BlockMatrix({self.qtype} {list(self.shape)}, {self.nbytes} bytes)"
 

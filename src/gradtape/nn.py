@@ -429,14 +429,16 @@ def ce_targets_fill(targets, ignore_index=-100, denominator=None):
     return ids, weights
 
 
-def cross_entropy_head(tp, h, table, ids, weights, cap=0.0, grad_in_forward=False):
+def cross_entropy_head(tp, h, table, ids, weights, cap=0.0, grad_in_forward=False,
+                       budget=None):
     """``cross_entropy_ids`` of the LM head's logits ``z = h @ table^T`` (soft-capped to
     ``cap * tanh(z / cap)`` when ``cap > 0``) without the ``[T, V]`` logits: the head and
     the loss are one primitive (``ops.head_nll``) that walks the vocabulary a block of
     rows at a time and recomputes each block in backward.  ``h [T, D]``; ``table [V, D]``
     (the embedding table of a tied head, or ``lm_head``; float or a block-matrix const);
     ``ids``, ``weights`` as for ``cross_entropy_ids``; ``grad_in_forward`` as for
-    ``ops.head_nll`` (a training loss: the gradient w.r.t. ``h`` folded up in forward)."""
-    head = ops.head_nll(h, table, ids, cap, grad_in_forward=grad_in_forward)
+    ``ops.head_nll`` (a training loss: the gradient w.r.t. ``h`` folded up in forward),
+    ``budget`` too (the logits block's elements)."""
+    head = ops.head_nll(h, table, ids, cap, grad_in_forward=grad_in_forward, budget=budget)
     nll = ops.slice_(head, 1, 0, 1)  # [T, 1]
     return ops.reduce_sum(ops.mul(nll, weights))

@@ -30,9 +30,11 @@ from .blocks import dequantize
 HEAD_BUDGET = 1 << 23
 
 
-def head_chunk(t, v):
-    """Vocabulary rows per block for ``t`` rows: the budget's worth, a multiple of 64."""
-    c = max(64, (HEAD_BUDGET // max(t, 1)) // 64 * 64)
+def head_chunk(t, v, budget=None):
+    """Vocabulary rows per block for ``t`` rows: ``budget`` elements' worth (default
+    ``HEAD_BUDGET``), a multiple of 64."""
+    budget = HEAD_BUDGET if budget is None else budget
+    c = max(64, (budget // max(t, 1)) // 64 * 64)
     return min(c, v)
 
 

@@ -221,7 +221,8 @@ def _trained_plan():
 def test_trained_weight_products_and_gradient_read_bf16_rounded_operands():
     """A trained weight W (a param): ``x @ W``, ``dY @ W^T`` and its gradient ``x^T dY``
     equal float64 arithmetic on the bf16-rounded operands (1e-5: the module docstring),
-    and the copy of W they read follows its update, converted again each replay."""
+    and the copy of W they read follows its update: the largest weight's copy written by
+    its update, the other's rounded into the scratch before each product."""
     _need_onednn()
     rng = np.random.default_rng(7)
     tp = gt.Tape(np.float32, eager=False)
@@ -237,7 +238,7 @@ def test_trained_weight_products_and_gradient_read_bf16_rounded_operands():
     prog = tp.compile([h, dh, g[w1], g[w2]], backend="cpu", plan=_trained_plan(),
                       updates=updates)
     ex = prog.executable
-    assert ex.compute == "bf16" and set(ex._trained16) == {w1, w2}
+    assert ex.compute == "bf16" and set(ex._trained16) == {w2} and set(ex._scratch16) == {w1}
     # x W1 and dY W2^T (dY = c; the loss, not an output, leaves h W2 pruned), h^T c, x^T dh
     assert len(ex._dense_bf16) == 2 and len(ex._grad_bf16) == 2
     xb, cb = _bf16_exact(x._value), _bf16_exact(c._value)

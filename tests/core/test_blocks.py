@@ -138,3 +138,30 @@ def test_cuda_backend_refuses_block_ops_clearly():
     with pytest.raises(ValueError, match=r"backend 'cuda': no kernel for qmatmul #\d+ "
                                          r"\(a weight kept as Q8_0 blocks\)"):
         lower(build_graph(tp, [y], None), CudaBackend, device=object())
+
+
+def _mapped_kb(path):
+    """Resident kB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    kb, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb
+
+
+def test_release_drops_mapped_pages_and_keeps_values(tmp_path):
+    rb = row_bytes("Q8_0", 256)
+    rows = 2048  # 557 KiB of blocks
+    data = random_blocks("Q8_0", rows, 256, np.random.default_rng(0)).data
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"\0" * 100 + data.tobytes())  # not page-aligned: whole pages only
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    w = BlockMatrix("Q8_0", (rows, 256), mm[100:100 + rows * rb].reshape(rows, rb))
+    before = w.dequantize()
+    assert _mapped_kb(path) >= 500
+    w.release()
+    assert _mapped_kb(path) <= 8  # at most the two partial pages at its ends
+    np.testing.assert_array_equal(w.dequantize(), before)  # read again from the file
+    BlockMatrix("Q8_0", (rows, 256), np.array(data)).release()  # a copy: nothing to do

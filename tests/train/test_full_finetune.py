@@ -169,3 +169,27 @@ def test_the_eval_program_reads_the_params_where_the_step_keeps_them(backend):
     shared = st.eval_loss(seqs)
     st._eval_shares = False  # feed them: the program takes its own copy
     assert st.eval_loss(seqs) == shared != before
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_the_fused_head_gives_a_full_step_the_composed_values(backend, monkeypatch):
+    """From ``full.HEAD_FUSE_FROM`` logits a full step's head and loss are the fused
+    primitive, its table's gradient made last (``compile.sink``): loss, norm and every
+    weight after a step equal the composed head's (float64, 1e-10)."""
+    from gradtape.train import full
+
+    m = tiny_model(tied=True)
+    seqs = data_mod._pack_text(m.tokenizer.encode(TEXT), 16, 0)
+    runs = []
+    for fuse_from in (1 << 40, 0):
+        monkeypatch.setattr(full, "HEAD_FUSE_FROM", fuse_from)
+        st = TrainStep(m, None, 2, 16, dtype=np.float64, fine_tune_type="full",
+                       backend=backend)
+        fused = any(v.op.startswith("head_nll") for v in st.program.graph.ops)
+        assert fused == (fuse_from == 0)
+        out = st.step([(seqs.ids[:2], seqs.targets[:2])], 1, 1e-2)
+        runs.append((out, st.model_weights()))
+    (a, wa), (b, wb) = runs
+    assert rel_err(np.array(a), np.array(b)) < 1e-10
+    for name in m.weights:
+        assert rel_err(wa[name], wb[name]) < 1e-10, name

@@ -168,7 +168,8 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
 
 def test_recompute_pays_weighs_memory_freed_against_work_added():
     """``auto`` recomputes every layer, fitting or not, where that frees a quarter of the
-    run or more at >= 1 MB per GFLOP recomputed; not where it frees less, or costs more."""
+    run or more (or any, beside a trained state of half the run or more) at >= 1 MB per
+    GFLOP recomputed; not where it frees less, or costs more."""
     from gradtape.train.memory import Estimate
     from gradtape.train.step import recompute_pays
 
@@ -182,6 +183,14 @@ def test_recompute_pays_weighs_memory_freed_against_work_added():
     # frees enough, but 0.4 MB per GFLOP (an 8B model's layers)
     assert not recompute_pays(off, dataclasses.replace(off, activations=80 * MB,
                                                        flops=1300 * GF))
+    # a sixth freed, but beside a trained state that is most of the run (full
+    # fine-tuning's params and moments): every layer, where it pays per GFLOP
+    full = dataclasses.replace(off, state=1600 * MB)
+    assert recompute_pays(full, dataclasses.replace(full, activations=300 * MB,
+                                                    flops=300 * GF))
+    assert not recompute_pays(full, dataclasses.replace(full, activations=300 * MB,
+                                                        flops=600 * GF))
+    assert not recompute_pays(full, full)  # frees nothing
 
 
 def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
@@ -199,3 +208,20 @@ def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
     monkeypatch.setattr(S, "AUTO_FREES", 0.0)
     monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
     assert step().checkpointed == 4
+
+
+def test_auto_beside_a_large_state_recomputes_the_fewest_layers_that_free_as_much(
+        monkeypatch):
+    """Where the trained state counts as most of the run (here made so), ``auto``
+    recomputes as few layers as give all layers' plan (within 1 MB), and says so."""
+    from gradtape.train import step as S
+
+    model = tiny_model(seed=2, n_layers=4)
+    monkeypatch.setattr(S, "AUTO_STATE", 0.0)
+    monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
+    st = TrainStep(model, None, 2, 64, fine_tune_type="full", grad_checkpoint="auto")
+    n, layers = st.checkpointed, model.config.n_layers
+    assert 0 < n <= layers
+    assert st.planned_memory(n).total <= st.planned_memory(layers).total + 2**20
+    if n < layers:
+        assert "the fewest layers that free as much" in st.plan.checkpoint.why

@@ -35,6 +35,13 @@ class Backend:
     takes_arena = False  # whether it keeps intermediates in a ``SharedArena`` it is given
 
     @classmethod
+    def fuses_scatter_add(cls, graph) -> bool:
+        """Whether it runs each row scatter and the one add reading it as one kernel
+        (``compile.fuse.scatter_adds``) in ``graph``: the plan then gives the scatter no
+        region of its own."""
+        return False
+
+    @classmethod
     def fusion(cls, graph) -> dict:
         """Keyword arguments of ``compile.fuse.fuse`` for ``graph`` (with "fuse" in
         ``passes``)."""

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ops import PRIMS
 from .memplan import MemoryPlan, in_place_updates, plan_liveness, reshape_views
 
@@ -240,11 +242,41 @@ def schedule_in_place(schedule) -> dict:
                             reads_same_index)
 
 
+def scatter_adds(schedule) -> dict:
+    """``{group: (scatter, b)}``: one-add groups adding a ``scatter_rows`` that nothing else
+    reads to a computed value of its shape, the scatter the step right before the group
+    (its inputs are then still where it read them).  A backend that runs each such pair
+    as one kernel (``Backend.fuses_scatter_add``: the cpu's ``codegen.scatter_add_body``)
+    never writes the scatter's ``[n, d]`` of zeros, so the memory plan gives it no region
+    of its own (``plan_schedule_memory``)."""
+    steps = schedule.steps
+    readers = {}
+    pos = {st: i for i, st in enumerate(steps)}
+    for st in steps:
+        for x in step_inputs(st):
+            readers.setdefault(x, []).append(st)
+    graph = schedule.graph
+    keep = set(graph.outputs) | {src for _, src in graph.updates}
+    out = {}
+    for g in schedule.groups:
+        if g.kind != "elementwise" or [v.op for v in g.ops] != ["add"] or len(g.inputs) != 2:
+            continue
+        for sc, b in (g.inputs, g.inputs[::-1]):
+            if (sc.op == "scatter_rows" and not sc.is_leaf and sc not in keep
+                    and readers.get(sc) == [g] and pos.get(sc, -2) + 1 == pos[g]
+                    and b.shape == sc.shape == g.ops[0].shape
+                    and sc.inputs[1].dtype == np.int64 and b is not sc):
+                out[g] = (sc, b)
+                break
+    return out
+
+
 def overwritten_inputs(steps, pinned, views) -> dict:
     """``{v: x}``: an elementwise group's output ``v`` placed over its input ``x``, a
     computed value of the same shape and dtype whose last reader is that group
     (``reads_same_index``); ``v`` then needs no region of its own.  Inputs that are
-    pinned or part of a reshape view stay apart."""
+    pinned or part of a reshape view stay apart; an output that is itself a view does too
+    (a value viewed in another shape, or holding a fused scatter's region, may move)."""
     last = {}
     for i, s in enumerate(steps):
         for x in step_inputs(s):
@@ -256,7 +288,7 @@ def overwritten_inputs(steps, pinned, views) -> dict:
             continue
         taken = set()
         for v in s.outputs:
-            if v in apart:
+            if v in pinned or v in views:
                 continue
             x = next((x for x in s.inputs
                       if not x.is_leaf and x not in apart and x not in taken
@@ -267,7 +299,8 @@ def overwritten_inputs(steps, pinned, views) -> dict:
     return out
 
 
-def plan_schedule_memory(schedule, in_place=None, reuse=False) -> MemoryPlan:
+def plan_schedule_memory(schedule, in_place=None, reuse=False,
+                         fused_scatters=False) -> MemoryPlan:
     """Liveness planning over the schedule's steps, like ``plan_memory`` over ops, but
     only values that leave a step get a buffer (group-internal values live in registers).
 
@@ -276,13 +309,17 @@ def plan_schedule_memory(schedule, in_place=None, reuse=False) -> MemoryPlan:
     is its input's region seen in another shape (``reshape_views``): a copy saved.
     ``in_place``: update sources that live in their leaves' storage instead
     (``schedule_in_place``).  ``reuse``: an elementwise group's output may take the
-    region of an input that dies there (``overwritten_inputs``).
+    region of an input that dies there (``overwritten_inputs``).  ``fused_scatters``: the
+    backend runs each ``scatter_adds`` pair as one kernel, so the scatter (never written)
+    shares its add's region.
     """
     graph = schedule.graph
     in_place = in_place or {}
     pinned = set(graph.outputs) | {src for _, src in graph.updates if src not in in_place}
     views = {v: x for v, x in reshape_views(schedule.steps).items() if x not in in_place}
     shares = dict(views)
+    if fused_scatters:
+        shares.update({sc: g.ops[0] for g, (sc, _) in scatter_adds(schedule).items()})
     if reuse:
         shares.update(overwritten_inputs(schedule.steps, pinned | set(in_place), views))
     return plan_liveness([(step_inputs(s), step_outputs(s)) for s in schedule.steps], pinned,

@@ -23,6 +23,7 @@ from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
+from .sink import sink_large
 
 def compile_program(tape, outputs, backend_cls, updates=None, execution=None,
                     checkpoint=False, complete=None, donate=(), arena=None):
@@ -58,33 +59,42 @@ def passes(tape, outputs, updates, backend_cls, checkpoint=False):
 
 
 def lower(graph, backend_cls, donate=(), **kwargs):
-    """``graph`` through the passes ``backend_cls.passes`` names (in this order:
-    ``merge_matmuls``, ``fuse``) and the memory plan of the resulting schedule, then the
-    backend constructed on them (``kwargs`` go to it).  Fused primitives the backend has
-    no kernel for are decomposed first (already done where ``passes`` ran); what follows
-    backward runs as soon as its inputs are ready (``early_updates``).  A backend
-    with ``writes_in_place`` gets the state updates it can write straight into their
-    leaves in the memory plan (``MemoryPlan.in_place``), each elementwise group's
-    output over an input that dies there where it can (``fuse.plan_schedule_memory``),
-    and keeps the state of the
-    update targets in ``donate`` in their recorded arrays (``MemoryPlan.donated``)."""
+    """``graph`` through the passes ``backend_cls.passes`` names and the memory plan of the
+    resulting schedule (``schedule``), then the backend constructed on them (``kwargs``
+    go to it).  The state of the update targets in ``donate`` stays in their recorded
+    arrays (``MemoryPlan.donated``) on a backend that ``writes_in_place``."""
+    graph, schedule, plan = scheduled(graph, backend_cls)
+    donated = frozenset(donate) & {leaf for leaf, _ in graph.updates}
+    if donated and backend_cls.writes_in_place:
+        plan = dataclasses.replace(plan, donated=donated)
+    return backend_cls(graph, schedule, plan, **kwargs)
+
+
+def scheduled(graph, backend_cls):
+    """``(graph, schedule, memory plan)`` as ``backend_cls`` runs ``graph``: the passes
+    it names (in this order: ``merge_matmuls``, ``fuse``), fused primitives it has no
+    kernel for decomposed first (already done where ``passes`` ran); what follows
+    backward runs as soon as its inputs are ready (``early_updates``) and a large value
+    is made just before its first reader (``sink_large``).  A backend with
+    ``writes_in_place`` gets the state updates it can write straight into their leaves
+    in the memory plan (``MemoryPlan.in_place``) and each elementwise group's output over
+    an input that dies there where it can (``fuse.plan_schedule_memory``).  Nothing is
+    allocated: the memory estimate plans with it too."""
     graph = decompose(graph, backend_cls.has_kernel)
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
-    graph = early_updates(graph)
+    graph = sink_large(early_updates(graph))
     if "fuse" in backend_cls.passes:
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:
         schedule = unfused(graph)
-    in_place, donated = {}, frozenset()
+    in_place = {}
     reuse = backend_cls.writes_in_place
     if reuse:
         in_place = schedule_in_place(schedule)
-        donated = frozenset(donate) & {leaf for leaf, _ in graph.updates}
-    plan = plan_schedule_memory(schedule, in_place, reuse)
-    if donated:
-        plan = dataclasses.replace(plan, donated=donated)
-    return backend_cls(graph, schedule, plan, **kwargs)
+    plan = plan_schedule_memory(schedule, in_place, reuse,
+                                backend_cls.fuses_scatter_add(graph))
+    return graph, schedule, plan
 
 
 class Program:

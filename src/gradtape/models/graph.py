@@ -141,19 +141,22 @@ def lm_head(tp, cfg, W, x, ones):
 HEAD_FUSE_MIN = 1 << 25
 
 
-def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True):
+def head_loss(tp, cfg, W, x, targets, weights, ones=None, training=True,
+              fuse_from=None, budget=None):
     """``nn.cross_entropy_ids`` of ``lm_head``'s logits from the last hidden rows ``x [N,
-    D]`` (``record_forward(..., head=False)``).  From ``HEAD_FUSE_MIN`` logits on, the
-    head and the loss are one tiled primitive (``nn.cross_entropy_head``): no ``[N, V]``
+    D]`` (``record_forward(..., head=False)``).  From ``fuse_from`` (default
+    ``HEAD_FUSE_MIN``) logits on, the head and the loss are one tiled primitive
+    (``nn.cross_entropy_head``, logits blocks of ``budget`` elements): no ``[N, V]``
     logits in memory; ``training``: a loss to differentiate, whose fused head folds up
     the gradient w.r.t. ``x`` in its forward (one GEMM over the vocabulary instead of
     two in backward; an evaluation loss would pay it for nothing)."""
     ones = ones if ones is not None else nn.ones(tp, cfg.dim)
-    if x.shape[0] * cfg.vocab_size < HEAD_FUSE_MIN:
+    if x.shape[0] * cfg.vocab_size < (HEAD_FUSE_MIN if fuse_from is None else fuse_from):
         return nn.cross_entropy_ids(tp, lm_head(tp, cfg, W, x, ones), targets, weights)
     h = _rmsnorm(tp, cfg, x, W["norm"], ones)
     return nn.cross_entropy_head(tp, h, _head_table(cfg, W), targets, weights,
-                                 cfg.final_softcap or 0.0, grad_in_forward=training)
+                                 cfg.final_softcap or 0.0, grad_in_forward=training,
+                                 budget=budget)
 
 
 

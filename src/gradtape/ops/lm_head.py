@@ -124,7 +124,7 @@ _prim("head_nll_grad_w", _head_grad_w_shape, tiled.fwd_head_nll_grad_w, None,
       decompose=decomposed_vjp(_dec_head_nll, 3, (1,)))
 
 
-def head_nll(x, table, ids, cap=0.0, *, grad_in_forward=False):
+def head_nll(x, table, ids, cap=0.0, *, grad_in_forward=False, budget=None):
     """``[T, 2]``: per row ``(lse_t - z[t, ids[t]], lse_t)`` with ``z = x @ table^T``
     (soft-capped to ``cap * tanh(z / cap)`` when ``cap > 0``) and ``lse_t =
     logsumexp(z[t])``, computed a block of vocabulary rows at a time.  ``x [T, D]``;
@@ -132,10 +132,12 @@ def head_nll(x, table, ids, cap=0.0, *, grad_in_forward=False):
 
     ``grad_in_forward`` (a loss that will be differentiated, no cap): the forward also
     folds up what the gradient w.r.t. ``x`` needs (``head_nll_e``), so the backward makes
-    no second pass over the vocabulary: two GEMMs over it in all instead of three."""
+    no second pass over the vocabulary: two GEMMs over it in all instead of three.
+    ``budget``: elements of one logits block (``tiled.head_chunk``; its scratch grows with
+    it)."""
     attrs = _block_attrs(table, "head_nll") if "qtype" in (table.attrs or {}) else {}
     V = attrs["rows"] if attrs else table.shape[0]
-    chunk = tiled.head_chunk(x.shape[0], V)
+    chunk = tiled.head_chunk(x.shape[0], V, budget)
     if grad_in_forward and not cap:
         e = _rec("head_nll_e", x, table, ids, chunk=chunk, **attrs)
         # its [T, 2 + D] rows are all the backward reads: activation checkpointing keeps

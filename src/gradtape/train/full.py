@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from ..blocks import is_block_matrix
 from ..errors import GradtapeError
 from ..models.export import dense, save_gguf, save_hf_folder
 from ..models.lora import ADAPTER_TYPES
@@ -26,8 +27,20 @@ FINE_TUNE_TYPES = ADAPTER_TYPES + ("full",)  # the adapters (models.lora), or ev
 
 # how a full step's weight products run under bf16 compute (the plan's trained_bf16):
 # a trained weight changes every step, so its bf16 copy is made again each step
-BF16_WHY = ("each rounded to bf16 once a step (by its update), its products and gradient "
-            "with bf16 inputs and float32 sums, as under torch's autocast")
+BF16_WHY = ("each rounded to bf16 before its products (the largest by its update, the "
+            "others into one scratch), its products and gradient with bf16 inputs and "
+            "float32 sums, as under torch's autocast")
+
+# logits from which a full step's LM head and loss are the fused primitive (as the
+# preference log-probabilities', models.graph.LOGPS_FUSE_MIN): the composed head keeps
+# the [N, V] logits' gradient alive until the trained table's gradient (x^T dlogits) is
+# made, which then lives beside it; the fused one makes that gradient from h and the
+# table, both alive anyway, so it runs last (compile.sink) and nothing [N, V] exists
+HEAD_FUSE_FROM = 1 << 22
+# ... its logits blocks of this many elements (a quarter of tiled.HEAD_BUDGET): the
+# block's scratch (logits, bf16 table rows and products: about 11 bytes an element) is
+# kept beside the whole state, and narrower blocks cost the head's GEMMs little
+HEAD_BUDGET = 1 << 21
 
 # copies of each weight a full step holds outside its activations' arena: the param and
 # AdamW's two moments (the step program keeps them in the tape's own arrays and writes
@@ -43,9 +56,14 @@ def weight_params(tp, model) -> dict:
     the tape's dtype; a block matrix (a weight kept in its stored type) is dequantized.
     Each in C order, as the step program keeps its params: a program reading a weight
     in C kernels (bf16 compute's conversion) takes no copy of its own before it shares
-    the step's (a GGUF's matrices arrive transposed)."""
-    return {name: tp.param(np.ascontiguousarray(dense(model.weights, name)))
-            for name in model.weights}
+    the step's (a GGUF's matrices arrive transposed).  A block matrix's mapped pages are
+    released once it is dequantized (``BlockMatrix.release``)."""
+    out = {}
+    for name, w in model.weights.items():
+        out[name] = tp.param(np.ascontiguousarray(dense(model.weights, name)))
+        if is_block_matrix(w):  # its mapped pages are not read again by the step
+            w.release()
+    return out
 
 
 def trained_model(model, weights):

@@ -20,9 +20,8 @@ import numpy as np
 
 from ..backends import get_backend
 from ..blocks import is_block_matrix
-from ..compile.early_updates import early_updates
-from ..compile.memplan import fused_scratch_bytes, plan_memory
-from ..compile.program import passes
+from ..compile.memplan import fused_scratch_bytes
+from ..compile.program import passes, scheduled
 from ..errors import GradtapeError
 from ..models.memory import GiB, resident_bytes
 
@@ -80,10 +79,12 @@ def planned(model, tape, outputs, updates, n_param, checkpoint, backend,
     the step shares, and its scratch); ``copies`` of each of the ``n_param`` trained
     values (``TrainStep.state_copies``), ``full``: they are the model's weights;
     ``shared``: the programs' intermediates share one arena (``SharedArena``)."""
-    graph = early_updates(passes(tape, outputs, updates, get_backend(backend), checkpoint))
+    backend_cls = get_backend(backend)
+    graph, _, plan = scheduled(passes(tape, outputs, updates, backend_cls, checkpoint),
+                               backend_cls)
     built = list(built)
     return Estimate(weights=resident_bytes(model.weights) + _bf16_copies(built),
-                    activations=_arenas([plan_memory(graph, in_place=True)]
+                    activations=_arenas([plan]
                                         + [p.memory for p in built], shared),
                     scratch=max([fused_scratch_bytes(graph)]
                                 + [_scratch(p, model.weights, tape.dtype)

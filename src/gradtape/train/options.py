@@ -173,7 +173,10 @@ class FinetuneConfig:
                                         "layer's forward in backward, keeping only the "
                                         "layers' inputs: about one more forward pass), off, "
                                         "or auto (every layer where that frees 1/4 of the "
-                                        "run's memory at >= 1 MB per GFLOP recomputed; "
+                                        "run's memory, or any memory beside a trained "
+                                        "state of half the run (full fine-tuning: then "
+                                        "the fewest layers that free as much), at >= 1 MB "
+                                        "per GFLOP recomputed; "
                                         "else as few as keep the activations within 1/3 "
                                         "of the run and the run within 3/4 of the "
                                         "available memory)",

@@ -120,14 +120,20 @@ AUTO_ACTIVATIONS = 1 / 3
 # (recomputing pays), a big model's little (docs/benchmarks.md has the measured cases).
 AUTO_FREES = 0.25
 AUTO_MB_PER_GFLOP = 1.0
+# ... or, where the trained values' state (params and AdamW's moments) is at least this
+# share of the run (full fine-tuning: 12 bytes a weight), wherever it pays that much a
+# GFLOP: the state is fixed, the activations are the one large part a choice can shed
+AUTO_STATE = 0.5
 
 
 def recompute_pays(off, on) -> bool:
     """Whether recomputing every layer (``on``, a ``memory.Estimate``) rather than none
-    (``off``) frees at least ``AUTO_FREES`` of the run's memory and ``AUTO_MB_PER_GFLOP``
-    MB per GFLOP of products it adds."""
+    (``off``) frees at least ``AUTO_MB_PER_GFLOP`` MB per GFLOP of products it adds and
+    either ``AUTO_FREES`` of the run's memory or, in a run whose trained state is at
+    least ``AUTO_STATE`` of it, anything at all."""
     freed, work = off.total - on.total, on.flops - off.flops
-    return (freed >= AUTO_FREES * off.total
+    share = freed >= AUTO_FREES * off.total or off.state >= AUTO_STATE * off.total
+    return (freed > 0 and share
             and freed / 2**20 >= AUTO_MB_PER_GFLOP * max(work, 1) / 1e9)
 
 
@@ -142,7 +148,8 @@ class TrainStep:
                  options=Options(), fine_tune_type="lora"):
         """``grad_checkpoint``: "on" recomputes each layer's forward in backward (keeping
         only the layers' input rows), "off" keeps the activations, "auto" recomputes every
-        layer where that frees much memory for little work (``recompute_pays``), else the
+        layer where that frees much memory for little work, or any beside a large trained
+        state (``recompute_pays``), else the
         fewest (the first ones) that keep the activations within ``AUTO_ACTIVATIONS`` of
         the run and the run within ``AUTO_SHARE`` of ``memory_limit`` bytes (where
         given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row
@@ -259,11 +266,14 @@ class TrainStep:
                                 segments=self.segments, head=False,
                                 fused_from=self.plan.attention_from.value)  # [B*T, D]
         # the LM head and the loss (fused for long rows: no [B*T, V] logits)
-        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights)
+        fuse_from, budget = (full.HEAD_FUSE_FROM, full.HEAD_BUDGET) if self.full else (None,
+                                                                                    None)
+        self.loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
+                              fuse_from=fuse_from, budget=budget)
         self.grads = tp.backward(self.loss)
         self.metric_vars = {}
         eval_loss = head_loss(tp, model.config, W, hidden, self.targets, self.weights,
-                              training=False)
+                              training=False, fuse_from=fuse_from, budget=budget)
         self.eval_program = tp.compile([eval_loss], backend=backend, plan=self.plan,
                                        arena=self.arena)
 
@@ -373,8 +383,11 @@ class TrainStep:
             if not pays and need_off <= budget:
                 return 0
             freed = (need_off - est.total) / need_off
+            of_run = (f"{freed:.0%} of the run" if freed >= AUTO_FREES else
+                      f"{(need_off - est.total) / 2**20:.0f} MB beside "
+                      f"{off.state / 2**30:.1f} GiB of trained state")
             self._checkpoint_why = (
-                f": frees {freed:.0%} of the run at "
+                f": frees {of_run} at "
                 f"{(need_off - est.total) / 2**20 / max(est.flops - off.flops, 1) * 1e9:.1f}"
                 " MB per GFLOP recomputed" if pays else
                 ": activations within a third of the run" if budget < need_off and (
@@ -391,6 +404,11 @@ class TrainStep:
                 + self.memory_hint)
         if mode == "auto" and not pays and est.total < budget:
             n = self._fewest_recomputed(need_off, est.total, budget)
+        elif mode == "auto" and pays and freed < AUTO_FREES and need_off > est.total + 2**20:
+            # beside a large state: as few layers as reach all layers' plan (its peak may
+            # be set by what no recompute frees, such as the embedding's gradient)
+            n = self._fewest_recomputed(need_off, est.total, est.total + 2**20)
+            self._checkpoint_why += "; the fewest layers that free as much"
         return n
 
     def _fewest_recomputed(self, need_none, need_all, budget):

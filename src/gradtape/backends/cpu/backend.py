@@ -28,8 +28,10 @@ GEMM, or by the fused group that computes it, which writes its rounding too
 (``qmatmul``, ``qmatmul_t``) do the same tile by tile, dequantizing straight into bf16
 (``qgemm_bf16.lower_bf16``).  The fused attention's GEMMs take bf16 inputs too
 (``csrc/flash.c``).  Where the plan says so (``trained_bf16``: full fine-tuning), a
-trained weight (a float param) is read in bf16 the same way, from one copy that its
-update kernel writes beside the new weight (``_Trained16``: no conversion pass), and its
+trained weight (a float param) is read in bf16 the same way: the largest one from a copy
+that its update kernel writes beside the new weight (``_Trained16``: no conversion pass),
+each other one rounded into one shared scratch just before its products
+(``_resident_trained``: a copy of one weight's size, not the model's), and its
 gradient ``x^T dY`` takes bf16 inputs too (``_bf16_weight_grad``; a fused head's trained table:
 ``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
 is bf16's, except that the block-weight products take int8 inputs, each row of the
@@ -53,7 +55,7 @@ import weakref
 
 import numpy as np
 
-from ...compile.fuse import FusedGroup
+from ...compile.fuse import FusedGroup, scatter_adds
 from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
@@ -70,9 +72,9 @@ _LIBS = {}  # path -> loaded CDLL (one load per process)
 _SHARED_COPIES = weakref.WeakKeyDictionary()
 # block-weight leaf -> its resident bf16 copy (uint16 [rows, k]), shared like the above
 _RESIDENT = weakref.WeakKeyDictionary()
-# trained weight leaf -> its _Trained16, shared by a step and its eval program (a scratch
-# converted per product would hold less but convert each weight twice a step, for x W and
-# dY W^T, and again for each layer recomputed)
+# trained weight leaf -> its _Trained16, shared by a step and its eval program: only the
+# largest trained weight keeps one (``_resident_trained``); every other is converted into
+# one shared scratch just before the products that read it
 _TRAINED16 = weakref.WeakKeyDictionary()
 # a weight packed into a GEMM kernel's own layout costs a second bf16 copy (one for x W,
 # one for dY W^T); all packs of the process stay within this share of the machine's memory
@@ -113,6 +115,17 @@ class _Bf16Copies:
 
 def _packed_bytes():
     return sum(a.nbytes for w in list(_SHARED_COPIES.values()) for _, _, a, _ in w.packs)
+
+
+def _resident_trained(weights):
+    """The trained weights (of a program whose trained weights take bf16) that keep a bf16
+    copy from step to step, written by their update (``_Trained16``): the largest one
+    only (a tied embedding), which a scratch would have to be as big as.  Each other one
+    is converted into a scratch as big as the largest of them just before its products
+    (``x W``, ``dY W^T``, a recomputed layer's), once for consecutive ones: a step then
+    holds a copy of one weight's size, not of the whole model's (its conversion passes
+    cost a few percent of a full step)."""
+    return {max(weights, key=lambda w: w.size)} if weights else set()
 
 
 def _fusible_for(dtype):
@@ -183,6 +196,10 @@ class CpuBackend(HostBackend):
                 "reductions": dtype is not None}
 
     @classmethod
+    def fuses_scatter_add(cls, graph):
+        return _float_dtype(graph) is not None  # as ``_scatter_adds`` runs them
+
+    @classmethod
     def unavailable(cls):
         try:
             toolchain.compiler()
@@ -210,6 +227,8 @@ class CpuBackend(HostBackend):
         self._grad_bf16 = {}
         # trained weight leaf -> its _Trained16 (the bf16 copy its products read)
         self._trained16 = {}
+        # trained weight leaf -> the kernel converting it into self._w16 before a product
+        self._scratch16 = {}
         # the block-weight products that run with bf16 and with int8 inputs
         self._block_bf16, self._block_int8 = set(), set()
         # whether trained weights take bf16 as the frozen ones (the plan's trained_bf16)
@@ -259,9 +278,12 @@ class CpuBackend(HostBackend):
             w = s.inputs[1]
             if w in self._trained16:
                 self._step_weight16[s] = (self._trained16[w].array, False)
+            elif w in self._scratch16:
+                self._step_weight16[s] = (self._w16[:w.size].reshape(w.shape), False)
             elif w not in self._weight_copies:
                 self._weight_copies[w] = _SHARED_COPIES.setdefault(w, _Bf16Copies())
-        self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] not in self._trained16])
+        self._copy_weights([s for s in self._dense_bf16 if s.inputs[1] not in self._trained16
+                            and s.inputs[1] not in self._scratch16])
         self._bind()
 
     def _take_low_precision(self, compute, src, block_ops, trained=False):
@@ -271,8 +293,10 @@ class CpuBackend(HostBackend):
         (``_copy_weights``).  Block-weight products convert both operands themselves
         (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own.  ``trained``: the
         products with trained weights and their gradients take bf16 too; each such
-        weight has one bf16 copy (``_Trained16``), written by its update kernel
-        (``_copy_writers``) or converted at the head of a replay (``_refresh16``)."""
+        weight the largest of them has one bf16 copy (``_Trained16``), written by its update
+        kernel (``_copy_writers``) or converted at the head of a replay (``_refresh16``);
+        the others are converted into one scratch before their products
+        (``_resident_trained``)."""
         try:
             self._dnnl = onednn.dnnl()
         except onednn.DnnlError as e:
@@ -284,10 +308,17 @@ class CpuBackend(HostBackend):
         self._dense_bf16 = {s: src.bf16_kernel(s.inputs[0].size) for s in steps}
         if steps:  # the bf16 copy of a dense GEMM's activation
             self._act16 = page_aligned(max(s.inputs[0].size for s in steps), np.uint16)
-        for w in dict.fromkeys(s.inputs[1] for s in steps if s.inputs[1].op == "param"):
+        trained = list(dict.fromkeys(s.inputs[1] for s in steps if s.inputs[1].op == "param"))
+        resident = _resident_trained(trained)
+        for w in trained:
+            if w not in resident:
+                self._scratch16[w] = src.bf16_kernel(w.size)
+                continue
             if w not in _TRAINED16:
                 _TRAINED16[w] = _Trained16(w.shape, w.size)
             self._trained16[w] = _TRAINED16[w]
+        if self._scratch16:
+            self._w16 = page_aligned(max(w.size for w in self._scratch16), np.uint16)
         grads = [s for s in self.schedule.steps if trained and not isinstance(s, FusedGroup)
                  and _bf16_weight_grad(s)]
         self._grad_bf16 = {s: tuple(src.bf16_kernel(x.size) for x in s.inputs) for s in grads}
@@ -343,31 +374,14 @@ class CpuBackend(HostBackend):
         return out
 
     def _scatter_adds(self):
-        """``{group: (scatter, b, scratch)}``: a group adding a ``scatter_rows`` that
-        nothing else reads to a value of its shape runs ``codegen.scatter_add_body``
-        instead of both (the scatter's zeros never written nor read again).  Only where
-        the add runs right after the scatter: the scatter's inputs are then still where
-        it read them."""
-        readers = {}
-        pos = {st: i for i, st in enumerate(self.schedule.steps)}
-        for st in self.schedule.steps:
-            for x in st.inputs:
-                readers.setdefault(x, []).append(st)
-        keep = set(self.graph.outputs) | {src for _, src in self.graph.updates}
+        """``{group: (scatter, b, scratch)}``: each ``compile.fuse.scatter_adds`` pair runs
+        ``codegen.scatter_add_body`` instead of both ops (the scatter's zeros never
+        written nor read again; the plan gave it its add's region)."""
         out = {}
-        for g in self.schedule.groups:
-            if g.kind != "elementwise" or [v.op for v in g.ops] != ["add"] \
-                    or len(g.inputs) != 2:
-                continue
-            for sc, b in (g.inputs, g.inputs[::-1]):
-                if (sc.op == "scatter_rows" and not sc.is_leaf and sc not in keep
-                        and readers.get(sc) == [g] and pos.get(sc, -2) + 1 == pos[g]
-                        and b.shape == sc.shape == g.ops[0].shape
-                        and sc.inputs[1].dtype == np.int64 and b is not sc):
-                    n, d = sc.inputs[0].shape
-                    out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
-                                      np.empty(max(n, 1), np.int64)))
-                    break
+        for g, (sc, b) in scatter_adds(self.schedule).items():
+            n, d = sc.inputs[0].shape
+            out[g] = (sc, b, (np.empty((max(n, 1), d), self.dtype),
+                              np.empty(max(n, 1), np.int64)))
         return out
 
     def _bf16_members(self, g):
@@ -517,6 +531,7 @@ class CpuBackend(HostBackend):
         # the activations whose bf16 copies self._act16 and the block products' scratch hold
         last_act16 = last_block_x = None
         last_gx = None  # the weight gradient's x whose bf16 copy self._gx16 holds
+        last_w16 = None  # the trained weight whose bf16 copy self._w16 holds
         fused_scatters = {sc for sc, _, _ in self._scatter_add.values()}
         for s in self.schedule.steps:
             if views_in_place(s, val) or s in fused_scatters:  # nothing to run
@@ -550,6 +565,13 @@ class CpuBackend(HostBackend):
                     batch.add(s, self._dense_bf16[s], (val[a].ctypes.data,
                                                        self._act16.ctypes.data))
                     last_act16 = a
+                # a trained weight without a copy of its own, rounded into the scratch
+                # (once for consecutive products: its update runs after its last reader)
+                w = s.inputs[1]
+                if w in self._scratch16 and w is not last_w16:
+                    batch.add(w, self._scratch16[w], (val[w].ctypes.data,
+                                                      self._w16.ctypes.data))
+                    last_w16 = w
                 batch.flush(steps)
                 steps.append(("py", self._dense_gemm(s, val)))
                 continue
@@ -587,7 +609,7 @@ class CpuBackend(HostBackend):
         lone op's inputs, a bf16 GEMM's activation, both operands of a weight gradient in
         bf16."""
         read = [x for g in list(self._kernel_of) + list(self._grad_bf16) for x in g.inputs]
-        read += [s.inputs[0] for s in self._dense_bf16]
+        read += [s.inputs[0] for s in self._dense_bf16] + list(self._scratch16)
         read += [x for sc, _, _ in self._scatter_add.values() for x in sc.inputs]
         return [x for x in dict.fromkeys(read) if x.is_leaf]
 
@@ -654,6 +676,8 @@ class CpuBackend(HostBackend):
                 label = f"bf16 conversion {list(s.inputs[0].shape)}"
             elif s in self._grad_bf16:
                 label = f"bf16 conversion for x^T dY {list(s.shape)}"
+            elif s in self._scratch16:
+                label = f"bf16 conversion of a trained weight {list(s.shape)}"
             elif isinstance(s, FusedGroup):
                 label = f"{s.kind} {list(s.domain)} [{','.join(v.op for v in s.ops)}]"
             else:
@@ -692,6 +716,8 @@ class CpuBackend(HostBackend):
             arrays += self._int8_scratch.arrays()
         if self._grad_bf16:
             arrays += [self._gx16, self._gy16]
+        if self._scratch16:
+            arrays.append(self._w16)
         return sum(a.nbytes for a in arrays if a is not None)
 
     def _col_scales(self, leaf, qtype, rows, k):

@@ -292,10 +292,10 @@ class CpuBackend(HostBackend):
         one shared buffer (GEMMs run one at a time); its weight is converted once
         (``_copy_weights``).  Block-weight products convert both operands themselves
         (``qgemm_bf16``, ``qgemm_int8``), into scratch of their own.  ``trained``: the
-        products with trained weights and their gradients take bf16 too; each such
-        weight the largest of them has one bf16 copy (``_Trained16``), written by its update
-        kernel (``_copy_writers``) or converted at the head of a replay (``_refresh16``);
-        the others are converted into one scratch before their products
+        products with trained weights and their gradients take bf16 too; the largest
+        such weight has one bf16 copy (``_Trained16``), written by its update kernel
+        (``_copy_writers``) or converted at the head of a replay (``_refresh16``); the
+        others are converted into one scratch before their products
         (``_resident_trained``)."""
         try:
             self._dnnl = onednn.dnnl()

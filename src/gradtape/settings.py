@@ -44,8 +44,8 @@ SETTINGS = {s.name: s for s in (
             "fused | composed: the training attention at 129-256 rows, instead of timing "
             "both"),
     Setting("GRADTAPE_BF16_LAYOUT", "",
-            "blocked | plain | swapped | fused | amx | amx-rows | direct | resident: keep only that "
-            "way of a block-weight bf16 product, instead of timing them"),
+            "blocked | plain | swapped | fused | amx | amx-rows | direct | resident: keep "
+            "only that way of a block-weight bf16 product, instead of timing them"),
     Setting("GRADTAPE_BF16_TILE", "",
             "a tile size (\"1M\"): keep only the bf16 tiles of that size"),
     Setting("GRADTAPE_QGEMM_LAYOUT", "transposed",

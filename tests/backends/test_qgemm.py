@@ -269,6 +269,8 @@ def test_amx_rows_is_the_amx_ways_backward_bit_for_bit(qtype, T, monkeypatch):
         prog = tp.compile(zs, backend="cpu", compute="bf16")
         assert [s.layout for s in prog.executable._steps if hasattr(s, "layout")] == [way] * 2
         out[way] = prog.run()
+    # bitwise: both run amx_block32 and gemm_rows over the same chunks of K in the same
+    # order (only the loops around them differ), on the one CPU kind that has them
     for a, b in zip(out["amx"], out["amx-rows"]):
         assert np.array_equal(a, b)
     # and they are the product: the last, W [512, 768], against bf16 inputs in float64

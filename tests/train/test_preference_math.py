@@ -105,6 +105,9 @@ def test_eval_logps_take_a_head_without_the_backwards_fold(monkeypatch):
                             P.pair_batch(pairs, 5, average=True))
     assert g.eval_logps is not g.logps
     both = tp.compile([g.logps, g.eval_logps], backend="cpu").run()
+    # bitwise on any CPU: both heads run the same walk (_head_walk: the same GEMMs over
+    # the same vocabulary blocks), the training one only adding E; a reference pass then
+    # gives the first step's rewards exactly 0
     assert np.array_equal(both[0], both[1])
     ev = tp.compile([g.eval_loss, g.eval_logps], backend="cpu")
     names = {getattr(getattr(s, "func", s), "__name__", "") for s in ev.executable._steps}

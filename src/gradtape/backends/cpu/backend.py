@@ -123,8 +123,8 @@ def _resident_trained(weights):
     only (a tied embedding), which a scratch would have to be as big as.  Each other one
     is converted into a scratch as big as the largest of them just before its products
     (``x W``, ``dY W^T``, a recomputed layer's), once for consecutive ones: a step then
-    holds a copy of one weight's size, not of the whole model's (its conversion passes
-    cost a few percent of a full step)."""
+    holds a copy of one weight's size, not of the whole model's, for a conversion per use
+    instead of one per step (docs/benchmarks.md: full fine-tuning's row)."""
     return {max(weights, key=lambda w: w.size)} if weights else set()
 
 

@@ -7,11 +7,12 @@ its logical shape is ``[rows, k]`` (rows = output units).  ``matvec`` computes
 ``x [T, k] @ deq(W).T`` for ``T <= 4`` rows with the weights dequantized in registers
 exactly as ``gguf.quants.dequantize`` does it and float32 accumulation, split over
 threads; ``matmul`` does the same for many rows (prefill) from panels of dequantized
-weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x quantized to 8 bits
-once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and integer dots with the
-blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme over many rows, integer
-GEMMs on AMX tiles for ``AMX_TYPES`` (``csrc/q8_amx.c``, where ``amx_int8()``).  This module does not run training GEMMs (the cpu
-backend's tiled GEMM does) or know the model graph (the decode engine's wrapper in
+weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x
+quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and
+integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
+over many rows, integer GEMMs on AMX tiles for ``AMX_TYPES`` (``csrc/q8_amx.c``, where
+``amx_int8()``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
+does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 
 The C sources (they include ``csrc/gt_prelude.h`` for its vectorizable ``gt_expf``; the
@@ -171,13 +172,19 @@ def matvec_call(qtype: str, w: np.ndarray, rows: int, k: int, x: np.ndarray,
                              threads())
 
 
-def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
-    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): PANEL weight rows are
-    dequantized at a time and used by every row of x; float32 accumulation."""
+def _rows_operand(what, qtype, data, x):
+    """``(k, x)``: W's row length and ``x [T, k]`` as contiguous float32 rows, checked."""
     k = _check(qtype, data)
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"ggml_vec.matmul: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+        raise ValueError(f"ggml_vec.{what}: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+    return k, x
+
+
+def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
+    """``x [T, k] @ deq(W).T -> [T, rows]`` for any T (prefill): PANEL weight rows are
+    dequantized at a time and used by every row of x; float32 accumulation."""
+    k, x = _rows_operand("matmul", qtype, data, x)
     nt = nthreads or threads()
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
     tile = np.empty(nt * PANEL * k, np.float32)
@@ -212,17 +219,15 @@ def amx_int8() -> bool:
 
 def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
     """``x [T, k] @ deq(W).T -> [T, rows]`` with each row of x quantized to 8 bits (the
-    type's form in ``Q8_TYPES``) and integer block dots on AMX tiles (``csrc/q8_amx.c``): the decode step's q8 scheme
-    (``matvec_q8``) over many rows, as the prefill runs it where ``amx_int8()``."""
+    type's form in ``Q8_TYPES``) and integer block dots on AMX tiles (``csrc/q8_amx.c``):
+    the decode step's q8 scheme (``matvec_q8``) over many rows, as the prefill runs it
+    where ``amx_int8()``."""
     if qtype not in AMX_TYPES:
         raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no AMX GEMM (those that do: "
                          f"{', '.join(AMX_TYPES)})")
     if not amx_int8():
         raise RuntimeError("ggml_vec.matmul_q8: no AMX-INT8 in this build or process")
-    k = _check(qtype, data)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"ggml_vec.matmul_q8: x{list(x.shape)} against W[{data.shape[0]}, {k}]")
+    k, x = _rows_operand("matmul_q8", qtype, data, x)
     nt = nthreads or threads()
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
     so = lib()

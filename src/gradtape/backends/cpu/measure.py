@@ -406,9 +406,10 @@ def fastest(what, shape, runs, only=((), "")) -> str:
     block-weight product: its tiles in oneDNN's blocked weight layout or in plain rows,
     of ``qgemm_bf16.bf16_tile_sizes()`` values; the names say which ("blocked 16M";
     "swapped": a forward product as ``y^T = W x^T``; "fused": one call dequantizing and
-    multiplying with our own GEMM; "amx", "amx-rows": the same on AMX tiles; "direct": a BF16 W read in place, see
-    ``qgemm_bf16``).  ``only``: the execution plan's ``(product_ways, product_tile)``,
-    the ways and tile size it leaves (none named: all); one way left is taken untimed."""
+    multiplying with our own GEMM; "amx", "amx-rows": the same on AMX tiles; "direct": a
+    BF16 W read in place, see ``qgemm_bf16``).  ``only``: the execution plan's
+    ``(product_ways, product_tile)``, the ways and tile size it leaves (none named: all);
+    one way left is taken untimed."""
     names = list(runs)
     ways, tile = only
     for want, var in ((ways[0] if ways else "", "GRADTAPE_BF16_LAYOUT"),

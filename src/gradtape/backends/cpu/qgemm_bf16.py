@@ -18,7 +18,7 @@ accumulation.  The ways of running one product, each a function here:
   has AMX's instructions and Linux grants this process their use; ``amx-rows``
   (backward): the same with g's rows outermost, each 32 of them in L1 while a group's
   panels pass, from copies in strides off the cache's 4 KB sets
-  (``gt_qgemm_bf16_amx_rows``; faster from a few hundred rows of g);
+  (``gt_qgemm_bf16_amx_rows``; timed beside amx per shape like every way);
 * ``direct``: a BF16 W (its bits are the tiles') read where it lies by one GEMM;
 * ``resident``: ``direct`` on a bf16 copy of the whole W, dequantized once and kept for
   the program's life (where the execution plan leaves room for it): the tiles' very

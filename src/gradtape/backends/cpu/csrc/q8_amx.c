@@ -64,30 +64,17 @@ void gq_q8_k_rows(const float *X, int64_t t0, int64_t t1, int64_t k, int8_t *q, 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) \
     && defined(__AVX512VNNI__) && !defined(GV_EMULATE)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} gq_tilecfg;
+#include "amx_tiles.h"
 
 int gq_amx_build(void) { return 1; }
 
-int gq_amx_ready(void) {
-    static int state = -1;  /* Linux grants the tile state once per process */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
+int gq_amx_ready(void) { return gt_amx_permitted(); }
 
 /* tmm0-3: C, 16 x 16 int32 (a group of blocks); tmm4-5: A, 16 rows x 32 bytes (one block
    of 16 activation rows; 16 bytes for Q6_K's sub-blocks); tmm6-7: B, 8 rows x 64 bytes
    (one block of the panel's 16 weight rows; 4 rows for Q6_K) */
 static void gq_amx_configure(int kb) {  /* kb: the values of a unit (32, or 16: Q6_K) */
-    gq_tilecfg cfg;
+    gt_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 4; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
@@ -96,12 +83,6 @@ static void gq_amx_configure(int kb) {  /* kb: the values of a unit (32, or 16: 
     _tile_loadconfig(&cfg);
 }
 
-/* 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high */
-static inline __m256i gq_nib32(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
-                                   _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
-}
 /* byte j = 16 where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
 static inline __m256i gq_bit16(const uint8_t *qh) {
     uint32_t h;
@@ -115,12 +96,12 @@ static inline __m256i gq_unpack32(int64_t type, const uint8_t *p, float *d, floa
     *d = gb_h2f(p);
     *m = 0.0f;
     switch (type) {
-    case T_Q4_0: return _mm256_sub_epi8(gq_nib32(p + 2), _mm256_set1_epi8(8));
-    case T_Q4_1: *m = gb_h2f(p + 2); return gq_nib32(p + 4);
+    case T_Q4_0: return _mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8));
+    case T_Q4_1: *m = gb_h2f(p + 2); return gq_nibs(p + 4);
     case T_Q5_0:
-        return _mm256_sub_epi8(_mm256_or_si256(gq_nib32(p + 6), gq_bit16(p + 2)),
+        return _mm256_sub_epi8(_mm256_or_si256(gq_nibs(p + 6), gq_bit16(p + 2)),
                                _mm256_set1_epi8(16));
-    case T_Q5_1: *m = gb_h2f(p + 2); return _mm256_or_si256(gq_nib32(p + 8), gq_bit16(p + 4));
+    case T_Q5_1: *m = gb_h2f(p + 2); return _mm256_or_si256(gq_nibs(p + 8), gq_bit16(p + 4));
     default: return _mm256_loadu_si256((const __m256i *)(p + 2));  /* Q8_0 */
     }
 }

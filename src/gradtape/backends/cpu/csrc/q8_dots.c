@@ -195,12 +195,6 @@ static inline __m256i gq_us(__m256i u, __m256i s) {
 static inline __m256i gq_ss(__m256i w, __m256i s) {
     return gq_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
 }
-/* 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high */
-static inline __m256i gq_nibs(const uint8_t *qs) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
-                                   _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
-}
 /* byte j = 0xFF where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
 static inline __m256i gq_bits(const uint8_t *qh) {
     uint32_t h;

@@ -38,4 +38,15 @@ int64_t gq_amx_scratch_bytes(int64_t k);
 void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                       int64_t r0, int64_t r1, const int8_t *q, const float *d, const float *s,
                       int64_t T, float *Y, int64_t ldy, int accumulate, void *scratch);
+
+#ifdef __AVX2__
+#include <immintrin.h>
+/* 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high (the
+   dots' Q4 / Q5 quants, q8_amx.c's panels) */
+static inline __m256i gq_nibs(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, m)),
+                                   _mm_and_si128(_mm_srli_epi16(b, 4), m), 1);
+}
+#endif
 #endif

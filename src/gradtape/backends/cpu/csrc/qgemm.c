@@ -657,20 +657,11 @@ static void gemm_rows(int mr, const uint16_t *a, long lda, const uint32_t *b, lo
 #define AMX
 #define AMX_KC 256  /* values of K a chunk on tiles (a multiple of 256, at most FUSED_KC):
                        a chunk's A and B then stay in L1 */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
+#include "amx_tiles.h"
 
 /* each thread's tiles: eight of 16 rows x 64 bytes */
 static void amx_configure(void) {
-    amx_config cfg;
+    gt_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
@@ -680,36 +671,35 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* whether this process may use AMX tiles (Linux asks for the permission once) */
-static int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
 #define AMX_C_LOAD(t, ptr) do { if (add) _tile_loadd(t, ptr, ldc * 4); else _tile_zero(t); } while (0)
+
+/* C's 32 x 32 block at c (+)= A's 32 rows at a (pairs, a multiple of 16, of values) times
+   the 32 columns of the panel's rows of pairs at b: four C tiles, two of A, two of B */
+static inline void amx_block32(const uint16_t *a, long lda, const uint32_t *b, long pairs,
+                               float *c, long ldc, int add) {
+    float *c0 = c, *c1 = c + 16 * ldc;
+    AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16); AMX_C_LOAD(2, c1); AMX_C_LOAD(3, c1 + 16);
+    for (long p = 0; p < pairs; p += 16) {
+        _tile_loadd(4, a + 2 * p, lda * 2);
+        _tile_loadd(5, a + 16 * lda + 2 * p, lda * 2);
+        _tile_loadd(6, b + p * VN_N, VN_N * 4);
+        _tile_loadd(7, b + p * VN_N + 16, VN_N * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
+    _tile_stored(2, c1, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4);
+}
 
 static void amx_rows(long m, const uint16_t *a, long lda, const uint32_t *b, long pairs,
                      float *c, long ldc, int add) {
     const long p16 = pairs / 16 * 16, m16 = m / 16 * 16;
     for (long cb = 0; cb < VN_N && p16; cb += 32) {
         long i = 0;
-        for (; i + 32 <= m16; i += 32) {
-            float *c0 = c + i * ldc + cb, *c1 = c0 + 16 * ldc;
-            AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16); AMX_C_LOAD(2, c1); AMX_C_LOAD(3, c1 + 16);
-            for (long p = 0; p < p16; p += 16) {
-                _tile_loadd(4, a + i * lda + 2 * p, lda * 2);
-                _tile_loadd(5, a + (i + 16) * lda + 2 * p, lda * 2);
-                _tile_loadd(6, b + p * VN_N + cb, VN_N * 4);
-                _tile_loadd(7, b + p * VN_N + cb + 16, VN_N * 4);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
-            _tile_stored(2, c1, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4);
-        }
+        for (; i + 32 <= m16; i += 32)
+            amx_block32(a + i * lda, lda, b + cb, p16, c + i * ldc + cb, ldc, add);
         if (i < m16) {  /* 16 rows left */
             float *c0 = c + i * ldc + cb;
             AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16);
@@ -742,23 +732,9 @@ static void amx_group(long m, const uint16_t *a, long lda, const uint32_t *b, lo
     const long m32 = pairs % 16 ? 0 : m / 32 * 32;
     for (long i = 0; i < m32; i += 32)
         for (long q = 0; q < FUSED_GROUP; q++)
-            for (long cb = 0; cb < VN_N; cb += 32) {
-                const uint32_t *bq = b + q * FUSED_PANEL + cb;
-                float *c0 = c + i * ldc + q * VN_N + cb, *c1 = c0 + 16 * ldc;
-                AMX_C_LOAD(0, c0); AMX_C_LOAD(1, c0 + 16); AMX_C_LOAD(2, c1); AMX_C_LOAD(3, c1 + 16);
-                for (long p = 0; p < pairs; p += 16) {
-                    _tile_loadd(4, a + i * lda + 2 * p, lda * 2);
-                    _tile_loadd(5, a + (i + 16) * lda + 2 * p, lda * 2);
-                    _tile_loadd(6, bq + p * VN_N, VN_N * 4);
-                    _tile_loadd(7, bq + p * VN_N + 16, VN_N * 4);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, c0, ldc * 4); _tile_stored(1, c0 + 16, ldc * 4);
-                _tile_stored(2, c1, ldc * 4); _tile_stored(3, c1 + 16, ldc * 4);
-            }
+            for (long cb = 0; cb < VN_N; cb += 32)
+                amx_block32(a + i * lda, lda, b + q * FUSED_PANEL + cb, pairs,
+                            c + i * ldc + q * VN_N + cb, ldc, add);
     if (m32 < m)
         for (long q = 0; q < FUSED_GROUP; q++)
             amx_rows(m - m32, a + m32 * lda, lda, b + q * FUSED_PANEL, pairs,
@@ -858,7 +834,7 @@ long gt_fused_scratch(int t, long rows, long k, long T, int backward) {
 #endif
     long extra = 0;
 #ifdef AMX
-    if (backward && amx_permitted()) extra = rows_outer_elems(T);  /* the amx rows way's */
+    if (backward && gt_amx_permitted()) extra = rows_outer_elems(T);  /* the amx rows way's */
 #endif
     return nt * (core_elems(backward, T) + extra);
 #else
@@ -1006,7 +982,7 @@ int gt_qgemm_bf16_fused(int t, const uint8_t *w, long rb, long rows, long k, int
    this process use its tiles */
 int gt_amx_ready(void) {
 #ifdef AMX
-    return amx_permitted();
+    return gt_amx_permitted();
 #else
     return 0;
 #endif

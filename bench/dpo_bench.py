@@ -16,10 +16,11 @@ The pairs are random token ids (seeded), the same lists on both sides: each row 
 prompt of ``T / 4`` tokens and a completion filling the rest, so no row is padded.
 
 Ours: the ``TrainStep`` that ``gradtape finetune --method dpo`` builds, and the reference
-pass it runs first (``train.preference_run.reference_pass``, the step's eval program over
-the pairs).  Reported: the median step time over ``--reps`` pairs after ``--warmup`` steps
-(those ``--reps`` steps are one epoch over the pairs), the reference pass's time over the
-same pairs (after one warm-up batch), its ratio to that epoch (``ref_vs_epoch``; the
+pass it runs first (``train.preference_run.reference_pass``: the base model's forward
+over the pairs, several a call).  Reported: the median step time over ``--reps`` pairs
+after ``--warmup`` steps (those ``--reps`` steps are one epoch over the pairs), the
+reference pass's time over the same pairs (after one warm-up call of its program, whose
+compile and first run are ``ref_warm_s``), its ratio to that epoch (``ref_vs_epoch``; the
 issue's target is <= 0.4), and one step's time split by kind of work.
 
 The peer: TRL's ``DPOTrainer`` with ``peft_config`` (the same rank, alpha and targets),
@@ -142,7 +143,8 @@ def run_gradtape(name, warmup, reps, backend, compute="auto", layers=32):
              for p in make_pairs(reps, t, model.config.vocab_size)]
     data = PairData(pairs, t, method("dpo").average, pad, 1, 0)
     t1 = time.perf_counter()
-    step.eval_preference([(data.batch([0]), None, 1.0)])  # the eval program's first run
+    # the reference program's compile and first run
+    step.reference_logps(list(data.batches(size=step.reference_pairs(len(data))))[:1])
     ref_warm_s = time.perf_counter() - t1
     with tempfile.TemporaryDirectory() as out:
         ref_s = reference_pass(step, {"train": data}, Path(out), log=lambda *a: None)

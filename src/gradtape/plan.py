@@ -54,6 +54,19 @@ F32_MEASURED_FLOPS = 1 << 26
 PROMPT_BF16_FLOPS = 1e11
 PROMPT_F32_ROWS = 2048
 
+# the reference pass's base-model forward takes up to this many rows a call: each call
+# reads (dequantizes) every weight once, so pairs run together where they fit
+REFERENCE_ROWS = 2048
+
+
+def reference_pairs(n, seq_len) -> int:
+    """Pairs per call of a base-model reference pass over ``n`` pairs of two ``seq_len``
+    rows each: at most ``REFERENCE_ROWS`` rows, the calls as even as they can be (the
+    last one's padding is less than a call)."""
+    most = max(1, REFERENCE_ROWS // (2 * seq_len))
+    calls = -(-max(n, 1) // most)
+    return -(-max(n, 1) // calls)
+
 
 class Decision(NamedTuple):
     """One choice of the plan and the sentence that says why (a pair: ``value, why =

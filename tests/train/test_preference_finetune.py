@@ -173,6 +173,47 @@ def test_the_reference_pass_equals_reference_logps(tmp_path, method):
         np.testing.assert_allclose(train.ref[i], want, rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("backend, dtype, rtol", [("numpy", np.float64, 1e-13),
+                                                    ("cpu", np.float32, 1e-5)])
+def test_a_fresh_adapters_reference_is_the_base_models_forward(tmp_path, backend, dtype, rtol):
+    """A fresh LoRA (B = 0) adds exactly zero: the reference pass runs the base model's
+    forward alone and gives the eval program's values; once B is not zero (an adapter
+    trained before, ``--adapter``) the reference is the model with it, and differs."""
+    from gradtape.train.methods import method as row
+    from gradtape.train.preference import reference_logps
+    from gradtape.train.records import read_data
+
+    m = tiny_model()
+    ad = _adapter(m)
+    cfg = _cfg(tmp_path, "base", "dpo")
+    train, _ = preference_run.load(cfg, read_data(cfg.data, task="preference"), None,
+                                   m.tokenizer, row("dpo").average, QUIET)
+    st = TrainStep(m, ad, 2, 32, dtype=dtype, backend=backend, method="dpo")
+
+    def per_pair(logps, b):  # [n, 2]: each batch is b chosen, then b rejected
+        lp = np.stack([x.reshape(2, b).T for x in logps]).reshape(-1, 2)
+        return lp[:len(train)]
+    batches = list(train.batches())
+    _, _, policy = st.eval_preference(batches)
+    assert st.reference_pairs(len(train)) == len(train)  # 12 pairs of 64 rows: one call
+    for b in (5, 12):  # 5: the last call wraps around
+        base = st.reference_logps(list(train.batches(size=b)))
+        np.testing.assert_allclose(per_pair(base, b), per_pair(policy, 2), rtol=rtol, atol=0)
+    assert sorted(st._base) == [5, 12]  # the base model's programs ran
+    st.release_reference()
+
+    rng = np.random.default_rng(1)
+    for a, b in ad.weights.values():
+        b[...] = rng.normal(0, 0.5, b.shape)
+    st = TrainStep(m, ad, 2, 32, dtype=np.float64, method="dpo")
+    assert st.reference_pairs(len(train)) == 2
+    trained = st.reference_logps(batches[:1])[0]
+    assert not st._base  # the eval program, adapter on
+    want = reference_logps(m, ad, row("dpo"), batches[0][0])
+    np.testing.assert_allclose(trained, want, rtol=1e-10, atol=0)
+    assert np.abs(trained - policy[0]).max() > 1e-3
+
+
 def _adapter(m):
     from gradtape.models.lora import init_adapter, parse_targets
     return init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)
@@ -246,3 +287,16 @@ def test_accumulation_is_the_step_over_all_the_pairs(tmp_path, method):
     # moves the update far more than 1e-10 of it
     for k in wa:
         np.testing.assert_allclose(wb[k][1], wa[k][1], rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("n, seq_len, pairs", [
+    (3, 256, 3), (5, 256, 3), (8, 256, 4), (9, 256, 3), (1, 256, 1), (0, 256, 1),
+    (40, 32, 20), (7, 2048, 1), (7, 4096, 1)])
+def test_the_reference_pass_takes_even_calls_of_at_most_its_rows(n, seq_len, pairs):
+    from gradtape.plan import REFERENCE_ROWS, reference_pairs
+
+    got = reference_pairs(n, seq_len)
+    assert got == pairs
+    assert got == 1 or 2 * seq_len * got <= REFERENCE_ROWS
+    calls = -(-max(n, 1) // got)
+    assert calls * got - max(n, 1) < calls  # the padding is less than a pair a call

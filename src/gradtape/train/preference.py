@@ -114,10 +114,7 @@ class PreferenceGraph:
         ``[2N]`` log-probabilities, for a method with a reference)."""
         lv, dt = self.leaves, self.loss.dtype
         n = batch.n_pairs
-        out = {lv["ids"]: batch.ids, lv["targets"]: batch.targets,
-               lv["positions"]: batch.positions, lv["segments"]: np.zeros_like(batch.ids),
-               lv["weights"]: batch.weights.astype(dt),
-               lv["counts"]: batch.counts.astype(dt)[:, None]}
+        out = _feeds(lv, batch, dt)
         if "pair_weights" in lv:
             out[lv["pair_weights"]] = np.asarray(batch.pair_weights, dt).reshape(n, 1)
         if "ref" in lv:
@@ -128,20 +125,29 @@ class PreferenceGraph:
 
 
 def _leaves(tp, batch: PairBatch):
-    dt = tp.dtype
-    return {"ids": tp.const(batch.ids), "targets": tp.const(batch.targets),
-            "positions": tp.const(batch.positions),
-            "segments": tp.const(np.zeros_like(batch.ids)),
-            "weights": tp.const(batch.weights.astype(dt)),
-            "counts": tp.const(batch.counts.astype(dt)[:, None])}
+    return {k: tp.const(v) for k, v in _arrays(batch, tp.dtype).items()}
 
 
-def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training, evaluated=False):
+def _arrays(batch: PairBatch, dt):
+    """The arrays of ``batch`` that the forward and the sums read, by leaf name."""
+    return {"ids": batch.ids, "targets": batch.targets, "positions": batch.positions,
+            "segments": np.zeros_like(batch.ids), "weights": batch.weights.astype(dt),
+            "counts": batch.counts.astype(dt)[:, None]}
+
+
+def _feeds(lv, batch: PairBatch, dt):
+    return {lv[k]: v for k, v in _arrays(batch, dt).items() if k in lv}
+
+
+def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training, evaluated=False,
+                   fused_from=None):
     """The sums ``[2N+1, 1]`` of ``sequence_logps``; ``evaluated``: ``(sums, the same
-    from a head recorded with training=False)`` (one head where both are the same)."""
+    from a head recorded with training=False)`` (one head where both are the same).
+    ``fused_from``: ``record_forward``'s (the plan's attention route)."""
     ones = nn.ones(tp, cfg.dim)
     hidden = record_forward(tp, cfg, W, lv["ids"], n_seq, lora, lora_scale, ones=ones,
-                            positions=lv["positions"], segments=lv["segments"], head=False)
+                            positions=lv["positions"], segments=lv["segments"], head=False,
+                            fused_from=fused_from)
     sums = sequence_logps(tp, cfg, W, hidden, lv["targets"], lv["weights"], ones,
                           training=training)
     if not evaluated:
@@ -153,18 +159,20 @@ def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training, evaluated=
 
 
 def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
-                      opt: Options = Options(), ref=None) -> PreferenceGraph:
+                      opt: Options = Options(), ref=None, fused_from=None) -> PreferenceGraph:
     """Record method ``m``'s loss over ``batch`` on ``tp``: the ``2N`` sequences in one
     forward (``W`` from ``weight_consts``, ``lora`` ``{(layer, target): (A, B)}`` params,
     as ``record_forward`` takes them), their log-probabilities, and the loss with its
     metrics.  ``ref``: the reference's ``[2N]`` log-probabilities (``reference_logps``),
-    a const leaf fed each step; required where the method has a reference."""
+    a const leaf fed each step; required where the method has a reference.
+    ``fused_from``: the rows per sequence from which attention is the fused primitive
+    (``record_forward``'s; a training step's ``attention_from``)."""
     n = batch.n_pairs
     lv = _leaves(tp, batch)
     # the held-out evaluation (and the reference pass) reads a head of its own: the
     # training one's forward also folds up what its backward needs
     sums, eval_sums = _forward_logps(tp, cfg, W, lora, lora_scale, lv, 2 * n, training=True,
-                                     evaluated=True)
+                                     evaluated=True, fused_from=fused_from)
     logps = _rows(sums, 0, 2 * n)
     rc = rr = None
     if m.reference:
@@ -185,6 +193,29 @@ def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
     eval_loss, eval_metrics = build_loss(m, replace(logps_of(eval_sums),
                                                     weight=lv["pair_weights"]), opt)
     return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics, eval_lp)
+
+
+@dataclass
+class BaseLogps:
+    """A recorded base-model forward over ``n_pairs`` pairs (``record_base_logps``):
+    ``logps [2N, 1]`` and the const leaves ``feeds`` fills."""
+    logps: object
+    leaves: dict
+
+    def feeds(self, batch: PairBatch) -> dict:
+        return _feeds(self.leaves, batch, self.logps.dtype)
+
+
+def record_base_logps(tp, cfg, W, n_pairs, seq_len, fused_from=None) -> BaseLogps:
+    """The base model's log-probabilities of ``n_pairs`` pairs of ``seq_len`` rows: the
+    policy's forward without the adapter.  A fresh LoRA (B = 0) adds exactly zero, so
+    they are the eval program's values without the adapter's products: the reference
+    pass's program where the reference is the base model, over any number of pairs."""
+    lv = _leaves(tp, pair_batch([([0, 0], [0, 1], [0, 0], [0, 1])] * n_pairs, seq_len, False))
+    del lv["counts"]  # the sums are weighted already (``pair_batch``'s weights)
+    sums = _forward_logps(tp, cfg, W, None, 1.0, lv, 2 * n_pairs, training=False,
+                          fused_from=fused_from)
+    return BaseLogps(_rows(sums, 0, 2 * n_pairs), lv)
 
 
 def _rows(v, a, b):

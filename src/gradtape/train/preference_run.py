@@ -5,8 +5,10 @@ reference pass and the held-out evaluation.
 loop needs: ``PairData.micro(step)`` (a step's pairs as ``train.preference`` lays them
 out, with the reference's log-probabilities of those pairs) and ``PairData.evaluate``
 (the held-out loss and metrics, under TRL's ``eval_`` names).  The reference pass runs
-once, before the first step, through the step's own compiled eval program with the
-adapter as it starts (B = 0: the base model), and is saved atomically in the run folder
+once, before the first step, with the adapter as it starts: a fresh one adds nothing,
+so the base model's own forward runs, several pairs a call (``TrainStep.reference_logps``);
+an adapter given to continue from runs through the step's eval program.  It is saved
+atomically in the run folder
 (``reference.safetensors``) so that ``--resume`` reads it instead of recomputing it.
 Under MPI each rank takes its share of every global micro-batch's pairs, and the
 reference pass's batches are shared out over the ranks (one Allreduce gathers them).
@@ -79,13 +81,14 @@ class PairData:
                      for k in idx for w in ("chosen", "rejected"))
         return micro, tokens
 
-    def batches(self, part=0, parts=1):
-        """The pairs in order, ``batch_size`` at a time, as ``TrainStep.eval_preference``
-        takes them: the last batch filled up by wrapping around to the first pairs, which
-        weigh 0 in its means (``pair_weights``), so every pair counts once; each batch
-        weighted by its share of the pairs.  ``part`` of ``parts``: every ``parts``-th
-        batch from the ``part``-th only (an MPI rank's share of the reference pass)."""
-        n, b = len(self), self.batch_size
+    def batches(self, part=0, parts=1, size=None):
+        """The pairs in order, ``batch_size`` (or ``size``) at a time, as
+        ``TrainStep.eval_preference`` takes them: the last batch filled up by wrapping
+        around to the first pairs, which weigh 0 in its means (``pair_weights``), so every
+        pair counts once; each batch weighted by its share of the pairs.  ``part`` of
+        ``parts``: every ``parts``-th batch from the ``part``-th only (an MPI rank's share
+        of the reference pass)."""
+        n, b = len(self), size or self.batch_size
         for s in range(part * b, n, parts * b):
             idx = np.arange(s, s + b) % n
             real = min(b, n - s)
@@ -122,8 +125,8 @@ def load(cfg, data_file, eval_file, tokenizer, average, log, world=None):
 
 
 def reference_pass(step_prog, datasets, out, log, world=None):
-    """Each of ``datasets``' reference log-probabilities, through ``step_prog``'s eval
-    program with its adapter as it is now (before the first step), saved in
+    """Each of ``datasets``' reference log-probabilities, the model with its adapter as
+    it is now, before the first step (``TrainStep.reference_logps``), saved in
     ``out / REFERENCE``.  ``world`` (MPI): each rank computes every ``size``-th batch,
     one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum is
     exact) gives every rank all of them, and rank 0 writes the file."""
@@ -131,12 +134,13 @@ def reference_pass(step_prog, datasets, out, log, world=None):
 
     rank, size = (0, 1) if world is None else (world.rank, world.size)
     t0 = time.perf_counter()
-    arrays = {}
+    arrays, calls = {}, set()
     for name, d in datasets.items():
         if not len(d):
             continue
-        _, _, logps = step_prog.eval_preference(d.batches(rank, size))
-        n, b = len(d), d.batch_size
+        n, b = len(d), step_prog.reference_pairs(len(d))
+        logps = step_prog.reference_logps(d.batches(rank, size, b))
+        calls.add(b)
         ref = np.zeros((n, 2))
         for k, lp in zip(range(rank, n, size), logps):  # each batch: b chosen, b rejected
             idx = np.arange(k * b, k * b + b)
@@ -145,11 +149,12 @@ def reference_pass(step_prog, datasets, out, log, world=None):
         if size > 1:
             world.allreduce_sum(ref)
         d.ref = arrays[name] = ref
+    step_prog.release_reference()
     if rank == 0:
         atomic_write_bytes(out / REFERENCE, save(arrays))
     seconds = time.perf_counter() - t0
-    log(f"reference pass: {sum(len(d) for d in datasets.values())} pairs in {seconds:.1f} s, "
-        f"saved in {out / REFERENCE}")
+    log(f"reference pass: {sum(len(d) for d in datasets.values())} pairs in {seconds:.1f} s "
+        f"({' or '.join(map(str, sorted(calls)))} a call), saved in {out / REFERENCE}")
     return seconds
 
 

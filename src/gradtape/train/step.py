@@ -52,12 +52,13 @@ from ..models.attention_choice import attention_from
 from ..models.dora import adapter_leaves, leaf_params
 from ..models.graph import head_loss, record_forward, weight_consts
 from ..models.memory import GiB, mem_available, resident_copy_bytes
-from ..plan import DEFAULT_COMPUTE, Decision, for_training, resident_weights
+from ..plan import (DEFAULT_COMPUTE, Decision, for_training, reference_pairs,
+                    resident_weights)
 from . import full
 from .data import IGNORE, empty_rows
 from .memory import planned
 from .methods import Options, method as method_row
-from .preference import pair_batch, record_preference
+from .preference import pair_batch, record_base_logps, record_preference
 
 
 @dataclass(frozen=True)
@@ -283,12 +284,15 @@ class TrainStep:
         policy's log-probabilities (what the reference pass keeps) and the metrics."""
         tp = self.tape
         self.lora = self._adapter_params()
+        self._base = {}  # pairs -> the base model's forward, on demand (reference_logps)
+        self._weights, self._backend = W, backend
         # a placeholder batch gives the leaves their shapes; every step feeds its own
         dummy = [([0, 0], [0, 1], [0, 0], [0, 1])] * batch_size
         ref = np.zeros(2 * batch_size) if self.method.reference else None
         self.graph = record_preference(tp, self.model.config, W, self.lora, self._scale,
                                        self.method, pair_batch(dummy, seq_len, False),
-                                       self.options, ref)
+                                       self.options, ref,
+                                       fused_from=self.plan.attention_from.value)
         self.metric_vars = self.graph.metrics
         # each micro-batch's loss weighted by its share of the step's pairs (1 / grad_accum,
         # as TRL averages its micro-batches' losses); 1 without accumulation
@@ -568,6 +572,44 @@ class TrainStep:
                 metrics[k] += weight * float(v)
             logps.append(np.asarray(lp, np.float64).reshape(-1))
         return loss, metrics, logps
+
+    def reference_pairs(self, n) -> int:
+        """Pairs a batch of ``reference_logps`` over ``n`` pairs: the step's micro-batch,
+        or where the base model's forward runs, as many as ``plan.reference_pairs``."""
+        return reference_pairs(n, self.seq_len) if self._adds_nothing() else self.batch_size
+
+    def reference_logps(self, batches):
+        """Each of ``batches``' (``[(PairBatch, ref, weight)]``) log-probabilities ``[2N]``
+        under the model as it is now, the reference a DPO run keeps.  Where the adapter
+        adds nothing (LoRA with every B zero: a fresh one) the base model's forward alone
+        runs (``record_base_logps``, one program per batch size, compiled on first use):
+        the same values without the adapter's products; else the eval program's
+        (``eval_preference``, batches of ``batch_size`` pairs)."""
+        if not self._adds_nothing():
+            return self.eval_preference(batches)[2]
+        out = []
+        for batch, _, _ in batches:
+            n = batch.n_pairs
+            if n not in self._base:
+                base = record_base_logps(self.tape, self.model.config, self._weights, n,
+                                         self.seq_len, self.plan.attention_from.value)
+                self._base[n] = base, self.tape.compile(
+                    [base.logps], backend=self._backend, plan=self.plan, arena=self.arena)
+            base, program = self._base[n]
+            out.append(np.asarray(program.run(base.feeds(batch))[0], np.float64).reshape(-1))
+        return out
+
+    def release_reference(self):
+        """Drop the base model's programs (``reference_logps``) once the pass is done."""
+        self._base = {}
+
+    def _adds_nothing(self) -> bool:
+        """Whether the adapter's products are exactly zero: LoRA (not DoRA, whose
+        magnitude rescales) with every B zero."""
+        if self.full or any(len(leaves) != 2 for leaves in self.lora.values()):
+            return False
+        params = self.current_params()
+        return not any(params[b].any() for _, b in self.lora.values())
 
     def eval_loss(self, seqs):
         """Mean next-token loss over ``seqs`` (a data.Sequences) with the current adapter."""

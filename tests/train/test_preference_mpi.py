@@ -53,6 +53,11 @@ def test_two_ranks_equal_one_process_with_twice_the_pairs(tiny_dir, tmp_path, me
         for k, v in q.items():
             # samples: greedy text, and the adapters agree to rounding only
             if k not in ("tokens_per_s", "elapsed_s", "lr", "step", "samples"):
+                if method == "dpo" and r["step"] == 1 and k == "rewards/accuracies":
+                    # the policy is the reference, computed several pairs a call: every
+                    # reward is 0 to rounding, and which side of 0 it falls is rounding
+                    assert max(abs(x["rewards/chosen"]) for x in (q, r)) < 1e-12
+                    continue
                 assert r[k] == pytest.approx(v, rel=1e-9, abs=1e-12), (r["step"], k)
     assert "eval_rewards/accuracies" in logs[1][1]
     if method == "dpo":  # the reference pass, shared out over the ranks, kept once

@@ -209,8 +209,9 @@ class BaseLogps:
 def record_base_logps(tp, cfg, W, n_pairs, seq_len, fused_from=None) -> BaseLogps:
     """The base model's log-probabilities of ``n_pairs`` pairs of ``seq_len`` rows: the
     policy's forward without the adapter.  A fresh LoRA (B = 0) adds exactly zero, so
-    they are the eval program's values without the adapter's products: the reference
-    pass's program where the reference is the base model, over any number of pairs."""
+    they are the eval program's values without the adapter's products (to rounding: a
+    GEMM over another number of rows may sum in another order): the reference pass's
+    program where the reference is the base model, over any number of pairs."""
     lv = _leaves(tp, pair_batch([([0, 0], [0, 1], [0, 0], [0, 1])] * n_pairs, seq_len, False))
     del lv["counts"]  # the sums are weighted already (``pair_batch``'s weights)
     sums = _forward_logps(tp, cfg, W, None, 1.0, lv, 2 * n_pairs, training=False,

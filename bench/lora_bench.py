@@ -142,6 +142,52 @@ def _workload(name):
     raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
+def step_gemms(step):
+    """Every matmul of the recorded step (a ``TrainStep``) as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d),
+    the products with block weights as the dense GEMMs they stand for (``qmatmul``:
+    ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
+    out = []
+    for v in step.program.graph.ops:
+        if v.op in ("qmatmul", "qmatmul_t"):
+            t, (rows, k) = v.shape[0], (v.attrs["rows"], v.attrs["k"])
+            out.append([0, t, k, rows, False, True] if v.op == "qmatmul"
+                       else [0, t, rows, k, False, False])
+        elif v.op == "matmul":
+            a, b = v.inputs
+            ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
+            k = a.shape[-2] if ta else a.shape[-1]
+            out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
+                        ta, tb])
+    return out
+
+
+def attention_gemms(step):
+    """The GEMMs of the step's fused attention calls (``attn``, ``attn_grad``) as
+    ``step_gemms`` lists them: the tiles ``csrc/flash.c`` multiplies, at their shapes
+    (``backends.cpu.tiled.flash_gemms``), where the cpu backend runs them in float32;
+    none elsewhere (the float64 walk, another backend)."""
+    prog = step.program
+    if prog.backend != "cpu":
+        return []
+    from gradtape.backends.cpu.tiled import flash_gemms
+    from gradtape.tiled import run_starts
+
+    out = []
+    for v in prog.graph.ops:
+        if v.op not in ("attn", "attn_grad") or v.dtype != np.float32:
+            continue
+        spec = v.attrs["spec"]
+        q, k = v.inputs[:2] if v.op == "attn" else v.inputs[1:3]
+        seg = v.inputs[3:] if v.op == "attn" else v.inputs[5:]
+        # segment ids (packed rows): as recorded; ids that are not runs take the walk
+        starts = run_starts(seg[0].value, q.shape[0] // spec.n_seq) if seg else None
+        if seg and starts is None:
+            continue
+        out += [[0, *g] for g in flash_gemms(spec, q.shape[0], k.shape[0], starts,
+                                             grad=v.op == "attn_grad")]
+    return out
+
+
 class GradtapeSide:
     def __init__(self, model, t, backend, batch=1, compute="float32", checkpoint="auto"):
         from gradtape.models.lora import init_adapter
@@ -167,48 +213,10 @@ class GradtapeSide:
         return self.step_prog.step(self.batch, self.n, LR)[0]
 
     def gemms(self):
-        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d),
-        the products with block weights as the dense GEMMs they stand for (``qmatmul``:
-        ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
-        out = []
-        for v in self.step_prog.program.graph.ops:
-            if v.op in ("qmatmul", "qmatmul_t"):
-                t, (rows, k) = v.shape[0], (v.attrs["rows"], v.attrs["k"])
-                out.append([0, t, k, rows, False, True] if v.op == "qmatmul"
-                           else [0, t, rows, k, False, False])
-            elif v.op == "matmul":
-                a, b = v.inputs
-                ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
-                k = a.shape[-2] if ta else a.shape[-1]
-                out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
-                            ta, tb])
-        return out
+        return step_gemms(self.step_prog)
 
     def attention_gemms(self):
-        """The GEMMs of the step's fused attention calls (``attn``, ``attn_grad``) as
-        ``gemms`` lists them: the tiles ``csrc/flash.c`` multiplies, at their shapes
-        (``backends.cpu.tiled.flash_gemms``), where the cpu backend runs them in float32;
-        none elsewhere (the float64 walk, another backend)."""
-        prog = self.step_prog.program
-        if prog.backend != "cpu":
-            return []
-        from gradtape.backends.cpu.tiled import flash_gemms
-        from gradtape.tiled import run_starts
-
-        out = []
-        for v in prog.graph.ops:
-            if v.op not in ("attn", "attn_grad") or v.dtype != np.float32:
-                continue
-            spec = v.attrs["spec"]
-            q, k = v.inputs[:2] if v.op == "attn" else v.inputs[1:3]
-            seg = v.inputs[3:] if v.op == "attn" else v.inputs[5:]
-            # segment ids (packed rows): as recorded; ids that are not runs take the walk
-            starts = run_starts(seg[0].value, q.shape[0] // spec.n_seq) if seg else None
-            if seg and starts is None:
-                continue
-            out += [[0, *g] for g in flash_gemms(spec, q.shape[0], k.shape[0], starts,
-                                                 grad=v.op == "attn_grad")]
-        return out
+        return attention_gemms(self.step_prog)
 
     def matmul_flops(self):
         return sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in self.gemms())

@@ -337,6 +337,7 @@ def floor_worker(reps=5):
     part = sum(seconds[tuple(g)] for g in attention)
     print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms) + part,
                       "floor_attention_s": part,
+                      "by_gemm": [[*key, t] for key, t in seconds.items()],
                       "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}))
 
 

@@ -60,6 +60,7 @@ import subprocess
 import sys
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape.backends.cpu.measure import call_seconds
@@ -143,9 +144,9 @@ def _workload(name):
 
 
 def step_gemms(step):
-    """Every matmul of the recorded step (a ``TrainStep``) as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d),
-    the products with block weights as the dense GEMMs they stand for (``qmatmul``:
-    ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
+    """Every matmul of the recorded step (a ``TrainStep``) as ``[batch, m, k, n, ta,
+    tb]`` (batch 0: 2-d), the products with block weights as the dense GEMMs they stand
+    for (``qmatmul``: ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
     out = []
     for v in step.program.graph.ops:
         if v.op in ("qmatmul", "qmatmul_t"):

@@ -60,6 +60,7 @@ import sys
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 WORKLOAD = "llama8b-q4km-lora"

@@ -14,10 +14,15 @@ Timing: every side is built in this process and their steps alternate (gradtape 
 machine drift hits all alike; each row compares one gradtape side with one peer as
 ``ratio = peer_s / gradtape_s``.  Peak memory: each side trains alone in a fresh
 subprocess and reports its peak RSS.  The floor (``floor_s``) is the time of the step's own
-float32 GEMMs (every matmul of the recorded step, at its shape and transposition) run
-alone through NumPy's BLAS in a clean subprocess that never imports torch (torch's
-spinning worker threads slow OpenBLAS in the same process); ``floor_rate_s`` is the step's
-GEMM FLOPs at the median rate of the model's big shapes in that same process.  Every row
+float32 GEMMs (every matmul of the recorded step, at its shape and transposition, and
+the products of its fused attention calls: the tiles ``csrc/flash.c`` multiplies, at
+their shapes and as many as it makes, ``backends.cpu.tiled.flash_gemms``), each run
+alone through NumPy's BLAS (one call, its microsecond of call cost included) in a clean
+subprocess that never imports torch (torch's spinning worker threads slow OpenBLAS in
+the same process); ``floor_attention_s`` is the attention's part of it (the floor
+without it counts only the recorded matmuls); ``floor_rate_s`` is the step's GEMM FLOPs
+(the attention's too) at the median rate of the model's big shapes in that same
+process.  Every row
 names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran, and
 splits one step's time by kind of work (``split_s``: each program step timed alone, after
 the timed steps).  ``--compute auto`` is what ``finetune`` runs with no options: its rows
@@ -55,6 +60,7 @@ import subprocess
 import sys
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape.backends.cpu.measure import call_seconds
@@ -137,6 +143,52 @@ def _workload(name):
     raise SystemExit(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
 
 
+def step_gemms(step):
+    """Every matmul of the recorded step (a ``TrainStep``) as ``[batch, m, k, n, ta,
+    tb]`` (batch 0: 2-d), the products with block weights as the dense GEMMs they stand
+    for (``qmatmul``: ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
+    out = []
+    for v in step.program.graph.ops:
+        if v.op in ("qmatmul", "qmatmul_t"):
+            t, (rows, k) = v.shape[0], (v.attrs["rows"], v.attrs["k"])
+            out.append([0, t, k, rows, False, True] if v.op == "qmatmul"
+                       else [0, t, rows, k, False, False])
+        elif v.op == "matmul":
+            a, b = v.inputs
+            ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
+            k = a.shape[-2] if ta else a.shape[-1]
+            out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
+                        ta, tb])
+    return out
+
+
+def attention_gemms(step):
+    """The GEMMs of the step's fused attention calls (``attn``, ``attn_grad``) as
+    ``step_gemms`` lists them: the tiles ``csrc/flash.c`` multiplies, at their shapes
+    (``backends.cpu.tiled.flash_gemms``), where the cpu backend runs them in float32;
+    none elsewhere (the float64 walk, another backend)."""
+    prog = step.program
+    if prog.backend != "cpu":
+        return []
+    from gradtape.backends.cpu.tiled import flash_gemms
+    from gradtape.tiled import run_starts
+
+    out = []
+    for v in prog.graph.ops:
+        if v.op not in ("attn", "attn_grad") or v.dtype != np.float32:
+            continue
+        spec = v.attrs["spec"]
+        q, k = v.inputs[:2] if v.op == "attn" else v.inputs[1:3]
+        seg = v.inputs[3:] if v.op == "attn" else v.inputs[5:]
+        # segment ids (packed rows): as recorded; ids that are not runs take the walk
+        starts = run_starts(seg[0].value, q.shape[0] // spec.n_seq) if seg else None
+        if seg and starts is None:
+            continue
+        out += [[0, *g] for g in flash_gemms(spec, q.shape[0], k.shape[0], starts,
+                                             grad=v.op == "attn_grad")]
+    return out
+
+
 class GradtapeSide:
     def __init__(self, model, t, backend, batch=1, compute="float32", checkpoint="auto"):
         from gradtape.models.lora import init_adapter
@@ -162,22 +214,10 @@ class GradtapeSide:
         return self.step_prog.step(self.batch, self.n, LR)[0]
 
     def gemms(self):
-        """Every matmul of the recorded step as ``[batch, m, k, n, ta, tb]`` (batch 0: 2-d),
-        the products with block weights as the dense GEMMs they stand for (``qmatmul``:
-        ``x [T, k] @ W^T``, ``qmatmul_t``: ``g [T, rows] @ W``)."""
-        out = []
-        for v in self.step_prog.program.graph.ops:
-            if v.op in ("qmatmul", "qmatmul_t"):
-                t, (rows, k) = v.shape[0], (v.attrs["rows"], v.attrs["k"])
-                out.append([0, t, k, rows, False, True] if v.op == "qmatmul"
-                           else [0, t, rows, k, False, False])
-            elif v.op == "matmul":
-                a, b = v.inputs
-                ta, tb = bool(v.attrs.get("ta")), bool(v.attrs.get("tb"))
-                k = a.shape[-2] if ta else a.shape[-1]
-                out.append([a.shape[0] if a.ndim == 3 else 0, v.shape[-2], k, v.shape[-1],
-                            ta, tb])
-        return out
+        return step_gemms(self.step_prog)
+
+    def attention_gemms(self):
+        return attention_gemms(self.step_prog)
 
     def matmul_flops(self):
         return sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in self.gemms())
@@ -271,12 +311,15 @@ def _time(fn, reps):
 
 
 def floor_worker(reps=5):
-    """In a clean process (no torch): read the step's GEMMs as JSON from stdin, time each
-    distinct one through NumPy's BLAS, and print the floor as JSON."""
-    gemms = json.load(sys.stdin)
+    """In a clean process (no torch): read the step's GEMMs as JSON from stdin (``{"gemms":
+    [...], "attention": [...]}``, the fused attention's tiles apart), time each distinct
+    one through NumPy's BLAS, and print the floor as JSON: ``floor_s`` of all,
+    ``floor_attention_s`` of the attention's part."""
+    got = json.load(sys.stdin)
+    gemms, attention = got["gemms"], got.get("attention", [])
     rng = np.random.default_rng(0)
     seconds = {}
-    for g in gemms:
+    for g in gemms + attention:
         key = tuple(g)
         if key in seconds:
             continue
@@ -292,13 +335,17 @@ def floor_worker(reps=5):
         a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
         out = np.empty((m, n), np.float32)
         rates.append(2 * m * k * n / _time(lambda: np.matmul(a, b, out=out), 4 * reps))
-    print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms),
+    part = sum(seconds[tuple(g)] for g in attention)
+    print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms) + part,
+                      "floor_attention_s": part,
+                      "by_gemm": [[*key, t] for key, t in seconds.items()],
                       "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}))
 
 
-def clean_floor(gemms):
+def clean_floor(gemms, attention=()):
     """``floor_worker`` in a fresh interpreter (same environment, never imports torch)."""
-    res = subprocess.run([sys.executable, __file__, "--floor-worker"], input=json.dumps(gemms),
+    res = subprocess.run([sys.executable, __file__, "--floor-worker"],
+                         input=json.dumps({"gemms": gemms, "attention": list(attention)}),
                          capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:
         raise RuntimeError(f"floor worker failed:\n{res.stderr[-2000:]}")
@@ -345,6 +392,7 @@ def side_worker(name, workload, backend, compute, batch):
         s = GradtapeSide(ours(compute, backend, batch * t), t, backend, batch, compute=compute,
                          checkpoint=CHECKPOINT.get(workload, "auto"))
         info = {"compute": s.compute, "gemm_path": _gemm_path(s), "gemms": s.gemms(),
+                "attention_gemms": s.attention_gemms(),
                 "blas": blas_info(), "checkpointed": s.step_prog.checkpointed}
         if compute != "float32":
             try:
@@ -485,10 +533,11 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
     floor = {}
     if workload in SEQ_LEN:
         log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
-        gemms = rows_for[0][2]["gemms"]
-        f = clean_floor(gemms)
-        flops = sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in gemms)
-        floor = {"floor_s": f["floor_s"], "floor_rate_s": flops / (f["sgemm_gflops"] * 1e9),
+        gemms, attention = rows_for[0][2]["gemms"], rows_for[0][2]["attention_gemms"]
+        f = clean_floor(gemms, attention)
+        flops = sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in gemms + attention)
+        floor = {"floor_s": f["floor_s"], "floor_attention_s": f["floor_attention_s"],
+                 "floor_rate_s": flops / (f["sgemm_gflops"] * 1e9),
                  "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
     rows = []
     for compute, side, info in rows_for:

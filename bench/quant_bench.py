@@ -28,7 +28,11 @@ without it the peer's T=2048 step needs more than 24 GB).
 The two sides cannot share one process here (the peer alone holds about 16 GB), so each
 runs alone in a fresh subprocess, one after the other: ``--warmup`` steps, then ``--reps``
 timed steps; reported are the median step time, tokens/s and the peak RSS (VmHWM) of
-each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).  gradtape runs
+each, the ratio, and the CPU (model name, AMX / AVX-512-BF16 flags, BLAS).  Each gradtape
+row also gets ``vs_floor``: its step against the step's float32 GEMM floor (``floor_s``,
+``floor_attention_s``: lora_bench.py's, timed in a clean process; ``--no-floor`` leaves
+it out).  ``--sides gradtape`` runs our side alone (where the peer does not fit, as
+float32 8B weights do not in 24 GB).  gradtape runs
 once per ``--compute`` precision: auto (finetune's default: the row ``gradtape_default``,
 with ``compute_why``), float32 (tiles dequantized to float32, OpenBLAS sgemm) and bf16
 (tiles dequantized to bf16, oneDNN's bf16 matmul); on request int8 (``--compute int8``:
@@ -38,6 +42,7 @@ gradtape row splits one step's time by kind of work (``split_s``,
 kernels, attention, the LM head, the rest).
 
     python bench/quant_bench.py [--json] [--layers 32] [--reps 3] [--sides gradtape,peer]
+    GRADTAPE_ISA=avx2 python bench/quant_bench.py --sides gradtape --compute auto --reps 2
     python bench/quant_bench.py --seq-len 2048 --peer-checkpoint --compute auto --reps 1
     gradtape bench --workloads llama8b-q4km-lora
 """
@@ -55,6 +60,7 @@ import sys
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 WORKLOAD = "llama8b-q4km-lora"
@@ -199,10 +205,17 @@ def run_gradtape(path, warmup, reps, backend, compute="auto", batch=1):
     # after the timed steps: one more, step by step
     profile = runpy.run_path(str(Path(__file__).with_name("profile_step.py")))["profile"]
     _, kinds = profile(step.program.executable)
+    lora = _lora_bench()
     return {"build_s": build_s, "step_times": times[warmup:], "first_step_s": times[0],
             "estimate_gb": est.total / 1e9, "compute": step.compute,
             "compute_why": step.compute_why, "checkpointed": step.checkpointed,
-            "split_s": {k: round(v, 3) for k, v in kinds.most_common()}}
+            "split_s": {k: round(v, 3) for k, v in kinds.most_common()},
+            "gemms": lora["step_gemms"](step), "attention_gemms": lora["attention_gemms"](step)}
+
+
+def _lora_bench():
+    """lora_bench.py's functions: the step's GEMMs and the clean-process floor."""
+    return runpy.run_path(str(Path(__file__).with_name("lora_bench.py")))
 
 
 def peer_model(layers):
@@ -335,6 +348,11 @@ def main(argv=None):
                     help="the peer with transformers' gradient checkpointing (what fits "
                          "its T=2048 step in 24 GB; -2k's default)")
     ap.add_argument("--sides", default="gradtape,peer", help="gradtape, peer or both")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="leave out the float32 GEMM floor (each gradtape row's vs_floor: "
+                         "every GEMM of its step, the fused attention's tiles too, timed "
+                         "alone through NumPy's BLAS in a clean process, as "
+                         "bench/lora_bench.py's floor_s; about a minute for the 8B)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per side")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -358,6 +376,22 @@ def main(argv=None):
         bench_workload(w, args, path, args.peer_checkpoint or peer_checkpoint,
                        args.reps if args.reps is not None else reps, log)
     return 0
+
+
+def floor_for(row, label, step_s, gemms, attention, log):
+    """The step's float32 GEMM floor into ``row`` (``floor_s``, ``floor_attention_s``: the
+    fused attention's part; once per distinct list of GEMMs) and ``{label}_vs_floor``."""
+    key = json.dumps([gemms, attention])
+    if row.get("_floor_key") != key:
+        log(f"[{row['workload']}] GEMM floor: the step's GEMMs alone in a clean "
+            "subprocess ...")
+        f = _lora_bench()["clean_floor"](gemms, attention)
+        row.update({"_floor_key": key, "floor_s": f["floor_s"],
+                    "floor_attention_s": f["floor_attention_s"],
+                    "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]})
+    row[f"{label}_vs_floor"] = step_s / row["floor_s"]
+    log(f"[{row['workload']}] {label}: floor {row['floor_s']:.2f} s (attention "
+        f"{row['floor_attention_s']:.2f} s): {row[f'{label}_vs_floor']:.2f}x")
 
 
 def bench_workload(name, args, path, peer_checkpoint, reps, log):
@@ -390,6 +424,8 @@ def bench_workload(name, args, path, peer_checkpoint, reps, log):
             row[f"{label}_error"] = r["error"]
             continue
         med = statistics.median(r["step_times"])
+        if "gemms" in r and not args.no_floor:
+            floor_for(row, label, med, r.pop("gemms"), r.pop("attention_gemms"), log)
         row.update({f"{label}_s": med, f"{label}_tokens_per_s": args.batch * T / med,
                     f"{label}_peak_mb": r["peak_mb"], f"{label}_build_s": r["build_s"],
                     f"{label}_first_step_s": r["first_step_s"]})
@@ -402,6 +438,7 @@ def bench_workload(name, args, path, peer_checkpoint, reps, log):
     for label, side, _ in runs:
         if side == "gradtape" and f"{label}_s" in row and "peer_s" in row:
             row["ratio" + label[len("gradtape"):]] = row["peer_s"] / row[f"{label}_s"]
+    row.pop("_floor_key", None)
     if args.json:
         print(json.dumps(row), flush=True)
     else:
@@ -412,7 +449,9 @@ def bench_workload(name, args, path, peer_checkpoint, reps, log):
             return (f"{label} {row[f'{label}_s']:.2f} s/step "
                     f"({row[f'{label}_tokens_per_s']:.1f} tok/s), peak RSS "
                     f"{row[f'{label}_peak_mb'] / 1024:.2f} GiB"
-                    + (f", {ratio:.2f}x the peer" if ratio else ""))
+                    + (f", {ratio:.2f}x the peer" if ratio else "")
+                    + (f", {row[f'{label}_vs_floor']:.2f}x its GEMM floor "
+                       f"{row['floor_s']:.2f} s" if f"{label}_vs_floor" in row else ""))
         print(f"{name} (T={T}, {args.layers} layers, {row['file_gib']:.2f} GiB file, CPU "
               f"{row['cpu']}, AMX {row['amx_bf16']}): "
               + "; ".join(fmt(label) for label, _, _ in runs)

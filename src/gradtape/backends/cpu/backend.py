@@ -60,8 +60,8 @@ from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
 from ..lowering import C_ELEMENTWISE
-from . import (codegen, measure, mkl, narrow, onednn, qgemm, qgemm_bf16, qgemm_int8, tiled,
-               toolchain)
+from . import (codegen, measure, mkl, narrow, onednn, qgemm, qgemm_bf16, qgemm_int8, split,
+               tiled, toolchain)
 from .blas import one_blas_thread
 from .qgemm_bf16 import Bf16Scratch
 from .qgemm_int8 import Int8Scratch
@@ -259,6 +259,7 @@ class CpuBackend(HostBackend):
         block_ops = [s for s in block_ops
                      if s not in self._block_bf16 and s not in self._block_int8]
         self._f32_dnnl, self.f32_why = self._f32_gemms(execution)
+        self._split_bound = False  # a GEMM bound to split.py (replay_context)
         self._tile_scratch = np.empty(max(1, qgemm.scratch_elems(block_ops)),
                                       dtype or np.float32) if block_ops else None
         self.n_kernels = len(src.bodies)
@@ -691,7 +692,9 @@ class CpuBackend(HostBackend):
         threads the bf16 GEMMs and our kernels use; in a bf16 replay NumPy's BLAS is kept
         on one thread, see ``_execute``), or, for one with a side of at most
         ``narrow.NARROW`` (LoRA's rank-r products), through ``narrow.py``'s loops where
-        measured faster at its shape (``measure.narrow_way``); else NumPy's BLAS."""
+        measured faster at its shape (``measure.narrow_way``), and in a float32 program
+        one that NumPy's BLAS split over the OpenMP threads runs faster
+        (``measure.split_way``) through ``split.py``; else NumPy's BLAS."""
         if self.low_precision or self._f32_dnnl:
             a, b = _mT(a, ta), _mT(b, tb)
             way = (measure.narrow_way(a, b) if a.ndim == b.ndim == 2 and a.dtype == np.float32
@@ -699,6 +702,12 @@ class CpuBackend(HostBackend):
             if way != "onednn":  # a rank-r product: our loops, measured faster
                 run = narrow.bind(out, a, b, threaded=way == "narrow")
                 if run is not None:
+                    return run
+            if (self._f32_dnnl and a.ndim == b.ndim == 2 and a.dtype == np.float32
+                    and measure.split_way(a, b) == "split"):
+                run = split.bind(out, a, b)  # OpenBLAS's kernels, measured faster here
+                if run is not None:
+                    self._split_bound = True  # the replay keeps NumPy's BLAS on one thread
                     return run
             run = onednn.library().bind_f32(out, a, b)
             if run is not None:
@@ -774,10 +783,13 @@ class CpuBackend(HostBackend):
     @contextlib.contextmanager
     def replay_context(self):
         """What a replay's steps run inside (and a profile timing them one by one): a bf16
-        replay runs on OpenMP's threads (oneDNN, our kernels), so NumPy's BLAS, for any
-        float32 GEMM oneDNN did not take, stays on one thread (``blas.one_blas_thread``);
+        replay, and a float32 one with a GEMM bound to ``split.py`` (a single-threaded
+        BLAS call on each OpenMP thread), runs on OpenMP's threads (oneDNN, our kernels),
+        so NumPy's BLAS, for
+        any float32 GEMM oneDNN did not take, stays on one thread (``blas.one_blas_thread``);
         a float32 one flushes denormals (``_flushing_denormals``)."""
-        with one_blas_thread() if self.low_precision else contextlib.nullcontext(), \
+        with one_blas_thread() if self.low_precision or self._split_bound \
+                else contextlib.nullcontext(), \
                 self._flushing_denormals():
             yield
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import settings
-from . import mkl, narrow, onednn, toolchain
+from . import mkl, narrow, onednn, split, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
@@ -459,6 +459,35 @@ def narrow_way(a, b) -> str:
 
 
 _NARROW_WAYS = {}  # (class, layouts, shapes) -> narrow_way's answer, for this process
+
+
+def split_way(a, b) -> str:
+    """How the float32 product ``a @ b`` of a float32 replay whose GEMMs run in oneDNN
+    runs fastest on this CPU: "onednn" or "split" (NumPy's BLAS split over the OpenMP
+    threads, ``split.py``); timed once per shape and transposition on random operands of
+    ``a``'s and ``b``'s layouts (``fastest``, NumPy's BLAS on one thread as in the
+    replay), kept for the process."""
+    lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
+                  for x in (a, b))
+    key = (toolchain.isa(), "split", lay, a.shape, b.shape)
+    if key not in _NARROW_WAYS:
+        rng = np.random.default_rng(0)
+        a_, b_ = (_like(x.shape, t, rng) for x, t in zip((a, b), lay))
+        out = np.empty((a.shape[0], b.shape[1]), np.float32)
+        runs = {"onednn": onednn.library().bind_f32(out, a_, b_),
+                "split": split.bind(out, a_, b_)}
+        runs = {k: v for k, v in runs.items() if v is not None}
+        _NARROW_WAYS[key] = (fastest(f"f32 split {lay}", (*a.shape, b.shape[1]), runs)
+                             if len(runs) == 2 else next(iter(runs), "onednn"))
+    return _NARROW_WAYS[key]
+
+
+def _like(shape, t, rng):
+    """Random float32 values of ``shape`` in a layout: C order ("N"), or a transposed
+    view ("T")."""
+    if t == "N":
+        return rng.standard_normal(shape, dtype=np.float32)
+    return rng.standard_normal(shape[::-1], dtype=np.float32).T
 
 
 def _time_narrow(lay, sa, sb):

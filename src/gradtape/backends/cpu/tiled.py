@@ -146,6 +146,52 @@ class CTiles:
                           _L(ncol), _D(iscale), _D(cap))
 
 
+def flash_gemms(spec, nq, nk, starts=None, grad=False):
+    """The GEMMs one call of ``csrc/flash.c`` performs for the attention call ``spec``
+    over ``nq`` query and ``nk`` key rows (``starts``: each row's packed example's first
+    position, or None), the forward or (``grad``) its VJP, each as ``(m, k, n, ta, tb)``:
+    ``C [m, n] = A [m, k] @ B [k, n]`` with A, B given transposed where ``ta``, ``tb`` say
+    (as NumPy would take the operands flash.c reads).  The walk mirrors flash.c's: a unit
+    of ``gt_flash_unit_rows`` query rows of one kv head (its g heads stacked, ``M = g *
+    n`` rows) multiplies every key tile of ``gt_flash_key_tile`` keys from its rows' first
+    visible key (down to a panel's start) to its last row's position, all M rows in full:
+    forward ``S = Q K^T``, ``O += P V``; backward ``S = Q K^T``, ``dV += P^T dO``, ``dP =
+    dO V^T``, ``dK += dS^T Q``, ``dQ += dS K``.  A GEMM floor counts these
+    (``bench/lora_bench.py``); ``tests/backends/test_flash_gemms.py`` holds the list to
+    the calls flash.c logs."""
+    lib = _lib()
+    kt, nr = lib.gt_flash_key_tile(), lib.gt_flash_panel()
+    g, hd, n_seq = spec.nh // spec.nkv, spec.hd, spec.n_seq
+    tq, tk = nq // n_seq, nk // n_seq
+    past, rows = tk - tq, lib.gt_flash_unit_rows(_L(g), _L(tq))
+    def xyt(m, kn):  # [m, kn] = [m, hd] [kn, hd]^T: S = Q K^T, dP = dO V^T
+        return m, hd, kn, False, True
+
+    def ay(m, kn):  # [m, hd] = [m, kn] [kn, hd]: O += P V, dQ += dS K
+        return m, kn, hd, False, False
+
+    def atx(m, kn):  # [kn, hd] = [m, kn]^T [m, hd]: dV += P^T dO, dK += dS^T Q
+        return kn, m, hd, True, False
+
+    out = []
+    for b in range(n_seq):
+        for i0 in range(0, tq, rows):
+            n = min(rows, tq - i0)
+            pos = past + i0 + np.arange(n)  # each row's position; it sees keys < pos + 1
+            first = np.maximum(pos - spec.window + 1, 0) if spec.window > 0 else 0 * pos
+            if starts is not None:
+                first = np.maximum(first, starts[b * tq + i0:b * tq + i0 + n])
+            jlo, jhi, m = int(first.min()), int(pos.max()) + 1, g * n
+            for j0 in range(jlo - jlo % nr, jhi, kt):
+                kn = min(kt, jhi - j0)
+                if grad:  # S, dV, dP, dK, dQ
+                    tile = [xyt(m, kn), atx(m, kn), xyt(m, kn), atx(m, kn), ay(m, kn)]
+                else:  # S, O
+                    tile = [xyt(m, kn), ay(m, kn)]
+                out += tile * spec.nkv  # the same for each kv head
+    return out
+
+
 def _f32_bf16(x, out, n):
     qgemm.lib().gt_f32_bf16(x.ctypes.data, out.ctypes.data, n)
 

@@ -235,12 +235,35 @@ static inline __attribute__((always_inline)) float fa_pexp(float *row, long n, f
     return sum;
 }
 
+/* Test builds only (-DFA_GEMM_LOG=n): the first n GEMM calls' (kind, m, n, k), kind 0
+   for fa_mm_xyt, 1 fa_mm_ay, 2 fa_mm_atx, read back and cleared by gt_flash_gemm_log;
+   what tiled.flash_gemms lists is held to it (tests/backends/test_flash_gemms.py). */
+#ifdef FA_GEMM_LOG
+static long fa_log[FA_GEMM_LOG][4];
+static long fa_log_n;
+static void fa_note(long kind, long m, long n, long k) {
+    const long i = __atomic_fetch_add(&fa_log_n, 1, __ATOMIC_RELAXED);
+    if (i < FA_GEMM_LOG) fa_log[i][0] = kind, fa_log[i][1] = m, fa_log[i][2] = n, fa_log[i][3] = k;
+}
+/* the calls logged since the last read into out [cap, 4]; their count (may exceed cap) */
+long gt_flash_gemm_log(long *out, long cap) {
+    const long n = fa_log_n;
+    for (long i = 0; i < n && i < cap && i < FA_GEMM_LOG; i++)
+        for (int c = 0; c < 4; c++) out[4 * i + c] = fa_log[i][c];
+    fa_log_n = 0;
+    return n;
+}
+#else
+#define fa_note(kind, m, n, k) ((void)0)
+#endif
+
 /* The three shapes of the seven GEMMs, in float32 or bf16 (x16, a16, at16: the bf16
    copies' scratch).  c[M, kn] = x[M, hd] Y^T over key tile j0, Y^T packed as [hd, tk]
    (yt): S = Q K^T, dP = dO V^T. */
 static void fa_mm_xyt(const fa_t *f, long M, long kn, const float *x, const tg_bf16 *x16,
                       const void *yt, long b, long h, long j0, float *c) {
     const void *pb = fa_tcols(f, yt, b, h, j0);
+    fa_note(0, M, kn, f->hd);
     if (f->bf16)
         tg_gemm16(M, kn, f->hd, x16, 2 * tg_pairs(f->hd), 2, pb, fa_panel(f, f->hd), c, FA_KT, 0);
     else
@@ -251,6 +274,7 @@ static void fa_mm_xyt(const fa_t *f, long M, long kn, const float *x, const tg_b
 static void fa_mm_ay(const fa_t *f, long M, long kn, const float *a, tg_bf16 *a16,
                      const void *yr, long b, long h, long j0, float *acc) {
     const void *pb = fa_trows(f, yr, b, h, j0);
+    fa_note(1, M, f->hd, kn);
     if (f->bf16) {
         tg_rows16(a, FA_KT, M, kn, a16, FA_KT);
         tg_gemm16(M, f->hd, kn, a16, FA_KT, 2, pb, fa_panel(f, f->tk), acc, f->hd, 1);
@@ -304,6 +328,7 @@ static void fa_pv_remainder(const fa_t *f, long M, long kn, const float *s,
    dK += dS^T Q */
 static void fa_mm_atx(const fa_t *f, long M, long kn, const float *a, tg_bf16 *at16,
                       const void *xp, float *d, long ldd) {
+    fa_note(2, kn, f->hd, M);
     if (f->bf16) {
         tg_cols16(a, FA_KT, M, kn, at16, FA_KT);
         tg_gemm16(kn, f->hd, M, at16, 2, 2 * FA_KT, xp, fa_panel(f, M), d, ldd, 1);
@@ -454,14 +479,20 @@ static inline void fa_unit(const fa_t *f, long u, long *b, long *h, long *i0, lo
     *n = f->tq - *i0 < f->R ? f->tq - *i0 : f->R;
 }
 
+/* query rows per unit for g heads per kv head and tq query rows: M = g * R, about a
+   hundred rows */
+long gt_flash_unit_rows(long g, long tq) {
+    const long R = 96 / g > 16 ? 96 / g : 16;
+    return R > tq ? tq : R;
+}
+
 static fa_t fa_make(const float *q, const float *k, const float *v, const int64_t *starts,
                     long n_seq, long nq, long nk, long nh, long nkv, long hd, double iscale,
                     double cap, long window, int bf16) {
     fa_t f = {q, k, v, n_seq, nh, nkv, hd, nh / nkv, nq / n_seq, nk / n_seq, 0, window, 0,
               (float)iscale, (float)cap, starts, bf16, 0, 0, 0, 0};
     f.past = f.tk - f.tq;
-    f.R = 96 / f.g > 16 ? 96 / f.g : 16;  /* M = g * R: about a hundred rows */
-    if (f.R > f.tq) f.R = f.tq;
+    f.R = gt_flash_unit_rows(f.g, f.tq);
     return f;
 }
 
@@ -562,6 +593,10 @@ static int fa_run(fa_t *f, float *out, const float *gy, const float *y) {
     pthread_mutex_unlock(&fa_pool_lock);
     return 0;
 }
+
+/* the tiling tiled.flash_gemms mirrors: keys per tile, columns per register block */
+long gt_flash_key_tile(void) { return FA_KT; }
+long gt_flash_panel(void) { return TG_NR; }
 
 /* float32 lanes of the GEMM register blocks' vectors (0: plain C) */
 int gt_flash_lanes(void) {

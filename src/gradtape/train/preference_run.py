@@ -8,8 +8,8 @@ out, with the reference's log-probabilities of those pairs) and ``PairData.evalu
 once, before the first step, with the adapter as it starts: a fresh one adds nothing,
 so the base model's own forward runs, several pairs a call (``TrainStep.reference_logps``);
 an adapter given to continue from runs through the step's eval program.  It is saved
-atomically in the run folder
-(``reference.safetensors``) so that ``--resume`` reads it instead of recomputing it.
+atomically in the run folder (``reference.safetensors``) so that ``--resume`` reads it
+instead of recomputing it.
 Under MPI each rank takes its share of every global micro-batch's pairs, and the
 reference pass's batches are shared out over the ranks (one Allreduce gathers them).
 

@@ -583,8 +583,8 @@ class TrainStep:
         under the model as it is now, the reference a DPO run keeps.  Where the adapter
         adds nothing (LoRA with every B zero: a fresh one) the base model's forward alone
         runs (``record_base_logps``, one program per batch size, compiled on first use):
-        the same values to rounding without the adapter's products; else the eval program's
-        (``eval_preference``, batches of ``batch_size`` pairs)."""
+        the same values to rounding, without the adapter's products; else the eval
+        program's (``eval_preference``, batches of ``batch_size`` pairs)."""
         if not self._adds_nothing():
             return self.eval_preference(batches)[2]
         out = []

@@ -65,11 +65,10 @@ def lib():
     built on first use, cached on disk by source hash)."""
     plain = toolchain.isa_flags()
     if plain not in _LIBS:
-        flags = tuple(f for f in plain if f != "-fopenmp-simd") + ("-fopenmp",)
-        try:
-            path, _ = toolchain.build_csrc(SOURCES, flags=flags, prefix="ggml_vec")
-        except RuntimeError:  # a compiler without OpenMP: the same code on one thread
-            path, _ = toolchain.build_csrc(SOURCES, flags=plain, prefix="ggml_vec")
+        # OpenMP where the compiler's probe says it has it (else the same code on one
+        # thread); an error in the sources themselves is raised, not built around
+        path, _ = toolchain.build_csrc(SOURCES, flags=toolchain.threads_flags(plain),
+                                       prefix="ggml_vec")
         # libgomp reads its wait policy once, when first loaded: if this library loads it
         # first (generation before training, as in the demo), its threads must sleep
         # too, or they spin on the cores the GEMMs' OpenBLAS threads need (a training

@@ -412,11 +412,9 @@ int gq_amx_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
     {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t c = (rows + 15) / 16;
-        int64_t a = c * t / nt * 16, e = c * (t + 1) / nt * 16;
-        a = a > rows ? rows : a;
-        e = e > rows ? rows : e;
+        const int64_t t = omp_get_thread_num();
+        int64_t a, e;
+        gq_share(rows, t, omp_get_num_threads(), &a, &e);
         if (a < e)
             gq_amx_gemm_rows(type, W, row_bytes, k, a, e, q, d, s, T, Y, rows, 0,
                              (uint8_t *)scratch + t * sb);

@@ -596,11 +596,8 @@ void gq_matvec(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t 
 #ifdef _OPENMP
     #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
     {
-        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t c = (rows + 15) / 16;
-        int64_t a = c * t / nt * 16, e = c * (t + 1) / nt * 16;
-        a = a > rows ? rows : a;
-        e = e > rows ? rows : e;
+        int64_t a, e;
+        gq_share(rows, omp_get_thread_num(), omp_get_num_threads(), &a, &e);
         gq_rows(type, W, row_bytes, k, a, e, &r, y, 0);
     }
 #else

@@ -39,6 +39,13 @@ void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
                       int64_t r0, int64_t r1, const int8_t *q, const float *d, const float *s,
                       int64_t T, float *Y, int64_t ldy, int accumulate, void *scratch);
 
+/* thread t of nt's share [*a, *e) of a matrix's rows, whole groups of 16 */
+static inline void gq_share(int64_t rows, int64_t t, int64_t nt, int64_t *a, int64_t *e) {
+    const int64_t c = (rows + 15) / 16, a0 = c * t / nt * 16, e0 = c * (t + 1) / nt * 16;
+    *a = a0 > rows ? rows : a0;
+    *e = e0 > rows ? rows : e0;
+}
+
 #ifdef __AVX2__
 #include <immintrin.h>
 /* 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high (the

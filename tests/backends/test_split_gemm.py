@@ -88,12 +88,12 @@ def test_split_way_times_the_ways(monkeypatch, tmp_path):
     the process, and read from the cache by the next."""
     monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path))
     hardware.onednn_f32()
-    monkeypatch.setattr(measure, "_NARROW_WAYS", {})
+    monkeypatch.setattr(measure, "_F32_WAYS", {})
     a, b = np.ones((64, 96), np.float32), np.ones((128, 96), np.float32).T
     way = measure.split_way(a, b)
     assert way in ("onednn", "split")
     timed = []
     monkeypatch.setattr(measure, "seconds_in_turn", lambda fns, **k: timed.append(fns))
     assert measure.split_way(a, b) == way  # kept for the process
-    monkeypatch.setattr(measure, "_NARROW_WAYS", {})
+    monkeypatch.setattr(measure, "_F32_WAYS", {})
     assert measure.split_way(a, b) == way and not timed  # read from the cache

@@ -785,11 +785,11 @@ class CpuBackend(HostBackend):
         """What a replay's steps run inside (and a profile timing them one by one): a bf16
         replay, and a float32 one with a GEMM bound to ``split.py`` (a single-threaded
         BLAS call on each OpenMP thread), runs on OpenMP's threads (oneDNN, our kernels),
-        so NumPy's BLAS, for
-        any float32 GEMM oneDNN did not take, stays on one thread (``blas.one_blas_thread``);
-        a float32 one flushes denormals (``_flushing_denormals``)."""
-        with one_blas_thread() if self.low_precision or self._split_bound \
-                else contextlib.nullcontext(), \
+        so NumPy's BLAS, for any float32 GEMM oneDNN did not take, stays on one thread
+        (``blas.one_blas_thread``); a float32 one flushes denormals
+        (``_flushing_denormals``)."""
+        one_pool = self.low_precision or self._split_bound
+        with one_blas_thread() if one_pool else contextlib.nullcontext(), \
                 self._flushing_denormals():
             yield
 

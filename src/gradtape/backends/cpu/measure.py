@@ -453,12 +453,12 @@ def narrow_way(a, b) -> str:
     lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
                   for x in (a, b))
     key = (toolchain.isa(), lay, a.shape, b.shape)
-    if key not in _NARROW_WAYS:
-        _NARROW_WAYS[key] = _time_narrow(lay, a.shape, b.shape)
-    return _NARROW_WAYS[key]
+    if key not in _F32_WAYS:
+        _F32_WAYS[key] = _time_narrow(lay, a.shape, b.shape)
+    return _F32_WAYS[key]
 
 
-_NARROW_WAYS = {}  # (class, layouts, shapes) -> narrow_way's answer, for this process
+_F32_WAYS = {}  # (class, [way,] layouts, shapes) -> narrow_way or split_way, for this process
 
 
 def split_way(a, b) -> str:
@@ -470,16 +470,16 @@ def split_way(a, b) -> str:
     lay = "".join("T" if not x.flags.c_contiguous and x.T.flags.c_contiguous else "N"
                   for x in (a, b))
     key = (toolchain.isa(), "split", lay, a.shape, b.shape)
-    if key not in _NARROW_WAYS:
+    if key not in _F32_WAYS:
         rng = np.random.default_rng(0)
         a_, b_ = (_like(x.shape, t, rng) for x, t in zip((a, b), lay))
         out = np.empty((a.shape[0], b.shape[1]), np.float32)
         runs = {"onednn": onednn.library().bind_f32(out, a_, b_),
                 "split": split.bind(out, a_, b_)}
         runs = {k: v for k, v in runs.items() if v is not None}
-        _NARROW_WAYS[key] = (fastest(f"f32 split {lay}", (*a.shape, b.shape[1]), runs)
+        _F32_WAYS[key] = (fastest(f"f32 split {lay}", (*a.shape, b.shape[1]), runs)
                              if len(runs) == 2 else next(iter(runs), "onednn"))
-    return _NARROW_WAYS[key]
+    return _F32_WAYS[key]
 
 
 def _like(shape, t, rng):

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 import gradtape as gt

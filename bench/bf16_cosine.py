@@ -44,6 +44,7 @@ import dataclasses
 import os
 import sys
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 _TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")

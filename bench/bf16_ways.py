@@ -10,6 +10,7 @@ one thread as in a bf16 replay.  Shared hosts are noisy: read the ratios.
 
 import argparse
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 import gradtape as gt

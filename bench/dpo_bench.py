@@ -58,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -9,6 +9,7 @@ NumPy's BLAS on one thread (as in a bf16 replay).  The figures behind
 
 import argparse
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape.backends.cpu import measure as compute, onednn

@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 WORKLOADS = ("smollm2-generate",)

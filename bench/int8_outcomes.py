@@ -53,6 +53,7 @@ import sys
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape import checks

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape import tiled

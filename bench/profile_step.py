@@ -13,6 +13,7 @@ import argparse
 import collections
 import time
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 from gradtape import llama

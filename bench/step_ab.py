@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))

@@ -13,6 +13,8 @@ except ``omp_wait_policy``, which hands libgomp its spin policy through the envi
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 
 from .errors import GradtapeError
@@ -135,13 +137,19 @@ def isa() -> str:
 def cap_libraries():
     """Hand oneDNN and OpenBLAS the cap of ``$GRADTAPE_ISA`` (``ISA_CLASSES``) through the
     variables they read when they load: call it before NumPy (OpenBLAS) and oneDNN load
-    (``import gradtape`` does, first).  A variable the user set is left alone; a bad
-    value sets nothing here (``isa()`` reports it where a kernel is built)."""
+    (``import gradtape`` does, first; where NumPy came first it warns: OpenBLAS is not
+    capped).  A variable the user set is left alone; a bad value sets nothing here
+    (``isa()`` reports it where a kernel is built)."""
     try:
-        wanted = ISA_CLASSES[isa()]
+        cap = isa()
     except GradtapeError:
         return
-    for name, value in wanted.items():
+    for name, value in ISA_CLASSES[cap].items():
+        if name == "OPENBLAS_CORETYPE" and name not in os.environ and "numpy" in sys.modules:
+            warnings.warn(f"$GRADTAPE_ISA={cap}: NumPy was imported before gradtape, so "
+                          "its OpenBLAS runs this CPU's own kernels (it reads its cap, "
+                          f"OPENBLAS_CORETYPE={value}, when it loads): import gradtape "
+                          "first, or set OPENBLAS_CORETYPE too", RuntimeWarning, stacklevel=2)
         os.environ.setdefault(name, value)
 
 

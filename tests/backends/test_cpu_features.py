@@ -138,6 +138,31 @@ def test_the_cap_reaches_the_libraries_before_they_load(monkeypatch):
     assert r.stdout.split() == ["AVX512_CORE", "SkylakeX"], r.stderr[-2000:]
 
 
+def test_numpy_before_gradtape_leaves_openblas_uncapped_and_says_so():
+    """OpenBLAS picks its kernels when NumPy loads it: after ``import gradtape`` they are
+    the cap's (Haswell's at avx2); NumPy imported first keeps the CPU's own, with a
+    warning that says how to cap it, and the measured decisions are keyed by the
+    kernels that ran."""
+    code = ("import warnings; warnings.simplefilter('always'); {first}; "
+            "from gradtape.backends.cpu import blas, measure; "
+            "print(blas.core(), '|', measure._blas_name())")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE")}
+    env["GRADTAPE_ISA"] = "avx2"
+    runs = {}
+    for first in ("import gradtape, numpy", "import numpy, gradtape"):
+        r = subprocess.run([sys.executable, "-c", code.format(first=first)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[first] = r
+    capped, uncapped = runs["import gradtape, numpy"], runs["import numpy, gradtape"]
+    core, name = capped.stdout.strip().split(" | ")
+    assert core == "Haswell" and name.endswith("(Haswell)")
+    assert "NumPy was imported before gradtape" not in capped.stderr
+    assert "OPENBLAS_CORETYPE=Haswell" in uncapped.stderr
+    assert "NumPy was imported before gradtape" in uncapped.stderr
+
+
 def test_measured_decisions_are_kept_per_isa_class(monkeypatch, tmp_path):
     """An avx2-capped run never reuses a timing made at another class."""
     if "avx2" not in toolchain.isa_classes():

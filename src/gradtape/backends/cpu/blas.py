@@ -78,6 +78,20 @@ def blas_threads():
 
 
 @functools.lru_cache(maxsize=1)
+def core() -> str:
+    """The kernels NumPy's OpenBLAS chose when it loaded, by its core name ("Haswell",
+    "SkylakeX", ...: ``$OPENBLAS_CORETYPE`` or this CPU's), or "" (another BLAS)."""
+    found = cblas()
+    for name in ("scipy_openblas_get_corename64_", "openblas_get_corename64_",
+                 "openblas_get_corename"):
+        fn = getattr(found[3], name, None) if found is not None else None
+        if fn is not None:
+            fn.restype, fn.argtypes = ctypes.c_char_p, []
+            return (fn() or b"").decode(errors="replace").strip()
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
 def _blas_shutdown():
     found = cblas()
     for name in ("blas_thread_shutdown_", "scipy_blas_thread_shutdown_"):

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import settings
-from . import mkl, narrow, onednn, split, toolchain
+from . import blas, mkl, narrow, onednn, split, toolchain
 from .blas import one_blas_thread, park_blas_threads
 from .toolchain import cpu_info  # this module's name for it: tests replace it here
 
@@ -215,12 +215,14 @@ def others_core_seconds():
 
 
 def _blas_name():
-    """NumPy's BLAS library and version (its speed is half of the decision)."""
+    """NumPy's BLAS library, version and kernels (its speed is half of the decision; an
+    OpenBLAS loaded before the instruction-set cap runs the CPU's own kernels)."""
+    core = f" ({blas.core()})" if blas.core() else ""
     try:
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-        return f"{info.get('name')} {info.get('version')}"
+        return f"{info.get('name')} {info.get('version')}{core}"
     except Exception:  # older NumPy: no dict form
-        return "numpy " + np.__version__
+        return "numpy " + np.__version__ + core
 
 
 def call_seconds(fn, reps):

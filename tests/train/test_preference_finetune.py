@@ -214,6 +214,39 @@ def test_a_fresh_adapters_reference_is_the_base_models_forward(tmp_path, backend
     assert np.abs(trained - policy[0]).max() > 1e-3
 
 
+@pytest.mark.parametrize("backend, dtype, rtol", [("numpy", np.float64, 1e-13),
+                                                    ("cpu", np.float32, 1e-5)])
+def test_full_fine_tunings_reference_is_the_models_forward(tmp_path, backend, dtype, rtol):
+    """With every weight trained, the policy is the model's own forward: the reference
+    pass runs it several pairs a call, reading the step's params, and gives the eval
+    program's values; after a step it follows the trained weights."""
+    from gradtape.train.methods import method as row
+    from gradtape.train.records import read_data
+
+    m = tiny_model()
+    cfg = _cfg(tmp_path, "full", "dpo")
+    train, _ = preference_run.load(cfg, read_data(cfg.data, task="preference"), None,
+                                   m.tokenizer, row("dpo").average, QUIET)
+    st = TrainStep(m, None, 2, 32, dtype=dtype, backend=backend, method="dpo",
+                   fine_tune_type="full")
+
+    def per_pair(logps, b):  # [n, 2]: each batch is b chosen, then b rejected
+        lp = np.stack([x.reshape(2, b).T for x in logps]).reshape(-1, 2)
+        return lp[:len(train)]
+    batches = list(train.batches())
+    _, _, policy = st.eval_preference(batches)
+    assert st.reference_pairs(len(train)) == len(train)
+    for b in (5, 12):
+        base = st.reference_logps(list(train.batches(size=b)))
+        np.testing.assert_allclose(per_pair(base, b), per_pair(policy, 2), rtol=rtol, atol=0)
+    assert sorted(st._base) == [5, 12]
+    st.step([(batches[0][0], policy[0])], 1, 1e-2)
+    _, _, moved = st.eval_preference(batches)
+    after = st.reference_logps(list(train.batches(size=12)))
+    np.testing.assert_allclose(per_pair(after, 12), per_pair(moved, 2), rtol=rtol, atol=0)
+    assert np.abs(per_pair(after, 12) - per_pair(base, 12)).max() > 1e-4
+
+
 def _adapter(m):
     from gradtape.models.lora import init_adapter, parse_targets
     return init_adapter(m.config, 4, 8.0, parse_targets("all", m.config), 0, dtype=np.float64)

@@ -5,9 +5,10 @@ reference pass and the held-out evaluation.
 loop needs: ``PairData.micro(step)`` (a step's pairs as ``train.preference`` lays them
 out, with the reference's log-probabilities of those pairs) and ``PairData.evaluate``
 (the held-out loss and metrics, under TRL's ``eval_`` names).  The reference pass runs
-once, before the first step, with the adapter as it starts: a fresh one adds nothing,
-so the base model's own forward runs, several pairs a call (``TrainStep.reference_logps``);
-an adapter given to continue from runs through the step's eval program.  It is saved
+once, before the first step, with the model as it starts: a fresh adapter adds nothing
+and full fine-tuning's policy is the model, so the model's own forward runs, several pairs
+a call (``TrainStep.reference_logps``); an adapter given to continue from, or DoRA's, runs
+through the step's eval program.  It is saved
 atomically in the run folder (``reference.safetensors``) so that ``--resume`` reads it
 instead of recomputing it.
 Under MPI each rank takes its share of every global micro-batch's pairs, and the

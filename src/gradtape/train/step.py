@@ -576,16 +576,16 @@ class TrainStep:
     def reference_pairs(self, n) -> int:
         """Pairs a batch of ``reference_logps`` over ``n`` pairs: the step's micro-batch,
         or where the base model's forward runs, as many as ``plan.reference_pairs``."""
-        return reference_pairs(n, self.seq_len) if self._adds_nothing() else self.batch_size
+        return reference_pairs(n, self.seq_len) if self._base_is_policy() else self.batch_size
 
     def reference_logps(self, batches):
         """Each of ``batches``' (``[(PairBatch, ref, weight)]``) log-probabilities ``[2N]``
-        under the model as it is now, the reference a DPO run keeps.  Where the adapter
-        adds nothing (LoRA with every B zero: a fresh one) the base model's forward alone
-        runs (``record_base_logps``, one program per batch size, compiled on first use):
-        the same values to rounding, without the adapter's products; else the eval
-        program's (``eval_preference``, batches of ``batch_size`` pairs)."""
-        if not self._adds_nothing():
+        under the model as it is now, the reference a DPO run keeps.  Where the policy is
+        the model's forward alone (``_base_is_policy``), that forward runs
+        (``record_base_logps``, one program per batch size, compiled on first use): the
+        eval program's values to rounding, without the adapter's products or the loss;
+        else the eval program's (``eval_preference``, batches of ``batch_size`` pairs)."""
+        if not self._base_is_policy():
             return self.eval_preference(batches)[2]
         out = []
         for batch, _, _ in batches:
@@ -593,20 +593,29 @@ class TrainStep:
             if n not in self._base:
                 base = record_base_logps(self.tape, self.model.config, self._weights, n,
                                          self.seq_len, self.plan.attention_from.value)
-                self._base[n] = base, self.tape.compile(
-                    [base.logps], backend=self._backend, plan=self.plan, arena=self.arena)
-            base, program = self._base[n]
-            out.append(np.asarray(program.run(base.feeds(batch))[0], np.float64).reshape(-1))
+                program = self.tape.compile([base.logps], backend=self._backend,
+                                            plan=self.plan, arena=self.arena)
+                # full fine-tuning's weights are the step's params: read where it keeps
+                # them, or fed (copied) where the backend cannot share them
+                trained = list(self.trained.values())
+                fed = trained and not program.share_state(self.program, trained)
+                self._base[n] = base, program, fed
+            base, program, fed = self._base[n]
+            feeds = {**(self.current_params() if fed else {}), **base.feeds(batch)}
+            out.append(np.asarray(program.run(feeds)[0], np.float64).reshape(-1))
         return out
 
     def release_reference(self):
         """Drop the base model's programs (``reference_logps``) once the pass is done."""
         self._base = {}
 
-    def _adds_nothing(self) -> bool:
-        """Whether the adapter's products are exactly zero: LoRA (not DoRA, whose
-        magnitude rescales) with every B zero."""
-        if self.full or any(len(leaves) != 2 for leaves in self.lora.values()):
+    def _base_is_policy(self) -> bool:
+        """Whether the policy is the model's forward alone: full fine-tuning (its params
+        are the weights), or LoRA (not DoRA, whose magnitude rescales) with every B zero,
+        whose products add exactly zero."""
+        if self.full:
+            return True
+        if any(len(leaves) != 2 for leaves in self.lora.values()):
             return False
         params = self.current_params()
         return not any(params[b].any() for _, b in self.lora.values())

@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+import gradtape  # noqa: E402,F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
+import numpy as np  # noqa: E402
 
 from gradtape.backends.cpu import toolchain  # noqa: E402
 from gradtape.backends.cpu.measure import cpu_summary  # noqa: E402

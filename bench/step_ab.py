@@ -23,10 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import gradtape  # noqa: E402,F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
+import numpy as np  # noqa: E402
 
 from gradtape import llama  # noqa: E402
 from gradtape.backends.cpu.measure import cpu_summary  # noqa: E402

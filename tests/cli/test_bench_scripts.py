@@ -26,3 +26,16 @@ def test_bench_script_answers_help(script, monkeypatch, capsys):
         runpy.run_path(str(script), run_name="__main__")
     assert done.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bench_script_imports_gradtape_before_numpy(script):
+    """``import gradtape`` first: under ``$GRADTAPE_ISA`` it caps NumPy's OpenBLAS, which
+    picks its kernels when NumPy loads; a script importing NumPy first would time the
+    CPU's own kernels under the cap's name."""
+    lines = script.read_text().splitlines()
+    first = {name: next((i for i, line in enumerate(lines)
+                         if line.startswith((f"import {name}", f"from {name}"))), None)
+             for name in ("gradtape", "numpy")}
+    if first["numpy"] is not None:
+        assert first["gradtape"] is not None and first["gradtape"] < first["numpy"]

@@ -1,9 +1,10 @@
 """How much slower a float32 training step's big GEMMs run inside the step than alone:
-the SmolLM2 LoRA step (T=256, float32) is built and run, then each kind of its largest
-products (the FFN's and the attention's projections) is timed three ways in one process:
+the SmolLM2 LoRA step (T=256, float32) is built and run, then its ``KINDS`` costliest
+kinds of product (calls times hot time: the FFN's projections, the tied LM head) are
+timed three ways in one process:
 
-* ``hot``: one program step called again and again (its weight stays in cache: what the
-  GEMM floor of ``lora_bench.py`` times);
+* ``hot``: one program step called again and again (its weight stays in cache, as in
+  the GEMM floor of ``lora_bench.py``, which times each product alone, call after call);
 * ``in step``: each call of that kind right after the program steps before it, as a
   replay runs it (every layer's own weight, read from memory);
 * ``flushed``: one call after 600 MB were written (nothing of it in cache).

@@ -8,9 +8,8 @@ out, with the reference's log-probabilities of those pairs) and ``PairData.evalu
 once, before the first step, with the model as it starts: a fresh adapter adds nothing
 and full fine-tuning's policy is the model, so the model's own forward runs, several pairs
 a call (``TrainStep.reference_logps``); an adapter given to continue from, or DoRA's, runs
-through the step's eval program.  It is saved
-atomically in the run folder (``reference.safetensors``) so that ``--resume`` reads it
-instead of recomputing it.
+through the step's eval program.  It is saved atomically in the run folder
+(``reference.safetensors``) so that ``--resume`` reads it instead of recomputing it.
 Under MPI each rank takes its share of every global micro-batch's pairs, and the
 reference pass's batches are shared out over the ranks (one Allreduce gathers them).
 

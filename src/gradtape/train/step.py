@@ -598,7 +598,7 @@ class TrainStep:
                 # full fine-tuning's weights are the step's params: read where it keeps
                 # them, or fed (copied) where the backend cannot share them
                 trained = list(self.trained.values())
-                fed = trained and not program.share_state(self.program, trained)
+                fed = bool(trained) and not program.share_state(self.program, trained)
                 self._base[n] = base, program, fed
             base, program, fed = self._base[n]
             feeds = {**(self.current_params() if fed else {}), **base.feeds(batch)}

@@ -19,10 +19,11 @@ the products of its fused attention calls: the tiles ``csrc/flash.c`` multiplies
 their shapes and as many as it makes, ``backends.cpu.tiled.flash_gemms``), each run
 alone through NumPy's BLAS (one call, its microsecond of call cost included) in a clean
 subprocess that never imports torch (torch's spinning worker threads slow OpenBLAS in
-the same process); ``floor_attention_s`` is the attention's part of it (the floor
-without it counts only the recorded matmuls); ``floor_rate_s`` is the step's GEMM FLOPs
-(the attention's too) at the median rate of the model's big shapes in that same
-process.  Every row
+the same process), timed after each round of steps (``floor_rounds``; ``floor_s`` their
+median) so that the host's drift falls on the floor as on the steps;
+``floor_attention_s`` is the attention's part of it (the floor without it counts only
+the recorded matmuls); ``floor_rate_s`` is the step's GEMM FLOPs (the attention's too)
+at the median rate of the model's big shapes in that same process.  Every row
 names the CPU, its flags, NumPy's BLAS (threadpoolctl) and the GEMM path that ran, and
 splits one step's time by kind of work (``split_s``: each program step timed alone, after
 the timed steps).  ``--compute auto`` is what ``finetune`` runs with no options: its rows
@@ -311,12 +312,20 @@ def _time(fn, reps):
 
 
 def floor_worker(reps=5):
-    """In a clean process (no torch): read the step's GEMMs as JSON from stdin (``{"gemms":
-    [...], "attention": [...]}``, the fused attention's tiles apart), time each distinct
-    one through NumPy's BLAS, and print the floor as JSON: ``floor_s`` of all,
-    ``floor_attention_s`` of the attention's part."""
-    got = json.load(sys.stdin)
+    """In a clean process (no torch): read the step's GEMMs as one JSON line from stdin
+    (``{"gemms": [...], "attention": [...]}``, the fused attention's tiles apart), say
+    ``{"ready": true}``, then for each line ``floor`` time each distinct one through
+    NumPy's BLAS and print the floor as JSON: ``floor_s`` of all, ``floor_attention_s``
+    of the attention's part."""
+    got = json.loads(sys.stdin.readline())
     gemms, attention = got["gemms"], got.get("attention", [])
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "floor":
+            print(json.dumps(_floor(gemms, attention, reps)), flush=True)
+
+
+def _floor(gemms, attention, reps):
     rng = np.random.default_rng(0)
     seconds = {}
     for g in gemms + attention:
@@ -336,20 +345,56 @@ def floor_worker(reps=5):
         out = np.empty((m, n), np.float32)
         rates.append(2 * m * k * n / _time(lambda: np.matmul(a, b, out=out), 4 * reps))
     part = sum(seconds[tuple(g)] for g in attention)
-    print(json.dumps({"floor_s": sum(seconds[tuple(g)] for g in gemms) + part,
-                      "floor_attention_s": part,
-                      "by_gemm": [[*key, t] for key, t in seconds.items()],
-                      "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}))
+    return {"floor_s": sum(seconds[tuple(g)] for g in gemms) + part,
+            "floor_attention_s": part,
+            "by_gemm": [[*key, t] for key, t in seconds.items()],
+            "sgemm_gflops": statistics.median(rates) / 1e9, "blas": blas_info()}
+
+
+class _Floor:
+    """A ``floor_worker`` process (same environment, never imports torch), asked for the
+    floor after each round of steps, so that the host's drift falls on it as on them."""
+
+    def __init__(self, gemms, attention=()):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--floor-worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.samples = []
+        self._send(json.dumps({"gemms": gemms, "attention": list(attention)}))
+
+    def _send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        got = self.proc.stdout.readline()
+        if not got:
+            raise RuntimeError(f"bench: the floor worker stopped (exit {self.proc.wait()})")
+        return json.loads(got)
+
+    def sample(self):
+        self.samples.append(self._send("floor"))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+    def summary(self, flops):
+        """The medians of the rounds' floors (and the first round's BLAS)."""
+        def med(k):
+            return statistics.median(f[k] for f in self.samples)
+        return {"floor_s": med("floor_s"), "floor_attention_s": med("floor_attention_s"),
+                "floor_rate_s": flops / (med("sgemm_gflops") * 1e9),
+                "floor_sgemm_gflops": med("sgemm_gflops"), "floor_blas": self.samples[0]["blas"],
+                "floor_rounds": [round(f["floor_s"], 4) for f in self.samples]}
 
 
 def clean_floor(gemms, attention=()):
-    """``floor_worker`` in a fresh interpreter (same environment, never imports torch)."""
-    res = subprocess.run([sys.executable, __file__, "--floor-worker"],
-                         input=json.dumps({"gemms": gemms, "attention": list(attention)}),
-                         capture_output=True, text=True, timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"floor worker failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    """The floor measured once (one round of ``_Floor``)."""
+    f = _Floor(gemms, attention)
+    try:
+        f.sample()
+    finally:
+        f.close()
+    return f.samples[0]
 
 
 # --- measurement --------------------------------------------------------------------------
@@ -383,7 +428,8 @@ def side_worker(name, workload, backend, compute, batch):
     """One side of the comparison alone in this process, driven over stdin/stdout: it
     prints one JSON line when built, then for each line ``step`` the seconds of one step,
     for ``peak`` its peak RSS.  Each side keeps its own threads: torch's OpenMP pool and
-    NumPy's OpenBLAS never share a process (they slow each other: spinning OpenMP workers take the BLAS threads' cores)."""
+    NumPy's OpenBLAS never share a process (they slow each other: spinning OpenMP workers
+    take the BLAS threads' cores)."""
     t, ours, theirs = _workload(workload)
     info = {}
     if name.startswith("gradtape"):
@@ -471,6 +517,7 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
     if workload == "tiny-lora":
         _tiny_folder()
     sides, rows_for = [], []  # rows_for: (requested compute, side that ran it)
+    floor_side = None
     try:
         by_ran = {}
         for compute in computes:
@@ -511,12 +558,19 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
         log(f"[{workload}] warming up {', '.join(x.name for x in sides)} ...")
         for _ in range(warmup):
             ask_all("step")
+        if workload in SEQ_LEN:  # the GEMM floor, timed after each round of steps
+            gemms, attention = rows_for[0][2]["gemms"], rows_for[0][2]["attention_gemms"]
+            floor_side = _Floor(gemms, attention)
         times = {x.name: [] for x in sides}
         for i in range(reps):  # alternate: drift hits every side alike
             for n, r in ask_all("step").items():
                 times[n].append(r["t"])
+            floor = ""
+            if floor_side is not None:
+                floor_side.sample()
+                floor = f", GEMM floor {floor_side.samples[-1]['floor_s']:.4f} s"
             log(f"[{workload}] rep {i + 1}/{reps}: " + ", ".join(
-                f"{n} {ts[-1]:.4f} s" for n, ts in times.items() if n not in stopped))
+                f"{n} {ts[-1]:.4f} s" for n, ts in times.items() if n not in stopped) + floor)
         peak = {n: r["peak_mb"] for n, r in ask_all("peak").items()}
         split = {x.name: x.ask("split")["split"] for x in sides
                  if x.name.startswith("gradtape")}
@@ -524,21 +578,16 @@ def bench_cpu(workload, reps, warmup, with_compile, backend, log, batch=1,
                        None)
         peers = [p for p in peers if p not in stopped]
     finally:
-        for x in sides:
+        for x in sides + [floor_side] * (floor_side is not None):
             try:
                 x.close()
             except (OSError, subprocess.TimeoutExpired):
                 x.proc.kill()
     med = {n: statistics.median(ts) for n, ts in times.items()}
     floor = {}
-    if workload in SEQ_LEN:
-        log(f"[{workload}] GEMM floor: the step's GEMMs alone in a clean subprocess ...")
-        gemms, attention = rows_for[0][2]["gemms"], rows_for[0][2]["attention_gemms"]
-        f = clean_floor(gemms, attention)
+    if floor_side is not None:
         flops = sum(2 * max(bt, 1) * m * k * n for bt, m, k, n, _, _ in gemms + attention)
-        floor = {"floor_s": f["floor_s"], "floor_attention_s": f["floor_attention_s"],
-                 "floor_rate_s": flops / (f["sgemm_gflops"] * 1e9),
-                 "floor_sgemm_gflops": f["sgemm_gflops"], "floor_blas": f["blas"]}
+        floor = floor_side.summary(flops)
     rows = []
     for compute, side, info in rows_for:
         for pname in peers:

@@ -311,9 +311,15 @@ def test_accumulation_is_the_step_over_all_the_pairs(tmp_path, method):
         out = [(st.step(train.micro(k)[0], k + 1, 1e-2), dict(st.metrics)) for k in range(3)]
         runs.append((out, st.adapter_weights()))
     (a, wa), (b, wb) = runs
-    for ((la, na), ma), ((lb, nb), mb) in zip(a, b):
+    for step, (((la, na), ma), ((lb, nb), mb)) in enumerate(zip(a, b)):
         assert lb == pytest.approx(la, rel=1e-10) and nb == pytest.approx(na, rel=1e-10)
         for k in ma:
+            if row(method).reference and step == 0 and k == "rewards/accuracies":
+                # the policy is the reference, over other row counts than the reference
+                # pass's: every reward is 0 to rounding, and which side of 0 it falls
+                # on is rounding (NumPy's BLAS blocks by rows)
+                assert max(abs(x["rewards/chosen"]) for x in (ma, mb)) < 1e-12
+                continue
             assert mb[k] == pytest.approx(ma[k], rel=1e-9, abs=1e-12), k
     # AdamW divides each gradient by its own root mean square: where a gradient is near
     # zero (A's at the first step, B starting at zero) a rounding of the sums' order

@@ -794,10 +794,13 @@ def test_smollm2_step_in_bf16_matches_float32(smollm2, monkeypatch, tokens):
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_smollm2_full_step_in_bf16_matches_float32(smollm2):
+def test_smollm2_full_step_in_bf16_matches_float32(smollm2, request):
     """Full fine-tuning on the real model: every weight's gradient with the trained
     weights' products and gradients in bf16, within the gates of LoRA's above (loss
-    1e-2 relative, whole cosine >= 0.999, each weight's >= 0.995)."""
+    1e-2 relative, whole cosine >= 0.999, each weight's >= 0.995), or for a weight
+    below 0.995 no further from float32 than torch's autocast puts its gradient on this
+    CPU: an RMSNorm weight's gradient is a sum over the tokens that mostly cancels, and
+    on AVX512-BF16 without AMX torch's autocast gives layer 24's attention norm 0.979."""
     _need_onednn()
     from gradtape.models.graph import head_loss, record_forward
     from gradtape.train import full
@@ -814,10 +817,40 @@ def test_smollm2_full_step_in_bf16_matches_float32(smollm2):
     r32 = tp.compile(outs, backend="cpu").run()
     r16 = tp.compile(outs, backend="cpu", plan=_trained_plan()).run()
     assert abs(r16[0] - r32[0]) / abs(r32[0]) < 1e-2
-    each = [_cos(a, b) for a, b in zip(r32[1:], r16[1:])]
-    assert len(each) == len(m.weights) and min(each) >= 0.995
+    each = dict(zip(W, (_cos(a, b) for a, b in zip(r32[1:], r16[1:]))))
+    assert len(each) == len(m.weights)
+    below = {k: c for k, c in each.items() if c < 0.995}
+    if below:
+        peer = _autocast_cosines(request.getfixturevalue("hf_smollm2"), ids)
+        assert all(c >= peer[k] for k, c in below.items()), {k: (c, peer[k])
+                                                             for k, c in below.items()}
     assert _cos(np.concatenate([a.ravel() for a in r32[1:]]),
                 np.concatenate([b.ravel() for b in r16[1:]])) >= 0.999
+
+
+def _autocast_cosines(hf, ids):
+    """Each weight's gradient cosine, torch's autocast bf16 against its float32, of the
+    next-token loss over ``ids`` (transformers' model, by our weight names)."""
+    import torch
+    from gradtape.models.arch import _HF_LLAMA
+
+    ours = {"model.embed_tokens.weight": "tok_embd", "model.norm.weight": "output_norm"}
+    x = torch.tensor(np.asarray(ids)[None])
+    grads = []
+    for autocast in (False, True):
+        hf.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = hf(input_ids=x, labels=x).loss
+        loss.backward()
+        grads.append({n: q.grad.double().numpy().copy() for n, q in hf.named_parameters()
+                      if q.grad is not None})
+    hf.zero_grad(set_to_none=True)
+    out = {}
+    for name in grads[0]:
+        parts = name.split(".")
+        key = ours.get(name) or f"layers.{parts[2]}.{_HF_LLAMA['.'.join(parts[3:])]}"
+        out[key] = _cos(grads[0][name], grads[1][name])
+    return out
 
 
 @pytest.mark.slow

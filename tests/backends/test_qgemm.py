@@ -690,6 +690,7 @@ def test_one_blas_thread_parks_the_workers_a_gemm_left_spinning():
 
 def _need_int8():  # int8 compute is bf16 compute with int8 block products
     hardware.onednn_bf16()
+    hardware.int8_dots()
 
 
 def _q8(v):
@@ -812,6 +813,24 @@ def test_int8_follows_a_fed_weight_and_leaves_long_sums_to_bf16(monkeypatch):
                     compute="int8").executable
     assert [s.op for s in ex._block_int8] == ["qmatmul_t"]
     assert [s.op for s in ex._block_bf16] == ["qmatmul"]
+
+
+def test_int8_without_int8_dot_products_runs_bf16(monkeypatch):
+    """Asked for int8 where the CPU has no int8 dot products, a program runs its block
+    products in bf16 and says why once: oneDNN's int8 GEMM would saturate there."""
+    from gradtape.backends.cpu import measure
+
+    hardware.onednn_bf16()
+    monkeypatch.setattr(measure, "cpu_info", lambda: {"model": "test", "flags": frozenset(
+        {"avx2", "fma", "avx512f", "avx512_bf16"})})
+    monkeypatch.setattr(measure, "_WARNED", set())
+    r = np.random.default_rng(9)
+    tp = gt.Tape(np.float32)
+    x, w = tp.param(r.standard_normal((8, 512))), tp.const(random_blocks("Q4_K", 64, 512, r))
+    with pytest.warns(RuntimeWarning, match="int8 compute asked for, running bf16: this "
+                                            "CPU has no int8 dot products"):
+        ex = tp.compile([ops.qmatmul(x, w)], backend="cpu", compute="int8").executable
+    assert ex.compute == "bf16" and not ex._block_int8 and len(ex._block_bf16) == 1
 
 
 def test_a_fed_block_weight_refreshes_its_resident_copy(monkeypatch):

@@ -79,6 +79,16 @@ def onednn_bf16():
     return onednn.dnnl()
 
 
+def int8_dots():
+    """A skip where this CPU has no int8 dot products (AVX512-VNNI, AMX-INT8; or
+    ``$GRADTAPE_ISA`` caps them): int8 compute runs bf16 there."""
+    from gradtape.backends.cpu import measure
+
+    dots, why = measure.int8_dots()
+    if not dots:
+        pytest.skip(f"{why}: int8 compute runs bf16 here (oneDNN's int8 sums saturate)")
+
+
 def onednn_f32():
     """oneDNN for its float32 matmul (any x86-64), or a skip off Linux x86-64."""
     from gradtape.backends.cpu import onednn

@@ -226,6 +226,7 @@ def test_an_int8_run_resumes_bit_for_bit(files, tmp_path, monkeypatch):
     from gradtape import plan
 
     hardware.onednn_bf16()
+    hardware.int8_dots()
     monkeypatch.setattr(plan, "decide_compute", lambda *a, **k: plan.Decision("int8", "forced"))
     cfg = lambda out, **kw: _cfg(files, tmp_path / out, compute="int8", steps=4,  # noqa: E731
                                  save_every=2, **kw)

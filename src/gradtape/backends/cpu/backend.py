@@ -36,8 +36,9 @@ gradient ``x^T dY`` takes bf16 inputs too (``_bf16_weight_grad``; a fused head's
 ``tiled.Bf16HeadGemms.table_grad``).  Everything else stays float32.  ``compute="int8"``
 is bf16's, except that the block-weight products take int8 inputs, each row of the
 activation and each row (forward) or column (backward) of W with its own scale, summed
-in int32 (``qgemm_int8.lower_int8``): up to twice bf16's rate where the CPU has int8 dot
-products (AVX512-VNNI, AMX-INT8), at the cost of the quantization's error.
+in int32 (``qgemm_int8.lower_int8``): up to twice bf16's rate, at the cost of the
+quantization's error, where the CPU has int8 dot products (AVX512-VNNI, AMX-INT8);
+elsewhere oneDNN's int8 sums saturate, so it runs bf16's and says so once.
 
 Without a working C compiler (``$GRADTAPE_CC`` names it, default ``cc``) ``unavailable``
 says so and ``backends.get_backend`` gives the NumPy reference backend instead (one
@@ -327,8 +328,12 @@ class CpuBackend(HostBackend):
             self._gx16, self._gy16 = (
                 page_aligned(max(s.inputs[i].size for s in grads), np.uint16) for i in (0, 1))
         self._block_bf16 = {s for s in block_ops if bf16_eligible(s)}
-        # int8 compute: the block-weight GEMMs whose sums fit int32 take int8
-        if compute == "int8":
+        # int8 compute: the block-weight GEMMs whose sums fit int32 take int8, where the
+        # CPU has int8 dot products (else oneDNN's int8 sums saturate: bf16 instead)
+        dots, why = measure.int8_dots() if compute == "int8" else (False, "")
+        if compute == "int8" and not dots:
+            measure.warn_once(f"int8 compute asked for, running bf16: {why}")
+        elif compute == "int8":
             self._block_int8 = {s for s in self._block_bf16 if qgemm_int8.int8_eligible(s)}
             self._block_bf16 -= self._block_int8
         if self._block_bf16:

@@ -97,9 +97,9 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     """``(True, why)`` where int8 GEMMs (oneDNN) beat bf16 ones on this CPU at
     ``shape``, else ``(False, why)``; call it where ``bf16_fast`` said yes.  No int8 dot
     products (AVX512-VNNI, AMX-INT8): no, without measuring."""
-    flags = cpu_info()["flags"]
-    if "avx512_vnni" not in flags and "amx_int8" not in flags:
-        return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI" + _cap()
+    dots, why = int8_dots()
+    if not dots:
+        return False, why
     shape = measured_shape(shape)
     (bf16, int8), cached = rates("int8", shape, measured_int8_rates)
     said = (f"int8 {int8 / 1e9:.0f} vs bf16 {bf16 / 1e9:.0f} GFLOP/s at "
@@ -107,6 +107,17 @@ def int8_fast(shape=DEFAULT_SHAPE) -> tuple:
     if int8 > 1.1 * bf16:
         return True, said
     return False, f"int8 GEMMs are not faster here ({said})"
+
+
+def int8_dots() -> tuple:
+    """``(True, "")`` where this CPU (under the cap) has int8 dot products (AVX512-VNNI,
+    AMX-INT8), else ``(False, why)``: without them oneDNN's int8 GEMM adds pairs of u8 x
+    s8 products in saturating int16 (``vpmaddubsw``), which int8 compute's activations,
+    spread over all 255 levels, overflow."""
+    flags = cpu_info()["flags"]
+    if "avx512_vnni" in flags or "amx_int8" in flags:
+        return True, ""
+    return False, "this CPU has no int8 dot products: no AMX-INT8, no AVX512-VNNI" + _cap()
 
 
 def _cap():
@@ -421,7 +432,7 @@ def fastest(what, shape, runs, only=((), "")) -> str:
         # the others are timed, unsaid)
         forward = what.startswith("qmatmul ")
         if want and not kept and (want, forward) not in (("swapped", False), ("amx-rows", True)):
-            _warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
+            warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
                        "timing them")
         names = kept or names
     if len(names) == 1:
@@ -557,7 +568,8 @@ def packed_weights(m, k, n, tb, only=((), "")) -> bool:
         return False
 
 
-def _warn_once(said):
+def warn_once(said):
+    """A RuntimeWarning, once per process for each text."""
     if said not in _WARNED:
         _WARNED.add(said)
         warnings.warn(f"gradtape: {said}", RuntimeWarning, stacklevel=4)

@@ -330,12 +330,14 @@ class CpuBackend(HostBackend):
         self._block_bf16 = {s for s in block_ops if bf16_eligible(s)}
         # int8 compute: the block-weight GEMMs whose sums fit int32 take int8, where the
         # CPU has int8 dot products (else oneDNN's int8 sums saturate: bf16 instead)
-        dots, why = measure.int8_dots() if compute == "int8" else (False, "")
-        if compute == "int8" and not dots:
-            measure.warn_once(f"int8 compute asked for, running bf16: {why}")
-        elif compute == "int8":
-            self._block_int8 = {s for s in self._block_bf16 if qgemm_int8.int8_eligible(s)}
-            self._block_bf16 -= self._block_int8
+        if compute == "int8":
+            dots, why = measure.int8_dots()
+            if not dots:
+                measure.warn_once(f"int8 compute asked for, running bf16: {why}")
+            else:
+                self._block_int8 = {s for s in self._block_bf16
+                                    if qgemm_int8.int8_eligible(s)}
+                self._block_bf16 -= self._block_int8
         if self._block_bf16:
             self._bf16_scratch = Bf16Scratch.allocate(self._block_bf16)
             self._plain_gemms = self._bf16_provider()

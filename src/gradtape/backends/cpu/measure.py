@@ -433,7 +433,7 @@ def fastest(what, shape, runs, only=((), "")) -> str:
         forward = what.startswith("qmatmul ")
         if want and not kept and (want, forward) not in (("swapped", False), ("amx-rows", True)):
             warn_once(f"${var}={want} names none of the ways of {what} ({', '.join(names)}): "
-                       "timing them")
+                      "timing them")
         names = kept or names
     if len(names) == 1:
         return names[0]

@@ -823,20 +823,22 @@ def test_smollm2_full_step_in_bf16_matches_float32(smollm2, request):
     assert len(each) == len(m.weights)
     below = {k: c for k, c in each.items() if c < 0.995}
     if below:
-        peer = _autocast_cosines(request.getfixturevalue("hf_smollm2"), ids)
+        peer = _autocast_cosines(request.getfixturevalue("hf_smollm2"), m, ids)
         assert all(1 - c <= 4 * (1 - peer[k]) for k, c in below.items()), {
             k: (c, peer[k]) for k, c in below.items()}
     assert _cos(np.concatenate([a.ravel() for a in r32[1:]]),
                 np.concatenate([b.ravel() for b in r16[1:]])) >= 0.999
 
 
-def _autocast_cosines(hf, ids):
+def _autocast_cosines(hf, m, ids):
     """Each weight's gradient cosine, torch's autocast bf16 against its float32, of the
-    next-token loss over ``ids`` (transformers' model, by our weight names)."""
+    next-token loss over ``ids`` (transformers' model ``hf`` of our ``m``, by our weight
+    names: ``export.hf_plan``'s)."""
     import torch
-    from gradtape.models.arch import _HF_LLAMA
+    from gradtape.models.export import hf_plan
 
-    ours = {"model.embed_tokens.weight": "tok_embd", "model.norm.weight": "output_norm"}
+    ours = {hf_name: name for name, (hf_name, _, _) in
+            zip(m.weights, hf_plan(m.config, m.weights))}
     x = torch.tensor(np.asarray(ids)[None])
     grads = []
     for autocast in (False, True):
@@ -847,12 +849,7 @@ def _autocast_cosines(hf, ids):
         grads.append({n: q.grad.double().numpy().copy() for n, q in hf.named_parameters()
                       if q.grad is not None})
     hf.zero_grad(set_to_none=True)
-    out = {}
-    for name in grads[0]:
-        parts = name.split(".")
-        key = ours.get(name) or f"layers.{parts[2]}.{_HF_LLAMA['.'.join(parts[3:])]}"
-        out[key] = _cos(grads[0][name], grads[1][name])
-    return out
+    return {ours[name]: _cos(grads[0][name], grads[1][name]) for name in grads[0]}
 
 
 @pytest.mark.slow

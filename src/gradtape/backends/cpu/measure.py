@@ -228,7 +228,8 @@ def others_core_seconds():
 def _blas_name():
     """NumPy's BLAS library, version and kernels (its speed is half of the decision; an
     OpenBLAS loaded before the instruction-set cap runs the CPU's own kernels)."""
-    core = f" ({blas.core()})" if blas.core() else ""
+    core = blas.core()
+    core = f" ({core})" if core else ""
     try:
         info = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         return f"{info.get('name')} {info.get('version')}{core}"

@@ -64,6 +64,7 @@ import time
 import gradtape  # noqa: F401  (first: it caps OpenBLAS at the ISA class before NumPy loads)
 import numpy as np
 
+from gradtape.backends.cpu.blas import park_blas_threads
 from gradtape.backends.cpu.measure import call_seconds
 from gradtape.plan import COMPUTE_CHOICES, DEFAULT_COMPUTE
 
@@ -345,6 +346,9 @@ def _floor(gemms, attention, reps):
         out = np.empty((m, n), np.float32)
         rates.append(2 * m * k * n / _time(lambda: np.matmul(a, b, out=out), 4 * reps))
     part = sum(seconds[tuple(g)] for g in attention)
+    # left alone, OpenBLAS's workers poll ~0.1 s after the last GEMM, on the cores the
+    # next side's step needs
+    park_blas_threads()
     return {"floor_s": sum(seconds[tuple(g)] for g in gemms) + part,
             "floor_attention_s": part,
             "by_gemm": [[*key, t] for key, t in seconds.items()],

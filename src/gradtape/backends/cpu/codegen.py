@@ -352,7 +352,9 @@ def copy_kernel_body(v, dtype):
         return "\n".join(lines)
     if v.op == "sum_to":
         R, C = ins[0].shape
-        if tuple(v.shape) == (R, 1):  # row sums (double accumulator)
+        if tuple(v.shape) == (R, 1):  # row sums (double accumulator), rows split over threads
+            if _omp_for(R * C):
+                lines.append(_omp_for(R * C))
             lines.append(f"    for (long i = 0; i < {R}L; i++) {{ double s = 0.0;")
             lines.append("        #pragma omp simd reduction(+:s)")
             lines.append(f"        for (long j = 0; j < {C}L; j++) s += (double)a0[i*{C}L + j];")
@@ -364,28 +366,34 @@ def copy_kernel_body(v, dtype):
         return "\n".join(lines)
     axis = v.attrs["axis"] % v.ndim
     outer, n_out, inner = _split(v.shape, axis)
+    row = f"o + q*{n_out * inner}L"  # the output's block q; one loop over the blocks,
+    body = []  # split over the threads where the copy is large enough to pay for it
     if v.op == "slice":
         _, n_in, _ = _split(ins[0].shape, axis)
         blk = (v.attrs["stop"] - v.attrs["start"]) * inner
-        lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*{n_out * inner}L, "
-                     f"a0 + q*{n_in * inner}L + {v.attrs['start'] * inner}L, {blk * sz}UL);")
+        body.append(f"memcpy({row}, a0 + q*{n_in * inner}L + {v.attrs['start'] * inner}L, "
+                    f"{blk * sz}UL);")
     elif v.op == "pad":
         _, n_in, _ = _split(ins[0].shape, axis)
-        lines.append(f"    memset(o, 0, {v.size * sz}UL);")
-        lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*{n_out * inner}L + "
-                     f"{v.attrs['before'] * inner}L, a0 + q*{n_in * inner}L, "
-                     f"{n_in * inner * sz}UL);")
+        before, after = v.attrs["before"] * inner, (n_out - n_in - v.attrs["before"]) * inner
+        if before:
+            body.append(f"memset({row}, 0, {before * sz}UL);")
+        body.append(f"memcpy({row} + {before}L, a0 + q*{n_in * inner}L, {n_in * inner * sz}UL);")
+        if after:
+            body.append(f"memset({row} + {before + n_in * inner}L, 0, {after * sz}UL);")
     elif v.op == "concat":
         off = 0
         for k, x in enumerate(ins):
             _, n_in, _ = _split(x.shape, axis)
             if n_in:
-                lines.append(f"    for (long q = 0; q < {outer}L; q++) memcpy(o + q*"
-                             f"{n_out * inner}L + {off * inner}L, a{k} + q*{n_in * inner}L, "
-                             f"{n_in * inner * sz}UL);")
+                body.append(f"memcpy({row} + {off * inner}L, a{k} + q*{n_in * inner}L, "
+                            f"{n_in * inner * sz}UL);")
             off += n_in
     else:
         raise KeyError(v.op)
+    if outer > 1 and _omp_for(v.size):
+        lines.append(_omp_for(v.size))
+    lines.append(f"    for (long q = 0; q < {outer}L; q++) {{ " + " ".join(body) + " }")
     return "\n".join(lines)
 
 

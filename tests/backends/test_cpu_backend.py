@@ -175,6 +175,32 @@ def test_primitive_parity(name, dtype):
     check_built(build, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("by_loss", [False, True], ids=["sft", "weights-from-loss"])
+def test_the_loss_and_its_gradient_share_one_pass(dtype, by_loss):
+    """Token weights that do not depend on the loss (SFT): the gradient runs right after
+    the loss and one kernel writes both (``loss_pairs``); weights computed from the loss
+    (as DPO's are): two kernels, in recording order.  Both as the NumPy reference."""
+    def build(tp):
+        r = np.random.default_rng(4)
+        logits = ops.matmul(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N, V)))
+        nll = ops.nll_ids(logits, tp.const(np.array([0, 5, 2, 2, 4])))
+        weights = tp.const(r.uniform(0.1, 1.0, (T, 1)))
+        if by_loss:
+            weights = ops.mul(weights, ops.sigmoid(nll))
+        loss = ops.reduce_sum(ops.mul(nll, weights))
+        return [nll, loss, *tp.backward(loss).values()]
+
+    prog, _ = check_built(build, dtype)
+    pairs = prog.executable._loss_pair
+    assert len(pairs) == (0 if by_loss else 1)
+    steps = [s for s in prog.executable.schedule.steps if not isinstance(s, FusedGroup)]
+    ops_of = [s.op for s in steps]
+    assert ops_of.count("nll_ids") == ops_of.count("nll_ids_grad") == 1
+    n, d = ops_of.index("nll_ids"), ops_of.index("nll_ids_grad")
+    assert (d == n + 1) == (not by_loss)
+
+
 # --- random fused graphs ---------------------------------------------------------------------
 
 UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "scale", "addc", "powc",

@@ -271,6 +271,16 @@ def scatter_adds(schedule) -> dict:
     return out
 
 
+def loss_pairs(schedule) -> dict:
+    """``{grad: loss}``: each ``nll_ids_grad`` step right after the ``nll_ids`` step of the
+    same logits and ids (``loss_grad.pair_loss_grads`` places them so), which a backend
+    may run as one pass over each row writing both (the cpu's ``row_kernel_body``)."""
+    steps = schedule.steps
+    return {d: n for n, d in zip(steps, steps[1:])
+            if not isinstance(n, FusedGroup) and not isinstance(d, FusedGroup)
+            and n.op == "nll_ids" and d.op == "nll_ids_grad" and d.inputs[1:] == n.inputs}
+
+
 def overwritten_inputs(steps, pinned, views) -> dict:
     """``{v: x}``: an elementwise group's output ``v`` placed over its input ``x``, a
     computed value of the same shape and dtype whose last reader is that group

@@ -21,6 +21,7 @@ from .decompose import decompose
 from .early_updates import early_updates
 from .fuse import fuse, plan_schedule_memory, schedule_in_place, unfused
 from .graph import build_graph
+from .loss_grad import pair_loss_grads
 from .merge_matmuls import merge_matmuls
 from .remat import rematerialize
 from .sink import sink_large
@@ -72,10 +73,11 @@ def lower(graph, backend_cls, donate=(), **kwargs):
 
 def scheduled(graph, backend_cls):
     """``(graph, schedule, memory plan)`` as ``backend_cls`` runs ``graph``: the passes
-    it names (in this order: ``merge_matmuls``, ``fuse``), fused primitives it has no
-    kernel for decomposed first (already done where ``passes`` ran); what follows
-    backward runs as soon as its inputs are ready (``early_updates``) and a large value
-    is made just before its first reader (``sink_large``).  A backend with
+    it names (in this order: ``merge_matmuls``, ``pair_loss_grads``, ``fuse``), fused
+    primitives it has no kernel for decomposed first (already done where ``passes``
+    ran); what follows backward runs as soon as its inputs are ready
+    (``early_updates``) and a large value is made just before its first reader
+    (``sink_large``).  A backend with
     ``writes_in_place`` gets the state updates it can write straight into their leaves
     in the memory plan (``MemoryPlan.in_place``) and each elementwise group's output over
     an input that dies there where it can (``fuse.plan_schedule_memory``).  Nothing is
@@ -84,6 +86,8 @@ def scheduled(graph, backend_cls):
     if "merge_matmuls" in backend_cls.passes:
         graph = merge_matmuls(graph)
     graph = sink_large(early_updates(graph))
+    if "pair_loss_grads" in backend_cls.passes:
+        graph = pair_loss_grads(graph)
     if "fuse" in backend_cls.passes:
         schedule = fuse(graph, **backend_cls.fusion(graph))
     else:

@@ -2,7 +2,9 @@
 
 The compile passes it asks for (``passes``): ``merge_matmuls`` turns narrow matmuls that
 share an operand (the LoRA ``x @ A`` of q/k/v, of gate/up, and their backward) into one
-GEMM each, and k=1 outer products into fused multiplies; ``fuse`` groups elementwise
+GEMM each, and k=1 outer products into fused multiplies; ``pair_loss_grads`` puts the
+next-token loss's gradient right after the loss (where it does not depend on it), one
+kernel writing both; ``fuse`` groups elementwise
 chains (and chains feeding a last-axis sum / softmax / logsumexp) into FusedGroups, each a
 generated C kernel (``codegen.py``), compiled once per distinct program source with the
 system C compiler and cached on disk (``toolchain.py``).  Softmax and sums over the last
@@ -56,7 +58,7 @@ import weakref
 
 import numpy as np
 
-from ...compile.fuse import FusedGroup, scatter_adds
+from ...compile.fuse import FusedGroup, loss_pairs, scatter_adds
 from ...compile.memplan import views_in_place
 from ...ops import PRIMS, _mT
 from ..base import HostBackend, page_aligned
@@ -187,7 +189,7 @@ def _float_dtype(graph):
 
 class CpuBackend(HostBackend):
     name = "cpu"
-    passes = ("merge_matmuls", "fuse")
+    passes = ("merge_matmuls", "pair_loss_grads", "fuse")
     fallback = "numpy"  # without a C compiler
 
     @classmethod
@@ -249,6 +251,10 @@ class CpuBackend(HostBackend):
         for s in schedule.steps:  # data movement: block copies in C as well
             if not isinstance(s, FusedGroup) and codegen.c_single_op(s) and dtype is not None:
                 self._kernel_of[s] = src.copy_kernel(s, dtype)
+        # loss gradient -> its loss, both written by one pass over the logits
+        self._loss_pair = loss_pairs(schedule) if dtype is not None else {}
+        for d in self._loss_pair:
+            self._kernel_of[d] = src.loss_grad_kernel(d, dtype)
         # the leaves this program updates without writing their bf16 copy (checked at
         # each replay: a later program may make a copy of one)
         self._unwritten = [w for w, _ in graph.updates
@@ -541,9 +547,10 @@ class CpuBackend(HostBackend):
         last_gx = None  # the weight gradient's x whose bf16 copy self._gx16 holds
         last_w16 = None  # the trained weight whose bf16 copy self._w16 holds
         fused_scatters = {sc for sc, _, _ in self._scatter_add.values()}
+        paired_losses = set(self._loss_pair.values())  # written by their gradient's kernel
         for s in self.schedule.steps:
-            if views_in_place(s, val) or s in fused_scatters:  # nothing to run
-                continue
+            if views_in_place(s, val) or s in fused_scatters or s in paired_losses:
+                continue  # nothing to run
             if s in self._scatter_add:  # b + scatter_rows(src, ids) in one kernel
                 sc, b, (acc, first) = self._scatter_add[s]
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in
@@ -584,7 +591,8 @@ class CpuBackend(HostBackend):
                 steps.append(("py", self._dense_gemm(s, val)))
                 continue
             if s in self._kernel_of:
-                outs = s.outputs if isinstance(s, FusedGroup) else (s,)
+                outs = s.outputs if isinstance(s, FusedGroup) else (s, *(
+                    [self._loss_pair[s]] if s in self._loss_pair else []))
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
                           + [val[m].ctypes.data for m in outs]
                           + [self._trained16[w].array.ctypes.data

@@ -215,11 +215,13 @@ def c_single_op(v):
     return v.op in C_COPY or v.op in ("nll_ids", "nll_ids_grad")
 
 
-def row_kernel_body(v, dtype):
+def row_kernel_body(v, dtype, with_loss=False):
     """softmax / sum over the last axis of any rank, a full sum, the fused next-token loss
     (``nll_ids``) and its gradient (``nll_ids_grad``), and transposes: the NumPy forwards
     of ops/ row by row (rows are independent: the threads split rows, and every row
-    is computed in the same order whatever the split).  ``p``: inputs, then the output."""
+    is computed in the same order whatever the split).  ``p``: inputs, then the output.
+    ``with_loss`` (``nll_ids_grad``): also the loss ``nll_ids`` of the same rows, from the
+    same max and sum, into ``p[4]`` (``fuse.loss_pairs``): the logits are read once."""
     ct = CTypes(dtype)
     t = ct.t
     x = v.inputs[0] if v.op != "nll_ids_grad" else v.inputs[1]
@@ -243,6 +245,8 @@ def row_kernel_body(v, dtype):
                   f"    const {t} *restrict a = (const {t} *)p[1];",
                   "    const int64_t *restrict ids = (const int64_t *)p[2];",
                   f"    {t} *restrict o = ({t} *)p[3];"]
+        if with_loss:
+            lines.append(f"    {t} *restrict loss = ({t} *)p[4];")
     else:
         lines += [f"    const {t} *restrict a = (const {t} *)p[0];"]
         if v.op == "nll_ids":
@@ -271,6 +275,8 @@ def row_kernel_body(v, dtype):
     lines.append(f"        const {t} st = ({t})s;")
     if v.op == "nll_ids_grad":
         lines.append(f"        const {t} gi = g[i];")
+        if with_loss:
+            lines.append(f"        loss[i] = {math.fill(ROW_MATH['nll_ids'].row, ct, **names)};")
     if math.row:
         lines.append(f"        o[i] = {math.fill(math.row, ct, **names)};")
     if math.elem:
@@ -461,6 +467,10 @@ class ProgramSource:
     def scatter_add_kernel(self, group, scatter, dtype):
         """``scatter_add_body``'s kernel."""
         return self._add(scatter_add_body(group, scatter, dtype))
+
+    def loss_grad_kernel(self, v, dtype):
+        """The kernel of an ``nll_ids_grad`` writing its ``nll_ids`` too."""
+        return self._add(row_kernel_body(v, dtype, with_loss=True))
 
     def copy_kernel(self, v, dtype):
         if v.op in C_ROWS:

@@ -180,7 +180,8 @@ def test_primitive_parity(name, dtype):
 def test_the_loss_and_its_gradient_share_one_pass(dtype, by_loss):
     """Token weights that do not depend on the loss (SFT): the gradient runs right after
     the loss and one kernel writes both (``loss_pairs``); weights computed from the loss
-    (as DPO's are): two kernels, in recording order.  Both as the NumPy reference."""
+    (as DPO's are): two kernels, in recording order.  Either way the gradient is written
+    over the logits.  Both as the NumPy reference."""
     def build(tp):
         r = np.random.default_rng(4)
         logits = ops.matmul(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N, V)))
@@ -199,6 +200,10 @@ def test_the_loss_and_its_gradient_share_one_pass(dtype, by_loss):
     assert ops_of.count("nll_ids") == ops_of.count("nll_ids_grad") == 1
     n, d = ops_of.index("nll_ids"), ops_of.index("nll_ids_grad")
     assert (d == n + 1) == (not by_loss)
+    # the logits' gradient takes the logits' region, which nothing reads after it
+    plan, grad = prog.executable.plan, steps[d]
+    logits = grad.inputs[1]
+    assert (plan.slot[grad], plan.offset[grad]) == (plan.slot[logits], plan.offset[logits])
 
 
 # --- random fused graphs ---------------------------------------------------------------------

@@ -284,9 +284,11 @@ def loss_pairs(schedule) -> dict:
 def overwritten_inputs(steps, pinned, views) -> dict:
     """``{v: x}``: an elementwise group's output ``v`` placed over its input ``x``, a
     computed value of the same shape and dtype whose last reader is that group
-    (``reads_same_index``); ``v`` then needs no region of its own.  Inputs that are
-    pinned or part of a reshape view stay apart; an output that is itself a view does too
-    (a value viewed in another shape, or holding a fused scatter's region, may move)."""
+    (``reads_same_index``), or the logits' gradient ``nll_ids_grad`` over the logits
+    (its kernels read each row before writing it); ``v`` then needs no region of its
+    own.  Inputs that are pinned or part of a reshape view stay apart; an output that is
+    itself a view does too (a value viewed in another shape, or holding a fused
+    scatter's region, may move)."""
     last = {}
     for i, s in enumerate(steps):
         for x in step_inputs(s):
@@ -294,19 +296,31 @@ def overwritten_inputs(steps, pinned, views) -> dict:
     apart = set(pinned) | set(views) | set(views.values())
     out = {}
     for i, s in enumerate(steps):
-        if not isinstance(s, FusedGroup) or s.kind != "elementwise":
+        if not isinstance(s, FusedGroup):  # the logits' gradient over the logits
+            if (s.op == "nll_ids_grad" and s not in pinned and s not in views
+                    and _dies_into(s, s.inputs[1], i, last, apart)):
+                out[s] = s.inputs[1]
+            continue
+        if s.kind != "elementwise":
             continue
         taken = set()
         for v in s.outputs:
             if v in pinned or v in views:
                 continue
-            x = next((x for x in s.inputs
-                      if not x.is_leaf and x not in apart and x not in taken
-                      and last.get(x) == i and reads_same_index(s, x, v)), None)
+            x = next((x for x in s.inputs if x not in taken
+                      and _dies_into(v, x, i, last, apart) and reads_same_index(s, x, v)),
+                     None)
             if x is not None:
                 out[v] = x
                 taken.add(x)
     return out
+
+
+def _dies_into(v, x, i, last, apart):
+    """Whether step ``i``'s output ``v`` may take the region of its input ``x``: a computed
+    value of its shape and dtype, not kept apart, that step ``i`` reads last."""
+    return (not x.is_leaf and x not in apart and last.get(x) == i
+            and x.shape == v.shape and x.dtype == v.dtype)
 
 
 def plan_schedule_memory(schedule, in_place=None, reuse=False,

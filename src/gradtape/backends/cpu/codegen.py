@@ -240,11 +240,15 @@ def row_kernel_body(v, dtype, with_loss=False):
                           "    #pragma omp simd reduction(+:s)",
                           f"    for (long j = 0; j < {x.size}L; j++) s += (double)a[j];",
                           f"    o[0] = ({t})s;"])
+    # nll_ids_grad may write its output over the logits (fuse.overwritten_inputs): every
+    # pass reads x[j] before y[j] is stored, and the one reading and writing both is
+    # "omp simd" (vectorized whatever the pointers may alias); x[id] is read first
+    alias = "" if v.op == "nll_ids_grad" else "restrict "
     if v.op == "nll_ids_grad":
         lines += [f"    const {t} *restrict g = (const {t} *)p[0];",
-                  f"    const {t} *restrict a = (const {t} *)p[1];",
+                  f"    const {t} *a = (const {t} *)p[1];",
                   "    const int64_t *restrict ids = (const int64_t *)p[2];",
-                  f"    {t} *restrict o = ({t} *)p[3];"]
+                  f"    {t} *o = ({t} *)p[3];"]
         if with_loss:
             lines.append(f"    {t} *restrict loss = ({t} *)p[4];")
     else:
@@ -257,15 +261,18 @@ def row_kernel_body(v, dtype, with_loss=False):
     if par:
         lines.append(par)
     lines.append(f"    for (long i = 0; i < {R}L; i++) {{")
-    lines.append(f"        const {t} *restrict x = a + i*{C}L;")
+    lines.append(f"        const {t} *{alias}x = a + i*{C}L;")
     math = ROW_MATH[v.op]
     names = {"m": "m", "s": "st", "j": "j", "id": "ids[i]", "xid": "x[ids[i]]", "g": "gi"}
     if math.max_first:
         lines += [f"        {t} m = -INFINITY;", "        #pragma omp simd reduction(max:m)",
                   f"        for (long j = 0; j < {C}L; j++) m = x[j] > m ? x[j] : m;"]
+    if with_loss:
+        lines.append(f"        const {t} xid = x[ids[i]];")
+        names["xid"] = "xid"
     term = math.fill(math.term, ct, x="x[j]", **names)
     if math.elem:  # the output row keeps each term for the last pass
-        lines += [f"        {t} *restrict y = o + i*{C}L;", "        double s = 0.0;",
+        lines += [f"        {t} *{alias}y = o + i*{C}L;", "        double s = 0.0;",
                   "        #pragma omp simd reduction(+:s)",
                   f"        for (long j = 0; j < {C}L; j++) {{ const {t} e = {term}; "
                   "y[j] = e; s += (double)e; }"]

@@ -202,11 +202,7 @@ def rope_fill(t, hd, base, cos_out=None, sin_out=None, start=0, factors=None):
 def rope(tp, h, cosc, sinc, t, hd):
     """NEOX half-split rotary embedding of one head ``h[t, hd]``:
     ``[x1*cos - x2*sin, x2*cos + x1*sin]`` with ``x1, x2`` its two column halves."""
-    half = hd // 2
-    x1 = ops.slice_(h, 1, 0, half)  # [t, hd/2]
-    x2 = ops.slice_(h, 1, half, hd)
-    return ops.concat([ops.sub(ops.mul(x1, cosc), ops.mul(x2, sinc)),
-                       ops.add(ops.mul(x2, cosc), ops.mul(x1, sinc))], 1)  # [t, hd]
+    return ops.rope(h, cosc, sinc)  # one primitive: its composed form is ops.rotary's
 
 
 def head(tp, q, t, hi, hd):

@@ -100,6 +100,8 @@ PRIM_CASES = {
     "nll_ids": lambda tp, r: ops.nll_ids(tp.param(_nrm(r, T, N)), tp.const(np.array([0, 6, 2, 2, 4]))),
     "nll_ids_grad": lambda tp, r: ops.nll_ids_grad(tp.param(_nrm(r, T, 1)), tp.param(_nrm(r, T, N)),
                                                    tp.const(np.array([0, 6, 2, 2, 4]))),
+    "rope": lambda tp, r: ops.rope(tp.param(_nrm(r, T, 6)), tp.param(_nrm(r, T, 3)),
+                                   tp.param(_nrm(r, T, 3))),
     "select": lambda tp, r: ops.select(tp.const((r.uniform(size=(T, N)) > 0.5) * 1.0),
                                        tp.param(_nrm(r, T, N)), tp.param(_nrm(r, N))),
     "maxc": lambda tp, r: ops.maxc(tp.param(_nrm(r, T, N)), 0.2),

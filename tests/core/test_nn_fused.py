@@ -45,3 +45,44 @@ def test_batched_attention_rejects_bad_heads():
     with pytest.raises(ValueError, match="nh=3 is not a multiple of nkv=2"):
         nn.gqa_attention_seqs(tp, q, k, k, tp.const(c), tp.const(s),
                               tp.const(nn.causal_mask_fill(4)), nn.AttentionSpec(3, 2, 4, 0.5))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_is_its_composed_form_bit_for_bit(dtype, backend):
+    """``ops.rope`` (one op forward and backward) against the slices, products and
+    concat it replaces, autodiff'd: the same products summed in the same pairs, so the
+    same bits, the gradients of the tables included."""
+    from gradtape.ops.rotary import _composed
+
+    r = np.random.default_rng(5)
+    tp = gt.Tape(dtype)
+    x = tp.param(r.standard_normal((12, 8)))
+    c, s = (tp.param(r.standard_normal((12, 4))) for _ in range(2))
+    u = tp.const(r.standard_normal((12, 8)))
+    outs = []
+    for y in (ops.rope(x, c, s), _composed(tp, x, c, s)):
+        g = tp.backward(ops.reduce_sum(ops.mul(y, u)))
+        outs.append([y, g[x], g[c], g[s]])
+    got = tp.compile(outs[0] + outs[1], backend=backend).run()
+    for a, b in zip(got[:4], got[4:]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rope_decomposes_for_a_backend_without_kernel(monkeypatch):
+    """A backend with no rope kernel (cuda) runs the composed form: no rope op left, the
+    same bits forward and backward."""
+    from gradtape.backends.numpy import NumpyBackend
+
+    r = np.random.default_rng(6)
+    tp = gt.Tape(np.float32)
+    x = tp.param(r.standard_normal((6, 4)))
+    c, s = (tp.const(r.standard_normal((6, 2))) for _ in range(2))
+    y = ops.rope(x, c, s)
+    outs = [y, tp.backward(ops.reduce_sum(ops.mul(y, y)))[x]]
+    want = [v.value for v in outs]
+    monkeypatch.setattr(NumpyBackend, "has_kernel", staticmethod(lambda op: False))
+    prog = tp.compile(outs, backend="numpy")
+    assert not [v for v in prog.graph.ops if v.op == "rope"]
+    for a, b in zip(prog.run(), want):
+        np.testing.assert_array_equal(a, b)

@@ -109,6 +109,10 @@ def _cases():
          ids(r, T, 5))
     case("nll_ids_grad", "rows", lambda tp, g, x, i: ops.nll_ids_grad(g, x, i),
          normal(r, T, 1), normal(r, T, 5), ids(r, T, 5))
+    rope = lambda inverse: lambda tp, x, c, s: ops.rope(x, c, s, inverse=inverse)
+    for inverse in (False, True):
+        case("rope", "inverse" if inverse else "rows", rope(inverse), normal(r, T, 6),
+             normal(r, T, 3), normal(r, T, 3))
     # frozen weights in their stored type: differentiable in x only (w is frozen)
     for qt in ("Q4_K", "Q8_0", "BF16"):
         bm = random_blocks(qt, 5, 256, r, std=0.5)

@@ -17,6 +17,7 @@ family of primitives, each declaring its rows of ``PRIMS`` and its builders:
   movement       transpose, reshape, slice, pad, concat, row gathers and scatters
   linalg         matmul
   reductions     sum, sum_to, broadcast_to, softmax, logsumexp, nll_ids
+  rotary         rotary position embedding (rope), one op forward and backward
   block_weights  products and lookups against frozen weights kept in ggml blocks
   fused          what the tiled (fused) primitives share
   lm_head        the LM head fused with its cross-entropy (head_nll)
@@ -35,6 +36,7 @@ from .linalg import _mT, matmul  # noqa: F401
 from .reductions import (  # noqa: F401
     _fwd_nll_ids_grad, broadcast_to, logsumexp, nll_ids, nll_ids_grad, reduce_sum, softmax,
     sum_to)
+from .rotary import rope  # noqa: F401
 from .block_weights import qmatmul, qmatmul_t, qtake_rows  # noqa: F401
 from .lm_head import head_nll  # noqa: F401
 from .attention import attn  # noqa: F401

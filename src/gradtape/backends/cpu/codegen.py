@@ -196,7 +196,8 @@ def _split(shape, axis):
 
 
 C_COPY = frozenset(("slice", "pad", "concat", "reshape", "sum_to"))
-C_ROWS = frozenset(("softmax", "sum", "nll_ids", "nll_ids_grad", "transpose", "broadcast_to"))
+C_ROWS = frozenset(("softmax", "sum", "nll_ids", "nll_ids_grad", "transpose", "broadcast_to",
+                    "rope"))
 
 
 def c_single_op(v):
@@ -212,7 +213,7 @@ def c_single_op(v):
                                axis is not None and axis % x.ndim == x.ndim - 1)
     if v.op in ("transpose", "broadcast_to"):
         return 1 <= v.ndim <= 6 and v.size > 0
-    return v.op in C_COPY or v.op in ("nll_ids", "nll_ids_grad")
+    return v.op in C_COPY or v.op in ("nll_ids", "nll_ids_grad", "rope")
 
 
 def row_kernel_body(v, dtype, with_loss=False):
@@ -231,6 +232,8 @@ def row_kernel_body(v, dtype, with_loss=False):
     lines = []
     if v.op == "transpose":
         return _transpose_body(v, t)
+    if v.op == "rope":
+        return _rope_body(v, t, par)
     if v.op == "broadcast_to":
         return _broadcast_body(v, t)
     if v.op == "sum" and v.attrs.get("axis") is None:
@@ -291,6 +294,29 @@ def row_kernel_body(v, dtype, with_loss=False):
         lines.append(f"        for (long j = 0; j < {C}L; j++) y[j] = {e};")
     lines.append("    }")
     return "\n".join(lines)
+
+
+def _rope_body(v, t, par):
+    """ops.rotary's rotation of each row: both halves from one read of the row, the
+    products and their sum or difference as its NumPy forward forms them."""
+    R, hd = v.shape
+    h = hd // 2
+    first, second = ("+", "-") if v.attrs.get("inverse") else ("-", "+")
+    return "\n".join([
+        f"    const {t} *restrict a = (const {t} *)p[0];",
+        f"    const {t} *restrict c = (const {t} *)p[1];",
+        f"    const {t} *restrict s = (const {t} *)p[2];",
+        f"    {t} *restrict o = ({t} *)p[3];",
+        *([par] if par else []),
+        f"    for (long i = 0; i < {R}L; i++) {{",
+        f"        const {t} *restrict x = a + i*{hd}L, *restrict ci = c + i*{h}L, "
+        f"*restrict si = s + i*{h}L;",
+        f"        {t} *restrict y = o + i*{hd}L;",
+        f"        for (long j = 0; j < {h}L; j++) {{",
+        f"            y[j] = (x[j] * ci[j]) {first} (x[j + {h}L] * si[j]);",
+        f"            y[j + {h}L] = (x[j + {h}L] * ci[j]) {second} (x[j] * si[j]);",
+        "        }",
+        "    }"])
 
 
 def _transpose_body(v, t):

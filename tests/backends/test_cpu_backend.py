@@ -208,6 +208,21 @@ def test_the_loss_and_its_gradient_share_one_pass(dtype, by_loss):
     assert (plan.slot[grad], plan.offset[grad]) == (plan.slot[logits], plan.offset[logits])
 
 
+def test_large_copies_split_over_threads_are_the_copies():
+    """Slices, pads and concats big enough to split over the threads (by rows, or one
+    contiguous block in chunks): the very values NumPy's forwards give."""
+    tp = gt.Tape(np.float32)
+    r = np.random.default_rng(8)
+    flat, rows = tp.param(r.standard_normal(150_001)), tp.param(r.standard_normal((999, 70)))
+    outs = [ops.slice_(flat, 0, 7, 140_003), ops.slice_(rows, 1, 3, 64),
+            ops.slice_(rows, 0, 2, 990), ops.pad(rows, 1, 5, 9),
+            ops.concat([rows, ops.neg(rows)], 1), ops.concat([rows, rows], 0)]
+    got = cpu_program(tp, outs).run()
+    want = tp.compile(outs, backend="numpy").run()
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 # --- random fused graphs ---------------------------------------------------------------------
 
 UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "sigmoid", "tanh", "scale", "addc", "powc",

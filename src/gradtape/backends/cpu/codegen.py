@@ -407,6 +407,14 @@ def copy_kernel_body(v, dtype):
     outer, n_out, inner = _split(v.shape, axis)
     row = f"o + q*{n_out * inner}L"  # the output's block q; one loop over the blocks,
     body = []  # split over the threads where the copy is large enough to pay for it
+    if v.op == "slice" and outer == 1 and _omp_for(v.size):  # one block: in chunks
+        start, n = v.attrs["start"] * inner, v.size
+        chunk = -(-n // 64)
+        lines += [_omp_for(v.size), f"    for (long q = 0; q < {-(-n // chunk)}L; q++) {{",
+                  f"        const long lo = q*{chunk}L, len = {n}L - lo < {chunk}L ? "
+                  f"{n}L - lo : {chunk}L;",
+                  f"        memcpy(o + lo, a0 + {start}L + lo, (size_t)len * {sz}UL);", "    }"]
+        return "\n".join(lines)
     if v.op == "slice":
         _, n_in, _ = _split(ins[0].shape, axis)
         blk = (v.attrs["stop"] - v.attrs["start"]) * inner

@@ -591,8 +591,9 @@ class CpuBackend(HostBackend):
                 steps.append(("py", self._dense_gemm(s, val)))
                 continue
             if s in self._kernel_of:
-                outs = s.outputs if isinstance(s, FusedGroup) else (s, *(
-                    [self._loss_pair[s]] if s in self._loss_pair else []))
+                outs = s.outputs if isinstance(s, FusedGroup) else (s,)
+                if s in self._loss_pair:  # the loss, written from the same pass
+                    outs += (self._loss_pair[s],)
                 batch.add(s, self._kernel_of[s], [val[x].ctypes.data for x in s.inputs]
                           + [val[m].ctypes.data for m in outs]
                           + [self._trained16[w].array.ctypes.data

@@ -405,11 +405,12 @@ def copy_kernel_body(v, dtype):
         return "\n".join(lines)
     axis = v.attrs["axis"] % v.ndim
     outer, n_out, inner = _split(v.shape, axis)
-    row = f"o + q*{n_out * inner}L"  # the output's block q; one loop over the blocks,
-    body = []  # split over the threads where the copy is large enough to pay for it
-    if v.op == "slice" and outer == 1 and _omp_for(v.size):  # one block: in chunks
+    # one loop over the output's blocks (row: block q), split over the threads where the
+    # copy is large enough to pay for it; a single block in chunks of whole cache lines
+    row, body = f"o + q*{n_out * inner}L", []
+    if v.op == "slice" and outer == 1 and _omp_for(v.size):
         start, n = v.attrs["start"] * inner, v.size
-        chunk = -(-n // 64)
+        chunk = -(-n // (64 * 64)) * 64
         lines += [_omp_for(v.size), f"    for (long q = 0; q < {-(-n // chunk)}L; q++) {{",
                   f"        const long lo = q*{chunk}L, len = {n}L - lo < {chunk}L ? "
                   f"{n}L - lo : {chunk}L;",

@@ -2,8 +2,8 @@
 
 ``rope(x, c, s)`` rotates each row of ``x [R, hd]`` by its angles: with ``x1, x2`` the two
 column halves, ``[x1*c - x2*s, x2*c + x1*s]`` (``c, s [R, hd/2]``: cos and sin per row).
-Composed from slices, products and a concat it costs seven passes over the heads in
-forward and more in backward; as one op a backend runs it in one.  Its gradient is the
+Composed, it is a pass per slice, per half and for the concat in forward, and pads and
+adds in backward; as one op a backend runs it in one pass each way.  Its gradient is the
 inverse rotation (``inverse=True``: ``[x1*c + x2*s, x2*c - x1*s]``), the same products
 summed in the same pairs as the composed form's, so both give the same bits.  A backend
 without a kernel runs the composed form (``decompose``).

@@ -22,7 +22,8 @@ import pytest
 import gradtape as gt
 from gradtape import nn, ops
 from gradtape.backends import lowering
-from gradtape.compile.fuse import FusedGroup, fuse, plan_schedule_memory, prefix_level
+from gradtape.compile.fuse import (LATE_JOIN_SPAN, FusedGroup, fuse, plan_schedule_memory,
+                                   prefix_level)
 from gradtape.compile.graph import build_graph
 from gradtape.blocks import random_blocks
 from gradtape.ops import PRIMS
@@ -525,6 +526,45 @@ def test_no_cycle_when_a_member_was_read_outside():
     steps = _schedule([y]).steps
     assert [v.op for v in steps[0].ops] == ["exp"] and steps[0].outputs == (x,)
     assert steps[1] is mm and [v.op for v in steps[2].ops] == ["add"]
+
+
+def test_a_product_operand_recorded_after_a_sealed_group_joins_it():
+    """x = exp(a) feeds a matmul, then scale(x) feeds another: the scale reads nothing
+    made after x's group, and no elementwise op reads it, so it is computed in that group
+    (one pass over x fewer) and the products still read what they recorded."""
+    rng = np.random.default_rng(0)
+    tp = gt.Tape()
+    a = tp.param(rng.standard_normal((4, 4)))
+    w = tp.param(rng.standard_normal((4, 4)))
+    x = ops.exp(a)
+    mm = ops.matmul(x, w)
+    s = ops.scale(x, 0.5)
+    y = ops.matmul(s, w)
+    steps = _schedule([mm, y]).steps
+    assert [v.op for v in steps[0].ops] == ["exp", "scale"] and steps[0].outputs == (x, s)
+    assert steps[1] is mm and steps[2] is y
+    compare(tp, [mm, y])
+
+
+def test_a_late_op_feeding_elementwise_ops_or_far_away_stays_apart():
+    """An op that an elementwise op reads fuses with its reader instead; one recorded more
+    than LATE_JOIN_SPAN ops after the group (a value remat.py recomputes late on purpose)
+    is not moved back to it."""
+    tp = gt.Tape()
+    a = tp.param(np.ones((4, 4)))
+    x = ops.exp(a)
+    mm = ops.matmul(x, a)
+    y = ops.add(ops.scale(x, 0.5), mm)
+    steps = _schedule([y]).steps
+    assert [v.op for v in steps[0].ops] == ["exp"]
+    assert steps[1] is mm and [v.op for v in steps[2].ops] == ["scale", "add"]
+    h = mm
+    for _ in range(LATE_JOIN_SPAN):
+        h = ops.matmul(h, a)
+    z = ops.matmul(ops.scale(x, 0.5), h)
+    steps = _schedule([z]).steps
+    assert [v.op for v in steps[0].ops] == ["exp"]
+    assert [v.op for v in steps[-2].ops] == ["scale"] and steps[-1] is z
 
 
 def test_row_broadcast_is_not_a_member_of_a_wider_group():

@@ -19,7 +19,11 @@ ordered list of steps (a single op Var or a FusedGroup) a backend executes.
 Grouping rule (what keeps the schedule acyclic): ops are visited in recording order; an
 op joins the group(s) of its producers only if no member of those groups has already
 been read by an op outside them.  A group then runs at the position of its last member,
-and every edge goes from an earlier step to a later one.
+and every edge goes from an earlier step to a later one.  An op recorded a few ops
+after such a "sealed" group (``LATE_JOIN_SPAN``) still joins it where everything else it
+reads exists before the group and no elementwise op reads it (which it could fuse with
+later instead): it is then computed early, at the group's position (a LoRA scale of a
+gradient the group computes, feeding a product: one pass over the gradient saved).
 
 This module does not generate code; backends lower the groups (``backends/cpu/backend.py``).
 """
@@ -34,6 +38,9 @@ from ..ops import PRIMS
 from .memplan import MemoryPlan, in_place_updates, plan_liveness, reshape_views
 
 REDUCE_OPS = ("sum", "softmax", "logsumexp")
+# how many ops after a sealed group an op may still join it (computed early there): a few,
+# so that a value recomputed late on purpose (remat.py) never moves back into forward
+LATE_JOIN_SPAN = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,15 +109,30 @@ def default_fusible(v):
 
 
 class _Building:
-    __slots__ = ("members", "domain", "sealed", "closed", "kind", "pos")
+    __slots__ = ("members", "domain", "sealed", "closed", "kind", "pos", "at")
 
-    def __init__(self, members, domain, kind="elementwise"):
+    def __init__(self, members, domain, at, kind="elementwise"):
         self.members = list(members)
         self.domain = tuple(domain)
         self.sealed = False  # some member was read by an op outside the group
         self.closed = kind == "rowreduce"
         self.kind = kind
         self.pos = members[-1].index
+        self.at = at  # the position in graph.ops the group runs at (its last member's)
+
+
+def _late_join(v, at, cands, group_of, where):
+    """The sealed group among ``cands`` (groups of ``v``'s inputs) that ``v``, at position
+    ``at``, joins without moving it, or None: at most ``LATE_JOIN_SPAN`` ops before ``v``,
+    every input of ``v`` outside it made before it runs, a domain holding ``v``'s shape."""
+    for g in sorted(cands, key=lambda g: -g.at):
+        if (not g.sealed or g.closed or at - g.at > LATE_JOIN_SPAN
+                or merge_domains(tuple(v.shape), g.domain) != g.domain):
+            continue
+        if all(x.is_leaf or (group_of[x].at if x in group_of else where.get(x, -1)) < g.at
+               for x in v.inputs if group_of.get(x) is not g):
+            return g
+    return None
 
 
 def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
@@ -121,6 +143,7 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
     rowreduce groups.
     """
     group_of = {}  # Var -> _Building
+    where = {}  # Var -> its position in graph.ops
 
     def seal_inputs(v, own):
         for x in v.inputs:
@@ -128,13 +151,14 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
             if g is not None and g is not own:
                 g.sealed = True
 
-    for v in graph.ops:
+    # values an elementwise op reads: they may fuse with their readers, never join late
+    read_elementwise = {x for u in graph.ops if fusible(u) and PRIMS[u.op].elementwise
+                        for x in u.inputs}
+    for at, v in enumerate(graph.ops):
+        where[v] = at
         if fusible(v) and PRIMS[v.op].elementwise:
-            cands = []
-            for x in v.inputs:
-                g = group_of.get(x)
-                if g is not None and not g.sealed and not g.closed and g not in cands:
-                    cands.append(g)
+            producers = list(dict.fromkeys(group_of[x] for x in v.inputs if x in group_of))
+            cands = [g for g in producers if not g.sealed and not g.closed]
             target = None
             # all producer groups at once, else the largest compatible one alone
             for choice in ([cands] if len(cands) > 1 else []) + [[g] for g in sorted(
@@ -145,8 +169,13 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 if dom is not None:
                     target = choice
                     break
-            if target is None:
-                g = _Building([v], v.shape)
+            late = (_late_join(v, at, producers, group_of, where)
+                    if target is None and v not in read_elementwise else None)
+            if late is not None:  # computed early, where the group runs
+                g = late
+                g.members.append(v)
+            elif target is None:
+                g = _Building([v], v.shape, at)
             else:
                 g = target[0]
                 for other in target[1:]:
@@ -156,7 +185,7 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 g.members.append(v)
                 g.members.sort(key=lambda m: m.index)
                 g.domain = dom
-                g.pos = v.index
+                g.pos, g.at = v.index, at
             group_of[v] = g
             seal_inputs(v, g)
         elif reductions and is_row_reduction(v):
@@ -165,10 +194,10 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
             if (g is not None and not g.sealed and not g.closed
                     and tuple(g.domain) == tuple(x.shape)):
                 g.members.append(v)
-                g.kind, g.closed, g.pos = "rowreduce", True, v.index
+                g.kind, g.closed, g.pos, g.at = "rowreduce", True, v.index, at
                 g.domain = tuple(x.shape)
             else:
-                g = _Building([v], x.shape, kind="rowreduce")
+                g = _Building([v], x.shape, at, kind="rowreduce")
             group_of[v] = g
             seal_inputs(v, g)
         else:

@@ -567,6 +567,67 @@ def test_a_late_op_feeding_elementwise_ops_or_far_away_stays_apart():
     assert [v.op for v in steps[-2].ops] == ["scale"] and steps[-1] is z
 
 
+def test_a_recomputed_value_joining_its_original_group_runs_once():
+    """Soft-capped logits (Gemma 2): backward's ``c * tanh`` is a clone of forward's
+    (remat.py; a clone keeps its original's tape index) and joins forward's group late.
+    The group runs once, at its place, so its output written over its input is not
+    computed again from itself, and the gradients are the reference's."""
+    rng = np.random.default_rng(4)
+    tp = gt.Tape(np.float64, eager=False)
+    h = tp.param(rng.standard_normal((6, 24)))  # 24 terms: the logits a product of their own
+    w = tp.param(rng.standard_normal((24, 32)))
+    ids = tp.const(rng.integers(0, 32, 6))
+    capped = ops.scale(ops.tanh(ops.scale(ops.matmul(h, w), 1 / 3)), 3.0)
+    loss = ops.reduce_sum(ops.nll_ids(capped, ids))
+    grads = tp.backward(loss)
+    prog, worst = compare(tp, [loss, grads[h], grads[w]])
+    steps = prog.executable.schedule.steps
+    assert len({id(s) for s in steps}) == len(steps)
+    assert worst < 1e-12
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_a_narrow_product_is_computed_in_its_readers_kernel(dtype, ta, tb):
+    """LoRA's ``(x A) B``: a product of rank r <= FUSED_K read by elementwise ops runs in
+    their kernel (its [T, n] never written), its operands in either layout, its sums as
+    the reference's within the dtype's tolerance; its gradients too."""
+    rng = np.random.default_rng(1)
+    T, r, n = 12, 5, 40
+    tp = gt.Tape(dtype)
+    xa = tp.param(rng.standard_normal((r, T) if ta else (T, r)))
+    b = tp.param(rng.standard_normal((n, r) if tb else (r, n)))
+    base = tp.param(rng.standard_normal((T, n)))
+    p = ops.matmul(xa, b, ta=ta, tb=tb)
+    y = ops.tanh(ops.add(base, ops.scale(p, 0.5)))
+    loss = ops.reduce_sum(ops.mul(y, y))
+    grads = tp.backward(loss)
+    outs = [y, grads[xa], grads[b], grads[base]]
+    prog, _ = compare(tp, outs)
+    groups = prog.executable.schedule.groups
+    (g,) = [g for g in groups if p in g.ops]
+    assert [v.op for v in g.ops][:4] == ["matmul", "scale", "add", "tanh"]
+    assert p not in g.outputs and g.domain == (T, n)
+
+
+def test_a_product_never_shares_a_group_with_its_operands():
+    """A reader of both a product and the product's operand (k = n, so the shapes would
+    merge) leaves them apart: the product reads whole rows of its operand, which a group
+    computes element by element; nor does a row reduction close a product's group."""
+    rng = np.random.default_rng(2)
+    tp = gt.Tape(np.float32)
+    x = tp.param(rng.standard_normal((6, 8)).astype(np.float32))
+    w = tp.param(rng.standard_normal((8, 8)).astype(np.float32))
+    a = ops.exp(x)
+    p = ops.matmul(a, w)
+    z = ops.add(ops.scale(p, 2.0), a)
+    s = ops.softmax(ops.tanh(p), 1)
+    prog, _ = compare(tp, [z, s])
+    (g,) = [g for g in prog.executable.schedule.groups if p in g.ops]
+    assert a not in g.ops and a in g.inputs and g.kind == "elementwise"
+    assert [v.op for v in g.ops] == ["matmul", "scale", "add", "tanh"]
+
+
 def test_row_broadcast_is_not_a_member_of_a_wider_group():
     tp = gt.Tape()
     r = tp.param(np.ones(8))

@@ -103,10 +103,10 @@ def test_each_update_runs_once_its_gradient_is_complete(backend):
     the recording order."""
     rng = np.random.default_rng(1)
     tp = gt.Tape(np.float64, eager=False)
-    h = tp.const(rng.standard_normal((8, 16)))
-    ws = [tp.param(rng.standard_normal((16, 16)) * 0.3) for _ in range(3)]
+    h = tp.const(rng.standard_normal((8, 24)))  # 24 terms a product: never fused (FUSED_K)
+    ws = [tp.param(rng.standard_normal((24, 24)) * 0.2) for _ in range(3)]
     for w in ws:
-        h = ops.tanh(ops.matmul(h, w))  # [8, 16]
+        h = ops.tanh(ops.matmul(h, w))  # [8, 24]
     loss = ops.reduce_sum(ops.mul(h, h))
     grads = tp.backward(loss)
     new, scalars, _ = adamw(tp, ws, [grads[w] for w in ws], AdamWConfig())

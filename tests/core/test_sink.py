@@ -17,7 +17,7 @@ from gradtape.optim import AdamWConfig, adamw, global_norm
 
 from support.fd import BACKENDS
 
-V, D, T, LAYERS = 4096, 256, 8, 16  # the table [V, D] float32 is SINK_MIN bytes
+V, D, T, LAYERS = 4096, 256, 32, 16  # the table [V, D] float32 is SINK_MIN bytes; T > FUSED_K
 
 
 def _step(dtype, seed=0):

@@ -25,6 +25,11 @@ reads exists before the group and no elementwise op reads it (which it could fus
 later instead): it is then computed early, at the group's position (a LoRA scale of a
 gradient the group computes, feeding a product: one pass over the gradient saved).
 
+A backend may also let a product with a short inner dimension start an elementwise group
+(``products``: LoRA's ``(x A) B`` at rank r, r multiply-adds per element): its readers
+then take it where it is computed, and the ``[T, n]`` product is never written.  Such a
+group keeps the product's shape as its domain, and never holds what the product reads.
+
 This module does not generate code; backends lower the groups (``backends/cpu/backend.py``).
 """
 
@@ -109,7 +114,7 @@ def default_fusible(v):
 
 
 class _Building:
-    __slots__ = ("members", "domain", "sealed", "closed", "kind", "pos", "at")
+    __slots__ = ("members", "domain", "sealed", "closed", "kind", "at", "fixed")
 
     def __init__(self, members, domain, at, kind="elementwise"):
         self.members = list(members)
@@ -117,8 +122,17 @@ class _Building:
         self.sealed = False  # some member was read by an op outside the group
         self.closed = kind == "rowreduce"
         self.kind = kind
-        self.pos = members[-1].index
         self.at = at  # the position in graph.ops the group runs at (its last member's)
+        self.fixed = False  # it holds a product: its domain is the product's shape
+
+
+def _may_merge(groups, v, dom):
+    """Whether ``groups`` and ``v`` may form one group over ``dom``: a group holding a
+    product keeps its domain and holds nothing the product reads."""
+    members = {m for g in groups for m in g.members} | {v}
+    return (all(dom == g.domain for g in groups if g.fixed)
+            and not any(x in members for g in groups if g.fixed
+                        for m in g.members if m.op == "matmul" for x in m.inputs))
 
 
 def _late_join(v, at, cands, group_of, where):
@@ -135,12 +149,13 @@ def _late_join(v, at, cands, group_of, where):
     return None
 
 
-def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
+def fuse(graph, fusible=default_fusible, reductions=True, products=None) -> Schedule:
     """Group ``graph.ops`` into FusedGroups; everything else stays a single-op step.
 
     ``fusible(v)`` says whether an elementwise op may join a group (a backend passes a
     narrower test when it lacks a kernel for some primitive); ``reductions`` allows
-    rowreduce groups.
+    rowreduce groups; ``products(v)``, whether a 2-d matmul may start an elementwise
+    group (see the module docstring).
     """
     group_of = {}  # Var -> _Building
     where = {}  # Var -> its position in graph.ops
@@ -166,7 +181,7 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 dom = tuple(v.shape)
                 for g in choice:
                     dom = merge_domains(dom, g.domain) if dom is not None else None
-                if dom is not None:
+                if dom is not None and _may_merge(choice, v, dom):
                     target = choice
                     break
             late = (_late_join(v, at, producers, group_of, where)
@@ -178,6 +193,7 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 g = _Building([v], v.shape, at)
             else:
                 g = target[0]
+                g.fixed = any(x.fixed for x in target)
                 for other in target[1:]:
                     g.members.extend(other.members)
                     for m in other.members:
@@ -185,16 +201,22 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 g.members.append(v)
                 g.members.sort(key=lambda m: m.index)
                 g.domain = dom
-                g.pos, g.at = v.index, at
+                g.at = at
+            group_of[v] = g
+            seal_inputs(v, g)
+        elif products is not None and v in read_elementwise and products(v):
+            # computed where its elementwise readers are
+            g = _Building([v], v.shape, at)
+            g.fixed = True
             group_of[v] = g
             seal_inputs(v, g)
         elif reductions and is_row_reduction(v):
             x = v.inputs[0]
             g = group_of.get(x)
-            if (g is not None and not g.sealed and not g.closed
+            if (g is not None and not g.sealed and not g.closed and not g.fixed
                     and tuple(g.domain) == tuple(x.shape)):
                 g.members.append(v)
-                g.kind, g.closed, g.pos, g.at = "rowreduce", True, v.index, at
+                g.kind, g.closed, g.at = "rowreduce", True, at
                 g.domain = tuple(x.shape)
             else:
                 g = _Building([v], x.shape, at, kind="rowreduce")
@@ -212,12 +234,14 @@ def fuse(graph, fusible=default_fusible, reductions=True) -> Schedule:
                 escapes.add(x)
 
     steps = []
-    for v in graph.ops:  # each group lands at its last member's position
+    # each group lands at its last member's position (in graph.ops: a clone remat.py
+    # makes keeps its original's tape index, so the index alone could place it twice)
+    for at, v in enumerate(graph.ops):
         g = group_of.get(v)
         if g is None:
             steps.append((v.index, v))
             continue
-        if g.pos != v.index:
+        if g.at != at:
             continue
         members = tuple(g.members)
         mset = set(members)
@@ -256,6 +280,8 @@ def reads_same_index(step, x, v) -> bool:
             and tuple(step.domain) == tuple(x.shape) == tuple(v.shape)
             and x.dtype == v.dtype and v in step.ops):
         return False
+    if any(m.op == "matmul" and x in m.inputs for m in step.ops):
+        return False  # a product reads a whole row of x for each element
     feeds = {v}  # v and the members it is computed from
     for m in reversed(step.ops):
         if m in feeds:

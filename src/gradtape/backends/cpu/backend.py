@@ -178,6 +178,20 @@ def _bf16_weight_grad(v):
 
 
 BF16_MIN_WEIGHT = 1 << 16  # elements: smaller GEMMs gain nothing from a conversion pass
+FUSED_K = 16  # the widest inner dimension of a product computed inside its readers' kernel
+
+
+def _fused_product(v):
+    """A 2-d product of at most ``FUSED_K`` terms per element, at least a vector of 8
+    columns wide, whose right operand (copied onto the stack where transposed) is
+    smaller than a bf16 weight: LoRA's ``(x A) B`` and ``(g B^T) A^T`` at ranks up to 16,
+    computed where the fusion pass puts their readers (``codegen._product_sum``), never
+    written as ``[T, n]``."""
+    if v.op != "matmul" or v.ndim != 2 or v.shape[1] < 8:
+        return False
+    a, b = v.inputs
+    k = a.shape[0] if v.attrs.get("ta") else a.shape[1]
+    return k <= FUSED_K and b.size < BF16_MIN_WEIGHT and a.dtype == b.dtype == v.dtype
 
 
 def _float_dtype(graph):
@@ -196,7 +210,8 @@ class CpuBackend(HostBackend):
     def fusion(cls, graph):
         dtype = _float_dtype(graph)
         return {"fusible": _fusible_for(dtype) if dtype else (lambda v: False),
-                "reductions": dtype is not None}
+                "reductions": dtype is not None,
+                "products": _fused_product if dtype else None}
 
     @classmethod
     def fuses_scatter_add(cls, graph):

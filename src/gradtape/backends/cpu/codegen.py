@@ -74,10 +74,14 @@ class _Lowering:
             return f"v{self.member_id[x]}"
         return f"a{self.in_id[x]}[{index_expr(strides_of[x], ivars)}]"
 
-    def stmt(self, m, strides_of, ivars, write=True):
-        args = [self.operand(x, strides_of, ivars) for x in m.inputs]
+    def stmt(self, m, strides_of, ivars, write=True, value=None):
+        """``m``'s statement: its value (``value``, else its op on its operands), stored
+        where it leaves the group."""
+        if value is None:
+            args = [self.operand(x, strides_of, ivars) for x in m.inputs]
+            value = expr(m.op, args, m.attrs, self.ct)
         k = self.member_id[m]
-        s = f"const {self.ct.t} v{k} = {expr(m.op, args, m.attrs, self.ct)};"
+        s = f"const {self.ct.t} v{k} = {value};"
         if write and m in self.out_id:
             s += f" o{self.out_id[m]}[{index_expr(strides_of[m], ivars)}] = v{k};"
         if write and m in self.b16_id:  # its bf16 rounding too (gt_to_bf16's bits)
@@ -92,9 +96,13 @@ def lower_elementwise(group, ct, bf16=()):
     pointer after the outputs (a trained weight's copy, written by its update)."""
     low = _Lowering(group, ct, bf16)
     dom = list(group.domain)
-    arrays = list(group.inputs) + list(group.ops)
+    products = [m for m in group.ops if m.op == "matmul"]
+    operands = {x for m in products for x in m.inputs}
+    arrays = [x for x in group.inputs if x not in operands or any(
+        x in m.inputs for m in group.ops if m.op != "matmul")] + list(group.ops)
     strides = {x: broadcast_strides(x.shape, dom) for x in arrays}
-    dom, strides = collapse_domain(dom, strides)
+    if not products:  # a product's [T, n] stays two loops: its sums index rows and columns
+        dom, strides = collapse_domain(dom, strides)
     ivars = [f"i{d}" for d in range(len(dom))]
 
     def level(m):
@@ -105,6 +113,8 @@ def lower_elementwise(group, ct, bf16=()):
     for m in group.ops:
         by_level[level(m)].append(m)
     lines = list(low.decls)
+    for m in products:
+        lines += _product_prelude(low, m)
     # threads split the outermost loop (each iteration writes its own elements)
     par = bool(dom) and dom[0] > 1 and _omp_for(int(np.prod(dom)))
     for depth in range(len(dom) + 1):
@@ -120,10 +130,46 @@ def lower_elementwise(group, ct, bf16=()):
             lines.append(f"{ind0}for (long {ivars[depth - 1]} = 0; {ivars[depth - 1]} < "
                          f"{dom[depth - 1]}L; {ivars[depth - 1]}++) {{")
         for m in by_level[depth]:
-            lines.append(ind + low.stmt(m, strides, ivars))
+            value = _product_sum(low, m, ivars) if m.op == "matmul" else None
+            lines.append(ind + low.stmt(m, strides, ivars, value=value))
     for depth in range(len(dom), 0, -1):
         lines.append("    " * depth + "}")
     return lines
+
+
+def _product_prelude(low, m):
+    """A product member's right operand as ``[k, n]`` rows (``w{K}``): a transposed one
+    copied once per call, so that the sums read it along the columns the loop walks."""
+    k, n = _inner(m), m.shape[1]
+    src = f"a{low.in_id[m.inputs[1]]}"
+    if not m.attrs.get("tb"):
+        return [f"    const {low.ct.t} *restrict w{low.member_id[m]} = {src};"]
+    w = f"w{low.member_id[m]}"
+    return [f"    {low.ct.t} {w}[{k * n}];",
+            f"    for (long j = 0; j < {n}L; j++) for (long q = 0; q < {k}L; q++) "
+            f"{w}[q*{n}L + j] = {src}[j*{k}L + q];"]
+
+
+def _product_sum(low, m, ivars):
+    """``sum_q a[i, q] w[q, j]`` of a product member, ``q`` in order, as multiply-adds
+    (``GT_FMAF``: fused where the CPU has them; a GEMM's sums, which no two paths promise
+    bitwise, ours or a BLAS's)."""
+    i, j = ivars
+    k, n, rows = _inner(m), m.shape[1], m.shape[0]
+    a, w = f"a{low.in_id[m.inputs[0]]}", f"w{low.member_id[m]}"
+    av = [f"{a}[{q}*{rows}L + {i}]" if m.attrs.get("ta") else f"{a}[{i}*{k}L + {q}]"
+          for q in range(k)]
+    fma = "GT_FMAF" if low.ct.t == "float" else "GT_FMA"
+    acc = f"{av[0]} * {w}[{j}]"
+    for q in range(1, k):
+        acc = f"{fma}({av[q]}, {w}[{q * n}L + {j}], {acc})"
+    return acc
+
+
+def _inner(m):
+    """The inner dimension of a 2-d product member."""
+    a = m.inputs[0]
+    return a.shape[0] if m.attrs.get("ta") else a.shape[1]
 
 
 def lower_rowreduce(group, ct):

@@ -27,6 +27,16 @@ static inline float gt_expf(float x) {
     memcpy(&s2, &b2, 4);
     return y * s1 * s2;
 }
+/* a * b + c for the sums of a product inside a kernel (codegen._product_sum): one fused
+   instruction where the CPU has it, else a product and a sum (a libm call would stop
+   vectorization) */
+#if defined(__FMA__) || defined(__aarch64__)
+#define GT_FMA(a, b, c) __builtin_fma(a, b, c)
+#define GT_FMAF(a, b, c) __builtin_fmaf(a, b, c)
+#else
+#define GT_FMA(a, b, c) ((a) * (b) + (c))
+#define GT_FMAF(a, b, c) ((a) * (b) + (c))
+#endif
 /* float32 -> bf16 bits, round to nearest even (the carry of 0x7FFF plus the lowest kept
    bit); NaN stays a quiet NaN instead of rounding into infinity. */
 static inline uint16_t gt_bf16(float f) {

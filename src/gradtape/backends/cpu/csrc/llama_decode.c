@@ -151,6 +151,34 @@ static void gd_rmsnorm(const float *x, const float *w, float *out, int64_t n, fl
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
+/* the member's share [*a, *e) of a row of n elements, in whole blocks of the 8-bit forms
+   need makes of it (256 elements with Q8_K, else 32; the whole row where n is no
+   multiple of 32) */
+static void gd_span(const gd_team *tm, int64_t n, int need, int64_t *a, int64_t *e) {
+    const int64_t unit = (gq_forms(n, need) & GQ_Q8K) ? 256 : n % 32 == 0 ? 32 : n;
+    gd_part(tm, n / unit, a, e);
+    *a *= unit;
+    *e *= unit;
+}
+
+/* h = rmsnorm(x) * w and the 8-bit row xr of h for need (0: none), split over the team:
+   each member sums all of x in the same order (the same factor as gd_rmsnorm's) and
+   normalizes and quantizes its share; no barrier */
+static void gd_norm_q(const gd_team *tm, const float *x, const float *w, float *h, int64_t n,
+                      float eps, gq_row *xr, int need) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    int64_t a, e;
+    gd_span(tm, n, need, &a, &e);
+    for (int64_t i = a; i < e; i++) h[i] = x[i] * r * w[i];
+    gq_quantize_span(xr, h, n, need, a, e);
+    if (tm->tid == 0) {
+        xr->k = n;
+        xr->have = gq_forms(n, need);
+    }
+}
+
 /* t[j] = sum_i x[i] A[i, j] = A^T[j] . x: the LoRA down-projection (r <= 64), one
    float32 row dot product per j (A^T rows are contiguous: 16 lanes a step) */
 static void gd_lora_t(const gd_lin *L, const float *x, float *t) {
@@ -418,11 +446,7 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         /* the attention's output quantized head by head where its form has blocks of 32
            that tile a head (no barrier of its own) */
         const int ohead = no == GQ_Q80 && hd % 32 == 0;
-        if (lead) {
-            gd_rmsnorm(x, m->attn_norm + i * D, h, D, m->eps);
-            if (nqkv) gq_quantize(&xr, h, D, nqkv);
-            else xr.have = 0;
-        }
+        gd_norm_q(tm, x, m->attn_norm + i * D, h, D, m->eps, &xr, nqkv);
         gd_sync(tm);
         gd_lora_ts(tm, &L[GD_Q], &L[GD_K], &L[GD_V], h, tq, tk, tv);
         gd_linear(&L[GD_Q], h, &xr, tq, q, 0);
@@ -458,33 +482,24 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         }
         gd_lora_ts(tm, &L[GD_O], 0, 0, att, tq, 0, 0);
         gd_residual(tm, m, &L[GD_O], att, &xr, tq, x, h, m->post_attn_norm, i);
-        if (lead) {
-            gd_rmsnorm(x, m->ffn_norm + i * D, h, D, m->eps);
-            if (nffn) gq_quantize(&xr, h, D, nffn);
-            else xr.have = 0;
-        }
+        gd_norm_q(tm, x, m->ffn_norm + i * D, h, D, m->eps, &xr, nffn);
         gd_sync(tm);
         gd_lora_ts(tm, &L[GD_GATE], &L[GD_UP], 0, h, tk, tu, 0);
         gd_linear(&L[GD_GATE], h, &xr, tk, mlp, 0);
         gd_linear(&L[GD_UP], h, &xr, tu, up, 0);
         gd_sync(tm);
-        if (nd) {  /* the activation and its quantization on one thread: one barrier */
-            if (lead) {
-                for (int64_t j = 0; j < F; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
-                gq_quantize(&xr, mlp, F, nd);
-            }
-        } else {
-            gd_part(tm, F, &a, &b);
-            for (int64_t j = a; j < b; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        gd_span(tm, F, nd, &a, &b);  /* the activation and its 8-bit row, in shares */
+        for (int64_t j = a; j < b; j++) mlp[j] = gd_act(m, mlp[j], up[j]);
+        gq_quantize_span(&xr, mlp, F, nd, a, b);
+        if (lead) {
+            xr.k = F;
+            xr.have = gq_forms(F, nd);
         }
         gd_sync(tm);
         gd_lora_ts(tm, &L[GD_DOWN], 0, 0, mlp, tv, 0, 0);
         gd_residual(tm, m, &L[GD_DOWN], mlp, &xr, tv, x, h, m->post_ffn_norm, i);
     }
-    if (lead) {
-        gd_rmsnorm(x, m->norm, h, D, m->eps);
-        gq_quantize(&xr, h, D, gd_need(m, &m->head, 0, 0));
-    }
+    gd_norm_q(tm, x, m->norm, h, D, m->eps, &xr, gd_need(m, &m->head, 0, 0));
     gd_sync(tm);
     gd_linear(&m->head, h, &xr, 0, logits, 0);
     if (m->final_softcap > 0.0f) {  /* logits = cap tanh(logits / cap) */

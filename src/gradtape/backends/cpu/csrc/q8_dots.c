@@ -169,17 +169,24 @@ void gq_init(gq_row *r, void *buf, int64_t kmax) {
     r->have = 0;
 }
 
+int gq_forms(int64_t k, int need) {
+    return ((need & GQ_Q80) && k % 32 == 0 ? GQ_Q80 : 0)
+           | ((need & GQ_Q8K) && k % 256 == 0 ? GQ_Q8K : 0);
+}
+
+void gq_quantize_span(gq_row *r, const float *x, int64_t k, int need, int64_t e0,
+                      int64_t e1) {
+    const int have = gq_forms(k, need);
+    if (have & GQ_Q80)
+        gq_q8_0(x + e0, e1 - e0, r->q0 + e0, r->d0 + e0 / 32, r->s0 + e0 / 32, r->z0 + e0 / 4);
+    if (have & GQ_Q8K)
+        gq_q8_k(x + e0, e1 - e0, r->qk + e0, r->dk + e0 / 256, r->bk + e0 / 16);
+}
+
 void gq_quantize(gq_row *r, const float *x, int64_t k, int need) {
     r->k = k;
-    r->have = 0;
-    if ((need & GQ_Q80) && k % 32 == 0) {
-        gq_q8_0(x, k, r->q0, r->d0, r->s0, r->z0);
-        r->have |= GQ_Q80;
-    }
-    if ((need & GQ_Q8K) && k % 256 == 0) {
-        gq_q8_k(x, k, r->qk, r->dk, r->bk);
-        r->have |= GQ_Q8K;
-    }
+    r->have = gq_forms(k, need);
+    gq_quantize_span(r, x, k, need, 0, k);
 }
 
 /* --- the block dots ------------------------------------------------------------------ */

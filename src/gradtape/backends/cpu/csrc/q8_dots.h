@@ -19,6 +19,12 @@ int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer
 int64_t gq_bytes(int64_t kmax);  /* the buffer gq_init carves a row of <= kmax from */
 void gq_init(gq_row *r, void *buf, int64_t kmax);
 void gq_quantize(gq_row *r, const float *x, int64_t k, int need);
+/* the forms gq_quantize makes of a row of k for need (GQ_Q80 | GQ_Q8K), and its blocks
+   of elements [e0, e1) alone (multiples of the forms' block sizes; r->k, r->have untouched:
+   the team's threads quantize a row in parts, one sets those) */
+int gq_forms(int64_t k, int need);
+void gq_quantize_span(gq_row *r, const float *x, int64_t k, int need, int64_t e0,
+                      int64_t e1);
 void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z);  /* one form's parts */
 int gq_ready(const gq_row *x, int64_t type, int64_t k);  /* x holds what type's dots read */
 void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,

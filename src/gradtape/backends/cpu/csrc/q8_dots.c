@@ -362,7 +362,8 @@ static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 
 #define GQ_S5 2
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                  \
-    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, mv = _mm256_setzero_ps();  \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;  /* in registers: an array indexed \
+                                                           by b & 1 lived on the stack */ \
     float m = 0.0f;                                                                      \
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
                                           _mm256_set1_epi32(BS));                        \
@@ -379,19 +380,21 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
             const uint8_t *pj = p + BS * j;                                              \
             const __m256i y = gq_y(x->q0 + 32 * (b + j));                                \
             const __m256i i = GQ_I(W, SGN, pj, y, b + j);                                \
-            a[j & 1] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j)),  \
-                                       _mm256_cvtepi32_ps(i), a[j & 1]);                 \
+            const __m256 dj = _mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j));         \
+            if (j & 1) a1 = _mm256_fmadd_ps(dj, _mm256_cvtepi32_ps(i), a1);              \
+            else a0 = _mm256_fmadd_ps(dj, _mm256_cvtepi32_ps(i), a0);                    \
         }                                                                                \
     }                                                                                    \
     for (; b < nb; b++) {                                                                \
         const uint8_t *p = row + BS * b;                                                 \
         const __m256i y = gq_y(x->q0 + 32 * b);                                          \
         const __m256i i = GQ_I(W, SGN, p, y, b);                                         \
-        a[b & 1] = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]),                 \
-                                   _mm256_cvtepi32_ps(i), a[b & 1]);                     \
+        const __m256 db = _mm256_set1_ps(gb_h2f(p) * x->d0[b]);                          \
+        if (b & 1) a1 = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(i), a1);                  \
+        else a0 = _mm256_fmadd_ps(db, _mm256_cvtepi32_ps(i), a0);                        \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
     }                                                                                    \
-    return gq_hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), mv)) + m;                    \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), mv)) + m;                        \
 }
 #endif
 GQ_DOT32(gq_dot_q4_0, 18, gq_w_q4_0, 1, 0)

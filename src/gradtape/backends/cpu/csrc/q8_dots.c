@@ -39,7 +39,7 @@
 #define GQ_AVX2 1
 #endif
 
-/* the block dots are inlined into their types' row loops (gq_rows_*): one call per
+/* the block dots are inlined into their types' row loops (GQ_ROWS): one call per
    product instead of per row, its constants set up once */
 #define GQ_INLINE static inline __attribute__((always_inline))
 
@@ -362,8 +362,8 @@ static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 
 #define GQ_S5 2
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
 GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                  \
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;  /* in registers: an array indexed \
-                                                           by b & 1 lived on the stack */ \
+    /* two named accumulators: an array indexed by b & 1 would be kept on the stack */   \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;                                   \
     float m = 0.0f;                                                                      \
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
                                           _mm256_set1_epi32(BS));                        \
@@ -568,7 +568,7 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
 
 /* how far ahead of the row being read its weight bytes are prefetched: a decode step
    streams every weight from memory once, and the hardware's prefetcher alone leaves the
-   dots waiting (on AMD's Zen 3, 2-5% of the Q4 dots, a fifth of the Q8_0 LM head's) */
+   dots waiting on it (docs/benchmarks.md, AMD Zen 3) */
 #ifndef GQ_AHEAD
 #define GQ_AHEAD 4096
 #endif

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import ops as _ops  # noqa: F401  (the primitive table must be loaded)
+from ..ops import inner_dim  # (importing ops loads the primitive table)
 from ..var import Var
 from .graph import Graph
 
@@ -29,11 +29,6 @@ from .graph import Graph
 def _new(like, op, inputs, attrs, shape):
     return Var(like.tape, like.index, op, tuple(inputs), dict(attrs), tuple(shape), like.dtype,
                None, like.requires_grad)
-
-
-def _inner(v):
-    a = v.inputs[0]
-    return a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
 
 
 @dataclass
@@ -62,7 +57,7 @@ def _outer_products(ops, pos, rw):
     """1. A 2-d matmul with inner dimension 1 becomes a broadcast ``mul`` (an operand
     given transposed is reshaped to a column / a row first)."""
     for v in ops:
-        if v.op != "matmul" or v.ndim != 2 or _inner(v) != 1:
+        if v.op != "matmul" or v.ndim != 2 or inner_dim(v) != 1:
             continue
         a, b = v.inputs
         ta, tb = v.attrs.get("ta"), v.attrs.get("tb")

@@ -32,7 +32,7 @@ from .elementwise import (  # noqa: F401
     sqrt, sub, tanh)
 from .movement import (  # noqa: F401
     concat, pad, pick, put, reshape, scatter_rows, slice_, take_rows, transpose)
-from .linalg import _mT, matmul  # noqa: F401
+from .linalg import _mT, inner_dim, matmul  # noqa: F401
 from .reductions import (  # noqa: F401
     _fwd_nll_ids_grad, broadcast_to, logsumexp, nll_ids, nll_ids_grad, reduce_sum, softmax,
     sum_to)

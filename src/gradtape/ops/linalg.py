@@ -49,3 +49,10 @@ def matmul(a, b, ta=False, tb=False):
     """op(a) @ op(b), where op transposes when ta / tb is set (no copy is made).  Both
     2-d, or both 3-d ``[batch, m, k] @ [batch, k, n]`` (op swapping the last two axes)."""
     return _rec("matmul", a, b, ta=bool(ta), tb=bool(tb))
+
+
+def inner_dim(v):
+    """The number of terms each element of a recorded ``matmul`` ``v`` sums (its ``k``)."""
+    a = v.inputs[0]
+    return a.shape[-2] if v.attrs.get("ta") else a.shape[-1]
+

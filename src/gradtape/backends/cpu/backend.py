@@ -60,7 +60,7 @@ import numpy as np
 
 from ...compile.fuse import FusedGroup, loss_pairs, scatter_adds
 from ...compile.memplan import views_in_place
-from ...ops import PRIMS, _mT
+from ...ops import PRIMS, _mT, inner_dim
 from ..base import HostBackend, page_aligned
 from ..lowering import C_ELEMENTWISE
 from . import (codegen, measure, mkl, narrow, onednn, qgemm, qgemm_bf16, qgemm_int8, split,
@@ -190,8 +190,7 @@ def _fused_product(v):
     if v.op != "matmul" or v.ndim != 2 or v.shape[1] < 8:
         return False
     a, b = v.inputs
-    k = a.shape[0] if v.attrs.get("ta") else a.shape[1]
-    return k <= FUSED_K and b.size < BF16_MIN_WEIGHT and a.dtype == b.dtype == v.dtype
+    return inner_dim(v) <= FUSED_K and b.size < BF16_MIN_WEIGHT and a.dtype == b.dtype == v.dtype
 
 
 def _float_dtype(graph):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...ops import inner_dim
 from ..lowering import (ROW_MATH, CTypes, broadcast_strides, collapse_domain,
                         contig_strides, expr, index_expr, row_layout)
 from .toolchain import CSRC
@@ -140,7 +141,7 @@ def lower_elementwise(group, ct, bf16=()):
 def _product_prelude(low, m):
     """A product member's right operand as ``[k, n]`` rows (``w{K}``): a transposed one
     copied once per call, so that the sums read it along the columns the loop walks."""
-    k, n = _inner(m), m.shape[1]
+    k, n = inner_dim(m), m.shape[1]
     src = f"a{low.in_id[m.inputs[1]]}"
     if not m.attrs.get("tb"):
         return [f"    const {low.ct.t} *restrict w{low.member_id[m]} = {src};"]
@@ -155,7 +156,7 @@ def _product_sum(low, m, ivars):
     (``GT_FMAF``: fused where the CPU has them; a GEMM's sums, which no two paths promise
     bitwise, ours or a BLAS's)."""
     i, j = ivars
-    k, n, rows = _inner(m), m.shape[1], m.shape[0]
+    k, n, rows = inner_dim(m), m.shape[1], m.shape[0]
     a, w = f"a{low.in_id[m.inputs[0]]}", f"w{low.member_id[m]}"
     av = [f"{a}[{q}*{rows}L + {i}]" if m.attrs.get("ta") else f"{a}[{i}*{k}L + {q}]"
           for q in range(k)]
@@ -164,12 +165,6 @@ def _product_sum(low, m, ivars):
     for q in range(1, k):
         acc = f"{fma}({av[q]}, {w}[{q * n}L + {j}], {acc})"
     return acc
-
-
-def _inner(m):
-    """The inner dimension of a 2-d product member."""
-    a = m.inputs[0]
-    return a.shape[0] if m.attrs.get("ta") else a.shape[1]
 
 
 def lower_rowreduce(group, ct):

@@ -84,13 +84,13 @@ def test_q8_prefill_reads_8_bit_rows_where_amx_runs(smollm2):
     f, q = decs["float"], decs["q8"]
     if not ggml_vec.amx_int8():
         assert np.array_equal(z["q8"].view(np.uint32), z["float"].view(np.uint32))
-        assert np.array_equal(q.kc[:, :300], f.kc[:, :300])
+        assert np.array_equal(q.kc[:, :, :300], f.kc[:, :, :300])
         return
     err = np.abs(z["q8"] - z["float"]).max() / np.abs(z["float"]).max()
     assert 0 < err <= Q8_MAX, err
     for a, b in ((q.kc, f.kc), (q.vc, f.vc)):
         for i in range(smollm2.config.n_layers):
-            e = np.abs(a[i, :300] - b[i, :300]).max() / np.abs(b[i, :300]).max()
+            e = np.abs(a[i, :, :300] - b[i, :, :300]).max() / np.abs(b[i, :, :300]).max()
             assert e <= Q8_CACHE, (i, e)
 
 
@@ -110,5 +110,5 @@ def test_amx_prefill_quantizes_as_the_steps(qtype, tmp_path):
     pre.prefill(ids)
     for t in ids:
         steps.step(t)
-    for a, b in ((pre.kc[0, :40], steps.kc[0, :40]), (pre.vc[0, :40], steps.vc[0, :40])):
+    for a, b in zip(pre.rows(0, 40), steps.rows(0, 40)):
         assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()

@@ -247,9 +247,9 @@ class BlockDecoder:
         qk = [stacked("q_norm"), stacked("k_norm")] if cfg.qk_norm else None
         post = [stacked("post_attn_norm"), stacked("post_ffn_norm")] if cfg.post_norms else None
         self.keep += (qk or []) + (post or [])
-        kvw = cfg.n_kv_heads * cfg.head_dim
-        self.kc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
-        self.vc = np.zeros((cfg.n_layers, self.cap, kvw), np.float32)
+        # each key / value head's rows together: a step's attention streams them
+        shape = (cfg.n_layers, cfg.n_kv_heads, self.cap, cfg.head_dim)
+        self.kc, self.vc = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         # one rope table [cap, hd/2] per distinct layer setting (the graph's rope_tables:
         # base and factors, or cos 1 / sin 0 for a layer without rope)
         settings = {}
@@ -359,16 +359,24 @@ class BlockDecoder:
         n = cache.length
         if n >= self.cap:
             raise ValueError(f"BlockDecoder: {n} cached rows do not fit capacity {self.cap}")
+        nkv, hd = self.cfg.n_kv_heads, self.cfg.head_dim
         for i in range(self.cfg.n_layers):
-            self.kc[i, :n], self.vc[i, :n] = cache.k[i], cache.v[i]
+            self.kc[i, :, :n] = np.asarray(cache.k[i]).reshape(n, nkv, hd).transpose(1, 0, 2)
+            self.vc[i, :, :n] = np.asarray(cache.v[i]).reshape(n, nkv, hd).transpose(1, 0, 2)
         self.length = n
         self.ids = [int(t) for t in ids]
 
     def take(self, other: "BlockDecoder"):
         """Take over the cached rows (and their tokens) of a smaller decoder."""
         n = other.length
-        self.kc[:, :n], self.vc[:, :n] = other.kc[:, :n], other.vc[:, :n]
+        self.kc[:, :, :n], self.vc[:, :, :n] = other.kc[:, :, :n], other.vc[:, :, :n]
         self.length, self.ids, self.exact = n, list(other.ids[:n]), other.exact
+
+    def rows(self, i, n=None):
+        """Layer ``i``'s first ``n`` (default: all) cached keys and values as rows
+        ``[n, nkv * hd]`` (copies; the cache holds each head's rows together)."""
+        n = self.length if n is None else n
+        return tuple(c[i, :, :n].transpose(1, 0, 2).reshape(n, -1) for c in (self.kc, self.vc))
 
     def kept(self, prompt) -> int:
         """How many of the cached rows ``prompt`` starts with: those need no prefill (at

@@ -110,7 +110,7 @@ typedef struct {
     const gd_lin *lin;        /* [n_layers * GD_NLIN] */
     gd_lin embd, head;        /* token table [vocab, dim] and LM head [vocab, dim] */
     const float *attn_norm, *ffn_norm, *norm;   /* [n_layers, dim], ..., [dim] */
-    float *kc, *vc;           /* caches [n_layers, cap, nkv*hd] (roped keys, values) */
+    float *kc, *vc;           /* caches [n_layers, nkv, cap, hd] (roped keys, values) */
     const float *cos, *sin;   /* rope tables [n tables, cap, hd/2] */
     float *scratch;           /* gd_scratch_floats(m) floats */
     /* the family features; NULL / 0 where the block is plain LLaMA's */
@@ -265,46 +265,20 @@ static void gd_layer_at(const gd_model *m, int64_t i, int64_t p, const float **c
     *lo = w > 0 && p - w + 1 > 0 ? p - w + 1 : 0;
 }
 
-/* One query head over the first n cached rows: o[hd] = softmax(q k_p * iscale) v_p, with
-   k_p = k + p * stride (likewise v); s[n] holds the scores.  hd is a multiple of 16. */
-static void gd_attend(const float *q, const float *k, const float *v, int64_t stride,
-                      int64_t n, int64_t hd, float iscale, float cap, float *s, float *o) {
+/* a row's keys or values [nkv * hd] into a layer's cache c [nkv, cap, hd] at position p */
+static void gd_cache_row(float *c, const gd_model *m, int64_t p, const float *row) {
+    for (int64_t h = 0; h < m->nkv; h++)
+        memcpy(c + (h * m->cap + p) * m->hd, row + h * m->hd, m->hd * sizeof(float));
+}
+
+/* The softmax of the scores s [n] in place (soft-capped first where cap > 0): exp(s - max)
+   times 1 / their sum (one rounding each).  The max and the sum in 8 and 4 lanes (vectorized; one chain's
+   latency would set the pace): the max is the same whatever the order, the sum in double */
+static void gd_softmax(float *s, int64_t n, float cap) {
     float mx = -INFINITY;
-    int64_t p = 0;
-#ifdef GV_W
-    /* four positions at a time: four independent sums (one sum's FMAs wait on each
-       other), each in the single position's order */
-    for (; p + 4 <= n; p += 4) {
-        const float *kp = k + p * stride;
-        gv_f a0 = gv_zero(), a1 = gv_zero(), a2 = gv_zero(), a3 = gv_zero();
-        for (int64_t j = 0; j < hd; j += GV_W) {
-            const gv_f qv = gv_load(q + j);
-            a0 = gv_fma(qv, gv_load(kp + j), a0);
-            a1 = gv_fma(qv, gv_load(kp + stride + j), a1);
-            a2 = gv_fma(qv, gv_load(kp + 2 * stride + j), a2);
-            a3 = gv_fma(qv, gv_load(kp + 3 * stride + j), a3);
-        }
-        s[p] = gv_sum(a0) * iscale, s[p + 1] = gv_sum(a1) * iscale;
-        s[p + 2] = gv_sum(a2) * iscale, s[p + 3] = gv_sum(a3) * iscale;
-    }
-#endif
-    for (; p < n; p++) {
-        const float *kp = k + p * stride;
-#ifdef GV_W
-        gv_f a = gv_zero();
-        for (int64_t j = 0; j < hd; j += GV_W) a = gv_fma(gv_load(q + j), gv_load(kp + j), a);
-        s[p] = gv_sum(a) * iscale;
-#else
-        float a[16] = {0};
-        for (int64_t j = 0; j < hd; j += 16)
-            for (int l = 0; l < 16; l++) a[l] += q[j + l] * kp[j + l];
-        s[p] = gv_hsum(a) * iscale;
-#endif
-    }
+    int64_t p;
     if (cap > 0.0f)
         for (p = 0; p < n; p++) s[p] = tanhf(s[p] * (1.0f / cap)) * cap;  /* the graph's softcap */
-    /* the max and the sum in 8 and 4 lanes (vectorized; one chain's latency would set
-       the pace): the max is the same whatever the order, the sum in double */
     float m8[8];
     double d4[4] = {0.0, 0.0, 0.0, 0.0};
     for (int l = 0; l < 8; l++) m8[l] = -INFINITY;
@@ -318,29 +292,131 @@ static void gd_attend(const float *q, const float *k, const float *v, int64_t st
     double den = (d4[0] + d4[1]) + (d4[2] + d4[3]);
     for (; p < n; p++) den += s[p];
     const float inv = (float)(1.0 / den);
-    int64_t j0 = 0;
+    for (p = 0; p < n; p++) s[p] *= inv;
+}
+
+/* The cache holds each key / value head's rows together ([kv head, position, hd]), and
+   the query heads that share one are attended at once (at most GD_QH): a cached row is
+   read once for all of them.  Each score and each output column is summed in the same
+   order as for one head alone. */
+#define GD_QH 4
+#ifndef GD_AHEAD
+#define GD_AHEAD 8
+#endif
+#define GD_INLINE static inline __attribute__((always_inline))
+
 #ifdef GV_W
-    /* 4 GV_W columns of o at a time in registers over all positions (o[j] += w v[j], a
-       product then a sum, in the positions' order as below) */
-    for (; j0 + 4 * GV_W <= hd; j0 += 4 * GV_W) {
-        gv_f o0 = gv_zero(), o1 = gv_zero(), o2 = gv_zero(), o3 = gv_zero();
-        for (p = 0; p < n; p++) {
-            const gv_f w = gv_set1(s[p] * inv);
-            const float *vp = v + p * stride + j0;
-            o0 = gv_add(o0, gv_mul(w, gv_load(vp)));
-            o1 = gv_add(o1, gv_mul(w, gv_load(vp + GV_W)));
-            o2 = gv_add(o2, gv_mul(w, gv_load(vp + 2 * GV_W)));
-            o3 = gv_add(o3, gv_mul(w, gv_load(vp + 3 * GV_W)));
+/* s[h * ss + p] = (q_h . k_p) * iscale for the nq heads q [nq, hd] and rows k [n, hd]:
+   each dot in GV_W lanes over hd, then gv_sum; P positions at a time (independent sums:
+   one sum's FMAs wait on each other) */
+GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const float *v,
+                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss) {
+    enum { PMAX = 4 };
+    const int P = nq == 1 ? 4 : 2;
+    int64_t p = 0;
+    for (; p + P <= n; p += P) {
+        const float *kp = k + p * hd;
+        for (int64_t b = 0; b < P * hd; b += 16) {
+            __builtin_prefetch(kp + GD_AHEAD * hd + b);
+            __builtin_prefetch(v + p * hd + b);
         }
-        gv_store(o + j0, o0), gv_store(o + j0 + GV_W, o1);
-        gv_store(o + j0 + 2 * GV_W, o2), gv_store(o + j0 + 3 * GV_W, o3);
+        gv_f a[GD_QH][PMAX];
+        for (int h = 0; h < nq; h++)
+            for (int r = 0; r < P; r++) a[h][r] = gv_zero();
+        for (int64_t j = 0; j < hd; j += GV_W) {
+            gv_f x[PMAX];
+            for (int r = 0; r < P; r++) x[r] = gv_load(kp + r * hd + j);
+            for (int h = 0; h < nq; h++) {
+                const gv_f qv = gv_load(q + h * hd + j);
+                for (int r = 0; r < P; r++) a[h][r] = gv_fma(qv, x[r], a[h][r]);
+            }
+        }
+        for (int h = 0; h < nq; h++)
+            for (int r = 0; r < P; r++) s[h * ss + p + r] = gv_sum(a[h][r]) * iscale;
+    }
+    for (; p < n; p++)
+        for (int h = 0; h < nq; h++) {
+            gv_f a = gv_zero();
+            for (int64_t j = 0; j < hd; j += GV_W)
+                a = gv_fma(gv_load(q + h * hd + j), gv_load(k + p * hd + j), a);
+            s[h * ss + p] = gv_sum(a) * iscale;
+        }
+}
+
+/* o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]: C GV_W
+   columns of every head in registers a pass over the rows (a product, then a sum, in the
+   positions' order) */
+GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
+                         int64_t hd, float *o) {
+    enum { CMAX = 8 };
+    const int C = nq == 1 ? 8 : nq == 2 ? 4 : 2;
+    int64_t j0 = 0;
+    for (; j0 + C * GV_W <= hd; j0 += C * GV_W) {
+        gv_f a[GD_QH][CMAX];
+        for (int h = 0; h < nq; h++)
+            for (int c = 0; c < C; c++) a[h][c] = gv_zero();
+        for (int64_t p = 0; p < n; p++) {
+            const float *vp = v + p * hd + j0;
+            gv_f x[CMAX];
+            for (int c = 0; c < C; c++) x[c] = gv_load(vp + c * GV_W);
+            for (int h = 0; h < nq; h++) {
+                const gv_f wp = gv_set1(w[h * ss + p]);
+                for (int c = 0; c < C; c++) a[h][c] = gv_add(a[h][c], gv_mul(wp, x[c]));
+            }
+        }
+        for (int h = 0; h < nq; h++)
+            for (int c = 0; c < C; c++) gv_store(o + h * hd + j0 + c * GV_W, a[h][c]);
+    }
+    for (; j0 + GV_W <= hd; j0 += GV_W)
+        for (int h = 0; h < nq; h++) {
+            gv_f a = gv_zero();
+            for (int64_t p = 0; p < n; p++)
+                a = gv_add(a, gv_mul(gv_set1(w[h * ss + p]), gv_load(v + p * hd + j0)));
+            gv_store(o + h * hd + j0, a);
+        }
+}
+#endif
+
+/* nq query heads q [nq, hd] that share one key / value head, over its first n cached
+   rows k, v [n, hd]: o [nq, hd] = softmax(q_h k_p * iscale) v_p; s [nq, ss] holds the
+   scores.  hd is a multiple of 16. */
+static void gd_attend(const float *q, int64_t nq, const float *k, const float *v, int64_t n,
+                      int64_t hd, float iscale, float cap, float *s, int64_t ss, float *o) {
+    for (; nq > GD_QH; nq -= GD_QH, q += GD_QH * hd, s += GD_QH * ss, o += GD_QH * hd)
+        gd_attend(q, GD_QH, k, v, n, hd, iscale, cap, s, ss, o);
+#ifdef GV_W
+    switch (nq) {  /* each count its own code: the sums stay in registers */
+    case 1: gd_scores(q, 1, k, v, n, hd, iscale, s, ss); break;
+    case 2: gd_scores(q, 2, k, v, n, hd, iscale, s, ss); break;
+    case 3: gd_scores(q, 3, k, v, n, hd, iscale, s, ss); break;
+    default: gd_scores(q, 4, k, v, n, hd, iscale, s, ss); break;
+    }
+#else
+    for (int64_t h = 0; h < nq; h++)
+        for (int64_t p = 0; p < n; p++) {
+            float a[16] = {0};
+            for (int64_t j = 0; j < hd; j += 16)
+                for (int l = 0; l < 16; l++) a[l] += q[h * hd + j + l] * k[p * hd + j + l];
+            s[h * ss + p] = gv_hsum(a) * iscale;
+        }
+#endif
+    for (int64_t h = 0; h < nq; h++) gd_softmax(s + h * ss, n, cap);
+#ifdef GV_W
+    switch (nq) {
+    case 1: gd_values(s, ss, 1, v, n, hd, o); break;
+    case 2: gd_values(s, ss, 2, v, n, hd, o); break;
+    case 3: gd_values(s, ss, 3, v, n, hd, o); break;
+    default: gd_values(s, ss, 4, v, n, hd, o); break;
+    }
+#else
+    for (int64_t h = 0; h < nq; h++) {
+        for (int64_t j = 0; j < hd; j++) o[h * hd + j] = 0.0f;
+        for (int64_t p = 0; p < n; p++) {
+            const float w = s[h * ss + p], *vp = v + p * hd;
+            for (int64_t j = 0; j < hd; j++) o[h * hd + j] += w * vp[j];
+        }
     }
 #endif
-    for (int64_t j = j0; j < hd; j++) o[j] = 0.0f;
-    for (p = 0; p < n; p++) {
-        const float w = s[p] * inv, *vp = v + p * stride;
-        for (int64_t j = j0; j < hd; j++) o[j] += w * vp[j];
-    }
 }
 
 /* silu as ops/ computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
@@ -460,20 +536,21 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
             }
             gd_rope(q, nh, hd, cs, sn);
             gd_rope(k, nkv, hd, cs, sn);
-            memcpy(kc + pos * kvw, k, kvw * sizeof(float));
-            memcpy(vc + pos * kvw, v, kvw * sizeof(float));
+            gd_cache_row(kc, m, pos, k);
+            gd_cache_row(vc, m, pos, v);
             xr.k = nh * hd;  /* filled head by head below */
             xr.have = ohead ? GQ_Q80 : 0;
         }
         gd_sync(tm);
         gd_part(tm, nh, &a, &b);
-        for (int64_t qh = a; qh < b; qh++) {
-            gd_attend(q + qh * hd, kc + lo * kvw + (qh / g) * hd, vc + lo * kvw + (qh / g) * hd,
-                      kvw, n - lo, hd, iscale, m->attn_softcap, sc + qh * (m->cap + 1),
-                      att + qh * hd);
-            if (ohead)
-                gq_q8_0(att + qh * hd, hd, xr.q0 + qh * hd, xr.d0 + qh * hd / 32,
-                        xr.s0 + qh * hd / 32, xr.z0 + qh * hd / 4);
+        for (int64_t qh = a, e; qh < b; qh = e) {  /* the heads of one key head at once */
+            const int64_t kh = qh / g, at = (kh * m->cap + lo) * hd;
+            e = (kh + 1) * g < b ? (kh + 1) * g : b;
+            gd_attend(q + qh * hd, e - qh, kc + at, vc + at, n - lo, hd, iscale,
+                      m->attn_softcap, sc + qh * (m->cap + 1), m->cap + 1, att + qh * hd);
+            for (int64_t h = qh; ohead && h < e; h++)
+                gq_q8_0(att + h * hd, hd, xr.q0 + h * hd, xr.d0 + h * hd / 32,
+                        xr.s0 + h * hd / 32, xr.z0 + h * hd / 4);
         }
         gd_sync(tm);
         if (no && !ohead) {
@@ -684,8 +761,8 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             }
             gd_rope(q + t * qw, nh, hd, cs, sn);
             gd_rope(k + t * kvw, nkv, hd, cs, sn);
-            memcpy(kc + p * kvw, k + t * kvw, kvw * sizeof(float));
-            memcpy(vc + p * kvw, v + t * kvw, kvw * sizeof(float));
+            gd_cache_row(kc, m, p, k + t * kvw);
+            gd_cache_row(vc, m, p, v + t * kvw);
         }
         GD_FOR
         for (int64_t qh = 0; qh < nh; qh++)
@@ -693,9 +770,10 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
                 const float *cs, *sn;
                 int64_t lo;
                 gd_layer_at(m, i, start + t, &cs, &sn, &lo);
-                gd_attend(q + t * qw + qh * hd, kc + lo * kvw + (qh / g) * hd,
-                          vc + lo * kvw + (qh / g) * hd, kvw, start + t + 1 - lo, hd, iscale,
-                          m->attn_softcap, sc + qh * (m->cap + 1), att + t * qw + qh * hd);
+                const int64_t at = ((qh / g) * m->cap + lo) * hd;
+                gd_attend(q + t * qw + qh * hd, 1, kc + at, vc + at, start + t + 1 - lo, hd,
+                          iscale, m->attn_softcap, sc + qh * (m->cap + 1), m->cap + 1,
+                          att + t * qw + qh * hd);
             }
         if (L[GD_O].at) {
             GD_FOR

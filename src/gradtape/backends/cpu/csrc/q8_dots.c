@@ -368,9 +368,15 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
                                           _mm256_set1_epi32(BS));                        \
     int64_t b = 0;                                                                       \
+    /* each 8 blocks' scales gathered while the 8 before are summed: a gather's latency \
+       would otherwise hold up its blocks' sums */                                       \
+    __m256i gn = nb >= 8 ? _mm256_i32gather_epi32((const int *)(const void *)row, at, 1)  \
+                         : _mm256_setzero_si256();                                       \
     for (; b + 8 <= nb; b += 8) {                                                        \
         const uint8_t *p = row + BS * b;                                                 \
-        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)p, at, 1);   \
+        const __m256i g = gn;                                                            \
+        if (b + 16 <= nb)                                                                \
+            gn = _mm256_i32gather_epi32((const int *)(const void *)(p + 8 * BS), at, 1); \
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(gq_halves(g, 0)),                 \
                                        _mm256_loadu_ps(x->d0 + b));                      \
         if (MIN)                                                                         \

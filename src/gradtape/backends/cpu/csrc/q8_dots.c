@@ -341,17 +341,15 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
                                                _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
 }
 #else
-/* 8 blocks' scales at a time: their first 4 bytes gathered (d, and Q4_1 / Q5_1's m: two
-   f16), d_w d_x and m_w s_x in lanes; each block's d_w d_x then broadcast from its lane.
-   The rest (under 8 blocks) one at a time with scalar scales.  Two accumulators,
-   alternately. */
-static inline __m128i gq_halves(__m256i g, int hi) {  /* the low (hi: high) f16 of each u32 */
-    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
-                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
-                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
-                                               0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
-    const __m256i v = _mm256_shuffle_epi8(g, pick);
-    return _mm_unpacklo_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+/* 8 blocks a step: each block's d_w d_x a scalar product, broadcast (a gather of the
+   8 scales costs more than 8 loads: it is microcoded on AMD Zen); Q4_1 / Q5_1's m_w s_x
+   in lanes, the 8 blocks' m_w as one vector.  The rest (under 8 blocks) one at a time,
+   its min term a scalar sum.  Two accumulators, alternately. */
+/* the f16 at byte offset off of each of 8 blocks BS bytes apart */
+static inline __m128i gq_h8(const uint8_t *p, int64_t BS, int off) {
+    int16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(h + j, p + BS * j + off, 2);
+    return _mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
 }
 /* block zb's int32 lanes: SGN 0 unsigned w, 1 signed, 2 unsigned less the row's z0 */
 #define GQ_I(W, SGN, p, y, zb)                                                           \
@@ -365,28 +363,17 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     /* two named accumulators: an array indexed by b & 1 would be kept on the stack */   \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;                                   \
     float m = 0.0f;                                                                      \
-    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),     \
-                                          _mm256_set1_epi32(BS));                        \
     int64_t b = 0;                                                                       \
-    /* each 8 blocks' scales gathered while the 8 before are summed: a gather's latency \
-       would otherwise hold up its blocks' sums */                                       \
-    __m256i gn = nb >= 8 ? _mm256_i32gather_epi32((const int *)(const void *)row, at, 1)  \
-                         : _mm256_setzero_si256();                                       \
     for (; b + 8 <= nb; b += 8) {                                                        \
         const uint8_t *p = row + BS * b;                                                 \
-        const __m256i g = gn;                                                            \
-        if (b + 16 <= nb)                                                                \
-            gn = _mm256_i32gather_epi32((const int *)(const void *)(p + 8 * BS), at, 1); \
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(gq_halves(g, 0)),                 \
-                                       _mm256_loadu_ps(x->d0 + b));                      \
         if (MIN)                                                                         \
-            mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_halves(g, 1)),                       \
+            mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_h8(p, BS, 2)),                       \
                                  _mm256_loadu_ps(x->s0 + b), mv);                        \
         for (int j = 0; j < 8; j++) {                                                    \
             const uint8_t *pj = p + BS * j;                                              \
             const __m256i y = gq_y(x->q0 + 32 * (b + j));                                \
             const __m256i i = GQ_I(W, SGN, pj, y, b + j);                                \
-            const __m256 dj = _mm256_permutevar8x32_ps(d, _mm256_set1_epi32(j));         \
+            const __m256 dj = _mm256_set1_ps(gb_h2f(pj) * x->d0[b + j]);                 \
             if (j & 1) a1 = _mm256_fmadd_ps(dj, _mm256_cvtepi32_ps(i), a1);              \
             else a0 = _mm256_fmadd_ps(dj, _mm256_cvtepi32_ps(i), a0);                    \
         }                                                                                \

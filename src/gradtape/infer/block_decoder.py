@@ -9,7 +9,7 @@ fused linear (Phi-3's ``qkv``, rows q | k | v, and ``gate_up``, rows gate | up) 
 the separate linears the C step runs: ggml quantizes each row on its own, so the parts
 are row slices of the stored blocks, not copies.
 
-``BlockDecoder`` holds the preallocated KV cache ``[layers, cap, nkv*hd]``, the rope
+``BlockDecoder`` holds the preallocated KV cache ``[layers, nkv, cap, hd]``, the rope
 tables (one per distinct layer setting, ``LlamaConfig.rope_for``), the family's biases,
 q/k norms and windows, and the C struct that points at all of it; a step is one ctypes
 call.  An adapter is applied unmerged (its A and B stay float32 and add ``scale * (h A)

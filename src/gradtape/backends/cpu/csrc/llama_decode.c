@@ -272,7 +272,7 @@ static void gd_cache_row(float *c, const gd_model *m, int64_t p, const float *ro
 }
 
 /* The softmax of the scores s [n] in place (soft-capped first where cap > 0): exp(s - max)
-   times 1 / their sum (one rounding each).  The max and the sum in 8 and 4 lanes (vectorized; one chain's
+   times 1 / their sum.  The max and the sum in 8 and 4 lanes (vectorized; one chain's
    latency would set the pace): the max is the same whatever the order, the sum in double */
 static void gd_softmax(float *s, int64_t n, float cap) {
     float mx = -INFINITY;
@@ -298,11 +298,11 @@ static void gd_softmax(float *s, int64_t n, float cap) {
 /* The cache holds each key / value head's rows together ([kv head, position, hd]), and
    the query heads that share one are attended at once (at most GD_QH): a cached row is
    read once for all of them.  Each score and each output column is summed in the same
-   order as for one head alone. */
+   order as for one head alone.  The rows come from memory (a step's weights pass through
+   the caches between two steps): the scores' pass fetches the keys GD_AHEAD positions
+   ahead, and the values it will read next. */
 #define GD_QH 4
-#ifndef GD_AHEAD
 #define GD_AHEAD 8
-#endif
 #define GD_INLINE static inline __attribute__((always_inline))
 
 #ifdef GV_W
@@ -343,9 +343,8 @@ GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const flo
         }
 }
 
-/* o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]: C GV_W
-   columns of every head in registers a pass over the rows (a product, then a sum, in the
-   positions' order) */
+/* o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]: C GV_W columns of every
+   head in registers a pass over the rows (a product, then a sum, in the positions' order) */
 GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
                          int64_t hd, float *o) {
     enum { CMAX = 8 };

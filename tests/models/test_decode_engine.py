@@ -158,6 +158,30 @@ def test_float_model_decodes_on_16_lanes(sixteen_lanes, tied):
     test_float_model_without_gguf(tied)
 
 
+GROUPS = [(2, 2), (4, 2), (6, 2), (8, 2), (10, 2), (14, 2), (8, 1)]  # 1 to 8 queries a key head
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("n_heads,n_kv_heads", GROUPS)
+def test_query_groups_of_every_size(n_heads, n_kv_heads):
+    """The C step and prefill attend a key head's query heads together, at most four a
+    pass (groups of 5, 7 and 8 take two): every group size gives the graph's logits."""
+    m = tiny_model(seed=2, dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                   ffn_dim=64)
+    model = Llama(m.config, m.weights, None, name="tiny")
+    prompt, tokens = [3, 1, 4, 1, 5, 9, 2], [6, 5, 3, 5, 8]
+    ours, ref = steps_vs_graph(model, prompt, tokens)
+    assert rel_err(ours, ref) < 1e-5
+    dec = E.BlockDecoder(model, blocks_of(model), cap=32)
+    assert rel_err(dec.prefill(prompt + tokens), ref[-1]) < 1e-5
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(6, 2), (14, 2)])
+def test_query_groups_on_16_lanes(sixteen_lanes, n_heads, n_kv_heads):
+    """The same through the 16-lane (AVX-512) attention, emulated on any CPU."""
+    test_query_groups_of_every_size(n_heads, n_kv_heads)
+
+
 def test_full_cache_is_refused():
     m = tiny_model()
     model = Llama(m.config, m.weights, None)

@@ -180,15 +180,19 @@ static inline void deq_q8_0(const uint8_t *b, float *o) {
    as bytes: out[0..8) the scales, out[8..16) the mins.  For j < 4: scale j is s[j] & 63
    and min j is s[j + 4] & 63; scale j + 4 is the low nibble of s[j + 8] with the top two
    bits of s[j] above it, min j + 4 the high nibble of s[j + 8] with those of s[j + 4]:
-   four bytes at a time in 32-bit words. */
-static inline void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
-    uint32_t w[3], r[4];
+   four bytes at a time in 32-bit words (k_scale_min_words: those 16 bytes as 4 words). */
+static inline void k_scale_min_words(const uint8_t *s, uint32_t r[4]) {
+    uint32_t w[3];
     memcpy(w, s, 12);
     const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
     r[0] = w[0] & six;
     r[1] = (w[2] & four) | (((w[0] >> 6) & two) << 4);
     r[2] = w[1] & six;
     r[3] = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);
+}
+static inline void k_scale_min_bytes(const uint8_t *s, uint8_t out[16]) {
+    uint32_t r[4];
+    k_scale_min_words(s, r);
     memcpy(out, r, 16);
 }
 static inline void k_scale_min(const uint8_t *s, int *sc, int *mn) {

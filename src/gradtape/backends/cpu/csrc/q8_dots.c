@@ -226,11 +226,6 @@ static inline float gq_hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 static inline __m256i gq_y(const int8_t *q) { return _mm256_loadu_si256((const __m256i *)q); }
-/* scale (int16) lo for the low 128 bits, hi for the high */
-static inline __m256i gq_sc2(int lo, int hi) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)lo)),
-                                   _mm_set1_epi16((short)hi), 1);
-}
 
 /* the 32-element types' weight bytes in element order: signed (SGN 1: Q4_0, Q5_0, Q8_0,
    the offset taken off) or unsigned (Q4_1, Q5_1: the min term is added apart) */
@@ -396,19 +391,35 @@ GQ_DOT32(gq_dot_q5_0, 22, GQ_W5, GQ_S5, 0)
 GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
 
+/* the sum of 8 int32 lanes */
+static inline int gq_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+/* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
+   mask: bytes 2j, 2j + 1 repeated) */
+static inline __m256i gq_pick16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+
 /* Q4_K / Q5_K: the 8 sub-blocks' n . q, each times its 6-bit scale, in int32 lanes
-   (maddubs's pair sums <= 2 * 31 * 127, times sc <= 63 in madd: no overflow) */
+   (maddubs's pair sums <= 2 * 31 * 127, times sc <= 63 in madd: no overflow); the
+   scales and mins unpacked in words and kept in vectors, the min term's integer sum in
+   one madd over Q8_K's 16 sums */
 GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
     __m256 acc = _mm256_setzero_ps();
     float mins = 0.0f;
     const int64_t BS = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m128i pair = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16);
         const int8_t *y = x->qk + 256 * b;
-        const int16_t *bs = x->bk + 16 * b;
-        int sc[8], mn[8];
-        k_scale_min(p + 4, sc, mn);
+        uint32_t r[4];
+        k_scale_min_words(p + 4, r);
+        const __m128i sm = _mm_setr_epi32((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* 8 x int16 */
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         __m256i is = _mm256_setzero_si256();
         for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
@@ -423,11 +434,13 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
             const __m256i p0 = _mm256_maddubs_epi16(lo, gq_y(y + 64 * pr));
             const __m256i p1 = _mm256_maddubs_epi16(hi, gq_y(y + 64 * pr + 32));
             is = _mm256_add_epi32(is, _mm256_add_epi32(
-                     _mm256_madd_epi16(p0, _mm256_set1_epi16((short)sc[2 * pr])),
-                     _mm256_madd_epi16(p1, _mm256_set1_epi16((short)sc[2 * pr + 1]))));
+                     _mm256_madd_epi16(p0, gq_pick16(sc, 2 * pr)),
+                     _mm256_madd_epi16(p1, gq_pick16(sc, 2 * pr + 1))));
         }
-        int im = 0;
-        for (int s = 0; s < 8; s++) im += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
+        /* sum_s mn_s (bs_2s + bs_2s+1): each min twice as int16 against the 16 sums */
+        const __m256i mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair));
+        const int im = gq_hsum_i32(_mm256_madd_epi16(
+            mn, _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))));
         const float dy = x->dk[b];
         acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * dy), _mm256_cvtepi32_ps(is), acc);
         mins += gb_h2f(p + 2) * dy * (float)im;
@@ -446,6 +459,8 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
         const uint8_t *p = row + 210 * b;
         const int8_t *sc = (const int8_t *)(p + 192), *y = x->qk + 256 * b;
         const int16_t *bs = x->bk + 16 * b;
+        /* the 16 scales as int16 (0-7 in the low half, 8-15 in the high) */
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
         __m256i is = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
@@ -454,13 +469,18 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
                 const __m256i n = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), m4),
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m2), 4));
-                const int s = 8 * h + 2 * g;
+                /* scales 8 h + 2 g and the next over the low and the high 16 products:
+                   their int16 pair in every dword, then one of the two per half */
+                const __m256i sp = _mm256_shuffle_epi8(
+                    _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(4 * h + g)),
+                    _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
                 is = _mm256_add_epi32(is, _mm256_madd_epi16(
-                         _mm256_maddubs_epi16(n, gq_y(y + 128 * h + 32 * g)), gq_sc2(sc[s], sc[s + 1])));
+                         _mm256_maddubs_epi16(n, gq_y(y + 128 * h + 32 * g)), sp));
             }
         }
-        int off = 0;
-        for (int s = 0; s < 16; s++) off += sc[s] * bs[s];
+        const int off = gq_hsum_i32(_mm256_madd_epi16(
+            s16, _mm256_loadu_si256((const __m256i *)bs)));
         is = _mm256_sub_epi32(is, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 208) * x->dk[b]), _mm256_cvtepi32_ps(is), acc);
     }

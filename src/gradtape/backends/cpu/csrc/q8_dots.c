@@ -336,16 +336,16 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
                                                _mm512_extractf32x8_ps(a, 1)), t)) + m;   \
 }
 #else
-/* 8 blocks a step: each block's d_w d_x a scalar product, broadcast (a gather of the
-   8 scales costs more than 8 loads: it is microcoded on AMD Zen); Q4_1 / Q5_1's m_w s_x
-   in lanes, the 8 blocks' m_w as one vector.  The rest (under 8 blocks) one at a time,
-   its min term a scalar sum.  Two accumulators, alternately. */
 /* the f16 at byte offset off of each of 8 blocks BS bytes apart */
 static inline __m128i gq_h8(const uint8_t *p, int64_t BS, int off) {
     int16_t h[8];
     for (int j = 0; j < 8; j++) memcpy(h + j, p + BS * j + off, 2);
     return _mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]);
 }
+/* 8 blocks a step: each block's d_w d_x a scalar product, broadcast (a gather of the
+   8 scales costs more than 8 loads: it is microcoded on AMD Zen); Q4_1 / Q5_1's m_w s_x
+   in lanes, the 8 blocks' m_w as one vector.  The rest (under 8 blocks) one at a time,
+   its min term a scalar sum.  Two accumulators, alternately. */
 /* block zb's int32 lanes: SGN 0 unsigned w, 1 signed, 2 unsigned less the row's z0 */
 #define GQ_I(W, SGN, p, y, zb)                                                           \
     (SGN == 2 ? _mm256_sub_epi32(gq_us(W(p), y),                                         \

@@ -581,7 +581,7 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
 
 /* how far ahead of the row being read its weight bytes are prefetched: a decode step
    streams every weight from memory once, and the hardware's prefetcher alone leaves the
-   dots waiting on it (docs/benchmarks.md, AMD Zen 3) */
+   dots waiting on it (docs/benchmarks.md) */
 #ifndef GQ_AHEAD
 #define GQ_AHEAD 4096
 #endif

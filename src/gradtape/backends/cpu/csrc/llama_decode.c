@@ -317,7 +317,7 @@ GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const flo
     for (; p + P <= n; p += P) {
         const float *kp = k + p * hd;
         for (int64_t b = 0; b < P * hd; b += 16) {
-            __builtin_prefetch(kp + GD_AHEAD * hd + b);
+            if (p + GD_AHEAD + P <= n) __builtin_prefetch(kp + GD_AHEAD * hd + b);
             __builtin_prefetch(v + p * hd + b);
         }
         gv_f a[GD_QH][PMAX];
@@ -374,48 +374,50 @@ GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *
             gv_store(o + h * hd + j0, a);
         }
 }
-#endif
-
-/* nq query heads q [nq, hd] that share one key / value head, over its first n cached
-   rows k, v [n, hd]: o [nq, hd] = softmax(q_h k_p * iscale) v_p; s [nq, ss] holds the
-   scores.  hd is a multiple of 16. */
-static void gd_attend(const float *q, int64_t nq, const float *k, const float *v, int64_t n,
-                      int64_t hd, float iscale, float cap, float *s, int64_t ss, float *o) {
-    for (; nq > GD_QH; nq -= GD_QH, q += GD_QH * hd, s += GD_QH * ss, o += GD_QH * hd)
-        gd_attend(q, GD_QH, k, v, n, hd, iscale, cap, s, ss, o);
-#ifdef GV_W
-    switch (nq) {  /* each count its own code: the sums stay in registers */
-    case 1: gd_scores(q, 1, k, v, n, hd, iscale, s, ss); break;
-    case 2: gd_scores(q, 2, k, v, n, hd, iscale, s, ss); break;
-    case 3: gd_scores(q, 3, k, v, n, hd, iscale, s, ss); break;
-    default: gd_scores(q, 4, k, v, n, hd, iscale, s, ss); break;
-    }
 #else
-    for (int64_t h = 0; h < nq; h++)
+GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const float *v,
+                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss) {
+    (void)v;
+    for (int h = 0; h < nq; h++)
         for (int64_t p = 0; p < n; p++) {
             float a[16] = {0};
             for (int64_t j = 0; j < hd; j += 16)
                 for (int l = 0; l < 16; l++) a[l] += q[h * hd + j + l] * k[p * hd + j + l];
             s[h * ss + p] = gv_hsum(a) * iscale;
         }
-#endif
-    for (int64_t h = 0; h < nq; h++) gd_softmax(s + h * ss, n, cap);
-#ifdef GV_W
-    switch (nq) {
-    case 1: gd_values(s, ss, 1, v, n, hd, o); break;
-    case 2: gd_values(s, ss, 2, v, n, hd, o); break;
-    case 3: gd_values(s, ss, 3, v, n, hd, o); break;
-    default: gd_values(s, ss, 4, v, n, hd, o); break;
-    }
-#else
-    for (int64_t h = 0; h < nq; h++) {
+}
+GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
+                         int64_t hd, float *o) {
+    for (int h = 0; h < nq; h++) {
         for (int64_t j = 0; j < hd; j++) o[h * hd + j] = 0.0f;
-        for (int64_t p = 0; p < n; p++) {
-            const float w = s[h * ss + p], *vp = v + p * hd;
-            for (int64_t j = 0; j < hd; j++) o[h * hd + j] += w * vp[j];
-        }
+        for (int64_t p = 0; p < n; p++)
+            for (int64_t j = 0; j < hd; j++) o[h * hd + j] += w[h * ss + p] * v[p * hd + j];
     }
+}
 #endif
+
+/* nq <= GD_QH query heads q [nq, hd] that share one key / value head, over its first n
+   cached rows k, v [n, hd]: o [nq, hd] = softmax(q_h k_p * iscale) v_p; s [nq, ss] holds
+   the scores.  hd is a multiple of 16. */
+GD_INLINE void gd_heads(const float *q, const int nq, const float *k, const float *v,
+                        int64_t n, int64_t hd, float iscale, float cap, float *s, int64_t ss,
+                        float *o) {
+    gd_scores(q, nq, k, v, n, hd, iscale, s, ss);
+    for (int h = 0; h < nq; h++) gd_softmax(s + h * ss, n, cap);
+    gd_values(s, ss, nq, v, n, hd, o);
+}
+
+/* gd_heads for any number of heads sharing a key head, GD_QH at a time */
+static void gd_attend(const float *q, int64_t nq, const float *k, const float *v, int64_t n,
+                      int64_t hd, float iscale, float cap, float *s, int64_t ss, float *o) {
+    for (; nq > GD_QH; nq -= GD_QH, q += GD_QH * hd, s += GD_QH * ss, o += GD_QH * hd)
+        gd_heads(q, GD_QH, k, v, n, hd, iscale, cap, s, ss, o);
+    switch (nq) {  /* each count its own code: the sums stay in registers */
+    case 1: gd_heads(q, 1, k, v, n, hd, iscale, cap, s, ss, o); break;
+    case 2: gd_heads(q, 2, k, v, n, hd, iscale, cap, s, ss, o); break;
+    case 3: gd_heads(q, 3, k, v, n, hd, iscale, cap, s, ss, o); break;
+    default: gd_heads(q, 4, k, v, n, hd, iscale, cap, s, ss, o); break;
+    }
 }
 
 /* silu as ops/ computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */

@@ -246,17 +246,19 @@ def test_matvec_q8_names_what_it_lacks():
         ggml_vec.matvec_q8("Q4_1", W, np.zeros(32, np.float32))
 
 
-# --- the prefill's integer GEMM on AMX tiles (csrc/q8_amx.c) ------------------------------
+# --- the prefill's integer GEMMs (csrc/q8_amx.c on AMX tiles, csrc/q8_gemm.c with AVX2) ---
 
-AMX = list(ggml_vec.AMX_TYPES)
+GEMM = list(ggml_vec.AMX_TYPES)
 
 
-@pytest.mark.parametrize("qtype", AMX)
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("qtype", GEMM)
 @pytest.mark.parametrize("exact", [True, False], ids=["integer-exact", "random"])
-def test_amx_gemm_equals_the_scheme(qtype, exact):
+def test_int8_gemm_equals_the_scheme(qtype, exact):
     """Many rows at once (37 rows of x: two tiles of 16 and 5 past them; 37 weight rows:
-    a panel of 5 past two of 16), each product the scheme's, as ``matvec_q8`` holds it."""
-    hardware.amx_int8()
+    a panel of 5 past two of 16, an odd last row), each product the scheme's, as
+    ``matvec_q8`` holds it, at every class the CPU runs (AVX2's GEMM below AMX)."""
+    hardware.int8_gemm(qtype)
     rows, T = 37, 37
     block = ggml_vec.QTYPES[qtype][1]
     for seed in range(2):
@@ -274,12 +276,24 @@ def test_amx_gemm_equals_the_scheme(qtype, exact):
                     assert got[t, r] == np.float32(want), (qtype, t, r, got[t, r], want)
                 else:
                     assert abs(got[t, r] - want) <= 1e-6 * scale + 1e-30, (qtype, t, r)
+        assert np.array_equal(got[1:T:4], ggml_vec.matmul_q8(qtype, W, X[1:T:4]))
+
+
+@pytest.mark.parametrize("qtype", hardware.K_QUANTS)
+def test_int8_gemm_splits_rows_over_threads_alike(qtype):
+    """One thread and two give the same products, bit for bit: each weight row's sums
+    are one thread's, in one order."""
+    hardware.int8_gemm(qtype)
+    W = weight_rows(qtype, 53, 512, 5)
+    X = np.stack([activations(512, 40 + t, False, 32) for t in range(21)])
+    one = ggml_vec.matmul_q8(qtype, W, X, nthreads=1)
+    assert np.array_equal(one, ggml_vec.matmul_q8(qtype, W, X, nthreads=2))
 
 
 def test_matmul_q8_names_what_it_lacks():
-    with pytest.raises(ValueError, match="Q2_K has no AMX GEMM"):
+    with pytest.raises(ValueError, match="Q2_K has no integer GEMM"):
         ggml_vec.matmul_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros((2, 256), np.float32))
-    hardware.amx_int8()
-    W = weight_rows("Q5_0", 4, 64, 0)
-    with pytest.raises(ValueError, match=r"x\[2, 32\] against W\[4, 64\]"):
-        ggml_vec.matmul_q8("Q5_0", W, np.zeros((2, 32), np.float32))
+    hardware.int8_gemm("Q4_K")
+    W = weight_rows("Q4_K", 4, 512, 0)
+    with pytest.raises(ValueError, match=r"x\[2, 256\] against W\[4, 512\]"):
+        ggml_vec.matmul_q8("Q4_K", W, np.zeros((2, 256), np.float32))

@@ -7,10 +7,11 @@ text that still answers, and the setting's range check.  The kernels' exactness 
 The bound: quantizing each product's input to 8 bits per block of 32 (llama.cpp's Q8_0)
 moves SmolLM2's logits by about 2% of the largest (median over steps) and at most about
 4% (measured over 96 steps at 256 cached rows); the tests allow twice that.  The prefill
-reads 8-bit rows too where its products run on AMX tiles (``csrc/q8_amx.c``): a 300-row
-prompt's last logits then move by about 1.3% of the largest, its cached keys and values
-by at most about 5% of each layer's largest (layer 29's values); elsewhere the q8
-prefill is the float32 one, bit for bit.
+reads 8-bit rows too where its products run as integer GEMMs (``gemm_q8_types``: on AMX
+tiles every type, else the K-quants): with AMX a 300-row prompt's last logits then move
+by about 1.3% of the largest, its cached keys and values by at most about 5% of each
+layer's largest (layer 29's values); where no GEMM takes the model's types (this Q4_1 /
+Q8_0 file without AMX) the q8 prefill is the float32 one, bit for bit.
 """
 
 from __future__ import annotations
@@ -74,15 +75,17 @@ def test_decode_dots_setting_is_checked(monkeypatch):
 
 
 @pytest.mark.usefixtures("kernel_isa")
-def test_q8_prefill_reads_8_bit_rows_where_amx_runs(smollm2):
-    """A 300-row prompt (two calls where AMX runs, 256 rows and 44): with AMX-INT8 the
-    q8 prefill's logits and cache lie within the bounds of the float32 prefill's; at a
-    class without it (or a CPU) the two are the same prefill, bit for bit."""
+def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
+    """A 300-row prompt (two calls where AMX runs, 256 rows and 44): where an integer GEMM
+    takes the model's types the q8 prefill's logits and cache lie within the bounds of the
+    float32 prefill's; at a class without one (or a CPU) the two are the same prefill, bit
+    for bit."""
     prompt = (smollm2.tokenizer.encode(TEXT) * 10)[:300]
     decs = _decoders(smollm2, cap=320)
     z = {name: d.prefill(prompt).copy() for name, d in decs.items()}
     f, q = decs["float"], decs["q8"]
-    if not ggml_vec.amx_int8():
+    types = {qtype for qtype, _ in E.block_weights(smollm2).values()}
+    if not types & set(ggml_vec.gemm_q8_types()):
         assert np.array_equal(z["q8"].view(np.uint32), z["float"].view(np.uint32))
         assert np.array_equal(q.kc[:, :, :300], f.kc[:, :, :300])
         return
@@ -95,11 +98,12 @@ def test_q8_prefill_reads_8_bit_rows_where_amx_runs(smollm2):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
-def test_amx_prefill_quantizes_as_the_steps(qtype, tmp_path):
-    """Layer 0's keys and values after an AMX prefill are the q8 steps' up to float32
-    order: both quantize the same normed rows the same way (Q8_0 / Q8_K) and sum the
-    same integers (a tiny llama whose matrices are random blocks of ``qtype``)."""
-    hardware.amx_int8()
+def test_int8_prefill_quantizes_as_the_steps(qtype, tmp_path):
+    """Layer 0's keys and values after a prefill on an integer GEMM (AMX, or AVX2 for
+    the K-quants) are the q8 steps' up to float32 order: both quantize the same normed
+    rows the same way (Q8_0 / Q8_K) and sum the same integers (a tiny llama whose matrices
+    are random blocks of ``qtype``)."""
+    hardware.int8_gemm(qtype)
     from gradtape import llama
     m = tiny_model(seed=3, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=258)
     path = write_tiny_gguf(m, tmp_path / f"{qtype}.gguf", qtype=qtype,

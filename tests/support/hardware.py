@@ -61,6 +61,24 @@ def amx_int8():
         pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the types with an integer prefill GEMM beside AMX's
+
+
+def int8_gemm(qtype):
+    """A skip naming why ``qtype``'s prefill products have no integer GEMM here
+    (``ggml_vec.gemm_q8_types``): the 32-element types have one on AMX tiles only; the
+    K-quants wherever the build has AVX2 (so on x86-64 its absence fails)."""
+    from gradtape.backends.cpu import ggml_vec
+
+    if qtype in ggml_vec.gemm_q8_types():
+        return
+    if qtype not in K_QUANTS:
+        amx_int8()
+    if platform.machine() in ("x86_64", "AMD64"):
+        pytest.fail(f"{qtype} has no integer GEMM in an x86-64 build (csrc/q8_gemm.c)")
+    pytest.skip(f"{qtype}'s integer prefill GEMM needs AVX2 or AMX (x86-64)")
+
+
 def onednn_bf16():
     """oneDNN with its bf16 matmul, or a skip naming what this CPU lacks.  oneDNN is a
     dependency on Linux x86-64 (``onednn-cpu-gomp``): not loading there fails."""

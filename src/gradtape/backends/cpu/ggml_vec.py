@@ -10,8 +10,9 @@ threads; ``matmul`` does the same for many rows (prefill) from panels of dequant
 weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``): x
 quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and
 integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
-over many rows, integer GEMMs on AMX tiles for ``AMX_TYPES`` (``csrc/q8_amx.c``, where
-``amx_int8()``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
+over many rows as the prefill runs it, integer GEMMs for ``gemm_q8_types()``: on AMX tiles
+(``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants
+(``csrc/q8_gemm.c``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
 does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 
@@ -33,7 +34,7 @@ from ... import settings
 from ...blocks import BLOCK_TYPES, F32
 from . import toolchain
 
-SOURCES = ("ggml_vec.c", "q8_dots.c", "q8_amx.c", "llama_decode.c")
+SOURCES = ("ggml_vec.c", "q8_dots.c", "q8_amx.c", "q8_gemm.c", "llama_decode.c")
 
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
@@ -99,12 +100,14 @@ def lib():
         so.gq_matvec.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr]
         so.gq_amx_ready.restype = so.gq_amx_build.restype = ctypes.c_int
         so.gq_amx_ready.argtypes = so.gq_amx_build.argtypes = []
-        so.gq_amx_scratch_bytes.restype = so.gq_amx_buf_bytes.restype = _i64
-        so.gq_amx_scratch_bytes.argtypes = [_i64]
-        so.gq_amx_buf_bytes.argtypes = [_i64, _i64]
-        so.gq_amx_matmul.restype = ctypes.c_int
-        so.gq_amx_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
-                                     _ptr, _ptr]
+        so.gq_gemm_type.restype = ctypes.c_int
+        so.gq_gemm_type.argtypes = [_i64]
+        so.gq_gemm_scratch_bytes.restype = so.gq_gemm_buf_bytes.restype = _i64
+        so.gq_gemm_scratch_bytes.argtypes = [_i64]
+        so.gq_gemm_buf_bytes.argtypes = [_i64, _i64]
+        so.gq_gemm_matmul.restype = ctypes.c_int
+        so.gq_gemm_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64,
+                                      _ptr, _ptr]
         _LIBS[plain] = so
     return _LIBS[plain]
 
@@ -205,7 +208,7 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 
 
 # the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
-# the row form of Q8_TYPES
+# the row form of Q8_TYPES (without AMX: the K-quants, csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
@@ -216,25 +219,36 @@ def amx_int8() -> bool:
     return available() and bool(lib().gq_amx_ready())
 
 
+def gemm_q8_types() -> tuple:
+    """The weight types whose prefill products run as integer GEMMs against 8-bit rows
+    here (with the q8 decode dots): all of ``AMX_TYPES`` where ``amx_int8()``, else the
+    K-quants wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
+    if not available():
+        return ()
+    so = lib()
+    return tuple(t for t in AMX_TYPES if so.gq_gemm_type(QTYPES[t][0]))
+
+
 def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
     """``x [T, k] @ deq(W).T -> [T, rows]`` with each row of x quantized to 8 bits (the
-    type's form in ``Q8_TYPES``) and integer block dots on AMX tiles (``csrc/q8_amx.c``):
-    the decode step's q8 scheme (``matvec_q8``) over many rows, as the prefill runs it
-    where ``amx_int8()``."""
+    type's form in ``Q8_TYPES``) and integer block dots over many rows at once (on AMX
+    tiles, or with AVX2): the decode step's q8 scheme (``matvec_q8``) as the prefill runs
+    it, for the types in ``gemm_q8_types()``."""
     if qtype not in AMX_TYPES:
-        raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no AMX GEMM (those that do: "
+        raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no integer GEMM (those that may: "
                          f"{', '.join(AMX_TYPES)})")
-    if not amx_int8():
-        raise RuntimeError("ggml_vec.matmul_q8: no AMX-INT8 in this build or process")
+    if qtype not in gemm_q8_types():
+        raise RuntimeError(f"ggml_vec.matmul_q8: no integer GEMM for {qtype} in this build "
+                           f"or process (here: {', '.join(gemm_q8_types()) or 'none'})")
     k, x = _rows_operand("matmul_q8", qtype, data, x)
     nt = nthreads or threads()
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
     so = lib()
-    buf = np.empty(so.gq_amx_buf_bytes(x.shape[0], k), np.uint8)
-    scratch = np.empty(nt * (so.gq_amx_scratch_bytes(k) + 64), np.uint8)
-    so.gq_amx_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
-                     x.ctypes.data, x.shape[0], out.ctypes.data, nt, buf.ctypes.data,
-                     scratch.ctypes.data)
+    buf = np.empty(so.gq_gemm_buf_bytes(x.shape[0], k), np.uint8)
+    scratch = np.empty(nt * (so.gq_gemm_scratch_bytes(k) + 64), np.uint8)
+    so.gq_gemm_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
+                      x.ctypes.data, x.shape[0], out.ctypes.data, nt, buf.ctypes.data,
+                      scratch.ctypes.data)
     return out
 
 

@@ -595,14 +595,14 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    blocks (gv_gemm_rows: GV_PANEL weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed.
-   With m->q8 where AMX-INT8 runs (gq_amx_ready), the products whose weight type the AMX
-   GEMM takes (gq_amx_type) read their input rows quantized to 8 bits instead (Q8_0 or
-   Q8_K), as the steps do (q8_amx.c: the same scheme as q8_dots.c's dots); the other
-   types keep float32 rows. */
+   With m->q8, the products whose weight type an integer GEMM takes here (gq_gemm_type:
+   every block type where AMX-INT8 runs, the K-quants elsewhere on x86) read their input
+   rows quantized to 8 bits instead (Q8_0 or Q8_K), as the steps do (q8_gemm.c: the same
+   scheme as q8_dots.c's dots); the other types keep float32 rows. */
 
 /* the 8-bit rows [Tp, k] of a linear's input (Tp: T up to a multiple of 16, zero rows
    past T): Q8_0's d and s [Tp, k/32], or Q8_K's d [Tp, k/256] with s holding the int16
-   sums of each 32 quants; the AMX GEMM's per-thread scratch; q NULL: not used */
+   sums the GEMM reads (gq_gemm_sums); the GEMM's per-thread scratch; q NULL: not used */
 typedef struct {
     int8_t *q;
     float *d, *s;
@@ -616,33 +616,33 @@ int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd, kmax = gd_kmax(m);
     const int64_t tp = gd_pad16(T);
     const int64_t x8 = tp * kmax + 8 * tp * (kmax / 32) + 64   /* the Q8_0 rows (bytes) */
-                       + m->nthreads * ((gq_amx_scratch_bytes(kmax) + 63) / 64 * 64);
+                       + m->nthreads * ((gq_gemm_scratch_bytes(kmax) + 63) / 64 * 64);
     return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
            + m->nthreads * GV_PANEL * kmax + (x8 + 3) / 4;
 }
 
 /* whether L's product runs on the quantized rows of form f (GQ_Q80, GQ_Q8K; 0: none):
-   the AMX GEMM takes its type, against rows of that form */
-static int gd_amx(const gd_x8 *x8, const gd_lin *L, int f) {
-    return x8->q && f && gq_amx_type(L->type) == f;
+   the integer GEMM takes its type, against rows of that form */
+static int gd_int8(const gd_x8 *x8, const gd_lin *L, int f) {
+    return x8->q && f && gq_gemm_type(L->type) == f;
 }
 
 /* the form of the quantized rows the linears a, b, c (one input) read: the first's that
-   the AMX GEMM takes (the others of another form keep float32 rows); 0: none */
+   the integer GEMM takes (the others of another form keep float32 rows); 0: none */
 static int gd_form(const gd_x8 *x8, const gd_lin *a, const gd_lin *b, const gd_lin *c) {
     if (!x8->q) return 0;
-    return gq_amx_type(a->type) ? gq_amx_type(a->type)
-           : gq_amx_type(b->type) ? gq_amx_type(b->type) : gq_amx_type(c->type);
+    return gq_gemm_type(a->type) ? gq_gemm_type(a->type)
+           : gq_gemm_type(b->type) ? gq_gemm_type(b->type) : gq_gemm_type(c->type);
 }
 
 /* X [T, k]'s rows in form f into x8 (zero rows T .. Tp), split over the threads */
 static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k, int f) {
-    const int k8 = f == GQ_Q8K;
-    const int64_t nd = k8 ? k / 256 : k / 32, ns = k8 ? k / 32 * 2 : k / 32 * 4;  /* d, s bytes */
+    const int k8 = f == GQ_Q8K, per = gq_gemm_sums();
+    const int64_t nd = k8 ? k / 256 : k / 32, ns = k8 ? k / per * 2 : k / 32 * 4;  /* d, s bytes */
     GD_FOR
     for (int64_t t = 0; t < gd_pad16(T); t++) {
         if (t < T && k8) {
-            gq_q8_k_rows(X, t, t + 1, k, x8->q, x8->d, (int16_t *)(void *)x8->s);
+            gq_q8_k_rows(X, t, t + 1, k, x8->q, x8->d, (int16_t *)(void *)x8->s, per);
         } else if (t < T) {
             gq_q8_0_rows(X, t, t + 1, k, x8->q, x8->d, x8->s);
         } else {
@@ -654,7 +654,7 @@ static void gd_quantize_T(const gd_x8 *x8, const float *X, int64_t T, int64_t k,
 }
 
 /* Y[T, rows] (+)= X W^T (+ scale * (X A) B, with X A given per row in lt + slot*64);
-   the base product from x8's quantized rows where gd_amx says so. */
+   the base product from x8's quantized rows where gd_int8 says so. */
 static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float *lt,
                         int slot, float *Y, int acc, float *tile, const gd_x8 *x8, int f) {
     int64_t r0 = 0, r1 = L->rows;
@@ -663,9 +663,9 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
     tid = omp_get_thread_num();
     gv_share(L->rows, tid, omp_get_num_threads(), &r0, &r1);
 #endif
-    if (gd_amx(x8, L, f)) {
+    if (gd_int8(x8, L, f)) {
         if (r0 < r1)
-            gq_amx_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x8->q, x8->d, x8->s,
+            gq_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x8->q, x8->d, x8->s,
                              T, Y, L->rows, acc, x8->scratch + tid * x8->scratch_bytes);
     } else {
         gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
@@ -713,14 +713,14 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     const int64_t kmax = gd_kmax(m), tp = gd_pad16(T);
     const float iscale = m->iscale;
     gd_x8 x8 = {0};
-    if (m->q8 && gq_amx_ready()) {  /* the Q8_0 rows after the float32 tiles */
+    if (m->q8) {  /* the 8-bit rows after the float32 tiles */
         uint8_t *b8 = (uint8_t *)(((uintptr_t)(tiles + m->nthreads * GV_PANEL * kmax) + 63)
                                   & ~(uintptr_t)63);
         x8.q = (int8_t *)b8;
         x8.d = (float *)(b8 + tp * kmax);
         x8.s = x8.d + tp * (kmax / 32);
         x8.scratch = (uint8_t *)(x8.s + tp * (kmax / 32));
-        x8.scratch_bytes = (gq_amx_scratch_bytes(kmax) + 63) / 64 * 64;
+        x8.scratch_bytes = (gq_gemm_scratch_bytes(kmax) + 63) / 64 * 64;
     }
 #define GD_FORM(a, b, c) gd_form(&x8, &L[a], &L[b], &L[c])
     gv_take_rows(m->embd.type, m->embd.w, D, m->embd.row_bytes, tokens, T, x);

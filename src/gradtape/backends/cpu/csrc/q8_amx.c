@@ -12,13 +12,10 @@
    float32 accumulators held in registers.  A K-quant's units are its sub-blocks (32
    values; Q6_K's 16), whose tile dots are scaled by their integer scales in int32 lanes.
    Only where the build has AMX-INT8 (the native class on such a CPU) and Linux grants
-   the tile state; elsewhere gq_amx_ready() is 0 and the prefill keeps ggml_vec.c's
-   float32 GEMM. */
+   the tile state; elsewhere gq_amx_ready() is 0 and q8_gemm.c picks the prefill's
+   other GEMMs. */
 #include <stdint.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include "gt_prelude.h"
 #include "ggml_blocks.h"
 #include "q8_dots.h"
@@ -50,14 +47,19 @@ void gq_q8_0_rows(const float *X, int64_t t0, int64_t t1, int64_t k, int8_t *q, 
 }
 
 /* X [T, k] (k a multiple of 256) as Q8_K rows: q [T, k], d [T, k/256] (gq_q8_k's
-   rounding) and b32 [T, k/32], the sums of each 32 quants (int16), rows t0 .. t1 */
+   rounding) and the int16 sums of each `per` quants (32: the AMX GEMM's, 16: the AVX2
+   GEMM's) sums [T, k/per], rows t0 .. t1 */
 void gq_q8_k_rows(const float *X, int64_t t0, int64_t t1, int64_t k, int8_t *q, float *d,
-                  int16_t *b32) {
+                  int16_t *sums, int per) {
     int16_t bs[k / 16 > 0 ? k / 16 : 1];
     for (int64_t t = t0; t < t1; t++) {
+        if (per == 16) {
+            gq_q8_k(X + t * k, k, q + t * k, d + t * (k / 256), sums + t * (k / 16));
+            continue;
+        }
         gq_q8_k(X + t * k, k, q + t * k, d + t * (k / 256), bs);
         for (int64_t j = 0; j < k / 32; j++)
-            b32[t * (k / 32) + j] = (int16_t)(bs[2 * j] + bs[2 * j + 1]);
+            sums[t * (k / 32) + j] = (int16_t)(bs[2 * j] + bs[2 * j + 1]);
     }
 }
 
@@ -385,42 +387,3 @@ void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
     (void)s; (void)T; (void)Y; (void)ldy; (void)accumulate; (void)scratch;
 }
 #endif
-
-/* Y[T, rows] = X [T, k] through the AMX GEMM (X quantized into buf: gq_amx_buf_bytes,
-   in the form the type reads),
-   rows split over nthreads threads (the kernel's test and bench entry; the prefill calls
-   gq_amx_gemm_rows).  Returns 0, or -1 where the GEMM cannot run (no AMX, another type). */
-int64_t gq_amx_buf_bytes(int64_t T, int64_t k) {
-    const int64_t tp = (T + 15) / 16 * 16;
-    return tp * k + 2 * tp * (k / 32) * 4 + 64;
-}
-
-int gq_amx_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
-                  const float *X, int64_t T, float *Y, int64_t nthreads, void *buf,
-                  void *scratch) {
-    const int form = gq_amx_type(type);
-    if (!gq_amx_ready() || !form || k % (form == GQ_Q8K ? 256 : 32)) return -1;
-    const int64_t tp = (T + 15) / 16 * 16;
-    int8_t *q = (int8_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
-    float *d = (float *)(q + tp * k), *s = d + tp * (k / 32);
-    memset(q, 0, tp * k);
-    memset(d, 0, 2 * tp * (k / 32) * sizeof(float));
-    if (form == GQ_Q8K) gq_q8_k_rows(X, 0, T, k, q, d, (int16_t *)(void *)s);
-    else gq_q8_0_rows(X, 0, T, k, q, d, s);
-    if (nthreads < 1) nthreads = 1;
-    const int64_t sb = (gq_amx_scratch_bytes(k) + 63) / 64 * 64;
-#ifdef _OPENMP
-    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
-    {
-        const int64_t t = omp_get_thread_num();
-        int64_t a, e;
-        gq_share(rows, t, omp_get_num_threads(), &a, &e);
-        if (a < e)
-            gq_amx_gemm_rows(type, W, row_bytes, k, a, e, q, d, s, T, Y, rows, 0,
-                             (uint8_t *)scratch + t * sb);
-    }
-#else
-    gq_amx_gemm_rows(type, W, row_bytes, k, 0, rows, q, d, s, T, Y, rows, 0, scratch);
-#endif
-    return 0;
-}

@@ -1,6 +1,6 @@
 /* q8_dots.c's functions that the decode step (llama_decode.c) calls: an activation row
-   quantized to 8 bits (gq_row) and the integer block dots against it; and q8_amx.c's,
-   the prefill's integer GEMM on AMX tiles over many such rows. */
+   quantized to 8 bits (gq_row) and the integer block dots against it; and q8_amx.c's and
+   q8_gemm.c's, the prefill's integer GEMMs over many such rows. */
 #ifndef GT_Q8_DOTS_H
 #define GT_Q8_DOTS_H
 #include <stdint.h>
@@ -30,20 +30,30 @@ int gq_ready(const gq_row *x, int64_t type, int64_t k);  /* x holds what type's 
 void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
              int64_t r1, const gq_row *x, float *y, int accumulate);
 
-/* q8_amx.c: Q8_0 / Q8_K rows t0 .. t1 of X [T, k]; whether the AMX GEMM runs (build and
-   Linux); the row form a weight type's GEMM reads; its per-thread scratch; the GEMM over
-   weight rows r0 .. r1 */
+/* q8_amx.c: Q8_0 / Q8_K rows t0 .. t1 of X [T, k] (Q8_K with the sums of each `per`
+   quants); whether the AMX GEMM runs (build and Linux); the row form a weight type's AMX
+   GEMM reads; its per-thread scratch; that GEMM over weight rows r0 .. r1 */
 void gq_q8_0_rows(const float *X, int64_t t0, int64_t t1, int64_t k, int8_t *q, float *d,
                   float *s);
 void gq_q8_k(const float *x, int64_t k, int8_t *q, float *d, int16_t *bs);  /* q8_dots.c */
 void gq_q8_k_rows(const float *X, int64_t t0, int64_t t1, int64_t k, int8_t *q, float *d,
-                  int16_t *b32);
+                  int16_t *sums, int per);
 int gq_amx_ready(void);
 int gq_amx_type(int64_t type);
 int64_t gq_amx_scratch_bytes(int64_t k);
 void gq_amx_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                       int64_t r0, int64_t r1, const int8_t *q, const float *d, const float *s,
                       int64_t T, float *Y, int64_t ldy, int accumulate, void *scratch);
+
+/* q8_gemm.c: the prefill's integer GEMM in force (AMX, else AVX2 for the K-quants): the
+   row form it reads against a weight type (0: none), the values a Q8_K row's sums cover
+   for it, its per-thread scratch, the GEMM over weight rows r0 .. r1 */
+int gq_gemm_type(int64_t type);
+int gq_gemm_sums(void);
+int64_t gq_gemm_scratch_bytes(int64_t k);
+void gq_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
+                  int64_t r1, const int8_t *q, const float *d, const float *s, int64_t T,
+                  float *Y, int64_t ldy, int accumulate, void *scratch);
 
 /* thread t of nt's share [*a, *e) of a matrix's rows, whole groups of 16 */
 static inline void gq_share(int64_t rows, int64_t t, int64_t nt, int64_t *a, int64_t *e) {

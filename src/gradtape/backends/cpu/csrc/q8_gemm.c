@@ -1,0 +1,278 @@
+/* The prefill's integer GEMM: many activation rows quantized to 8 bits (as the decode
+   step quantizes its one row) against block weights, the scheme of q8_dots.c's dots
+   summed over many rows at once.  Two kernels, chosen by what the CPU has:
+     AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
+     AVX2 (here), the K-quants (Q4_K, Q5_K, Q6_K) against Q8_K rows, elsewhere on x86.
+   The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: that GEMM runs
+   them at the hardware's float rate, while a K-quant's float panels cost more to unpack
+   than its integer ones cost to multiply.
+
+   The AVX2 kernel unpacks a panel of 16 weight rows once per call (each super-block's
+   quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
+   activation rows and each 2 weight rows sums, per super-block,
+     isum = sum_u sc_u (n . q)_u        (maddubs / madd, exact in int32 lanes)
+     imin = sum_s mn_s (bs_2s + bs_2s+1)   Q4_K / Q5_K, from Q8_K's sums of 16
+     ioff = 32 sum_s sc_s bs_s             Q6_K (n unsigned, its offset apart)
+   and adds (d_w d_x) isum - (dmin_w d_x) imin, or (d_w d_x) (isum - ioff), in float32:
+   the decode dots' integers and products, summed over blocks in another order. */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "gt_prelude.h"
+#include "ggml_blocks.h"
+#include "q8_dots.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
+#include <immintrin.h>
+
+int gq_avx2_build(void) { return 1; }
+
+/* a super-block unpacked: quants n in element order (Q4_K / Q5_K 0..31, Q6_K 0..63), the
+   scales as 16 int16 lanes (Q4_K / Q5_K: the 8 in both halves; Q6_K: the even ones in
+   the low half, the odd in the high, so one pick serves a 32-value chunk's two
+   sub-blocks), and the 16 int16 factors of Q8_K's sums of 16 (mins each twice; Q6_K
+   32 sc) */
+typedef struct {
+    uint8_t n[256];
+    int16_t sc[16], mn[16];
+} gq_ub;
+
+#define GQ_PANEL 16  /* weight rows unpacked at once */
+
+static inline void gq_unpack_k45(const uint8_t *p, int five, gq_ub *u, float *d, float *dm) {
+    const uint8_t *qs = p + (five ? 48 : 16);
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+    for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (five) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+                     _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                     _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
+        }
+        _mm256_storeu_si256((__m256i *)(u->n + 64 * pr), lo);
+        _mm256_storeu_si256((__m256i *)(u->n + 64 * pr + 32), hi);
+    }
+    uint32_t r[4];
+    k_scale_min_words(p + 4, r);
+    const __m128i sm = _mm_setr_epi32((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
+    _mm256_storeu_si256((__m256i *)u->sc, _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)));
+    const __m128i pair = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    _mm256_storeu_si256((__m256i *)u->mn, _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair)));
+    *d = gb_h2f(p);
+    *dm = gb_h2f(p + 2);
+}
+
+static inline void gq_unpack_q6k(const uint8_t *p, gq_ub *u, float *d, float *dm) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
+        for (int g = 0; g < 4; g++) {
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(p + 64 * h + 32 * (g & 1)));
+            _mm256_storeu_si256((__m256i *)(u->n + 128 * h + 32 * g), _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m2), 4)));
+        }
+    }
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
+    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    _mm256_storeu_si256((__m256i *)u->sc, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo)));
+    _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5));
+    *d = gb_h2f(p + 208);
+    *dm = 0.0f;
+}
+
+/* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes */
+static inline __m256i gq_sum8(const __m256i a[8]) {
+    const __m256i x = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+    const __m256i y = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20),
+                            _mm256_permute2x128_si256(x, y, 0x31));
+}
+
+/* int16 lane pair j of each 128-bit half over the half */
+static inline __m256i gq_pick(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+
+/* the sums of weight rows a, b (unpacked, nb blocks; scales dw, dm) with the 4 activation
+   rows y[t] (Q8_K quants, sums of 16 bs[t], scales dx [nb][4]): lanes r * 4 + t */
+static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, const float *dwb,
+                             const float *dma, const float *dmb, const int8_t *const y[4],
+                             const int16_t *const bs[4], const float *dx, int64_t nb, int six) {
+    __m256 S = _mm256_setzero_ps(), M = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        const gq_ub *ua = a + k, *ub = b + k;
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
+        const __m256i sa = _mm256_loadu_si256((const __m256i *)ua->sc);
+        const __m256i sb = _mm256_loadu_si256((const __m256i *)ub->sc);
+        for (int c = 0; c < 8; c++) {  /* 32-value chunks */
+            const __m256i wa = _mm256_loadu_si256((const __m256i *)(ua->n + 32 * c));
+            const __m256i wb = _mm256_loadu_si256((const __m256i *)(ub->n + 32 * c));
+            const __m256i ca = gq_pick(sa, c), cb = gq_pick(sb, c);
+            for (int t = 0; t < 4; t++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(y[t] + 256 * k + 32 * c));
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ca));
+                acc[4 + t] = _mm256_add_epi32(acc[4 + t],
+                                              _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), cb));
+            }
+        }
+        const __m256i is = gq_sum8(acc);
+        const __m256i ma = _mm256_loadu_si256((const __m256i *)ua->mn);
+        const __m256i mb = _mm256_loadu_si256((const __m256i *)ub->mn);
+        for (int t = 0; t < 4; t++) {
+            const __m256i s = _mm256_loadu_si256((const __m256i *)(bs[t] + 16 * k));
+            acc[t] = _mm256_madd_epi16(ma, s);
+            acc[4 + t] = _mm256_madd_epi16(mb, s);
+        }
+        const __m256i im = gq_sum8(acc);
+        const __m256 x = _mm256_broadcast_ps((const __m128 *)(dx + 4 * k));
+        const __m256 dw = _mm256_set_m128(_mm_set1_ps(dwb[k]), _mm_set1_ps(dwa[k]));
+        if (six) {
+            S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)), S);
+        } else {
+            const __m256 dm = _mm256_set_m128(_mm_set1_ps(dmb[k]), _mm_set1_ps(dma[k]));
+            S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(is), S);
+            M = _mm256_fmadd_ps(_mm256_mul_ps(dm, x), _mm256_cvtepi32_ps(im), M);
+        }
+    }
+    return _mm256_sub_ps(S, M);
+}
+
+int64_t gq_avx2_scratch_bytes(int64_t k) {
+    const int64_t nb = k / 256;
+    return GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
+}
+
+/* gq_gemm_rows for the K-quants: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
+static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                           int64_t r0, int64_t r1, const int8_t *q, const float *d,
+                           const int16_t *bs, int64_t T, float *Y, int64_t ldy, int accumulate,
+                           void *scratch) {
+    const int64_t nb = k / 256;
+    const int six = type == T_Q6_K, five = type == T_Q5_K;
+    const int64_t by = six ? 210 : five ? 176 : 144;
+    gq_ub *U = (gq_ub *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_PANEL][nb] */
+    float *dw = (float *)(U + GQ_PANEL * nb), *dm = dw + GQ_PANEL * nb;  /* [GQ_PANEL][nb] */
+    float *dx = dm + GQ_PANEL * nb;                                      /* [nb][4] */
+    for (int64_t p = r0; p < r1; p += GQ_PANEL) {
+        const int64_t np = p + GQ_PANEL <= r1 ? GQ_PANEL : r1 - p;
+        for (int64_t i = 0; i < GQ_PANEL; i++)
+            for (int64_t b = 0; b < nb; b++) {
+                gq_ub *u = U + i * nb + b;
+                const uint8_t *blk = W + (p + i) * row_bytes + b * by;
+                if (i >= np) {  /* a row past the panel's end: zeros, its sums dropped */
+                    memset(u, 0, sizeof *u);
+                    dw[i * nb + b] = dm[i * nb + b] = 0.0f;
+                } else if (six) {
+                    gq_unpack_q6k(blk, u, dw + i * nb + b, dm + i * nb + b);
+                } else {
+                    gq_unpack_k45(blk, five, u, dw + i * nb + b, dm + i * nb + b);
+                }
+            }
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {  /* rows past T up to 4 are readable */
+            const int8_t *y[4];
+            const int16_t *s[4];
+            for (int t = 0; t < 4; t++) {
+                y[t] = q + (t0 + t) * k;
+                s[t] = bs + (t0 + t) * (k / 16);
+                for (int64_t b = 0; b < nb; b++) dx[4 * b + t] = d[(t0 + t) * nb + b];
+            }
+            const int64_t nt = t0 + 4 <= T ? 4 : T - t0;
+            for (int64_t i = 0; i < np; i += 2) {
+                float v[8];
+                _mm256_storeu_ps(v, gq_tile(U + i * nb, U + (i + 1) * nb, dw + i * nb,
+                                            dw + (i + 1) * nb, dm + i * nb, dm + (i + 1) * nb,
+                                            y, s, dx, nb, six));
+                for (int r = 0; r < 2 && i + r < np; r++)
+                    for (int64_t t = 0; t < nt; t++) {
+                        float *o = Y + (t0 + t) * ldy + p + i + r;
+                        *o = accumulate ? *o + v[4 * r + t] : v[4 * r + t];
+                    }
+            }
+        }
+    }
+}
+
+#else
+int gq_avx2_build(void) { return 0; }  /* whether this build has the AVX2 GEMM */
+int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
+#endif
+
+/* the row form the prefill's integer GEMM reads against a weight type here (GQ_Q80,
+   GQ_Q8K), 0: the float32 GEMM */
+int gq_gemm_type(int64_t type) {
+    if (gq_amx_ready()) return gq_amx_type(type);
+    return gq_avx2_build() && gq_need(type) == GQ_Q8K ? GQ_Q8K : 0;
+}
+
+/* the values each of a Q8_K row's sums covers for the GEMM in force: 32 (AMX), 16 */
+int gq_gemm_sums(void) { return gq_amx_ready() ? 32 : 16; }
+
+int64_t gq_gemm_scratch_bytes(int64_t k) {
+    const int64_t a = gq_amx_scratch_bytes(k), b = gq_avx2_scratch_bytes(k);
+    return a > b ? a : b;
+}
+
+/* Y[t, r] (+)= the scheme's dot of weight row r (r0 <= r < r1) with activation row t < T,
+   for a type gq_gemm_type takes: 32-element block types against Q8_0 rows (q [T, k], d
+   and s [T, k/32]: gq_q8_0_rows), K-quants against Q8_K rows (q, d [T, k/256], s holding
+   the int16 sums of gq_gemm_sums() values: gq_q8_k_rows).  Rows past T up to a multiple
+   of 16 must be readable; their sums are dropped.  `scratch`: gq_gemm_scratch_bytes(k). */
+void gq_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
+                  int64_t r1, const int8_t *q, const float *d, const float *s, int64_t T,
+                  float *Y, int64_t ldy, int accumulate, void *scratch) {
+    if (gq_amx_ready()) {
+        gq_amx_gemm_rows(type, W, row_bytes, k, r0, r1, q, d, s, T, Y, ldy, accumulate, scratch);
+        return;
+    }
+#if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
+    gq_avx2_gemm_k(type, W, row_bytes, k, r0, r1, q, d, (const int16_t *)(const void *)s, T, Y,
+                   ldy, accumulate, scratch);
+#endif
+}
+
+/* the 8-bit rows of X [T, k] in the form f into buf (gq_gemm_buf_bytes: q [Tp, k], d and
+   s [Tp, k/32] floats' room, Tp = T up to a multiple of 16, zero rows past T) */
+int64_t gq_gemm_buf_bytes(int64_t T, int64_t k) {
+    const int64_t tp = (T + 15) / 16 * 16;
+    return tp * k + 2 * tp * (k / 32) * 4 + 64;
+}
+
+/* Y[T, rows] = X [T, k] through the GEMM in force (X quantized into buf), rows split over
+   nthreads threads: the kernels' test and bench entry (the prefill calls gq_gemm_rows).
+   Returns 0, or -1 where no integer GEMM takes the type here. */
+int gq_gemm_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
+                   const float *X, int64_t T, float *Y, int64_t nthreads, void *buf,
+                   void *scratch) {
+    const int form = gq_gemm_type(type);
+    if (!form || k % (form == GQ_Q8K ? 256 : 32)) return -1;
+    const int64_t tp = (T + 15) / 16 * 16;
+    int8_t *q = (int8_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *d = (float *)(q + tp * k), *s = d + tp * (k / 32);
+    memset(q, 0, tp * k);
+    memset(d, 0, 2 * tp * (k / 32) * sizeof(float));
+    if (form == GQ_Q8K) gq_q8_k_rows(X, 0, T, k, q, d, (int16_t *)(void *)s, gq_gemm_sums());
+    else gq_q8_0_rows(X, 0, T, k, q, d, s);
+    if (nthreads < 1) nthreads = 1;
+    const int64_t sb = (gq_gemm_scratch_bytes(k) + 63) / 64 * 64;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads((int)nthreads) if (nthreads > 1)
+    {
+        const int64_t t = omp_get_thread_num();
+        int64_t a, e;
+        gq_share(rows, t, omp_get_num_threads(), &a, &e);
+        if (a < e)
+            gq_gemm_rows(type, W, row_bytes, k, a, e, q, d, s, T, Y, rows, 0,
+                         (uint8_t *)scratch + t * sb);
+    }
+#else
+    gq_gemm_rows(type, W, row_bytes, k, 0, rows, q, d, s, T, Y, rows, 0, scratch);
+#endif
+    return 0;
+}

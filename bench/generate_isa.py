@@ -6,6 +6,9 @@ quantizer, ``llama_model_quantize`` with ``allow_requantize``: tensors of 576 co
 back from Q4_K / Q6_K to Q5_0 / Q8_0 as llama-quantize does, ffn_down stays Q4_K / Q6_K;
 cached in ``$GRADTAPE_CACHE/bench``), 2 threads,
 fresh prompts (a different 256-token window of one text each rep), 128 greedy tokens.
+``--gguf FILE`` runs one file of your own instead (its blocks kept as stored): for instance
+the 8B-shaped Q4_K_M file of quant_bench.py (Q4_K / Q6_K rows), with ``--prompt-tokens 64
+--new-tokens 24``.
 
 * gradtape runs in a subprocess with ``GRADTAPE_ISA=<class>`` (every kernel built and chosen
   as on a CPU of that class); timed as in generate_bench.py (``ours_once``).
@@ -18,7 +21,7 @@ fresh prompts (a different 256-token window of one text each rep), 128 greedy to
   what its ggml reports (``llama_print_system_info``).
 
     python bench/generate_isa.py [--workloads smollm2-generate-avx2] [--json] [--reps 3]
-        [--prompt-tokens 256] [--new-tokens 128]
+        [--prompt-tokens 256] [--new-tokens 128] [--gguf FILE]
 """
 
 from __future__ import annotations
@@ -59,13 +62,13 @@ def _protocol_out():
     return out
 
 
-def worker_ours(model_path: str):
+def worker_ours(model_path: str, keep: bool):
     out = _protocol_out()
     os.environ.setdefault("GRADTAPE_THREADS", str(G.THREADS))
     from gradtape import llama
     from gradtape.backends.cpu import toolchain
 
-    model = llama.load(model_path)
+    model = llama.load(model_path, keep_quantized=keep)
     out.write(json.dumps({"ready": True, "isa": toolchain.isa()}) + "\n")
     for line in sys.stdin:
         req = json.loads(line)
@@ -176,10 +179,12 @@ def prompts(tok, reps, length):
     return [stream[8 * r: 8 * r + length] for r in range(reps + 1)]
 
 
-def row_for(isa, path, quant, folder, reps, n_prompt, n_new, tok, log):
-    row = {"workload": f"smollm2-generate-{isa}", "model": path.name, "quant": quant,
-           "isa": isa, "prompt_tokens": n_prompt, "new_tokens": n_new, "threads": G.THREADS}
-    ours = Side(["--worker", "ours", "--model", str(path)], side_env(isa=isa))
+def row_for(isa, path, quant, folder, reps, n_prompt, n_new, tok, log, keep=False):
+    row = {"workload": f"{'gguf' if keep else 'smollm2'}-generate-{isa}", "model": path.name,
+           "quant": quant, "isa": isa, "prompt_tokens": n_prompt, "new_tokens": n_new,
+           "threads": G.THREADS}
+    ours = Side(["--worker", "ours", "--model", str(path)] + (["--keep"] if keep else []),
+                side_env(isa=isa))
     row["gradtape_isa"] = ours.ready["isa"]
     peer = None
     if (folder / ".built").is_file():
@@ -233,6 +238,11 @@ def bench(isa, args, log):
         raise SystemExit(f"generate_isa: this CPU cannot run the {isa} class "
                          f"(it runs {', '.join(toolchain.isa_classes())})")
     folder = peer_dir(isa, args.llama_cpp)
+    if args.gguf:
+        path = Path(args.gguf).expanduser()
+        tok = llama.load(str(path), keep_quantized=True).tokenizer
+        return [row_for(isa, path, "as stored", folder, args.reps, args.prompt_tokens,
+                        args.new_tokens, tok, log, keep=True)]
     src = default_model_path()
     tok = llama.load(str(src)).tokenizer
     others = [peer_dir(c, None) for c in ("avx2", "native")]
@@ -276,12 +286,15 @@ def main(argv=None):
                     help="greedy tokens after the prompt (default %(default)s)")
     ap.add_argument("--llama-cpp", default=None,
                     help="the llama.cpp build's folder (default: .venv/llama-cpp-<class>)")
+    ap.add_argument("--gguf", default=None,
+                    help="a GGUF file to run instead of SmolLM2's two (kept as stored)")
     ap.add_argument("--worker", choices=("ours", "peer", "quantize"), help=argparse.SUPPRESS)
+    ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker == "ours":
-        return worker_ours(args.model)
+        return worker_ours(args.model, args.keep)
     if args.worker == "peer":
         return worker_peer(args.model, args.llama_cpp)
     if args.worker == "quantize":

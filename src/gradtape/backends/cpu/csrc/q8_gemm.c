@@ -29,17 +29,28 @@
 
 int gq_avx2_build(void) { return 1; }
 
-/* a super-block unpacked: quants n in element order (Q4_K / Q5_K 0..31, Q6_K 0..63), the
-   scales as 16 int16 lanes (Q4_K / Q5_K: the 8 in both halves; Q6_K: the even ones in
-   the low half, the odd in the high, so one pick serves a 32-value chunk's two
-   sub-blocks), and the 16 int16 factors of Q8_K's sums of 16 (mins each twice; Q6_K
-   32 sc) */
+/* a super-block unpacked (every field 32-byte aligned): quants n in element order (Q4_K /
+   Q5_K 0..31, Q6_K 0..63); each 32-value chunk's scales as 16 int16 lanes for madd
+   (Q4_K / Q5_K: its sub-block's in all; Q6_K: its first sub-block's in the low half, its
+   second's in the high); the 16 int16 factors of Q8_K's sums of 16 (mins each twice;
+   Q6_K 32 sc) */
 typedef struct {
     uint8_t n[256];
-    int16_t sc[16], mn[16];
+    int16_t sc[8][16], mn[16];
 } gq_ub;
 
 #define GQ_PANEL 16  /* weight rows unpacked at once */
+
+/* int16 lane pair j of each 128-bit half over the half */
+static inline __m256i gq_pick(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
+}
+
+/* the chunks' scale vectors from the scales as 16 int16 lanes: Q4_K / Q5_K's 8 in both
+   halves, Q6_K's even ones in the low half and odd ones in the high */
+static inline void gq_chunk_scales(__m256i s, gq_ub *u) {
+    for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)u->sc[c], gq_pick(s, c));
+}
 
 static inline void gq_unpack_k45(const uint8_t *p, int five, gq_ub *u, float *d, float *dm) {
     const uint8_t *qs = p + (five ? 48 : 16);
@@ -60,7 +71,7 @@ static inline void gq_unpack_k45(const uint8_t *p, int five, gq_ub *u, float *d,
     uint32_t r[4];
     k_scale_min_words(p + 4, r);
     const __m128i sm = _mm_setr_epi32((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
-    _mm256_storeu_si256((__m256i *)u->sc, _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)));
+    gq_chunk_scales(_mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm)), u);
     const __m128i pair = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair)));
     *d = gb_h2f(p);
@@ -80,24 +91,28 @@ static inline void gq_unpack_q6k(const uint8_t *p, gq_ub *u, float *d, float *dm
     }
     const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
     const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    _mm256_storeu_si256((__m256i *)u->sc, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo)));
+    gq_chunk_scales(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo)), u);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5));
     *d = gb_h2f(p + 208);
     *dm = 0.0f;
 }
 
-/* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes */
+/* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes (unpacks and adds:
+   hadd is three operations on these CPUs) */
 static inline __m256i gq_sum8(const __m256i a[8]) {
-    const __m256i x = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
-    const __m256i y = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(x, y, 0x20),
-                            _mm256_permute2x128_si256(x, y, 0x31));
+    __m256i h[4], g[2];
+    for (int i = 0; i < 4; i++)  /* a[2i], a[2i+1] interleaved, 4 partial sums each */
+        h[i] = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                _mm256_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* a[4i] .. a[4i+3], 2 partial sums each per half */
+        g[i] = _mm256_add_epi32(_mm256_unpacklo_epi64(h[2 * i], h[2 * i + 1]),
+                                _mm256_unpackhi_epi64(h[2 * i], h[2 * i + 1]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g[0], g[1], 0x20),
+                            _mm256_permute2x128_si256(g[0], g[1], 0x31));
 }
 
-/* int16 lane pair j of each 128-bit half over the half */
-static inline __m256i gq_pick(__m256i v, int j) {
-    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
-}
+/* v in a register: loaded once, not read again from memory by each instruction using it */
+#define GQ_REG(v) __asm__("" : "+x"(v))
 
 /* the sums of weight rows a, b (unpacked, nb blocks; scales dw, dm) with the 4 activation
    rows y[t] (Q8_K quants, sums of 16 bs[t], scales dx [nb][4]): lanes r * 4 + t */
@@ -109,12 +124,13 @@ static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, c
         const gq_ub *ua = a + k, *ub = b + k;
         __m256i acc[8];
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
-        const __m256i sa = _mm256_loadu_si256((const __m256i *)ua->sc);
-        const __m256i sb = _mm256_loadu_si256((const __m256i *)ub->sc);
         for (int c = 0; c < 8; c++) {  /* 32-value chunks */
             const __m256i wa = _mm256_loadu_si256((const __m256i *)(ua->n + 32 * c));
             const __m256i wb = _mm256_loadu_si256((const __m256i *)(ub->n + 32 * c));
-            const __m256i ca = gq_pick(sa, c), cb = gq_pick(sb, c);
+            __m256i ca = _mm256_load_si256((const __m256i *)ua->sc[c]);
+            __m256i cb = _mm256_load_si256((const __m256i *)ub->sc[c]);
+            GQ_REG(ca);
+            GQ_REG(cb);
             for (int t = 0; t < 4; t++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(y[t] + 256 * k + 32 * c));
                 acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ca));

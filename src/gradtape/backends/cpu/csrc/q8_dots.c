@@ -403,22 +403,32 @@ static inline __m256i gq_pick16(__m256i v, int j) {
     return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
 }
 
+/* a K-quant's 12 packed bytes at s as k_scale_min_words' 4 words (the 8 scales, then the
+   8 mins), in vector operations: r0 = w0 & 0x3F.., r2 = w1 & 0x3F..,
+   r1 = (w2 & 0x0F..) | ((w0 >> 6) & 3..) << 4, r3 = ((w2 >> 4) & 0x0F..) | ((w1 >> 6) & 3..) << 4
+   (16 bytes read: the block goes on past them) */
+static inline __m128i gq_k_scale_min(const uint8_t *s) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)s);
+    const __m128i r02 = _mm_and_si128(v, _mm_set1_epi8(0x3F));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_setr_epi32(0, 4, 0, 4)),
+                                     _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(v, 6), _mm_set1_epi8(3)), 4);
+    return _mm_unpacklo_epi32(r02, _mm_or_si128(lo, hi));
+}
+
 /* Q4_K / Q5_K: the 8 sub-blocks' n . q, each times its 6-bit scale, in int32 lanes
    (maddubs's pair sums <= 2 * 31 * 127, times sc <= 63 in madd: no overflow); the
-   scales and mins unpacked in words and kept in vectors, the min term's integer sum in
-   one madd over Q8_K's 16 sums */
+   scales and mins unpacked in vectors; the min term's integer sums in one madd over Q8_K's
+   16 sums, taken off the float32 lanes block by block */
 GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
     __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
     const int64_t BS = five ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m128i pair = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16);
         const int8_t *y = x->qk + 256 * b;
-        uint32_t r[4];
-        k_scale_min_words(p + 4, r);
-        const __m128i sm = _mm_setr_epi32((int)r[0], (int)r[1], (int)r[2], (int)r[3]);
+        const __m128i sm = gq_k_scale_min(p + 4);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* 8 x int16 */
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         __m256i is = _mm256_setzero_si256();
@@ -438,30 +448,35 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
                      _mm256_madd_epi16(p1, gq_pick16(sc, 2 * pr + 1))));
         }
         /* sum_s mn_s (bs_2s + bs_2s+1): each min twice as int16 against the 16 sums */
-        const __m256i mn = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair));
-        const int im = gq_hsum_i32(_mm256_madd_epi16(
-            mn, _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))));
-        const float dy = x->dk[b];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * dy), _mm256_cvtepi32_ps(is), acc);
-        mins += gb_h2f(p + 2) * dy * (float)im;
+        const __m256i im = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair)),
+                                             _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b)));
+        uint32_t h;
+        memcpy(&h, p, 4);  /* d, dmin (f16) */
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)), _mm_set1_ps(x->dk[b]));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
+        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(im), acc);
     }
-    return gq_hsum(acc) - mins;
+    return gq_hsum(acc);
 }
 GQ_INLINE float gq_dot_q4_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 0); }
 GQ_INLINE float gq_dot_q5_k(const uint8_t *row, int64_t nb, const gq_row *x) { return gq_k45(row, nb, x, 1); }
 
 /* Q6_K: n (0..63) . q per 16 in maddubs, times the signed scale in madd; the offset 32
-   taken off in integers through the sums of q (into lane 0, before the one conversion) */
+   taken off in int32 lanes through the sums of q (one madd), before the one conversion */
 GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 210 * b;
-        const int8_t *sc = (const int8_t *)(p + 192), *y = x->qk + 256 * b;
-        const int16_t *bs = x->bk + 16 * b;
-        /* the 16 scales as int16 (0-7 in the low half, 8-15 in the high) */
-        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-        __m256i is = _mm256_setzero_si256();
+        const int8_t *y = x->qk + 256 * b;
+        const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
+        /* the 16 scales as int16: the even ones in the low half, the odd in the high, so
+           one pick gives a 32-value chunk's two (its low 16 products', its high 16's) */
+        const __m256i seo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo));
+        __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(          /* - 32 sum_s sc_s bs_s */
+            _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 5);
+        is = _mm256_sub_epi32(_mm256_setzero_si256(), is);
         for (int h = 0; h < 2; h++) {
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h));
             for (int g = 0; g < 4; g++) {
@@ -469,19 +484,11 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
                 const __m256i n = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), m4),
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m2), 4));
-                /* scales 8 h + 2 g and the next over the low and the high 16 products:
-                   their int16 pair in every dword, then one of the two per half */
-                const __m256i sp = _mm256_shuffle_epi8(
-                    _mm256_permutevar8x32_epi32(s16, _mm256_set1_epi32(4 * h + g)),
-                    _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                     2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
                 is = _mm256_add_epi32(is, _mm256_madd_epi16(
-                         _mm256_maddubs_epi16(n, gq_y(y + 128 * h + 32 * g)), sp));
+                         _mm256_maddubs_epi16(n, gq_y(y + 128 * h + 32 * g)),
+                         gq_pick16(seo, 4 * h + g)));
             }
         }
-        const int off = gq_hsum_i32(_mm256_madd_epi16(
-            s16, _mm256_loadu_si256((const __m256i *)bs)));
-        is = _mm256_sub_epi32(is, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 208) * x->dk[b]), _mm256_cvtepi32_ps(is), acc);
     }
     return gq_hsum(acc);

@@ -397,12 +397,6 @@ static inline int gq_hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
-/* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
-   mask: bytes 2j, 2j + 1 repeated) */
-static inline __m256i gq_pick16(__m256i v, int j) {
-    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
-}
-
 /* a K-quant's 12 packed bytes at s as k_scale_min_words' 4 words (the 8 scales, then the
    8 mins), in vector operations: r0 = w0 & 0x3F.., r2 = w1 & 0x3F..,
    r1 = (w2 & 0x0F..) | ((w0 >> 6) & 3..) << 4, r3 = ((w2 >> 4) & 0x0F..) | ((w1 >> 6) & 3..) << 4
@@ -423,7 +417,6 @@ static inline __m128i gq_k_scale_min(const uint8_t *s) {
 GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
     __m256 acc = _mm256_setzero_ps();
     const int64_t BS = five ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m128i pair = _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16);
@@ -433,14 +426,8 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         __m256i is = _mm256_setzero_si256();
         for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
-            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                         _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
-            }
+            __m256i lo, hi;
+            gq_k45_quants(qs, qh, five, pr, &lo, &hi);
             const __m256i p0 = _mm256_maddubs_epi16(lo, gq_y(y + 64 * pr));
             const __m256i p1 = _mm256_maddubs_epi16(hi, gq_y(y + 64 * pr + 32));
             is = _mm256_add_epi32(is, _mm256_add_epi32(

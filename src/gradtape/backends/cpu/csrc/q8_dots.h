@@ -1,6 +1,7 @@
 /* q8_dots.c's functions that the decode step (llama_decode.c) calls: an activation row
-   quantized to 8 bits (gq_row) and the integer block dots against it; and q8_amx.c's and
-   q8_gemm.c's, the prefill's integer GEMMs over many such rows. */
+   quantized to 8 bits (gq_row) and the integer block dots against it; q8_amx.c's and
+   q8_gemm.c's, the prefill's integer GEMMs over many such rows; and AVX2 helpers that
+   unpack blocks for both. */
 #ifndef GT_Q8_DOTS_H
 #define GT_Q8_DOTS_H
 #include <stdint.h>
@@ -71,6 +72,27 @@ static inline __m256i gq_nibs(const uint8_t *qs) {
     const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
                             _mm256_set1_epi8(15));
+}
+/* Q4_K / Q5_K's sub-blocks 2 pr (lo: the low nibbles of the 32 bytes at qs + 32 pr) and
+   2 pr + 1 (hi: the high ones), 0..15, or 0..31 with Q5_K's fifth bits from qh's bits
+   2 pr and 2 pr + 1 (five) */
+static inline void gq_k45_quants(const uint8_t *qs, __m256i qh, int five, int pr, __m256i *lo,
+                                 __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
+    *lo = _mm256_and_si256(q, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+    if (five) {
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(
+                  _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr), one), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(
+                  _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
+    }
+}
+/* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
+   mask: bytes 2j, 2j + 1 repeated) */
+static inline __m256i gq_pick16(__m256i v, int j) {
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
 }
 #endif
 #endif

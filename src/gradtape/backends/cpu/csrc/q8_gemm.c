@@ -3,9 +3,10 @@
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
      AVX2 (here), the K-quants (Q4_K, Q5_K, Q6_K) against Q8_K rows, elsewhere on x86.
-   The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: that GEMM runs
-   them at the hardware's float rate, while a K-quant's float panels cost more to unpack
-   than its integer ones cost to multiply.
+   The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: each 32 values
+   have their own float scale, so an AVX2 integer kernel converts and scales every block
+   dot of every pair and runs no faster than the float GEMM; a K-quant's 256 values share
+   one, and its integer sums run at about twice the float rate.
 
    The AVX2 kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
@@ -41,30 +42,18 @@ typedef struct {
 
 #define GQ_PANEL 16  /* weight rows unpacked at once */
 
-/* int16 lane pair j of each 128-bit half over the half */
-static inline __m256i gq_pick(__m256i v, int j) {
-    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)(0x0100 * (2 * j + 1) + 2 * j)));
-}
-
 /* the chunks' scale vectors from the scales as 16 int16 lanes: Q4_K / Q5_K's 8 in both
    halves, Q6_K's even ones in the low half and odd ones in the high */
 static inline void gq_chunk_scales(__m256i s, gq_ub *u) {
-    for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)u->sc[c], gq_pick(s, c));
+    for (int c = 0; c < 8; c++) _mm256_store_si256((__m256i *)u->sc[c], gq_pick16(s, c));
 }
 
 static inline void gq_unpack_k45(const uint8_t *p, int five, gq_ub *u, float *d, float *dm) {
     const uint8_t *qs = p + (five ? 48 : 16);
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
     for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * pr));
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (five) {
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                     _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                     _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
-        }
+        __m256i lo, hi;
+        gq_k45_quants(qs, qh, five, pr, &lo, &hi);
         _mm256_storeu_si256((__m256i *)(u->n + 64 * pr), lo);
         _mm256_storeu_si256((__m256i *)(u->n + 64 * pr + 32), hi);
     }

@@ -404,7 +404,8 @@ static inline int gq_hsum_i32(__m256i v) {
 static inline __m128i gq_k_scale_min(const uint8_t *s) {
     const __m128i v = _mm_loadu_si128((const __m128i *)s);
     const __m128i r02 = _mm_and_si128(v, _mm_set1_epi8(0x3F));
-    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0xAA), _mm_setr_epi32(0, 4, 0, 4)),
+    const __m128i w2 = _mm_shuffle_epi32(v, 0xAA);
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(w2, _mm_setr_epi32(0, 4, 0, 4)),
                                      _mm_set1_epi8(0x0F));
     const __m128i hi = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(v, 6), _mm_set1_epi8(3)), 4);
     return _mm_unpacklo_epi32(r02, _mm_or_si128(lo, hi));
@@ -439,9 +440,11 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
                                              _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b)));
         uint32_t h;
         memcpy(&h, p, 4);  /* d, dmin (f16) */
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)), _mm_set1_ps(x->dk[b]));
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)),
+                                     _mm_set1_ps(x->dk[b]));
         acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
-        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(im), acc);
+        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+                               _mm256_cvtepi32_ps(im), acc);
     }
     return gq_hsum(acc);
 }

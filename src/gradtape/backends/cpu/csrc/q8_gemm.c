@@ -50,7 +50,8 @@ static inline void gq_chunk_scales(__m256i s, gq_ub *u) {
 
 static inline void gq_unpack_k45(const uint8_t *p, int five, gq_ub *u, float *d, float *dm) {
     const uint8_t *qs = p + (five ? 48 : 16);
-    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+    const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16))
+                            : _mm256_setzero_si256();
     for (int pr = 0; pr < 4; pr++) {  /* sub-blocks 2 pr (low nibbles), 2 pr + 1 (high) */
         __m256i lo, hi;
         gq_k45_quants(qs, qh, five, pr, &lo, &hi);
@@ -87,7 +88,7 @@ static inline void gq_unpack_q6k(const uint8_t *p, gq_ub *u, float *d, float *dm
 }
 
 /* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes (unpacks and adds:
-   hadd is three operations on these CPUs) */
+   hadd issues as several operations and runs at half their rate) */
 static inline __m256i gq_sum8(const __m256i a[8]) {
     __m256i h[4], g[2];
     for (int i = 0; i < 4; i++)  /* a[2i], a[2i+1] interleaved, 4 partial sums each */
@@ -122,7 +123,8 @@ static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, c
             GQ_REG(cb);
             for (int t = 0; t < 4; t++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(y[t] + 256 * k + 32 * c));
-                acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ca));
+                acc[t] = _mm256_add_epi32(acc[t],
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ca));
                 acc[4 + t] = _mm256_add_epi32(acc[4 + t],
                                               _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), cb));
             }
@@ -139,7 +141,8 @@ static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, c
         const __m256 x = _mm256_broadcast_ps((const __m128 *)(dx + 4 * k));
         const __m256 dw = _mm256_set_m128(_mm_set1_ps(dwb[k]), _mm_set1_ps(dwa[k]));
         if (six) {
-            S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)), S);
+            S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)),
+                                S);
         } else {
             const __m256 dm = _mm256_set_m128(_mm_set1_ps(dmb[k]), _mm_set1_ps(dma[k]));
             S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(is), S);

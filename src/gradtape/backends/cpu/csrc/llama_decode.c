@@ -666,7 +666,7 @@ static void gd_linear_T(const gd_lin *L, const float *X, int64_t T, const float 
     if (gd_int8(x8, L, f)) {
         if (r0 < r1)
             gq_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, x8->q, x8->d, x8->s,
-                             T, Y, L->rows, acc, x8->scratch + tid * x8->scratch_bytes);
+                         T, Y, L->rows, acc, x8->scratch + tid * x8->scratch_bytes);
     } else {
         gv_gemm_rows(L->type, L->w, L->row_bytes, L->k, r0, r1, X, T, Y, L->rows, acc, tile);
     }

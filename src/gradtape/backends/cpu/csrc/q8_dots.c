@@ -191,6 +191,18 @@ void gq_quantize(gq_row *r, const float *x, int64_t k, int need) {
 
 /* --- the block dots ------------------------------------------------------------------ */
 
+/* how far ahead of the bytes being read the weights are prefetched: a decode step streams
+   every weight from memory once, and the hardware's prefetcher alone leaves the dots
+   waiting on it.  The SIMD dots prefetch the lines GQ_AHEAD past each group of blocks as
+   they read it: spread out, not a row's worth of lines at once, which overflows the
+   core's queue of misses and stalls the reads behind it */
+#ifndef GQ_AHEAD
+#define GQ_AHEAD 4096
+#endif
+static inline void gq_ahead(const uint8_t *p, int bytes) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + GQ_AHEAD + l);
+}
+
 #ifdef GQ_AVX2
 /* 8 int32 lanes, each the sum of 4 products u * s (u unsigned, s signed bytes) */
 static inline __m256i gq_us(__m256i u, __m256i s) {
@@ -300,6 +312,7 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     int64_t b = 0;                                                                       \
     for (; b + 16 <= nb; b += 16) {                                                      \
         const uint8_t *p = row + BS * b;                                                 \
+        gq_ahead(p, 16 * BS);                                                            \
         const __m512i g = _mm512_i32gather_epi32(at, (const void *)p, 1);                \
         const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)),        \
                                        _mm512_loadu_ps(x->d0 + b));                      \
@@ -361,6 +374,7 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     int64_t b = 0;                                                                       \
     for (; b + 8 <= nb; b += 8) {                                                        \
         const uint8_t *p = row + BS * b;                                                 \
+        gq_ahead(p, 8 * BS);                                                             \
         if (MIN)                                                                         \
             mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_h8(p, BS, 2)),                       \
                                  _mm256_loadu_ps(x->s0 + b), mv);                        \
@@ -422,6 +436,7 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + BS * b, *qs = p + (five ? 48 : 16);
         const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, (int)BS);
         const __m128i sm = gq_k_scale_min(p + 4);
         const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));  /* 8 x int16 */
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
@@ -460,6 +475,7 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 210 * b;
         const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, 210);
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
         /* the 16 scales as int16: the even ones in the low half, the odd in the high, so
            one pick gives a 32-value chunk's two (its low 16 products', its high 16's) */
@@ -576,24 +592,20 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
 #endif
 #endif
 
-/* how far ahead of the row being read its weight bytes are prefetched: a decode step
-   streams every weight from memory once, and the hardware's prefetcher alone leaves the
-   dots waiting on it (docs/benchmarks.md) */
-#ifndef GQ_AHEAD
-#define GQ_AHEAD 4096
+/* each type's row loop: y[r] (+)= the dot of row r for r in [r0, r1) (the plain-C dots
+   prefetch a row's bytes GQ_AHEAD past it at its start; the SIMD ones as they go) */
+#ifdef GQ_AVX2
+#define GQ_ROW_AHEAD(p, n)
+#else
+#define GQ_ROW_AHEAD(p, n) gq_ahead(p, (int)(n))
 #endif
-
-/* each type's row loop: y[r] (+)= the dot of row r for r in [r0, r1), prefetching
-   the weight bytes GQ_AHEAD past the row being read */
 typedef void (*gq_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, const gq_row *,
                       float *, int);
 #define GQ_ROWS(DOT)                                                                     \
 static void DOT##_rows(const uint8_t *W, int64_t row_bytes, int64_t nb, int64_t r0,      \
                        int64_t r1, const gq_row *x, float *y, int accumulate) {          \
     for (int64_t r = r0; r < r1; r++) {                                                  \
-        const uintptr_t at = (uintptr_t)(W + r * row_bytes) + GQ_AHEAD;                  \
-        for (uintptr_t c = at & ~(uintptr_t)63; c < at + row_bytes; c += 64)             \
-            __builtin_prefetch((const void *)c);                                         \
+        GQ_ROW_AHEAD(W + r * row_bytes, row_bytes);                                      \
         const float v = DOT(W + r * row_bytes, nb, x);                                   \
         y[r] = accumulate ? y[r] + v : v;                                                \
     }                                                                                    \

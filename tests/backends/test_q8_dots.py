@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf.quants import IQ4_NL
 
 from gradtape.backends.cpu import ggml_vec
 
@@ -96,7 +97,16 @@ def ref_row(qtype, row, x):
         q, dx, bsum = ref_q8_k(x)
         y = q.reshape(-1, 256).astype(np.int64)
         bsum = bsum.reshape(-1, 16).astype(np.int64)
-        if qtype == "Q6_K":
+        if qtype == "IQ4_XS":
+            kv = np.array(IQ4_NL.kvalues, np.int64)
+            sh = b[:, 2].astype(np.int64) | b[:, 3].astype(np.int64) << 8
+            isum = np.zeros(len(b), np.int64)  # sum_s (ls_s - 32) (v . q)_s
+            for s in range(8):
+                ls = ((b[:, 4 + s // 2] >> (4 * (s % 2))) & 15) | ((sh >> (2 * s)) & 3) << 4
+                v = kv[_nibs32(b[:, 8 + 16 * s:24 + 16 * s])]
+                isum += (ls - 32) * (v * y[:, 32 * s:32 * s + 32]).sum(1)
+            terms.append(_h(b, 0) * dx * isum)
+        elif qtype == "Q6_K":
             d = _h(b, 208)
             sc = b[:, 192:208].copy().view(np.int8).astype(np.int64)
             isum = np.zeros(len(b), np.int64)  # sum_s sc_s (n . q)_s, n = 0 .. 63
@@ -156,6 +166,9 @@ def weight_rows(qtype, rows, k, seed, exact=False):
             b[:, :, 2:4] = scale_bytes(np.zeros(shape) if exact else scale())
         if exact and qtype in ("Q4_K", "Q5_K"):
             b[:, :, 4:16] = rng.integers(0, 4, (*shape, 12))  # sc, mn <= 63 still
+        if exact and qtype == "IQ4_XS":  # scales 32 + 0 .. 3: the sums below 2^24
+            b[:, :, 2:4] = 0xAA
+            b[:, :, 4:8] = rng.integers(0, 4, (*shape, 4)) * 17
     return b.reshape(rows, -1)
 
 

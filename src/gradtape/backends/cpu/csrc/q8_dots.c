@@ -55,7 +55,7 @@ static inline float gq_f16(float v) {
 int gq_need(int64_t type) {
     switch (type) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return GQ_Q80;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: return GQ_Q8K;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return GQ_Q8K;
     }
     return 0;
 }
@@ -500,6 +500,35 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     return gq_hsum(acc);
 }
 
+/* IQ4_XS: a sub-block's 32 table values by one byte shuffle of gb_iq4nl, their products
+   with q signed by signed (|v| and q with v's sign in maddubs), times the scale
+   ls - 32 in madd */
+GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gb_iq4nl));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 136 * b;
+        const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, 136);
+        int16_t ls[8];
+        const unsigned sh = (unsigned)(p[2] | p[3] << 8);
+        for (int s = 0; s < 8; s++)
+            ls[s] = (int16_t)((((p[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4)
+                              - 32);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ls));
+        __m256i is = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i v = _mm256_shuffle_epi8(tab, gq_nibs(p + 8 + 16 * s));
+            const __m256i q = gq_y(y + 32 * s);
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(
+                     _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v)),
+                     gq_pick16(sc, s)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->dk[b]), _mm256_cvtepi32_ps(is), acc);
+    }
+    return gq_hsum(acc);
+}
+
 #else  /* plain C: the same integer sums, one block at a time */
 /* not vectorized: GCC 12 turns the signed byte products below into AVX-VNNI's
    unsigned-by-signed dpbusd where the target has it (the 16-lane emulation build on such
@@ -587,6 +616,26 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     }
     return s;
 }
+GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 136 * b;
+        const int8_t *y = x->qk + 256 * b;
+        const unsigned sh = (unsigned)(p[2] | p[3] << 8);
+        int is = 0;
+        for (int sb = 0; sb < 8; sb++) {
+            const int ls = (((p[4 + sb / 2] >> (4 * (sb % 2))) & 0xF) | ((sh >> (2 * sb)) & 3) << 4)
+                           - 32;
+            int t = 0;
+            for (int l = 0; l < 16; l++)
+                t += gb_iq4nl[p[8 + 16 * sb + l] & 0xF] * y[32 * sb + l]
+                     + gb_iq4nl[p[8 + 16 * sb + l] >> 4] * y[32 * sb + l + 16];
+            is += ls * t;
+        }
+        s += gb_h2f(p) * x->dk[b] * (float)is;
+    }
+    return s;
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
@@ -618,6 +667,7 @@ GQ_ROWS(gq_dot_q8_0)
 GQ_ROWS(gq_dot_q4_k)
 GQ_ROWS(gq_dot_q5_k)
 GQ_ROWS(gq_dot_q6_k)
+GQ_ROWS(gq_dot_iq4_xs)
 
 /* the row loop of a type and its block size (0: the type has none) */
 static int gq_kernel(int64_t type, gq_fn *fn) {
@@ -630,6 +680,7 @@ static int gq_kernel(int64_t type, gq_fn *fn) {
     case T_Q4_K: *fn = gq_dot_q4_k_rows; return 256;
     case T_Q5_K: *fn = gq_dot_q5_k_rows; return 256;
     case T_Q6_K: *fn = gq_dot_q6_k_rows; return 256;
+    case T_IQ4_XS: *fn = gq_dot_iq4_xs_rows; return 256;
     }
     *fn = 0;
     return 0;

@@ -216,7 +216,7 @@ int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
    GQ_Q8K), 0: the float32 GEMM */
 int gq_gemm_type(int64_t type) {
     if (gq_amx_ready()) return gq_amx_type(type);
-    return gq_avx2_build() && gq_need(type) == GQ_Q8K ? GQ_Q8K : 0;
+    return gq_avx2_build() && gq_amx_type(type) == GQ_Q8K ? GQ_Q8K : 0;
 }
 
 /* the values each of a Q8_K row's sums covers for the GEMM in force: 32 (AMX), 16 */

@@ -97,7 +97,18 @@ def ref_row(qtype, row, x):
         q, dx, bsum = ref_q8_k(x)
         y = q.reshape(-1, 256).astype(np.int64)
         bsum = bsum.reshape(-1, 16).astype(np.int64)
-        if qtype == "IQ4_XS":
+        if qtype == "Q3_K":  # n = the 2 low bits - 4 where the hmask bit is clear
+            bb = b.astype(np.int64)
+            sc = np.empty((len(b), 16), np.int64)
+            for s in range(16):
+                sc[:, s] = (((bb[:, 96 + s % 8] >> (4 * (s // 8))) & 15)
+                            | ((bb[:, 104 + s % 4] >> (2 * (s // 4))) & 3) << 4) - 32
+            e = np.arange(256)
+            h, j, m = e // 128, e % 128 // 32, e % 32
+            hbit = (bb[:, m] >> (4 * h + j)) & 1
+            n = ((bb[:, 32 + 32 * h + m] >> (2 * j)) & 3) - 4 * (1 - hbit)
+            terms.append(_h(b, 108) * dx * (sc[:, e // 16] * n * y).sum(1))
+        elif qtype == "IQ4_XS":
             kv = np.array(IQ4_NL.kvalues, np.int64)
             sh = b[:, 2].astype(np.int64) | b[:, 3].astype(np.int64) << 8
             isum = np.zeros(len(b), np.int64)  # sum_s (ls_s - 32) (v . q)_s
@@ -160,6 +171,11 @@ def weight_rows(qtype, rows, k, seed, exact=False):
         b[:, :, 208:210] = scale_bytes(scale())
         if exact:
             b[:, :, 192:208] = rng.integers(-3, 4, (*shape, 16)).astype(np.int8).view(np.uint8)
+    elif qtype == "Q3_K":
+        b[:, :, 108:110] = scale_bytes(scale())
+        if exact:  # scales 32 + 0 .. 3 (the high bits 2, the low 0 .. 3), less 32
+            b[:, :, 96:104] = rng.integers(0, 4, (*shape, 8)) * 17
+            b[:, :, 104:108] = 0xAA
     else:
         b[:, :, 0:2] = scale_bytes(scale())
         if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):

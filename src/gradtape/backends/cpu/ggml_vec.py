@@ -255,7 +255,7 @@ def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
 # the types with integer dots against an 8-bit activation row (csrc/q8_dots.c), and the
 # row form each reads: Q8_0 blocks of 32 (with Q8_1's sums) or Q8_K blocks of 256
 Q8_TYPES = {"Q4_0": "Q8_0", "Q4_1": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q8_0": "Q8_0",
-            "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K"}
+            "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K"}
 
 
 def _row(x, block):

@@ -55,7 +55,7 @@ static inline float gq_f16(float v) {
 int gq_need(int64_t type) {
     switch (type) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return GQ_Q80;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return GQ_Q8K;
+    case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return GQ_Q8K;
     }
     return 0;
 }
@@ -500,6 +500,54 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     return gq_hsum(acc);
 }
 
+/* a Q3_K block's 16 scales (6 bits) at sc, four at a time in 32-bit words: scale s is
+   the nibble s / 8 of sc[s % 8] with bits 2 (s / 4) of sc[8 + s % 4] above it; the
+   result less 32 */
+static inline __m128i gq_q3_scales(const uint8_t *sc) {
+    uint32_t w[3], r[4];
+    memcpy(w, sc, 12);
+    const uint32_t four = 0x0F0F0F0Fu, two = 0x03030303u;
+    r[0] = (w[0] & four) | ((w[2] & two) << 4);
+    r[1] = (w[1] & four) | (((w[2] >> 2) & two) << 4);
+    r[2] = ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4);
+    r[3] = ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4);
+    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)r), _mm_set1_epi8(32));
+}
+
+/* Q3_K: n = u - 4, u = the 2 low bits | the hmask bit << 2 (0..7), unsigned in maddubs;
+   each 32 values two sub-blocks of 16 (their scales in one pick, as Q6_K's); the offset
+   4 sum_s sc_s bs_s taken off in int32 lanes */
+GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 110 * b;
+        const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, 110);
+        const __m128i s8 = gq_q3_scales(p + 96);
+        const __m256i seo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo));
+        __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(           /* - 4 sum_s sc_s bs_s */
+            _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 2);
+        is = _mm256_sub_epi32(_mm256_setzero_si256(), is);
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)p);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
+            for (int j = 0; j < 4; j++) {
+                const __m256i u = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one), 2));
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(
+                         _mm256_maddubs_epi16(u, gq_y(y + 128 * h + 32 * j)),
+                         gq_pick16(seo, 4 * h + j)));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 108) * x->dk[b]), _mm256_cvtepi32_ps(is),
+                              acc);
+    }
+    return gq_hsum(acc);
+}
+
 /* IQ4_XS: a sub-block's 32 table values by one byte shuffle of gb_iq4nl, their products
    with q signed by signed (|v| and q with v's sign in maddubs), times the scale
    ls - 32 in madd */
@@ -616,6 +664,27 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     }
     return s;
 }
+GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 110 * b;
+        const int8_t *y = x->qk + 256 * b;
+        int8_t sc[16];
+        int is = 0;
+        for (int sb = 0; sb < 16; sb++) {
+            sc[sb] = (int8_t)((((p[96 + sb % 8] >> (4 * (sb / 8))) & 0xF)
+                               | ((p[104 + sb % 4] >> (2 * (sb / 4))) & 3) << 4) - 32);
+        }
+        for (int e = 0; e < 256; e++) {  /* e = 128 h + 32 j + m: byte 32 h + m, shift 2 j */
+            const int h = e / 128, j = (e % 128) / 32, m = e % 32;
+            const int n = ((p[32 + 32 * h + m] >> (2 * j)) & 3)
+                          - ((p[m] >> (4 * h + j)) & 1 ? 0 : 4);
+            is += sc[e / 16] * n * y[e];
+        }
+        s += gb_h2f(p + 108) * x->dk[b] * (float)is;
+    }
+    return s;
+}
 GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -667,6 +736,7 @@ GQ_ROWS(gq_dot_q8_0)
 GQ_ROWS(gq_dot_q4_k)
 GQ_ROWS(gq_dot_q5_k)
 GQ_ROWS(gq_dot_q6_k)
+GQ_ROWS(gq_dot_q3_k)
 GQ_ROWS(gq_dot_iq4_xs)
 
 /* the row loop of a type and its block size (0: the type has none) */
@@ -680,6 +750,7 @@ static int gq_kernel(int64_t type, gq_fn *fn) {
     case T_Q4_K: *fn = gq_dot_q4_k_rows; return 256;
     case T_Q5_K: *fn = gq_dot_q5_k_rows; return 256;
     case T_Q6_K: *fn = gq_dot_q6_k_rows; return 256;
+    case T_Q3_K: *fn = gq_dot_q3_k_rows; return 256;
     case T_IQ4_XS: *fn = gq_dot_iq4_xs_rows; return 256;
     }
     *fn = 0;

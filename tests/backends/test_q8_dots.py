@@ -277,7 +277,7 @@ def test_matvec_q8_names_what_it_lacks():
 
 # --- the prefill's integer GEMMs (csrc/q8_amx.c on AMX tiles, csrc/q8_gemm.c with AVX2) ---
 
-GEMM = list(ggml_vec.AMX_TYPES)
+GEMM = list(ggml_vec.GEMM_TYPES)
 
 
 @pytest.mark.usefixtures("kernel_isa")

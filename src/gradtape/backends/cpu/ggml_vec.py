@@ -208,8 +208,9 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 
 
 # the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
-# the row form of Q8_TYPES (without AMX: the K-quants, csrc/q8_gemm.c)
+# the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants (csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+GEMM_TYPES = AMX_TYPES + ("Q3_K",)  # the types either GEMM may take
 
 
 def amx_int8() -> bool:
@@ -221,12 +222,12 @@ def amx_int8() -> bool:
 
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
-    here (with the q8 decode dots): all of ``AMX_TYPES`` where ``amx_int8()``, else the
-    K-quants wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
+    here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
+    (Q3_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
     if not available():
         return ()
     so = lib()
-    return tuple(t for t in AMX_TYPES if so.gq_gemm_type(QTYPES[t][0]))
+    return tuple(t for t in GEMM_TYPES if so.gq_gemm_type(QTYPES[t][0]))
 
 
 def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
@@ -234,9 +235,9 @@ def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
     type's form in ``Q8_TYPES``) and integer block dots over many rows at once (on AMX
     tiles, or with AVX2): the decode step's q8 scheme (``matvec_q8``) as the prefill runs
     it, for the types in ``gemm_q8_types()``."""
-    if qtype not in AMX_TYPES:
+    if qtype not in GEMM_TYPES:
         raise ValueError(f"ggml_vec.matmul_q8: {qtype} has no integer GEMM (those that may: "
-                         f"{', '.join(AMX_TYPES)})")
+                         f"{', '.join(GEMM_TYPES)})")
     if qtype not in gemm_q8_types():
         raise RuntimeError(f"ggml_vec.matmul_q8: no integer GEMM for {qtype} in this build "
                            f"or process (here: {', '.join(gemm_q8_types()) or 'none'})")

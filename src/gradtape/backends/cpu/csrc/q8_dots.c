@@ -500,26 +500,11 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     return gq_hsum(acc);
 }
 
-/* a Q3_K block's 16 scales (6 bits) at sc, four at a time in 32-bit words: scale s is
-   the nibble s / 8 of sc[s % 8] with bits 2 (s / 4) of sc[8 + s % 4] above it; the
-   result less 32 */
-static inline __m128i gq_q3_scales(const uint8_t *sc) {
-    uint32_t w[3], r[4];
-    memcpy(w, sc, 12);
-    const uint32_t four = 0x0F0F0F0Fu, two = 0x03030303u;
-    r[0] = (w[0] & four) | ((w[2] & two) << 4);
-    r[1] = (w[1] & four) | (((w[2] >> 2) & two) << 4);
-    r[2] = ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4);
-    r[3] = ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4);
-    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)r), _mm_set1_epi8(32));
-}
-
 /* Q3_K: n = u - 4, u = the 2 low bits | the hmask bit << 2 (0..7), unsigned in maddubs;
    each 32 values two sub-blocks of 16 (their scales in one pick, as Q6_K's); the offset
    4 sum_s sc_s bs_s taken off in int32 lanes */
 GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
-    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 110 * b;
@@ -534,9 +519,7 @@ GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3),
-                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one), 2));
+                const __m256i u = gq_q3_quants(q, hm, h, j);
                 is = _mm256_add_epi32(is, _mm256_madd_epi16(
                          _mm256_maddubs_epi16(u, gq_y(y + 128 * h + 32 * j)),
                          gq_pick16(seo, 4 * h + j)));

@@ -26,7 +26,8 @@ void gq_quantize(gq_row *r, const float *x, int64_t k, int need);
 int gq_forms(int64_t k, int need);
 void gq_quantize_span(gq_row *r, const float *x, int64_t k, int need, int64_t e0,
                       int64_t e1);
-void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z);  /* one form's parts */
+/* one form's parts */
+void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z);
 int gq_ready(const gq_row *x, int64_t type, int64_t k);  /* x holds what type's dots read */
 void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
              int64_t r1, const gq_row *x, float *y, int accumulate);
@@ -88,6 +89,28 @@ static inline void gq_k45_quants(const uint8_t *qs, __m256i qh, int five, int pr
         *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(
                   _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
     }
+}
+/* a Q3_K block's 16 scales (6 bits) at sc, four at a time in 32-bit words: scale s is
+   the nibble s / 8 of sc[s % 8] with bits 2 (s / 4) of sc[8 + s % 4] above it; the
+   result less 32 */
+static inline __m128i gq_q3_scales(const uint8_t *sc) {
+    uint32_t w[3], r[4];
+    __builtin_memcpy(w, sc, 12);
+    const uint32_t four = 0x0F0F0F0Fu, two = 0x03030303u;
+    r[0] = (w[0] & four) | ((w[2] & two) << 4);
+    r[1] = (w[1] & four) | (((w[2] >> 2) & two) << 4);
+    r[2] = ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4);
+    r[3] = ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4);
+    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)r), _mm_set1_epi8(32));
+}
+
+/* Q3_K's 32 values 128 h + 32 j .. + 31 as u = the 2 low bits (of q, the block's 32
+   quant bytes of half h) | the hmask bit (of hm, its 32 mask bytes) << 2, 0..7 */
+static inline __m256i gq_q3_quants(__m256i q, __m256i hm, int h, int j) {
+    return _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j),
+                                           _mm256_set1_epi8(1)), 2));
 }
 /* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
    mask: bytes 2j, 2j + 1 repeated) */

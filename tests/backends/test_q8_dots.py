@@ -97,7 +97,13 @@ def ref_row(qtype, row, x):
         q, dx, bsum = ref_q8_k(x)
         y = q.reshape(-1, 256).astype(np.int64)
         bsum = bsum.reshape(-1, 16).astype(np.int64)
-        if qtype == "Q3_K":  # n = the 2 low bits - 4 where the hmask bit is clear
+        if qtype == "Q2_K":  # w = d sc n - dmin mn, n 2 bits laid out as Q3_K's low ones
+            bb = b.astype(np.int64)
+            e = np.arange(256)
+            n = (bb[:, 16 + 32 * (e // 128) + e % 32] >> (2 * (e % 128 // 32))) & 3
+            isum = ((bb[:, e // 16] & 15) * n * y).sum(1)
+            terms += [_h(b, 80) * dx * isum, -_h(b, 82) * dx * ((bb[:, :16] >> 4) * bsum).sum(1)]
+        elif qtype == "Q3_K":  # n = the 2 low bits - 4 where the hmask bit is clear
             bb = b.astype(np.int64)
             sc = np.empty((len(b), 16), np.int64)
             for s in range(16):
@@ -171,6 +177,9 @@ def weight_rows(qtype, rows, k, seed, exact=False):
         b[:, :, 208:210] = scale_bytes(scale())
         if exact:
             b[:, :, 192:208] = rng.integers(-3, 4, (*shape, 16)).astype(np.int8).view(np.uint8)
+    elif qtype == "Q2_K":
+        b[:, :, 80:82] = scale_bytes(scale())
+        b[:, :, 82:84] = scale_bytes(np.zeros(shape) if exact else scale())
     elif qtype == "Q3_K":
         b[:, :, 108:110] = scale_bytes(scale())
         if exact:  # scales 32 + 0 .. 3 (the high bits 2, the low 0 .. 3), less 32
@@ -269,8 +278,8 @@ def test_plain_c_dots_equal_the_scheme(sixteen_lanes, qtype):
 
 def test_matvec_q8_names_what_it_lacks():
     W = weight_rows("Q4_1", 4, 64, 0)
-    with pytest.raises(ValueError, match="Q2_K has no integer dots"):
-        ggml_vec.matvec_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros(256, np.float32))
+    with pytest.raises(ValueError, match="IQ2_XXS has no integer dots"):
+        ggml_vec.matvec_q8("IQ2_XXS", np.zeros((4, 66), np.uint8), np.zeros(256, np.float32))
     with pytest.raises(ValueError, match=r"x\[32\] against W\[4, 64\]"):
         ggml_vec.matvec_q8("Q4_1", W, np.zeros(32, np.float32))
 
@@ -320,8 +329,9 @@ def test_int8_gemm_splits_rows_over_threads_alike(qtype):
 
 
 def test_matmul_q8_names_what_it_lacks():
-    with pytest.raises(ValueError, match="Q2_K has no integer GEMM"):
-        ggml_vec.matmul_q8("Q2_K", np.zeros((4, 84), np.uint8), np.zeros((2, 256), np.float32))
+    with pytest.raises(ValueError, match="IQ4_XS has no integer GEMM"):
+        ggml_vec.matmul_q8("IQ4_XS", np.zeros((4, 136), np.uint8),
+                           np.zeros((2, 256), np.float32))
     hardware.int8_gemm("Q4_K")
     W = weight_rows("Q4_K", 4, 512, 0)
     with pytest.raises(ValueError, match=r"x\[2, 256\] against W\[4, 512\]"):

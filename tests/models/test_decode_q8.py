@@ -97,7 +97,7 @@ def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
             assert e <= Q8_CACHE, (i, e)
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
 def test_int8_prefill_quantizes_as_the_steps(qtype, tmp_path):
     """Layer 0's keys and values after a prefill on an integer GEMM (AMX, or AVX2 for
     the K-quants) are the q8 steps' up to float32 order: both quantize the same normed

@@ -61,7 +61,7 @@ def amx_int8():
         pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
-K_QUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types with an AVX2 prefill GEMM
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types with an AVX2 prefill GEMM
 
 
 def int8_gemm(qtype):
@@ -72,8 +72,8 @@ def int8_gemm(qtype):
 
     if qtype in ggml_vec.gemm_q8_types():
         return
-    if qtype == "Q3_K" and ggml_vec.amx_int8():
-        pytest.skip("Q3_K's prefill GEMM is the AVX2 one: with AMX the prefill keeps "
+    if qtype in ("Q2_K", "Q3_K") and ggml_vec.amx_int8():
+        pytest.skip(f"{qtype}'s prefill GEMM is the AVX2 one: with AMX the prefill keeps "
                     "float32 rows for it")
     if qtype not in K_QUANTS:
         amx_int8()

@@ -210,7 +210,7 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 # the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
 # the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants (csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-GEMM_TYPES = AMX_TYPES + ("Q3_K",)  # the types either GEMM may take
+GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K")  # the types either GEMM may take
 
 
 def amx_int8() -> bool:
@@ -223,7 +223,7 @@ def amx_int8() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q3_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
     if not available():
         return ()
     so = lib()
@@ -256,7 +256,8 @@ def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
 # the types with integer dots against an 8-bit activation row (csrc/q8_dots.c), and the
 # row form each reads: Q8_0 blocks of 32 (with Q8_1's sums) or Q8_K blocks of 256
 Q8_TYPES = {"Q4_0": "Q8_0", "Q4_1": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q8_0": "Q8_0",
-            "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K", "IQ4_XS": "Q8_K"}
+            "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K",
+            "IQ4_XS": "Q8_K"}
 
 
 def _row(x, block):

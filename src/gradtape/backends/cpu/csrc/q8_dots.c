@@ -55,7 +55,8 @@ static inline float gq_f16(float v) {
 int gq_need(int64_t type) {
     switch (type) {
     case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return GQ_Q80;
-    case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return GQ_Q8K;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
+        return GQ_Q8K;
     }
     return 0;
 }
@@ -500,6 +501,42 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     return gq_hsum(acc);
 }
 
+/* Q2_K: n = 2 bits (the layout of Q3_K's low bits), w = d sc_s n - dmin mn_s over 16
+   sub-blocks of 16 (4-bit scale and min in one byte each); the scale pairs in one pick
+   as Q6_K's, the mins' integer sum in one madd over Q8_K's 16 sums */
+GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 84 * b;
+        const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, 84);
+        const __m128i sm = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0xF);
+        const __m256i seo = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(sm, m4), eo));
+        const __m256i im = _mm256_madd_epi16(
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), m4)),
+            _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b)));
+        __m256i is = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h));
+            for (int j = 0; j < 4; j++)
+                is = _mm256_add_epi32(is, _mm256_madd_epi16(
+                         _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j),
+                                                               _mm256_set1_epi8(3)),
+                                              gq_y(y + 128 * h + 32 * j)),
+                         gq_pick16(seo, 4 * h + j)));
+        }
+        uint32_t hd;
+        memcpy(&hd, p + 80, 4);  /* d, dmin (f16) */
+        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)hd)),
+                                     _mm_set1_ps(x->dk[b]));
+        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
+        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
+                               _mm256_cvtepi32_ps(im), acc);
+    }
+    return gq_hsum(acc);
+}
+
 /* Q3_K: n = u - 4, u = the 2 low bits | the hmask bit << 2 (0..7), unsigned in maddubs;
    each 32 values two sub-blocks of 16 (their scales in one pick, as Q6_K's); the offset
    4 sum_s sc_s bs_s taken off in int32 lanes */
@@ -647,6 +684,23 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     }
     return s;
 }
+GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
+    float s = 0.0f, mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 84 * b;
+        const int8_t *y = x->qk + 256 * b;
+        const int16_t *bs = x->bk + 16 * b;
+        int is = 0, im = 0;
+        for (int e = 0; e < 256; e++) {  /* e = 128 h + 32 j + m: byte 32 h + m, shift 2 j */
+            const int h = e / 128, j = (e % 128) / 32, m = e % 32;
+            is += (p[e / 16] & 0xF) * ((p[16 + 32 * h + m] >> (2 * j)) & 3) * y[e];
+        }
+        for (int sb = 0; sb < 16; sb++) im += (p[sb] >> 4) * bs[sb];
+        s += gb_h2f(p + 80) * x->dk[b] * (float)is;
+        mins += gb_h2f(p + 82) * x->dk[b] * (float)im;
+    }
+    return s - mins;
+}
 GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     float s = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -719,6 +773,7 @@ GQ_ROWS(gq_dot_q8_0)
 GQ_ROWS(gq_dot_q4_k)
 GQ_ROWS(gq_dot_q5_k)
 GQ_ROWS(gq_dot_q6_k)
+GQ_ROWS(gq_dot_q2_k)
 GQ_ROWS(gq_dot_q3_k)
 GQ_ROWS(gq_dot_iq4_xs)
 
@@ -733,6 +788,7 @@ static int gq_kernel(int64_t type, gq_fn *fn) {
     case T_Q4_K: *fn = gq_dot_q4_k_rows; return 256;
     case T_Q5_K: *fn = gq_dot_q5_k_rows; return 256;
     case T_Q6_K: *fn = gq_dot_q6_k_rows; return 256;
+    case T_Q2_K: *fn = gq_dot_q2_k_rows; return 256;
     case T_Q3_K: *fn = gq_dot_q3_k_rows; return 256;
     case T_IQ4_XS: *fn = gq_dot_iq4_xs_rows; return 256;
     }

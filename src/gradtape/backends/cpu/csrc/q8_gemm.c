@@ -2,7 +2,7 @@
    step quantizes its one row) against block weights, the scheme of q8_dots.c's dots
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
-     AVX2 (here), the K-quants (Q3_K, Q4_K, Q5_K, Q6_K) against Q8_K rows, elsewhere on x86.
+     AVX2 (here), the K-quants (Q2_K to Q6_K) against Q8_K rows, elsewhere on x86.
    The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: each 32 values
    have their own float scale, so an AVX2 integer kernel converts and scales every block
    dot of every pair and runs no faster than the float GEMM; a K-quant's 256 values share
@@ -13,6 +13,7 @@
    activation rows and each 2 weight rows sums, per super-block,
      isum = sum_u sc_u (n . q)_u        (maddubs / madd, exact in int32 lanes)
      imin = sum_s mn_s (bs_2s + bs_2s+1)   Q4_K / Q5_K, from Q8_K's sums of 16
+     imin = sum_s mn_s bs_s                Q2_K (sub-blocks of 16)
      ioff = o sum_s sc_s bs_s              Q6_K (o = 32), Q3_K (o = 4): n unsigned, the
                                            offset apart
    and adds (d_w d_x) isum - (dmin_w d_x) imin, or (d_w d_x) (isum - ioff), in float32:
@@ -86,6 +87,24 @@ static inline void gq_unpack_q6k(const uint8_t *p, gq_ub *u, float *d, float *dm
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5));
     *d = gb_h2f(p + 208);
     *dm = 0.0f;
+}
+
+/* Q2_K: n (2 bits, Q3_K's layout of its low bits) in element order, the scale pairs of
+   16-value sub-blocks as Q6_K's, its 16 mins against the 16 sums */
+static inline void gq_unpack_q2k(const uint8_t *p, gq_ub *u, float *d, float *dm) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h));
+        for (int j = 0; j < 4; j++)
+            _mm256_storeu_si256((__m256i *)(u->n + 128 * h + 32 * j), _mm256_and_si256(
+                _mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)));
+    }
+    const __m128i sm = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0xF);
+    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    gq_chunk_scales(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(sm, m4), eo)), u);
+    _mm256_storeu_si256((__m256i *)u->mn, _mm256_cvtepu8_epi16(
+                                             _mm_and_si128(_mm_srli_epi16(sm, 4), m4)));
+    *d = gb_h2f(p + 80);
+    *dm = gb_h2f(p + 82);
 }
 
 /* Q3_K as Q6_K: u = the 2 low bits | the hmask bit << 2 (0..7) in element order, its
@@ -181,9 +200,9 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
                            const int16_t *bs, int64_t T, float *Y, int64_t ldy, int accumulate,
                            void *scratch) {
     const int64_t nb = k / 256;
-    const int three = type == T_Q3_K, five = type == T_Q5_K;
+    const int two = type == T_Q2_K, three = type == T_Q3_K, five = type == T_Q5_K;
     const int six = type == T_Q6_K || three;  /* an offset through the sums, no mins */
-    const int64_t by = three ? 110 : type == T_Q6_K ? 210 : five ? 176 : 144;
+    const int64_t by = two ? 84 : three ? 110 : type == T_Q6_K ? 210 : five ? 176 : 144;
     gq_ub *U = (gq_ub *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_PANEL][nb] */
     float *dw = (float *)(U + GQ_PANEL * nb), *dm = dw + GQ_PANEL * nb;  /* [GQ_PANEL][nb] */
     float *dx = dm + GQ_PANEL * nb;                                      /* [nb][4] */
@@ -196,6 +215,8 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
                 if (i >= np) {  /* a row past the panel's end: zeros, its sums dropped */
                     memset(u, 0, sizeof *u);
                     dw[i * nb + b] = dm[i * nb + b] = 0.0f;
+                } else if (two) {
+                    gq_unpack_q2k(blk, u, dw + i * nb + b, dm + i * nb + b);
                 } else if (three) {
                     gq_unpack_q3k(blk, u, dw + i * nb + b, dm + i * nb + b);
                 } else if (six) {
@@ -237,7 +258,8 @@ int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
    GQ_Q8K), 0: the float32 GEMM */
 int gq_gemm_type(int64_t type) {
     if (gq_amx_ready()) return gq_amx_type(type);
-    return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q3_K) ? GQ_Q8K : 0;
+    return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
+           ? GQ_Q8K : 0;
 }
 
 /* the values each of a Q8_K row's sums covers for the GEMM in force: 32 (AMX), 16 */

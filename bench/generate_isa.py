@@ -8,7 +8,8 @@ cached in ``$GRADTAPE_CACHE/bench``), 2 threads,
 fresh prompts (a different 256-token window of one text each rep), 128 greedy tokens.
 ``--gguf FILE`` runs one file of your own instead (its blocks kept as stored): for instance
 the 8B-shaped Q4_K_M file of quant_bench.py (Q4_K / Q6_K rows), with ``--prompt-tokens 64
---new-tokens 24``.
+--new-tokens 24``; ``--gguf-type Q3_K`` runs an 8B-shaped file of 8 layers whose every
+matrix is that type (random blocks, written once by quant_bench.py).
 
 * gradtape runs in a subprocess with ``GRADTAPE_ISA=<class>`` (every kernel built and chosen
   as on a CPU of that class); timed as in generate_bench.py (``ours_once``).
@@ -21,7 +22,7 @@ the 8B-shaped Q4_K_M file of quant_bench.py (Q4_K / Q6_K rows), with ``--prompt-
   what its ggml reports (``llama_print_system_info``).
 
     python bench/generate_isa.py [--workloads smollm2-generate-avx2] [--json] [--reps 3]
-        [--prompt-tokens 256] [--new-tokens 128] [--gguf FILE]
+        [--prompt-tokens 256] [--new-tokens 128] [--gguf FILE | --gguf-type QTYPE]
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate_bench as G  # noqa: E402  (its prompt text, sides and CPU report)
 
 WORKLOADS = ("smollm2-generate-avx2", "smollm2-generate-native")
+BLOCK_TYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                    "Q6_K", "IQ4_NL", "IQ4_XS")
 Q4KM_NAME = "smollm2-135m-instruct-q4_k_m-from-q4_1.gguf"
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # llama.h's enum llama_ftype
 
@@ -238,6 +241,9 @@ def bench(isa, args, log):
         raise SystemExit(f"generate_isa: this CPU cannot run the {isa} class "
                          f"(it runs {', '.join(toolchain.isa_classes())})")
     folder = peer_dir(isa, args.llama_cpp)
+    if args.gguf_type:
+        import quant_bench
+        args.gguf = str(quant_bench.model_file(8, log, qtype=args.gguf_type))
     if args.gguf:
         path = Path(args.gguf).expanduser()
         tok = llama.load(str(path), keep_quantized=True).tokenizer
@@ -288,6 +294,8 @@ def main(argv=None):
                     help="the llama.cpp build's folder (default: .venv/llama-cpp-<class>)")
     ap.add_argument("--gguf", default=None,
                     help="a GGUF file to run instead of SmolLM2's two (kept as stored)")
+    ap.add_argument("--gguf-type", default=None, choices=BLOCK_TYPE_NAMES,
+                    help="an 8B-shaped file of 8 layers, every matrix of this block type")
     ap.add_argument("--worker", choices=("ours", "peer", "quantize"), help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

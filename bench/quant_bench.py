@@ -84,9 +84,9 @@ def use_more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_plan(layers):
+def tensor_plan(layers, qtype=None):
     """``[(gguf name, qtype, rows, k)]`` of the model, in file order (matrices) and
-    ``[(name, "F32", 0, n)]`` for norms."""
+    ``[(name, "F32", 0, n)]`` for norms; ``qtype``: every matrix of that type instead."""
     s = SHAPE
     q_out, kv_out = s["n_heads"] * s["head_dim"], s["n_kv_heads"] * s["head_dim"]
     out = [("token_embd.weight", "Q4_K", s["vocab"], s["dim"])]
@@ -104,29 +104,33 @@ def tensor_plan(layers):
                 (p + "ffn_down.weight", more, s["dim"], s["ffn"])]
     out += [("output_norm.weight", "F32", 0, s["dim"]),
             ("output.weight", "Q6_K", s["vocab"], s["dim"])]
+    if qtype:
+        out = [(name, t if t == "F32" else qtype, rows, k) for name, t, rows, k in out]
     return out
 
 
-def model_file(layers, log=print):
-    """The cached 8B-shaped Q4_K_M GGUF with ``layers`` layers (written on first use)."""
+def model_file(layers, log=print, qtype=None):
+    """The cached 8B-shaped Q4_K_M GGUF with ``layers`` layers (written on first use);
+    ``qtype``: every matrix of that block type instead (generate_isa.py's files)."""
     import gguf
 
     from gradtape.blocks import BLOCK_TYPES, random_blocks, row_bytes
     from gradtape.llama import default_model_path
     from gradtape.models.export import _copied_tokenizer_fields
 
-    path = cache_dir() / f"{WORKLOAD}-{layers}l.gguf"
+    name = f"llama8b-{qtype.lower()}" if qtype else WORKLOAD
+    path = cache_dir() / f"{name}-{layers}l.gguf"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    log(f"writing {path} (random valid Q4_K / Q6_K blocks, once) ...")
+    log(f"writing {path} (random valid {qtype or 'Q4_K / Q6_K'} blocks, once) ...")
     s = SHAPE
-    plan = tensor_plan(layers)
+    plan = tensor_plan(layers, qtype)
     tmp = path.with_suffix(".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(f"{WORKLOAD} ({layers} layers, random)")
+    w.add_name(f"{name} ({layers} layers, random)")
     w.add_context_length(8192)
     w.add_embedding_length(s["dim"])
     w.add_block_count(layers)

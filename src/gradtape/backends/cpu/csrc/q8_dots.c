@@ -8,7 +8,7 @@
        a = max_j |x_j|, d = f16(a / 127), q_j = round_half_even(x_j * (127 / a)) (0 where
        a = 0), and s = f16(a / 127 * sum_j q_j) for Q4_1 / Q5_1's min term: llama.cpp's
        x86 quantize_row_q8_0 / quantize_row_q8_1, rounding for rounding;
-     Q8_K (blocks of 256), for Q4_K / Q5_K / Q6_K weights: m = the first x_j of largest
+     Q8_K (blocks of 256), for Q2_K to Q6_K and IQ4_XS weights: m = the first x_j of largest
        |x_j|, q_j = min(127, round_half_even(x_j * (-127 / m))), d = 1 / (-127 / m)
        (float32), and the sums of q over each 16: quantize_row_q8_K_ref.
    A weight block then adds (d_w d_x) * (an integer dot) and its min term:
@@ -20,8 +20,12 @@
            d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)
      Q5_K  as Q4_K, 5-bit n;   Q6_K  w = d sc_s (n - 32), sub-blocks of 16:
            d d_x (sum_s sc_s (sum n q)_s - 32 sum_s sc_s bsum_s)
+     Q3_K  as Q6_K, 3-bit n, n - 4;   Q2_K  w = d sc_s n - dmin mn_s, 2-bit n, sub-blocks
+           of 16: d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s bsum_s
+     IQ4_XS  w = d (ls_s - 32) v, v = the format's table at a 4-bit index, sub-blocks of
+           32: d d_x sum_s (ls_s - 32) (sum v q)_s
    The integer sums are exact (no 16-bit step can saturate at these ranges: |q| <= 127,
-   n <= 63); only the float sums' order differs from a scalar loop.  Paths: AVX2
+   n <= 63, |v| <= 127); only the float sums' order differs from a scalar loop.  Paths: AVX2
    (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class has it), with
    AVX-512 two 32-element blocks a step, and plain C.  Other types keep ggml_vec.c's float
    dots. */

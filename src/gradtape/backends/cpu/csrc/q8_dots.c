@@ -416,6 +416,16 @@ static inline int gq_hsum_i32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
+/* acc + (d d_x) is - (dmin d_x) im, is and im a block's integer sums in int32 lanes, d and
+   dmin the two f16 at p */
+static inline __m256 gq_d_dmin(__m256 acc, const uint8_t *p, float dx, __m256i is, __m256i im) {
+    uint32_t h;
+    memcpy(&h, p, 4);
+    const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)), _mm_set1_ps(dx));
+    acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
+    return _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), _mm256_cvtepi32_ps(im),
+                            acc);
+}
 /* a K-quant's 12 packed bytes at s as k_scale_min_words' 4 words (the 8 scales, then the
    8 mins), in vector operations: r0 = w0 & 0x3F.., r2 = w1 & 0x3F..,
    r1 = (w2 & 0x0F..) | ((w0 >> 6) & 3..) << 4, r3 = ((w2 >> 4) & 0x0F..) | ((w1 >> 6) & 3..) << 4
@@ -458,13 +468,7 @@ GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five
         /* sum_s mn_s (bs_2s + bs_2s+1): each min twice as int16 against the 16 sums */
         const __m256i im = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(sm, pair)),
                                              _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b)));
-        uint32_t h;
-        memcpy(&h, p, 4);  /* d, dmin (f16) */
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)h)),
-                                     _mm_set1_ps(x->dk[b]));
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
-        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
-                               _mm256_cvtepi32_ps(im), acc);
+        acc = gq_d_dmin(acc, p, x->dk[b], is, im);
     }
     return gq_hsum(acc);
 }
@@ -530,13 +534,7 @@ GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
                                               gq_y(y + 128 * h + 32 * j)),
                          gq_pick16(seo, 4 * h + j)));
         }
-        uint32_t hd;
-        memcpy(&hd, p + 80, 4);  /* d, dmin (f16) */
-        const __m128 dd = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)hd)),
-                                     _mm_set1_ps(x->dk[b]));
-        acc = _mm256_fmadd_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(is), acc);
-        acc = _mm256_fnmadd_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)),
-                               _mm256_cvtepi32_ps(im), acc);
+        acc = gq_d_dmin(acc, p + 80, x->dk[b], is, im);
     }
     return gq_hsum(acc);
 }

@@ -480,15 +480,12 @@ GQ_INLINE float gq_dot_q5_k(const uint8_t *row, int64_t nb, const gq_row *x) { r
 GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 210 * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, 210);
         const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
-        /* the 16 scales as int16: the even ones in the low half, the odd in the high, so
-           one pick gives a 32-value chunk's two (its low 16 products', its high 16's) */
-        const __m256i seo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo));
+        const __m256i seo = gq_scales_eo(s8);
         __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(          /* - 32 sum_s sc_s bs_s */
             _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 5);
         is = _mm256_sub_epi32(_mm256_setzero_si256(), is);
@@ -514,13 +511,12 @@ GQ_INLINE float gq_dot_q6_k(const uint8_t *row, int64_t nb, const gq_row *x) {
    as Q6_K's, the mins' integer sum in one madd over Q8_K's 16 sums */
 GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 84 * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, 84);
         const __m128i sm = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0xF);
-        const __m256i seo = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(sm, m4), eo));
+        const __m256i seo = gq_scales_eo(_mm_and_si128(sm, m4));
         const __m256i im = _mm256_madd_epi16(
             _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), m4)),
             _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b)));
@@ -544,13 +540,12 @@ GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
    4 sum_s sc_s bs_s taken off in int32 lanes */
 GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 110 * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, 110);
         const __m128i s8 = gq_q3_scales(p + 96);
-        const __m256i seo = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo));
+        const __m256i seo = gq_scales_eo(s8);
         __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(           /* - 4 sum_s sc_s bs_s */
             _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 2);
         is = _mm256_sub_epi32(_mm256_setzero_si256(), is);

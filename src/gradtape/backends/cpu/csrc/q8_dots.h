@@ -112,6 +112,13 @@ static inline __m256i gq_q3_quants(__m256i q, __m256i hm, int h, int j) {
         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j),
                                            _mm256_set1_epi8(1)), 2));
 }
+/* 16 byte scales (sub-blocks of 16) as int16, the even ones in the low half and the odd
+   in the high: gq_pick16(., c) gives a 32-value chunk's two, one per half (Q2_K's
+   unsigned 4-bit scales read the same as signed) */
+static inline __m256i gq_scales_eo(__m128i s8) {
+    return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+        s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
 /* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
    mask: bytes 2j, 2j + 1 repeated) */
 static inline __m256i gq_pick16(__m256i v, int j) {

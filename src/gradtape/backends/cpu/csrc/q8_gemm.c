@@ -83,8 +83,7 @@ static inline void gq_unpack_q6k(const uint8_t *p, gq_ub *u, float *d, float *dm
         }
     }
     const __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    gq_chunk_scales(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo)), u);
+    gq_chunk_scales(gq_scales_eo(s8), u);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 5));
     *d = gb_h2f(p + 208);
     *dm = 0.0f;
@@ -100,8 +99,7 @@ static inline void gq_unpack_q2k(const uint8_t *p, gq_ub *u, float *d, float *dm
                 _mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)));
     }
     const __m128i sm = _mm_loadu_si128((const __m128i *)p), m4 = _mm_set1_epi8(0xF);
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    gq_chunk_scales(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(sm, m4), eo)), u);
+    gq_chunk_scales(gq_scales_eo(_mm_and_si128(sm, m4)), u);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_cvtepu8_epi16(
                                              _mm_and_si128(_mm_srli_epi16(sm, 4), m4)));
     *d = gb_h2f(p + 80);
@@ -118,8 +116,7 @@ static inline void gq_unpack_q3k(const uint8_t *p, gq_ub *u, float *d, float *dm
             _mm256_storeu_si256((__m256i *)(u->n + 128 * h + 32 * j), gq_q3_quants(q, hm, h, j));
     }
     const __m128i s8 = gq_q3_scales(p + 96);
-    const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    gq_chunk_scales(_mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, eo)), u);
+    gq_chunk_scales(gq_scales_eo(s8), u);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2));
     *d = gb_h2f(p + 108);
     *dm = 0.0f;

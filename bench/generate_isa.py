@@ -246,6 +246,8 @@ def bench(isa, args, log):
         args.gguf = str(quant_bench.model_file(8, log, qtype=args.gguf_type))
     if args.gguf:
         path = Path(args.gguf).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"generate_isa: --gguf {path}: no such file")
         tok = llama.load(str(path), keep_quantized=True).tokenizer
         return [row_for(isa, path, "as stored", folder, args.reps, args.prompt_tokens,
                         args.new_tokens, tok, log, keep=True)]

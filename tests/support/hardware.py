@@ -61,13 +61,13 @@ def amx_int8():
         pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
-K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # the types with an AVX2 prefill GEMM
+AVX2_GEMM = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # the AVX2 prefill GEMM's types
 
 
 def int8_gemm(qtype):
     """A skip naming why ``qtype``'s prefill products have no integer GEMM here
     (``ggml_vec.gemm_q8_types``): the 32-element types have one on AMX tiles only; the
-    K-quants wherever the build has AVX2 (so on x86-64 its absence fails)."""
+    K-quants and IQ4_XS wherever the build has AVX2 (so on x86-64 its absence fails)."""
     from gradtape.backends.cpu import ggml_vec
 
     if qtype in ggml_vec.gemm_q8_types():
@@ -75,7 +75,7 @@ def int8_gemm(qtype):
     if qtype in ("Q2_K", "Q3_K") and ggml_vec.amx_int8():
         pytest.skip(f"{qtype}'s prefill GEMM is the AVX2 one: with AMX the prefill keeps "
                     "float32 rows for it")
-    if qtype not in K_QUANTS:
+    if qtype not in AVX2_GEMM:
         amx_int8()
     if platform.machine() in ("x86_64", "AMD64"):
         pytest.fail(f"{qtype} has no integer GEMM in an x86-64 build (csrc/q8_gemm.c)")

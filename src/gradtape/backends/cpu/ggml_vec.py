@@ -208,9 +208,10 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 
 
 # the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
-# the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants (csrc/q8_gemm.c)
+# the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants, and IQ4_XS
+# everywhere (csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K")  # the types either GEMM may take
+GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K", "IQ4_XS")  # the types either GEMM may take
 
 
 def amx_int8() -> bool:
@@ -223,7 +224,8 @@ def amx_int8() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none; IQ4_XS
+    wherever the build has AVX2."""
     if not available():
         return ()
     so = lib()

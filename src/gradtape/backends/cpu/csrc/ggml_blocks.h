@@ -396,13 +396,14 @@ static inline void gb_iq4_32(float D, const uint8_t *qs, float *o) {
 static inline void deq_iq4_nl(const uint8_t *b, float *o) { gb_iq4_32(gb_h2f(b), b + 2, o); }
 /* IQ4_XS: 8 sub-blocks of 32, scale s 6 bits: the nibble s % 2 of scales_l[s / 2] with
    bits 2 s of the 16-bit scales_h above it, less 32; w = (d scale) value */
+static inline int gb_iq4_xs_scale(const uint8_t *b, int s) {
+    const unsigned sh = (unsigned)(b[2] | b[3] << 8);
+    return (int)(((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+}
 static inline void deq_iq4_xs(const uint8_t *b, float *o) {
     const float d = gb_h2f(b);
-    const unsigned sh = (unsigned)(b[2] | b[3] << 8);
-    for (int s = 0; s < 8; s++) {
-        const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF, hi = (sh >> (2 * s)) & 3;
-        gb_iq4_32(d * (float)((int8_t)(lo | hi << 4) - 32), b + 8 + 16 * s, o + 32 * s);
-    }
+    for (int s = 0; s < 8; s++)
+        gb_iq4_32(d * (float)gb_iq4_xs_scale(b, s), b + 8 + 16 * s, o + 32 * s);
 }
 
 #ifdef GB_IQ_TABLES

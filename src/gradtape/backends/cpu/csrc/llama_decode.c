@@ -65,6 +65,9 @@
 typedef struct { atomic_int arrived, gen; } gd_bar;
 typedef struct { int tid, nt; gd_bar *bar; } gd_team;  /* a thread of the step's team */
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 static inline void gd_pause(void) {
 #if defined(__SSE2__)
     _mm_pause();

@@ -570,20 +570,14 @@ GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
    ls - 32 in madd */
 GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gb_iq4nl));
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 136 * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, 136);
-        int16_t ls[8];
-        const unsigned sh = (unsigned)(p[2] | p[3] << 8);
-        for (int s = 0; s < 8; s++)
-            ls[s] = (int16_t)((((p[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4)
-                              - 32);
-        const __m256i sc = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ls));
+        const __m256i sc = gq_iq4_xs_scales(p);
         __m256i is = _mm256_setzero_si256();
         for (int s = 0; s < 8; s++) {
-            const __m256i v = _mm256_shuffle_epi8(tab, gq_nibs(p + 8 + 16 * s));
+            const __m256i v = gq_iq4_xs_values(p, s);
             const __m256i q = gq_y(y + 32 * s);
             is = _mm256_add_epi32(is, _mm256_madd_epi16(
                      _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(q, v)),
@@ -724,11 +718,9 @@ GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 136 * b;
         const int8_t *y = x->qk + 256 * b;
-        const unsigned sh = (unsigned)(p[2] | p[3] << 8);
         int is = 0;
         for (int sb = 0; sb < 8; sb++) {
-            const int ls = (((p[4 + sb / 2] >> (4 * (sb % 2))) & 0xF) | ((sh >> (2 * sb)) & 3) << 4)
-                           - 32;
+            const int ls = gb_iq4_xs_scale(p, sb);
             int t = 0;
             for (int l = 0; l < 16; l++)
                 t += gb_iq4nl[p[8 + 16 * sb + l] & 0xF] * y[32 * sb + l]

@@ -5,6 +5,7 @@
 #ifndef GT_Q8_DOTS_H
 #define GT_Q8_DOTS_H
 #include <stdint.h>
+#include "ggml_blocks.h"
 
 enum { GQ_Q80 = 1, GQ_Q8K = 2 };  /* the forms of a quantized row: blocks of 32, of 256 */
 
@@ -118,6 +119,17 @@ static inline __m256i gq_q3_quants(__m256i q, __m256i hm, int h, int j) {
 static inline __m256i gq_scales_eo(__m128i s8) {
     return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
         s8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+}
+/* an IQ4_XS block's 8 scales (less 32) as int16 lanes 0..7 of both halves, and its 32
+   values of sub-block s (gb_iq4nl at the nibbles), signed */
+static inline __m256i gq_iq4_xs_scales(const uint8_t *p) {
+    int16_t ls[8];
+    for (int s = 0; s < 8; s++) ls[s] = (int16_t)gb_iq4_xs_scale(p, s);
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ls));
+}
+static inline __m256i gq_iq4_xs_values(const uint8_t *p, int s) {
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gb_iq4nl));
+    return _mm256_shuffle_epi8(tab, gq_nibs(p + 8 + 16 * s));
 }
 /* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
    mask: bytes 2j, 2j + 1 repeated) */

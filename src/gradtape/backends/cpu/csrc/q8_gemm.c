@@ -2,12 +2,14 @@
    step quantizes its one row) against block weights, the scheme of q8_dots.c's dots
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
-     AVX2 (here), the K-quants (Q2_K to Q6_K) against Q8_K rows, elsewhere on x86.
+     AVX2 (here), the K-quants (Q2_K to Q6_K) and IQ4_XS against Q8_K rows, elsewhere
+     on x86 (IQ4_XS on AMX hosts too).
    The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: each 32 values
    have their own float scale, so an AVX2 integer kernel converts and scales every block
    dot of every pair, and one tried gained at most 6% over the float GEMM end to end; a
    K-quant's 256 values share one, and its integer sums run at about twice the float rate
-   (Q2_K's and Q3_K's too, though AMX hosts keep float32 rows for them).
+   (Q2_K's and Q3_K's too, though AMX hosts keep float32 rows for them: their sums of 16
+   are not the AMX GEMM's of 32; IQ4_XS reads no sums).
 
    The AVX2 kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
@@ -17,6 +19,7 @@
      imin = sum_s mn_s bs_s                Q2_K (sub-blocks of 16)
      ioff = o sum_s sc_s bs_s              Q6_K (o = 32), Q3_K (o = 4): n unsigned, the
                                            offset apart
+   (IQ4_XS's n are signed table values: |n| by q with n's sign in maddubs, as its dot)
    and adds (d_w d_x) isum - (dmin_w d_x) imin, or (d_w d_x) (isum - ioff), in float32:
    the decode dots' integers and products, summed over blocks in another order. */
 #include <stdint.h>
@@ -34,7 +37,7 @@
 int gq_avx2_build(void) { return 1; }
 
 /* a super-block unpacked (every field 32-byte aligned): quants n in element order (Q4_K /
-   Q5_K 0..31, Q6_K 0..63); each 32-value chunk's scales as 16 int16 lanes for madd
+   Q5_K 0..31, Q6_K 0..63, IQ4_XS its signed values); each 32-value chunk's scales as 16 int16 lanes for madd
    (Q4_K / Q5_K: its sub-block's in all; Q6_K: its first sub-block's in the low half, its
    second's in the high); the 16 int16 factors of Q8_K's sums of 16 (mins each twice;
    Q6_K 32 sc) */
@@ -122,6 +125,16 @@ static inline void gq_unpack_q3k(const uint8_t *p, gq_ub *u, float *d, float *dm
     *dm = 0.0f;
 }
 
+/* IQ4_XS: its signed table values, its 8 scales as Q4_K's, no mins */
+static inline void gq_unpack_iq4xs(const uint8_t *p, gq_ub *u, float *d, float *dm) {
+    for (int s = 0; s < 8; s++)
+        _mm256_storeu_si256((__m256i *)(u->n + 32 * s), gq_iq4_xs_values(p, s));
+    gq_chunk_scales(gq_iq4_xs_scales(p), u);
+    memset(u->mn, 0, sizeof u->mn);
+    *d = gb_h2f(p);
+    *dm = 0.0f;
+}
+
 /* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes (unpacks and adds:
    hadd issues as several operations and runs at half their rate) */
 static inline __m256i gq_sum8(const __m256i a[8]) {
@@ -139,32 +152,48 @@ static inline __m256i gq_sum8(const __m256i a[8]) {
 /* v in a register: loaded once, not read again from memory by each instruction using it */
 #define GQ_REG(v) __asm__("" : "+x"(v))
 
+/* how a type's sums end: minus the mins' (Q4_K, Q5_K, Q2_K), minus an offset's (Q6_K,
+   Q3_K), none (IQ4_XS, whose n are signed) */
+enum { GQ_MINS, GQ_OFFSET, GQ_SIGNED };
+
 /* the sums of weight rows a, b (unpacked, nb blocks; scales dw, dm) with the 4 activation
-   rows y[t] (Q8_K quants, sums of 16 bs[t], scales dx [nb][4]): lanes r * 4 + t */
-static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, const float *dwb,
-                             const float *dma, const float *dmb, const int8_t *const y[4],
-                             const int16_t *const bs[4], const float *dx, int64_t nb, int six) {
+   rows y[t] (Q8_K quants, sums of 16 bs[t], scales dx [nb][4]): lanes r * 4 + t; `mode`
+   a constant at each call, so that each mode compiles into its own loop */
+static inline __attribute__((always_inline)) __m256 gq_tile(
+        const gq_ub *a, const gq_ub *b, const float *dwa, const float *dwb, const float *dma,
+        const float *dmb, const int8_t *const y[4], const int16_t *const bs[4], const float *dx,
+        int64_t nb, int mode) {
     __m256 S = _mm256_setzero_ps(), M = _mm256_setzero_ps();
     for (int64_t k = 0; k < nb; k++) {
         const gq_ub *ua = a + k, *ub = b + k;
         __m256i acc[8];
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {  /* 32-value chunks */
-            const __m256i wa = _mm256_loadu_si256((const __m256i *)(ua->n + 32 * c));
-            const __m256i wb = _mm256_loadu_si256((const __m256i *)(ub->n + 32 * c));
+            const __m256i sa = _mm256_loadu_si256((const __m256i *)(ua->n + 32 * c));
+            const __m256i sb = _mm256_loadu_si256((const __m256i *)(ub->n + 32 * c));
+            const int sg = mode == GQ_SIGNED;
+            __m256i wa = sg ? _mm256_sign_epi8(sa, sa) : sa, wb = sg ? _mm256_sign_epi8(sb, sb) : sb;
             __m256i ca = _mm256_load_si256((const __m256i *)ua->sc[c]);
             __m256i cb = _mm256_load_si256((const __m256i *)ub->sc[c]);
             GQ_REG(ca);
             GQ_REG(cb);
             for (int t = 0; t < 4; t++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(y[t] + 256 * k + 32 * c));
+                const __m256i qa = sg ? _mm256_sign_epi8(q, sa) : q;
+                const __m256i qb = sg ? _mm256_sign_epi8(q, sb) : q;
                 acc[t] = _mm256_add_epi32(acc[t],
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ca));
+                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wa, qa), ca));
                 acc[4 + t] = _mm256_add_epi32(acc[4 + t],
-                                              _mm256_madd_epi16(_mm256_maddubs_epi16(wb, q), cb));
+                                              _mm256_madd_epi16(_mm256_maddubs_epi16(wb, qb), cb));
             }
         }
         const __m256i is = gq_sum8(acc);
+        const __m256 x = _mm256_broadcast_ps((const __m128 *)(dx + 4 * k));
+        const __m256 dw = _mm256_set_m128(_mm_set1_ps(dwb[k]), _mm_set1_ps(dwa[k]));
+        if (mode == GQ_SIGNED) {
+            S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(is), S);
+            continue;
+        }
         const __m256i ma = _mm256_loadu_si256((const __m256i *)ua->mn);
         const __m256i mb = _mm256_loadu_si256((const __m256i *)ub->mn);
         for (int t = 0; t < 4; t++) {
@@ -173,9 +202,7 @@ static inline __m256 gq_tile(const gq_ub *a, const gq_ub *b, const float *dwa, c
             acc[4 + t] = _mm256_madd_epi16(mb, s);
         }
         const __m256i im = gq_sum8(acc);
-        const __m256 x = _mm256_broadcast_ps((const __m128 *)(dx + 4 * k));
-        const __m256 dw = _mm256_set_m128(_mm_set1_ps(dwb[k]), _mm_set1_ps(dwa[k]));
-        if (six) {
+        if (mode == GQ_OFFSET) {
             S = _mm256_fmadd_ps(_mm256_mul_ps(dw, x), _mm256_cvtepi32_ps(_mm256_sub_epi32(is, im)),
                                 S);
         } else {
@@ -192,15 +219,17 @@ int64_t gq_avx2_scratch_bytes(int64_t k) {
     return GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
 }
 
-/* gq_gemm_rows for the K-quants: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
+/* gq_gemm_rows for the K-quants and IQ4_XS: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
 static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                            int64_t r0, int64_t r1, const int8_t *q, const float *d,
                            const int16_t *bs, int64_t T, float *Y, int64_t ldy, int accumulate,
                            void *scratch) {
     const int64_t nb = k / 256;
     const int two = type == T_Q2_K, three = type == T_Q3_K, five = type == T_Q5_K;
-    const int six = type == T_Q6_K || three;  /* an offset through the sums, no mins */
-    const int64_t by = two ? 84 : three ? 110 : type == T_Q6_K ? 210 : five ? 176 : 144;
+    const int six = type == T_Q6_K || three, iq = type == T_IQ4_XS;
+    const int mode = iq ? GQ_SIGNED : six ? GQ_OFFSET : GQ_MINS;
+    const int64_t by = two ? 84 : three ? 110 : type == T_Q6_K ? 210 : five ? 176
+                       : iq ? 136 : 144;
     gq_ub *U = (gq_ub *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_PANEL][nb] */
     float *dw = (float *)(U + GQ_PANEL * nb), *dm = dw + GQ_PANEL * nb;  /* [GQ_PANEL][nb] */
     float *dx = dm + GQ_PANEL * nb;                                      /* [nb][4] */
@@ -213,6 +242,8 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
                 if (i >= np) {  /* a row past the panel's end: zeros, its sums dropped */
                     memset(u, 0, sizeof *u);
                     dw[i * nb + b] = dm[i * nb + b] = 0.0f;
+                } else if (iq) {
+                    gq_unpack_iq4xs(blk, u, dw + i * nb + b, dm + i * nb + b);
                 } else if (two) {
                     gq_unpack_q2k(blk, u, dw + i * nb + b, dm + i * nb + b);
                 } else if (three) {
@@ -234,9 +265,14 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
             const int64_t nt = t0 + 4 <= T ? 4 : T - t0;
             for (int64_t i = 0; i < np; i += 2) {
                 float v[8];
-                _mm256_storeu_ps(v, gq_tile(U + i * nb, U + (i + 1) * nb, dw + i * nb,
-                                            dw + (i + 1) * nb, dm + i * nb, dm + (i + 1) * nb,
-                                            y, s, dx, nb, six));
+                const gq_ub *ua = U + i * nb, *ub = U + (i + 1) * nb;
+                const float *da = dw + i * nb, *db = dw + (i + 1) * nb;
+                const float *ma = dm + i * nb, *mb = dm + (i + 1) * nb;
+                _mm256_storeu_ps(v, mode == GQ_SIGNED
+                                        ? gq_tile(ua, ub, da, db, ma, mb, y, s, dx, nb, GQ_SIGNED)
+                                    : mode == GQ_OFFSET
+                                        ? gq_tile(ua, ub, da, db, ma, mb, y, s, dx, nb, GQ_OFFSET)
+                                        : gq_tile(ua, ub, da, db, ma, mb, y, s, dx, nb, GQ_MINS));
                 for (int r = 0; r < 2 && i + r < np; r++)
                     for (int64_t t = 0; t < nt; t++) {
                         float *o = Y + (t0 + t) * ldy + p + i + r;
@@ -253,8 +289,9 @@ int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
 #endif
 
 /* the row form the prefill's integer GEMM reads against a weight type here (GQ_Q80,
-   GQ_Q8K), 0: the float32 GEMM */
+   GQ_Q8K), 0: the float32 GEMM; IQ4_XS takes the AVX2 one on AMX hosts too */
 int gq_gemm_type(int64_t type) {
+    if (gq_avx2_build() && type == T_IQ4_XS) return GQ_Q8K;
     if (gq_amx_ready()) return gq_amx_type(type);
     return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
            ? GQ_Q8K : 0;
@@ -276,7 +313,7 @@ int64_t gq_gemm_scratch_bytes(int64_t k) {
 void gq_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
                   int64_t r1, const int8_t *q, const float *d, const float *s, int64_t T,
                   float *Y, int64_t ldy, int accumulate, void *scratch) {
-    if (gq_amx_ready()) {
+    if (gq_amx_ready() && gq_amx_type(type)) {
         gq_amx_gemm_rows(type, W, row_bytes, k, r0, r1, q, d, s, T, Y, ldy, accumulate, scratch);
         return;
     }

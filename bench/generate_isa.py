@@ -40,7 +40,8 @@ import generate_bench as G  # noqa: E402  (its prompt text, sides and CPU report
 
 WORKLOADS = ("smollm2-generate-avx2", "smollm2-generate-native")
 BLOCK_TYPE_NAMES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                    "Q6_K", "IQ4_NL", "IQ4_XS")
+                    "Q6_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                    "IQ3_S")
 Q4KM_NAME = "smollm2-135m-instruct-q4_k_m-from-q4_1.gguf"
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15  # llama.h's enum llama_ftype
 

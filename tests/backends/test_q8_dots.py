@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf.quants import IQ4_NL
+from gguf import GGMLQuantizationType
+from gguf.quants import IQ4_NL, dequantize
 
 from gradtape.backends.cpu import ggml_vec
 
@@ -21,6 +22,7 @@ from support.lanes import sixteen_lanes  # noqa: F401  (a fixture)
 
 Q8 = sorted(ggml_vec.Q8_TYPES)
 f16 = np.float16
+IQ_DIV = {"IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ3_XXS": 4, "IQ3_S": 1}
 
 
 # --- the reference: the scheme in NumPy -------------------------------------------------
@@ -84,6 +86,8 @@ def ref_row(qtype, row, x):
         d = _h(b, 0)
         if qtype == "Q8_0":
             n = b[:, 2:].copy().view(np.int8).astype(np.int64)
+        elif qtype == "IQ4_NL":
+            n = np.array(IQ4_NL.kvalues, np.int64)[_nibs32(b[:, 2:18])]
         else:
             qs = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[qtype]
             n = _nibs32(b[:, qs:qs + 16])
@@ -114,6 +118,13 @@ def ref_row(qtype, row, x):
             hbit = (bb[:, m] >> (4 * h + j)) & 1
             n = ((bb[:, 32 + 32 * h + m] >> (2 * j)) & 3) - 4 * (1 - hbit)
             terms.append(_h(b, 108) * dx * (sc[:, e // 16] * n * y).sum(1))
+        elif qtype in IQ_DIV:  # w = d / div (m g sign): gguf's values at d = 1, times div
+            one = b.copy()
+            one[:, :2] = scale_bytes(np.ones(len(b)))
+            n = dequantize(one.ravel(), GGMLQuantizationType[qtype]).reshape(-1, 256)
+            n = n.astype(np.float64) * IQ_DIV[qtype]
+            assert np.array_equal(n, np.rint(n))
+            terms.append(_h(b, 0) * dx * (n.astype(np.int64) * y).sum(1) / IQ_DIV[qtype])
         elif qtype == "IQ4_XS":
             kv = np.array(IQ4_NL.kvalues, np.int64)
             sh = b[:, 2].astype(np.int64) | b[:, 3].astype(np.int64) << 8
@@ -194,7 +205,17 @@ def weight_rows(qtype, rows, k, seed, exact=False):
         if exact and qtype == "IQ4_XS":  # scales 32 + 0 .. 3: the sums below 2^24
             b[:, :, 2:4] = 0xAA
             b[:, :, 4:8] = rng.integers(0, 4, (*shape, 4)) * 17
+        if exact and qtype in IQ_SCALES:  # 4-bit scales 0 .. 1: the sums below 2^24
+            at, mask = IQ_SCALES[qtype]
+            b[:, :, at] &= mask
     return b.reshape(rows, -1)
+
+
+# the bytes holding the IQ types' 4-bit scales and the mask that keeps them at 0 .. 1:
+# IQ2_XS, IQ2_S, IQ3_S two a byte; IQ2_XXS, IQ3_XXS the top nibble of a u32 per 32 values
+IQ_SCALES = {"IQ2_XS": (slice(66, 74), 0x11), "IQ2_S": (slice(74, 82), 0x11),
+             "IQ3_S": (slice(106, 110), 0x11), "IQ2_XXS": (slice(9, 66, 8), 0x1F),
+             "IQ3_XXS": (slice(69, 98, 4), 0x1F)}
 
 
 def activations(k, seed, exact=False, block=32):
@@ -278,8 +299,8 @@ def test_plain_c_dots_equal_the_scheme(sixteen_lanes, qtype):
 
 def test_matvec_q8_names_what_it_lacks():
     W = weight_rows("Q4_1", 4, 64, 0)
-    with pytest.raises(ValueError, match="IQ2_XXS has no integer dots"):
-        ggml_vec.matvec_q8("IQ2_XXS", np.zeros((4, 66), np.uint8), np.zeros(256, np.float32))
+    with pytest.raises(ValueError, match="F16 has no integer dots"):
+        ggml_vec.matvec_q8("F16", np.zeros((4, 64), np.uint8), np.zeros(32, np.float32))
     with pytest.raises(ValueError, match=r"x\[32\] against W\[4, 64\]"):
         ggml_vec.matvec_q8("Q4_1", W, np.zeros(32, np.float32))
 

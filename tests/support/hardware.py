@@ -61,13 +61,15 @@ def amx_int8():
         pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
-AVX2_GEMM = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # the AVX2 prefill GEMM's types
+# the AVX2 prefill GEMM's types
+AVX2_GEMM = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+             "IQ3_S", "IQ4_XS")
 
 
 def int8_gemm(qtype):
     """A skip naming why ``qtype``'s prefill products have no integer GEMM here
     (``ggml_vec.gemm_q8_types``): the 32-element types have one on AMX tiles only; the
-    K-quants and IQ4_XS wherever the build has AVX2 (so on x86-64 its absence fails)."""
+    K-quants and the IQ types wherever the build has AVX2 (so on x86-64 its absence fails)."""
     from gradtape.backends.cpu import ggml_vec
 
     if qtype in ggml_vec.gemm_q8_types():

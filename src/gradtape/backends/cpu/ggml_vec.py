@@ -11,8 +11,8 @@ weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``):
 quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and
 integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
 over many rows as the prefill runs it, integer GEMMs for ``gemm_q8_types()``: on AMX tiles
-(``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants
-(``csrc/q8_gemm.c``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
+(``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants, and for
+IQ2_XXS to IQ4_XS everywhere (``csrc/q8_gemm.c``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
 does) or know the model graph (the decode engine's wrapper in
 ``infer/`` wires the decode step).
 
@@ -208,10 +208,11 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 
 
 # the types the prefill's integer GEMM on AMX tiles takes (csrc/q8_amx.c), each against
-# the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants, and IQ4_XS
-# everywhere (csrc/q8_gemm.c)
+# the row form of Q8_TYPES; without AMX the AVX2 GEMM takes the K-quants, and the IQ
+# types everywhere (csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K", "IQ4_XS")  # the types either GEMM may take
+IQ_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
+GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K") + IQ_TYPES  # the types either GEMM may take
 
 
 def amx_int8() -> bool:
@@ -224,8 +225,8 @@ def amx_int8() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none; IQ4_XS
-    wherever the build has AVX2."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none; the IQ
+    types (IQ2_XXS to IQ4_XS) wherever the build has AVX2."""
     if not available():
         return ()
     so = lib()
@@ -258,8 +259,10 @@ def matmul_q8(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
 # the types with integer dots against an 8-bit activation row (csrc/q8_dots.c), and the
 # row form each reads: Q8_0 blocks of 32 (with Q8_1's sums) or Q8_K blocks of 256
 Q8_TYPES = {"Q4_0": "Q8_0", "Q4_1": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0", "Q8_0": "Q8_0",
+            "IQ4_NL": "Q8_0",
             "Q2_K": "Q8_K", "Q3_K": "Q8_K", "Q4_K": "Q8_K", "Q5_K": "Q8_K", "Q6_K": "Q8_K",
-            "IQ4_XS": "Q8_K"}
+            "IQ4_XS": "Q8_K", "IQ2_XXS": "Q8_K", "IQ2_XS": "Q8_K", "IQ2_S": "Q8_K",
+            "IQ3_XXS": "Q8_K", "IQ3_S": "Q8_K"}
 
 
 def _row(x, block):

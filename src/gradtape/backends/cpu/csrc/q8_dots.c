@@ -4,18 +4,18 @@
    dots keep the activations in float32 instead.  Nothing here runs a prefill GEMM.
 
    The row x [k] is quantized in the form(s) its weights need (gq_need):
-     Q8_0 (blocks of 32), for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights:
+     Q8_0 (blocks of 32), for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL weights:
        a = max_j |x_j|, d = f16(a / 127), q_j = round_half_even(x_j * (127 / a)) (0 where
        a = 0), and s = f16(a / 127 * sum_j q_j) for Q4_1 / Q5_1's min term: llama.cpp's
        x86 quantize_row_q8_0 / quantize_row_q8_1, rounding for rounding;
-     Q8_K (blocks of 256), for Q2_K to Q6_K and IQ4_XS weights: m = the first x_j of largest
-       |x_j|, q_j = min(127, round_half_even(x_j * (-127 / m))), d = 1 / (-127 / m)
+     Q8_K (blocks of 256), for Q2_K to Q6_K and IQ2 to IQ4_XS weights: m = the first x_j
+       of largest |x_j|, q_j = min(127, round_half_even(x_j * (-127 / m))), d = 1 / (-127 / m)
        (float32), and the sums of q over each 16: quantize_row_q8_K_ref.
    A weight block then adds (d_w d_x) * (an integer dot) and its min term:
      Q4_0  w = d (n - 8):    d d_x sum (n - 8) q       Q5_0  as Q4_0, 5-bit n, n - 16
      Q4_1  w = d n + m:      d d_x sum n q + m s       Q5_1  as Q4_1, 5-bit n
        (AVX2's Q5_0: sum n q - z, z = 16 times each 4 quants' sum kept with the row)
-     Q8_0  w = d n:          d d_x sum n q
+     Q8_0  w = d n:          d d_x sum n q       IQ4_NL  w = d v: d d_x sum v q (v: IQ4_XS's)
      Q4_K  w = d sc_s n - dmin mn_s (sub-blocks s of 32):
            d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)
      Q5_K  as Q4_K, 5-bit n;   Q6_K  w = d sc_s (n - 32), sub-blocks of 16:
@@ -24,11 +24,13 @@
            of 16: d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s bsum_s
      IQ4_XS  w = d (ls_s - 32) v, v = the format's table at a 4-bit index, sub-blocks of
            32: d d_x sum_s (ls_s - 32) (sum v q)_s
+     IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S  w = d / div m_s g (+-1), g a grid value, m_s
+           odd, sub-blocks of 16: (d d_x / div) sum_s m_s (sum (+-g) q)_s (q8_dots.h)
    The integer sums are exact (no 16-bit step can saturate at these ranges: |q| <= 127,
-   n <= 63, |v| <= 127); only the float sums' order differs from a scalar loop.  Paths: AVX2
-   (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class has it), with
-   AVX-512 two 32-element blocks a step, and plain C.  Other types keep ggml_vec.c's float
-   dots. */
+   n <= 63, |v| <= 127, g <= 43); only the float sums' order differs from a scalar loop.
+   Paths: AVX2 (maddubs / madd; with AVX512-VNNI or AVX-VNNI a dpbusd where the ISA class
+   has it), with AVX-512 two 32-element blocks a step, and plain C.  F16 / BF16 weights
+   keep ggml_vec.c's float dots. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,9 +60,13 @@ static inline float gq_f16(float v) {
 
 int gq_need(int64_t type) {
     switch (type) {
-    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: return GQ_Q80;
+    case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_IQ4_NL:
+        return GQ_Q80;
     case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS:
         return GQ_Q8K;
+#ifdef GB_IQ_TABLES
+    case T_IQ2_XXS: case T_IQ2_XS: case T_IQ2_S: case T_IQ3_XXS: case T_IQ3_S: return GQ_Q8K;
+#endif
     }
     return 0;
 }
@@ -223,16 +229,8 @@ static inline __m256i gq_us(__m256i u, __m256i s) {
 static inline __m256i gq_ss(__m256i w, __m256i s) {
     return gq_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
 }
-/* byte j = 0xFF where bit j of the u32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits) */
-static inline __m256i gq_bits(const uint8_t *qh) {
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick), bit);
-    return _mm256_cmpeq_epi8(v, bit);
-}
+/* byte j = 0xFF where bit j of the u32 at qh is set, else 0 */
+static inline __m256i gq_bits(const uint8_t *qh) { return gq_bits32(gq_u32(qh)); }
 /* byte j = 16 where bit j is set, else 0 */
 static inline __m256i gq_bit4(const uint8_t *qh) {
     return _mm256_and_si256(gq_bits(qh), _mm256_set1_epi8(16));
@@ -265,6 +263,7 @@ static inline __m256i gq_w_q5_1(const uint8_t *p) {
 static inline __m256i gq_w_q8_0(const uint8_t *p) {
     return _mm256_loadu_si256((const __m256i *)(p + 2));
 }
+static inline __m256i gq_w_iq4_nl(const uint8_t *p) { return gq_iq4_values(p + 2); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 /* two blocks a 512-bit step: 16 int32 lanes, the first 8 block b's, the others b + 1's */
@@ -299,6 +298,7 @@ static inline __m512i gq_w_q4_1_2(const uint8_t *p, const uint8_t *p1) { return 
 static inline __m512i gq_w_q5_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 6, 2, 16); }
 static inline __m512i gq_w_q5_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 8, 4, 0); }
 static inline __m512i gq_w_q8_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q8_0(p), gq_w_q8_0(p1)); }
+static inline __m512i gq_w_iq4_nl_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_iq4_nl(p), gq_w_iq4_nl(p1)); }
 #define GQ_W5 gq_w_q5_0
 #define GQ_W5_2 gq_w_q5_0_2
 #define GQ_S5 1
@@ -409,6 +409,7 @@ GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
 GQ_DOT32(gq_dot_q5_0, 22, GQ_W5, GQ_S5, 0)
 GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
+GQ_DOT32(gq_dot_iq4_nl, 18, gq_w_iq4_nl, 1, 0)
 
 /* the sum of 8 int32 lanes */
 static inline int gq_hsum_i32(__m256i v) {
@@ -588,6 +589,32 @@ GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
     return gq_hsum(acc);
 }
 
+#ifdef GB_IQ_TABLES
+/* IQ2 / IQ3 (q8_dots.h: gq_iq_*): a chunk's grid values, unsigned, by q with the chunk's
+   signs in maddubs, times the multipliers in madd; d / div in float */
+GQ_INLINE float gq_dot_iq(const uint8_t *row, int64_t nb, const gq_row *x, int64_t t) {
+    __m256 acc = _mm256_setzero_ps();
+    const int64_t bytes = gq_iq_bytes(t);
+    const float inv = 1.0f / (float)gq_iq_div(t);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + bytes * b;
+        const int8_t *y = x->qk + 256 * b;
+        gq_ahead(p, (int)bytes);
+        gq_iqp P;
+        const __m256i sc = gq_iq_prep(t, p, &P);
+        __m256i is = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i q = gq_iq_sign(&P, c, gq_y(y + 32 * c));
+            is = _mm256_add_epi32(is, _mm256_madd_epi16(
+                     _mm256_maddubs_epi16(gq_iq_grid(t, &P, c), q), gq_pick16(sc, c)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->dk[b] * inv),
+                              _mm256_cvtepi32_ps(is), acc);
+    }
+    return gq_hsum(acc);
+}
+#endif
+
 #else  /* plain C: the same integer sums, one block at a time */
 /* not vectorized: GCC 12 turns the signed byte products below into AVX-VNNI's
    unsigned-by-signed dpbusd where the target has it (the 16-lane emulation build on such
@@ -630,6 +657,21 @@ GQ_DOT32(gq_dot_q4_1, 20, 4, 0, 0, 1)
 GQ_DOT32(gq_dot_q5_0, 22, 6, 2, 16, 0)
 GQ_DOT32(gq_dot_q5_1, 24, 8, 4, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, -1, 0, 0, 0)
+/* the integer dot of 32 IQ4 values (16 bytes qs of indices into gb_iq4nl) with y */
+static inline int gq_iq4_i32(const uint8_t *qs, const int8_t *y) {
+    int t = 0;
+    for (int l = 0; l < 16; l++)
+        t += gb_iq4nl[qs[l] & 0xF] * y[l] + gb_iq4nl[qs[l] >> 4] * y[l + 16];
+    return t;
+}
+GQ_INLINE float gq_dot_iq4_nl(const uint8_t *row, int64_t nb, const gq_row *x) {
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + 18 * b;
+        s += gb_h2f(p) * x->d0[b] * (float)gq_iq4_i32(p + 2, x->q0 + 32 * b);
+    }
+    return s;
+}
 
 GQ_INLINE float gq_k45(const uint8_t *row, int64_t nb, const gq_row *x, int five) {
     float s = 0.0f, mins = 0.0f;
@@ -719,18 +761,36 @@ GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
         const uint8_t *p = row + 136 * b;
         const int8_t *y = x->qk + 256 * b;
         int is = 0;
-        for (int sb = 0; sb < 8; sb++) {
-            const int ls = gb_iq4_xs_scale(p, sb);
-            int t = 0;
-            for (int l = 0; l < 16; l++)
-                t += gb_iq4nl[p[8 + 16 * sb + l] & 0xF] * y[32 * sb + l]
-                     + gb_iq4nl[p[8 + 16 * sb + l] >> 4] * y[32 * sb + l + 16];
-            is += ls * t;
-        }
+        for (int sb = 0; sb < 8; sb++)
+            is += gb_iq4_xs_scale(p, sb) * gq_iq4_i32(p + 8 + 16 * sb, y + 32 * sb);
         s += gb_h2f(p) * x->dk[b] * (float)is;
     }
     return s;
 }
+#ifdef GB_IQ_TABLES
+GQ_INLINE float gq_dot_iq(const uint8_t *row, int64_t nb, const gq_row *x, int64_t t) {
+    float s = 0.0f;
+    const int64_t bytes = gq_iq_bytes(t);
+    const int w = gq_iq_width(t);
+    const float inv = 1.0f / (float)gq_iq_div(t);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = row + bytes * b;
+        const int8_t *y = x->qk + 256 * b;
+        uint8_t m[16];
+        gq_iq_mults(t, p, m);
+        int is = 0;
+        for (int c = 0; c < 8; c++) {
+            const uint32_t sg = gq_iq_signs(t, p, c);
+            for (int e = 0; e < 32; e++) {
+                const int g = gq_iq_row(t, p, c, e / w)[e % w];
+                is += m[2 * c + e / 16] * (sg >> e & 1 ? -g : g) * y[32 * c + e];
+            }
+        }
+        s += gb_h2f(p) * x->dk[b] * inv * (float)is;
+    }
+    return s;
+}
+#endif
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
@@ -759,12 +819,25 @@ GQ_ROWS(gq_dot_q4_1)
 GQ_ROWS(gq_dot_q5_0)
 GQ_ROWS(gq_dot_q5_1)
 GQ_ROWS(gq_dot_q8_0)
+GQ_ROWS(gq_dot_iq4_nl)
 GQ_ROWS(gq_dot_q4_k)
 GQ_ROWS(gq_dot_q5_k)
 GQ_ROWS(gq_dot_q6_k)
 GQ_ROWS(gq_dot_q2_k)
 GQ_ROWS(gq_dot_q3_k)
 GQ_ROWS(gq_dot_iq4_xs)
+#ifdef GB_IQ_TABLES
+#define GQ_IQ(NAME, T)                                                                   \
+    GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {              \
+        return gq_dot_iq(row, nb, x, T);                                                 \
+    }                                                                                    \
+    GQ_ROWS(NAME)
+GQ_IQ(gq_dot_iq2_xxs, T_IQ2_XXS)
+GQ_IQ(gq_dot_iq2_xs, T_IQ2_XS)
+GQ_IQ(gq_dot_iq2_s, T_IQ2_S)
+GQ_IQ(gq_dot_iq3_xxs, T_IQ3_XXS)
+GQ_IQ(gq_dot_iq3_s, T_IQ3_S)
+#endif
 
 /* the row loop of a type and its block size (0: the type has none) */
 static int gq_kernel(int64_t type, gq_fn *fn) {
@@ -774,12 +847,20 @@ static int gq_kernel(int64_t type, gq_fn *fn) {
     case T_Q5_0: *fn = gq_dot_q5_0_rows; return 32;
     case T_Q5_1: *fn = gq_dot_q5_1_rows; return 32;
     case T_Q8_0: *fn = gq_dot_q8_0_rows; return 32;
+    case T_IQ4_NL: *fn = gq_dot_iq4_nl_rows; return 32;
     case T_Q4_K: *fn = gq_dot_q4_k_rows; return 256;
     case T_Q5_K: *fn = gq_dot_q5_k_rows; return 256;
     case T_Q6_K: *fn = gq_dot_q6_k_rows; return 256;
     case T_Q2_K: *fn = gq_dot_q2_k_rows; return 256;
     case T_Q3_K: *fn = gq_dot_q3_k_rows; return 256;
     case T_IQ4_XS: *fn = gq_dot_iq4_xs_rows; return 256;
+#ifdef GB_IQ_TABLES
+    case T_IQ2_XXS: *fn = gq_dot_iq2_xxs_rows; return 256;
+    case T_IQ2_XS: *fn = gq_dot_iq2_xs_rows; return 256;
+    case T_IQ2_S: *fn = gq_dot_iq2_s_rows; return 256;
+    case T_IQ3_XXS: *fn = gq_dot_iq3_xxs_rows; return 256;
+    case T_IQ3_S: *fn = gq_dot_iq3_s_rows; return 256;
+#endif
     }
     *fn = 0;
     return 0;

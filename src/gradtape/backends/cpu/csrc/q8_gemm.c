@@ -2,14 +2,14 @@
    step quantizes its one row) against block weights, the scheme of q8_dots.c's dots
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
-     AVX2 (here), the K-quants (Q2_K to Q6_K) and IQ4_XS against Q8_K rows, elsewhere
-     on x86 (IQ4_XS on AMX hosts too).
+     AVX2 (here), the K-quants (Q2_K to Q6_K) and the IQ types (IQ2_XXS to IQ4_XS)
+     against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too).
    The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: each 32 values
    have their own float scale, so an AVX2 integer kernel converts and scales every block
    dot of every pair, and one tried gained at most 6% over the float GEMM end to end; a
    K-quant's 256 values share one, and its integer sums run at about twice the float rate
    (Q2_K's and Q3_K's too, though AMX hosts keep float32 rows for them: their sums of 16
-   are not the AMX GEMM's of 32; IQ4_XS reads no sums).
+   are not the AMX GEMM's of 32; the IQ types read no sums).
 
    The AVX2 kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
@@ -19,7 +19,8 @@
      imin = sum_s mn_s bs_s                Q2_K (sub-blocks of 16)
      ioff = o sum_s sc_s bs_s              Q6_K (o = 32), Q3_K (o = 4): n unsigned, the
                                            offset apart
-   (IQ4_XS's n are signed table values: |n| by q with n's sign in maddubs, as its dot)
+   (the IQ types' n are signed: IQ4_XS's table values, IQ2 / IQ3's grid values with their
+   signs; |n| by q with n's sign in maddubs)
    and adds (d_w d_x) isum - (dmin_w d_x) imin, or (d_w d_x) (isum - ioff), in float32:
    the decode dots' integers and products, summed over blocks in another order. */
 #include <stdint.h>
@@ -135,6 +136,21 @@ static inline void gq_unpack_iq4xs(const uint8_t *p, gq_ub *u, float *d, float *
     *dm = 0.0f;
 }
 
+#ifdef GB_IQ_TABLES
+/* IQ2 / IQ3: the grid values with their signs, the multipliers (per 16 values or 32) as
+   the scales, d / div (q8_dots.h: gq_iq_*) */
+static inline void gq_unpack_iq(int64_t t, const uint8_t *p, gq_ub *u, float *d, float *dm) {
+    gq_iqp P;
+    const __m256i sc = gq_iq_prep(t, p, &P);
+    for (int c = 0; c < 8; c++)
+        _mm256_storeu_si256((__m256i *)(u->n + 32 * c), gq_iq_sign(&P, c, gq_iq_grid(t, &P, c)));
+    gq_chunk_scales(sc, u);
+    memset(u->mn, 0, sizeof u->mn);
+    *d = gb_h2f(p) / (float)gq_iq_div(t);
+    *dm = 0.0f;
+}
+#endif
+
 /* lanes r * 4 + t of the result: the sum of a[r * 4 + t]'s 8 lanes (unpacks and adds:
    hadd issues as several operations and runs at half their rate) */
 static inline __m256i gq_sum8(const __m256i a[8]) {
@@ -219,17 +235,17 @@ int64_t gq_avx2_scratch_bytes(int64_t k) {
     return GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
 }
 
-/* gq_gemm_rows for the K-quants and IQ4_XS: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
+/* gq_gemm_rows for the K-quants and the IQ types: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
 static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                            int64_t r0, int64_t r1, const int8_t *q, const float *d,
                            const int16_t *bs, int64_t T, float *Y, int64_t ldy, int accumulate,
                            void *scratch) {
     const int64_t nb = k / 256;
     const int two = type == T_Q2_K, three = type == T_Q3_K, five = type == T_Q5_K;
-    const int six = type == T_Q6_K || three, iq = type == T_IQ4_XS;
-    const int mode = iq ? GQ_SIGNED : six ? GQ_OFFSET : GQ_MINS;
+    const int six = type == T_Q6_K || three, iq4 = type == T_IQ4_XS, iq = gq_iq_type(type);
+    const int mode = iq4 || iq ? GQ_SIGNED : six ? GQ_OFFSET : GQ_MINS;
     const int64_t by = two ? 84 : three ? 110 : type == T_Q6_K ? 210 : five ? 176
-                       : iq ? 136 : 144;
+                       : iq4 ? 136 : iq ? gq_iq_bytes(type) : 144;
     gq_ub *U = (gq_ub *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_PANEL][nb] */
     float *dw = (float *)(U + GQ_PANEL * nb), *dm = dw + GQ_PANEL * nb;  /* [GQ_PANEL][nb] */
     float *dx = dm + GQ_PANEL * nb;                                      /* [nb][4] */
@@ -242,8 +258,12 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
                 if (i >= np) {  /* a row past the panel's end: zeros, its sums dropped */
                     memset(u, 0, sizeof *u);
                     dw[i * nb + b] = dm[i * nb + b] = 0.0f;
-                } else if (iq) {
+                } else if (iq4) {
                     gq_unpack_iq4xs(blk, u, dw + i * nb + b, dm + i * nb + b);
+#ifdef GB_IQ_TABLES
+                } else if (iq) {
+                    gq_unpack_iq(type, blk, u, dw + i * nb + b, dm + i * nb + b);
+#endif
                 } else if (two) {
                     gq_unpack_q2k(blk, u, dw + i * nb + b, dm + i * nb + b);
                 } else if (three) {
@@ -289,9 +309,9 @@ int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
 #endif
 
 /* the row form the prefill's integer GEMM reads against a weight type here (GQ_Q80,
-   GQ_Q8K), 0: the float32 GEMM; IQ4_XS takes the AVX2 one on AMX hosts too */
+   GQ_Q8K), 0: the float32 GEMM; the IQ types take the AVX2 one on AMX hosts too */
 int gq_gemm_type(int64_t type) {
-    if (gq_avx2_build() && type == T_IQ4_XS) return GQ_Q8K;
+    if (gq_avx2_build() && (type == T_IQ4_XS || gq_iq_type(type))) return GQ_Q8K;
     if (gq_amx_ready()) return gq_amx_type(type);
     return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
            ? GQ_Q8K : 0;

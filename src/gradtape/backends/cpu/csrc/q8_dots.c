@@ -591,23 +591,28 @@ GQ_INLINE float gq_dot_iq4_xs(const uint8_t *row, int64_t nb, const gq_row *x) {
 
 #ifdef GB_IQ_TABLES
 /* IQ2 / IQ3 (q8_dots.h: gq_iq_*): a chunk's grid values, unsigned, by q with the chunk's
-   signs in maddubs, times the multipliers in madd; d / div in float */
+   signs in maddubs, times the multipliers in madd; d / div in float.  The next block's
+   rows and signs are read before this block's sums: the chains of its reads then run
+   beside the sums, not before them */
 GQ_INLINE float gq_dot_iq(const uint8_t *row, int64_t nb, const gq_row *x, int64_t t) {
     __m256 acc = _mm256_setzero_ps();
     const int64_t bytes = gq_iq_bytes(t);
     const float inv = 1.0f / (float)gq_iq_div(t);
+    gq_iqp P[2];
+    __m256i sc = nb > 0 ? gq_iq_prep(t, row, &P[0]) : _mm256_setzero_si256();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + bytes * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, (int)bytes);
-        gq_iqp P;
-        const __m256i sc = gq_iq_prep(t, p, &P);
+        const gq_iqp *Q = &P[b & 1];
+        const __m256i sn = b + 1 < nb ? gq_iq_prep(t, p + bytes, &P[(b + 1) & 1]) : sc;
         __m256i is = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
-            const __m256i q = gq_iq_sign(&P, c, gq_y(y + 32 * c));
+            const __m256i q = gq_iq_sign(Q, c, gq_y(y + 32 * c));
             is = _mm256_add_epi32(is, _mm256_madd_epi16(
-                     _mm256_maddubs_epi16(gq_iq_grid(t, &P, c), q), gq_pick16(sc, c)));
+                     _mm256_maddubs_epi16(gq_iq_grid(t, Q, c), q), gq_pick16(sc, c)));
         }
+        sc = sn;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->dk[b] * inv),
                               _mm256_cvtepi32_ps(is), acc);
     }

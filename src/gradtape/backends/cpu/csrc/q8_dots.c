@@ -298,7 +298,9 @@ static inline __m512i gq_w_q4_1_2(const uint8_t *p, const uint8_t *p1) { return 
 static inline __m512i gq_w_q5_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 6, 2, 16); }
 static inline __m512i gq_w_q5_1_2(const uint8_t *p, const uint8_t *p1) { return gq_w2_q5(p, p1, 8, 4, 0); }
 static inline __m512i gq_w_q8_0_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_q8_0(p), gq_w_q8_0(p1)); }
-static inline __m512i gq_w_iq4_nl_2(const uint8_t *p, const uint8_t *p1) { return gq_w2(gq_w_iq4_nl(p), gq_w_iq4_nl(p1)); }
+static inline __m512i gq_w_iq4_nl_2(const uint8_t *p, const uint8_t *p1) {
+    return gq_w2(gq_w_iq4_nl(p), gq_w_iq4_nl(p1));
+}
 #define GQ_W5 gq_w_q5_0
 #define GQ_W5_2 gq_w_q5_0_2
 #define GQ_S5 1

@@ -230,8 +230,8 @@ static inline __m256i gq_ksigns4(__m256i v) {
                                                 _mm256_slli_epi32(m, 8 * l)));
     return gq_ksigns(f);
 }
-/* 8 chunk multipliers (int32 lanes, chunk order, 0..15 less 1 + 2 s) as IQ4_XS's scales:
-   int16 lanes 0..7 of both halves */
+/* 8 chunk scales s (int32 lanes, chunk order) as multipliers 1 + 2 s laid out as IQ4_XS's
+   scales: int16 lanes 0..7 of both halves */
 static inline __m256i gq_iq_m8(__m256i s) {
     s = _mm256_add_epi32(_mm256_add_epi32(s, s), _mm256_set1_epi32(1));
     return _mm256_permute4x64_epi64(_mm256_packs_epi32(s, s), 0x88);
@@ -253,12 +253,13 @@ static inline __m256i gq_u32s(const uint8_t *p, int o) {
 }
 
 /* a block's grid row indices (idx) and sign words (sg, one a chunk), read once for its 8
-   chunks; returns the multipliers as int16 lanes for gq_pick16 */
+   chunks */
 typedef struct {
     uint16_t idx[64];
     uint32_t sg[8];
 } gq_iqp;
 
+/* P from block p; returns the multipliers as int16 lanes for gq_pick16 */
 static inline __m256i gq_iq_prep(int64_t t, const uint8_t *p, gq_iqp *P) {
     __m256i *I = (__m256i *)(void *)P->idx, *S = (__m256i *)(void *)P->sg;
     if (t == T_IQ2_XXS) {  /* per 32 values: 4 row bytes, then signs and scale */
@@ -315,10 +316,9 @@ static inline __m256i gq_iq_prep(int64_t t, const uint8_t *p, gq_iqp *P) {
             _mm256_and_si256(_mm256_cmpeq_epi16(h, bit), _mm256_set1_epi16(256))));
     }
     _mm256_storeu_si256(S, _mm256_loadu_si256((const __m256i *)(p + 74)));
-    uint32_t w = gq_u32(p + 106);
-    const __m128i v = _mm_cvtsi32_si128((int)w), m4 = _mm_set1_epi8(15);
-    const __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-    return gq_iq_m8(_mm256_cvtepu8_epi32(n));
+    const __m128i v = _mm_cvtsi32_si128((int)gq_u32(p + 106)), m4 = _mm_set1_epi8(15);
+    return gq_iq_m8(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(
+        _mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4))));
 }
 /* chunk c's 32 grid values (unsigned bytes) from its rows' indices */
 static inline __m256i gq_iq_grid(int64_t t, const gq_iqp *P, int c) {

@@ -38,10 +38,10 @@
 int gq_avx2_build(void) { return 1; }
 
 /* a super-block unpacked (every field 32-byte aligned): quants n in element order (Q4_K /
-   Q5_K 0..31, Q6_K 0..63, IQ4_XS its signed values); each 32-value chunk's scales as 16 int16 lanes for madd
-   (Q4_K / Q5_K: its sub-block's in all; Q6_K: its first sub-block's in the low half, its
-   second's in the high); the 16 int16 factors of Q8_K's sums of 16 (mins each twice;
-   Q6_K 32 sc) */
+   Q5_K 0..31, Q6_K 0..63, the IQ types their signed values); each 32-value chunk's scales
+   as 16 int16 lanes for madd (Q4_K / Q5_K: its sub-block's in all; Q6_K: its first
+   sub-block's in the low half, its second's in the high); the 16 int16 factors of Q8_K's
+   sums of 16 (mins each twice; Q6_K 32 sc; the IQ types none) */
 typedef struct {
     uint8_t n[256];
     int16_t sc[8][16], mn[16];
@@ -169,7 +169,7 @@ static inline __m256i gq_sum8(const __m256i a[8]) {
 #define GQ_REG(v) __asm__("" : "+x"(v))
 
 /* how a type's sums end: minus the mins' (Q4_K, Q5_K, Q2_K), minus an offset's (Q6_K,
-   Q3_K), none (IQ4_XS, whose n are signed) */
+   Q3_K), none (the IQ types, whose n are signed) */
 enum { GQ_MINS, GQ_OFFSET, GQ_SIGNED };
 
 /* the sums of weight rows a, b (unpacked, nb blocks; scales dw, dm) with the 4 activation
@@ -188,7 +188,8 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
             const __m256i sa = _mm256_loadu_si256((const __m256i *)(ua->n + 32 * c));
             const __m256i sb = _mm256_loadu_si256((const __m256i *)(ub->n + 32 * c));
             const int sg = mode == GQ_SIGNED;
-            __m256i wa = sg ? _mm256_sign_epi8(sa, sa) : sa, wb = sg ? _mm256_sign_epi8(sb, sb) : sb;
+            const __m256i wa = sg ? _mm256_sign_epi8(sa, sa) : sa;
+            const __m256i wb = sg ? _mm256_sign_epi8(sb, sb) : sb;
             __m256i ca = _mm256_load_si256((const __m256i *)ua->sc[c]);
             __m256i cb = _mm256_load_si256((const __m256i *)ub->sc[c]);
             GQ_REG(ca);
@@ -235,7 +236,8 @@ int64_t gq_avx2_scratch_bytes(int64_t k) {
     return GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
 }
 
-/* gq_gemm_rows for the K-quants and the IQ types: Q8_K rows q [T, k], d [T, k/256], bs [T, k/16] */
+/* gq_gemm_rows for the K-quants and the IQ types: Q8_K rows q [T, k], d [T, k/256], bs
+   [T, k/16] */
 static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                            int64_t r0, int64_t r1, const int8_t *q, const float *d,
                            const int16_t *bs, int64_t T, float *Y, int64_t ldy, int accumulate,

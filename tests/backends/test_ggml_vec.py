@@ -92,16 +92,20 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.usefixtures("kernel_isa")  # at every class this CPU runs
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "BF16", "F32"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "BF16", "F16", "F32"])
 @pytest.mark.parametrize("T", [1, 7, 33])
-def test_matmul_against_dequantize(qtype, T):
-    rows, k = 70, 512
+@pytest.mark.parametrize("k", [512, 4352])
+def test_matmul_against_dequantize(qtype, T, k):
+    """70 rows: a panel of 6 past four of 16; T past a multiple of AVX2's 6 rows; k = 4352:
+    two chunks of AVX2's 2048 columns and a part."""
+    rows = 70
     data = random_blocks(qtype, rows, k, seed=T + 5)
     x = np.random.default_rng(T).standard_normal((T, k)).astype(np.float32)
     w = deq(qtype, data).astype(np.float64)
     got = ggml_vec.matmul(qtype, data, x)
     ref = x.astype(np.float64) @ w.T
-    # as the matvec's bound, with 8 lanes: the AVX2 register block's lanes add k/8 products
+    # k/8 + 5 roundings of the absolute terms: the dot form's lanes each add k/8 products;
+    # AVX2's packed kernel adds them in one chain per 2048 columns, well within it here
     bound = (k / 8 + 5) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
     assert got.shape == (T, rows) and np.all(np.abs(got - ref) <= bound)
     np.testing.assert_array_equal(ggml_vec.matmul(qtype, data, x, nthreads=3), got)

@@ -39,6 +39,7 @@ SOURCES = ("ggml_vec.c", "q8_dots.c", "q8_amx.c", "q8_gemm.c", "llama_decode.c")
 # ggml type name -> (ggml id, elements per block, bytes per block), from the one table
 QTYPES = {t.name: (t.id, t.block, t.nbytes) for t in (*BLOCK_TYPES.values(), F32)}
 PANEL = 16  # weight rows a matmul dequantizes at a time (csrc/ggml_vec.h's GV_PANEL)
+TILE_EXTRA = 2048  # and the floats its tile holds beyond PANEL * k (GV_TILE)
 MAX_ROWS = 4  # rows of x per matvec call (more rows: a GEMM)
 
 _LIBS = {}  # the build flags (the instruction-set class in force) -> the library
@@ -189,7 +190,7 @@ def matmul(qtype: str, data: np.ndarray, x: np.ndarray, nthreads=None):
     k, x = _rows_operand("matmul", qtype, data, x)
     nt = nthreads or threads()
     out = np.empty((x.shape[0], data.shape[0]), np.float32)
-    tile = np.empty(nt * PANEL * k, np.float32)
+    tile = np.empty(nt * (PANEL * k + TILE_EXTRA), np.float32)
     lib().gv_matmul(QTYPES[qtype][0], data.ctypes.data, data.shape[0], k, data.shape[1],
                     x.ctypes.data, x.shape[0], out.ctypes.data, nt, tile.ctypes.data)
     return out

@@ -428,9 +428,125 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
 #define GV_TR 4
 #endif
 
+#if GV_W == 8 && defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
+/* AVX2: the panel's 16 rows packed column by column (tile [k][16]: 16 weights of one
+   column in two vectors), X rows 6 at a time broadcast against them, 6 x 2 accumulators
+   over a chunk of GV_KC columns (the packed chunk, 128 KB, stays in L2 for every 6 rows);
+   each output's sum is one chain of multiply-adds along k, chunk after chunk.  The dot
+   form above reads both operands along k from L2 at half the FMA units' rate. */
+#define GV_PACKED 1
+#define GV_MR 6
+#define GV_KC 2048
+
+/* the 8 x 8 floats at s (rows ls apart) transposed into d (rows ld apart) */
+static inline void gv_t8x8(const float *s, int64_t ls, float *d, int64_t ld) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * ls);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) {
+            r[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
+        }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(d + i * ld, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+        _mm256_storeu_ps(d + (4 + i) * ld, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    }
+}
+
+/* rows p .. p + np (np <= 16; zeros past them) of W, columns j0 .. j0 + n (n a multiple
+   of 8 and of the block), packed into wt [n][16], through buf [8][256] */
+static void gv_pack(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p, int64_t np,
+                    int64_t j0, int64_t n, float *wt, float *buf) {
+    gb_deq_fn f;
+    int bl, by;
+    gb_layout(type, &f, &bl, &by);
+    const int64_t step = bl > 256 ? bl : 256 / bl * bl;
+    for (int64_t c = 0; c < n; c += step) {
+        const int64_t m = n - c < step ? n - c : step;
+        for (int h = 0; h < 2; h++) {
+            for (int i = 0; i < 8; i++) {
+                float *o = buf + i * 256;
+                const int64_t r = p + 8 * h + i;
+                const uint8_t *b = W + r * row_bytes + (j0 + c) / bl * by;
+                if (8 * h + i >= np) memset(o, 0, m * sizeof(float));
+                else if (type == T_F16)  /* 16 at a time (F16C), as gv_deq_rows */
+                    for (int64_t e = 0; e < m; e += 16) deq_f16(b + 2 * e, o + e);
+                else f(b, o, m / bl);
+            }
+            for (int64_t j = 0; j < m; j += 8) gv_t8x8(buf + j, 256, wt + (c + j) * 16 + 8 * h, 16);
+        }
+    }
+}
+
+/* Y row y, columns .. nr (nr <= 16) (+)= the two vectors lo, hi */
+static inline void gv_put16(float *y, int64_t nr, int add, __m256 lo, __m256 hi) {
+    float v[16];
+    _mm256_storeu_ps(v, lo);
+    _mm256_storeu_ps(v + 8, hi);
+    for (int64_t i = 0; i < nr; i++) y[i] = add ? y[i] + v[i] : v[i];
+}
+/* Y rows t .. t + mr (mr <= 6), columns r .. r + nr (nr <= 16) (+)= X rows . wt [n][16];
+   the 12 accumulators named one by one: GCC keeps an array of them in memory too */
+static inline void gv_k6x16(const float *wt, const float *X, int64_t ldx, int64_t n, int64_t mr,
+                            float *Y, int64_t ldy, int64_t nr, int add) {
+    const float *x0 = X, *x1 = X + (mr > 1) * ldx, *x2 = X + (mr > 2) * 2 * ldx;
+    const float *x3 = X + (mr > 3) * 3 * ldx, *x4 = X + (mr > 4) * 4 * ldx;
+    const float *x5 = X + (mr > 5) * 5 * ldx;  /* past mr: row 0 again, its sums unused */
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
+    __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 w0 = _mm256_loadu_ps(wt + 16 * j), w1 = _mm256_loadu_ps(wt + 16 * j + 8);
+        __m256 v = _mm256_broadcast_ss(x0 + j);
+        a0 = _mm256_fmadd_ps(w0, v, a0);
+        b0 = _mm256_fmadd_ps(w1, v, b0);
+        v = _mm256_broadcast_ss(x1 + j);
+        a1 = _mm256_fmadd_ps(w0, v, a1);
+        b1 = _mm256_fmadd_ps(w1, v, b1);
+        v = _mm256_broadcast_ss(x2 + j);
+        a2 = _mm256_fmadd_ps(w0, v, a2);
+        b2 = _mm256_fmadd_ps(w1, v, b2);
+        v = _mm256_broadcast_ss(x3 + j);
+        a3 = _mm256_fmadd_ps(w0, v, a3);
+        b3 = _mm256_fmadd_ps(w1, v, b3);
+        v = _mm256_broadcast_ss(x4 + j);
+        a4 = _mm256_fmadd_ps(w0, v, a4);
+        b4 = _mm256_fmadd_ps(w1, v, b4);
+        v = _mm256_broadcast_ss(x5 + j);
+        a5 = _mm256_fmadd_ps(w0, v, a5);
+        b5 = _mm256_fmadd_ps(w1, v, b5);
+    }
+    gv_put16(Y, nr, add, a0, b0);
+    if (mr > 1) gv_put16(Y + ldy, nr, add, a1, b1);
+    if (mr > 2) gv_put16(Y + 2 * ldy, nr, add, a2, b2);
+    if (mr > 3) gv_put16(Y + 3 * ldy, nr, add, a3, b3);
+    if (mr > 4) gv_put16(Y + 4 * ldy, nr, add, a4, b4);
+    if (mr > 5) gv_put16(Y + 5 * ldy, nr, add, a5, b5);
+}
+#endif
+
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                   int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
                   int64_t ldy, int accumulate, float *tile) {
+#ifdef GV_PACKED
+    if (k % (type == T_F16 ? 16 : 8) == 0) {  /* tile: a chunk [GV_KC][16], buf [8][256] */
+        float *buf = tile + 16 * (k < GV_KC ? k : GV_KC);
+        for (int64_t p = r0; p < r1; p += 16) {
+            const int64_t np = p + 16 <= r1 ? 16 : r1 - p;
+            for (int64_t j0 = 0; j0 < k; j0 += GV_KC) {
+                const int64_t n = k - j0 < GV_KC ? k - j0 : GV_KC;
+                gv_pack(type, W, row_bytes, p, np, j0, n, tile, buf);
+                for (int64_t t = 0; t < T; t += GV_MR)
+                    gv_k6x16(tile, X + t * k + j0, k, n, T - t < GV_MR ? T - t : GV_MR,
+                             Y + t * ldy + p, ldy, np, accumulate || j0 > 0);
+            }
+        }
+        return;
+    }
+#endif
     /* a panel of about 32 KB of float32 (L1 with the X rows beside it): 4 to GV_PANEL
        rows, a multiple of 4 */
     int64_t pr = GV_PANEL_FLOATS / k / 4 * 4;
@@ -472,7 +588,7 @@ void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
 }
 
 /* Y[T, rows] = X[T, k] @ deq(W)^T, any T, rows split over nthreads threads; `tile`
-   holds nthreads * GV_PANEL * k floats. */
+   holds nthreads * GV_TILE(k) floats. */
 void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t row_bytes,
                const float *X, int64_t T, float *Y, int64_t nthreads, float *tile) {
     if (nthreads < 1) nthreads = 1;
@@ -481,7 +597,7 @@ void gv_matmul(int64_t type, const uint8_t *W, int64_t rows, int64_t k, int64_t 
     {
         int64_t r0, r1, tid = omp_get_thread_num();
         gv_share(rows, tid, omp_get_num_threads(), &r0, &r1);
-        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * GV_PANEL * k);
+        gv_gemm_rows(type, W, row_bytes, k, r0, r1, X, T, Y, rows, 0, tile + tid * GV_TILE(k));
     }
 #else
     gv_gemm_rows(type, W, row_bytes, k, 0, rows, X, T, Y, rows, 0, tile);

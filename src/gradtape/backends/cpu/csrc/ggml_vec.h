@@ -16,9 +16,10 @@ void gv_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
              int64_t r0, int64_t r1, const float *x, int64_t T, int64_t ldx,
              float *y, int64_t ldy, int accumulate);
 void gv_share(int64_t rows, int64_t tid, int64_t nt, int64_t *r0, int64_t *r1);
-/* weight rows gv_gemm_rows dequantizes at a time: its `tile` holds GV_PANEL * k floats
-   (ggml_vec.py's PANEL is the same number) */
+/* weight rows gv_gemm_rows dequantizes at a time: its `tile` holds GV_TILE(k) floats
+   (ggml_vec.py's PANEL and TILE_EXTRA are the same numbers) */
 #define GV_PANEL 16
+#define GV_TILE(k) (GV_PANEL * (k) + 2048)
 #define GV_PANEL_FLOATS 8192  /* at most this many floats a panel (32 KB: L1 with X) */
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                   int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,

@@ -622,7 +622,7 @@ int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t x8 = tp * kmax + 8 * tp * (kmax / 32) + 64   /* the Q8_0 rows (bytes) */
                        + m->nthreads * ((gq_gemm_scratch_bytes(kmax) + 63) / 64 * 64);
     return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
-           + m->nthreads * GV_PANEL * kmax + (x8 + 3) / 4;
+           + m->nthreads * GV_TILE(kmax) + (x8 + 3) / 4;
 }
 
 /* whether L's product runs on the quantized rows of form f (GQ_Q80, GQ_Q8K; 0: none):
@@ -718,7 +718,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     const float iscale = m->iscale;
     gd_x8 x8 = {0};
     if (m->q8) {  /* the 8-bit rows after the float32 tiles */
-        uint8_t *b8 = (uint8_t *)(((uintptr_t)(tiles + m->nthreads * GV_PANEL * kmax) + 63)
+        uint8_t *b8 = (uint8_t *)(((uintptr_t)(tiles + m->nthreads * GV_TILE(kmax)) + 63)
                                   & ~(uintptr_t)63);
         x8.q = (int8_t *)b8;
         x8.d = (float *)(b8 + tp * kmax);
@@ -734,7 +734,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
 #endif
     {
 #ifdef _OPENMP
-    float *tile = tiles + omp_get_thread_num() * GV_PANEL * kmax;
+    float *tile = tiles + omp_get_thread_num() * GV_TILE(kmax);
 #else
     float *tile = tiles;
 #endif

@@ -498,27 +498,23 @@ static inline void gv_k6x16(const float *wt, const float *X, int64_t ldx, int64_
     const float *x5 = X + (mr > 5) * 5 * ldx;  /* past mr: row 0 again, its sums unused */
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
     __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+/* X row x's value at column j times the 16 weights w0, w1 into a, b */
+#define GV_ROW(x, a, b)                                                                  \
+    do {                                                                                 \
+        const __m256 v = _mm256_broadcast_ss(x + j);                                     \
+        a = _mm256_fmadd_ps(w0, v, a);                                                   \
+        b = _mm256_fmadd_ps(w1, v, b);                                                   \
+    } while (0)
     for (int64_t j = 0; j < n; j++) {
         const __m256 w0 = _mm256_loadu_ps(wt + 16 * j), w1 = _mm256_loadu_ps(wt + 16 * j + 8);
-        __m256 v = _mm256_broadcast_ss(x0 + j);
-        a0 = _mm256_fmadd_ps(w0, v, a0);
-        b0 = _mm256_fmadd_ps(w1, v, b0);
-        v = _mm256_broadcast_ss(x1 + j);
-        a1 = _mm256_fmadd_ps(w0, v, a1);
-        b1 = _mm256_fmadd_ps(w1, v, b1);
-        v = _mm256_broadcast_ss(x2 + j);
-        a2 = _mm256_fmadd_ps(w0, v, a2);
-        b2 = _mm256_fmadd_ps(w1, v, b2);
-        v = _mm256_broadcast_ss(x3 + j);
-        a3 = _mm256_fmadd_ps(w0, v, a3);
-        b3 = _mm256_fmadd_ps(w1, v, b3);
-        v = _mm256_broadcast_ss(x4 + j);
-        a4 = _mm256_fmadd_ps(w0, v, a4);
-        b4 = _mm256_fmadd_ps(w1, v, b4);
-        v = _mm256_broadcast_ss(x5 + j);
-        a5 = _mm256_fmadd_ps(w0, v, a5);
-        b5 = _mm256_fmadd_ps(w1, v, b5);
+        GV_ROW(x0, a0, b0);
+        GV_ROW(x1, a1, b1);
+        GV_ROW(x2, a2, b2);
+        GV_ROW(x3, a3, b3);
+        GV_ROW(x4, a4, b4);
+        GV_ROW(x5, a5, b5);
     }
+#undef GV_ROW
     gv_put16(Y, nr, add, a0, b0);
     if (mr > 1) gv_put16(Y + ldy, nr, add, a1, b1);
     if (mr > 2) gv_put16(Y + 2 * ldy, nr, add, a2, b2);

@@ -432,8 +432,9 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
 /* AVX2: the panel's 16 rows packed column by column (tile [k][16]: 16 weights of one
    column in two vectors), X rows 6 at a time broadcast against them, 6 x 2 accumulators
    over a chunk of GV_KC columns (the packed chunk, 128 KB, stays in L2 for every 6 rows);
-   each output's sum is one chain of multiply-adds along k, chunk after chunk.  The dot
-   form above reads both operands along k from L2 at half the FMA units' rate. */
+   each output's sum is one chain of multiply-adds a chunk, the chunks' sums added in
+   order.  The dot form above reads both operands along k from L2 at half the FMA units'
+   rate. */
 #define GV_PACKED 1
 #define GV_MR 6
 #define GV_KC 2048

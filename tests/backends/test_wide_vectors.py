@@ -60,5 +60,5 @@ def test_bf16_instructions_equal_their_plain_c_block(monkeypatch):
 @pytest.mark.parametrize("T", [1, 3])
 def test_ggml_products_on_16_lanes(sixteen_lanes, qtype, T):
     matvec_check(qtype, T)
-    matmul_check(qtype, T)
+    matmul_check(qtype, T, 512)
 

@@ -44,9 +44,10 @@ from ..settings import DECODE_DOTS, decode_dots
 _LINS = ("q", "k", "v", "o", "gate", "up", "down")  # the C enum's order
 MAX_RANK = 64  # the C step's LoRA scratch holds r <= 64 per target
 PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L2)
-# ... where its products run as integer GEMMs on AMX tiles (q8 dots, ggml_vec.amx_int8):
-# each panel of weight rows is unpacked once per call, so more rows a call pay for it
-PREFILL_ROWS_AMX = 256
+# ... where its products run as integer GEMMs on AMX tiles (q8 dots, ggml_vec.amx_int8)
+# or the float32 ones on AVX2's packed kernel (ggml_vec.packed_gemm): each panel of
+# weight rows is unpacked or packed once per call, so more rows a call pay for it
+PREFILL_ROWS_WIDE = 256
 
 
 class _Lin(ctypes.Structure):
@@ -389,15 +390,16 @@ class BlockDecoder:
 
     def prefill(self, ids) -> np.ndarray:
         """Logits ``[V]`` after the rows ``ids`` (appended to the cache), computed
-        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks (``PREFILL_ROWS_AMX``
-        where the q8 products run on AMX tiles)."""
+        ``PREFILL_ROWS`` rows per C call with GEMMs from the blocks (``PREFILL_ROWS_WIDE``
+        where the q8 products run on AMX tiles or the float32 ones packed)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if self.length + len(ids) > self.cap:
             raise ValueError(f"BlockDecoder: {self.length} + {len(ids)} rows do not fit "
                              f"capacity {self.cap}")
         lib = ggml_vec.lib()
         self.ids[self.length:] = ids.tolist()
-        rows = PREFILL_ROWS_AMX if self.dots == "q8" and ggml_vec.amx_int8() else PREFILL_ROWS
+        wide = (self.dots == "q8" and ggml_vec.amx_int8()) or ggml_vec.packed_gemm()
+        rows = PREFILL_ROWS_WIDE if wide else PREFILL_ROWS
         if self._pbuf is None or self._pbuf_rows < rows:
             n = lib.gd_prefill_floats(ctypes.addressof(self.m), rows)
             self._pbuf, self._pbuf_rows = np.zeros(n, np.float32), rows

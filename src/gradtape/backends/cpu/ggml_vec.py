@@ -87,6 +87,8 @@ def lib():
         so.gv_matmul.restype = None
         so.gv_matmul.argtypes = [_i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr]
         so.gd_scratch_floats.restype = _i64
+        so.gv_packed.restype = ctypes.c_int
+        so.gv_packed.argtypes = []
         so.gd_prefill_floats.restype = _i64
         so.gd_prefill_floats.argtypes = [_ptr, _i64]
         so.gd_prefill.restype = None
@@ -221,6 +223,12 @@ def amx_int8() -> bool:
     on AMX tiles here: a build of the class in force with AMX-INT8 (``native`` on such a
     CPU) and the tile state granted by Linux."""
     return available() and bool(lib().gq_amx_ready())
+
+
+def packed_gemm() -> bool:
+    """Whether the prefill's float32 GEMM runs AVX2's packed kernel here
+    (``csrc/ggml_vec.c``): a panel of weights packed once per call and used by every row."""
+    return available() and bool(lib().gv_packed())
 
 
 def gemm_q8_types() -> tuple:

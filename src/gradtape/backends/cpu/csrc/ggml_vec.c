@@ -525,6 +525,15 @@ static inline void gv_k6x16(const float *wt, const float *X, int64_t ldx, int64_
 }
 #endif
 
+/* whether gv_gemm_rows runs the packed kernel here (it gains from more rows a call) */
+int gv_packed(void) {
+#ifdef GV_PACKED
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 void gv_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                   int64_t r0, int64_t r1, const float *X, int64_t T, float *Y,
                   int64_t ldy, int accumulate, float *tile) {

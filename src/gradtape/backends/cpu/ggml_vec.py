@@ -12,9 +12,9 @@ quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's roun
 integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
 over many rows as the prefill runs it, integer GEMMs for ``gemm_q8_types()``: on AMX tiles
 (``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants, and for
-IQ2_XXS to IQ4_XS everywhere (``csrc/q8_gemm.c``).  This module does not run training GEMMs (the cpu backend's tiled GEMM
-does) or know the model graph (the decode engine's wrapper in
-``infer/`` wires the decode step).
+IQ2_XXS to IQ4_XS everywhere (``csrc/q8_gemm.c``).  This module does not run training
+GEMMs (the cpu backend's tiled GEMM does) or know the model graph (the decode engine's
+wrapper in ``infer/`` wires the decode step).
 
 The C sources (they include ``csrc/gt_prelude.h`` for its vectorizable ``gt_expf``; the
 block dequantization, ``csrc/ggml_blocks.h``, is shared with the training GEMMs'
@@ -234,8 +234,8 @@ def packed_gemm() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``), else none; the IQ
-    types (IQ2_XXS to IQ4_XS) wherever the build has AVX2."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``); with AVX2, AMX or
+    not, IQ2_XXS to IQ4_XS too; none without AVX2."""
     if not available():
         return ()
     so = lib()

@@ -478,7 +478,8 @@ static void gv_pack(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p
                     for (int64_t e = 0; e < m; e += 16) deq_f16(b + 2 * e, o + e);
                 else f(b, o, m / bl);
             }
-            for (int64_t j = 0; j < m; j += 8) gv_t8x8(buf + j, 256, wt + (c + j) * 16 + 8 * h, 16);
+            for (int64_t j = 0; j < m; j += 8)
+                gv_t8x8(buf + j, 256, wt + (c + j) * 16 + 8 * h, 16);
         }
     }
 }

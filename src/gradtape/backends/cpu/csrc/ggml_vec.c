@@ -464,10 +464,9 @@ static void gv_pack(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p
                     int64_t j0, int64_t n, float *wt, float *buf) {
     gb_deq_fn f;
     int bl, by;
-    gb_layout(type, &f, &bl, &by);
-    const int64_t step = bl > 256 ? bl : 256 / bl * bl;
-    for (int64_t c = 0; c < n; c += step) {
-        const int64_t m = n - c < step ? n - c : step;
+    gb_layout(type, &f, &bl, &by);  /* bl divides 256 (1, 32 or 256) */
+    for (int64_t c = 0; c < n; c += 256) {
+        const int64_t m = n - c < 256 ? n - c : 256;
         for (int h = 0; h < 2; h++) {
             for (int i = 0; i < 8; i++) {
                 float *o = buf + i * 256;

@@ -8,10 +8,14 @@ The bound: quantizing each product's input to 8 bits per block of 32 (llama.cpp'
 moves SmolLM2's logits by about 2% of the largest (median over steps) and at most about
 4% (measured over 96 steps at 256 cached rows); the tests allow twice that.  The prefill
 reads 8-bit rows too where its products run as integer GEMMs (``gemm_q8_types``: on AMX
-tiles every type, else the K-quants and IQ types): with AMX a 300-row prompt's last logits then move
-by about 1.3% of the largest, its cached keys and values by at most about 5% of each
-layer's largest (layer 29's values); where no GEMM takes the model's types (this Q4_1 /
-Q8_0 file without AMX) the q8 prefill is the float32 one, bit for bit.
+tiles every type, else the K-quants, the IQ types and, at the AVX2 class, the nibble
+types): with AMX a 300-row prompt's last logits then move by about 1.3% of the largest,
+its cached keys and values by at most about 5% of each layer's largest (layer 29's
+values); at the AVX2 class (this Q4_1 file on its GEMM, Q8_0 on float32 rows) by 1.8%,
+and 10.8% (layer 20's values).  The q8 steps, one token at a time, move that layer's
+values as much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2.
+Where no GEMM takes the model's types (the AVX-512 class without AMX) the q8 prefill is
+the float32 one, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from support.tinymodel import tiny_model
 
 Q8_MEDIAN = 0.04  # median over steps of max |q8 - float| / max |float|
 Q8_MAX = 0.08  # the largest such step
-Q8_CACHE = 0.1  # a q8 prefill's cached rows: max |q8 - float| / max |float| per layer
+Q8_CACHE = 0.2  # a q8 prefill's cached rows: max |q8 - float| / max |float| per layer
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting the steps "
         "as his father had taught him, and lit the lamp before the fishing boats came home.")
@@ -98,10 +102,11 @@ def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                   "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q5_0", "Q8_0", "Q4_1"])
+                                   "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0",
+                                   "Q5_1", "Q8_0"])
 def test_int8_prefill_quantizes_as_the_steps(qtype, tmp_path):
     """Layer 0's keys and values after a prefill on an integer GEMM (AMX, or AVX2 for
-    the K-quants and IQ types) are the q8 steps' up to float32 order: both quantize the same normed
+    the K-quants, the IQ types and the nibble types) are the q8 steps' up to float32 order: both quantize the same normed
     rows the same way (Q8_0 / Q8_K) and sum the same integers (a tiny llama whose matrices
     are random blocks of ``qtype``)."""
     hardware.int8_gemm(qtype)

@@ -11,8 +11,9 @@ weight rows.  ``matvec_q8`` is the decode step's other way (``csrc/q8_dots.c``):
 quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's rounding) and
 integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
 over many rows as the prefill runs it, integer GEMMs for ``gemm_q8_types()``: on AMX tiles
-(``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants, and for
-IQ2_XXS to IQ4_XS everywhere (``csrc/q8_gemm.c``).  This module does not run training
+(``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants and (at the
+AVX2 class) Q4_0, Q4_1, Q5_0, Q5_1, and for IQ2_XXS to IQ4_XS everywhere
+(``csrc/q8_gemm.c``).  This module does not run training
 GEMMs (the cpu backend's tiled GEMM does) or know the model graph (the decode engine's
 wrapper in ``infer/`` wires the decode step).
 
@@ -234,8 +235,9 @@ def packed_gemm() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``); with AVX2, AMX or
-    not, IQ2_XXS to IQ4_XS too; none without AVX2."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``) and Q4_0, Q4_1, Q5_0,
+    Q5_1 at the AVX2 class (AVX-512 keeps float32 rows for them); with AVX2, AMX or not,
+    IQ2_XXS to IQ4_XS too; none without AVX2."""
     if not available():
         return ()
     so = lib()

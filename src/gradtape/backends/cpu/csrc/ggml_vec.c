@@ -441,21 +441,10 @@ static inline void gv_tile_dots(const float *tile, const float *X, int64_t k, in
 
 /* the 8 x 8 floats at s (rows ls apart) transposed into d (rows ld apart) */
 static inline void gv_t8x8(const float *s, int64_t ls, float *d, int64_t ld) {
-    __m256 r[8], t[8];
+    __m256 r[8];
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s + i * ls);
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int h = 0; h < 2; h++) {
-            r[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
-            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
-        }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(d + i * ld, _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
-        _mm256_storeu_ps(d + (4 + i) * ld, _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
-    }
+    gb_t8x8(r);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(d + i * ld, r[i]);
 }
 
 /* rows p .. p + np (np <= 16; zeros past them) of W, columns j0 .. j0 + n (n a multiple

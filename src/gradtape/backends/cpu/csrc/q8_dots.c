@@ -229,12 +229,6 @@ static inline __m256i gq_us(__m256i u, __m256i s) {
 static inline __m256i gq_ss(__m256i w, __m256i s) {
     return gq_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
 }
-/* byte j = 0xFF where bit j of the u32 at qh is set, else 0 */
-static inline __m256i gq_bits(const uint8_t *qh) { return gq_bits32(gq_u32(qh)); }
-/* byte j = 16 where bit j is set, else 0 */
-static inline __m256i gq_bit4(const uint8_t *qh) {
-    return _mm256_and_si256(gq_bits(qh), _mm256_set1_epi8(16));
-}
 static inline float gq_hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -247,18 +241,10 @@ static inline __m256i gq_y(const int8_t *q) { return _mm256_loadu_si256((const _
 static inline __m256i gq_w_q4_0(const uint8_t *p) {
     return _mm256_sub_epi8(gq_nibs(p + 2), _mm256_set1_epi8(8));
 }
-static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
 /* n - 16 as a signed byte: the nibble with 0xF0 or'd in where the fifth bit is clear */
 static inline __m256i gq_w_q5_0(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 6), _mm256_andnot_si256(gq_bits(p + 2),
                                                                 _mm256_set1_epi8((char)0xF0)));
-}
-/* Q5_0's n unsigned (its - 16 taken off as the row's z0) */
-static inline __m256i gq_w_q5_0u(const uint8_t *p) {
-    return _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));
-}
-static inline __m256i gq_w_q5_1(const uint8_t *p) {
-    return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));
 }
 static inline __m256i gq_w_q8_0(const uint8_t *p) {
     return _mm256_loadu_si256((const __m256i *)(p + 2));

@@ -212,6 +212,21 @@ static inline __m256i gq_bits32(uint32_t w) {
     return _mm256_cmpeq_epi8(
         _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)w), pick), bit), bit);
 }
+/* byte j = 0xFF where bit j of the u32 at qh is set, else 0 */
+static inline __m256i gq_bits(const uint8_t *qh) { return gq_bits32(gq_u32(qh)); }
+/* byte j = 16 where bit j is set, else 0 */
+static inline __m256i gq_bit4(const uint8_t *qh) {
+    return _mm256_and_si256(gq_bits(qh), _mm256_set1_epi8(16));
+}
+/* the unsigned values of a 32-element block in element order (the dots' and the AVX2
+   GEMM's): Q4_1's nibbles; Q5_0's and Q5_1's with their fifth bits (Q5_0's - 16 apart) */
+static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
+static inline __m256i gq_w_q5_0u(const uint8_t *p) {
+    return _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));
+}
+static inline __m256i gq_w_q5_1(const uint8_t *p) {
+    return _mm256_or_si256(gq_nibs(p + 8), gq_bit4(p + 4));
+}
 #ifdef GB_IQ_TABLES
 /* bytes f | parity(f) << 7 of 7-bit bytes f: gb_ksigns[f] in every byte at once */
 static inline __m256i gq_ksigns(__m256i f) {

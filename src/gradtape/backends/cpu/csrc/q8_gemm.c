@@ -3,15 +3,15 @@
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
      AVX2 (here), the K-quants (Q2_K to Q6_K) and the IQ types (IQ2_XXS to IQ4_XS)
-     against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too).
-   The 32-element block types keep ggml_vec.c's float32 GEMM without AMX: each 32 values
-   have their own float scale, so an AVX2 integer kernel converts and scales every block
-   dot of every pair, and one tried gained at most 6% over the float GEMM end to end; a
-   K-quant's 256 values share one, and its integer sums run at about twice the float rate
-   (Q2_K's and Q3_K's too, though AMX hosts keep float32 rows for them: their sums of 16
-   are not the AMX GEMM's of 32; the IQ types read no sums).
+     against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too); and at the
+     AVX2 class the nibble types (Q4_0, Q4_1, Q5_0, Q5_1) against Q8_0 rows, 8 weight
+     rows a vector (gq_avx2_gemm_32, below).
+   Q2_K and Q3_K take the AVX2 GEMM on AMX hosts too, though those keep float32 rows for
+   them: their sums of 16 are not the AMX GEMM's of 32 (the IQ types read no sums).  Q8_0
+   and IQ4_NL keep ggml_vec.c's float32 GEMM without AMX: their signed bytes need a sign
+   step per product and int16 room for one pair sum only.
 
-   The AVX2 kernel unpacks a panel of 16 weight rows once per call (each super-block's
+   The K-quant kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
    activation rows and each 2 weight rows sums, per super-block,
      isum = sum_u sc_u (n . q)_u        (maddubs / madd, exact in int32 lanes)
@@ -231,9 +231,172 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
     return _mm256_sub_ps(S, M);
 }
 
+/* --- the nibble types (Q4_0, Q4_1, Q5_0, Q5_1) against Q8_0 rows, on the AVX2 class ---
+   A panel of 8 weight rows is repacked GQ_KC blocks at a time: for each block 8 vectors,
+   vector g holding values 4g .. 4g+3 of every row (row r in int32 lane r, unsigned: 0..15,
+   Q5's 0..31), and the rows' d and m.  One activation row's quants 4g .. 4g+3, broadcast,
+   meet vector g in maddubs: each row's partial dot in its own lanes, so one int32 vector
+   holds the 8 rows' block dots and one multiply-add scales them (the K-quants' form, one
+   row per vector, would add each block's dot across lanes).  Q4_0's and Q5_0's offsets
+   (8, 16) come off through each activation block's sum of quants; Q4_1's and Q5_1's mins
+   through Q8_0's s.  Each output sums a chunk's blocks in order, the chunks in order. */
+typedef struct {
+    uint8_t n[8][32];
+    float d[8], m[8];
+} gq_p8;
+
+#define GQ_KC 32   /* blocks a chunk: 4 activation rows' part in L1, GQ_TB rows' in L2 */
+#define GQ_TB 256  /* activation rows a pass (their blocks' sums in scratch) */
+
+/* whether this build's AVX2 GEMM takes the nibble types: the AVX2 class only (AVX-512
+   keeps its float32 GEMM, which this one has not been measured against) */
+static int gq_avx2_nibbles(void) {
+#ifdef __AVX512F__
+    return 0;
+#else
+    return 1;
+#endif
+}
+
+static inline int gq_nib_type(int64_t t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
+}
+
+/* rows p .. p + np (np <= 8; zero rows past them) of W, blocks b0 .. b0 + nb, into P */
+static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p, int64_t np,
+                     int64_t b0, int64_t nb, gq_p8 *P) {
+    const int by = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int min = type == T_Q4_1 || type == T_Q5_1;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *blk = W + (p + r) * row_bytes + (b0 + b) * by;
+            __m256i n = _mm256_setzero_si256();
+            if (r < np)
+                n = type == T_Q4_0 ? gq_nibs(blk + 2) : type == T_Q4_1 ? gq_w_q4_1(blk)
+                    : type == T_Q5_0 ? gq_w_q5_0u(blk) : gq_w_q5_1(blk);
+            v[r] = _mm256_castsi256_ps(n);
+            P[b].d[r] = r < np ? gb_h2f(blk) : 0.0f;
+            P[b].m[r] = r < np && min ? gb_h2f(blk + 2) : 0.0f;
+        }
+        gb_t8x8(v);
+        for (int g = 0; g < 8; g++) _mm256_store_ps((float *)(void *)P[b].n[g], v[g]);
+    }
+}
+
+/* out[t] (lanes: the panel's 8 rows) = the chunk's sums of activation rows x[t] (t < 4:
+   quants at block 0 of the chunk, scales dx, sums os of off * quants, Q8_0's s), nb
+   blocks; `five` (values up to 31: their int16 pair sums widened every 4 vectors, not 8)
+   and `mode` constants at each call */
+enum { GQ_OFF, GQ_MIN };
+static inline __attribute__((always_inline)) void gq_tile8(
+        const gq_p8 *P, int64_t nb, const int8_t *const x[4], const float *const dx[4],
+        const int32_t *const os[4], const float *const sx[4], int five, int mode,
+        __m256 out[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        __m256i i0 = s0, i1 = s0, i2 = s0, i3 = s0;
+        for (int g = 0; g < 8; g++) {
+            const __m256i w = _mm256_load_si256((const __m256i *)P[b].n[g]);
+            int32_t y[4];
+            for (int t = 0; t < 4; t++) memcpy(y + t, x[t] + 32 * b + 4 * g, 4);
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[0])));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[1])));
+            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[2])));
+            s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[3])));
+            if (g == 7 || (five && g == 3)) {  /* 8 pair sums of 15 * 127 fit int16; 4 of 31 */
+                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
+                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
+                i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(s2, ones));
+                i3 = _mm256_add_epi32(i3, _mm256_madd_epi16(s3, ones));
+                s0 = s1 = s2 = s3 = _mm256_setzero_si256();
+            }
+        }
+        const __m256 dw = _mm256_load_ps(P[b].d), mw = _mm256_load_ps(P[b].m);
+#define GQ_FIN(i, a, t)                                                                       \
+        do {                                                                                  \
+            __m256i v = i;                                                                    \
+            if (mode == GQ_OFF) v = _mm256_sub_epi32(v, _mm256_set1_epi32(os[t][b]));         \
+            a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[t][b])),                  \
+                                _mm256_cvtepi32_ps(v), a);                                    \
+            if (mode == GQ_MIN) a = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[t][b]), a);         \
+        } while (0)
+        GQ_FIN(i0, a0, 0);
+        GQ_FIN(i1, a1, 1);
+        GQ_FIN(i2, a2, 2);
+        GQ_FIN(i3, a3, 3);
+#undef GQ_FIN
+    }
+    out[0] = a0;
+    out[1] = a1;
+    out[2] = a2;
+    out[3] = a3;
+}
+
+/* gq_gemm_rows for the nibble types: Q8_0 rows q [T, k], d and s [T, k/32] */
+static void gq_avx2_gemm_32(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                            int64_t r0, int64_t r1, const int8_t *q, const float *d,
+                            const float *s, int64_t T, float *Y, int64_t ldy, int accumulate,
+                            void *scratch) {
+    const int64_t nb = k / 32;
+    const int five = type == T_Q5_0 || type == T_Q5_1;
+    const int mode = type == T_Q4_1 || type == T_Q5_1 ? GQ_MIN : GQ_OFF;
+    const int32_t off = type == T_Q4_0 ? 8 : 16;
+    gq_p8 *P = (gq_p8 *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_KC] */
+    int32_t *os = (int32_t *)(P + GQ_KC);                               /* [GQ_TB][GQ_KC] */
+    for (int64_t tb = 0; tb < T; tb += GQ_TB) {
+        const int64_t te = tb + GQ_TB < T ? tb + GQ_TB : T, tp = (te - tb + 3) / 4 * 4;
+        for (int64_t b0 = 0; b0 < nb; b0 += GQ_KC) {
+            const int64_t kb = nb - b0 < GQ_KC ? nb - b0 : GQ_KC;
+            if (mode == GQ_OFF)  /* rows past T up to 4 are readable (zeros) */
+                for (int64_t t = 0; t < tp; t++)
+                    for (int64_t b = 0; b < kb; b++) {
+                        const int8_t *qb = q + (tb + t) * k + 32 * (b0 + b);
+                        int32_t sum = 0;
+                        for (int l = 0; l < 32; l++) sum += qb[l];
+                        os[t * GQ_KC + b] = off * sum;
+                    }
+            for (int64_t p = r0; p < r1; p += 8) {
+                const int64_t np = p + 8 <= r1 ? 8 : r1 - p;
+                gq_pack8(type, W, row_bytes, p, np, b0, kb, P);
+                for (int64_t t0 = tb; t0 < te; t0 += 4) {
+                    const int8_t *x[4];
+                    const float *dx[4], *sx[4];
+                    const int32_t *o[4];
+                    for (int t = 0; t < 4; t++) {
+                        x[t] = q + (t0 + t) * k + 32 * b0;
+                        dx[t] = d + (t0 + t) * nb + b0;
+                        sx[t] = s + (t0 + t) * nb + b0;
+                        o[t] = os + (t0 + t - tb) * GQ_KC;
+                    }
+                    __m256 v[4];
+                    if (mode == GQ_MIN) {
+                        if (five) gq_tile8(P, kb, x, dx, o, sx, 1, GQ_MIN, v);
+                        else gq_tile8(P, kb, x, dx, o, sx, 0, GQ_MIN, v);
+                    } else {
+                        if (five) gq_tile8(P, kb, x, dx, o, sx, 1, GQ_OFF, v);
+                        else gq_tile8(P, kb, x, dx, o, sx, 0, GQ_OFF, v);
+                    }
+                    const int add = accumulate || b0 > 0;
+                    for (int64_t t = 0; t < 4 && t0 + t < te; t++) {
+                        float f[8];
+                        _mm256_storeu_ps(f, v[t]);
+                        float *y = Y + (t0 + t) * ldy + p;
+                        for (int64_t r = 0; r < np; r++) y[r] = add ? y[r] + f[r] : f[r];
+                    }
+                }
+            }
+        }
+    }
+}
+
 int64_t gq_avx2_scratch_bytes(int64_t k) {
     const int64_t nb = k / 256;
-    return GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
+    const int64_t kq = GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
+    const int64_t n32 = GQ_KC * (int64_t)sizeof(gq_p8) + GQ_TB * GQ_KC * 4 + 64;
+    return kq > n32 ? kq : n32;
 }
 
 /* gq_gemm_rows for the K-quants and the IQ types: Q8_K rows q [T, k], d [T, k/256], bs
@@ -308,6 +471,8 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
 #else
 int gq_avx2_build(void) { return 0; }  /* whether this build has the AVX2 GEMM */
 int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
+static int gq_avx2_nibbles(void) { return 0; }
+static inline int gq_nib_type(int64_t t) { (void)t; return 0; }
 #endif
 
 /* the row form the prefill's integer GEMM reads against a weight type here (GQ_Q80,
@@ -315,6 +480,7 @@ int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
 int gq_gemm_type(int64_t type) {
     if (gq_avx2_build() && (type == T_IQ4_XS || gq_iq_type(type))) return GQ_Q8K;
     if (gq_amx_ready()) return gq_amx_type(type);
+    if (gq_avx2_nibbles() && gq_nib_type(type)) return GQ_Q80;
     return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
            ? GQ_Q8K : 0;
 }
@@ -340,8 +506,11 @@ void gq_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, 
         return;
     }
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
-    gq_avx2_gemm_k(type, W, row_bytes, k, r0, r1, q, d, (const int16_t *)(const void *)s, T, Y,
-                   ldy, accumulate, scratch);
+    if (gq_nib_type(type))
+        gq_avx2_gemm_32(type, W, row_bytes, k, r0, r1, q, d, s, T, Y, ldy, accumulate, scratch);
+    else
+        gq_avx2_gemm_k(type, W, row_bytes, k, r0, r1, q, d, (const int16_t *)(const void *)s, T,
+                       Y, ldy, accumulate, scratch);
 #endif
 }
 

@@ -306,6 +306,12 @@ static inline __attribute__((always_inline)) void gq_tile8(
             s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[1])));
             s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[2])));
             s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[3])));
+            /* the sums in registers, in order: GCC would make all 32 products first,
+               held on the stack, then add them in a tree */
+            GQ_REG(s0);
+            GQ_REG(s1);
+            GQ_REG(s2);
+            GQ_REG(s3);
             if (g == 7 || (five && g == 3)) {  /* 8 pair sums of 15 * 127 fit int16; 4 of 31 */
                 i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
                 i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));

@@ -231,26 +231,43 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
     return _mm256_sub_ps(S, M);
 }
 
-/* --- the nibble types (Q4_0, Q4_1, Q5_0, Q5_1) against Q8_0 rows, on the AVX2 class ---
-   A panel of 8 weight rows is repacked GQ_KC blocks at a time: for each block 8 vectors,
-   vector g holding values 4g .. 4g+3 of every row (row r in int32 lane r, unsigned: 0..15,
-   Q5's 0..31), and the rows' d and m.  One activation row's quants 4g .. 4g+3, broadcast,
-   meet vector g in maddubs: each row's partial dot in its own lanes, so one int32 vector
-   holds the 8 rows' block dots and one multiply-add scales them (the K-quants' form, one
-   row per vector, would add each block's dot across lanes).  Q4_0's and Q5_0's offsets
-   (8, 16) come off through each activation block's sum of quants; Q4_1's and Q5_1's mins
-   through Q8_0's s.  Each output sums a chunk's blocks in order, the chunks in order. */
+/* --- 8 weight rows a vector, on the AVX2 class: the nibble types (Q4_0, Q4_1, Q5_0, Q5_1)
+   against Q8_0 rows, Q4_K and Q5_K against Q8_K rows ---------------------------------
+   A panel of 8 weight rows is repacked GQ_KC blocks of 32 at a time: for each 32 values,
+   8 vectors, vector g holding values 4g .. 4g+3 of every row (row r in int32 lane r,
+   unsigned: 0..15, the five-bit types' 0..31), beside the rows' scales.  One activation
+   row's quants 4g .. 4g+3, broadcast, meet vector g in maddubs: each row's partial dot in
+   its own lanes, so one int32 vector holds the 8 rows' dots of those 32 values (the form
+   above, one row per vector, adds each dot across lanes).
+     nibble types: each block's int32 vector scaled by one multiply-add (d_w d_x); Q4_0's
+       and Q5_0's offsets (8, 16) off through each activation block's sum of quants,
+       Q4_1's and Q5_1's mins through Q8_0's s;
+     Q4_K / Q5_K / Q6_K: a sub-block's int16 sums meet its scales in madd (each row's
+       scale in its lanes), added in int32 over the super-block, then as the form above:
+       (d_w d_x) isum - (dmin_w d_x) imin, imin from Q8_K's sums of 32 (a pair of them a
+       broadcast, against the rows' mins of those two sub-blocks); Q6_K's (d_w d_x)
+       (isum - 32 sum_s sc_s bs_s) from the sums of 16 the same way.
+   Each output sums a chunk's blocks in order, the chunks in order. */
 typedef struct {
     uint8_t n[8][32];
     float d[8], m[8];
 } gq_p8;
 
-#define GQ_KC 32   /* blocks a chunk: 4 activation rows' part in L1, GQ_TB rows' in L2 */
-#define GQ_TB 256  /* activation rows a pass (their blocks' sums in scratch) */
+typedef struct {
+    uint8_t n[8][8][32];  /* [32 values][vector] */
+    int16_t sc[16][16];   /* [sub-block]: row r's scale in lanes 2r, 2r + 1 (Q6_K: 16) */
+    int16_t mn[8][16];    /* [pair j]: row r's mins of sub-blocks 2j, 2j + 1 in lanes 2r,
+                             2r + 1 (Q6_K: 8 pairs of its scales, against the offset) */
+    float d[8], dm[8];
+} gq_pk8;
 
-/* whether this build's AVX2 GEMM takes the nibble types: the AVX2 class only (AVX-512
-   keeps its float32 GEMM, which this one has not been measured against) */
-static int gq_avx2_nibbles(void) {
+#define GQ_KC 32   /* blocks of 32 a chunk: 4 activation rows' part in L1, GQ_TB rows' in L2 */
+#define GQ_TB 256  /* activation rows a pass (their chunk's sums in scratch) */
+
+/* whether this build's AVX2 GEMM takes the nibble types and Q4_K to Q6_K 8 rows a vector:
+   the AVX2 class only (AVX-512 keeps its float32 GEMM for the nibble types and the form
+   above for the K-quants; neither has been measured against this one there) */
+static int gq_avx2_lanes(void) {
 #ifdef __AVX512F__
     return 0;
 #else
@@ -260,6 +277,10 @@ static int gq_avx2_nibbles(void) {
 
 static inline int gq_nib_type(int64_t t) {
     return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
+}
+
+static inline int gq_lane_type(int64_t t) {
+    return gq_avx2_lanes() && (gq_nib_type(t) || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K);
 }
 
 /* rows p .. p + np (np <= 8; zero rows past them) of W, blocks b0 .. b0 + nb, into P */
@@ -284,101 +305,227 @@ static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t 
     }
 }
 
+/* the same for Q4_K / Q5_K / Q6_K, super-blocks b0 .. b0 + nb */
+static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p,
+                      int64_t np, int64_t b0, int64_t nb, gq_pk8 *P) {
+    const int five = type == T_Q5_K, six = type == T_Q6_K, by = six ? 210 : five ? 176 : 144;
+    const int ns = six ? 16 : 8, nm = six ? 8 : 4;  /* scales, pairs of mins */
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 v[8][8];  /* [32 values][row] */
+        int16_t sc[8][16], mn[8][16];  /* [row]: scales; mins (Q6_K: its scales again) */
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *blk = W + (p + r) * row_bytes + (b0 + b) * by;
+            if (r >= np) {
+                for (int u = 0; u < 8; u++) v[u][r] = _mm256_setzero_ps();
+                memset(sc[r], 0, sizeof sc[r]);
+                memset(mn[r], 0, sizeof mn[r]);
+                P[b].d[r] = P[b].dm[r] = 0.0f;
+                continue;
+            }
+            if (six) {  /* 0..63 in element order, as the form above unpacks them */
+                gq_ub u __attribute__((aligned(32)));
+                float d_, dm_;
+                gq_unpack_q6k(blk, &u, &d_, &dm_);
+                for (int c = 0; c < 8; c++)
+                    v[c][r] = _mm256_loadu_ps((const float *)(const void *)(u.n + 32 * c));
+                for (int j = 0; j < 16; j++) sc[r][j] = mn[r][j] = (int8_t)blk[192 + j];
+                P[b].d[r] = d_;
+                P[b].dm[r] = 0.0f;
+                continue;
+            }
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                                    : _mm256_setzero_si256();
+            for (int pr = 0; pr < 4; pr++) {
+                __m256i lo, hi;
+                gq_k45_quants(blk + (five ? 48 : 16), qh, five, pr, &lo, &hi);
+                v[2 * pr][r] = _mm256_castsi256_ps(lo);
+                v[2 * pr + 1][r] = _mm256_castsi256_ps(hi);
+            }
+            uint8_t sm[16];
+            k_scale_min_bytes(blk + 4, sm);
+            for (int j = 0; j < 8; j++) sc[r][j] = sm[j], mn[r][j] = sm[8 + j];
+            P[b].d[r] = gb_h2f(blk);
+            P[b].dm[r] = gb_h2f(blk + 2);
+        }
+        for (int c = 0; c < 8; c++) {
+            gb_t8x8(v[c]);
+            for (int g = 0; g < 8; g++) _mm256_store_ps((float *)(void *)P[b].n[c][g], v[c][g]);
+        }
+        for (int r = 0; r < 8; r++) {
+            for (int u = 0; u < ns; u++) P[b].sc[u][2 * r] = P[b].sc[u][2 * r + 1] = sc[r][u];
+            for (int j = 0; j < nm; j++) {
+                P[b].mn[j][2 * r] = mn[r][2 * j];
+                P[b].mn[j][2 * r + 1] = mn[r][2 * j + 1];
+            }
+        }
+    }
+}
+
+/* s[t] += w . (activation row t's quants at x[t] + 4g, broadcast), t < 4, for vectors g <
+   8 of n; at the end of each `per` vectors the int16 sums widened into i[t] by madd with
+   f (ones, or the sub-block's scales; an expression of g): 8 pair sums of 15 * 127 fit
+   int16, 4 of 31 * 127, 2 of 63 * 127 */
+#define GQ_DOTS8(n, x, off, per, f, i)                                                   \
+    do {                                                                                 \
+        __m256i gq_s0 = _mm256_setzero_si256(), gq_s1 = gq_s0, gq_s2 = gq_s0, gq_s3 = gq_s0; \
+        for (int g = 0; g < 8; g++) {                                                    \
+            const __m256i w = _mm256_load_si256((const __m256i *)(n)[g]);                \
+            int32_t y[4];                                                                \
+            for (int t = 0; t < 4; t++) memcpy(y + t, x[t] + (off) + 4 * g, 4);          \
+            gq_s0 = _mm256_add_epi16(gq_s0, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[0]))); \
+            gq_s1 = _mm256_add_epi16(gq_s1, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[1]))); \
+            gq_s2 = _mm256_add_epi16(gq_s2, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[2]))); \
+            gq_s3 = _mm256_add_epi16(gq_s3, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[3]))); \
+            /* the sums in registers, in order: GCC would make all 32 products first,    \
+               held on the stack, then add them in a tree */                             \
+            GQ_REG(gq_s0);                                                               \
+            GQ_REG(gq_s1);                                                               \
+            GQ_REG(gq_s2);                                                               \
+            GQ_REG(gq_s3);                                                               \
+            if (g % (per) == (per) - 1) {                                                \
+                const __m256i gq_f = (f);                                                \
+                i[0] = _mm256_add_epi32(i[0], _mm256_madd_epi16(gq_s0, gq_f));           \
+                i[1] = _mm256_add_epi32(i[1], _mm256_madd_epi16(gq_s1, gq_f));           \
+                i[2] = _mm256_add_epi32(i[2], _mm256_madd_epi16(gq_s2, gq_f));           \
+                i[3] = _mm256_add_epi32(i[3], _mm256_madd_epi16(gq_s3, gq_f));           \
+                gq_s0 = gq_s1 = gq_s2 = gq_s3 = _mm256_setzero_si256();                  \
+            }                                                                            \
+        }                                                                                \
+    } while (0)
+
 /* out[t] (lanes: the panel's 8 rows) = the chunk's sums of activation rows x[t] (t < 4:
-   quants at block 0 of the chunk, scales dx, sums os of off * quants, Q8_0's s), nb
-   blocks; `five` (values up to 31: their int16 pair sums widened every 4 vectors, not 8)
-   and `mode` constants at each call */
+   quants at the chunk's first block, scales dx, sums os of off * quants, Q8_0's s), nb
+   blocks; `five` and `mode` constants at each call */
 enum { GQ_OFF, GQ_MIN };
 static inline __attribute__((always_inline)) void gq_tile8(
         const gq_p8 *P, int64_t nb, const int8_t *const x[4], const float *const dx[4],
         const int32_t *const os[4], const float *const sx[4], int five, int mode,
         __m256 out[4]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 a[4];
+    for (int t = 0; t < 4; t++) a[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
-        __m256i i0 = s0, i1 = s0, i2 = s0, i3 = s0;
-        for (int g = 0; g < 8; g++) {
-            const __m256i w = _mm256_load_si256((const __m256i *)P[b].n[g]);
-            int32_t y[4];
-            for (int t = 0; t < 4; t++) memcpy(y + t, x[t] + 32 * b + 4 * g, 4);
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[0])));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[1])));
-            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[2])));
-            s3 = _mm256_add_epi16(s3, _mm256_maddubs_epi16(w, _mm256_set1_epi32(y[3])));
-            /* the sums in registers, in order: GCC would make all 32 products first,
-               held on the stack, then add them in a tree */
-            GQ_REG(s0);
-            GQ_REG(s1);
-            GQ_REG(s2);
-            GQ_REG(s3);
-            if (g == 7 || (five && g == 3)) {  /* 8 pair sums of 15 * 127 fit int16; 4 of 31 */
-                i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
-                i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
-                i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(s2, ones));
-                i3 = _mm256_add_epi32(i3, _mm256_madd_epi16(s3, ones));
-                s0 = s1 = s2 = s3 = _mm256_setzero_si256();
-            }
-        }
+        __m256i i[4];
+        for (int t = 0; t < 4; t++) i[t] = _mm256_setzero_si256();
+        GQ_DOTS8(P[b].n, x, 32 * b, five ? 4 : 8, ones, i);
         const __m256 dw = _mm256_load_ps(P[b].d), mw = _mm256_load_ps(P[b].m);
-#define GQ_FIN(i, a, t)                                                                       \
-        do {                                                                                  \
-            __m256i v = i;                                                                    \
-            if (mode == GQ_OFF) v = _mm256_sub_epi32(v, _mm256_set1_epi32(os[t][b]));         \
-            a = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[t][b])),                  \
-                                _mm256_cvtepi32_ps(v), a);                                    \
-            if (mode == GQ_MIN) a = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[t][b]), a);         \
-        } while (0)
-        GQ_FIN(i0, a0, 0);
-        GQ_FIN(i1, a1, 1);
-        GQ_FIN(i2, a2, 2);
-        GQ_FIN(i3, a3, 3);
-#undef GQ_FIN
+        for (int t = 0; t < 4; t++) {
+            __m256i v = i[t];
+            if (mode == GQ_OFF) v = _mm256_sub_epi32(v, _mm256_set1_epi32(os[t][b]));
+            a[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx[t][b])),
+                                   _mm256_cvtepi32_ps(v), a[t]);
+            if (mode == GQ_MIN) a[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[t][b]), a[t]);
+        }
     }
-    out[0] = a0;
-    out[1] = a1;
-    out[2] = a2;
-    out[3] = a3;
+    for (int t = 0; t < 4; t++) out[t] = a[t];
 }
 
-/* gq_gemm_rows for the nibble types: Q8_0 rows q [T, k], d and s [T, k/32] */
-static void gq_avx2_gemm_32(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
-                            int64_t r0, int64_t r1, const int8_t *q, const float *d,
-                            const float *s, int64_t T, float *Y, int64_t ldy, int accumulate,
-                            void *scratch) {
-    const int64_t nb = k / 32;
-    const int five = type == T_Q5_0 || type == T_Q5_1;
+/* the same for Q4_K / Q5_K / Q6_K (`bits` 4, 5, 6, a constant at each call): nb
+   super-blocks, Q8_K scales dx, pairs of sums bp (Q4_K / Q5_K: of 32, 4 a super-block;
+   Q6_K: of 16, 8) */
+static inline __attribute__((always_inline)) void gq_tilek8(
+        const gq_pk8 *P, int64_t nb, const int8_t *const x[4], const float *const dx[4],
+        const int32_t *const bp[4], int bits, __m256 out[4]) {
+    const int np = bits == 6 ? 8 : 4;
+    __m256 a[4];
+    for (int t = 0; t < 4; t++) a[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i i[4], m[4];
+        for (int t = 0; t < 4; t++) i[t] = m[t] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {  /* 32 values: Q6_K's sub-blocks 2c, 2c + 1 */
+            if (bits == 6) {
+                __m256i sa = _mm256_load_si256((const __m256i *)P[b].sc[2 * c]);
+                __m256i sb = _mm256_load_si256((const __m256i *)P[b].sc[2 * c + 1]);
+                GQ_REG(sa);
+                GQ_REG(sb);
+                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, 2, g < 4 ? sa : sb, i);
+            } else {
+                __m256i sc = _mm256_load_si256((const __m256i *)P[b].sc[c]);
+                GQ_REG(sc);
+                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, bits == 5 ? 4 : 8, sc, i);
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            const __m256i mn = _mm256_load_si256((const __m256i *)P[b].mn[j]);
+            for (int t = 0; t < 4; t++)
+                m[t] = _mm256_add_epi32(m[t], _mm256_madd_epi16(
+                                                  mn, _mm256_set1_epi32(bp[t][np * b + j])));
+        }
+        const __m256 dw = _mm256_load_ps(P[b].d), dm = _mm256_load_ps(P[b].dm);
+        for (int t = 0; t < 4; t++) {
+            const __m256 x_ = _mm256_set1_ps(dx[t][b]);
+            if (bits == 6) {  /* the offset 32 */
+                const __m256i v = _mm256_sub_epi32(i[t], _mm256_slli_epi32(m[t], 5));
+                a[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, x_), _mm256_cvtepi32_ps(v), a[t]);
+                continue;
+            }
+            a[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, x_), _mm256_cvtepi32_ps(i[t]), a[t]);
+            a[t] = _mm256_fnmadd_ps(_mm256_mul_ps(dm, x_), _mm256_cvtepi32_ps(m[t]), a[t]);
+        }
+    }
+    for (int t = 0; t < 4; t++) out[t] = a[t];
+}
+
+/* gq_gemm_rows for gq_lane_type's types: Q8_0 rows q [T, k], d and s [T, k/32] (the
+   nibble types), Q8_K rows q [T, k], d [T, k/256], int16 sums of 16 [T, k/16] (Q4_K to
+   Q6_K) */
+static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
+                               int64_t r0, int64_t r1, const int8_t *q, const float *d,
+                               const float *s, int64_t T, float *Y, int64_t ldy,
+                               int accumulate, void *scratch) {
+    const int kq = !gq_nib_type(type), five = type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
+    const int six = type == T_Q6_K;
+    const int64_t bl = kq ? 256 : 32, nb = k / bl, kc = GQ_KC * 32 / bl;  /* blocks a chunk */
     const int mode = type == T_Q4_1 || type == T_Q5_1 ? GQ_MIN : GQ_OFF;
     const int32_t off = type == T_Q4_0 ? 8 : 16;
-    gq_p8 *P = (gq_p8 *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);  /* [GQ_KC] */
-    int32_t *os = (int32_t *)(P + GQ_KC);                               /* [GQ_TB][GQ_KC] */
+    const int16_t *bs = (const int16_t *)(const void *)s;
+    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    gq_p8 *P = (gq_p8 *)(void *)base;                        /* [kc] */
+    gq_pk8 *PK = (gq_pk8 *)(void *)base;
+    const size_t p8 = GQ_KC * sizeof(gq_p8), pk = GQ_KC / 8 * sizeof(gq_pk8);
+    int32_t *os = (int32_t *)(void *)(base + (p8 > pk ? p8 : pk));  /* [GQ_TB][GQ_KC] */
     for (int64_t tb = 0; tb < T; tb += GQ_TB) {
         const int64_t te = tb + GQ_TB < T ? tb + GQ_TB : T, tp = (te - tb + 3) / 4 * 4;
-        for (int64_t b0 = 0; b0 < nb; b0 += GQ_KC) {
-            const int64_t kb = nb - b0 < GQ_KC ? nb - b0 : GQ_KC;
-            if (mode == GQ_OFF)  /* rows past T up to 4 are readable (zeros) */
-                for (int64_t t = 0; t < tp; t++)
-                    for (int64_t b = 0; b < kb; b++) {
+        for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+            const int64_t kb = nb - b0 < kc ? nb - b0 : kc;
+            /* the chunk's activation sums (rows past T up to 4 are readable: zeros) */
+            for (int64_t t = 0; t < tp && (kq || mode == GQ_OFF); t++)
+                for (int64_t b = 0; b < kb; b++) {
+                    if (kq) {  /* pairs of sums of 32 from the sums of 16 (Q6_K: of 16) */
+                        const int16_t *h = bs + (tb + t) * (k / 16) + 16 * (b0 + b);
+                        for (int j = 0; j < (six ? 8 : 4); j++) {
+                            const int lo = six ? h[2 * j] : h[4 * j] + h[4 * j + 1];
+                            const int hi = six ? h[2 * j + 1] : h[4 * j + 2] + h[4 * j + 3];
+                            os[t * GQ_KC + (six ? 8 : 4) * b + j] =
+                                (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
+                        }
+                    } else {
                         const int8_t *qb = q + (tb + t) * k + 32 * (b0 + b);
                         int32_t sum = 0;
                         for (int l = 0; l < 32; l++) sum += qb[l];
                         os[t * GQ_KC + b] = off * sum;
                     }
+                }
             for (int64_t p = r0; p < r1; p += 8) {
                 const int64_t np = p + 8 <= r1 ? 8 : r1 - p;
-                gq_pack8(type, W, row_bytes, p, np, b0, kb, P);
+                if (kq) gq_packk8(type, W, row_bytes, p, np, b0, kb, PK);
+                else gq_pack8(type, W, row_bytes, p, np, b0, kb, P);
                 for (int64_t t0 = tb; t0 < te; t0 += 4) {
                     const int8_t *x[4];
                     const float *dx[4], *sx[4];
                     const int32_t *o[4];
                     for (int t = 0; t < 4; t++) {
-                        x[t] = q + (t0 + t) * k + 32 * b0;
+                        x[t] = q + (t0 + t) * k + bl * b0;
                         dx[t] = d + (t0 + t) * nb + b0;
                         sx[t] = s + (t0 + t) * nb + b0;
                         o[t] = os + (t0 + t - tb) * GQ_KC;
                     }
                     __m256 v[4];
-                    if (mode == GQ_MIN) {
+                    if (kq) {
+                        if (six) gq_tilek8(PK, kb, x, dx, o, 6, v);
+                        else if (five) gq_tilek8(PK, kb, x, dx, o, 5, v);
+                        else gq_tilek8(PK, kb, x, dx, o, 4, v);
+                    } else if (mode == GQ_MIN) {
                         if (five) gq_tile8(P, kb, x, dx, o, sx, 1, GQ_MIN, v);
                         else gq_tile8(P, kb, x, dx, o, sx, 0, GQ_MIN, v);
                     } else {
@@ -401,7 +548,8 @@ static void gq_avx2_gemm_32(int64_t type, const uint8_t *W, int64_t row_bytes, i
 int64_t gq_avx2_scratch_bytes(int64_t k) {
     const int64_t nb = k / 256;
     const int64_t kq = GQ_PANEL * nb * ((int64_t)sizeof(gq_ub) + 8) + 16 * nb + 128;
-    const int64_t n32 = GQ_KC * (int64_t)sizeof(gq_p8) + GQ_TB * GQ_KC * 4 + 64;
+    const int64_t pk = GQ_KC / 8 * (int64_t)sizeof(gq_pk8), p8 = GQ_KC * (int64_t)sizeof(gq_p8);
+    const int64_t n32 = (pk > p8 ? pk : p8) + GQ_TB * GQ_KC * 4 + 64;
     return kq > n32 ? kq : n32;
 }
 
@@ -477,7 +625,7 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
 #else
 int gq_avx2_build(void) { return 0; }  /* whether this build has the AVX2 GEMM */
 int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
-static int gq_avx2_nibbles(void) { return 0; }
+static int gq_avx2_lanes(void) { return 0; }
 static inline int gq_nib_type(int64_t t) { (void)t; return 0; }
 #endif
 
@@ -486,7 +634,7 @@ static inline int gq_nib_type(int64_t t) { (void)t; return 0; }
 int gq_gemm_type(int64_t type) {
     if (gq_avx2_build() && (type == T_IQ4_XS || gq_iq_type(type))) return GQ_Q8K;
     if (gq_amx_ready()) return gq_amx_type(type);
-    if (gq_avx2_nibbles() && gq_nib_type(type)) return GQ_Q80;
+    if (gq_avx2_build() && gq_avx2_lanes() && gq_nib_type(type)) return GQ_Q80;
     return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
            ? GQ_Q8K : 0;
 }
@@ -512,8 +660,9 @@ void gq_gemm_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, 
         return;
     }
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
-    if (gq_nib_type(type))
-        gq_avx2_gemm_32(type, W, row_bytes, k, r0, r1, q, d, s, T, Y, ldy, accumulate, scratch);
+    if (gq_lane_type(type))
+        gq_avx2_gemm_lanes(type, W, row_bytes, k, r0, r1, q, d, s, T, Y, ldy, accumulate,
+                           scratch);
     else
         gq_avx2_gemm_k(type, W, row_bytes, k, r0, r1, q, d, (const int16_t *)(const void *)s, T,
                        Y, ldy, accumulate, scratch);

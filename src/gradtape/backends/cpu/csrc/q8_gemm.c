@@ -242,11 +242,12 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
      nibble types: each block's int32 vector scaled by one multiply-add (d_w d_x); Q4_0's
        and Q5_0's offsets (8, 16) off through each activation block's sum of quants,
        Q4_1's and Q5_1's mins through Q8_0's s;
-     Q4_K / Q5_K / Q6_K: a sub-block's int16 sums meet its scales in madd (each row's
-       scale in its lanes), added in int32 over the super-block, then as the form above:
-       (d_w d_x) isum - (dmin_w d_x) imin, imin from Q8_K's sums of 32 (a pair of them a
-       broadcast, against the rows' mins of those two sub-blocks); Q6_K's (d_w d_x)
-       (isum - 32 sum_s sc_s bs_s) from the sums of 16 the same way.
+     the K-quants: a sub-block's int16 sums meet its scales in madd (each row's scale
+       in its lanes), added in int32 over the super-block, then as the form above:
+       (d_w d_x) isum - (dmin_w d_x) imin, imin from Q8_K's sums of 32 (Q4_K, Q5_K) or
+       16 (Q2_K), a pair of them a broadcast against the rows' mins of those two
+       sub-blocks; Q6_K's and Q3_K's (d_w d_x) (isum - o sum_s sc_s bs_s), o = 32, 4,
+       from the sums of 16 the same way.
    Each output sums a chunk's blocks in order, the chunks in order. */
 typedef struct {
     uint8_t n[8][32];
@@ -264,7 +265,7 @@ typedef struct {
 #define GQ_KC 32   /* blocks of 32 a chunk: 4 activation rows' part in L1, GQ_TB rows' in L2 */
 #define GQ_TB 256  /* activation rows a pass (their chunk's sums in scratch) */
 
-/* whether this build's AVX2 GEMM takes the nibble types and Q4_K to Q6_K 8 rows a vector:
+/* whether this build's AVX2 GEMM takes the nibble types and the K-quants 8 rows a vector:
    the AVX2 class only (AVX-512 keeps its float32 GEMM for the nibble types and the form
    above for the K-quants; neither has been measured against this one there) */
 static int gq_avx2_lanes(void) {
@@ -280,7 +281,8 @@ static inline int gq_nib_type(int64_t t) {
 }
 
 static inline int gq_lane_type(int64_t t) {
-    return gq_avx2_lanes() && (gq_nib_type(t) || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K);
+    return gq_avx2_lanes() && (gq_nib_type(t) || t == T_Q2_K || t == T_Q3_K || t == T_Q4_K ||
+                               t == T_Q5_K || t == T_Q6_K);
 }
 
 /* rows p .. p + np (np <= 8; zero rows past them) of W, blocks b0 .. b0 + nb, into P */
@@ -305,11 +307,12 @@ static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t 
     }
 }
 
-/* the same for Q4_K / Q5_K / Q6_K, super-blocks b0 .. b0 + nb */
+/* the same for the K-quants, super-blocks b0 .. b0 + nb */
 static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p,
                       int64_t np, int64_t b0, int64_t nb, gq_pk8 *P) {
-    const int five = type == T_Q5_K, six = type == T_Q6_K, by = six ? 210 : five ? 176 : 144;
-    const int ns = six ? 16 : 8, nm = six ? 8 : 4;  /* scales, pairs of mins */
+    const int five = type == T_Q5_K, six = type == T_Q6_K, two = type == T_Q2_K;
+    const int three = type == T_Q3_K, by = six ? 210 : five ? 176 : two ? 84 : three ? 110 : 144;
+    const int ns = six || two || three ? 16 : 8, nm = ns / 2;  /* scales, pairs of mins */
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[8][8];  /* [32 values][row] */
         int16_t sc[8][16], mn[8][16];  /* [row]: scales; mins (Q6_K: its scales again) */
@@ -322,15 +325,27 @@ static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
                 P[b].d[r] = P[b].dm[r] = 0.0f;
                 continue;
             }
-            if (six) {  /* 0..63 in element order, as the form above unpacks them */
+            if (ns == 16) {  /* in element order, as the form above unpacks them */
                 gq_ub u __attribute__((aligned(32)));
                 float d_, dm_;
-                gq_unpack_q6k(blk, &u, &d_, &dm_);
+                int8_t s8[16];
+                if (six) {
+                    gq_unpack_q6k(blk, &u, &d_, &dm_);
+                    memcpy(s8, blk + 192, 16);
+                } else if (three) {  /* its scales less 32 */
+                    gq_unpack_q3k(blk, &u, &d_, &dm_);
+                    _mm_storeu_si128((__m128i *)(void *)s8, gq_q3_scales(blk + 96));
+                } else {
+                    gq_unpack_q2k(blk, &u, &d_, &dm_);
+                }
                 for (int c = 0; c < 8; c++)
                     v[c][r] = _mm256_loadu_ps((const float *)(const void *)(u.n + 32 * c));
-                for (int j = 0; j < 16; j++) sc[r][j] = mn[r][j] = (int8_t)blk[192 + j];
+                for (int j = 0; j < 16; j++) {  /* Q2_K: 4-bit scales and mins */
+                    sc[r][j] = two ? blk[j] & 15 : s8[j];
+                    mn[r][j] = two ? blk[j] >> 4 : s8[j];
+                }
                 P[b].d[r] = d_;
-                P[b].dm[r] = 0.0f;
+                P[b].dm[r] = dm_;
                 continue;
             }
             const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16))
@@ -420,29 +435,30 @@ static inline __attribute__((always_inline)) void gq_tile8(
     for (int t = 0; t < 4; t++) out[t] = a[t];
 }
 
-/* the same for Q4_K / Q5_K / Q6_K (`bits` 4, 5, 6, a constant at each call): nb
-   super-blocks, Q8_K scales dx, pairs of sums bp (Q4_K / Q5_K: of 32, 4 a super-block;
-   Q6_K: of 16, 8) */
+/* the same for the K-quants: nb super-blocks, Q8_K scales dx, pairs of sums bp (Q4_K /
+   Q5_K: of 32, 4 a super-block; else of 16, 8); constants at each call: `per`, the
+   vectors between widenings (8, Q5_K 4, Q6_K 2, Q2_K / Q3_K 4 as their sub-blocks of
+   16); `shift`, the offset's power of two (Q6_K 5, Q3_K 2; 0: mins) */
 static inline __attribute__((always_inline)) void gq_tilek8(
         const gq_pk8 *P, int64_t nb, const int8_t *const x[4], const float *const dx[4],
-        const int32_t *const bp[4], int bits, __m256 out[4]) {
-    const int np = bits == 6 ? 8 : 4;
+        const int32_t *const bp[4], int per, int shift, int sub16, __m256 out[4]) {
+    const int np = sub16 ? 8 : 4;
     __m256 a[4];
     for (int t = 0; t < 4; t++) a[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i i[4], m[4];
         for (int t = 0; t < 4; t++) i[t] = m[t] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; c++) {  /* 32 values: Q6_K's sub-blocks 2c, 2c + 1 */
-            if (bits == 6) {
+        for (int c = 0; c < 8; c++) {  /* 32 values: sub-blocks of 16 2c, 2c + 1 */
+            if (sub16) {
                 __m256i sa = _mm256_load_si256((const __m256i *)P[b].sc[2 * c]);
                 __m256i sb = _mm256_load_si256((const __m256i *)P[b].sc[2 * c + 1]);
                 GQ_REG(sa);
                 GQ_REG(sb);
-                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, 2, g < 4 ? sa : sb, i);
+                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, per, g < 4 ? sa : sb, i);
             } else {
                 __m256i sc = _mm256_load_si256((const __m256i *)P[b].sc[c]);
                 GQ_REG(sc);
-                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, bits == 5 ? 4 : 8, sc, i);
+                GQ_DOTS8(P[b].n[c], x, 256 * b + 32 * c, per, sc, i);
             }
         }
         for (int j = 0; j < np; j++) {
@@ -454,8 +470,8 @@ static inline __attribute__((always_inline)) void gq_tilek8(
         const __m256 dw = _mm256_load_ps(P[b].d), dm = _mm256_load_ps(P[b].dm);
         for (int t = 0; t < 4; t++) {
             const __m256 x_ = _mm256_set1_ps(dx[t][b]);
-            if (bits == 6) {  /* the offset 32 */
-                const __m256i v = _mm256_sub_epi32(i[t], _mm256_slli_epi32(m[t], 5));
+            if (shift) {  /* the offset */
+                const __m256i v = _mm256_sub_epi32(i[t], _mm256_slli_epi32(m[t], shift));
                 a[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, x_), _mm256_cvtepi32_ps(v), a[t]);
                 continue;
             }
@@ -474,7 +490,7 @@ static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes
                                const float *s, int64_t T, float *Y, int64_t ldy,
                                int accumulate, void *scratch) {
     const int kq = !gq_nib_type(type), five = type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
-    const int six = type == T_Q6_K;
+    const int six = type == T_Q6_K, sub16 = six || type == T_Q2_K || type == T_Q3_K;
     const int64_t bl = kq ? 256 : 32, nb = k / bl, kc = GQ_KC * 32 / bl;  /* blocks a chunk */
     const int mode = type == T_Q4_1 || type == T_Q5_1 ? GQ_MIN : GQ_OFF;
     const int32_t off = type == T_Q4_0 ? 8 : 16;
@@ -491,12 +507,12 @@ static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes
             /* the chunk's activation sums (rows past T up to 4 are readable: zeros) */
             for (int64_t t = 0; t < tp && (kq || mode == GQ_OFF); t++)
                 for (int64_t b = 0; b < kb; b++) {
-                    if (kq) {  /* pairs of sums of 32 from the sums of 16 (Q6_K: of 16) */
+                    if (kq) {  /* pairs of sums of 32 from the sums of 16 (or of 16) */
                         const int16_t *h = bs + (tb + t) * (k / 16) + 16 * (b0 + b);
-                        for (int j = 0; j < (six ? 8 : 4); j++) {
-                            const int lo = six ? h[2 * j] : h[4 * j] + h[4 * j + 1];
-                            const int hi = six ? h[2 * j + 1] : h[4 * j + 2] + h[4 * j + 3];
-                            os[t * GQ_KC + (six ? 8 : 4) * b + j] =
+                        for (int j = 0; j < (sub16 ? 8 : 4); j++) {
+                            const int lo = sub16 ? h[2 * j] : h[4 * j] + h[4 * j + 1];
+                            const int hi = sub16 ? h[2 * j + 1] : h[4 * j + 2] + h[4 * j + 3];
+                            os[t * GQ_KC + (sub16 ? 8 : 4) * b + j] =
                                 (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
                         }
                     } else {
@@ -522,9 +538,11 @@ static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes
                     }
                     __m256 v[4];
                     if (kq) {
-                        if (six) gq_tilek8(PK, kb, x, dx, o, 6, v);
-                        else if (five) gq_tilek8(PK, kb, x, dx, o, 5, v);
-                        else gq_tilek8(PK, kb, x, dx, o, 4, v);
+                        if (six) gq_tilek8(PK, kb, x, dx, o, 2, 5, 1, v);
+                        else if (type == T_Q3_K) gq_tilek8(PK, kb, x, dx, o, 4, 2, 1, v);
+                        else if (type == T_Q2_K) gq_tilek8(PK, kb, x, dx, o, 4, 0, 1, v);
+                        else if (five) gq_tilek8(PK, kb, x, dx, o, 4, 0, 0, v);
+                        else gq_tilek8(PK, kb, x, dx, o, 8, 0, 0, v);
                     } else if (mode == GQ_MIN) {
                         if (five) gq_tile8(P, kb, x, dx, o, sx, 1, GQ_MIN, v);
                         else gq_tile8(P, kb, x, dx, o, sx, 0, GQ_MIN, v);

@@ -3,13 +3,13 @@
    summed over many rows at once.  Two kernels, chosen by what the CPU has:
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
      AVX2 (here), the K-quants (Q2_K to Q6_K) and the IQ types (IQ2_XXS to IQ4_XS)
-     against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too); and at the
-     AVX2 class the nibble types (Q4_0, Q4_1, Q5_0, Q5_1) against Q8_0 rows, 8 weight
-     rows a vector (gq_avx2_gemm_32, below).
-   Q2_K and Q3_K take the AVX2 GEMM on AMX hosts too, though those keep float32 rows for
-   them: their sums of 16 are not the AMX GEMM's of 32 (the IQ types read no sums).  Q8_0
-   and IQ4_NL keep ggml_vec.c's float32 GEMM without AMX: their signed bytes need a sign
-   step per product and int16 room for one pair sum only.
+     against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too); at the AVX2
+     class the K-quants and the nibble types (Q4_0, Q4_1, Q5_0, Q5_1, against Q8_0
+     rows) take another, 8 weight rows a vector (gq_avx2_gemm_lanes, below).
+   AMX hosts keep float32 rows for Q2_K and Q3_K: their sums of 16 are not the AMX GEMM's
+   of 32 (the IQ types read no sums).  Q8_0 and IQ4_NL keep ggml_vec.c's float32 GEMM
+   without AMX: their signed bytes need a sign step per product and int16 room for one
+   pair sum only.
 
    The K-quant kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
 }
 
 /* --- 8 weight rows a vector, on the AVX2 class: the nibble types (Q4_0, Q4_1, Q5_0, Q5_1)
-   against Q8_0 rows, Q4_K and Q5_K against Q8_K rows ---------------------------------
+   against Q8_0 rows, the K-quants against Q8_K rows -----------------------------------
    A panel of 8 weight rows is repacked GQ_KC blocks of 32 at a time: for each 32 values,
    8 vectors, vector g holding values 4g .. 4g+3 of every row (row r in int32 lane r,
    unsigned: 0..15, the five-bit types' 0..31), beside the rows' scales.  One activation
@@ -256,9 +256,10 @@ typedef struct {
 
 typedef struct {
     uint8_t n[8][8][32];  /* [32 values][vector] */
-    int16_t sc[16][16];   /* [sub-block]: row r's scale in lanes 2r, 2r + 1 (Q6_K: 16) */
+    int16_t sc[16][16];   /* [sub-block]: row r's scale in lanes 2r, 2r + 1 (16 of 16
+                             values: Q2_K, Q3_K, Q6_K) */
     int16_t mn[8][16];    /* [pair j]: row r's mins of sub-blocks 2j, 2j + 1 in lanes 2r,
-                             2r + 1 (Q6_K: 8 pairs of its scales, against the offset) */
+                             2r + 1 (Q3_K, Q6_K: their scales, against the offset) */
     float d[8], dm[8];
 } gq_pk8;
 
@@ -315,7 +316,7 @@ static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
     const int ns = six || two || three ? 16 : 8, nm = ns / 2;  /* scales, pairs of mins */
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[8][8];  /* [32 values][row] */
-        int16_t sc[8][16], mn[8][16];  /* [row]: scales; mins (Q6_K: its scales again) */
+        int16_t sc[8][16], mn[8][16];  /* [row]: scales; mins (Q3_K, Q6_K: the scales) */
         for (int r = 0; r < 8; r++) {
             const uint8_t *blk = W + (p + r) * row_bytes + (b0 + b) * by;
             if (r >= np) {

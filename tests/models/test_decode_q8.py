@@ -11,8 +11,8 @@ reads 8-bit rows too where its products run as integer GEMMs (``gemm_q8_types``:
 tiles every type, else the K-quants, the IQ types and, at the AVX2 class, the nibble
 types): with AMX a 300-row prompt's last logits then move by about 1.3% of the largest,
 its cached keys and values by at most about 5% of each layer's largest (layer 29's
-values); at the AVX2 class (this Q4_1 file on its GEMM, Q8_0 on float32 rows) by 1.8%,
-and 10.8% (layer 20's values).  The q8 steps, one token at a time, move that layer's
+values); at the AVX2 class (this Q4_1 file's layers on its GEMM) by 1.8%, and 10.8%
+(layer 20's values).  The q8 steps, one token at a time, move that layer's
 values as much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2.
 Where no GEMM takes the model's types (the AVX-512 class without AMX) the q8 prefill is
 the float32 one, bit for bit.
@@ -102,13 +102,13 @@ def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S",
-                                   "IQ3_XXS", "IQ3_S", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0",
-                                   "Q5_1", "Q8_0"])
+                                   "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "Q4_0", "Q4_1",
+                                   "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_prefill_quantizes_as_the_steps(qtype, tmp_path):
     """Layer 0's keys and values after a prefill on an integer GEMM (AMX, or AVX2 for
-    the K-quants, the IQ types and the nibble types) are the q8 steps' up to float32 order: both quantize the same normed
-    rows the same way (Q8_0 / Q8_K) and sum the same integers (a tiny llama whose matrices
-    are random blocks of ``qtype``)."""
+    the K-quants, the IQ types and the 32-element types) are the q8 steps' up to float32
+    order: both quantize the same normed rows the same way (Q8_0 / Q8_K) and sum the same
+    integers (a tiny llama whose matrices are random blocks of ``qtype``)."""
     hardware.int8_gemm(qtype)
     from gradtape import llama
     m = tiny_model(seed=3, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab=258)

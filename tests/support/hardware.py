@@ -61,16 +61,16 @@ def amx_int8():
         pytest.fail("this CPU has AMX-INT8 but the native build of csrc/q8_amx.c lacks it")
 
 
-# the AVX2 prefill GEMM's types (the nibble types at the AVX2 class only)
-NIBBLE_GEMM = ("Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# the AVX2 prefill GEMM's types (the 32-element ones at the AVX2 class only)
+Q80_GEMM = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
 AVX2_GEMM = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-             "IQ3_S", "IQ4_XS") + NIBBLE_GEMM
+             "IQ3_S", "IQ4_XS") + Q80_GEMM
 
 
 def int8_gemm(qtype):
     """A skip naming why ``qtype``'s prefill products have no integer GEMM here
-    (``ggml_vec.gemm_q8_types``): Q8_0 has one on AMX tiles only, the other 32-element
-    types on AMX tiles or at the AVX2 class; the K-quants and the IQ types wherever the
+    (``ggml_vec.gemm_q8_types``): the 32-element types have one on AMX tiles or at the
+    AVX2 class (IQ4_NL at the AVX2 class only); the K-quants and the IQ types wherever the
     build has AVX2 (so on x86-64 its absence fails)."""
     from gradtape.backends.cpu import ggml_vec
 
@@ -79,7 +79,7 @@ def int8_gemm(qtype):
     if qtype in ("Q2_K", "Q3_K") and ggml_vec.amx_int8():
         pytest.skip(f"{qtype}'s prefill GEMM is the AVX2 one: with AMX the prefill keeps "
                     "float32 rows for it")
-    if qtype in NIBBLE_GEMM and ggml_vec.lib().gv_lanes() == 16:
+    if qtype in Q80_GEMM and ggml_vec.lib().gv_lanes() == 16:
         pytest.skip(f"{qtype}'s integer prefill GEMM runs on AMX tiles or at the AVX2 class: "
                     "the AVX-512 class keeps float32 rows for it (the avx2 class runs this)")
     if qtype not in AVX2_GEMM:

@@ -12,7 +12,7 @@ quantized to 8 bits once (``quantize_q8_0``, ``quantize_q8_k``: llama.cpp's roun
 integer dots with the blocks of the types in ``Q8_TYPES``; ``matmul_q8`` the same scheme
 over many rows as the prefill runs it, integer GEMMs for ``gemm_q8_types()``: on AMX tiles
 (``csrc/q8_amx.c``, where ``amx_int8()``), else with AVX2 for the K-quants and (at the
-AVX2 class) Q4_0, Q4_1, Q5_0, Q5_1, and for IQ2_XXS to IQ4_XS everywhere
+AVX2 class) the 32-element types, and for IQ2_XXS to IQ4_XS everywhere
 (``csrc/q8_gemm.c``).  This module does not run training
 GEMMs (the cpu backend's tiled GEMM does) or know the model graph (the decode engine's
 wrapper in ``infer/`` wires the decode step).
@@ -216,7 +216,7 @@ def take_rows(qtype: str, data: np.ndarray, ids) -> np.ndarray:
 # types everywhere (csrc/q8_gemm.c)
 AMX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 IQ_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")
-GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K") + IQ_TYPES  # the types either GEMM may take
+GEMM_TYPES = AMX_TYPES + ("Q2_K", "Q3_K", "IQ4_NL") + IQ_TYPES  # the types some GEMM takes
 
 
 def amx_int8() -> bool:
@@ -235,9 +235,9 @@ def packed_gemm() -> bool:
 def gemm_q8_types() -> tuple:
     """The weight types whose prefill products run as integer GEMMs against 8-bit rows
     here (with the q8 decode dots): ``AMX_TYPES`` where ``amx_int8()``, else the K-quants
-    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``) and Q4_0, Q4_1, Q5_0,
-    Q5_1 at the AVX2 class (AVX-512 keeps float32 rows for them); with AVX2, AMX or not,
-    IQ2_XXS to IQ4_XS too; none without AVX2."""
+    (Q2_K to Q6_K) wherever the build has AVX2 (``csrc/q8_gemm.c``) and the 32-element
+    types (Q4_0 to Q8_0, IQ4_NL) at the AVX2 class (AVX-512 keeps float32 rows for them);
+    with AVX2, AMX or not, IQ2_XXS to IQ4_XS too; none without AVX2."""
     if not available():
         return ()
     so = lib()

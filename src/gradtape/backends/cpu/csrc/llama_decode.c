@@ -599,8 +599,8 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    rows), row operations split over rows, attention (causal: row t sees positions
    <= start + t) split over query heads.  Only the last row's logits are computed.
    With m->q8, the products whose weight type an integer GEMM takes here (gq_gemm_type:
-   the AMX types where AMX-INT8 runs, the K-quants elsewhere on x86 and the nibble types
-   at the AVX2 class, IQ2_XXS to IQ4_XS wherever AVX2 runs) read their input rows quantized to 8 bits instead (Q8_0 or Q8_K),
+   the AMX types where AMX-INT8 runs, the K-quants elsewhere on x86 and the 32-element
+   types at the AVX2 class, IQ2_XXS to IQ4_XS wherever AVX2 runs) read their input rows quantized to 8 bits instead (Q8_0 or Q8_K),
    as the steps do (q8_gemm.c: the same scheme as q8_dots.c's dots); the other types keep
    float32 rows. */
 

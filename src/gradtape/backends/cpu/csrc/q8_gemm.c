@@ -4,12 +4,10 @@
      AMX tiles (q8_amx.c), every type gq_amx_type names, where AMX-INT8 runs;
      AVX2 (here), the K-quants (Q2_K to Q6_K) and the IQ types (IQ2_XXS to IQ4_XS)
      against Q8_K rows, elsewhere on x86 (the IQ types on AMX hosts too); at the AVX2
-     class the K-quants and the nibble types (Q4_0, Q4_1, Q5_0, Q5_1, against Q8_0
+     class the K-quants and the 32-element types (Q4_0 to Q8_0 and IQ4_NL, against Q8_0
      rows) take another, 8 weight rows a vector (gq_avx2_gemm_lanes, below).
    AMX hosts keep float32 rows for Q2_K and Q3_K: their sums of 16 are not the AMX GEMM's
-   of 32 (the IQ types read no sums).  Q8_0 and IQ4_NL keep ggml_vec.c's float32 GEMM
-   without AMX: their signed bytes need a sign step per product and int16 room for one
-   pair sum only.
+   of 32 (the IQ types read no sums).
 
    The K-quant kernel unpacks a panel of 16 weight rows once per call (each super-block's
    quants as bytes in element order, its scales as int16 lanes for madd), then for each 4
@@ -231,17 +229,19 @@ static inline __attribute__((always_inline)) __m256 gq_tile(
     return _mm256_sub_ps(S, M);
 }
 
-/* --- 8 weight rows a vector, on the AVX2 class: the nibble types (Q4_0, Q4_1, Q5_0, Q5_1)
-   against Q8_0 rows, the K-quants against Q8_K rows -----------------------------------
+/* --- 8 weight rows a vector, on the AVX2 class: the 32-element types against Q8_0 rows,
+   the K-quants against Q8_K rows ------------------------------------------------------
    A panel of 8 weight rows is repacked GQ_KC blocks of 32 at a time: for each 32 values,
    8 vectors, vector g holding values 4g .. 4g+3 of every row (row r in int32 lane r,
-   unsigned: 0..15, the five-bit types' 0..31), beside the rows' scales.  One activation
+   unsigned: 0..15, the five-bit types' 0..31; Q8_0's and IQ4_NL's signed), beside the
+   rows' scales.  One activation
    row's quants 4g .. 4g+3, broadcast, meet vector g in maddubs: each row's partial dot in
    its own lanes, so one int32 vector holds the 8 rows' dots of those 32 values (the form
    above, one row per vector, adds each dot across lanes).
-     nibble types: each block's int32 vector scaled by one multiply-add (d_w d_x); Q4_0's
-       and Q5_0's offsets (8, 16) off through each activation block's sum of quants,
-       Q4_1's and Q5_1's mins through Q8_0's s;
+     32-element types: each block's int32 vector scaled by one multiply-add (d_w d_x);
+       Q4_0's and Q5_0's offsets (8, 16) off through each activation block's sum of
+       quants, Q4_1's and Q5_1's mins through Q8_0's s; Q8_0 and IQ4_NL (signed) at about
+       half the rate: a sign step per product, and int16 room for one pair sum only;
      the K-quants: a sub-block's int16 sums meet its scales in madd (each row's scale
        in its lanes), added in int32 over the super-block, then as the form above:
        (d_w d_x) isum - (dmin_w d_x) imin, imin from Q8_K's sums of 32 (Q4_K, Q5_K) or
@@ -266,9 +266,9 @@ typedef struct {
 #define GQ_KC 32   /* blocks of 32 a chunk: 4 activation rows' part in L1, GQ_TB rows' in L2 */
 #define GQ_TB 256  /* activation rows a pass (their chunk's sums in scratch) */
 
-/* whether this build's AVX2 GEMM takes the nibble types and the K-quants 8 rows a vector:
-   the AVX2 class only (AVX-512 keeps its float32 GEMM for the nibble types and the form
-   above for the K-quants; neither has been measured against this one there) */
+/* whether this build's AVX2 GEMM takes the 32-element types and the K-quants 8 rows a
+   vector: the AVX2 class only (AVX-512 keeps its float32 GEMM for the 32-element types
+   and the form above for the K-quants; neither has been measured against this one there) */
 static int gq_avx2_lanes(void) {
 #ifdef __AVX512F__
     return 0;
@@ -277,19 +277,22 @@ static int gq_avx2_lanes(void) {
 #endif
 }
 
-static inline int gq_nib_type(int64_t t) {
-    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1;
+/* the 32-element types: read against Q8_0 rows */
+static inline int gq_q80_type(int64_t t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0 ||
+           t == T_IQ4_NL;
 }
 
 static inline int gq_lane_type(int64_t t) {
-    return gq_avx2_lanes() && (gq_nib_type(t) || t == T_Q2_K || t == T_Q3_K || t == T_Q4_K ||
+    return gq_avx2_lanes() && (gq_q80_type(t) || t == T_Q2_K || t == T_Q3_K || t == T_Q4_K ||
                                t == T_Q5_K || t == T_Q6_K);
 }
 
 /* rows p .. p + np (np <= 8; zero rows past them) of W, blocks b0 .. b0 + nb, into P */
 static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p, int64_t np,
                      int64_t b0, int64_t nb, gq_p8 *P) {
-    const int by = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int by = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20
+                   : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
     const int min = type == T_Q4_1 || type == T_Q5_1;
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[8];
@@ -298,7 +301,9 @@ static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t 
             __m256i n = _mm256_setzero_si256();
             if (r < np)
                 n = type == T_Q4_0 ? gq_nibs(blk + 2) : type == T_Q4_1 ? gq_w_q4_1(blk)
-                    : type == T_Q5_0 ? gq_w_q5_0u(blk) : gq_w_q5_1(blk);
+                    : type == T_Q5_0 ? gq_w_q5_0u(blk) : type == T_Q5_1 ? gq_w_q5_1(blk)
+                    : type == T_IQ4_NL ? gq_iq4_values(blk + 2)
+                    : _mm256_loadu_si256((const __m256i *)(blk + 2));
             v[r] = _mm256_castsi256_ps(n);
             P[b].d[r] = r < np ? gb_h2f(blk) : 0.0f;
             P[b].m[r] = r < np && min ? gb_h2f(blk + 2) : 0.0f;
@@ -411,8 +416,10 @@ static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
 
 /* out[t] (lanes: the panel's 8 rows) = the chunk's sums of activation rows x[t] (t < 4:
    quants at the chunk's first block, scales dx, sums os of off * quants, Q8_0's s), nb
-   blocks; `five` and `mode` constants at each call */
-enum { GQ_OFF, GQ_MIN };
+   blocks; `five` and `mode` constants at each call.  GQ_SGN (Q8_0, IQ4_NL): signed
+   values, |w| against q with w's sign, each product pair widened at once (two of 127 *
+   127 overflow int16) */
+enum { GQ_OFF, GQ_MIN, GQ_SGN };
 static inline __attribute__((always_inline)) void gq_tile8(
         const gq_p8 *P, int64_t nb, const int8_t *const x[4], const float *const dx[4],
         const int32_t *const os[4], const float *const sx[4], int five, int mode,
@@ -423,7 +430,22 @@ static inline __attribute__((always_inline)) void gq_tile8(
     for (int64_t b = 0; b < nb; b++) {
         __m256i i[4];
         for (int t = 0; t < 4; t++) i[t] = _mm256_setzero_si256();
-        GQ_DOTS8(P[b].n, x, 32 * b, five ? 4 : 8, ones, i);
+        if (mode == GQ_SGN) {
+            for (int g = 0; g < 8; g++) {
+                const __m256i w = _mm256_load_si256((const __m256i *)P[b].n[g]);
+                const __m256i wa = _mm256_sign_epi8(w, w);
+                for (int t = 0; t < 4; t++) {
+                    int32_t y;
+                    memcpy(&y, x[t] + 32 * b + 4 * g, 4);
+                    const __m256i q = _mm256_sign_epi8(_mm256_set1_epi32(y), w);
+                    i[t] = _mm256_add_epi32(
+                        i[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, q), ones));
+                    GQ_REG(i[t]);  /* in order, in registers (as GQ_DOTS8's) */
+                }
+            }
+        } else {
+            GQ_DOTS8(P[b].n, x, 32 * b, five ? 4 : 8, ones, i);
+        }
         const __m256 dw = _mm256_load_ps(P[b].d), mw = _mm256_load_ps(P[b].m);
         for (int t = 0; t < 4; t++) {
             __m256i v = i[t];
@@ -484,16 +506,17 @@ static inline __attribute__((always_inline)) void gq_tilek8(
 }
 
 /* gq_gemm_rows for gq_lane_type's types: Q8_0 rows q [T, k], d and s [T, k/32] (the
-   nibble types), Q8_K rows q [T, k], d [T, k/256], int16 sums of 16 [T, k/16] (Q4_K to
+   32-element types), Q8_K rows q [T, k], d [T, k/256], int16 sums of 16 [T, k/16] (Q4_K to
    Q6_K) */
 static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                                int64_t r0, int64_t r1, const int8_t *q, const float *d,
                                const float *s, int64_t T, float *Y, int64_t ldy,
                                int accumulate, void *scratch) {
-    const int kq = !gq_nib_type(type), five = type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
+    const int kq = !gq_q80_type(type), five = type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
     const int six = type == T_Q6_K, sub16 = six || type == T_Q2_K || type == T_Q3_K;
     const int64_t bl = kq ? 256 : 32, nb = k / bl, kc = GQ_KC * 32 / bl;  /* blocks a chunk */
-    const int mode = type == T_Q4_1 || type == T_Q5_1 ? GQ_MIN : GQ_OFF;
+    const int mode = type == T_Q4_1 || type == T_Q5_1 ? GQ_MIN
+                     : type == T_Q8_0 || type == T_IQ4_NL ? GQ_SGN : GQ_OFF;
     const int32_t off = type == T_Q4_0 ? 8 : 16;
     const int16_t *bs = (const int16_t *)(const void *)s;
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
@@ -544,6 +567,8 @@ static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes
                         else if (type == T_Q2_K) gq_tilek8(PK, kb, x, dx, o, 4, 0, 1, v);
                         else if (five) gq_tilek8(PK, kb, x, dx, o, 4, 0, 0, v);
                         else gq_tilek8(PK, kb, x, dx, o, 8, 0, 0, v);
+                    } else if (mode == GQ_SGN) {
+                        gq_tile8(P, kb, x, dx, o, sx, 0, GQ_SGN, v);
                     } else if (mode == GQ_MIN) {
                         if (five) gq_tile8(P, kb, x, dx, o, sx, 1, GQ_MIN, v);
                         else gq_tile8(P, kb, x, dx, o, sx, 0, GQ_MIN, v);
@@ -645,7 +670,7 @@ static void gq_avx2_gemm_k(int64_t type, const uint8_t *W, int64_t row_bytes, in
 int gq_avx2_build(void) { return 0; }  /* whether this build has the AVX2 GEMM */
 int64_t gq_avx2_scratch_bytes(int64_t k) { (void)k; return 0; }
 static int gq_avx2_lanes(void) { return 0; }
-static inline int gq_nib_type(int64_t t) { (void)t; return 0; }
+static inline int gq_q80_type(int64_t t) { (void)t; return 0; }
 #endif
 
 /* the row form the prefill's integer GEMM reads against a weight type here (GQ_Q80,
@@ -653,7 +678,7 @@ static inline int gq_nib_type(int64_t t) { (void)t; return 0; }
 int gq_gemm_type(int64_t type) {
     if (gq_avx2_build() && (type == T_IQ4_XS || gq_iq_type(type))) return GQ_Q8K;
     if (gq_amx_ready()) return gq_amx_type(type);
-    if (gq_avx2_build() && gq_avx2_lanes() && gq_nib_type(type)) return GQ_Q80;
+    if (gq_avx2_build() && gq_avx2_lanes() && gq_q80_type(type)) return GQ_Q80;
     return gq_avx2_build() && (gq_amx_type(type) == GQ_Q8K || type == T_Q2_K || type == T_Q3_K)
            ? GQ_Q8K : 0;
 }

@@ -13,7 +13,8 @@ types): with AMX a 300-row prompt's last logits then move by about 1.3% of the l
 its cached keys and values by at most about 5% of each layer's largest (layer 29's
 values); at the AVX2 class (this Q4_1 file's layers on its GEMM) by 1.8%, and 10.8%
 (layer 20's values).  The q8 steps, one token at a time, move that layer's
-values as much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2.
+values as much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2,
+and per layer the prefill's error may exceed the steps' by 0.03 at most.
 Where no GEMM takes the model's types (the AVX-512 class without AMX) the q8 prefill is
 the float32 one, bit for bit.
 """
@@ -36,6 +37,7 @@ from support.tinymodel import tiny_model
 Q8_MEDIAN = 0.04  # median over steps of max |q8 - float| / max |float|
 Q8_MAX = 0.08  # the largest such step
 Q8_CACHE = 0.2  # a q8 prefill's cached rows: max |q8 - float| / max |float| per layer
+Q8_GEMM_EXTRA = 0.03  # ... and at most this above the q8 steps' (measured: 0.018)
 
 TEXT = ("The old lighthouse keeper climbed the stairs every evening, counting the steps "
         "as his father had taught him, and lit the lamp before the fishing boats came home.")
@@ -82,8 +84,8 @@ def test_decode_dots_setting_is_checked(monkeypatch):
 def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
     """A 300-row prompt (two calls where AMX runs, 256 rows and 44): where an integer GEMM
     takes the model's types the q8 prefill's logits and cache lie within the bounds of the
-    float32 prefill's; at a class without one (or a CPU) the two are the same prefill, bit
-    for bit."""
+    float32 prefill's, its cache as near it as the q8 steps' (up to Q8_GEMM_EXTRA); at a
+    class without one (or a CPU) the two are the same prefill, bit for bit."""
     prompt = (smollm2.tokenizer.encode(TEXT) * 10)[:300]
     decs = _decoders(smollm2, cap=320)
     z = {name: d.prefill(prompt).copy() for name, d in decs.items()}
@@ -95,10 +97,15 @@ def test_q8_prefill_reads_8_bit_rows_where_a_gemm_takes_them(smollm2):
         return
     err = np.abs(z["q8"] - z["float"]).max() / np.abs(z["float"]).max()
     assert 0 < err <= Q8_MAX, err
-    for a, b in ((q.kc, f.kc), (q.vc, f.vc)):
+    steps = _decoders(smollm2, cap=320)["q8"]  # the scheme, one token at a time
+    for t in prompt:
+        steps.step(t)
+    for a, s, b in ((q.kc, steps.kc, f.kc), (q.vc, steps.vc, f.vc)):
         for i in range(smollm2.config.n_layers):
-            e = np.abs(a[i, :, :300] - b[i, :, :300]).max() / np.abs(b[i, :, :300]).max()
-            assert e <= Q8_CACHE, (i, e)
+            top = np.abs(b[i, :, :300]).max()
+            e = np.abs(a[i, :, :300] - b[i, :, :300]).max() / top
+            e_steps = np.abs(s[i, :, :300] - b[i, :, :300]).max() / top
+            assert e <= Q8_CACHE and e <= e_steps + Q8_GEMM_EXTRA, (i, e, e_steps)
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S",

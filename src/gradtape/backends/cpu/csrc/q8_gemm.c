@@ -506,8 +506,8 @@ static inline __attribute__((always_inline)) void gq_tilek8(
 }
 
 /* gq_gemm_rows for gq_lane_type's types: Q8_0 rows q [T, k], d and s [T, k/32] (the
-   32-element types), Q8_K rows q [T, k], d [T, k/256], int16 sums of 16 [T, k/16] (Q4_K to
-   Q6_K) */
+   32-element types), Q8_K rows q [T, k], d [T, k/256], int16 sums of 16 [T, k/16] (the
+   K-quants) */
 static void gq_avx2_gemm_lanes(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k,
                                int64_t r0, int64_t r1, const int8_t *q, const float *d,
                                const float *s, int64_t T, float *Y, int64_t ldy,

@@ -8,13 +8,13 @@ The bound: quantizing each product's input to 8 bits per block of 32 (llama.cpp'
 moves SmolLM2's logits by about 2% of the largest (median over steps) and at most about
 4% (measured over 96 steps at 256 cached rows); the tests allow twice that.  The prefill
 reads 8-bit rows too where its products run as integer GEMMs (``gemm_q8_types``: on AMX
-tiles every type, else the K-quants, the IQ types and, at the AVX2 class, the nibble
+tiles every type, else the K-quants, the IQ types and, at the AVX2 class, the 32-element
 types): with AMX a 300-row prompt's last logits then move by about 1.3% of the largest,
 its cached keys and values by at most about 5% of each layer's largest (layer 29's
 values); at the AVX2 class (this Q4_1 file's layers on its GEMM) by 1.8%, and 10.8%
-(layer 20's values).  The q8 steps, one token at a time, move that layer's
-values as much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2,
-and per layer the prefill's error may exceed the steps' by 0.03 at most.
+(layer 20's values).  The q8 steps, one token at a time, move that layer's values as
+much (11.8%), so the scheme, not the GEMM, sets it: the cache's bound is 0.2, and per
+layer the prefill's error may exceed the steps' by 0.03 at most.
 Where no GEMM takes the model's types (the AVX-512 class without AMX) the q8 prefill is
 the float32 one, bit for bit.
 """

@@ -291,8 +291,9 @@ static inline int gq_lane_type(int64_t t) {
 /* rows p .. p + np (np <= 8; zero rows past them) of W, blocks b0 .. b0 + nb, into P */
 static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p, int64_t np,
                      int64_t b0, int64_t nb, gq_p8 *P) {
-    const int by = type == T_Q4_0 || type == T_IQ4_NL ? 18 : type == T_Q4_1 ? 20
-                   : type == T_Q5_0 ? 22 : type == T_Q5_1 ? 24 : 34;
+    gb_deq_fn f;
+    int bl, by;
+    gb_layout(type, &f, &bl, &by);
     const int min = type == T_Q4_1 || type == T_Q5_1;
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[8];
@@ -317,7 +318,10 @@ static void gq_pack8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t 
 static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t p,
                       int64_t np, int64_t b0, int64_t nb, gq_pk8 *P) {
     const int five = type == T_Q5_K, six = type == T_Q6_K, two = type == T_Q2_K;
-    const int three = type == T_Q3_K, by = six ? 210 : five ? 176 : two ? 84 : three ? 110 : 144;
+    const int three = type == T_Q3_K;
+    gb_deq_fn f;
+    int bl, by;
+    gb_layout(type, &f, &bl, &by);
     const int ns = six || two || three ? 16 : 8, nm = ns / 2;  /* scales, pairs of mins */
     for (int64_t b = 0; b < nb; b++) {
         __m256 v[8][8];  /* [32 values][row] */

@@ -168,14 +168,15 @@ def is_block_matrix(w) -> bool:
 
 
 # Where each type keeps its float16 scales (byte offset, and the scale's size relative
-# to the weight spread ``std`` it should produce: d * (typical |q| spread) ~ std).
+# to the weight spread ``std`` it should produce: d * (typical |q| spread) ~ std).  The
+# K-quants' spread counts their sub-blocks' random scales and mins (d sc q - dmin m), and
+# dmin / d = mean(sc) mean(q) / mean(m) centres the values on zero.
 _SCALE_FIELDS = {
     "Q4_0": ((0, 1 / 4.6),), "Q5_0": ((0, 1 / 9.2),), "Q8_0": ((0, 1 / 74.0),),
     "Q4_1": ((0, 1 / 4.6), (2, -8 / 4.6)), "Q5_1": ((0, 1 / 9.2), (2, -16 / 9.2)),
-    "Q4_K": ((0, 1 / (31.5 * 4.6)), (2, 8 / (31.5 * 4.6))),
-    "Q5_K": ((0, 1 / (31.5 * 9.2)), (2, 16 / (31.5 * 9.2))),
+    "Q4_K": ((0, 1 / 276.0), (2, 7.5 / 276.0)), "Q5_K": ((0, 1 / 560.0), (2, 15.5 / 560.0)),
     "Q6_K": ((208, 1 / (64 * 18.5)),),
-    "Q2_K": ((80, 1 / (7.5 * 1.1)), (82, 1.5 / (7.5 * 1.1))),
+    "Q2_K": ((80, 1 / 14.5), (82, 1.5 / 14.5)),
     "Q3_K": ((108, 1 / (18.5 * 2.3)),),
     "IQ4_NL": ((0, 1 / 68.0),), "IQ4_XS": ((0, 1 / (18.5 * 68.0)),),
     # the IQ2 / IQ3 types: d (0.5 + s) / 4 (IQ3_XXS: / 2; IQ3_S: d (1 + 2 s)) times grid

@@ -220,6 +220,7 @@ static inline __m256i gq_bit4(const uint8_t *qh) {
 }
 /* the unsigned values of a 32-element block in element order (the dots' and the AVX2
    GEMM's): Q4_1's nibbles; Q5_0's and Q5_1's with their fifth bits (Q5_0's - 16 apart) */
+static inline __m256i gq_w_q4_0u(const uint8_t *p) { return gq_nibs(p + 2); }
 static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
 static inline __m256i gq_w_q5_0u(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));

@@ -14,7 +14,8 @@
    A weight block then adds (d_w d_x) * (an integer dot) and its min term:
      Q4_0  w = d (n - 8):    d d_x sum (n - 8) q       Q5_0  as Q4_0, 5-bit n, n - 16
      Q4_1  w = d n + m:      d d_x sum n q + m s       Q5_1  as Q4_1, 5-bit n
-       (AVX2's Q5_0: sum n q - z, z = 16 times each 4 quants' sum kept with the row)
+       (AVX2's Q5_0: sum n q - z, z = 16 times each 4 quants' sum kept with the row;
+        its Q4_0: sum n q - z / 2)
      Q8_0  w = d n:          d d_x sum n q       IQ4_NL  w = d v: d d_x sum v q (v: IQ4_XS's)
      Q4_K  w = d sc_s n - dmin mn_s (sub-blocks s of 32):
            d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)
@@ -121,7 +122,8 @@ static inline float gq_absmax(const float *x, int64_t n) {
 
 /* Q8_0 (with Q8_1's sums) of x [k], k a multiple of 32: q [k], d [k/32], s [k/32], and
    z [k/4] = 16 times the sum of each 4 quants (the int32 lanes of the AVX2 dots, so Q5_0's
-   sum (n - 16) q is the unsigned sum n q less z: the same integers) */
+   sum (n - 16) q is the unsigned sum n q less z, Q4_0's sum (n - 8) q less z / 2: the same
+   integers) */
 void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z) {
     for (int64_t b = 0; b < k / 32; b++) {
         const float a = gq_absmax(x + 32 * b, 32), dd = a / 127.0f;

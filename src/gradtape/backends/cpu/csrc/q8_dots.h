@@ -14,7 +14,7 @@ typedef struct {
     int8_t *q0, *qk;      /* [k] the quants of either form */
     float *d0, *s0, *dk;  /* [k/32] Q8_0 scales and Q8_1 sums (f16 values), [k/256] Q8_K's */
     int16_t *bk;          /* [k/16] Q8_K's sums of 16 quants */
-    int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q5_0's offset term */
+    int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q4_0's, Q5_0's offsets */
 } gq_row;
 
 int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer dots) */

@@ -411,9 +411,10 @@ def test_bf16_head_gemms_are_within_bf16_rounding(qtype):
 @pytest.mark.parametrize("qtype", [None, "Q4_K"])
 def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
     """The fused head's float32 products in oneDNN (cpu.tiled.OnednnHeadGemms, a float32
-    step whose GEMMs run there) against NumPy's HeadGemms: the loss, lse, E and the
-    gradient w.r.t. x, the vocabulary in blocks with a narrower last one (its logits a
-    block of columns of the scratch); float32 sums in another order, within 1e-5."""
+    step whose GEMMs run there) against NumPy's HeadGemms: the loss, lse, E, the
+    gradient w.r.t. x and, for a float table (a trained one), w.r.t. the table, the
+    vocabulary in blocks with a narrower last one (its logits a block of columns of the
+    scratch); float32 sums in another order, within 1e-5."""
     from gradtape import tiled
     from gradtape.backends.cpu import onednn
     from gradtape.backends.cpu.tiled import CTiles, OnednnHeadGemms
@@ -441,7 +442,12 @@ def test_onednn_head_gemms_equal_numpys(qtype, monkeypatch):
         gx = np.empty((t, d), np.float32)
         tiled.fwd_head_nll_grad_x(gx, g, x, w, ids, e, 3.0, chunk, qtype=qtype, kern=kern)
         outs.append((e, gx))
-    assert CTiles(np.float32, f32_onednn=True).head_gemms is OnednnHeadGemms
+        if qtype is None:
+            gw = np.empty((v, d), np.float32)
+            tiled.fwd_head_nll_grad_w(gw, g, x, w, ids, e, 3.0, chunk, kern=kern)
+            outs[-1] += (gw,)
+    kern = CTiles(np.float32, f32_onednn=True)
+    assert kern.head_gemms is OnednnHeadGemms and kern.grad_w_gemms is OnednnHeadGemms
     assert ran and all(ran)  # every block's products in oneDNN
     for a, b in zip(*outs):
         assert rel_err(a, b) < 1e-5

@@ -61,7 +61,9 @@ class CTiles:
         self.head_gemms = self.grad_w_gemms = tiled.HeadGemms
         if self.suf == "f32" and (bf16 or f32_onednn):
             self.head_gemms = Bf16HeadGemms if bf16 else OnednnHeadGemms
-        if self.suf == "f32" and trained_bf16:  # a trained table's gradient
+        if self.suf == "f32" and f32_onednn:  # a trained table's gradient: one thread pool
+            self.grad_w_gemms = OnednnHeadGemms
+        if self.suf == "f32" and trained_bf16:
             self.grad_w_gemms = Bf16HeadGemms
         self._buffers = {}
 
@@ -322,6 +324,10 @@ class OnednnHeadGemms(tiled.HeadGemms):
     def weigh(self, z, out):
         if not self.dnnl.matmul_f32(out, z, self.wc):
             super().weigh(z, out)
+
+    def table_grad(self, z, out):
+        if not self.dnnl.matmul_f32(out, z.T, self.x):
+            super().table_grad(z, out)
 
 
 TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",

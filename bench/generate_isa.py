@@ -91,11 +91,11 @@ def _import_peer(folder: str):
     return llama_cpp
 
 
-def worker_peer(model_path: str, folder: str):
+def worker_peer(model_path: str, folder: str, n_ctx: int):
     out = _protocol_out()
     llama_cpp = _import_peer(folder)
     llm = llama_cpp.Llama(model_path, n_threads=G.THREADS, n_threads_batch=G.THREADS,
-                          n_ctx=1024, logits_all=False, verbose=False)
+                          n_ctx=n_ctx, logits_all=False, verbose=False)
     system = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
     out.write(json.dumps({"ready": True, "version": llama_cpp.__version__,
                           "system_info": system}) + "\n")
@@ -192,8 +192,9 @@ def row_for(isa, path, quant, folder, reps, n_prompt, n_new, tok, log, keep=Fals
     row["gradtape_isa"] = ours.ready["isa"]
     peer = None
     if (folder / ".built").is_file():
-        peer = Side(["--worker", "peer", "--model", str(path), "--llama-cpp", str(folder)],
-                    side_env(peer=folder))
+        n_ctx = max(1024, n_prompt + n_new)
+        peer = Side(["--worker", "peer", "--model", str(path), "--llama-cpp", str(folder),
+                     "--n-ctx", str(n_ctx)], side_env(peer=folder))
         flags = (folder / "flags.txt")
         row.update(peer="llama.cpp " + peer.ready["version"],
                    peer_system_info=peer.ready["system_info"],
@@ -303,11 +304,12 @@ def main(argv=None):
     ap.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--n-ctx", type=int, default=1024, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker == "ours":
         return worker_ours(args.model, args.keep)
     if args.worker == "peer":
-        return worker_peer(args.model, args.llama_cpp)
+        return worker_peer(args.model, args.llama_cpp, args.n_ctx)
     if args.worker == "quantize":
         return worker_quantize(args.model, args.out, args.llama_cpp)
     if args.prompt_tokens < 1 or args.new_tokens < 2 or args.reps < 0:

@@ -47,10 +47,12 @@
 #include <sched.h>
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")
+#define GD_FOR_DEALT _Pragma("omp for schedule(static, 1)")  /* item i to thread i % nt */
 #define GD_BARRIER _Pragma("omp barrier")
 #define GD_SINGLE _Pragma("omp single")
 #else
 #define GD_FOR
+#define GD_FOR_DEALT
 #define GD_BARRIER
 #define GD_SINGLE
 #endif
@@ -597,7 +599,8 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
    The same layer math as gd_step on T rows at once: the linears are GEMMs from the
    blocks (gv_gemm_rows: GV_PANEL weight rows dequantized once per call and used by all T
    rows), row operations split over rows, attention (causal: row t sees positions
-   <= start + t) split over query heads.  Only the last row's logits are computed.
+   <= start + t) split over rows and key heads, each row's query heads of a key head at
+   once.  Only the last row's logits are computed.
    With m->q8, the products whose weight type an integer GEMM takes here (gq_gemm_type:
    the AMX types where AMX-INT8 runs, the K-quants elsewhere on x86 and the 32-element
    types at the AVX2 class, IQ2_XXS to IQ4_XS wherever AVX2 runs) read their input rows quantized to 8 bits instead (Q8_0 or Q8_K),
@@ -616,12 +619,17 @@ typedef struct {
 
 static int64_t gd_pad16(int64_t T) { return (T + 15) / 16 * 16; }
 
+/* the attention's scores: g = nh / nkv rows of cap + 1 for each thread */
+static int64_t gd_prefill_scores(const gd_model *m) {
+    return m->nthreads * (m->nh / m->nkv) * (m->cap + 1);
+}
+
 int64_t gd_prefill_floats(const gd_model *m, int64_t T) {
     const int64_t qw = m->nh * m->hd, kw = m->nkv * m->hd, kmax = gd_kmax(m);
     const int64_t tp = gd_pad16(T);
     const int64_t x8 = tp * kmax + 8 * tp * (kmax / 32) + 64   /* the Q8_0 rows (bytes) */
                        + m->nthreads * ((gq_gemm_scratch_bytes(kmax) + 63) / 64 * 64);
-    return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + m->nh * (m->cap + 1)
+    return T * (2 * m->dim + 2 * qw + 2 * kw + 2 * m->ffn + 256) + gd_prefill_scores(m)
            + m->nthreads * GV_TILE(kmax) + (x8 + 3) / 4;
 }
 
@@ -713,7 +721,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     const int64_t qw = nh * hd, kvw = nkv * hd, g = nh / nkv;
     float *x = buf, *h = x + T * D, *q = h + T * D, *k = q + T * qw, *v = k + T * kvw;
     float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
-    float *sc = lt + T * 256, *tiles = sc + nh * (m->cap + 1);
+    float *sc = lt + T * 256, *tiles = sc + gd_prefill_scores(m);
     const int64_t kmax = gd_kmax(m), tp = gd_pad16(T);
     const float iscale = m->iscale;
     gd_x8 x8 = {0};
@@ -734,10 +742,11 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
 #endif
     {
 #ifdef _OPENMP
-    float *tile = tiles + omp_get_thread_num() * GV_TILE(kmax);
+    const int tid = omp_get_thread_num();
 #else
-    float *tile = tiles;
+    const int tid = 0;
 #endif
+    float *tile = tiles + tid * GV_TILE(kmax), *scores = sc + tid * g * (m->cap + 1);
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
         float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
@@ -769,17 +778,18 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             gd_cache_row(kc, m, p, k + t * kvw);
             gd_cache_row(vc, m, p, v + t * kvw);
         }
-        GD_FOR
-        for (int64_t qh = 0; qh < nh; qh++)
-            for (int64_t t = 0; t < T; t++) {  /* causal: row t sees positions lo .. start + t */
-                const float *cs, *sn;
-                int64_t lo;
-                gd_layer_at(m, i, start + t, &cs, &sn, &lo);
-                const int64_t at = ((qh / g) * m->cap + lo) * hd;
-                gd_attend(q + t * qw + qh * hd, 1, kc + at, vc + at, start + t + 1 - lo, hd,
-                          iscale, m->attn_softcap, sc + qh * (m->cap + 1), m->cap + 1,
-                          att + t * qw + qh * hd);
-            }
+        /* a row's query heads that share a key head at once (each cached row read once for
+           them); rows dealt round-robin, as their cost grows with t */
+        GD_FOR_DEALT
+        for (int64_t u = 0; u < nkv * T; u++) {
+            const int64_t kh = u / T, t = u % T;  /* causal: row t sees lo .. start + t */
+            const float *cs, *sn;
+            int64_t lo;
+            gd_layer_at(m, i, start + t, &cs, &sn, &lo);
+            const int64_t at = (kh * m->cap + lo) * hd, o = t * qw + kh * g * hd;
+            gd_attend(q + o, g, kc + at, vc + at, start + t + 1 - lo, hd, iscale,
+                      m->attn_softcap, scores, m->cap + 1, att + o);
+        }
         if (L[GD_O].at) {
             GD_FOR
             for (int64_t t = 0; t < T; t++) gd_lora_t(&L[GD_O], att + t * qw, lt + t * 256);

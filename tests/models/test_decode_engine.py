@@ -182,6 +182,25 @@ def test_query_groups_on_16_lanes(sixteen_lanes, n_heads, n_kv_heads):
     test_query_groups_of_every_size(n_heads, n_kv_heads)
 
 
+@pytest.mark.parametrize("dots", ["float", "q8"])
+def test_the_thread_count_does_not_change_a_float(dots):
+    """Every output of the prefill and the steps is summed by one thread in one order,
+    whichever the team: the prefill deals (row, key head) pairs round-robin and the steps
+    split the query heads, here at a split (9 heads, 3 key heads) that cuts a key head's
+    group in two."""
+    m = tiny_model(seed=4, dim=16 * 9, n_heads=9, n_kv_heads=3, ffn_dim=64)
+    model = Llama(m.config, m.weights, None, name="tiny")
+    blocks = blocks_of(model)
+    prompt, tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 2, [6, 2, 6]
+    runs = []
+    for nthreads in (1, 2, 3):
+        dec = E.BlockDecoder(model, blocks, cap=64, nthreads=nthreads, dots=dots)
+        runs.append([dec.prefill(prompt).copy()] + [dec.step(t).copy() for t in tokens])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_full_cache_is_refused():
     m = tiny_model()
     model = Llama(m.config, m.weights, None)

@@ -348,36 +348,37 @@ GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const flo
         }
 }
 
-/* o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]: C GV_W columns of every
-   head in registers a pass over the rows (a product, then a sum, in the positions' order) */
+/* columns j0 .. j0 + C GV_W of o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]:
+   those columns of every head in registers a pass over the rows (a product, then a sum, in
+   the positions' order) */
+GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const float *v,
+                              int64_t n, int64_t hd, int64_t j0, const int C, float *o) {
+    enum { CMAX = 8 };
+    gv_f a[GD_QH][CMAX];
+    for (int h = 0; h < nq; h++)
+        for (int c = 0; c < C; c++) a[h][c] = gv_zero();
+    for (int64_t p = 0; p < n; p++) {
+        const float *vp = v + p * hd + j0;
+        gv_f x[CMAX];
+        for (int c = 0; c < C; c++) x[c] = gv_load(vp + c * GV_W);
+        for (int h = 0; h < nq; h++) {
+            const gv_f wp = gv_set1(w[h * ss + p]);
+            for (int c = 0; c < C; c++) a[h][c] = gv_add(a[h][c], gv_mul(wp, x[c]));
+        }
+    }
+    for (int h = 0; h < nq; h++)
+        for (int c = 0; c < C; c++) gv_store(o + h * hd + j0 + c * GV_W, a[h][c]);
+}
+
+/* o [nq, hd] = sum over p of w[h * ss + p] v_p: passes of 8 vectors of columns for one
+   head, 4 for more (each pass loads every row's weights again), then of 2 and 1 */
 GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
                          int64_t hd, float *o) {
-    enum { CMAX = 8 };
-    const int C = nq == 1 ? 8 : nq == 2 ? 4 : 2;
+    const int C = nq == 1 ? 8 : 4;
     int64_t j0 = 0;
-    for (; j0 + C * GV_W <= hd; j0 += C * GV_W) {
-        gv_f a[GD_QH][CMAX];
-        for (int h = 0; h < nq; h++)
-            for (int c = 0; c < C; c++) a[h][c] = gv_zero();
-        for (int64_t p = 0; p < n; p++) {
-            const float *vp = v + p * hd + j0;
-            gv_f x[CMAX];
-            for (int c = 0; c < C; c++) x[c] = gv_load(vp + c * GV_W);
-            for (int h = 0; h < nq; h++) {
-                const gv_f wp = gv_set1(w[h * ss + p]);
-                for (int c = 0; c < C; c++) a[h][c] = gv_add(a[h][c], gv_mul(wp, x[c]));
-            }
-        }
-        for (int h = 0; h < nq; h++)
-            for (int c = 0; c < C; c++) gv_store(o + h * hd + j0 + c * GV_W, a[h][c]);
-    }
-    for (; j0 + GV_W <= hd; j0 += GV_W)
-        for (int h = 0; h < nq; h++) {
-            gv_f a = gv_zero();
-            for (int64_t p = 0; p < n; p++)
-                a = gv_add(a, gv_mul(gv_set1(w[h * ss + p]), gv_load(v + p * hd + j0)));
-            gv_store(o + h * hd + j0, a);
-        }
+    for (; j0 + C * GV_W <= hd; j0 += C * GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, C, o);
+    for (; j0 + 2 * GV_W <= hd; j0 += 2 * GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, 2, o);
+    for (; j0 + GV_W <= hd; j0 += GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, 1, o);
 }
 #else
 GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const float *v,

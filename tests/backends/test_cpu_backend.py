@@ -15,6 +15,7 @@ Tolerances (max |cpu - numpy| / max |numpy| per output):
 
 from __future__ import annotations
 
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ import pytest
 import gradtape as gt
 from gradtape import nn, ops
 from gradtape.backends import lowering
+from gradtape.backends.cpu import toolchain
 from gradtape.compile.fuse import (LATE_JOIN_SPAN, FusedGroup, fuse, plan_schedule_memory,
                                    prefix_level)
 from gradtape.compile.graph import build_graph
@@ -651,6 +653,21 @@ def test_compile_cache_hit_on_second_compile(tmp_path, monkeypatch):
     p2 = tp.compile([y], backend="cpu")
     assert p2.executable.cache_hit is True
     np.testing.assert_array_equal(p1.run()[0], p2.run()[0])
+
+
+def test_a_library_build_is_announced_on_a_terminal_only(tmp_path, monkeypatch, capsys):
+    """A csrc library's first build says so on stderr where that is a terminal (it takes
+    seconds, before anything else is shown); a cached one, or a stderr that is not a
+    terminal, prints nothing."""
+    for tty, cache in ((False, "a"), (True, "b")):
+        monkeypatch.setenv("GRADTAPE_CACHE", str(tmp_path / cache))
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+        for hit in (False, True):
+            path, was_hit = toolchain.build_csrc(["split_sgemm.c"], prefix="announced")
+            assert was_hit is hit and path.parent == tmp_path / cache
+            said = capsys.readouterr().err
+            assert said == ("gradtape: compiling C kernels (announced) for this CPU (once; "
+                            f"kept in {tmp_path / cache})\n" if tty and not hit else "")
 
 
 def test_fallback_without_compiler(monkeypatch):

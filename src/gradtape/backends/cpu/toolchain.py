@@ -21,6 +21,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -208,7 +209,8 @@ def build_csrc(names, flags=None, prefix="gt"):
     covers every file in ``csrc/``.  The unit starts with ``iq_tables``."""
     unit = iq_tables() + "".join(f'#include "{name}"\n' for name in names)
     flags = isa_flags() if flags is None else flags
-    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts())
+    return build(unit, (*flags, f"-I{CSRC}"), prefix, depends=_csrc_texts(),
+                 announce=f"C kernels ({prefix})")
 
 
 @functools.cache
@@ -259,13 +261,15 @@ def _cpu_signature():
     return os.uname().machine
 
 
-def build(source, flags=None, prefix="gt", directory=None, depends=()):
+def build(source, flags=None, prefix="gt", directory=None, depends=(), announce=None):
     """Compile ``source`` to a shared library, or reuse the cached one.
 
     Returns ``(path, hit)``.  The cache key hashes the source, the texts of the files it
     includes (``depends``), the flags (default ``isa_flags()``), the compiler's version
-    line and the CPU's feature flags; the library is written under a temporary name and renamed into place, so
-    concurrent builds never see a torn file.
+    line and the CPU's feature flags; the library is written under a temporary name and
+    renamed into place, so concurrent builds never see a torn file.  ``announce`` names
+    what a build compiles, for a line on a terminal's stderr (a large library's first
+    build takes seconds, with nothing else to show).
     """
     flags = isa_flags() if flags is None else flags
     cc, version = compiler()
@@ -276,6 +280,9 @@ def build(source, flags=None, prefix="gt", directory=None, depends=()):
     path = d / f"{prefix}_{key}.so"
     if path.exists():
         return path, True
+    if announce and sys.stderr.isatty():
+        print(f"gradtape: compiling {announce} for this CPU (once; kept in {d})",
+              file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=d) as tmp:
         src = Path(tmp) / "k.c"
         src.write_text(source)

@@ -1,4 +1,5 @@
-"""LoRA-fine-tune a LLaMA-family model (GGUF or Hugging Face folder) on a CPU.
+"""Fine-tune a LLaMA-family model (GGUF or Hugging Face folder) on a CPU: SFT or preference
+tuning, of a LoRA, a DoRA or every weight.
 
 Data (--data): a .jsonl, .json (an array) or .parquet file, or a dataset folder as the Hub
 downloads it (its train split: data/train-00000-of-00001.parquet ...), of records in one
@@ -15,9 +16,10 @@ messages, or {"chosen", "rejected"} with the prompt implicit (their common start
 --batch-size counts pairs.  dpo and ipo compute the starting model's log-probabilities
 once, before the first step (reference.safetensors in --out).
 
-What is trained (--fine-tune-type): lora (default), or dora (PEFT's use_dora: a magnitude
-per output feature beside A and B; a quantized GGUF stays quantized); --rslora scales
-alpha / sqrt(r) (PEFT's use_rslora).  Both are written as PEFT writes them.
+What is trained (--fine-tune-type): lora (default), dora (PEFT's use_dora: a magnitude
+per output feature beside A and B; a quantized GGUF stays quantized), both written as
+PEFT writes them (--rslora scales alpha / sqrt(r), PEFT's use_rslora); or full (every
+weight, written to model/ as a Hugging Face folder, --save-gguf also as a GGUF).
 
 --adapter DIR continues from a PEFT LoRA folder (after an SFT run, say), for any method:
 its rank, alpha and targets are the run's, and for dpo and ipo the model with it is

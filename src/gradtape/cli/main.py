@@ -26,9 +26,11 @@ DEBUG_HINT = f"--debug or {DEBUG_ENV}=1 shows the traceback"
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("gradtape.cli.demo", "LoRA-fine-tune SmolLM2 on a small task and measure it before/after"),
+    "demo": ("gradtape.cli.demo", "fine-tune SmolLM2 on a small task (SFT, or --method dpo ...) "
+             "and measure it before/after"),
     "generate": ("gradtape.cli.generate", "generate text with a model (and an adapter)"),
-    "finetune": ("gradtape.cli.finetune", "LoRA-fine-tune a LLaMA-family model"),
+    "finetune": ("gradtape.cli.finetune", "fine-tune a model: SFT or preference tuning "
+                 "(DPO, IPO, ORPO, SimPO) of a LoRA, a DoRA or every weight"),
     "merge": ("gradtape.cli.merge", "fold a LoRA adapter into its base model and "
               "write a Hugging Face folder or a GGUF"),
     "export-gguf-lora": ("gradtape.cli.export_gguf_lora",
@@ -40,8 +42,9 @@ COMMANDS = {
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gradtape",
-        description="gradtape: an exact, replayable autograd tape and a LoRA fine-tuner "
-                    "for LLaMA-family models on a plain CPU.")
+        description="gradtape: an exact, replayable autograd tape, and a fine-tuner for "
+                    "LLaMA-family models (Llama 3, Mistral, Qwen, Phi-3, Gemma, SmolLM) "
+                    "on a plain CPU.")
     parser.add_argument("--debug", action="store_true",
                         help=f"print the traceback of an error (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

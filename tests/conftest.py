@@ -58,10 +58,11 @@ def _decisions_per_session(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _float_decode_dots():
-    """The C decode step with float32 input rows (``$GRADTAPE_DECODE_DOTS=float``, also in
-    the CLI's subprocesses): the suite compares it with the float32 graph, transformers
-    and llama.cpp at float32 rounding.  The default 8-bit rows (``q8``) have tests of
-    their own that ask for them (``tests/models/test_decode_q8.py``)."""
+    """The C decode step with float32 input rows and cache (``$GRADTAPE_DECODE_DOTS=float``,
+    also in the CLI's subprocesses): the suite compares it with the float32 graph,
+    transformers and llama.cpp at float32 rounding.  The default 8-bit rows and half cache
+    (``q8``) have tests of their own that ask for them (``tests/models/test_decode_q8.py``,
+    the half cache's in ``tests/models/test_decode_engine.py``)."""
     before = os.environ.get("GRADTAPE_DECODE_DOTS")
     os.environ["GRADTAPE_DECODE_DOTS"] = "float"
     yield

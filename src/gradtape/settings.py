@@ -40,8 +40,9 @@ SETTINGS = {s.name: s for s in (
             "threads of the decode kernels (default: the CPUs this process may use)"),
     Setting("GRADTAPE_DECODE_DOTS", "q8",
             "q8 | float: the C decode step's products quantize their input row to 8 bits "
-            "and sum in integers, as llama.cpp does (its prompt prefill's too where "
-            "AMX-INT8 runs), or keep it float32 (closer to the float graph, slower)"),
+            "and sum in integers, and its KV cache holds halves, as llama.cpp does (its "
+            "prompt prefill's products too where an integer GEMM takes the type), or keep "
+            "rows and cache float32 (closer to the float graph, slower)"),
     Setting("GRADTAPE_ATTENTION", "",
             "fused | composed: the training attention at 129-256 rows, instead of timing "
             "both"),

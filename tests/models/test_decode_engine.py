@@ -182,6 +182,83 @@ def test_query_groups_on_16_lanes(sixteen_lanes, n_heads, n_kv_heads):
     test_query_groups_of_every_size(n_heads, n_kv_heads)
 
 
+# a half cache's logits against the float32 cache's: max |f16 - f32| / max |f32|, measured
+# 2e-4 to 6e-4 on the tiny models below (a half keeps 11 bits: each row moves by up to 2.4e-4)
+HALF_CACHE = 2e-3
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_the_cache_rounds_to_halves_as_numpy():
+    """The cache's conversion (AVX-512, F16C or plain C) rounds to nearest even as NumPy's
+    cast: random bit patterns, ties, subnormals, overflow; then 7 values a call, which
+    takes the plain C for every value.  A NaN stays a NaN."""
+    rng = np.random.default_rng(0)
+    lib = E.ggml_vec.lib()
+    ties = [1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 2**-25 + 2**-40, 65520.0, 65519.99]
+    bits = rng.integers(0, 2**32, 40000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([np.array(ties + [0.0, -0.0, 1e-10, 6.1e-5, 1e9, np.inf, -np.inf],
+                                 np.float32), bits,
+                        rng.normal(0, 1e-5, 5000).astype(np.float32),
+                        rng.normal(0, 3, 5000).astype(np.float32)])
+    with np.errstate(over="ignore", invalid="ignore"):  # (the overflows are the point)
+        ref = x.astype(np.float16)
+    nan = np.isnan(x)
+    for chunk in (len(x), 7):
+        out = np.zeros(len(x), np.uint16)
+        for a in range(0, len(x), chunk):
+            lib.gd_halves(x[a:].ctypes.data, min(chunk, len(x) - a), out[a:].ctypes.data)
+        np.testing.assert_array_equal(out[~nan], ref.view(np.uint16)[~nan])
+        assert np.isnan(out[nan].view(np.float16)).all()
+
+
+def test_the_cache_rounds_to_halves_on_16_lanes(sixteen_lanes):
+    test_the_cache_rounds_to_halves_as_numpy()
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("n_heads,n_kv_heads", GROUPS)
+def test_a_half_cache_holds_the_float32_rows_rounded(n_heads, n_kv_heads):
+    """With ``kv="f16"`` the first layer caches the float32-cache decoder's keys and values
+    rounded to halves, bit for bit (the prefill's rows and the steps'), and every group
+    size attends over them widened: logits within HALF_CACHE of the float32 cache's."""
+    m = tiny_model(seed=2, dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                   ffn_dim=64)
+    model = Llama(m.config, m.weights, None, name="tiny")
+    decs = {kv: E.BlockDecoder(model, blocks_of(model), cap=64, dots="float", kv=kv)
+            for kv in ("f32", "f16")}
+    z = {kv: [d.prefill([3, 1, 4, 1, 5, 9, 2] * 3).copy()]
+         + [d.step(t).copy() for t in (6, 5, 3, 5, 8)] for kv, d in decs.items()}
+    assert decs["f16"].kc.dtype == np.float16 and decs["f32"].kc.dtype == np.float32
+    for half, full in zip(decs["f16"].rows(0), decs["f32"].rows(0)):
+        np.testing.assert_array_equal(half, full.astype(np.float16).astype(np.float32))
+    errs = [rel_err(a, b) for a, b in zip(z["f16"], z["f32"])]
+    assert 0 < max(errs) < HALF_CACHE, errs
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(6, 2), (14, 2)])
+def test_a_half_cache_on_16_lanes(sixteen_lanes, n_heads, n_kv_heads):
+    """The same through the 16-lane (AVX-512) attention, emulated on any CPU."""
+    test_a_half_cache_holds_the_float32_rows_rounded(n_heads, n_kv_heads)
+
+
+def test_the_cache_type_follows_the_dots_unless_asked():
+    """q8 keeps a half cache (llama.cpp's default), float a float32 one; a decoder given
+    ``kv`` keeps it whatever the dots; anything else is refused."""
+    m = tiny_model()
+    model = Llama(m.config, m.weights, None)
+    dec = E.BlockDecoder(model, blocks_of(model), cap=8, dots="q8")
+    assert (dec.kv, dec.kc.dtype, dec.m.kv16) == ("f16", np.float16, 1)
+    dec.set_dots("float")
+    assert (dec.kv, dec.vc.dtype, dec.m.kv16) == ("f32", np.float32, 0)
+    assert dec.m.kc == dec.kc.ctypes.data and dec.m.vc == dec.vc.ctypes.data
+    fixed = E.BlockDecoder(model, blocks_of(model), cap=8, dots="float", kv="f16")
+    fixed.set_dots("q8")
+    fixed.set_dots("float")
+    assert fixed.kv == "f16" and fixed.m.kv16 == 1
+    with pytest.raises(ValueError, match="kv='f8', not one of f32, f16"):
+        E.BlockDecoder(model, blocks_of(model), cap=8, kv="f8")
+
+
 @pytest.mark.parametrize("dots", ["float", "q8"])
 def test_the_thread_count_does_not_change_a_float(dots):
     """Every output of the prefill and the steps is summed by one thread in one order,

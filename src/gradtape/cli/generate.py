@@ -77,7 +77,9 @@ def add_arguments(p):
                    help="precision of the prompt's GEMMs: auto (default) runs a long "
                         "prompt as one compiled bf16 program where this CPU's bf16 GEMMs "
                         "are faster than float32 row by row, else float32; bf16 asks "
-                        "for it on any prompt. New tokens are always decoded in float32")
+                        "for it on any prompt. New tokens are decoded as llama.cpp "
+                        "does: 8-bit input rows, integer sums, a float16 KV cache "
+                        "($GRADTAPE_DECODE_DOTS=float: float32 rows and cache)")
 
 
 class StreamPrinter:

@@ -19,8 +19,10 @@ split by columns, ``h A B = [h A B_q | h A B_k | h A B_v]``.  The arithmetic is
 ``models.graph.block`` in float32 with the same dequantized weights; only the order of
 float32 sums differs from the graph replay, unless the step's products read their input
 row quantized to 8 bits (``dots="q8"``, the default of ``$GRADTAPE_DECODE_DOTS``: llama.cpp's
-scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots; then the logits
-differ from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
+scheme, ``csrc/q8_dots.c``) for the weight types that have integer dots, and the cache
+holds halves (``kv="f16"``, which ``"q8"`` keeps where no ``kv`` is asked for: llama.cpp's
+default cache, half the bytes a step streams at long context); then the logits differ
+from the float32 graph's as llama.cpp's do.  ``prefill`` runs a prompt through the same
 layers many rows per call (GEMMs from panels of dequantized weight rows; with ``"q8"``
 where AMX-INT8 runs, the products with 32-element block weights read their rows
 quantized as the steps do, integer GEMMs on AMX tiles: ``csrc/q8_amx.c``); ``load``
@@ -48,6 +50,9 @@ PREFILL_ROWS = 64  # prompt rows per C prefill call (their activations stay in L
 # or the float32 ones on AVX2's packed kernel (ggml_vec.packed_gemm): each panel of
 # weight rows is unpacked or packed once per call, so more rows a call pay for it
 PREFILL_ROWS_WIDE = 256
+KV_TYPES = {"f32": np.float32, "f16": np.float16}  # the cache's element types
+# ... the one each way of multiplying keeps where none is asked for
+KV_OF_DOTS = {"q8": "f16", "float": "f32"}
 
 
 class _Lin(ctypes.Structure):
@@ -68,7 +73,8 @@ class _Model(ctypes.Structure):
         ("window", ctypes.c_void_p), ("iscale", ctypes.c_float),
         ("post_attn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
         ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float),
-        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64), ("q8", ctypes.c_int64)]
+        ("final_softcap", ctypes.c_float), ("geglu", ctypes.c_int64), ("q8", ctypes.c_int64),
+        ("kv16", ctypes.c_int64)]
 
 
 def _fused_parts(cfg) -> dict:
@@ -206,15 +212,19 @@ def supported(model) -> bool:
 
 
 class BlockDecoder:
-    """One decode step from block weights, with a preallocated KV cache of ``cap`` rows.
+    """One decode step from block weights, with a preallocated KV cache of ``cap`` rows
+    (``kv``: ``"f32"`` or ``"f16"``, rounded to nearest even as NumPy casts; None: the
+    one its ``dots`` keep, ``KV_OF_DOTS``).
 
     ``load(cache)`` takes over an eager ``KVCache`` (the prefilled prompt);
     ``step(token)`` returns the logits ``[V]`` (a buffer reused by the next step) and
     appends the token's key and value rows."""
 
     def __init__(self, model, blocks, lora=None, lora_scale=1.0, cap=256, nthreads=None,
-                 dots=None):
+                 dots=None, kv=None):
         cfg = model.config
+        if kv is not None and kv not in KV_TYPES:
+            raise ValueError(f"BlockDecoder: kv={kv!r}, not one of {', '.join(KV_TYPES)}")
         self.cfg, self.cap = cfg, int(cap)
         self.keep = []  # every array the C struct points at
         lins = (_Lin * (cfg.n_layers * len(_LINS)))()
@@ -248,9 +258,9 @@ class BlockDecoder:
         qk = [stacked("q_norm"), stacked("k_norm")] if cfg.qk_norm else None
         post = [stacked("post_attn_norm"), stacked("post_ffn_norm")] if cfg.post_norms else None
         self.keep += (qk or []) + (post or [])
-        # each key / value head's rows together: a step's attention streams them
-        shape = (cfg.n_layers, cfg.n_kv_heads, self.cap, cfg.head_dim)
-        self.kc, self.vc = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        # each key / value head's rows together: a step's attention streams them (made
+        # by set_dots, in the type the dots keep or kv)
+        self.kv_asked, self.kc, self.vc = kv, None, None
         # one rope table [cap, hd/2] per distinct layer setting (the graph's rope_tables:
         # base and factors, or cos 1 / sin 0 for a layer without rope)
         settings = {}
@@ -278,7 +288,6 @@ class BlockDecoder:
         m.embd = self._lin(blocks["tok_embd"])
         m.head = self._lin(blocks["tok_embd" if cfg.tie_embeddings else "lm_head"])
         m.attn_norm, m.ffn_norm, m.norm = (a.ctypes.data for a in norms)
-        m.kc, m.vc = self.kc.ctypes.data, self.vc.ctypes.data
         m.cos, m.sin = self.cos.ctypes.data, self.sin.ctypes.data
         lib = ggml_vec.lib()
         self.scratch = np.zeros(lib.gd_scratch_floats(ctypes.byref(m)), np.float32)
@@ -295,7 +304,8 @@ class BlockDecoder:
 
     def set_dots(self, dots=None):
         """How the steps multiply: ``"q8"`` (8-bit input rows, integer dots where the
-        weight type has them) or ``"float"``; None: ``$GRADTAPE_DECODE_DOTS``.  A change
+        weight type has them) or ``"float"``; None: ``$GRADTAPE_DECODE_DOTS``; and the
+        cache's type that goes with it where the decoder was given no ``kv``.  A change
         forgets which tokens the cached rows hold (their values came from the other way),
         so the next prompt is run again."""
         dots = dots or decode_dots()
@@ -305,6 +315,16 @@ class BlockDecoder:
             self.ids = []
         self.dots = dots
         self.m.q8 = int(dots == "q8")
+        kind = self.kv_asked or KV_OF_DOTS[dots]
+        dtype = KV_TYPES[kind]
+        if self.kc is None:
+            shape = (self.cfg.n_layers, self.cfg.n_kv_heads, self.cap, self.cfg.head_dim)
+            self.kc, self.vc = np.zeros(shape, dtype), np.zeros(shape, dtype)
+        elif self.kc.dtype != dtype:
+            self.kc, self.vc = self.kc.astype(dtype), self.vc.astype(dtype)
+        self.kv = kind
+        self.m.kc, self.m.vc = self.kc.ctypes.data, self.vc.ctypes.data
+        self.m.kv16 = int(kind == "f16")
 
     def _lin(self, block):
         qtype, data = block
@@ -356,7 +376,7 @@ class BlockDecoder:
 
     def load(self, cache, ids=()):
         """Take over the rows of ``cache`` (a KVCache), the keys and values of the tokens
-        ``ids`` (where known)."""
+        ``ids`` (where known), in the cache's type."""
         n = cache.length
         if n >= self.cap:
             raise ValueError(f"BlockDecoder: {n} cached rows do not fit capacity {self.cap}")
@@ -368,16 +388,18 @@ class BlockDecoder:
         self.ids = [int(t) for t in ids]
 
     def take(self, other: "BlockDecoder"):
-        """Take over the cached rows (and their tokens) of a smaller decoder."""
+        """Take over the cached rows (and their tokens) of a smaller decoder, in this
+        one's cache type."""
         n = other.length
         self.kc[:, :, :n], self.vc[:, :, :n] = other.kc[:, :, :n], other.vc[:, :, :n]
         self.length, self.ids, self.exact = n, list(other.ids[:n]), other.exact
 
     def rows(self, i, n=None):
-        """Layer ``i``'s first ``n`` (default: all) cached keys and values as rows
+        """Layer ``i``'s first ``n`` (default: all) cached keys and values as float32 rows
         ``[n, nkv * hd]`` (copies; the cache holds each head's rows together)."""
         n = self.length if n is None else n
-        return tuple(c[i, :, :n].transpose(1, 0, 2).reshape(n, -1) for c in (self.kc, self.vc))
+        return tuple(np.asarray(c[i, :, :n].transpose(1, 0, 2).reshape(n, -1), np.float32)
+                     for c in (self.kc, self.vc))
 
     def kept(self, prompt) -> int:
         """How many of the cached rows ``prompt`` starts with: those need no prefill (at

@@ -96,6 +96,8 @@ def lib():
         so.gd_prefill.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
         so.gd_step.restype = None
         so.gd_step.argtypes = [_ptr, _i64, _i64, _ptr]
+        so.gd_halves.restype = None
+        so.gd_halves.argtypes = [_ptr, _i64, _ptr]
         so.gq_path.restype = so.gq_bytes.restype = _i64
         so.gq_bytes.argtypes = [_i64]
         so.gq_q8_0.restype = so.gq_q8_k.restype = so.gq_matvec.restype = None

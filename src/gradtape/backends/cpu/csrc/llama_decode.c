@@ -16,9 +16,10 @@
      * qn, k_h = rmsnorm(k_h) * kn over hd;  rope(q), rope(k) (NEOX half-split, the rows
      of layer i's table rope_of[i]: each layer's base and frequency factors, and cos = 1,
      sin = 0 for a layer without rope, where rope is exactly the identity);  append k, v
-     to the cache at pos;  per query head: softmax(q k^T * iscale) v over the cached rows
-     lo .. pos, lo = max(0, pos - window[i] + 1) (window 0: lo = 0; a key j is seen iff
-     j > pos - window) (GQA: query head i reads kv head i / (nh / nkv));
+     to the cache at pos (rounded to halves where kv16);  per query head: softmax(q k^T *
+     iscale) v over the cached rows lo .. pos, lo = max(0, pos - window[i] + 1) (window 0:
+     lo = 0; a key j is seen iff j > pos - window) (GQA: query head i reads kv head i /
+     (nh / nkv));
      x += attn Wo (+ bias);  h = rmsnorm(x) * w;
      x += (silu(h Wgate) * (h Wup)) Wdown;  logits = rmsnorm(x) * w  Whead.
    Gemma's block on top (each where the model has it): x = embedding * sqrt(dim) (the
@@ -45,6 +46,9 @@
 
 #include <stdatomic.h>
 #include <sched.h>
+#if (defined(__F16C__) || defined(__AVX512F__)) && !defined(GV_EMULATE)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #define GD_FOR _Pragma("omp for schedule(static)")
 #define GD_FOR_DEALT _Pragma("omp for schedule(static, 1)")  /* item i to thread i % nt */
@@ -115,7 +119,8 @@ typedef struct {
     const gd_lin *lin;        /* [n_layers * GD_NLIN] */
     gd_lin embd, head;        /* token table [vocab, dim] and LM head [vocab, dim] */
     const float *attn_norm, *ffn_norm, *norm;   /* [n_layers, dim], ..., [dim] */
-    float *kc, *vc;           /* caches [n_layers, nkv, cap, hd] (roped keys, values) */
+    void *kc, *vc;            /* caches [n_layers, nkv, cap, hd] (roped keys, values):
+                                 float32, or IEEE halves where kv16 */
     const float *cos, *sin;   /* rope tables [n tables, cap, hd/2] */
     float *scratch;           /* gd_scratch_floats(m) floats */
     /* the family features; NULL / 0 where the block is plain LLaMA's */
@@ -129,7 +134,14 @@ typedef struct {
     int64_t geglu;            /* 1: gelu_tanh(g) * u, 0: silu(g) * u */
     int64_t q8;               /* 1: a step's products whose weight type has integer dots
                                  (q8_dots.c) read their input quantized to 8 bits */
+    int64_t kv16;             /* 1: the caches hold halves (keys and values rounded to
+                                 nearest even, as llama.cpp's default f16 cache) */
 } gd_model;
+
+/* element e of a cache (float32, or halves where the model's kv16) */
+static inline void *gd_kv(const gd_model *m, void *c, int64_t e) {
+    return (char *)c + e * (m->kv16 ? 2 : 4);
+}
 
 static int64_t gd_kmax(const gd_model *m) {
     int64_t k = m->dim > m->ffn ? m->dim : m->ffn;
@@ -270,10 +282,55 @@ static void gd_layer_at(const gd_model *m, int64_t i, int64_t p, const float **c
     *lo = w > 0 && p - w + 1 > 0 ? p - w + 1 : 0;
 }
 
+/* float -> IEEE half, rounded to nearest even (as F16C's conversion and NumPy's cast;
+   a NaN stays a quiet NaN) */
+static inline uint16_t gd_f2h(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t s = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu;
+    uint32_t m = x & 0x7fffffu, h, rem, half;
+    if (e == 255) return (uint16_t)(s | 0x7c00u | (m ? 0x200u | (m >> 13) : 0));
+    const int32_t E = (int32_t)e - 112;  /* the half's biased exponent */
+    if (E >= 31) return (uint16_t)(s | 0x7c00u);
+    if (E <= 0) {  /* a subnormal half (or zero): the significand shifted into place */
+        if (E < -10) return (uint16_t)s;
+        const int sh = 14 - E;
+        m |= 0x800000u;
+        h = m >> sh, rem = m & ((1u << sh) - 1), half = 1u << (sh - 1);
+    } else {
+        h = ((uint32_t)E << 10) | (m >> 13), rem = m & 0x1fffu, half = 0x1000u;
+    }
+    if (rem > half || (rem == half && (h & 1))) h++;  /* a carry moves into the exponent */
+    return (uint16_t)(s | h);
+}
+
+/* n floats as halves */
+static void gd_f2h_row(uint16_t *d, const float *x, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__) && !defined(GV_EMULATE)
+    for (; j + 16 <= n; j += 16)
+        _mm256_storeu_si256((__m256i *)(d + j),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__) && !defined(GV_EMULATE)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(d + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < n; j++) d[j] = gd_f2h(x[j]);
+}
+
+/* n floats as the cache's halves (the tests hold its rounding against NumPy's) */
+void gd_halves(const float *x, int64_t n, uint16_t *out) { gd_f2h_row(out, x, n); }
+
 /* a row's keys or values [nkv * hd] into a layer's cache c [nkv, cap, hd] at position p */
-static void gd_cache_row(float *c, const gd_model *m, int64_t p, const float *row) {
-    for (int64_t h = 0; h < m->nkv; h++)
-        memcpy(c + (h * m->cap + p) * m->hd, row + h * m->hd, m->hd * sizeof(float));
+static void gd_cache_row(void *c, const gd_model *m, int64_t p, const float *row) {
+    for (int64_t h = 0; h < m->nkv; h++) {
+        void *at = gd_kv(m, c, (h * m->cap + p) * m->hd);
+        if (m->kv16)
+            gd_f2h_row((uint16_t *)at, row + h * m->hd, m->hd);
+        else
+            memcpy(at, row + h * m->hd, m->hd * sizeof(float));
+    }
 }
 
 /* The softmax of the scores s [n] in place (soft-capped first where cap > 0): exp(s - max)
@@ -305,32 +362,39 @@ static void gd_softmax(float *s, int64_t n, float cap) {
    read once for all of them.  Each score and each output column is summed in the same
    order as for one head alone.  The rows come from memory (a step's weights pass through
    the caches between two steps): the scores' pass fetches the keys GD_AHEAD positions
-   ahead, and the values it will read next. */
+   ahead, and the values it will read next.  H16 (a constant at each call, so that each
+   cache type gets its own code): the rows are halves, widened exactly as they are read. */
 #define GD_QH 4
 #define GD_AHEAD 8
 #define GD_INLINE static inline __attribute__((always_inline))
 
 #ifdef GV_W
+/* GV_W lanes from element e of cache rows c */
+GD_INLINE gv_f gd_kv_lanes(const void *c, int64_t e, const int H16) {
+    return H16 ? gv_f16((const uint8_t *)c + 2 * e) : gv_load((const float *)c + e);
+}
+
 /* s[h * ss + p] = (q_h . k_p) * iscale for the nq heads q [nq, hd] and rows k [n, hd]:
    each dot in GV_W lanes over hd, then gv_sum; P positions at a time (independent sums:
    one sum's FMAs wait on each other) */
-GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const float *v,
-                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss) {
+GD_INLINE void gd_scores(const float *q, const int nq, const void *k, const void *v,
+                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss,
+                         const int H16) {
     enum { PMAX = 4 };
-    const int P = nq == 1 ? 4 : 2;
+    const int P = nq == 1 ? 4 : 2, es = H16 ? 2 : 4;  /* es: bytes an element */
     int64_t p = 0;
     for (; p + P <= n; p += P) {
-        const float *kp = k + p * hd;
-        for (int64_t b = 0; b < P * hd; b += 16) {
-            if (p + GD_AHEAD + P <= n) __builtin_prefetch(kp + GD_AHEAD * hd + b);
-            __builtin_prefetch(v + p * hd + b);
+        const char *kb = (const char *)k + p * hd * es, *vb = (const char *)v + p * hd * es;
+        for (int64_t b = 0; b < P * hd * es; b += 64) {
+            if (p + GD_AHEAD + P <= n) __builtin_prefetch(kb + GD_AHEAD * hd * es + b);
+            __builtin_prefetch(vb + b);
         }
         gv_f a[GD_QH][PMAX];
         for (int h = 0; h < nq; h++)
             for (int r = 0; r < P; r++) a[h][r] = gv_zero();
         for (int64_t j = 0; j < hd; j += GV_W) {
             gv_f x[PMAX];
-            for (int r = 0; r < P; r++) x[r] = gv_load(kp + r * hd + j);
+            for (int r = 0; r < P; r++) x[r] = gd_kv_lanes(k, (p + r) * hd + j, H16);
             for (int h = 0; h < nq; h++) {
                 const gv_f qv = gv_load(q + h * hd + j);
                 for (int r = 0; r < P; r++) a[h][r] = gv_fma(qv, x[r], a[h][r]);
@@ -343,7 +407,7 @@ GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const flo
         for (int h = 0; h < nq; h++) {
             gv_f a = gv_zero();
             for (int64_t j = 0; j < hd; j += GV_W)
-                a = gv_fma(gv_load(q + h * hd + j), gv_load(k + p * hd + j), a);
+                a = gv_fma(gv_load(q + h * hd + j), gd_kv_lanes(k, p * hd + j, H16), a);
             s[h * ss + p] = gv_sum(a) * iscale;
         }
 }
@@ -351,16 +415,16 @@ GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const flo
 /* columns j0 .. j0 + C GV_W of o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]:
    those columns of every head in registers a pass over the rows (a product, then a sum, in
    the positions' order) */
-GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const float *v,
-                              int64_t n, int64_t hd, int64_t j0, const int C, float *o) {
+GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const void *v,
+                              int64_t n, int64_t hd, int64_t j0, const int C, float *o,
+                              const int H16) {
     enum { CMAX = 8 };
     gv_f a[GD_QH][CMAX];
     for (int h = 0; h < nq; h++)
         for (int c = 0; c < C; c++) a[h][c] = gv_zero();
     for (int64_t p = 0; p < n; p++) {
-        const float *vp = v + p * hd + j0;
         gv_f x[CMAX];
-        for (int c = 0; c < C; c++) x[c] = gv_load(vp + c * GV_W);
+        for (int c = 0; c < C; c++) x[c] = gd_kv_lanes(v, p * hd + j0 + c * GV_W, H16);
         for (int h = 0; h < nq; h++) {
             const gv_f wp = gv_set1(w[h * ss + p]);
             for (int c = 0; c < C; c++) a[h][c] = gv_add(a[h][c], gv_mul(wp, x[c]));
@@ -372,32 +436,41 @@ GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const fl
 
 /* o [nq, hd] = sum over p of w[h * ss + p] v_p: passes of 8 vectors of columns for one
    head, 4 for more (each pass loads every row's weights again), then of 2 and 1 */
-GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
-                         int64_t hd, float *o) {
+GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const void *v, int64_t n,
+                         int64_t hd, float *o, const int H16) {
     const int C = nq == 1 ? 8 : 4;
     int64_t j0 = 0;
-    for (; j0 + C * GV_W <= hd; j0 += C * GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, C, o);
-    for (; j0 + 2 * GV_W <= hd; j0 += 2 * GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, 2, o);
-    for (; j0 + GV_W <= hd; j0 += GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, 1, o);
+    for (; j0 + C * GV_W <= hd; j0 += C * GV_W)
+        gd_values_pass(w, ss, nq, v, n, hd, j0, C, o, H16);
+    for (; j0 + 2 * GV_W <= hd; j0 += 2 * GV_W)
+        gd_values_pass(w, ss, nq, v, n, hd, j0, 2, o, H16);
+    for (; j0 + GV_W <= hd; j0 += GV_W) gd_values_pass(w, ss, nq, v, n, hd, j0, 1, o, H16);
 }
 #else
-GD_INLINE void gd_scores(const float *q, const int nq, const float *k, const float *v,
-                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss) {
+/* element e of cache rows c */
+GD_INLINE float gd_kv_at(const void *c, int64_t e, const int H16) {
+    return H16 ? gb_h2f_bits((const uint8_t *)c + 2 * e) : ((const float *)c)[e];
+}
+GD_INLINE void gd_scores(const float *q, const int nq, const void *k, const void *v,
+                         int64_t n, int64_t hd, float iscale, float *s, int64_t ss,
+                         const int H16) {
     (void)v;
     for (int h = 0; h < nq; h++)
         for (int64_t p = 0; p < n; p++) {
             float a[16] = {0};
             for (int64_t j = 0; j < hd; j += 16)
-                for (int l = 0; l < 16; l++) a[l] += q[h * hd + j + l] * k[p * hd + j + l];
+                for (int l = 0; l < 16; l++)
+                    a[l] += q[h * hd + j + l] * gd_kv_at(k, p * hd + j + l, H16);
             s[h * ss + p] = gv_hsum(a) * iscale;
         }
 }
-GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *v, int64_t n,
-                         int64_t hd, float *o) {
+GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const void *v, int64_t n,
+                         int64_t hd, float *o, const int H16) {
     for (int h = 0; h < nq; h++) {
         for (int64_t j = 0; j < hd; j++) o[h * hd + j] = 0.0f;
         for (int64_t p = 0; p < n; p++)
-            for (int64_t j = 0; j < hd; j++) o[h * hd + j] += w[h * ss + p] * v[p * hd + j];
+            for (int64_t j = 0; j < hd; j++)
+                o[h * hd + j] += w[h * ss + p] * gd_kv_at(v, p * hd + j, H16);
     }
 }
 #endif
@@ -405,25 +478,35 @@ GD_INLINE void gd_values(const float *w, int64_t ss, const int nq, const float *
 /* nq <= GD_QH query heads q [nq, hd] that share one key / value head, over its first n
    cached rows k, v [n, hd]: o [nq, hd] = softmax(q_h k_p * iscale) v_p; s [nq, ss] holds
    the scores.  hd is a multiple of 16. */
-GD_INLINE void gd_heads(const float *q, const int nq, const float *k, const float *v,
+GD_INLINE void gd_heads(const float *q, const int nq, const void *k, const void *v,
                         int64_t n, int64_t hd, float iscale, float cap, float *s, int64_t ss,
-                        float *o) {
-    gd_scores(q, nq, k, v, n, hd, iscale, s, ss);
+                        float *o, const int H16) {
+    gd_scores(q, nq, k, v, n, hd, iscale, s, ss, H16);
     for (int h = 0; h < nq; h++) gd_softmax(s + h * ss, n, cap);
-    gd_values(s, ss, nq, v, n, hd, o);
+    gd_values(s, ss, nq, v, n, hd, o, H16);
 }
 
 /* gd_heads for any number of heads sharing a key head, GD_QH at a time */
-static void gd_attend(const float *q, int64_t nq, const float *k, const float *v, int64_t n,
-                      int64_t hd, float iscale, float cap, float *s, int64_t ss, float *o) {
+GD_INLINE void gd_attend_as(const float *q, int64_t nq, const void *k, const void *v,
+                            int64_t n, int64_t hd, float iscale, float cap, float *s,
+                            int64_t ss, float *o, const int H16) {
     for (; nq > GD_QH; nq -= GD_QH, q += GD_QH * hd, s += GD_QH * ss, o += GD_QH * hd)
-        gd_heads(q, GD_QH, k, v, n, hd, iscale, cap, s, ss, o);
+        gd_heads(q, GD_QH, k, v, n, hd, iscale, cap, s, ss, o, H16);
     switch (nq) {  /* each count its own code: the sums stay in registers */
-    case 1: gd_heads(q, 1, k, v, n, hd, iscale, cap, s, ss, o); break;
-    case 2: gd_heads(q, 2, k, v, n, hd, iscale, cap, s, ss, o); break;
-    case 3: gd_heads(q, 3, k, v, n, hd, iscale, cap, s, ss, o); break;
-    default: gd_heads(q, 4, k, v, n, hd, iscale, cap, s, ss, o); break;
+    case 1: gd_heads(q, 1, k, v, n, hd, iscale, cap, s, ss, o, H16); break;
+    case 2: gd_heads(q, 2, k, v, n, hd, iscale, cap, s, ss, o, H16); break;
+    case 3: gd_heads(q, 3, k, v, n, hd, iscale, cap, s, ss, o, H16); break;
+    default: gd_heads(q, 4, k, v, n, hd, iscale, cap, s, ss, o, H16); break;
     }
+}
+
+/* ... over the model's cache rows (float32 or halves) */
+static void gd_attend(const gd_model *m, const float *q, int64_t nq, const void *k,
+                      const void *v, int64_t n, float *s, int64_t ss, float *o) {
+    if (m->kv16)
+        gd_attend_as(q, nq, k, v, n, m->hd, m->iscale, m->attn_softcap, s, ss, o, 1);
+    else
+        gd_attend_as(q, nq, k, v, n, m->hd, m->iscale, m->attn_softcap, s, ss, o, 0);
 }
 
 /* silu as ops/ computes it: g * sigmoid(g), sigmoid = 1 / (1 + exp(-g)) */
@@ -498,7 +581,6 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     float *att = v + kvw, *mlp = att + nh * hd, *up = mlp + F, *t = up + F;
     float *sc = t + 256;
     float *tq = t, *tk = t + 64, *tv = t + 128, *tu = t + 192;  /* LoRA t per target */
-    const float iscale = m->iscale;
     /* the 8-bit input row the threads share: each quantization is one thread's, between
        barriers (the products that read the previous one have finished) */
     gq_row xr;
@@ -520,7 +602,7 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
     const int lead = tm->tid == 0;  /* the member that runs the one-thread parts */
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
-        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+        void *kc = gd_kv(m, m->kc, i * m->cap * kvw), *vc = gd_kv(m, m->vc, i * m->cap * kvw);
         const float *cs, *sn;
         int64_t lo, a, b;
         gd_layer_at(m, i, pos, &cs, &sn, &lo);
@@ -553,8 +635,8 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
         for (int64_t qh = a, e; qh < b; qh = e) {  /* the heads of one key head at once */
             const int64_t kh = qh / g, at = (kh * m->cap + lo) * hd;
             e = (kh + 1) * g < b ? (kh + 1) * g : b;
-            gd_attend(q + qh * hd, e - qh, kc + at, vc + at, n - lo, hd, iscale,
-                      m->attn_softcap, sc + qh * (m->cap + 1), m->cap + 1, att + qh * hd);
+            gd_attend(m, q + qh * hd, e - qh, gd_kv(m, kc, at), gd_kv(m, vc, at), n - lo,
+                      sc + qh * (m->cap + 1), m->cap + 1, att + qh * hd);
             for (int64_t h = qh; ohead && h < e; h++)
                 gq_q8_0(att + h * hd, hd, xr.q0 + h * hd, xr.d0 + h * hd / 32,
                         xr.s0 + h * hd / 32, xr.z0 + h * hd / 4);
@@ -724,7 +806,6 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     float *att = v + T * kvw, *mlp = att + T * qw, *up = mlp + T * F, *lt = up + T * F;
     float *sc = lt + T * 256, *tiles = sc + gd_prefill_scores(m);
     const int64_t kmax = gd_kmax(m), tp = gd_pad16(T);
-    const float iscale = m->iscale;
     gd_x8 x8 = {0};
     if (m->q8) {  /* the 8-bit rows after the float32 tiles */
         uint8_t *b8 = (uint8_t *)(((uintptr_t)(tiles + m->nthreads * GV_TILE(kmax)) + 63)
@@ -750,7 +831,7 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
     float *tile = tiles + tid * GV_TILE(kmax), *scores = sc + tid * g * (m->cap + 1);
     for (int64_t i = 0; i < m->n_layers; i++) {
         const gd_lin *L = m->lin + i * GD_NLIN;
-        float *kc = m->kc + i * m->cap * kvw, *vc = m->vc + i * m->cap * kvw;
+        void *kc = gd_kv(m, m->kc, i * m->cap * kvw), *vc = gd_kv(m, m->vc, i * m->cap * kvw);
         GD_FOR
         for (int64_t t = 0; t < T; t++) {
             gd_rmsnorm(x + t * D, m->attn_norm + i * D, h + t * D, D, m->eps);
@@ -788,8 +869,8 @@ void gd_prefill(const gd_model *m, const int64_t *tokens, int64_t T, int64_t sta
             int64_t lo;
             gd_layer_at(m, i, start + t, &cs, &sn, &lo);
             const int64_t at = (kh * m->cap + lo) * hd, o = t * qw + kh * g * hd;
-            gd_attend(q + o, g, kc + at, vc + at, start + t + 1 - lo, hd, iscale,
-                      m->attn_softcap, scores, m->cap + 1, att + o);
+            gd_attend(m, q + o, g, gd_kv(m, kc, at), gd_kv(m, vc, at), start + t + 1 - lo,
+                      scores, m->cap + 1, att + o);
         }
         if (L[GD_O].at) {
             GD_FOR

@@ -413,8 +413,8 @@ GD_INLINE void gd_scores(const float *q, const int nq, const void *k, const void
 }
 
 /* columns j0 .. j0 + C GV_W of o [nq, hd] = sum over p of w[h * ss + p] v_p, rows v [n, hd]:
-   those columns of every head in registers a pass over the rows (a product, then a sum, in
-   the positions' order) */
+   those columns of every head in registers a pass over the rows (a fused multiply-add a
+   position, in the positions' order) */
 GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const void *v,
                               int64_t n, int64_t hd, int64_t j0, const int C, float *o,
                               const int H16) {
@@ -427,7 +427,7 @@ GD_INLINE void gd_values_pass(const float *w, int64_t ss, const int nq, const vo
         for (int c = 0; c < C; c++) x[c] = gd_kv_lanes(v, p * hd + j0 + c * GV_W, H16);
         for (int h = 0; h < nq; h++) {
             const gv_f wp = gv_set1(w[h * ss + p]);
-            for (int c = 0; c < C; c++) a[h][c] = gv_add(a[h][c], gv_mul(wp, x[c]));
+            for (int c = 0; c < C; c++) a[h][c] = gv_fma(wp, x[c], a[h][c]);
         }
     }
     for (int h = 0; h < nq; h++)

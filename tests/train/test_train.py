@@ -49,6 +49,38 @@ def test_schedule_warmup_then_cosine():
     assert s(110) == pytest.approx(1e-4)
 
 
+@pytest.mark.parametrize("method, kind, lr", [("sft", "lora", 1e-3), ("dpo", "lora", 5e-5),
+                                              ("orpo", "dora", 5e-5), ("sft", "full", 2e-5),
+                                              ("simpo", "full", 1e-6)])
+def test_the_default_lr_follows_the_method_and_what_is_trained(tmp_path, method, kind, lr):
+    base = dict(data="d.txt", out=str(tmp_path / "o"), method=method, fine_tune_type=kind)
+    assert FinetuneConfig(**base).lr is None and FinetuneConfig(**base).peak_lr() == lr
+    assert FinetuneConfig(**base, lr=3e-4).peak_lr() == 3e-4
+
+
+def test_a_run_without_lr_trains_and_says_at_the_default(tmp_path):
+    said = []
+    finetune(_cfg(tmp_path, "run", steps=2, lr=None, warmup=2, eval_every=0),
+             model=tiny_model(), log=said.append)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in log] == pytest.approx([0.5e-3, 1e-3])
+    assert any("at lr 0.001 (the default for sft of an adapter)" in x for x in said), said
+
+
+def test_a_resume_without_lr_keeps_the_rate_the_run_had(tmp_path):
+    m = tiny_model()
+    finetune(_cfg(tmp_path, "run", steps=2, lr=2e-3, eval_every=0, save_every=1), model=m,
+             log=lambda *a: None)
+    with pytest.raises(GradtapeError, match=r"^--resume: the checkpoint's run trained at "
+                       r"--lr 0.002; give --lr 0.002 to continue it so \(without --lr it "
+                       r"would take the default, 0.001\)$"):
+        finetune(_cfg(tmp_path, "run", steps=3, lr=None, eval_every=0, resume=True), model=m,
+                 log=lambda *a: None)
+    done = finetune(_cfg(tmp_path, "run", steps=3, lr=2e-3, eval_every=0, resume=True),
+                    model=m, log=lambda *a: None)
+    assert done["steps"] == 3
+
+
 def test_only_adapter_params_get_gradients_and_step_changes_only_them():
     m = tiny_model()
     ad = _nonzero_adapter(m)

@@ -122,7 +122,7 @@ def _finetune(cfg, model, log, world, together):
                                base_model=model.name, dtype=dtype, rslora=cfg.rslora,
                                fine_tune_type=cfg.fine_tune_type, weights=model.weights)
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
-    schedule = Schedule(cfg.lr, steps, min(cfg.warmup, steps))
+    schedule = Schedule(cfg.peak_lr(), steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
         sets = {"train": train, "eval": held}
         if cfg.resume and (out / preference_run.REFERENCE).is_file():
@@ -151,7 +151,10 @@ def _finetune(cfg, model, log, world, together):
                    + (", rsLoRA" if adapter.scale_override is not None else "") + ")")
     log(f"training {trained} on {what}, {len(held)} held "
         f"out; {steps} steps "
-        f"from step {start}, backend {cfg.backend}, compute {step_prog.compute}"
+        f"from step {start} at lr {schedule.lr:g}"
+        + ("" if cfg.lr is not None else f" (the default for {meth.name}"
+           + (" of every weight" if is_full else " of an adapter") + ")")
+        + f", backend {cfg.backend}, compute {step_prog.compute}"
         + (f", {world.size} MPI ranks x {cfg.batch_size} "
            + ("pairs" if meth.data == "preference" else "sequences") if world.size > 1 else "")
         + f" (the step built in {build_s:.1f} s)")

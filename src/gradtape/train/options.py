@@ -61,6 +61,22 @@ def _beta(name, value):
         checks.positive()(name, value)
 
 
+def _lr(name, value):
+    """``None`` (the default for the run's method and fine-tune type) or a finite number
+    > 0."""
+    if value is not None:
+        checks.positive()(name, value)
+
+
+# the peak learning rate where --lr is not given, by the method's data and what is
+# trained.  An adapter's SFT learns a task in tens of steps at 1e-3; preference tuning at
+# that rate drives the log-ratios apart until the answers degenerate, so it takes a rate
+# 20x lower (TRL's own defaults keep that ratio: 2e-5 and 1e-6), and every weight trains
+# at TRL's defaults.
+DEFAULT_LR = {("sft", "adapter"): 1e-3, ("preference", "adapter"): 5e-5,
+              ("sft", "full"): 2e-5, ("preference", "full"): 1e-6}
+
+
 def _gguf_precision(name, value):
     """Empty (no GGUF) or the precision of its matrices."""
     checks.check_type(name, value, str)
@@ -132,7 +148,10 @@ class FinetuneConfig:
                             "it and any other value is an error; for dpo and ipo the "
                             "model with this adapter is the reference", _adapter_dir,
                         path=True)
-    lr: float = _opt(1e-3, "peak learning rate", checks.positive())
+    lr: float | None = _opt(None, "peak learning rate (default: by method and fine-tune "
+                                  "type: 1e-3 for an adapter's sft, 5e-5 for its preference "
+                                  "tuning; with --fine-tune-type full 2e-5 and 1e-6, "
+                                  "TRL's defaults)", _lr, kind=float)
     warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)",
                        checks.count(0))
     weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", checks.nonnegative())
@@ -252,6 +271,13 @@ class FinetuneConfig:
         """The options of a YAML file (keys as the flags spell them: ``seq-len`` or
         ``seq_len``), ``overrides`` winning; every value checked as its flag's."""
         return cls(**{**config_file.read_config(path, cls), **overrides})
+
+    def peak_lr(self) -> float:
+        """``lr``, or the default for the run's method and fine-tune type (``DEFAULT_LR``)."""
+        if self.lr is not None:
+            return float(self.lr)
+        trained = "full" if self.fine_tune_type == "full" else "adapter"
+        return DEFAULT_LR[(method_row(self.method).data, trained)]
 
     def options(self) -> Options:
         """The method's numbers (``train.methods.Options``)."""

@@ -109,6 +109,13 @@ def load_checkpoint(out, step_prog, cfg, world=distributed.World()):
                             "their product")
     if isinstance(old.get("seq_len"), int):  # a run from before packing padded its rows
         old.setdefault("packing", False)
+    # the rate may change on resume, but not by leaving --lr out: that would take the
+    # default, which need not be the rate the run was given (or had by default then)
+    if cfg.lr is None and isinstance(old.get("lr"), (int, float)) and \
+            old["lr"] != cfg.peak_lr():
+        raise GradtapeError(f"--resume: the checkpoint's run trained at --lr {old['lr']:g}; "
+                            f"give --lr {old['lr']:g} to continue it so (without --lr it "
+                            f"would take the default, {cfg.peak_lr():g})")
     changed = [k for k in SAME_RUN if k in old and old[k] != getattr(cfg, k)]
     if changed:
         raise GradtapeError("--resume: options differ from the checkpoint's run: "

@@ -84,9 +84,11 @@ STEP_TARGET, RSS_TARGET, REF_TARGET = 0.8, 0.5, 0.4  # the issue's (ours / peer)
 
 
 def defaults():
-    """finetune's option defaults (``FinetuneConfig``), which both sides train with."""
+    """finetune's option defaults for a DPO run on an adapter (``FinetuneConfig``), which
+    both sides train with (the learning rate: the one such a run takes)."""
     from gradtape.train.finetune import FinetuneConfig
-    return {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
+    d = {f.name: f.default for f in dataclasses.fields(FinetuneConfig)}
+    return {**d, "lr": FinetuneConfig(data="-", out="-", method="dpo").peak_lr()}
 
 
 def make_pairs(n, seq_len, vocab, seed=0):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 
@@ -56,11 +55,7 @@ def threads() -> int:
     asked = settings.integer("GRADTAPE_THREADS", minimum=-(1 << 31))
     if asked is not None:
         return max(1, asked)
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, min(n, MAX_THREADS))
+    return min(settings.cpus(), MAX_THREADS)
 
 
 def lib():

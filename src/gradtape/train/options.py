@@ -55,15 +55,9 @@ def _adapter_dir(name, value):
         check_folder(value, name)
 
 
-def _beta(name, value):
-    """``None`` (the method's default) or a finite number > 0."""
-    if value is not None:
-        checks.positive()(name, value)
-
-
-def _lr(name, value):
-    """``None`` (the default for the run's method and fine-tune type) or a finite number
-    > 0."""
+def _default_or_positive(name, value):
+    """``None`` (a default that depends on other options: the method's beta, the method's
+    and fine-tune type's learning rate) or a finite number > 0."""
     if value is not None:
         checks.positive()(name, value)
 
@@ -151,7 +145,7 @@ class FinetuneConfig:
     lr: float | None = _opt(None, "peak learning rate (default: by method and fine-tune "
                                   "type: 1e-3 for an adapter's sft, 5e-5 for its preference "
                                   "tuning; with --fine-tune-type full 2e-5 and 1e-6, "
-                                  "TRL's defaults)", _lr, kind=float)
+                                  "TRL's defaults)", _default_or_positive, kind=float)
     warmup: int = _opt(10, "linear warmup steps (then cosine decay to 10%% of --lr)",
                        checks.count(0))
     weight_decay: float = _opt(0.0, "AdamW decoupled weight decay", checks.nonnegative())
@@ -206,7 +200,7 @@ class FinetuneConfig:
                               "before the first step), orpo, simpo (no reference); as "
                               "TRL computes them", checks.one_of(*METHODS))
     beta: float | None = _opt(None, "the preference methods' beta (default: the method's, "
-                                    "TRL's 0.1)", _beta, kind=float)
+                                    "TRL's 0.1)", _default_or_positive, kind=float)
     label_smoothing: float = _opt(0.0, "dpo: robust DPO's label noise; simpo: the "
                                        "conservative loss's", checks.Check(float, lo=0, hi=0.5,
                                                                           hi_open=True))

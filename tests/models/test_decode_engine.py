@@ -243,9 +243,20 @@ def test_a_half_cache_on_16_lanes(sixteen_lanes, n_heads, n_kv_heads):
 
 def test_the_cache_type_follows_the_dots_unless_asked():
     """q8 keeps a half cache (llama.cpp's default), float a float32 one; a decoder given
-    ``kv`` keeps it whatever the dots; anything else is refused."""
+    ``kv`` keeps it whatever the dots; anything else is refused.  A half cache takes over
+    a graph's cache (a prompt program's) and a float32 decoder's rows rounded."""
     m = tiny_model()
     model = Llama(m.config, m.weights, None)
+    cache = KVCache.empty(m.config)
+    forward_cached(m.config, m.weights, [3, 1, 4, 1, 5, 9], cache)
+    full = E.BlockDecoder(model, blocks_of(model), cap=8, dots="float")
+    full.load(cache)
+    half, grown = (E.BlockDecoder(model, blocks_of(model), cap=c, kv="f16") for c in (8, 16))
+    half.load(cache)
+    grown.take(full)
+    for dec in (half, grown):
+        for a, b in zip(dec.rows(1), full.rows(1)):
+            np.testing.assert_array_equal(a, b.astype(np.float16).astype(np.float32))
     dec = E.BlockDecoder(model, blocks_of(model), cap=8, dots="q8")
     assert (dec.kv, dec.kc.dtype, dec.m.kv16) == ("f16", np.float16, 1)
     dec.set_dots("float")

@@ -12,6 +12,11 @@ environment as it is.  ``--fine-tune-types lora,dora`` builds each setting's ste
 adapter type (DoRA's step against LoRA's of the same rank, in the same rounds):
 
     python bench/step_ab.py --model smollm2 --keep-quantized --fine-tune-types lora,dora -
+
+``--grad-checkpoints auto,fit`` does the same for activation checkpointing's choices, each
+with the memory available as the limit, as ``gradtape finetune`` gives it (the demo's step):
+
+    python bench/step_ab.py --batch 4 --seq-len 352 --rounds 6 --grad-checkpoints auto,fit -
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import numpy as np  # noqa: E402
 from gradtape import llama  # noqa: E402
 from gradtape.backends.cpu.measure import cpu_summary  # noqa: E402
 from gradtape.models.lora import init_adapter  # noqa: E402
-from gradtape.train.step import TrainStep  # noqa: E402
+from gradtape.models.memory import mem_available  # noqa: E402
+from gradtape.train.step import GRAD_CHECKPOINT, TrainStep  # noqa: E402
 
 
 def parse_setting(text):
@@ -45,16 +51,20 @@ def parse_setting(text):
     return dict(pairs)
 
 
-def build(model, setting, args, data, kind="lora"):
-    """A TrainStep of a ``kind`` adapter (lora, dora) built and run once with ``setting``
-    in the environment (put back after)."""
+def build(model, setting, args, data, kind="lora", checkpoint="off"):
+    """A TrainStep of a ``kind`` adapter (lora, dora) with ``checkpoint`` as its
+    ``grad_checkpoint``, built and run once with ``setting`` in the environment (put back
+    after)."""
     saved = {k: os.environ.get(k) for k in setting}
     os.environ.update(setting)
     try:
         ad = init_adapter(model.config, args.rank, 2 * args.rank, seed=0,
                           fine_tune_type=kind, weights=model.weights if kind == "dora" else None)
         st = TrainStep(model, ad, args.batch, args.seq_len, backend="cpu", clip=0.0,
-                       compute=args.compute)
+                       compute=args.compute, grad_checkpoint=checkpoint,
+                       memory_limit=None if checkpoint in ("off", "on") else mem_available())
+        if checkpoint != "off":
+            print(f"{checkpoint}: {st.plan.checkpoint.why}", flush=True)
         st.step(data, 1, 1e-4)
     finally:
         for k, v in saved.items():
@@ -78,10 +88,16 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--fine-tune-types", default="lora",
                     help="adapter types to build each setting's step for, among lora,dora")
+    ap.add_argument("--grad-checkpoints", default="off",
+                    help="activation checkpointing choices to build each setting's step "
+                         f"with, among {','.join(GRAD_CHECKPOINT)}")
     args = ap.parse_args(argv)
-    kinds = args.fine_tune_types.split(",")
+    kinds, checkpoints = args.fine_tune_types.split(","), args.grad_checkpoints.split(",")
     if not set(kinds) <= {"lora", "dora"}:
         raise SystemExit(f"step_ab: --fine-tune-types takes lora and dora, got {kinds}")
+    if not set(checkpoints) <= set(GRAD_CHECKPOINT):
+        raise SystemExit(f"step_ab: --grad-checkpoints takes {','.join(GRAD_CHECKPOINT)}, "
+                         f"got {checkpoints}")
     settings = [(text, parse_setting(text)) for text in args.settings]
     cpu = cpu_summary()
     print(f"CPU: {cpu['cpu']} ({' '.join(cpu['flags'])})")
@@ -89,8 +105,9 @@ def main(argv=None):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size,
                                             (args.batch, args.seq_len))
     data = [(ids, np.roll(ids, -1, 1))]
-    steps = [(text if kinds == ["lora"] else f"{text} {kind}", build(model, s, args, data, kind))
-             for text, s in settings for kind in kinds]
+    steps = [(" ".join([text] + [kind] * (len(kinds) > 1) + [gc] * (len(checkpoints) > 1)),
+              build(model, s, args, data, kind, gc))
+             for text, s in settings for kind in kinds for gc in checkpoints]
     times = {text: [] for text, _ in steps}
     for r in range(args.rounds):
         for text, st in steps:

@@ -49,3 +49,27 @@ def test_each_step_is_built_under_its_setting_and_the_environment_put_back(ab, m
     monkeypatch.delenv("GRADTAPE_BF16_TILE")
     ab.build(model, {"GRADTAPE_BF16_TILE": "1M"}, args, [])
     assert "GRADTAPE_BF16_TILE" not in os.environ
+
+
+def test_checkpointing_choices_get_the_memory_available_as_finetune_gives_it(ab, monkeypatch):
+    kwargs = []
+
+    class Step:
+        plan = SimpleNamespace(checkpoint=SimpleNamespace(why="0 of 2 layers recomputed"))
+
+        def __init__(self, *a, **kw):
+            kwargs.append((kw["grad_checkpoint"], kw["memory_limit"]))
+
+        def step(self, data, i, lr):
+            pass
+
+    monkeypatch.setattr(ab, "TrainStep", Step)
+    monkeypatch.setattr(ab, "init_adapter", lambda *a, **kw: None)
+    monkeypatch.setattr(ab, "mem_available", lambda: 123)
+    args = SimpleNamespace(rank=8, batch=1, seq_len=4, compute="auto")
+    for gc in ("off", "on", "auto", "fit"):
+        ab.build(SimpleNamespace(config=None), {}, args, [], checkpoint=gc)
+    assert kwargs == [("off", None), ("on", None), ("auto", 123), ("fit", 123)]
+    with pytest.raises(SystemExit, match="--grad-checkpoints takes auto,fit,on,off, got "
+                                         r"\['auto', 'sometimes'\]"):
+        ab.main(["--grad-checkpoints", "auto,sometimes", "-"])

@@ -153,6 +153,14 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     # would take over the share: recomputes some layers, all where only that fits
     assert 1 <= step("auto", need_off / share - 1).checkpointed <= 4
     assert step("auto", need_on / share).checkpointed == 4
+    # "fit" makes the same choices where only the memory available decides
+    assert not step("fit", need_off / share).checkpointed
+    tight = step("fit", need_off / share - 1)
+    assert 1 <= tight.checkpointed <= 4
+    assert tight.plan.checkpoint.why.endswith("(--grad-checkpoint fit: the run within 3/4 "
+                                              "of the memory available)")
+    assert step("fit", need_on / share).checkpointed == 4
+    assert not step("fit", None).checkpointed
     assert step("on", None).checkpointed == 4
     with pytest.raises(GradtapeError, match=r"not enough memory: this run needs about "
                                             r"[\d.]+ GiB \(weights .*activations .*\) with "
@@ -162,7 +170,11 @@ def test_auto_checkpoints_only_when_needed_and_refuses_what_never_fits():
     with pytest.raises(GradtapeError, match=r"without activation checkpointing.*"
                                             r"\(--grad-checkpoint on would need less\): use a shorter"):
         step("off", need_off - 1)
-    with pytest.raises(ValueError, match="grad_checkpoint must be 'off', 'on' or 'auto'"):
+    with pytest.raises(GradtapeError, match=r"not enough memory: .* with activation "
+                                            r"checkpointing"):
+        step("fit", need_on - 1)
+    with pytest.raises(ValueError, match=r"grad_checkpoint must be one of \('auto', 'fit', "
+                                         r"'on', 'off'\)"):
         step("sometimes", None)
 
 
@@ -195,19 +207,25 @@ def test_recompute_pays_weighs_memory_freed_against_work_added():
 
 def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
     """No memory limit: the tiny model's activations are a small share beside the runtime,
-    so ``auto`` keeps them; where the trade is made to pay, every layer is recomputed."""
+    so ``auto`` keeps them; where the trade is made to pay, every layer is recomputed.
+    ``fit`` makes no such trade: it recomputes only to fit the memory available."""
     from gradtape.train import step as S
 
     model = tiny_model(seed=2, n_layers=4)
 
-    def step():
+    def step(mode="auto", limit=None):
         return TrainStep(model, init_adapter(model.config, 4, 8.0, seed=1), 2, 64,
-                         grad_checkpoint="auto")
+                         grad_checkpoint=mode, memory_limit=limit)
 
     assert step().checkpointed == 0
     monkeypatch.setattr(S, "AUTO_FREES", 0.0)
     monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
     assert step().checkpointed == 4
+    roomy = step("off").planned_memory(0).total / AUTO_SHARE
+    assert step("auto", roomy).checkpointed == 4
+    fit = step("fit", roomy)
+    assert fit.checkpointed == 0
+    assert fit.plan.checkpoint.why == "0 of 4 layers recomputed (--grad-checkpoint fit)"
 
 
 def test_auto_beside_a_large_state_recomputes_the_fewest_layers_that_free_as_much(

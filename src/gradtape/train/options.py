@@ -20,6 +20,7 @@ from ..errors import GradtapeError
 from . import config_file, full, steering
 from .methods import METHODS, Options, check_options, method as method_row
 from .records import check_columns
+from .step import GRAD_CHECKPOINT
 from ..models.arch import ARCHS
 from ..models.lora import check_folder, parse_targets
 from ..models.memory import WEIGHT_MODES
@@ -182,18 +183,20 @@ class FinetuneConfig:
                                 "weights in int8 with per-row scales: faster where the CPU "
                                 "has AVX512-VNNI or AMX; not exact: see docs/benchmarks.md)",
                         checks.one_of(*COMPUTE_CHOICES))
-    grad_checkpoint: str = _opt("auto", "activation checkpointing: on (recompute each "
-                                        "layer's forward in backward, keeping only the "
-                                        "layers' inputs: about one more forward pass), off, "
-                                        "or auto (every layer where that frees 1/4 of the "
+    grad_checkpoint: str = _opt("auto", "activation checkpointing, which recomputes a "
+                                        "layer's forward in backward (about one more "
+                                        "forward pass of it) to keep only its input rows: "
+                                        "auto (every layer where that frees 1/4 of the "
                                         "run's memory, or any memory beside a trained "
                                         "state of half the run (full fine-tuning: then "
                                         "the fewest layers that free as much), at >= 1 MB "
-                                        "per GFLOP recomputed; "
-                                        "else as few as keep the activations within 1/3 "
-                                        "of the run and the run within 3/4 of the "
-                                        "available memory)",
-                                checks.one_of("auto", "on", "off"))
+                                        "per GFLOP recomputed; else as few as keep the "
+                                        "activations within 1/3 of the run and the run "
+                                        "within 3/4 of the available memory); fit (only "
+                                        "as few as keep the run within 3/4 of the "
+                                        "available memory: the fastest step that fits); "
+                                        "on (every layer); off",
+                                checks.one_of(*GRAD_CHECKPOINT))
     method: str = _opt("sft", "training method: sft (next-token loss on the answers) or a "
                               "preference method on pairs (prompt, chosen, rejected): dpo, "
                               "ipo (both against the starting model, a reference pass "

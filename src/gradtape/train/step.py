@@ -125,6 +125,8 @@ AUTO_MB_PER_GFLOP = 1.0
 # share of the run (full fine-tuning: 12 bytes a weight), wherever it pays that much a
 # GFLOP: the state is fixed, the activations are the one large part a choice can shed
 AUTO_STATE = 0.5
+# "fit" keeps only the first rule: as few layers as keep the run within AUTO_SHARE
+GRAD_CHECKPOINT = ("auto", "fit", "on", "off")
 
 
 def recompute_pays(off, on) -> bool:
@@ -153,7 +155,9 @@ class TrainStep:
         state (``recompute_pays``), else the
         fewest (the first ones) that keep the activations within ``AUTO_ACTIVATIONS`` of
         the run and the run within ``AUTO_SHARE`` of ``memory_limit`` bytes (where
-        given); ``checkpointed`` says how many layers it recomputes.  ``method``: a row
+        given); "fit" only the fewest that keep the run within ``AUTO_SHARE`` of
+        ``memory_limit`` (none without one): the fastest step the memory holds;
+        ``checkpointed`` says how many layers it recomputes.  ``method``: a row
         of ``train.methods``; a preference method's step takes ``batch_size`` pairs
         (``2 * batch_size`` sequences) a micro-batch and records
         ``train.preference.record_preference`` instead of the next-token loss; ``options``
@@ -166,9 +170,9 @@ class TrainStep:
             raise ValueError(f"TrainStep: fine_tune_type must be one of "
                              f"{full.FINE_TUNE_TYPES}, got {fine_tune_type!r}")
         self.full = fine_tune_type == "full"
-        if grad_checkpoint not in ("off", "on", "auto"):
-            raise ValueError(f"TrainStep: grad_checkpoint must be 'off', 'on' or 'auto', got "
-                             f"{grad_checkpoint!r}")
+        if grad_checkpoint not in GRAD_CHECKPOINT:
+            raise ValueError(f"TrainStep: grad_checkpoint must be one of {GRAD_CHECKPOINT}, "
+                             f"got {grad_checkpoint!r}")
         self.grad_checkpoint, self.memory_limit = grad_checkpoint, memory_limit
         self.memory_hint = memory_hint
         self.backend = backend
@@ -368,20 +372,22 @@ class TrainStep:
         """How many layers to recompute in backward (0: none; every layer with "on"; with
         "auto", every layer where that frees enough memory for its work
         (``recompute_pays``), else the fewest for a run within ``AUTO_SHARE`` of the
-        limit with activations at most ``AUTO_ACTIVATIONS`` of it), from the memory plans
-        (no allocation); refuses a step that fits no way."""
+        limit with activations at most ``AUTO_ACTIVATIONS`` of it; with "fit", the
+        fewest for a run within ``AUTO_SHARE`` of the limit), from the memory plans (no
+        allocation); refuses a step that fits no way."""
         mode, limit = self.grad_checkpoint, self.memory_limit
         self._step_graph = (outputs, updates)
         self._checkpoint_why = ""
         layers = self.model.config.n_layers
-        if mode == "off" and limit is None:
+        if mode in ("off", "fit") and limit is None:
             return 0
         est = None
-        if mode == "auto":
+        if mode in ("auto", "fit"):
             off, est = self.planned_memory(0), self.planned_memory(layers)
-            need_off, pays = off.total, recompute_pays(off, est)
+            need_off, pays = off.total, mode == "auto" and recompute_pays(off, est)
             # the run whose activations are AUTO_ACTIVATIONS of it (the rest stays)
-            budget = (need_off - off.activations) / (1 - AUTO_ACTIVATIONS)
+            budget = ((need_off - off.activations) / (1 - AUTO_ACTIVATIONS)
+                      if mode == "auto" else math.inf)
             if limit is not None:
                 budget = min(budget, AUTO_SHARE * limit)
             if not pays and need_off <= budget:
@@ -406,7 +412,7 @@ class TrainStep:
                 f"checkpointing, but only {limit / GiB:.1f} GiB is available"
                 + ("" if n else " (--grad-checkpoint on would need less)")
                 + self.memory_hint)
-        if mode == "auto" and not pays and est.total < budget:
+        if mode in ("auto", "fit") and not pays and est.total < budget:
             n = self._fewest_recomputed(need_off, est.total, budget)
         elif mode == "auto" and pays and freed < AUTO_FREES and need_off > est.total + 2**20:
             # beside a large state: as few layers as reach all layers' plan (its peak may

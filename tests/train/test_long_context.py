@@ -221,8 +221,14 @@ def test_auto_recomputes_every_layer_where_that_pays(monkeypatch):
     monkeypatch.setattr(S, "AUTO_FREES", 0.0)
     monkeypatch.setattr(S, "AUTO_MB_PER_GFLOP", 0.0)
     assert step().checkpointed == 4
-    roomy = step("off").planned_memory(0).total / AUTO_SHARE
-    assert step("auto", roomy).checkpointed == 4
+    need_off = step("off").planned_memory(0).total
+    roomy = need_off / AUTO_SHARE
+    auto = step("auto", roomy)
+    assert auto.checkpointed == 4  # and it says what fit would do
+    assert auto.plan.checkpoint.why.endswith(
+        f"; --grad-checkpoint fit would recompute none, in about {need_off / 2**30:.1f} GiB, "
+        "for faster steps)")
+    assert "fit would" not in step("auto", roomy - 1).plan.checkpoint.why  # it would not fit
     fit = step("fit", roomy)
     assert fit.checkpointed == 0
     assert fit.plan.checkpoint.why == "0 of 4 layers recomputed (--grad-checkpoint fit)"

@@ -278,6 +278,8 @@ def _build_step(cfg, model, adapter, dtype, world, available, log):
         log(f"block weights: {plan.resident_weights.why}")
     if plan.trained_bf16.value:
         log(f"trained weights: {plan.trained_bf16.why}")
+    if step_prog.checkpointed:
+        log(f"activation checkpointing: {plan.checkpoint.why}")
     est = estimate_memory(model, step_prog)
     log(f"memory: this run needs {est.describe()}"
         + (f", with activation checkpointing ({step_prog.checkpointed} of "

@@ -419,6 +419,9 @@ class TrainStep:
             # be set by what no recompute frees, such as the embedding's gradient)
             n = self._fewest_recomputed(need_off, est.total, est.total + 2**20)
             self._checkpoint_why += "; the fewest layers that free as much"
+        if mode == "auto" and n and limit is not None and need_off <= AUTO_SHARE * limit:
+            self._checkpoint_why += (f"; --grad-checkpoint fit would recompute none, in about "
+                                     f"{need_off / GiB:.1f} GiB, for faster steps")
         return n
 
     def _fewest_recomputed(self, need_none, need_all, budget):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from gradtape.errors import GradtapeError
+from gradtape.formats.safetensors_reader import read_safetensors
 from gradtape.models.lora import load_adapter
-from gradtape.train import preference_run
+from gradtape.train import data as data_mod, preference_run
 from gradtape.train.finetune import FinetuneConfig, finetune
 from gradtape.train.pairs import Pair
 from gradtape.train.step import TrainStep
@@ -66,8 +67,9 @@ def test_each_method_trains_with_trl_metrics(tmp_path, method, opts):
     assert np.isfinite(summary["final_loss"])
     assert any(x.startswith(f"method {method}: beta") for x in lines), lines
     assert (out / preference_run.REFERENCE).is_file() == (method in ("dpo", "ipo"))
-    assert any(x.startswith("reference pass: 12 pairs") for x in lines) == \
-        (method in ("dpo", "ipo"))
+    # 3 steps of 2 pairs take 6 of the 11 training pairs: only theirs are computed
+    assert any(x.startswith("reference pass: 7 pairs (train: 6 of 11, those the steps take; "
+                            "eval: 1) in ") for x in lines) == (method in ("dpo", "ipo"))
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -108,6 +110,42 @@ def test_dpo_stopped_and_resumed_is_bit_for_bit_without_a_second_reference_pass(
     full, split = _log(tmp_path / "full"), _log(tmp_path / "split")
     drop = lambda r: {k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")}
     assert [drop(r) for r in full] == [drop(r) for r in split]
+
+
+def test_a_short_run_computes_the_reference_of_the_pairs_it_takes(tmp_path):
+    """A run shorter than an epoch computes the reference of the pairs its steps take
+    (NaN for the others), as a pass over every pair computes them (other batch-mates:
+    float64 rounding); its steps read only those."""
+    m = tiny_model()
+    lines = []
+    finetune(_cfg(tmp_path, "short", steps=2), model=m, log=lines.append)
+    finetune(_cfg(tmp_path, "epoch", steps=6), model=m, log=QUIET)
+    assert any(x.startswith("reference pass: 5 pairs (train: 4 of 11, those the steps take; "
+                            "eval: 1) in ") for x in lines), lines
+    short, whole = (read_safetensors(tmp_path / r / preference_run.REFERENCE, float32=False,
+                                     floats_only=False)[0]["train"] for r in ("short", "epoch"))
+    done = ~np.isnan(short[:, 0])
+    assert done.sum() == 4 and not np.isnan(whole).any()
+    assert np.isnan(short[~done]).all()
+    assert np.abs(short[done] - whole[done]).max() <= 1e-12 * np.abs(whole).max()
+    data = preference_run.PairData(list(range(11)), 32, False, 256, 2, 0)
+    taken = np.concatenate([data_mod.batch_indices(11, 2, s, 0)
+                            for s in range(2)])
+    assert np.array_equal(np.flatnonzero(done), np.unique(taken))
+    assert np.array_equal(data.used(2), np.unique(taken))
+    assert np.array_equal(data.used(6), np.arange(11))  # an epoch or more: every pair
+
+
+def test_a_resume_past_the_pairs_the_reference_covers_is_refused(tmp_path, monkeypatch):
+    m = tiny_model()
+    with killed_at_step(monkeypatch, 3):  # the checkpoint is at step 2
+        finetune(_cfg(tmp_path, "run", steps=3), model=m, log=QUIET)
+    with pytest.raises(GradtapeError, match=r"--resume: .*reference\.safetensors holds the "
+                                            r"reference of the 6 train pairs the run's first "
+                                            r"steps take, and these steps take 10: resume "
+                                            r"with the --steps \(or --epochs\) the run "
+                                            r"started with"):
+        finetune(_cfg(tmp_path, "run", steps=5, resume=True), model=m, log=QUIET)
 
 
 @pytest.mark.parametrize("opts, message", [

@@ -241,13 +241,26 @@ def split_examples(examples, fraction, seed):
     return [examples[i] for i in keep], [examples[i] for i in held]
 
 
+def _stream(n, start, count, seed):
+    """Indices ``start .. start + count`` of the stream of seeded per-epoch permutations
+    of ``range(n)`` that the batches are cut from."""
+    out = []
+    while len(out) < count:
+        epoch, offset = divmod(start + len(out), n)
+        perm = np.random.default_rng([seed, 2, epoch]).permutation(n)
+        out.extend(perm[offset:offset + count - len(out)].tolist())
+    return np.asarray(out, np.int64)
+
+
 def batch_indices(n, batch_size, step, seed):
     """The example indices of global batch ``step``: consecutive slices of a stream of
     seeded per-epoch permutations, a pure function of its arguments."""
-    start = step * batch_size
-    out = []
-    while len(out) < batch_size:
-        epoch, offset = divmod(start + len(out), n)
-        perm = np.random.default_rng([seed, 2, epoch]).permutation(n)
-        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
-    return np.asarray(out)
+    return _stream(n, step * batch_size, batch_size, seed)
+
+
+def used_indices(n, batch_size, steps, seed):
+    """The sorted indices of the examples that ``steps`` global batches (``batch_indices``
+    of steps ``0 .. steps - 1``) take: all ``n`` from one epoch on."""
+    if steps * batch_size >= n:
+        return np.arange(n)
+    return np.sort(_stream(n, 0, steps * batch_size, seed))

@@ -124,11 +124,11 @@ def _finetune(cfg, model, log, world, together):
     step_prog, build_s = _build_step(cfg, model, adapter, dtype, world, available, log)
     schedule = Schedule(cfg.peak_lr(), steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
-        sets = {"train": train, "eval": held}
+        sets, only = {"train": train, "eval": held}, {"train": train.used(steps)}
         if cfg.resume and (out / preference_run.REFERENCE).is_file():
-            preference_run.load_reference(sets, out, log)
+            preference_run.load_reference(sets, out, log, only)
         else:
-            preference_run.reference_pass(step_prog, sets, out, log, world)
+            preference_run.reference_pass(step_prog, sets, out, log, world, only)
     start = load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:
         if not cfg.resume:

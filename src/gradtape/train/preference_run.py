@@ -56,8 +56,18 @@ class PairData:
         return pair_batch(rows, self.seq_len, self.average, self.pad_id, where, **kw)
 
     def _ref(self, idx):
-        return None if self.ref is None else np.concatenate([self.ref[idx, 0],
-                                                             self.ref[idx, 1]])
+        if self.ref is None:
+            return None
+        ref = np.concatenate([self.ref[idx, 0], self.ref[idx, 1]])
+        if np.isnan(ref).any():  # reference_pass / load_reference cover every pair taken
+            raise ValueError(f"pairs {idx[np.isnan(self.ref[idx, 0])]} have no reference")
+        return ref
+
+    def used(self, steps):
+        """The pairs ``steps`` optimizer steps train on, sorted (every pair from one
+        epoch on)."""
+        per_step = self.batch_size * self.ranks * self.grad_accum
+        return data_mod.used_indices(len(self), per_step, steps, self.seed)
 
     def micro(self, step):
         """``([(PairBatch, ref)] a micro-batch each, completion tokens of the whole
@@ -81,16 +91,17 @@ class PairData:
                      for k in idx for w in ("chosen", "rejected"))
         return micro, tokens
 
-    def batches(self, part=0, parts=1, size=None):
-        """The pairs in order, ``batch_size`` (or ``size``) at a time, as
-        ``TrainStep.eval_preference`` takes them: the last batch filled up by wrapping
-        around to the first pairs, which weigh 0 in its means (``pair_weights``), so every
-        pair counts once; each batch weighted by its share of the pairs.  ``part`` of
-        ``parts``: every ``parts``-th batch from the ``part``-th only (an MPI rank's share
-        of the reference pass)."""
-        n, b = len(self), size or self.batch_size
+    def batches(self, part=0, parts=1, size=None, order=None):
+        """The pairs in order (or those of ``order``, an index array), ``batch_size`` (or
+        ``size``) at a time, as ``TrainStep.eval_preference`` takes them: the last batch
+        filled up by wrapping around to the first pairs, which weigh 0 in its means
+        (``pair_weights``), so every pair counts once; each batch weighted by its share
+        of the pairs.  ``part`` of ``parts``: every ``parts``-th batch from the
+        ``part``-th only (an MPI rank's share of the reference pass)."""
+        order = np.arange(len(self)) if order is None else order
+        n, b = len(order), size or self.batch_size
         for s in range(part * b, n, parts * b):
-            idx = np.arange(s, s + b) % n
+            idx = order[np.arange(s, s + b) % n]
             real = min(b, n - s)
             weights = np.where(np.arange(b) < real, 1.0 / real, 0.0)
             yield self.batch(idx, pair_weights=weights), self._ref(idx), real / n
@@ -124,22 +135,24 @@ def load(cfg, data_file, eval_file, tokenizer, average, log, world=None):
             PairData(held, cfg.seq_len, average, pad, cfg.batch_size, cfg.seed, cfg.grad_accum))
 
 
-def reference_pass(step_prog, datasets, out, log, world=None):
+def reference_pass(step_prog, datasets, out, log, world=None, only=None):
     """Each of ``datasets``' reference log-probabilities, the model with its adapter as
     it is now, before the first step (``TrainStep.reference_logps``), saved in
-    ``out / REFERENCE``.  ``world`` (MPI): each rank computes every ``size``-th batch,
-    one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum is
-    exact) gives every rank all of them, and rank 0 writes the file."""
+    ``out / REFERENCE``: of every pair, or of ``only[name]``'s (the pairs the run's steps
+    take; NaN for the others).  ``world`` (MPI): each rank computes every ``size``-th
+    batch, one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum
+    is exact) gives every rank all of them, and rank 0 writes the file."""
     from safetensors.numpy import save
 
     rank, size = (0, 1) if world is None else (world.rank, world.size)
     t0 = time.perf_counter()
-    arrays, calls = {}, set()
+    arrays, calls, counts = {}, set(), []
     for name, d in datasets.items():
         if not len(d):
             continue
-        n, b = len(d), step_prog.reference_pairs(len(d))
-        logps = step_prog.reference_logps(d.batches(rank, size, b))
+        order = (only or {}).get(name, np.arange(len(d)))
+        n, b = len(order), step_prog.reference_pairs(len(order))
+        logps = step_prog.reference_logps(d.batches(rank, size, b, order))
         calls.add(b)
         ref = np.zeros((n, 2))
         for k, lp in zip(range(rank, n, size), logps):  # each batch: b chosen, b rejected
@@ -148,18 +161,26 @@ def reference_pass(step_prog, datasets, out, log, world=None):
             ref[idx[keep], 0], ref[idx[keep], 1] = lp[:b][keep], lp[b:][keep]
         if size > 1:
             world.allreduce_sum(ref)
-        d.ref = arrays[name] = ref
+        d.ref = arrays[name] = np.full((len(d), 2), np.nan)
+        d.ref[order] = ref
+        counts.append((name, n, len(d)))
     step_prog.release_reference()
     if rank == 0:
         atomic_write_bytes(out / REFERENCE, save(arrays))
     seconds = time.perf_counter() - t0
-    log(f"reference pass: {sum(len(d) for d in datasets.values())} pairs in {seconds:.1f} s "
+    done = sum(n for _, n, _ in counts)
+    log(f"reference pass: {done} pairs"
+        + ("" if done == sum(of for *_, of in counts) else " (" + "; ".join(
+            f"{name}: {n}" + (f" of {of}, those the steps take" if n < of else "")
+            for name, n, of in counts) + ")")
+        + f" in {seconds:.1f} s "
         f"({' or '.join(map(str, sorted(calls)))} a call), saved in {out / REFERENCE}")
     return seconds
 
 
-def load_reference(datasets, out, log):
-    """The reference log-probabilities a resumed run saved (``reference_pass``)."""
+def load_reference(datasets, out, log, only=None):
+    """The reference log-probabilities a resumed run saved (``reference_pass``), which
+    must cover ``only[name]``'s pairs (those the run's steps take)."""
     from ..formats.safetensors_reader import read_safetensors
 
     path = out / REFERENCE
@@ -176,4 +197,11 @@ def load_reference(datasets, out, log):
             raise GradtapeError(f"--resume: {path} has no reference for the {len(d)} "
                                 f"{name} pairs (the data changed?)")
         d.ref = np.asarray(ref, np.float64)
+        order = (only or {}).get(name, np.arange(len(d)))
+        if np.isnan(d.ref[order]).any():
+            covered = int((~np.isnan(d.ref[:, 0])).sum())
+            raise GradtapeError(
+                f"--resume: {path} holds the reference of the {covered} {name} pairs the "
+                f"run's first steps take, and these steps take {len(order)}: resume with "
+                "the --steps (or --epochs) the run started with, or start a new run")
     log(f"reference pass: read from {path}")

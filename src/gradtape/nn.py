@@ -411,16 +411,18 @@ def cross_entropy_ids(tp, logits, ids, weights):
     return ops.reduce_sum(ops.mul(nll, weights))
 
 
-def ce_targets_fill(targets, ignore_index=-100, denominator=None):
+def ce_targets_fill(targets, ignore_index=-100, denominator=None, no_target=0):
     """Host-side: ``(ids[T] int64, weights[T, 1])`` for ``cross_entropy_ids``.
 
-    Rows whose target is ``ignore_index`` (or negative) get weight 0 and a harmless id 0;
-    the others ``1 / denominator`` (default: the number of counted rows, giving the mean).
+    Rows whose target is ``ignore_index`` (or negative) get weight 0 and the id
+    ``no_target``: 0, harmless to any loss, or -1 for the fused head's walks, which then
+    skip the row (``ops.lm_head``); the others ``1 / denominator`` (default: the number
+    of counted rows, giving the mean).
     """
     targets = np.asarray(targets, dtype=np.int64)
     keep = (targets != ignore_index) & (targets >= 0)
     n = int(keep.sum()) if denominator is None else denominator
-    ids = np.where(keep, targets, 0)
+    ids = np.where(keep, targets, no_target)
     weights = (keep / max(n, 1)).astype(np.float64)[:, None]
     return ids, weights
 

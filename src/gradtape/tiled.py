@@ -227,22 +227,69 @@ def _head_walk(out, x, w, ids, cap, chunk, qtype, kern, E=None):
     np.subtract(s, picked, out=out[:, 0])
 
 
+def _targeted(ids):
+    """The rows that have a target (``ids >= 0``), or None where every row has one: the
+    head walks skip the others (zero rows out, no gradient), so a loss that counts only
+    some rows (an answer's tokens, not its prompt's) pays the vocabulary's GEMMs for
+    those alone."""
+    return None if ids.size == 0 or ids.min() >= 0 else np.flatnonzero(ids >= 0)
+
+
+# the targeted rows a head walk takes are padded to a multiple of this with untargeted
+# ones: a few row counts, not one per batch, for the GEMMs' ways measured per shape
+TARGETED_QUANTUM = 64
+
+
+def _on_targeted(out, ids, walk, *rows_of):
+    """``walk(out_rows, ids_rows, *rows)`` over the targeted rows only (``_targeted``; with
+    untargeted ones up to a multiple of ``TARGETED_QUANTUM``), ``rows_of`` each sliced to
+    them; ``out``'s other rows are zero."""
+    keep = _targeted(ids)
+    if keep is None:
+        return walk(out, ids, *rows_of)
+    if keep.size:
+        pad = min(-keep.size % TARGETED_QUANTUM, ids.size - keep.size)
+        keep = np.sort(np.concatenate([keep, np.flatnonzero(ids < 0)[:pad]]))
+    if keep.size == ids.size:  # padded up to every row
+        walk(out, ids, *rows_of)
+        out[ids < 0] = 0
+        return
+    part = np.zeros((keep.size,) + out.shape[1:], out.dtype)
+    if keep.size:
+        walk(part, ids[keep], *(a[keep] for a in rows_of))
+        part[ids[keep] < 0] = 0
+    out.fill(0)
+    out[keep] = part
+
+
 def fwd_head_nll(out, x, w, ids, cap, chunk, qtype=None, kern=NUMPY_TILES, **logical):
     """``out[t] = (lse_t - z[t, ids[t]], lse_t)`` with ``z = cap(x @ W^T)`` and ``lse_t =
-    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``).
-    ``logical``: a block table's ``rows`` and ``k`` (the op's attrs, read by its shape
-    rule only), as for the other head walks."""
-    _head_walk(out, x, w, ids, cap, chunk, qtype, kern)
+    logsumexp(z[t])``, a ``chunk`` of vocabulary rows at a time (``head_fwd``); zero
+    where ``ids[t] < 0`` (no target).  ``logical``: a block table's ``rows`` and ``k``
+    (the op's attrs, read by its shape rule only), as for the other head walks."""
+    _on_targeted(out, ids, lambda o, i, xs: _head_walk(o, xs, w, i, cap, chunk, qtype, kern),
+                 x)
 
 
 def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, kern=NUMPY_TILES, **logical):
     """``out = [nll | lse | E]``: ``fwd_head_nll``'s two columns (no cap) and ``E =
-    softmax(z) @ W [T, D]``, the softmax-weighted table rows.  The gradient w.r.t. ``x``
-    is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward needs no second walk over
-    the vocabulary (Liger's fused linear cross-entropy does the same)."""
-    E = out[:, 2:]  # folded in place
-    E.fill(0)
-    _head_walk(out, x, w, ids, 0.0, chunk, qtype, kern, E)
+    softmax(z) @ W [T, D]``, the softmax-weighted table rows (zero without a target).
+    The gradient w.r.t. ``x`` is then ``(g_nll + g_lse) E - g_nll W[ids]``: the backward
+    needs no second walk over the vocabulary (Liger's fused linear cross-entropy does the
+    same)."""
+    def walk(o, i, xs):
+        E = o[:, 2:]  # folded in place
+        E.fill(0)
+        _head_walk(o, xs, w, i, 0.0, chunk, qtype, kern, E)
+    _on_targeted(out, ids, walk, x)
+
+
+def fwd_head_rows(out, w, ids, qtype=None, kern=NUMPY_TILES, **logical):
+    """``out[t] = W[ids[t]]`` (a block table's rows dequantized as ``qtake_rows``), zero
+    where ``ids[t] < 0``: the table rows of ``head_nll_e``'s gradient."""
+    def take(o, i):
+        o[...] = w[i] if qtype is None else dequantize(w[i], qtype)
+    _on_targeted(out, ids, take)
 
 
 def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
@@ -263,18 +310,29 @@ def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):
 
 def fwd_head_nll_grad_x(out, g, x, w, ids, o, cap, chunk, qtype=None, kern=NUMPY_TILES,
                         **logical):
-    """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``)."""
-    out.fill(0)
-    tmp = kern.buffer("head product", out.shape, out.dtype)
-    gemms = kern.head_gemms(x, w, qtype, kern)
-    for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern, gemms):
-        gemms.weigh(dz, tmp)
-        out += tmp
+    """``out = dz @ W`` summed over the vocabulary blocks (dz from ``head_dz``); zero
+    where ``ids[t] < 0``."""
+    def walk(out, ids, g, x, o):
+        out.fill(0)
+        tmp = kern.buffer("head product", out.shape, out.dtype)
+        gemms = kern.head_gemms(x, w, qtype, kern)
+        for _, _, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern,
+                                          gemms):
+            gemms.weigh(dz, tmp)
+            out += tmp
+    _on_targeted(out, ids, walk, g, x, o)
 
 
 def fwd_head_nll_grad_w(out, g, x, w, ids, o, cap, chunk, kern=NUMPY_TILES):
     """``out[v0:v1] = dz^T @ x`` for every vocabulary block (a float table only), in
-    ``kern.grad_w_gemms`` (NumPy's, or a backend's: bf16 inputs where it runs them)."""
+    ``kern.grad_w_gemms`` (NumPy's, or a backend's: bf16 inputs where it runs them), over
+    the rows with a target (``ids >= 0``)."""
+    keep = _targeted(ids)
+    if keep is not None:
+        g, x, o, ids = g[keep], x[keep], o[keep], ids[keep]
+    if not len(ids):
+        out.fill(0)
+        return
     gemms = kern.grad_w_gemms(x, w, None, kern)
     for v0, v1, dz in _head_grad_blocks(x, w, ids, g, o, cap, chunk, out.dtype, kern, gemms):
         gemms.table_grad(dz, out[v0:v1])

@@ -124,6 +124,8 @@ PRIM_CASES = {
     "head_nll_e": lambda tp, r: ops.head_nll(tp.param(_nrm(r, T, N)), tp.param(_nrm(r, V, N)),
                                              tp.const(np.array([0, 5, 2, 2, 4])),
                                              grad_in_forward=True).inputs[0],  # unsliced
+    "head_rows": lambda tp, r: ops._rec("head_rows", tp.const(_nrm(r, V, N)),
+                                        tp.const(np.array([0, 5, 2, 2, 4]))),
     "head_nll_grad_x": lambda tp, r: _grad_case(tp, r, "head_nll_grad_x", _head_case),
     "head_nll_grad_w": lambda tp, r: _grad_case(tp, r, "head_nll_grad_w", _head_case),
     "attn": lambda tp, r: _attn_case(tp, r, tp.param),

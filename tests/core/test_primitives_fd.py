@@ -130,7 +130,8 @@ NO_GRADIENT = {"detach"}
 # fused primitives, checked in tests/core/test_tiled_head.py / test_tiled_attention.py:
 # first-order finite differences of the forward, and the gradient primitives equal to the
 # composed ops' VJPs; the gradient primitives have no VJP of their own (no second order)
-FUSED = {"head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn", "attn_grad"}
+FUSED = {"head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "head_rows", "attn",
+         "attn_grad"}
 CASES = _cases()
 CASE_IDS = [f"{name}-{cid}" for name, cid, _, _ in CASES]
 

@@ -180,3 +180,78 @@ def test_fused_head_decomposes_for_a_backend_without_kernel(monkeypatch, small_b
     assert not [v for v in prog.graph.ops if v.op.startswith("head_nll")]
     for a, b in zip(prog.run(), want):
         assert rel_err(a, b) <= TOL[np.float64]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("table", ["const", "param", "Q8_0"])
+@pytest.mark.parametrize("quantum", [1, 4, 64])  # 64: padded up to every row
+def test_rows_without_a_target_are_skipped(small_blocks, monkeypatch, backend, table,
+                                          quantum):
+    """Fed -1 (``ce_targets_fill``'s ``no_target``), a row without a target is left out
+    of the head's walks: its outputs are 0 (padding rows up to ``TARGETED_QUANTUM`` are
+    walked, then zeroed), and the loss and every gradient equal those with every row
+    walked (id 0, weight 0), up to the GEMMs' row count (float64 rounding)."""
+    monkeypatch.setattr(tiled, "TARGETED_QUANTUM", quantum)
+    r = np.random.default_rng(8)
+    x, w, targets = _problem(r, d=256 if table == "Q8_0" else 16)
+    targets[10:15] = -100  # 7 rows without a target (3, 7 and these)
+    bm = random_blocks("Q8_0", w.shape[0], 256, r, std=0.1) if table == "Q8_0" else None
+    results = []
+    for no_target in (0, -1):
+        tp = gt.Tape(eager=False)
+        h = tp.param(x)
+        tab = (tp.const_blocks(bm) if bm is not None else
+               tp.param(w) if table == "param" else tp.const(w))
+        ids, wts = nn.ce_targets_fill(targets, no_target=no_target)
+        ids = tp.const(ids)
+        head = ops.head_nll(h, tab, ids, grad_in_forward=True)  # nll, lse (head_nll_e)
+        loss = ops.reduce_sum(ops.mul(ops.slice_(head, 1, 0, 1), tp.const(wts)))
+        params = [h] + [tab] * (table == "param")
+        g = tp.backward(loss)
+        results.append(tp.compile([loss, head] + [g[p] for p in params],
+                                  backend=backend).run())
+    (loss0, head0, *g0), (loss1, head1, *g1) = results
+    untargeted = targets < 0
+    assert not head1[untargeted].any() and head1[~untargeted].all()
+    assert rel_err(head1[~untargeted], head0[~untargeted]) <= TOL[np.float64]
+    assert rel_err(loss1, loss0) <= TOL[np.float64]
+    assert not g1[0][untargeted].any()
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) <= TOL[np.float64]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_without_any_target_walks_nothing(small_blocks, backend):
+    r = np.random.default_rng(9)
+    x, w, _ = _problem(r)
+    tp = gt.Tape(eager=False)
+    h, tab = tp.param(x), tp.param(w)
+    ids, wts = nn.ce_targets_fill(np.full(len(x), -100), no_target=-1)
+    head = ops.head_nll(h, tab, tp.const(ids), grad_in_forward=True)
+    loss = ops.reduce_sum(ops.mul(ops.slice_(head, 1, 0, 1), tp.const(wts)))
+    g = tp.backward(loss)
+    for a in tp.compile([loss, head, g[h], g[tab]], backend=backend).run():
+        assert not np.asarray(a).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qtype", [None, "Q4_K"])
+def test_head_rows_are_the_table_rows_and_zero_without_a_target(backend, qtype):
+    """``head_rows`` (head_nll_e's gradient reads it): the table's rows ``ids``, a block
+    table's dequantized as ``qtake_rows``, and a zero row for an id of -1."""
+    from gradtape.blocks import dequantize
+
+    r = np.random.default_rng(10)
+    ids = np.array([3, -1, 0, 129, -1, 3])
+    tp = gt.Tape(eager=False)
+    if qtype:
+        bm = random_blocks(qtype, 130, 256, r, std=0.1)
+        table, dense = tp.const_blocks(bm), dequantize(bm.data, qtype)
+    else:
+        dense = r.standard_normal((130, 16))
+        table = tp.const(dense)
+    rows = ops.lm_head._rec("head_rows", table, tp.const(ids), **(
+        {"qtype": qtype, "rows": 130, "k": 256} if qtype else {}))
+    (got,) = tp.compile([rows], backend=backend).run()
+    want = np.where(ids[:, None] >= 0, dense[ids], 0.0)
+    assert np.array_equal(got, want)

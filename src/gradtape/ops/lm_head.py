@@ -6,6 +6,11 @@ gradient primitives ``head_nll_grad_x`` / ``head_nll_grad_w``.
 rows at a time (``tiled.fwd_head_nll``), never a whole ``[T, V]`` block.  The table may
 be a frozen weight in ggml blocks (``block_weights``).  See ``fused`` for what the fused
 primitives share.
+
+A row whose id is negative has no target: the host backends' walks skip it (its outputs
+and its gradient are zero), so a loss that counts some rows only (``nn.ce_targets_fill``'s
+``no_target``) pays the vocabulary's GEMMs for those alone.  The composed forms
+(``decompose``, for a backend without these kernels) need ids in range.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def _head_nll_e_shape(shapes, chunk, qtype=None, rows=None, k=None):
 def _head_nll_e_vjp(g, out, x, w, ids, chunk, **attrs):
     def dx():
         b = slice_(g, 1, 0, 1)  # the nll's cotangent; with the lse's, a = b + g_lse
-        rows = qtake_rows(w, ids) if attrs else take_rows(w, ids)
+        rows = _rec("head_rows", w, ids, **attrs)
         return sub(mul(add(b, slice_(g, 1, 1, 2)), slice_(out, 1, 2, out.shape[1])),
                    mul(b, rows))
     return (dx, lambda: _rec("head_nll_grad_w", slice_(g, 1, 0, 2), x, w, ids,
@@ -111,6 +116,24 @@ def _dec_head_nll_e(tp, x, w, ids, chunk, qtype=None, rows=None, k=None):
     return concat([nll_ids(z, ids), logsumexp(z, 1), e], 1)
 
 
+# head_rows(table, ids) -> [T, D]: the table's rows ids (a block table's dequantized), zero
+# where an id is negative: head_nll_e's gradient w.r.t. x reads them
+
+def _head_rows_shape(shapes, qtype=None, rows=None, k=None):
+    w, ids = shapes
+    _, D = _head_table_shape(w, qtype, rows, k)
+    if len(ids) != 1:
+        raise ShapeError(f"ids{list(ids)} must be 1-d")
+    return (ids[0], D)
+
+
+def _dec_head_rows(tp, w, ids, qtype=None, rows=None, k=None):
+    return qtake_rows(w, ids) if qtype is not None else take_rows(w, ids)
+
+
+_prim("head_rows", _head_rows_shape, tiled.fwd_head_rows,
+      lambda g, out, w, ids, **a: (None, None), index_inputs=(1,), maybe_block_inputs=(0,),
+      decompose=_dec_head_rows)
 _prim("head_nll", _head_nll_shape, tiled.fwd_head_nll, _head_nll_vjp, index_inputs=(2,),
       maybe_block_inputs=(1,), scratch=_head_scratch, decompose=_dec_head_nll)
 _prim("head_nll_e", _head_nll_e_shape, tiled.fwd_head_nll_e, _head_nll_e_vjp,

@@ -129,6 +129,20 @@ AUTO_STATE = 0.5
 GRAD_CHECKPOINT = ("auto", "fit", "on", "off")
 
 
+# the ops that skip a row whose target id is negative (``ops.lm_head``): where only they
+# read the targets, a row without one is fed -1 and costs none of the head's GEMMs
+SKIPS_UNTARGETED = frozenset({"head_nll", "head_nll_e", "head_nll_grad_x",
+                              "head_nll_grad_w", "head_rows"})
+
+
+def no_target_id(targets, programs) -> int:
+    """The id to feed ``targets`` (a leaf) on a row without a target: -1 where every op
+    of ``programs`` reading it skips such rows, else 0 (the composed loss takes every
+    row's id)."""
+    readers = {v.op for p in programs for v in p.graph.ops if targets in v.inputs}
+    return -1 if readers and readers <= SKIPS_UNTARGETED else 0
+
+
 def recompute_pays(off, on) -> bool:
     """Whether recomputing every layer (``on``, a ``memory.Estimate``) rather than none
     (``off``) frees at least ``AUTO_MB_PER_GFLOP`` MB per GFLOP of products it adds and
@@ -254,6 +268,12 @@ class TrainStep:
         # a full step's eval program reads the params where the step keeps them: a copy
         # of every weight less (an adapter is small: it is fed, as it always was)
         self._eval_shares = self.full and self.eval_program.share_state(self.program, params)
+        self._set_no_target([self.program, self.eval_program])
+
+    def _set_no_target(self, programs):
+        """``no_target``: the target id ``_feeds`` gives a row without one."""
+        self.no_target = (no_target_id(self.targets, programs)
+                          if hasattr(self, "targets") else 0)
 
     def _record_sft(self, W, batch_size, seq_len, backend):
         """The next-token loss of ``batch_size`` rows, its gradients, the eval program."""
@@ -463,6 +483,7 @@ class TrainStep:
                                         plan=self.plan, checkpoint=self.checkpointed,
                                         arena=self.arena)
         self.plan = self.grads_program.execution
+        self._set_no_target([self.grads_program, self.eval_program])
         # the summed vector, sliced back into per-param gradients
         self.reduced = tp.const(np.zeros(flat.shape, dtype))
         gs, off = [], 0
@@ -504,7 +525,8 @@ class TrainStep:
         if not layout:
             layout = (np.broadcast_to(np.arange(self.seq_len), ids.shape), np.zeros_like(ids))
         positions, segments = layout
-        tid, w = nn.ce_targets_fill(targets.reshape(-1), denominator=denominator)
+        tid, w = nn.ce_targets_fill(targets.reshape(-1), denominator=denominator,
+                                    no_target=self.no_target)
         return {self.ids: ids.reshape(-1), self.targets: tid, self.weights: w,
                 self.positions: np.ascontiguousarray(positions).reshape(-1),
                 self.segments: np.ascontiguousarray(segments).reshape(-1)}

@@ -330,5 +330,5 @@ class OnednnHeadGemms(tiled.HeadGemms):
             super().table_grad(z, out)
 
 
-TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "attn",
-             "attn_grad")
+TILED_OPS = ("head_nll", "head_nll_e", "head_nll_grad_x", "head_nll_grad_w", "head_rows",
+             "attn", "attn_grad")

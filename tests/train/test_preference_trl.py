@@ -28,9 +28,10 @@ from support.adapters import random_adapter
 from support.compare import rel_err
 
 import gradtape as gt
-from gradtape.models.graph import weight_consts
+from gradtape.models.graph import logps_fused, weight_consts
 from gradtape.train import methods as M
 from gradtape.train import preference as P
+from gradtape.train.step import no_target_id
 
 import torch  # test-only references, installed by make test
 import trl  # noqa: F401  (imported: a broken install fails here)
@@ -208,8 +209,11 @@ def _ours(model, ad, pairs, t, name, opt, dtype):
     g = P.record_preference(tp, model.config, W, lora, ad.scale, m, batch, opt, ref)
     grads = tp.backward(g.loss)
     names = list(g.metrics)
-    outs = tp.compile([g.loss, *g.metrics.values(), *(grads[p] for k in lora for p in lora[k])]
-                      ).run(g.feeds(batch, ref))
+    prog = tp.compile([g.loss, *g.metrics.values(), *(grads[p] for k in lora for p in lora[k])])
+    # the fused head skips the rows no sum counts (fed -1): TrainStep's feeds
+    no_target = no_target_id(g.leaves["targets"], [prog])
+    assert no_target == (-1 if logps_fused(model.config, len(batch.ids)) else 0)
+    outs = prog.run(g.feeds(batch, ref, no_target))
     return float(outs[0]), dict(zip(names, (float(o) for o in outs[1:1 + len(names)]))), \
         outs[1 + len(names):]
 

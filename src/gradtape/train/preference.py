@@ -109,12 +109,13 @@ class PreferenceGraph:
     eval_metrics: dict = None
     eval_logps: object = None
 
-    def feeds(self, batch: PairBatch, ref=None) -> dict:
+    def feeds(self, batch: PairBatch, ref=None, no_target=0) -> dict:
         """``{leaf: array}`` for ``Program.run`` of ``batch`` (and the reference's
-        ``[2N]`` log-probabilities, for a method with a reference)."""
+        ``[2N]`` log-probabilities, for a method with a reference; ``no_target`` as
+        ``_feeds``')."""
         lv, dt = self.leaves, self.loss.dtype
         n = batch.n_pairs
-        out = _feeds(lv, batch, dt)
+        out = _feeds(lv, batch, dt, no_target)
         if "pair_weights" in lv:
             out[lv["pair_weights"]] = np.asarray(batch.pair_weights, dt).reshape(n, 1)
         if "ref" in lv:
@@ -135,8 +136,13 @@ def _arrays(batch: PairBatch, dt):
             "counts": batch.counts.astype(dt)[:, None]}
 
 
-def _feeds(lv, batch: PairBatch, dt):
-    return {lv[k]: v for k, v in _arrays(batch, dt).items() if k in lv}
+def _feeds(lv, batch: PairBatch, dt, no_target=0):
+    """``no_target``: the target id of a row that no sum counts (a rejected answer's
+    prompt, padding), -1 where the programs' fused head skips it (``step.no_target_id``)."""
+    arrays = _arrays(batch, dt)
+    if no_target:
+        arrays["targets"] = np.where(batch.weights.any(axis=1), batch.targets, no_target)
+    return {lv[k]: v for k, v in arrays.items() if k in lv}
 
 
 def _forward_logps(tp, cfg, W, lora, lora_scale, lv, n_seq, training, evaluated=False,
@@ -202,8 +208,8 @@ class BaseLogps:
     logps: object
     leaves: dict
 
-    def feeds(self, batch: PairBatch) -> dict:
-        return _feeds(self.leaves, batch, self.logps.dtype)
+    def feeds(self, batch: PairBatch, no_target=0) -> dict:
+        return _feeds(self.leaves, batch, self.logps.dtype, no_target)
 
 
 def record_base_logps(tp, cfg, W, n_pairs, seq_len, fused_from=None) -> BaseLogps:

@@ -271,9 +271,9 @@ class TrainStep:
         self._set_no_target([self.program, self.eval_program])
 
     def _set_no_target(self, programs):
-        """``no_target``: the target id ``_feeds`` gives a row without one."""
-        self.no_target = (no_target_id(self.targets, programs)
-                          if hasattr(self, "targets") else 0)
+        """``no_target``: the target id the feeds give a row without one."""
+        targets = self.graph.leaves["targets"] if self.preference else self.targets
+        self.no_target = no_target_id(targets, programs)
 
     def _record_sft(self, W, batch_size, seq_len, backend):
         """The next-token loss of ``batch_size`` rows, its gradients, the eval program."""
@@ -573,11 +573,13 @@ class TrainStep:
         ranks = 1 if self.world is None else self.world.size
         share = np.full(self.share.shape, 1.0 / (n * ranks), self.tape.dtype)
         if self.world is not None:
-            return self._step_split([{**self.graph.feeds(batch, ref), self.share: share}
+            return self._step_split([{**self.graph.feeds(batch, ref, self.no_target),
+                                      self.share: share}
                                      for batch, ref in micro_batches], scalars, stop)
         total, norm, metrics = 0.0, float("nan"), dict.fromkeys(self.metric_vars, 0.0)
         for i, (batch, ref) in enumerate(micro_batches):
-            feeds = {**self.graph.feeds(batch, ref), **scalars, self.share: share}
+            feeds = {**self.graph.feeds(batch, ref, self.no_target), **scalars,
+                     self.share: share}
             if self.apply is not None:
                 feeds[self.apply] = np.asarray(float(i == n - 1))
             loss, norm, *values = self.program.run(feeds)
@@ -597,7 +599,8 @@ class TrainStep:
         loss, metrics, logps = 0.0, dict.fromkeys(self.metric_vars, 0.0), []
         for batch, ref, weight in batches:
             ref = np.zeros(2 * batch.n_pairs) if ref is None and self.method.reference else ref
-            out, lp, *values = self.eval_program.run({**params, **self.graph.feeds(batch, ref)})
+            feeds = self.graph.feeds(batch, ref, self.no_target)
+            out, lp, *values = self.eval_program.run({**params, **feeds})
             loss += weight * float(out)
             for k, v in zip(self.metric_vars, values):
                 metrics[k] += weight * float(v)
@@ -630,9 +633,10 @@ class TrainStep:
                 # them, or fed (copied) where the backend cannot share them
                 trained = list(self.trained.values())
                 fed = bool(trained) and not program.share_state(self.program, trained)
-                self._base[n] = base, program, fed
-            base, program, fed = self._base[n]
-            feeds = {**(self.current_params() if fed else {}), **base.feeds(batch)}
+                no_target = no_target_id(base.leaves["targets"], [program])
+                self._base[n] = base, program, fed, no_target
+            base, program, fed, no_target = self._base[n]
+            feeds = {**(self.current_params() if fed else {}), **base.feeds(batch, no_target)}
             out.append(np.asarray(program.run(feeds)[0], np.float64).reshape(-1))
         return out
 

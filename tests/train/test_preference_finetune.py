@@ -136,16 +136,29 @@ def test_a_short_run_computes_the_reference_of_the_pairs_it_takes(tmp_path):
     assert np.array_equal(data.used(6), np.arange(11))  # an epoch or more: every pair
 
 
-def test_a_resume_past_the_pairs_the_reference_covers_is_refused(tmp_path, monkeypatch):
+def test_a_resume_for_more_steps_computes_the_new_pairs_reference(tmp_path, monkeypatch):
+    """Resumed with more steps than it started with, a run computes the reference of the
+    pairs the new steps take, before the checkpoint loads (the model as the run started),
+    and keeps the file's: the same reference as a run of that many steps from the start
+    (float64 rounding: other batch-mates)."""
     m = tiny_model()
     with killed_at_step(monkeypatch, 3):  # the checkpoint is at step 2
         finetune(_cfg(tmp_path, "run", steps=3), model=m, log=QUIET)
-    with pytest.raises(GradtapeError, match=r"--resume: .*reference\.safetensors holds the "
-                                            r"reference of the 6 train pairs the run's first "
-                                            r"steps take, and these steps take 10: resume "
-                                            r"with the --steps \(or --epochs\) the run "
-                                            r"started with"):
-        finetune(_cfg(tmp_path, "run", steps=5, resume=True), model=m, log=QUIET)
+    before = read_safetensors(tmp_path / "run" / preference_run.REFERENCE, float32=False,
+                              floats_only=False)[0]["train"]
+    lines = []
+    finetune(_cfg(tmp_path, "run", steps=5, resume=True), model=m, log=lines.append)
+    assert any(x.endswith("; these steps take pairs it does not hold") for x in lines)
+    assert any(x.startswith("reference pass: 4 more pairs (train: 4 of 11; eval: 0 of 1), "
+                            "the new ones these steps take in ") for x in lines), lines
+    finetune(_cfg(tmp_path, "long", steps=5), model=m, log=QUIET)
+    after, long = (read_safetensors(tmp_path / r / preference_run.REFERENCE, float32=False,
+                                    floats_only=False)[0]["train"] for r in ("run", "long"))
+    kept = ~np.isnan(before[:, 0])
+    assert kept.sum() == 6 and np.array_equal(after[kept], before[kept])
+    assert np.array_equal(np.isnan(after), np.isnan(long)) and (~np.isnan(after[:, 0])).sum() == 10
+    done = ~np.isnan(long)
+    assert np.abs(after[done] - long[done]).max() <= 1e-12 * np.abs(long[done]).max()
 
 
 @pytest.mark.parametrize("opts, message", [

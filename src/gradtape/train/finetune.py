@@ -125,9 +125,8 @@ def _finetune(cfg, model, log, world, together):
     schedule = Schedule(cfg.peak_lr(), steps, min(cfg.warmup, steps))
     if meth.reference:  # before a checkpoint is loaded: the adapter as the run starts
         sets, only = {"train": train, "eval": held}, {"train": train.used(steps)}
-        if cfg.resume and (out / preference_run.REFERENCE).is_file():
-            preference_run.load_reference(sets, out, log, only)
-        else:
+        if not (cfg.resume and (out / preference_run.REFERENCE).is_file()
+                and preference_run.load_reference(sets, out, log, only)):
             preference_run.reference_pass(step_prog, sets, out, log, world, only)
     start = load_checkpoint(out, step_prog, cfg, world) if cfg.resume else 0
     if world.is_root:

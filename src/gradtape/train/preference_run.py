@@ -137,31 +137,37 @@ def load(cfg, data_file, eval_file, tokenizer, average, log, world=None):
 
 def reference_pass(step_prog, datasets, out, log, world=None, only=None):
     """Each of ``datasets``' reference log-probabilities, the model with its adapter as
-    it is now, before the first step (``TrainStep.reference_logps``), saved in
-    ``out / REFERENCE``: of every pair, or of ``only[name]``'s (the pairs the run's steps
-    take; NaN for the others).  ``world`` (MPI): each rank computes every ``size``-th
-    batch, one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum
-    is exact) gives every rank all of them, and rank 0 writes the file."""
+    it is before the first step (``TrainStep.reference_logps``), saved in ``out /
+    REFERENCE``: of every pair, or of ``only[name]``'s (the pairs the run's steps take;
+    NaN for the others), less those a resumed run's file holds already (``d.ref``, from
+    ``load_reference``).  ``world`` (MPI): each rank computes every ``size``-th batch,
+    one Allreduce of the rows (each filled by one rank, zeros elsewhere: the sum is
+    exact) gives every rank all of them, and rank 0 writes the file."""
     from safetensors.numpy import save
 
     rank, size = (0, 1) if world is None else (world.rank, world.size)
     t0 = time.perf_counter()
     arrays, calls, counts = {}, set(), []
+    more = any(d.ref is not None for d in datasets.values())  # resumed: new pairs only
     for name, d in datasets.items():
         if not len(d):
             continue
+        known = d.ref if d.ref is not None else np.full((len(d), 2), np.nan)
+        d.ref = None  # the batches' own references: none yet
         order = (only or {}).get(name, np.arange(len(d)))
-        n, b = len(order), step_prog.reference_pairs(len(order))
-        logps = step_prog.reference_logps(d.batches(rank, size, b, order))
-        calls.add(b)
+        order = order[np.isnan(known[order, 0])]
+        n, b = len(order), step_prog.reference_pairs(max(len(order), 1))
         ref = np.zeros((n, 2))
-        for k, lp in zip(range(rank, n, size), logps):  # each batch: b chosen, b rejected
-            idx = np.arange(k * b, k * b + b)
-            keep = idx < n
-            ref[idx[keep], 0], ref[idx[keep], 1] = lp[:b][keep], lp[b:][keep]
-        if size > 1:
-            world.allreduce_sum(ref)
-        d.ref = arrays[name] = np.full((len(d), 2), np.nan)
+        if n:
+            logps = step_prog.reference_logps(d.batches(rank, size, b, order))
+            calls.add(b)
+            for k, lp in zip(range(rank, n, size), logps):  # a batch: b chosen, b rejected
+                idx = np.arange(k * b, k * b + b)
+                keep = idx < n
+                ref[idx[keep], 0], ref[idx[keep], 1] = lp[:b][keep], lp[b:][keep]
+            if size > 1:
+                world.allreduce_sum(ref)
+        d.ref = arrays[name] = known.copy()
         d.ref[order] = ref
         counts.append((name, n, len(d)))
     step_prog.release_reference()
@@ -169,18 +175,23 @@ def reference_pass(step_prog, datasets, out, log, world=None, only=None):
         atomic_write_bytes(out / REFERENCE, save(arrays))
     seconds = time.perf_counter() - t0
     done = sum(n for _, n, _ in counts)
-    log(f"reference pass: {done} pairs"
+    log(f"reference pass: {done} {'more ' if more else ''}pairs"
         + ("" if done == sum(of for *_, of in counts) else " (" + "; ".join(
-            f"{name}: {n}" + (f" of {of}, those the steps take" if n < of else "")
-            for name, n, of in counts) + ")")
-        + f" in {seconds:.1f} s "
-        f"({' or '.join(map(str, sorted(calls)))} a call), saved in {out / REFERENCE}")
+            f"{name}: {n}" + (f" of {of}" + ("" if more else ", those the steps take")
+                              if n < of else "")
+            for name, n, of in counts) + ")" + (", the new ones these steps take" if more
+                                                else ""))
+        + f" in {seconds:.1f} s"
+        + (f" ({' or '.join(map(str, sorted(calls)))} a call)" if calls else "")
+        + f", saved in {out / REFERENCE}")
     return seconds
 
 
 def load_reference(datasets, out, log, only=None):
-    """The reference log-probabilities a resumed run saved (``reference_pass``), which
-    must cover ``only[name]``'s pairs (those the run's steps take)."""
+    """The reference log-probabilities a resumed run saved (``reference_pass``); True
+    where they cover ``only[name]``'s pairs (those the run's steps take), else False: a
+    run resumed for more steps than it started with, whose new pairs ``reference_pass``
+    computes before the checkpoint loads (the model is then as the run started)."""
     from ..formats.safetensors_reader import read_safetensors
 
     path = out / REFERENCE
@@ -189,6 +200,7 @@ def load_reference(datasets, out, log, only=None):
     except (GradtapeError, OSError, ValueError) as e:
         raise GradtapeError(f"--resume: {path} is not a readable reference pass ({e})") \
             from None
+    covered = True
     for name, d in datasets.items():
         if not len(d):
             continue
@@ -198,10 +210,7 @@ def load_reference(datasets, out, log, only=None):
                                 f"{name} pairs (the data changed?)")
         d.ref = np.asarray(ref, np.float64)
         order = (only or {}).get(name, np.arange(len(d)))
-        if np.isnan(d.ref[order]).any():
-            covered = int((~np.isnan(d.ref[:, 0])).sum())
-            raise GradtapeError(
-                f"--resume: {path} holds the reference of the {covered} {name} pairs the "
-                f"run's first steps take, and these steps take {len(order)}: resume with "
-                "the --steps (or --epochs) the run started with, or start a new run")
-    log(f"reference pass: read from {path}")
+        covered = covered and not np.isnan(d.ref[order]).any()
+    log(f"reference pass: read from {path}"
+        + ("" if covered else "; these steps take pairs it does not hold"))
+    return covered

@@ -52,6 +52,20 @@ def test_pair_batch_layout():
     assert list(b.targets[:5]) == [2, 3, 4, 0, 0]
 
 
+def test_rows_no_read_sum_counts_are_fed_no_target():
+    """With ``no_target`` -1 (a fused head that skips), a row gets -1 where no sum the
+    program reads counts it: a prompt's rows and padding; the chosen prompt's rows stay
+    where the loss reads their NLL (ORPO's ``nll``)."""
+    pairs = [([1, 2, 3, 4], [0, 0, 1, 1], [1, 2, 5], [0, 0, 1])]
+    b = P.pair_batch(pairs, 5, average=True)
+    lv = {k: k for k in ("ids", "targets")}  # the leaves stand for themselves here
+    assert list(P._feeds(lv, b, np.float64)["targets"]) == [2, 3, 4, 0, 0, 2, 5, 0, 0, 0]
+    dpo = P._feeds(lv, b, np.float64, no_target=-1, nll=False)["targets"]
+    assert list(dpo) == [-1, 3, 4, -1, -1, -1, 5, -1, -1, -1]
+    orpo = P._feeds(lv, b, np.float64, no_target=-1, nll=True)["targets"]
+    assert list(orpo) == [2, 3, 4, -1, -1, -1, 5, -1, -1, -1]
+
+
 @pytest.mark.parametrize("pairs, t, match", [
     ([([1, 2], [0, 0], [1, 3], [0, 1])], 4, "pair 0's chosen: no completion token"),
     ([([1, 2, 3], [0, 1, 1], [1, 3], [0, 1])], 2, "pair 0's chosen: 3 tokens do not fit"),

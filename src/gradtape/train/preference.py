@@ -108,6 +108,7 @@ class PreferenceGraph:
     eval_loss: object = None
     eval_metrics: dict = None
     eval_logps: object = None
+    nll: bool = True  # whether the loss reads the chosen sequences' NLL (ORPO's)
 
     def feeds(self, batch: PairBatch, ref=None, no_target=0) -> dict:
         """``{leaf: array}`` for ``Program.run`` of ``batch`` (and the reference's
@@ -115,7 +116,7 @@ class PreferenceGraph:
         ``_feeds``')."""
         lv, dt = self.leaves, self.loss.dtype
         n = batch.n_pairs
-        out = _feeds(lv, batch, dt, no_target)
+        out = _feeds(lv, batch, dt, no_target, self.nll)
         if "pair_weights" in lv:
             out[lv["pair_weights"]] = np.asarray(batch.pair_weights, dt).reshape(n, 1)
         if "ref" in lv:
@@ -136,12 +137,14 @@ def _arrays(batch: PairBatch, dt):
             "counts": batch.counts.astype(dt)[:, None]}
 
 
-def _feeds(lv, batch: PairBatch, dt, no_target=0):
-    """``no_target``: the target id of a row that no sum counts (a rejected answer's
-    prompt, padding), -1 where the programs' fused head skips it (``step.no_target_id``)."""
+def _feeds(lv, batch: PairBatch, dt, no_target=0, nll=True):
+    """``no_target``: the target id of a row that no sum read counts (a prompt's, padding;
+    ``nll``: the last column, the chosen sequences' NLL, is read), -1 where the programs'
+    fused head skips it (``step.no_target_id``)."""
     arrays = _arrays(batch, dt)
     if no_target:
-        arrays["targets"] = np.where(batch.weights.any(axis=1), batch.targets, no_target)
+        counted = batch.weights if nll else batch.weights[:, :-1]
+        arrays["targets"] = np.where(counted.any(axis=1), batch.targets, no_target)
     return {lv[k]: v for k, v in arrays.items() if k in lv}
 
 
@@ -198,7 +201,7 @@ def record_preference(tp, cfg, W, lora, lora_scale, m: Method, batch: PairBatch,
     eval_lp = logps if eval_sums is sums else _rows(eval_sums, 0, 2 * n)
     eval_loss, eval_metrics = build_loss(m, replace(logps_of(eval_sums),
                                                     weight=lv["pair_weights"]), opt)
-    return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics, eval_lp)
+    return PreferenceGraph(loss, metrics, logps, lv, eval_loss, eval_metrics, eval_lp, m.nll)
 
 
 @dataclass
@@ -209,7 +212,7 @@ class BaseLogps:
     leaves: dict
 
     def feeds(self, batch: PairBatch, no_target=0) -> dict:
-        return _feeds(self.leaves, batch, self.logps.dtype, no_target)
+        return _feeds(self.leaves, batch, self.logps.dtype, no_target, nll=False)
 
 
 def record_base_logps(tp, cfg, W, n_pairs, seq_len, fused_from=None) -> BaseLogps:

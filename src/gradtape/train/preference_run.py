@@ -156,9 +156,10 @@ def reference_pass(step_prog, datasets, out, log, world=None, only=None):
         d.ref = None  # the batches' own references: none yet
         order = (only or {}).get(name, np.arange(len(d)))
         order = order[np.isnan(known[order, 0])]
-        n, b = len(order), step_prog.reference_pairs(max(len(order), 1))
+        n = len(order)
         ref = np.zeros((n, 2))
         if n:
+            b = step_prog.reference_pairs(n)
             logps = step_prog.reference_logps(d.batches(rank, size, b, order))
             calls.add(b)
             for k, lp in zip(range(rank, n, size), logps):  # a batch: b chosen, b rejected
@@ -175,13 +176,12 @@ def reference_pass(step_prog, datasets, out, log, world=None, only=None):
         atomic_write_bytes(out / REFERENCE, save(arrays))
     seconds = time.perf_counter() - t0
     done = sum(n for _, n, _ in counts)
-    log(f"reference pass: {done} {'more ' if more else ''}pairs"
-        + ("" if done == sum(of for *_, of in counts) else " (" + "; ".join(
-            f"{name}: {n}" + (f" of {of}" + ("" if more else ", those the steps take")
-                              if n < of else "")
-            for name, n, of in counts) + ")" + (", the new ones these steps take" if more
-                                                else ""))
-        + f" in {seconds:.1f} s"
+    what = f"{done} {'more ' if more else ''}pairs"
+    if done < sum(of for *_, of in counts):
+        what += (" (" + "; ".join(f"{name}: {n}" + (f" of {of}" if n < of else "")
+                                  for name, n, of in counts) + "), "
+                 + ("the new ones " if more else "those ") + "the steps take")
+    log(f"reference pass: {what} in {seconds:.1f} s"
         + (f" ({' or '.join(map(str, sorted(calls)))} a call)" if calls else "")
         + f", saved in {out / REFERENCE}")
     return seconds

@@ -287,9 +287,10 @@ def fwd_head_nll_e(out, x, w, ids, chunk, qtype=None, kern=NUMPY_TILES, **logica
 def fwd_head_rows(out, w, ids, qtype=None, kern=NUMPY_TILES, **logical):
     """``out[t] = W[ids[t]]`` (a block table's rows dequantized as ``qtake_rows``), zero
     where ``ids[t] < 0``: the table rows of ``head_nll_e``'s gradient."""
-    def take(o, i):
-        o[...] = w[i] if qtype is None else dequantize(w[i], qtype)
-    _on_targeted(out, ids, take)
+    keep = ids >= 0
+    rows = w[ids[keep]]
+    out.fill(0)
+    out[keep] = rows if qtype is None else dequantize(rows, qtype)
 
 
 def _head_grad_blocks(x, w, ids, g, o, cap, chunk, dtype, kern, gemms):

@@ -126,8 +126,7 @@ def run(args) -> int:
     # the records (51-87 tokens) packed into rows of 352: about 18 records a step where 4
     # padded rows of 88 held 4, for far less than 4x the step's time (a step's cost is far
     # from proportional to its rows: bench/packing_rate.py)
-    # "fit": its run needs about 2 GiB without recomputation, and recomputing every layer
-    # (what "auto" does for a 1 GiB saving) would cost a third more time a step
+    # "fit": a small model's run fits without recomputation, which "auto" would trade for time
     cfg = FinetuneConfig(data=str(DATA / "train.jsonl"), out=str(out), steps=args.steps or 30,
                          seq_len=352, batch_size=4, rank=8, alpha=16.0, lr=2e-3, warmup=5,
                          grad_checkpoint="fit",

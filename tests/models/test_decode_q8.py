@@ -34,6 +34,7 @@ from gradtape.infer import block_decoder as E
 from support import hardware
 from support.filebuilders import write_tiny_gguf
 from support.hardware import kernel_isa  # noqa: F401  (a fixture)
+from support.lanes import emulate_sixteen_lanes
 from support.tinymodel import tiny_model
 
 Q8_MEDIAN = 0.04  # median over steps of max |q8 - float| / max |float|
@@ -153,3 +154,28 @@ def test_iq4_xs_decodes_on_8_bit_rows_near_float32_rows(tmp_path):
         f = decs["float"].step(t).copy()
         errs.append(np.abs(decs["q8"].step(t) - f).max() / np.abs(f).max())
     assert 0 < np.median(errs) <= 0.075 and max(errs) <= 0.09, errs
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_q4_0_steps_with_heads_of_three_blocks_sum_as_plain_c(tmp_path, monkeypatch):
+    """The AVX2 dots of Q4_0 and Q4_1 read two blocks a vector, from a copy of the row
+    that each block writes alone (``gq_q8_0_pairs``).  With heads of 3 blocks, the
+    attention's output, quantized head by head and split over the threads, has a pair
+    across two heads: the steps' logits are the plain-C dots' (a block at a time) up to
+    float32 order (measured: 1.5e-7 of the largest; a head's pairs left unwritten: 1.46)."""
+    from gradtape import llama
+    m = tiny_model(seed=3, dim=192, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab=258)
+    path = write_tiny_gguf(m, tmp_path / "Q4_0.gguf", qtype="Q4_0")
+    ids = np.random.default_rng(0).integers(0, 258, 12).tolist()
+
+    def logits():  # steps only: a prefill takes an integer GEMM or float32 rows by class
+        model = llama.load(path, keep_quantized=True)
+        dec = E.BlockDecoder(model, E.block_weights(model), cap=32, dots="q8", kv="f32")
+        assert dec.m.q8 == 1
+        return np.array([dec.step(t).copy() for t in ids])
+
+    ours = logits()
+    emulate_sixteen_lanes(monkeypatch)
+    assert ggml_vec.lib().gq_path() == 0
+    plain = logits()
+    assert np.abs(ours - plain).max() <= 1e-5 * np.abs(plain).max()

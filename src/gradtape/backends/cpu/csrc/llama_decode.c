@@ -637,9 +637,11 @@ void gd_step(const gd_model *m, int64_t token, int64_t pos, float *logits) {
             e = (kh + 1) * g < b ? (kh + 1) * g : b;
             gd_attend(m, q + qh * hd, e - qh, gd_kv(m, kc, at), gd_kv(m, vc, at), n - lo,
                       sc + qh * (m->cap + 1), m->cap + 1, att + qh * hd);
-            for (int64_t h = qh; ohead && h < e; h++)
+            for (int64_t h = qh; ohead && h < e; h++) {
                 gq_q8_0(att + h * hd, hd, xr.q0 + h * hd, xr.d0 + h * hd / 32,
                         xr.s0 + h * hd / 32, xr.z0 + h * hd / 4);
+                gq_q8_0_pairs(&xr, h * hd / 32, (h + 1) * hd / 32);
+            }
         }
         gd_sync(tm);
         if (no && !ohead) {

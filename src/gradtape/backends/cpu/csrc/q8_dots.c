@@ -44,6 +44,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(GV_EMULATE)
 #include <immintrin.h>
 #define GQ_AVX2 1
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
+#define GQ_PAIRS 1  /* Q4_0 and Q4_1's dots take two blocks a vector (gq_q8_0_pairs) */
+#endif
 #endif
 
 /* the block dots are inlined into their types' row loops (GQ_ROWS): one call per
@@ -136,6 +139,31 @@ void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *
     }
 }
 
+/* The forms the AVX2 dots of Q4_0 and Q4_1 read, from the row's quants q0 (blocks b0 ..
+   b1): they take two blocks a vector, element i of each in the low half of the first and
+   element 16 + i in the second.
+     qp [k + 32]: each pair of blocks' quants in that order, 0 .. 15 of both, then 16 .. 31;
+     zp [k/4]: 8 times those vectors' int32 lane sums (4 + 4 quants a lane): Q4_0's
+       sum (n - 8) q is the unsigned sum n q less them.
+   Each block writes its own bytes alone: the team's threads quantize a row in parts. */
+void gq_q8_0_pairs(gq_row *r, int64_t b0, int64_t b1) {
+#ifdef GQ_PAIRS
+    for (int64_t b = b0; b < b1; b++) {
+        const int8_t *q = r->q0 + 32 * b;
+        int8_t *p = r->qp + 64 * (b / 2) + 16 * (b % 2);
+        memcpy(p, q, 16);
+        memcpy(p + 32, q + 16, 16);
+        for (int l = 0; l < 4; l++) {
+            int t = 0;
+            for (int e = 0; e < 4; e++) t += q[4 * l + e] + q[16 + 4 * l + e];
+            r->zp[4 * b + l] = 8 * t;
+        }
+    }
+#else
+    (void)r, (void)b0, (void)b1;
+#endif
+}
+
 /* Q8_K of x [k], k a multiple of 256: q [k], d [k/256], bs [k/16] */
 void gq_q8_k(const float *x, int64_t k, int8_t *q, float *d, int16_t *bs) {
     for (int64_t b = 0; b < k / 256; b++) {
@@ -165,19 +193,21 @@ void gq_q8_k(const float *x, int64_t k, int8_t *q, float *d, int16_t *bs) {
 static int64_t gq_up(int64_t n) { return (n + 63) / 64 * 64; }
 
 int64_t gq_bytes(int64_t kmax) {
-    return 2 * gq_up(kmax) + 2 * gq_up(4 * (kmax / 32)) + gq_up(4 * (kmax / 256 + 1))
-           + gq_up(2 * (kmax / 16)) + gq_up(kmax) + 64;
+    return 2 * gq_up(kmax) + gq_up(kmax + 32) + 2 * gq_up(4 * (kmax / 32))
+           + gq_up(4 * (kmax / 256 + 1)) + gq_up(2 * (kmax / 16)) + 2 * gq_up(kmax + 32) + 64;
 }
 
 void gq_init(gq_row *r, void *buf, int64_t kmax) {
     uint8_t *p = (uint8_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
     r->q0 = (int8_t *)p; p += gq_up(kmax);
     r->qk = (int8_t *)p; p += gq_up(kmax);
+    r->qp = (int8_t *)p; p += gq_up(kmax + 32);
     r->d0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->s0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->dk = (float *)p; p += gq_up(4 * (kmax / 256 + 1));
     r->bk = (int16_t *)p; p += gq_up(2 * (kmax / 16));
-    r->z0 = (int32_t *)p;
+    r->z0 = (int32_t *)p; p += gq_up(kmax + 32);
+    r->zp = (int32_t *)p;
     r->k = 0;
     r->have = 0;
 }
@@ -190,8 +220,10 @@ int gq_forms(int64_t k, int need) {
 void gq_quantize_span(gq_row *r, const float *x, int64_t k, int need, int64_t e0,
                       int64_t e1) {
     const int have = gq_forms(k, need);
-    if (have & GQ_Q80)
+    if (have & GQ_Q80) {
         gq_q8_0(x + e0, e1 - e0, r->q0 + e0, r->d0 + e0 / 32, r->s0 + e0 / 32, r->z0 + e0 / 4);
+        gq_q8_0_pairs(r, e0 / 32, e1 / 32);
+    }
     if (have & GQ_Q8K)
         gq_q8_k(x + e0, e1 - e0, r->qk + e0, r->dk + e0 / 256, r->bk + e0 / 16);
 }
@@ -357,16 +389,12 @@ static inline __m128i gq_h8(const uint8_t *p, int64_t BS, int off) {
    8 scales costs more than 8 loads: it is microcoded on AMD Zen); Q4_1 / Q5_1's m_w s_x
    in lanes, the 8 blocks' m_w as one vector.  The rest (under 8 blocks) one at a time,
    its min term a scalar sum.  Two accumulators, alternately. */
-/* block zb's int32 lanes: SGN 0 unsigned w, 1 signed, 2 unsigned less the row's z0,
-   3 unsigned less z0 / 2 (Q4_0's offset of 8: cheaper than the signed product) */
+/* block zb's int32 lanes: SGN 0 unsigned w, 1 signed, 2 unsigned less the row's z0
+   (Q5_0's offset of 16: cheaper than the signed product) */
 #define GQ_I(W, SGN, p, y, zb)                                                           \
-    (SGN >= 2 ? _mm256_sub_epi32(gq_us(W(p), y), GQ_Z(SGN, x->z0 + 8 * (zb)))           \
+    (SGN == 2 ? _mm256_sub_epi32(gq_us(W(p), y),                                         \
+                                 _mm256_loadu_si256((const __m256i *)(x->z0 + 8 * (zb)))) \
      : SGN ? gq_ss(W(p), y) : gq_us(W(p), y))
-#define GQ_Z(SGN, z)                                                                     \
-    (SGN == 3 ? _mm256_srai_epi32(_mm256_loadu_si256((const __m256i *)(z)), 1)           \
-     : _mm256_loadu_si256((const __m256i *)(z)))
-#define GQ_W4 gq_w_q4_0u
-#define GQ_S4 3
 #define GQ_W5 gq_w_q5_0u
 #define GQ_S5 2
 #define GQ_DOT32(NAME, BS, W, SGN, MIN)                                                  \
@@ -401,9 +429,105 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     }                                                                                    \
     return gq_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), mv)) + m;                        \
 }
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1: two blocks a vector, whose unsigned quants (at most 31) let
+   the two halves' byte products add in int16 before one widening: half the widening
+   multiplies, conversions and FMAs of a block at a time.  Blocks p and p1's quants (16
+   bytes at qs; the fifth bits' u32 at qh, qh > 0) as the row's qp reads them: elements
+   0 .. 15 of both in lo, 16 .. 31 in hi */
+static inline void gq_pair_quants(const uint8_t *p, const uint8_t *p1, int qs, int qh,
+                                  __m256i *lo, __m256i *hi) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + qs))),
+        _mm_loadu_si128((const __m128i *)(p1 + qs)), 1);
+    const __m256i m = _mm256_set1_epi8(15);
+    *lo = _mm256_and_si256(v, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    if (qh) {
+        const uint32_t h = gq_u32(p + qh), h1 = gq_u32(p1 + qh);
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(gq_bits32((h & 0xFFFFu) | h1 << 16),
+                                                    sixteen));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(gq_bits32(h >> 16 | (h1 & 0xFFFF0000u)),
+                                                    sixteen));
+    }
+}
+/* blocks b and b + 1 (b even) at p: 8 int32 lanes, the first 4 block b's, each the sum
+   of 8 products, less the row's offset terms for off (8: Q4_0, 16: Q5_0) */
+GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64_t b,
+                            int qs, int qh, int off) {
+    __m256i lo, hi;
+    gq_pair_quants(p, p + BS, qs, qh, &lo, &hi);
+    const int8_t *y = x->qp + 32 * b;
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    __m256i i = gq_us(lo, gq_y(y));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    i = _mm256_dpbusd_epi32(i, hi, gq_y(y + 32));
+#else
+    i = _mm256_dpbusd_avx_epi32(i, hi, gq_y(y + 32));
 #endif
+#else
+    __m256i i = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, gq_y(y)),
+                                                   _mm256_maddubs_epi16(hi, gq_y(y + 32))),
+                                  _mm256_set1_epi16(1));
+#endif
+    if (off) i = _mm256_sub_epi32(i, _mm256_loadu_si256((const __m256i *)(x->zp + 4 * b)));
+    return i;
+}
+/* 8 blocks a step (4 pairs, each pair's d_w d_x moved into its halves by a permute);
+   Q4_1 / Q5_1's m_w s_x in lanes, the 8 blocks' m_w as one vector.  Then pairs, and a
+   last odd block alone (from q0, signed where an offset applies). */
+#define GQ_DOT32P(NAME, BS, QS, QH, OFF, MIN)                                            \
+GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                  \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;                                   \
+    float m = 0.0f;                                                                      \
+    const __m256i pick = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);                      \
+    int64_t b = 0;                                                                       \
+    for (; b + 8 <= nb; b += 8) {                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        gq_ahead(p, 8 * BS);                                                             \
+        const __m256 dd = _mm256_mul_ps(_mm256_cvtph_ps(gq_h8(p, BS, 0)),                \
+                                        _mm256_loadu_ps(x->d0 + b));                     \
+        if (MIN)                                                                         \
+            mv = _mm256_fmadd_ps(_mm256_cvtph_ps(gq_h8(p, BS, 2)),                       \
+                                 _mm256_loadu_ps(x->s0 + b), mv);                        \
+        for (int j = 0; j < 4; j++) {                                                    \
+            const __m256 dj = _mm256_permutevar8x32_ps(                                  \
+                dd, _mm256_add_epi32(pick, _mm256_set1_epi32(2 * j)));                   \
+            const __m256 i = _mm256_cvtepi32_ps(                                         \
+                gq_pair_i(p + 2 * BS * j, BS, x, b + 2 * j, QS, QH, OFF));               \
+            if (j & 1) a1 = _mm256_fmadd_ps(dj, i, a1);                                  \
+            else a0 = _mm256_fmadd_ps(dj, i, a0);                                        \
+        }                                                                                \
+    }                                                                                    \
+    for (; b + 2 <= nb; b += 2) {                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        const __m256 d = _mm256_set_m128(_mm_set1_ps(gb_h2f(p + BS) * x->d0[b + 1]),     \
+                                         _mm_set1_ps(gb_h2f(p) * x->d0[b]));             \
+        a0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(gq_pair_i(p, BS, x, b, QS, QH, OFF)),  \
+                             a0);                                                        \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b] + gb_h2f(p + BS + 2) * x->s0[b + 1];      \
+    }                                                                                    \
+    if (b < nb) {                                                                        \
+        const uint8_t *p = row + BS * b;                                                 \
+        __m256i w = gq_nibs(p + QS);                                                     \
+        if (QH) w = _mm256_or_si256(w, gq_bit4(p + QH));                                 \
+        const __m256i y = gq_y(x->q0 + 32 * b);                                          \
+        const __m256i i = OFF ? gq_ss(_mm256_sub_epi8(w, _mm256_set1_epi8(OFF)), y)      \
+                              : gq_us(w, y);                                             \
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]), _mm256_cvtepi32_ps(i), \
+                             a1);                                                        \
+        if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
+    }                                                                                    \
+    return gq_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), mv)) + m;                        \
+}
+#endif
+#ifdef GQ_PAIRS
+GQ_DOT32P(gq_dot_q4_0, 18, 2, 0, 8, 0)
+GQ_DOT32P(gq_dot_q4_1, 20, 4, 0, 0, 1)
+#else
 GQ_DOT32(gq_dot_q4_0, 18, GQ_W4, GQ_S4, 0)
 GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
+#endif
 GQ_DOT32(gq_dot_q5_0, 22, GQ_W5, GQ_S5, 0)
 GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)

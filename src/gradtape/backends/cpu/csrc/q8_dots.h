@@ -14,7 +14,9 @@ typedef struct {
     int8_t *q0, *qk;      /* [k] the quants of either form */
     float *d0, *s0, *dk;  /* [k/32] Q8_0 scales and Q8_1 sums (f16 values), [k/256] Q8_K's */
     int16_t *bk;          /* [k/16] Q8_K's sums of 16 quants */
-    int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q4_0's, Q5_0's offsets */
+    int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q5_0's offsets */
+    int8_t *qp;           /* [k + 32] q0 as the AVX2 dots of Q4_0 / Q4_1 read it, */
+    int32_t *zp;          /* [k/4] and Q4_0's offsets for them (gq_q8_0_pairs) */
 } gq_row;
 
 int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer dots) */
@@ -29,6 +31,7 @@ void gq_quantize_span(gq_row *r, const float *x, int64_t k, int need, int64_t e0
                       int64_t e1);
 /* one form's parts */
 void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *z);
+void gq_q8_0_pairs(gq_row *r, int64_t b0, int64_t b1);
 int gq_ready(const gq_row *x, int64_t type, int64_t k);  /* x holds what type's dots read */
 void gq_rows(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t k, int64_t r0,
              int64_t r1, const gq_row *x, float *y, int accumulate);
@@ -220,7 +223,6 @@ static inline __m256i gq_bit4(const uint8_t *qh) {
 }
 /* the unsigned values of a 32-element block in element order (the dots' and the AVX2
    GEMM's): Q4_1's nibbles; Q5_0's and Q5_1's with their fifth bits (Q5_0's - 16 apart) */
-static inline __m256i gq_w_q4_0u(const uint8_t *p) { return gq_nibs(p + 2); }
 static inline __m256i gq_w_q4_1(const uint8_t *p) { return gq_nibs(p + 4); }
 static inline __m256i gq_w_q5_0u(const uint8_t *p) {
     return _mm256_or_si256(gq_nibs(p + 6), gq_bit4(p + 2));

@@ -15,7 +15,7 @@
      Q4_0  w = d (n - 8):    d d_x sum (n - 8) q       Q5_0  as Q4_0, 5-bit n, n - 16
      Q4_1  w = d n + m:      d d_x sum n q + m s       Q5_1  as Q4_1, 5-bit n
        (AVX2's Q5_0: sum n q - z, z = 16 times each 4 quants' sum kept with the row;
-        its Q4_0: sum n q - z / 2)
+        its Q4_0 likewise with 8 times the sums, two blocks a vector: gq_q8_0_pairs)
      Q8_0  w = d n:          d d_x sum n q       IQ4_NL  w = d v: d d_x sum v q (v: IQ4_XS's)
      Q4_K  w = d sc_s n - dmin mn_s (sub-blocks s of 32):
            d d_x sum_s sc_s (sum n q)_s - dmin d_x sum_s mn_s (bsum_2s + bsum_2s+1)
@@ -429,34 +429,20 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
     }                                                                                    \
     return gq_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), mv)) + m;                        \
 }
-/* Q4_0 / Q4_1 / Q5_0 / Q5_1: two blocks a vector, whose unsigned quants (at most 31) let
-   the two halves' byte products add in int16 before one widening: half the widening
-   multiplies, conversions and FMAs of a block at a time.  Blocks p and p1's quants (16
-   bytes at qs; the fifth bits' u32 at qh, qh > 0) as the row's qp reads them: elements
-   0 .. 15 of both in lo, 16 .. 31 in hi */
-static inline void gq_pair_quants(const uint8_t *p, const uint8_t *p1, int qs, int qh,
-                                  __m256i *lo, __m256i *hi) {
+/* Q4_0 / Q4_1: two blocks a vector, whose unsigned quants (at most 15) let the two
+   halves' byte products add in int16 before one widening: half the widening multiplies,
+   conversions and FMAs of a block at a time (Q5_0 / Q5_1 stay a block at a time: a
+   pair's fifth bits cost as much to unpack as the pair saves).  Blocks b and b + 1 (b
+   even) at p: element i of both in the low half of one vector, 16 + i in the other, as
+   the row's qp holds them; 8 int32 lanes, the first 4 block b's, each the sum of 8
+   products, less Q4_0's offset terms where off */
+GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64_t b,
+                            int qs, int off) {
     const __m256i v = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + qs))),
-        _mm_loadu_si128((const __m128i *)(p1 + qs)), 1);
+        _mm_loadu_si128((const __m128i *)(p + BS + qs)), 1);
     const __m256i m = _mm256_set1_epi8(15);
-    *lo = _mm256_and_si256(v, m);
-    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    if (qh) {
-        const uint32_t h = gq_u32(p + qh), h1 = gq_u32(p1 + qh);
-        const __m256i sixteen = _mm256_set1_epi8(16);
-        *lo = _mm256_or_si256(*lo, _mm256_and_si256(gq_bits32((h & 0xFFFFu) | h1 << 16),
-                                                    sixteen));
-        *hi = _mm256_or_si256(*hi, _mm256_and_si256(gq_bits32(h >> 16 | (h1 & 0xFFFF0000u)),
-                                                    sixteen));
-    }
-}
-/* blocks b and b + 1 (b even) at p: 8 int32 lanes, the first 4 block b's, each the sum
-   of 8 products, less the row's offset terms for off (8: Q4_0, 16: Q5_0) */
-GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64_t b,
-                            int qs, int qh, int off) {
-    __m256i lo, hi;
-    gq_pair_quants(p, p + BS, qs, qh, &lo, &hi);
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
     const int8_t *y = x->qp + 32 * b;
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
     __m256i i = gq_us(lo, gq_y(y));
@@ -474,9 +460,9 @@ GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64
     return i;
 }
 /* 8 blocks a step (4 pairs, each pair's d_w d_x moved into its halves by a permute);
-   Q4_1 / Q5_1's m_w s_x in lanes, the 8 blocks' m_w as one vector.  Then pairs, and a
-   last odd block alone (from q0, signed where an offset applies). */
-#define GQ_DOT32P(NAME, BS, QS, QH, OFF, MIN)                                            \
+   Q4_1's m_w s_x in lanes, the 8 blocks' m_w as one vector.  Then pairs, and a last odd
+   block alone (from q0, signed where an offset applies). */
+#define GQ_DOT32P(NAME, BS, QS, OFF, MIN)                                                \
 GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                  \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;                                   \
     float m = 0.0f;                                                                      \
@@ -494,7 +480,7 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
             const __m256 dj = _mm256_permutevar8x32_ps(                                  \
                 dd, _mm256_add_epi32(pick, _mm256_set1_epi32(2 * j)));                   \
             const __m256 i = _mm256_cvtepi32_ps(                                         \
-                gq_pair_i(p + 2 * BS * j, BS, x, b + 2 * j, QS, QH, OFF));               \
+                gq_pair_i(p + 2 * BS * j, BS, x, b + 2 * j, QS, OFF));                   \
             if (j & 1) a1 = _mm256_fmadd_ps(dj, i, a1);                                  \
             else a0 = _mm256_fmadd_ps(dj, i, a0);                                        \
         }                                                                                \
@@ -503,14 +489,13 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
         const uint8_t *p = row + BS * b;                                                 \
         const __m256 d = _mm256_set_m128(_mm_set1_ps(gb_h2f(p + BS) * x->d0[b + 1]),     \
                                          _mm_set1_ps(gb_h2f(p) * x->d0[b]));             \
-        a0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(gq_pair_i(p, BS, x, b, QS, QH, OFF)),  \
+        a0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(gq_pair_i(p, BS, x, b, QS, OFF)),      \
                              a0);                                                        \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b] + gb_h2f(p + BS + 2) * x->s0[b + 1];      \
     }                                                                                    \
     if (b < nb) {                                                                        \
         const uint8_t *p = row + BS * b;                                                 \
-        __m256i w = gq_nibs(p + QS);                                                     \
-        if (QH) w = _mm256_or_si256(w, gq_bit4(p + QH));                                 \
+        const __m256i w = gq_nibs(p + QS);                                               \
         const __m256i y = gq_y(x->q0 + 32 * b);                                          \
         const __m256i i = OFF ? gq_ss(_mm256_sub_epi8(w, _mm256_set1_epi8(OFF)), y)      \
                               : gq_us(w, y);                                             \
@@ -522,8 +507,8 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
 }
 #endif
 #ifdef GQ_PAIRS
-GQ_DOT32P(gq_dot_q4_0, 18, 2, 0, 8, 0)
-GQ_DOT32P(gq_dot_q4_1, 20, 4, 0, 0, 1)
+GQ_DOT32P(gq_dot_q4_0, 18, 2, 8, 0)
+GQ_DOT32P(gq_dot_q4_1, 20, 4, 0, 1)
 #else
 GQ_DOT32(gq_dot_q4_0, 18, GQ_W4, GQ_S4, 0)
 GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)

@@ -143,7 +143,7 @@ void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *
    b1): they take two blocks a vector, element i of each in the low half of the first and
    element 16 + i in the second.
      qp [k + 32]: each pair of blocks' quants in that order, 0 .. 15 of both, then 16 .. 31;
-     zp [k/4]: 8 times those vectors' int32 lane sums (4 + 4 quants a lane): Q4_0's
+     zp [k/8]: 8 times those vectors' int32 lane sums (4 + 4 quants a lane): Q4_0's
        sum (n - 8) q is the unsigned sum n q less them.
    Each block writes its own bytes alone: the team's threads quantize a row in parts. */
 void gq_q8_0_pairs(gq_row *r, int64_t b0, int64_t b1) {
@@ -194,7 +194,8 @@ static int64_t gq_up(int64_t n) { return (n + 63) / 64 * 64; }
 
 int64_t gq_bytes(int64_t kmax) {
     return 2 * gq_up(kmax) + gq_up(kmax + 32) + 2 * gq_up(4 * (kmax / 32))
-           + gq_up(4 * (kmax / 256 + 1)) + gq_up(2 * (kmax / 16)) + 2 * gq_up(kmax + 32) + 64;
+           + gq_up(4 * (kmax / 256 + 1)) + gq_up(2 * (kmax / 16)) + gq_up(kmax)
+           + gq_up(kmax / 2) + 64;
 }
 
 void gq_init(gq_row *r, void *buf, int64_t kmax) {
@@ -206,7 +207,7 @@ void gq_init(gq_row *r, void *buf, int64_t kmax) {
     r->s0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->dk = (float *)p; p += gq_up(4 * (kmax / 256 + 1));
     r->bk = (int16_t *)p; p += gq_up(2 * (kmax / 16));
-    r->z0 = (int32_t *)p; p += gq_up(kmax + 32);
+    r->z0 = (int32_t *)p; p += gq_up(kmax);
     r->zp = (int32_t *)p;
     r->k = 0;
     r->have = 0;

@@ -16,7 +16,7 @@ typedef struct {
     int16_t *bk;          /* [k/16] Q8_K's sums of 16 quants */
     int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q5_0's offsets */
     int8_t *qp;           /* [k + 32] q0 as the AVX2 dots of Q4_0 / Q4_1 read it, */
-    int32_t *zp;          /* [k/4] and Q4_0's offsets for them (gq_q8_0_pairs) */
+    int32_t *zp;          /* [k/8] and Q4_0's offsets for them (gq_q8_0_pairs) */
 } gq_row;
 
 int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer dots) */

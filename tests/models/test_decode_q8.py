@@ -162,7 +162,11 @@ def test_q4_0_steps_with_heads_of_three_blocks_sum_as_plain_c(tmp_path, monkeypa
     that each block writes alone (``gq_q8_0_pairs``).  With heads of 3 blocks, the
     attention's output, quantized head by head and split over the threads, has a pair
     across two heads: the steps' logits are the plain-C dots' (a block at a time) up to
-    float32 order (measured: 1.5e-7 of the largest; a head's pairs left unwritten: 1.46)."""
+    float32 order.  That order may move an input across a rounding boundary, and one
+    8-bit quant then rounds the other way: on a Q4_1 file of this model one such quant
+    (layer 1's key at step 2 moved by 1e-3) moved later logits by up to 1.4% of the
+    largest; on this file at the AVX2 class none did (1.5e-7).  A head's pairs left
+    unwritten moved them by 146%: the bound is 5%."""
     from gradtape import llama
     m = tiny_model(seed=3, dim=192, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab=258)
     path = write_tiny_gguf(m, tmp_path / "Q4_0.gguf", qtype="Q4_0")
@@ -178,4 +182,4 @@ def test_q4_0_steps_with_heads_of_three_blocks_sum_as_plain_c(tmp_path, monkeypa
     emulate_sixteen_lanes(monkeypatch)
     assert ggml_vec.lib().gq_path() == 0
     plain = logits()
-    assert np.abs(ours - plain).max() <= 1e-5 * np.abs(plain).max()
+    assert np.abs(ours - plain).max() <= 0.05 * np.abs(plain).max()

@@ -646,30 +646,41 @@ GQ_INLINE float gq_dot_q2_k(const uint8_t *row, int64_t nb, const gq_row *x) {
 
 /* Q3_K: n = u - 4, u = the 2 low bits | the hmask bit << 2 (0..7), unsigned in maddubs;
    each 32 values two sub-blocks of 16 (their scales in one pick, as Q6_K's); the offset
-   4 sum_s sc_s bs_s taken off in int32 lanes */
+   4 sum_s sc_s bs_s taken off in int32 lanes.  Chunk j's u is taken 2^sh[j] times, its
+   bits masked where they lie (fewer shifts: sh = 0, 2, 4, 4, the pair sums at most
+   2 * 112 * 127) and its scales 16 / 2^sh[j] times: every sum 16 times, undone in d */
 GQ_INLINE float gq_dot_q3_k(const uint8_t *row, int64_t nb, const gq_row *x) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + 110 * b;
         const int8_t *y = x->qk + 256 * b;
         gq_ahead(p, 110);
-        const __m128i s8 = gq_q3_scales(p + 96);
+        const __m128i s8 = gq_q3_scales(p);
         const __m256i seo = gq_scales_eo(s8);
-        __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(           /* - 4 sum_s sc_s bs_s */
-            _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 2);
+        const __m256i sj[4] = {_mm256_slli_epi16(seo, 4), _mm256_slli_epi16(seo, 2), seo, seo};
+        __m256i is = _mm256_slli_epi32(_mm256_madd_epi16(      /* - 16 * 4 sum_s sc_s bs_s */
+            _mm256_cvtepi8_epi16(s8), _mm256_loadu_si256((const __m256i *)(x->bk + 16 * b))), 6);
         is = _mm256_sub_epi32(_mm256_setzero_si256(), is);
         const __m256i hm = _mm256_loadu_si256((const __m256i *)p);
         for (int h = 0; h < 2; h++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h));
             for (int j = 0; j < 4; j++) {
-                const __m256i u = gq_q3_quants(q, hm, h, j);
+                /* the low bits' mask and where hmask's bit 4 h + j goes (bit 2 + sh[j]) */
+                static const int low[4] = {0x03, 0x0C, 0x30, 0x30}, top[4] = {2, 4, 6, 6};
+                const int from = 4 * h + j, t = top[j];
+                const __m256i l = _mm256_and_si256(j == 3 ? _mm256_srli_epi16(q, 2) : q,
+                                                   _mm256_set1_epi8((char)low[j]));
+                const __m256i hs = t > from ? _mm256_slli_epi16(hm, t - from)
+                                 : t < from ? _mm256_srli_epi16(hm, from - t) : hm;
+                const __m256i u = _mm256_or_si256(
+                    l, _mm256_and_si256(hs, _mm256_set1_epi8((char)(1 << t))));
                 is = _mm256_add_epi32(is, _mm256_madd_epi16(
                          _mm256_maddubs_epi16(u, gq_y(y + 128 * h + 32 * j)),
-                         gq_pick16(seo, 4 * h + j)));
+                         gq_pick16(sj[j], 4 * h + j)));
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 108) * x->dk[b]), _mm256_cvtepi32_ps(is),
-                              acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p + 108) * x->dk[b] * 0.0625f),
+                              _mm256_cvtepi32_ps(is), acc);
     }
     return gq_hsum(acc);
 }

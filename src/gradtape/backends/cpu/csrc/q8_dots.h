@@ -163,18 +163,21 @@ static inline void gq_k45_quants(const uint8_t *qs, __m256i qh, int five, int pr
                   _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pr + 1), one), 4));
     }
 }
-/* a Q3_K block's 16 scales (6 bits) at sc, four at a time in 32-bit words: scale s is
-   the nibble s / 8 of sc[s % 8] with bits 2 (s / 4) of sc[8 + s % 4] above it; the
-   result less 32 */
-static inline __m128i gq_q3_scales(const uint8_t *sc) {
-    uint32_t w[3], r[4];
-    __builtin_memcpy(w, sc, 12);
-    const uint32_t four = 0x0F0F0F0Fu, two = 0x03030303u;
-    r[0] = (w[0] & four) | ((w[2] & two) << 4);
-    r[1] = (w[1] & four) | (((w[2] >> 2) & two) << 4);
-    r[2] = ((w[0] >> 4) & four) | (((w[2] >> 4) & two) << 4);
-    r[3] = ((w[1] >> 4) & four) | (((w[2] >> 6) & two) << 4);
-    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)r), _mm_set1_epi8(32));
+/* a Q3_K block p's 16 scales (6 bits, less 32) in bytes: scale s is the nibble s / 8 of
+   sc[s % 8] with bits 2 (s / 4) of sc[8 + s % 4] above it (sc at byte 96).  In vector
+   operations, as a scalar unpacking stored and read back as one vector stalls the dot
+   on the store; the 16 bytes read end at the block's last */
+static inline __m128i gq_q3_scales(const uint8_t *p) {
+    const __m128i v = _mm_srli_si128(_mm_loadu_si128((const __m128i *)(p + 94)), 2);
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(v, m4),
+                                          _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    /* sc[8..11] in every 32-bit lane, lane g shifted so bits 2g, 2g + 1 land at 4, 5 */
+    const __m128i w = _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11,
+                                                        8, 9, 10, 11, 8, 9, 10, 11));
+    const __m128i hi = _mm_and_si128(
+        _mm_slli_epi32(_mm_srlv_epi32(w, _mm_setr_epi32(0, 2, 4, 6)), 4), _mm_set1_epi8(0x30));
+    return _mm_sub_epi8(_mm_or_si128(lo, hi), _mm_set1_epi8(32));
 }
 
 /* Q3_K's 32 values 128 h + 32 j .. + 31 as u = the 2 low bits (of q, the block's 32
@@ -196,9 +199,22 @@ static inline __m256i gq_scales_eo(__m128i s8) {
    values (gb_iq4nl at the nibbles) of 16 bytes qs (IQ4_NL's block), of IQ4_XS's
    sub-block s */
 static inline __m256i gq_iq4_xs_scales(const uint8_t *p) {
-    int16_t ls[8];
-    for (int s = 0; s < 8; s++) ls[s] = (int16_t)gb_iq4_xs_scale(p, s);
-    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)ls));
+    uint16_t h;
+    uint32_t l;
+    __builtin_memcpy(&h, p + 2, 2);
+    __builtin_memcpy(&l, p + 4, 4);
+    /* in 32-bit lanes s: scales_l's nibble s (bits 4 s), scales_h's bits 2 s, 2 s + 1 */
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32((int)l),
+                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+        _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)),
+                                        _mm256_set1_epi32(32));
+    /* packed: lanes 0-3 twice in the low half, 4-7 twice in the high; one per half */
+    return _mm256_permute4x64_epi64(_mm256_packs_epi32(ls, ls), 0x88);
 }
 static inline __m256i gq_iq4_values(const uint8_t *qs) {
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)gb_iq4nl));

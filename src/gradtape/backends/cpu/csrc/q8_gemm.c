@@ -117,7 +117,7 @@ static inline void gq_unpack_q3k(const uint8_t *p, gq_ub *u, float *d, float *dm
         for (int j = 0; j < 4; j++)
             _mm256_storeu_si256((__m256i *)(u->n + 128 * h + 32 * j), gq_q3_quants(q, hm, h, j));
     }
-    const __m128i s8 = gq_q3_scales(p + 96);
+    const __m128i s8 = gq_q3_scales(p);
     gq_chunk_scales(gq_scales_eo(s8), u);
     _mm256_storeu_si256((__m256i *)u->mn, _mm256_slli_epi16(_mm256_cvtepi8_epi16(s8), 2));
     *d = gb_h2f(p + 108);
@@ -344,7 +344,7 @@ static void gq_packk8(int64_t type, const uint8_t *W, int64_t row_bytes, int64_t
                     memcpy(s8, blk + 192, 16);
                 } else if (three) {  /* its scales less 32 */
                     gq_unpack_q3k(blk, &u, &d_, &dm_);
-                    _mm_storeu_si128((__m128i *)(void *)s8, gq_q3_scales(blk + 96));
+                    _mm_storeu_si128((__m128i *)(void *)s8, gq_q3_scales(blk));
                 } else {
                     gq_unpack_q2k(blk, &u, &d_, &dm_);
                 }

@@ -726,6 +726,7 @@ GQ_INLINE float gq_dot_iq(const uint8_t *row, int64_t nb, const gq_row *x, int64
         const gq_iqp *Q = &P[b & 1];
         const __m256i sn = b + 1 < nb ? gq_iq_prep(t, p + bytes, &P[(b + 1) & 1]) : sc;
         __m256i is = _mm256_setzero_si256();
+#pragma GCC unroll 8  /* the scale picks' masks then constants, not built a chunk at a time */
         for (int c = 0; c < 8; c++) {
             const __m256i q = gq_iq_sign(Q, c, gq_y(y + 32 * c));
             is = _mm256_add_epi32(is, _mm256_madd_epi16(

@@ -157,19 +157,22 @@ def test_iq4_xs_decodes_on_8_bit_rows_near_float32_rows(tmp_path):
 
 
 @pytest.mark.usefixtures("kernel_isa")
-def test_q4_0_steps_with_heads_of_three_blocks_sum_as_plain_c(tmp_path, monkeypatch):
-    """The AVX2 dots of Q4_0 and Q4_1 read two blocks a vector, from a copy of the row
-    that each block writes alone (``gq_q8_0_pairs``).  With heads of 3 blocks, the
+@pytest.mark.parametrize("qtype", ["Q4_0", "IQ4_NL"])
+def test_paired_steps_with_heads_of_three_blocks_sum_as_plain_c(tmp_path, monkeypatch, qtype):
+    """The AVX2 dots of Q4_0, Q4_1 and IQ4_NL read two blocks a vector, from copies of
+    the row that each block writes alone (``gq_q8_0_pairs``).  With heads of 3 blocks, the
     attention's output, quantized head by head and split over the threads, has a pair
     across two heads: the steps' logits are the plain-C dots' (a block at a time) up to
     float32 order.  That order may move an input across a rounding boundary, and one
     8-bit quant then rounds the other way: on a Q4_1 file of this model one such quant
     (layer 1's key at step 2 moved by 1e-3) moved later logits by up to 1.4% of the
-    largest; on this file at the AVX2 class none did (1.5e-7).  A head's pairs left
-    unwritten moved them by 146%: the bound is 5%."""
+    largest; on the Q4_0 file at the AVX2 class none did (1.5e-7).  A head's pairs left
+    unwritten moved them by 146%: the bound is 5%.  IQ4_NL's blocks are random (gguf
+    cannot quantize it)."""
     from gradtape import llama
     m = tiny_model(seed=3, dim=192, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab=258)
-    path = write_tiny_gguf(m, tmp_path / "Q4_0.gguf", qtype="Q4_0")
+    rng = np.random.default_rng(1) if qtype == "IQ4_NL" else None
+    path = write_tiny_gguf(m, tmp_path / f"{qtype}.gguf", qtype=qtype, rng=rng)
     ids = np.random.default_rng(0).integers(0, 258, 12).tolist()
 
     def logits():  # steps only: a prefill takes an integer GEMM or float32 rows by class

@@ -45,7 +45,7 @@
 #include <immintrin.h>
 #define GQ_AVX2 1
 #if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
-#define GQ_PAIRS 1  /* Q4_0 and Q4_1's dots take two blocks a vector (gq_q8_0_pairs) */
+#define GQ_PAIRS 1  /* Q4_0, Q4_1, IQ4_NL's dots take two blocks a vector (gq_q8_0_pairs) */
 #endif
 #endif
 
@@ -139,12 +139,13 @@ void gq_q8_0(const float *x, int64_t k, int8_t *q, float *d, float *s, int32_t *
     }
 }
 
-/* The forms the AVX2 dots of Q4_0 and Q4_1 read, from the row's quants q0 (blocks b0 ..
-   b1): they take two blocks a vector, element i of each in the low half of the first and
-   element 16 + i in the second.
+/* The forms the AVX2 dots of Q4_0, Q4_1 and IQ4_NL read, from the row's quants q0
+   (blocks b0 .. b1): they take two blocks a vector, element i of each in the low half of
+   the first and element 16 + i in the second.
      qp [k + 32]: each pair of blocks' quants in that order, 0 .. 15 of both, then 16 .. 31;
      zp [k/8]: 8 times those vectors' int32 lane sums (4 + 4 quants a lane): Q4_0's
-       sum (n - 8) q is the unsigned sum n q less them.
+       sum (n - 8) q is the unsigned sum n q less them;
+     ap [k + 32]: |qp| (at most 127), IQ4_NL's unsigned operand.
    Each block writes its own bytes alone: the team's threads quantize a row in parts. */
 void gq_q8_0_pairs(gq_row *r, int64_t b0, int64_t b1) {
 #ifdef GQ_PAIRS
@@ -153,6 +154,11 @@ void gq_q8_0_pairs(gq_row *r, int64_t b0, int64_t b1) {
         int8_t *p = r->qp + 64 * (b / 2) + 16 * (b % 2);
         memcpy(p, q, 16);
         memcpy(p + 32, q + 16, 16);
+        uint8_t *a = r->ap + (p - r->qp);
+        for (int l = 0; l < 16; l++) {
+            a[l] = (uint8_t)(q[l] < 0 ? -q[l] : q[l]);
+            a[32 + l] = (uint8_t)(q[16 + l] < 0 ? -q[16 + l] : q[16 + l]);
+        }
         for (int l = 0; l < 4; l++) {
             int t = 0;
             for (int e = 0; e < 4; e++) t += q[4 * l + e] + q[16 + 4 * l + e];
@@ -193,7 +199,7 @@ void gq_q8_k(const float *x, int64_t k, int8_t *q, float *d, int16_t *bs) {
 static int64_t gq_up(int64_t n) { return (n + 63) / 64 * 64; }
 
 int64_t gq_bytes(int64_t kmax) {
-    return 2 * gq_up(kmax) + gq_up(kmax + 32) + 2 * gq_up(4 * (kmax / 32))
+    return 2 * gq_up(kmax) + 2 * gq_up(kmax + 32) + 2 * gq_up(4 * (kmax / 32))
            + gq_up(4 * (kmax / 256 + 1)) + gq_up(2 * (kmax / 16)) + gq_up(kmax)
            + gq_up(kmax / 2) + 64;
 }
@@ -203,6 +209,7 @@ void gq_init(gq_row *r, void *buf, int64_t kmax) {
     r->q0 = (int8_t *)p; p += gq_up(kmax);
     r->qk = (int8_t *)p; p += gq_up(kmax);
     r->qp = (int8_t *)p; p += gq_up(kmax + 32);
+    r->ap = (uint8_t *)p; p += gq_up(kmax + 32);
     r->d0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->s0 = (float *)p; p += gq_up(4 * (kmax / 32));
     r->dk = (float *)p; p += gq_up(4 * (kmax / 256 + 1));
@@ -436,7 +443,9 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
    pair's fifth bits cost as much to unpack as the pair saves).  Blocks b and b + 1 (b
    even) at p: element i of both in the low half of one vector, 16 + i in the other, as
    the row's qp holds them; 8 int32 lanes, the first 4 block b's, each the sum of 8
-   products, less Q4_0's offset terms where off */
+   products, less Q4_0's offset terms where off > 0.  off < 0: IQ4_NL, the nibbles
+   indices into its table of signed values v, each product |q| by v with q's sign (no
+   sign step on v), each half widened alone (two pair sums of 127 * 127 overflow int16) */
 GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64_t b,
                             int qs, int off) {
     const __m256i v = _mm256_inserti128_si256(
@@ -445,6 +454,16 @@ GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64
     const __m256i m = _mm256_set1_epi8(15);
     const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
     const int8_t *y = x->qp + 32 * b;
+    if (off < 0) {
+        const __m256i tab = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)gb_iq4nl));
+        const uint8_t *a = x->ap + 32 * b;
+        return _mm256_add_epi32(
+            gq_us(_mm256_loadu_si256((const __m256i *)a),
+                  _mm256_sign_epi8(_mm256_shuffle_epi8(tab, lo), gq_y(y))),
+            gq_us(_mm256_loadu_si256((const __m256i *)(a + 32)),
+                  _mm256_sign_epi8(_mm256_shuffle_epi8(tab, hi), gq_y(y + 32))));
+    }
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
     __m256i i = gq_us(lo, gq_y(y));
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -457,12 +476,12 @@ GQ_INLINE __m256i gq_pair_i(const uint8_t *p, int64_t BS, const gq_row *x, int64
                                                    _mm256_maddubs_epi16(hi, gq_y(y + 32))),
                                   _mm256_set1_epi16(1));
 #endif
-    if (off) i = _mm256_sub_epi32(i, _mm256_loadu_si256((const __m256i *)(x->zp + 4 * b)));
+    if (off > 0) i = _mm256_sub_epi32(i, _mm256_loadu_si256((const __m256i *)(x->zp + 4 * b)));
     return i;
 }
 /* 8 blocks a step (4 pairs, each pair's d_w d_x moved into its halves by a permute);
    Q4_1's m_w s_x in lanes, the 8 blocks' m_w as one vector.  Then pairs, and a last odd
-   block alone (from q0, signed where an offset applies). */
+   block alone (from q0, signed where an offset or IQ4_NL's table applies). */
 #define GQ_DOT32P(NAME, BS, QS, OFF, MIN)                                                \
 GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {                  \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, mv = a0;                                   \
@@ -498,8 +517,8 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
         const uint8_t *p = row + BS * b;                                                 \
         const __m256i w = gq_nibs(p + QS);                                               \
         const __m256i y = gq_y(x->q0 + 32 * b);                                          \
-        const __m256i i = OFF ? gq_ss(_mm256_sub_epi8(w, _mm256_set1_epi8(OFF)), y)      \
-                              : gq_us(w, y);                                             \
+        const __m256i i = OFF < 0 ? gq_ss(gq_iq4_values(p + QS), y)                      \
+            : OFF ? gq_ss(_mm256_sub_epi8(w, _mm256_set1_epi8((char)OFF)), y) : gq_us(w, y); \
         a1 = _mm256_fmadd_ps(_mm256_set1_ps(gb_h2f(p) * x->d0[b]), _mm256_cvtepi32_ps(i), \
                              a1);                                                        \
         if (MIN) m += gb_h2f(p + 2) * x->s0[b];                                          \
@@ -510,6 +529,7 @@ GQ_INLINE float NAME(const uint8_t *row, int64_t nb, const gq_row *x) {         
 #ifdef GQ_PAIRS
 GQ_DOT32P(gq_dot_q4_0, 18, 2, 8, 0)
 GQ_DOT32P(gq_dot_q4_1, 20, 4, 0, 1)
+GQ_DOT32P(gq_dot_iq4_nl, 18, 2, -1, 0)
 #else
 GQ_DOT32(gq_dot_q4_0, 18, GQ_W4, GQ_S4, 0)
 GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
@@ -517,7 +537,9 @@ GQ_DOT32(gq_dot_q4_1, 20, gq_w_q4_1, 0, 1)
 GQ_DOT32(gq_dot_q5_0, 22, GQ_W5, GQ_S5, 0)
 GQ_DOT32(gq_dot_q5_1, 24, gq_w_q5_1, 0, 1)
 GQ_DOT32(gq_dot_q8_0, 34, gq_w_q8_0, 1, 0)
+#ifndef GQ_PAIRS
 GQ_DOT32(gq_dot_iq4_nl, 18, gq_w_iq4_nl, 1, 0)
+#endif
 
 /* the sum of 8 int32 lanes */
 static inline int gq_hsum_i32(__m256i v) {

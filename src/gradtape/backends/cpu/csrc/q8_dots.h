@@ -15,8 +15,9 @@ typedef struct {
     float *d0, *s0, *dk;  /* [k/32] Q8_0 scales and Q8_1 sums (f16 values), [k/256] Q8_K's */
     int16_t *bk;          /* [k/16] Q8_K's sums of 16 quants */
     int32_t *z0;          /* [k/4] 16 times each 4 Q8_0 quants' sum: Q5_0's offsets */
-    int8_t *qp;           /* [k + 32] q0 as the AVX2 dots of Q4_0 / Q4_1 read it, */
-    int32_t *zp;          /* [k/8] and Q4_0's offsets for them (gq_q8_0_pairs) */
+    int8_t *qp;           /* [k + 32] q0 as the AVX2 dots of Q4_0, Q4_1, IQ4_NL read it, */
+    int32_t *zp;          /* [k/8] Q4_0's offsets for them, */
+    uint8_t *ap;          /* [k + 32] and |qp| for IQ4_NL's (gq_q8_0_pairs) */
 } gq_row;
 
 int gq_need(int64_t type);  /* the form a weight type's dots read (0: no integer dots) */

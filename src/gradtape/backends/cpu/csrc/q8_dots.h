@@ -224,13 +224,16 @@ static inline __m256i gq_iq4_values(const uint8_t *qs) {
 static inline __m256i gq_iq4_xs_values(const uint8_t *p, int s) {
     return gq_iq4_values(p + 8 + 16 * s);
 }
-/* byte e = 0xFF where bit e of w is set, else 0 (Q5_0 / Q5_1's fifth bits) */
-static inline __m256i gq_bits32(uint32_t w) {
+/* byte e = bit e of w where it lies in its byte (2^(e % 8) where set, else 0) */
+static inline __m256i gq_bits_at(uint32_t w) {
     const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    return _mm256_cmpeq_epi8(
-        _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)w), pick), bit), bit);
+    return _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)w), pick),
+                            _mm256_set1_epi64x(0x8040201008040201LL));
+}
+/* byte e = 0xFF where bit e of w is set, else 0 (Q5_0 / Q5_1's fifth bits) */
+static inline __m256i gq_bits32(uint32_t w) {
+    return _mm256_cmpeq_epi8(gq_bits_at(w), _mm256_set1_epi64x(0x8040201008040201LL));
 }
 /* byte j = 0xFF where bit j of the u32 at qh is set, else 0 */
 static inline __m256i gq_bits(const uint8_t *qh) { return gq_bits32(gq_u32(qh)); }
@@ -378,12 +381,7 @@ static inline __m256i gq_iq_grid(int64_t t, const gq_iqp *P, int c) {
    sign word, 0 or 2^e, plus 127 with unsigned saturation: 127 (v kept) or a byte with its
    top bit set (v negated), one operation where a compare and an or take two */
 static inline __m256i gq_iq_sign(const gq_iqp *P, int c, __m256i v) {
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i b = _mm256_and_si256(
-        _mm256_shuffle_epi8(_mm256_set1_epi32((int)P->sg[c]), pick), bit);
-    return _mm256_sign_epi8(v, _mm256_adds_epu8(b, _mm256_set1_epi8(0x7F)));
+    return _mm256_sign_epi8(v, _mm256_adds_epu8(gq_bits_at(P->sg[c]), _mm256_set1_epi8(0x7F)));
 }
 #endif
 /* int16 lane pair j of each 128-bit half broadcast over the half (the byte shuffle's
